@@ -1,0 +1,28 @@
+"""Atomic file writes: a reader sees the old file or the new one, whole."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write to a temp file beside `path`, fsync, rename over `path`."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, data: Any, mode: int = 0o600) -> None:
+    write_bytes_atomic(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), mode)

@@ -1,0 +1,118 @@
+"""The backend contract: where a run executes.
+
+A backend is built from validated settings alone (from the project's
+configuration on submit, from the handle's pinned copy ever after) and acts
+on a run through its handle. Each method says when it is called and what an
+implementation must guarantee; the contract tests hold every backend to it.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import IO, ClassVar
+
+from pydantic import BaseModel
+
+from substrax_tasks.handle import RunHandle
+from substrax_tasks.store import RunStore
+
+FINAL_STATES = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost"})
+LOG_POLL_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """What a backend knows of a run right now.
+
+    state: pending (handle written, command not started), running,
+    succeeded, failed, timed_out, cancelled, or lost (its worker vanished
+    without writing a final status).
+    """
+
+    state: str
+    exit_code: int | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    message: str | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+
+class Backend(ABC):
+    name: ClassVar[str]
+    Settings: ClassVar[type[BaseModel]]
+
+    def __init__(self, settings: BaseModel, store: RunStore) -> None:
+        self.settings = settings
+        self.store = store
+
+    @classmethod
+    def from_handle(cls, handle: RunHandle, store: RunStore) -> Backend:
+        """The backend as the run was submitted: from the pinned settings,
+        never from the project's current configuration."""
+        return cls(cls.Settings.model_validate(handle.settings), store)
+
+    # -- the chain, in order
+    @abstractmethod
+    def launch(self, handle: RunHandle) -> RunHandle:
+        """Called once, right after the handle was written: provision,
+        connect or prepare the run's folder. Records what it made in the
+        handle's state before returning."""
+
+    def setup(self, handle: RunHandle) -> RunHandle:
+        """Prepare the machine (setup commands). Default: nothing to do."""
+        return handle
+
+    def sync(self, handle: RunHandle) -> RunHandle:
+        """Move the project and inputs there. Default: they are already here."""
+        return handle
+
+    @abstractmethod
+    def start(self, handle: RunHandle) -> RunHandle:
+        """Start the worker, detached from this process, and return once it
+        has confirmed the command started (or raise BackendError)."""
+
+    @abstractmethod
+    def poll(self, handle: RunHandle) -> RunStatus:
+        """The run's status now. Never raises for a run that merely ended."""
+
+    @abstractmethod
+    def cancel(self, handle: RunHandle) -> bool:
+        """Stop the run's whole task tree and wait until it is gone.
+        Returns False, doing nothing, when the run had already finished."""
+
+    @abstractmethod
+    def read_log(self, handle: RunHandle, offset: int) -> bytes:
+        """The run's log from byte `offset` on (b"" when nothing new)."""
+
+    @abstractmethod
+    def teardown(self, handle: RunHandle) -> None:
+        """Remove what the run holds (folders, machines). Keeps the handle
+        and the logs. Idempotent; a run still going is cancelled first."""
+
+    # -- built on the above
+    def stream_log(self, handle: RunHandle, out: IO[bytes], follow: bool = False) -> RunStatus:
+        """Copy the log to `out`; with follow, until the run has finished."""
+        offset = 0
+        while True:
+            status = self.poll(handle)
+            chunk = self.read_log(handle, offset)
+            while chunk:
+                out.write(chunk)
+                out.flush()
+                offset += len(chunk)
+                chunk = self.read_log(handle, offset)
+            if not follow or status.final:
+                return status
+            time.sleep(LOG_POLL_SECONDS)
+
+    def wait(self, handle: RunHandle, poll_seconds: float = LOG_POLL_SECONDS) -> RunStatus:
+        while True:
+            status = self.poll(handle)
+            if status.final:
+                return status
+            time.sleep(poll_seconds)

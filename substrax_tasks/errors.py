@@ -1,0 +1,23 @@
+"""Errors a user sees. Each message names the problem and the fix."""
+
+from __future__ import annotations
+
+
+class SubstraxError(Exception):
+    """A failure the user can act on: the CLI prints it and exits 1."""
+
+
+class ConfigError(SubstraxError):
+    """The project's configuration is wrong; nothing was started."""
+
+
+class SpecError(SubstraxError):
+    """A step was declared wrongly; nothing was started."""
+
+
+class HandleError(SubstraxError):
+    """A run's handle cannot be read or used."""
+
+
+class BackendError(SubstraxError):
+    """The backend could not do what was asked (start, reach, cancel a run)."""

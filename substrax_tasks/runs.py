@@ -1,0 +1,76 @@
+"""Submitting and reaching runs from Python (the doit chain and tests use this).
+
+    from substrax_tasks.runs import Project
+    project = Project.open(".")
+    handle = project.submit(spec)
+    status = project.backend_for(handle).wait(handle)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from substrax_tasks.backends import backend_class
+from substrax_tasks.backends.base import Backend
+from substrax_tasks.config import ComputeConfig, check_backend_name, load_config
+from substrax_tasks.handle import RunHandle
+from substrax_tasks.spec import StepSpec
+from substrax_tasks.store import RunStore
+
+
+@dataclass(frozen=True)
+class Project:
+    root: Path
+    config: ComputeConfig
+    store: RunStore
+
+    @classmethod
+    def open(cls, root: str | Path = ".") -> Project:
+        path = Path(root).resolve()
+        config = load_config(path)
+        return cls(path, config, RunStore(config.state_path(path)))
+
+    def settings_for(self, backend: str | None = None) -> tuple[str, dict[str, Any]]:
+        """The backend's name and its validated settings, as pinned into handles."""
+        name = backend or self.config.default_backend
+        check_backend_name(name, "backend")
+        settings = self.config.backend_settings(name, self.root)
+        return name, settings.model_dump(mode="json")
+
+    def new_run(
+        self, spec: StepSpec, backend: str | None = None, settings: dict[str, Any] | None = None
+    ) -> RunHandle:
+        """Write a new run's handle (nothing started yet). `settings`
+        overrides the configured ones, validated by the backend's model."""
+        name, configured = self.settings_for(backend)
+        if settings is not None:
+            configured = backend_class(name).Settings.model_validate(settings).model_dump(mode="json")
+        handle = self.store.new_run(spec, name, configured)
+        return self.store.update_state(handle, project=str(self.root))
+
+    def backend_for(self, handle: RunHandle) -> Backend:
+        """The run's backend, rebuilt from the handle's pinned settings."""
+        return backend_class(handle.backend).from_handle(handle, self.store)
+
+    def submit(
+        self, spec: StepSpec, backend: str | None = None, settings: dict[str, Any] | None = None
+    ) -> RunHandle:
+        """Create the handle, then launch, set up, sync and start the run.
+        Returns once the command has started; the run is detached."""
+        handle = self.new_run(spec, backend, settings)
+        runner = self.backend_for(handle)
+        for phase in (runner.launch, runner.setup, runner.sync, runner.start):
+            handle = phase(handle)
+        return handle
+
+
+def new_run(
+    spec: StepSpec, project: str | Path, settings: dict[str, Any] | None = None, backend: str | None = None
+) -> RunHandle:
+    return Project.open(project).new_run(spec, backend, settings)
+
+
+def submit(spec: StepSpec, project: str | Path, backend: str | None = None) -> RunHandle:
+    return Project.open(project).submit(spec, backend)

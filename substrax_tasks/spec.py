@@ -1,0 +1,148 @@
+"""What a step is: its command, inputs, outputs, env and timeout.
+
+Paths are stored relative to the project, in POSIX form; an output ending in
+"/" is a folder. Bad declarations fail here, before anything is launched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from substrax_tasks.errors import SpecError
+
+ArgvItem = Union[str, int, os.PathLike]  # type: ignore[type-arg]
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class StepSpec(BaseModel):
+    """A step as submitted: everything that decides what the run produces."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step: str
+    command: list[str]
+    inputs: list[str] = []
+    outputs: list[str] = []
+    env: dict[str, str] = {}
+    timeout: float | None = None
+
+    def output_entries(self) -> list[dict[str, str]]:
+        """The outputs as the worker reads them: path and kind."""
+        return [
+            {"path": out.rstrip("/"), "kind": "dir" if out.endswith("/") else "file"}
+            for out in self.outputs
+        ]
+
+
+def canonical_digest(data: Any) -> str:
+    """sha256 of a canonical JSON form: equal data, equal digest."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def safe_name(name: str) -> str:
+    """A form of a step name fit for folders, files and cluster names.
+    Names that had to change get a short hash so two never collide."""
+    cleaned = _UNSAFE.sub("-", name).strip("-.") or "step"
+    if cleaned == name:
+        return name
+    return f"{cleaned[:40]}-{hashlib.sha256(name.encode()).hexdigest()[:6]}"
+
+
+def relative_path(raw: str | os.PathLike[str], project: Path, what: str) -> str:
+    """`raw` as a clean project-relative POSIX path, or a SpecError."""
+    text = os.fspath(raw)
+    is_dir = text.endswith("/")
+    if not text.strip():
+        raise SpecError(f"{what} is empty; give a path inside the project")
+    if PurePosixPath(text).is_absolute():
+        candidate = Path(text)
+        try:
+            text = candidate.resolve().relative_to(project.resolve()).as_posix()
+        except ValueError:
+            raise SpecError(
+                f"{what} {raw!s} lies outside the project {project}; "
+                "give a path inside the project"
+            ) from None
+    parts = PurePosixPath(text).parts
+    if ".." in parts:
+        raise SpecError(f"{what} {raw!s} contains '..'; give a plain path inside the project")
+    clean = PurePosixPath(*[p for p in parts if p != "."]).as_posix()
+    if clean in ("", "."):
+        raise SpecError(f"{what} {raw!s} is the project itself; name a file or folder in it")
+    return clean + "/" if is_dir else clean
+
+
+def make_spec(
+    step: str,
+    command: Sequence[ArgvItem],
+    project: Path,
+    inputs: Iterable[str | os.PathLike[str]] = (),
+    outputs: Iterable[str | os.PathLike[str]] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+) -> StepSpec:
+    """Check a step's declaration and turn it into a StepSpec."""
+    if not step or not step.strip():
+        raise SpecError("a step needs a non-empty name")
+    if isinstance(command, (str, bytes)) or not command:
+        raise SpecError(
+            f"step {step!r}: command must be a non-empty list of arguments, "
+            f"got {command!r}; write ['python', 'train.py'] rather than a string"
+        )
+    argv: list[str] = []
+    for item in command:
+        if isinstance(item, bool) or not isinstance(item, (str, int, os.PathLike)):
+            raise SpecError(
+                f"step {step!r}: command item {item!r} is a {type(item).__name__}; "
+                "use str, int or pathlib.Path"
+            )
+        argv.append(os.fspath(item) if isinstance(item, os.PathLike) else str(item))
+    input_paths = [relative_path(i, project, f"step {step!r}: input") for i in inputs]
+    for rel in input_paths:
+        if not (project / rel).exists():
+            raise SpecError(
+                f"step {step!r}: input {rel} does not exist in {project}; "
+                "create it first or fix the path"
+            )
+    output_paths = [relative_path(o, project, f"step {step!r}: output") for o in outputs]
+    check_no_overlap(step, output_paths)
+    if timeout is not None and timeout <= 0:
+        raise SpecError(f"step {step!r}: timeout must be a positive number of seconds, got {timeout}")
+    env_checked: dict[str, str] = {}
+    for key, value in (env or {}).items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise SpecError(f"step {step!r}: env {key!r}={value!r}: names and values must be strings")
+        env_checked[key] = value
+    return StepSpec(
+        step=step,
+        command=argv,
+        inputs=input_paths,
+        outputs=output_paths,
+        env=env_checked,
+        timeout=timeout,
+    )
+
+
+def paths_overlap(a: str, b: str) -> bool:
+    """True when one path is the other or lies inside it."""
+    pa, pb = PurePosixPath(a.rstrip("/")), PurePosixPath(b.rstrip("/"))
+    return pa == pb or pa in pb.parents or pb in pa.parents
+
+
+def check_no_overlap(step: str, outputs: list[str]) -> None:
+    for i, first in enumerate(outputs):
+        for second in outputs[i + 1 :]:
+            if paths_overlap(first, second):
+                raise SpecError(
+                    f"step {step!r}: outputs {first} and {second} overlap; "
+                    "declare each file or folder once"
+                )

@@ -1,0 +1,92 @@
+"""The job file `remote/worker.py` reads, and how its status file reads back.
+
+Shared by every backend that runs the worker (local, ssh): they differ only
+in where the folders are and how the files travel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from substrax_tasks.backends.base import RunStatus
+from substrax_tasks.spec import StepSpec
+
+JOB_FILE = "job.json"
+STATUS_FILE = "status.json"
+LOG_FILE = "run.log"
+STAGING_DIR = "work/outputs"
+
+
+@dataclass(frozen=True)
+class WorkerPaths:
+    """Where one run's files live on the machine that runs it."""
+
+    project: str
+    run_dir: str
+
+    @property
+    def job(self) -> str:
+        return f"{self.run_dir}/{JOB_FILE}"
+
+    @property
+    def status(self) -> str:
+        return f"{self.run_dir}/{STATUS_FILE}"
+
+    @property
+    def log(self) -> str:
+        return f"{self.run_dir}/{LOG_FILE}"
+
+    @property
+    def staging(self) -> str:
+        return f"{self.run_dir}/{STAGING_DIR}"
+
+
+def build_job(
+    spec: StepSpec,
+    paths: WorkerPaths,
+    *,
+    sandbox: str,
+    network_isolation: bool,
+    grace_seconds: float,
+    hide: list[str],
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    return {
+        "argv": list(spec.command),
+        "cwd": paths.project,
+        "project": paths.project,
+        "outputs": spec.output_entries(),
+        "staging": paths.staging,
+        "status_file": paths.status,
+        "log_file": paths.log,
+        "timeout": spec.timeout,
+        "grace_seconds": grace_seconds,
+        "sandbox": sandbox,
+        "network_isolation": network_isolation,
+        "hide": hide,
+        "env": {**spec.env, **(env or {})},
+    }
+
+
+def status_from_record(record: dict[str, Any] | None, worker_alive: bool) -> RunStatus:
+    """Read the worker's status file. A `running` record whose worker is
+    gone means the worker was killed before it could say how things ended."""
+    if record is None:
+        return RunStatus("pending")
+    state = str(record.get("state", "pending"))
+    if state in ("running", "starting") and not worker_alive:
+        return RunStatus(
+            "lost",
+            started_at=record.get("started_at"),
+            message="the worker stopped without recording an end (killed, or the machine restarted)",
+        )
+    if state == "starting":
+        state = "pending"
+    return RunStatus(
+        state,
+        exit_code=record.get("exit_code"),
+        started_at=record.get("started_at"),
+        ended_at=record.get("ended_at"),
+        message=record.get("message"),
+    )
