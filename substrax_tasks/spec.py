@@ -20,6 +20,7 @@ from substrax_tasks.errors import SpecError
 
 ArgvItem = Union[str, int, os.PathLike]  # type: ignore[type-arg]
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+RESOURCE_KEYS = ("accelerators", "cpus", "memory", "disk_size")
 
 
 class StepSpec(BaseModel):
@@ -33,6 +34,8 @@ class StepSpec(BaseModel):
     outputs: list[str] = []
     env: dict[str, str] = {}
     timeout: float | None = None
+    resources: dict[str, str | int | float] = {}
+    forward_env: list[str] = []
 
     def output_entries(self) -> list[dict[str, str]]:
         """The outputs as the worker reads them: path and kind."""
@@ -89,6 +92,8 @@ def make_spec(
     outputs: Iterable[str | os.PathLike[str]] = (),
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
+    resources: Mapping[str, str | int | float] | None = None,
+    forward_env: Iterable[str] = (),
 ) -> StepSpec:
     """Check a step's declaration and turn it into a StepSpec."""
     if not step or not step.strip():
@@ -107,12 +112,6 @@ def make_spec(
             )
         argv.append(os.fspath(item) if isinstance(item, os.PathLike) else str(item))
     input_paths = [relative_path(i, project, f"step {step!r}: input") for i in inputs]
-    for rel in input_paths:
-        if not (project / rel).exists():
-            raise SpecError(
-                f"step {step!r}: input {rel} does not exist in {project}; "
-                "create it first or fix the path"
-            )
     output_paths = [relative_path(o, project, f"step {step!r}: output") for o in outputs]
     check_no_overlap(step, output_paths)
     if timeout is not None and timeout <= 0:
@@ -122,6 +121,20 @@ def make_spec(
         if not isinstance(key, str) or not isinstance(value, str):
             raise SpecError(f"step {step!r}: env {key!r}={value!r}: names and values must be strings")
         env_checked[key] = value
+    forwarded = sorted(set(forward_env))
+    for name in forwarded:
+        if not name or "=" in name or name in env_checked:
+            raise SpecError(
+                f"step {step!r}: secret {name!r} must be an environment variable name "
+                "not also given in env"
+            )
+    resource_values = dict(resources or {})
+    unknown = sorted(set(resource_values) - set(RESOURCE_KEYS))
+    if unknown:
+        raise SpecError(
+            f"step {step!r}: unknown resources {', '.join(unknown)}; "
+            f"valid keys: {', '.join(RESOURCE_KEYS)}"
+        )
     return StepSpec(
         step=step,
         command=argv,
@@ -129,7 +142,19 @@ def make_spec(
         outputs=output_paths,
         env=env_checked,
         timeout=timeout,
+        resources=resource_values,
+        forward_env=forwarded,
     )
+
+
+def check_inputs_exist(spec: StepSpec, project: Path) -> None:
+    """Inputs may be made by earlier steps, so this is checked at launch."""
+    missing = [rel for rel in spec.inputs if not (project / rel.rstrip("/")).exists()]
+    if missing:
+        raise SpecError(
+            f"step {spec.step!r}: input {', '.join(missing)} does not exist in {project}; "
+            "create it first (or declare the step that makes it) or fix the path"
+        )
 
 
 def paths_overlap(a: str, b: str) -> bool:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import IO, ClassVar
+from pathlib import Path
+from typing import IO, Any, ClassVar
 
 from pydantic import BaseModel
 
@@ -40,6 +41,20 @@ class RunStatus:
     @property
     def final(self) -> bool:
         return self.state in FINAL_STATES
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """Outputs brought to this machine, not yet promoted.
+
+    root: a local folder holding the outputs at their project-relative paths;
+    manifest: what they must match, taken where the run ran;
+    in_place: the outputs already stand at their final paths (no sandbox).
+    """
+
+    root: Path
+    manifest: dict[str, Any]
+    in_place: bool = False
 
 
 class Backend(ABC):
@@ -90,11 +105,37 @@ class Backend(ABC):
         """The run's log from byte `offset` on (b"" when nothing new)."""
 
     @abstractmethod
+    def fetch(self, handle: RunHandle) -> Fetched:
+        """Called after the run succeeded: bring its outputs into a local
+        staging folder and return them with the manifest taken over there.
+        Must raise BackendError (and promote nothing) when the outputs
+        changed while they were copied."""
+
+    def outputs_available(self, handle: RunHandle) -> bool:
+        """Whether a finished run's outputs can still be fetched again."""
+        return False
+
+    @abstractmethod
     def teardown(self, handle: RunHandle) -> None:
         """Remove what the run holds (folders, machines). Keeps the handle
         and the logs. Idempotent; a run still going is cancelled first."""
 
     # -- built on the above
+    def status(self, handle: RunHandle) -> RunStatus:
+        """poll(), except where the chain has since judged the run: a run
+        whose command succeeded but did not produce its outputs is failed."""
+        verdict = handle.state.get("verdict")
+        status = self.poll(handle)
+        if isinstance(verdict, dict) and status.final:
+            return RunStatus(
+                str(verdict.get("state", status.state)),
+                exit_code=status.exit_code,
+                started_at=status.started_at,
+                ended_at=status.ended_at,
+                message=str(verdict.get("message", "")) or status.message,
+            )
+        return status
+
     def stream_log(self, handle: RunHandle, out: IO[bytes], follow: bool = False) -> RunStatus:
         """Copy the log to `out`; with follow, until the run has finished."""
         offset = 0

@@ -1,0 +1,67 @@
+"""Promote verified staged outputs into their final paths, one rename each.
+
+A half-written output never stands at its final path: each output is moved
+into place by a single rename (the previous version moved aside first, then
+dropped). When the staging folder is on another file system, the output is
+first copied next to its final path and renamed from there.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _next_to(final: Path, tag: str) -> Path:
+    return final.with_name(f".{final.name}.substrax-{tag}-{uuid.uuid4().hex[:8]}")
+
+
+def promote_one(staged: Path, final: Path) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(staged, final) if not final.is_dir() or final.is_symlink() else _swap_dir(staged, final)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        # Another file system: copy beside the final path, then rename.
+        beside = _next_to(final, "in")
+        if staged.is_dir() and not staged.is_symlink():
+            shutil.copytree(staged, beside, symlinks=True)
+        else:
+            shutil.copy2(staged, beside, follow_symlinks=False)
+        try:
+            promote_one(beside, final)
+        finally:
+            if beside.exists() or beside.is_symlink():
+                _remove(beside)
+        _remove(staged)
+
+
+def _swap_dir(staged: Path, final: Path) -> None:
+    """A folder cannot be renamed over a non-empty folder: move the old one
+    aside first (the path is briefly absent, never half-written)."""
+    aside = _next_to(final, "old")
+    os.rename(final, aside)
+    try:
+        os.rename(staged, final)
+    except OSError:
+        os.rename(aside, final)  # put the old one back
+        raise
+    _remove(aside)
+
+
+def promote(staging_root: Path, project: Path, outputs: list[str]) -> None:
+    """Move each output from `staging_root/<out>` to `project/<out>`."""
+    for out in outputs:
+        rel = out.rstrip("/")
+        promote_one(staging_root / rel, project / rel)

@@ -1,0 +1,186 @@
+"""`remote_step()`: a step of a dodo.py that runs on a backend.
+
+    def task_train():
+        yield from remote_step("train", command=["python", "train.py"],
+                               inputs=["data/"], outputs=["model/"])
+
+yields one public doit task named after the step (it verifies and promotes
+the outputs; its targets are the outputs, so other tasks depend on it with
+ordinary `file_dep`) and, under the hidden basename `_<step>`, the phases
+before it (launch, setup, sync, run, fetch), chained as its `setup` so that
+an up-to-date step runs none of them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from substrax_tasks.chain import StepRunner, project_of
+from substrax_tasks.errors import SubstraxError
+from substrax_tasks.spec import ArgvItem, StepSpec, make_spec, paths_overlap
+
+# Steps declared in this process, for cross-step checks (overlapping
+# outputs, producers of inputs). Keyed by (project, step name).
+_DECLARED: dict[tuple[str, str], StepSpec] = {}
+_DECLARED_LOCK = threading.Lock()
+PASSTHROUGH_KEYS = ("doc", "title", "verbosity", "clean", "getargs", "params", "pos_arg", "watch")
+PHASE_NAMES = ("launch", "setup", "sync", "run", "fetch")
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def map_termination_signals() -> None:
+    """SIGTERM/SIGHUP become KeyboardInterrupt, so doit saves its DB and runs
+    teardown (it does neither when killed by a signal it does not catch)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            signal.signal(sig, _interrupt)
+
+
+def _fail_at_load(exc: SubstraxError) -> None:
+    """A bad declaration stops doit before anything is launched: exit 1."""
+    print(f"substrax: error: {exc}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def _check_against_others(project: Path, spec: StepSpec) -> list[str]:
+    """Refuse outputs that overlap another step's; return the steps whose
+    outputs hold one of this step's inputs (they must run first)."""
+    producers: list[str] = []
+    with _DECLARED_LOCK:
+        for (proj, name), other in _DECLARED.items():
+            if proj != str(project) or name == spec.step:
+                continue
+            for mine in spec.outputs:
+                for theirs in other.outputs:
+                    if paths_overlap(mine, theirs):
+                        raise SubstraxError(
+                            f"steps {other.step!r} and {spec.step!r} both declare output "
+                            f"{theirs if len(theirs) <= len(mine) else mine}; each path may be "
+                            "the output of one step only"
+                        )
+            if any(paths_overlap(i, o) for i in spec.inputs for o in other.outputs):
+                producers.append(other.step)
+        _DECLARED[(str(project), spec.step)] = spec
+    return producers
+
+
+def remote_step(
+    name: str,
+    command: Sequence[ArgvItem] | None = None,
+    inputs: Iterable[str | os.PathLike[str]] = (),
+    outputs: Iterable[str | os.PathLike[str]] = (),
+    backend: str | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    *,
+    shell: str | None = None,
+    resources: Mapping[str, str | int | float] | None = None,
+    secrets: Iterable[str] = (),
+    retries: int = 0,
+    file_dep: Iterable[str | os.PathLike[str]] = (),
+    task_dep: Iterable[str] = (),
+    uptodate: Iterable[Any] = (),
+    project: str | os.PathLike[str] | None = None,
+    **task_keys: Any,
+) -> Iterator[dict[str, Any]]:
+    """Declare a step that runs on a backend; yields its doit tasks.
+
+    command: argv (str, int or pathlib.Path items), or `shell="..."` for a
+      /bin/sh command line with pipes and redirects.
+    inputs: files or folders the command reads (uploaded, read-only).
+    outputs: files, or folders written with a trailing "/".
+    backend: "local", "ssh", "skypilot"; default: the project's default_backend.
+    env: environment variables for the command (part of the digest).
+    timeout: seconds before the run is stopped and recorded as timed_out.
+    resources: accelerators, cpus, memory, disk_size (override the backend's).
+    secrets: names of environment variables forwarded from this process:
+      their values reach the command but never a digest, handle, DB or log.
+    retries: how often to retry a failure of the machinery (never of the command).
+    file_dep: extra files tracked for changes but not uploaded.
+    task_dep, uptodate, doc, title, verbosity, clean, ...: passed to doit
+      (uptodate is combined with the step's own check: all must hold).
+    """
+    map_termination_signals()
+    try:
+        proj = project_of(project)
+        if (command is None) == (shell is None):
+            raise SubstraxError(f"step {name!r}: give either command=[...] or shell='...', not both or neither")
+        argv: Sequence[ArgvItem] = ["/bin/sh", "-c", shell] if shell is not None else (command or [])
+        spec = make_spec(
+            name, argv, proj.root, inputs=inputs, outputs=outputs, env=env, timeout=timeout,
+            resources=resources, forward_env=secrets,
+        )
+        if retries < 0:
+            raise SubstraxError(f"step {name!r}: retries must be 0 or more, got {retries}")
+        unknown = sorted(set(task_keys) - set(PASSTHROUGH_KEYS))
+        if unknown:
+            raise SubstraxError(
+                f"step {name!r}: unknown argument(s) {', '.join(unknown)}; doit keys passed "
+                f"through are {', '.join(PASSTHROUGH_KEYS)}, plus file_dep, task_dep and uptodate"
+            )
+        producers = _check_against_others(proj.root, spec)
+        tracked = [os.fspath(p) for p in file_dep]
+        runner = StepRunner(
+            spec, proj, backend, retries=retries, tracked=tracked, user_uptodate=list(uptodate)
+        )
+    except SubstraxError as exc:
+        _fail_at_load(exc)
+        raise  # unreachable: _fail_at_load exits
+    yield from step_tasks(runner, producers, list(task_dep), tracked, task_keys)
+
+
+def step_tasks(
+    runner: StepRunner,
+    producers: list[str],
+    task_dep: list[str],
+    tracked: list[str],
+    task_keys: dict[str, Any],
+) -> Iterator[dict[str, Any]]:
+    spec = runner.spec
+    hidden = f"_{spec.step}"
+    actions = {
+        "launch": runner.launch,
+        "setup": runner.setup,
+        "sync": runner.sync,
+        "run": runner.run,
+        "fetch": runner.fetch,
+    }
+    input_files = [i for i in spec.inputs if not i.endswith("/") and not (runner.project.root / i).is_dir()]
+    previous: str | None = None
+    for phase in PHASE_NAMES:
+        task: dict[str, Any] = {
+            "basename": f"{hidden}:{phase}",
+            "actions": [actions[phase]],
+            "doc": f"{phase} phase of step {spec.step} (internal)",
+            "verbosity": 2,
+        }
+        if previous:
+            task["task_dep"] = [previous]
+        if phase == "launch":
+            task["teardown"] = [runner.teardown]
+        yield task
+        previous = f"{hidden}:{phase}"
+    public: dict[str, Any] = {
+        "basename": spec.step,
+        "actions": [runner.verify],
+        "file_dep": input_files + tracked,
+        "targets": [o.rstrip("/") for o in spec.outputs],
+        "task_dep": task_dep + producers,
+        "setup": [previous],
+        "uptodate": [runner],
+        "doc": task_keys.pop("doc", None) or f"remote step {spec.step}: {' '.join(spec.command)[:60]}",
+        "verbosity": 2,
+    }
+    public.update(task_keys)
+    yield public
