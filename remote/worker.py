@@ -4,7 +4,7 @@
 This file is copied to the machine that runs the step, so it uses only the
 standard library and must run on Python 3.8+.
 
-    python3 worker.py JOB_JSON [--detach]
+    python3 worker.py JOB_JSON [--detach] [--env-stdin]
 
 The job file (written by substrax_tasks) names the command, its folders and
 where to write the status and the log. The worker:
@@ -38,8 +38,35 @@ PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.5  # only an upper bound: SIGCHLD and signals wake the loop
 REAP_SECONDS = 5.0  # how long to wait for SIGKILLed processes to disappear
+SETTLE_SECONDS = 0.2  # how long a finished command's exiting helpers may take
 FINAL_STATES = ("succeeded", "failed", "timed_out", "cancelled")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# What the task inherits from the worker's environment: the system's plain
+# settings and the accelerator stacks', never credentials. Anything else
+# reaches it only as the step's env or as a named secret.
+PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ", "TERM", "USER", "LOGNAME",
+              "SHELL", "HOME", "TMPDIR")
+PASSED_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "OMP_", "MKL_")
+
+
+def task_environment(job, inherited, secrets):
+    # type: (dict, dict, dict) -> dict
+    """The command's environment: plain settings passed through, the step's
+    env, its named secrets, and the environment's bin folder first on PATH."""
+    env = {}
+    for name, value in inherited.items():
+        if name in PASSED_ENV or name.startswith(PASSED_ENV_PREFIXES):
+            env[name] = value
+    for name in job.get("forward_env", []):
+        if name in secrets:
+            env[name] = secrets[name]
+        elif name in inherited:
+            env[name] = inherited[name]
+    env.update(job.get("env", {}))
+    prepend = [p for p in job.get("path_prepend", []) if p]
+    if prepend:
+        env["PATH"] = os.pathsep.join(prepend + [env.get("PATH", os.defpath)])
+    return env
 
 # ----------------------------------------------------------------- helpers
 
@@ -181,20 +208,26 @@ def writable_dirs(outputs):
 
 def bwrap_argv(bwrap, job, staging):
     # type: (str, dict, str) -> list
-    """The bubblewrap prefix: system and project read-only, home and /tmp
-    replaced by empty tmpfs, each output folder bound from the run's staging
-    folder so that the task writes its outputs at their usual paths."""
+    """The bubblewrap prefix: system and project read-only, /tmp replaced by
+    an empty private tmpfs, home (the "hide" folders) by an empty read-only
+    one, each output folder bound from the run's staging folder so that the
+    task writes its outputs at their usual paths."""
     project = job["project"]
     argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    for hidden in ["/tmp", "/var/tmp"] + list(job.get("hide", [])):
-        if os.path.isdir(hidden) and hidden != "/":
-            argv += ["--tmpfs", hidden]
+    hidden = [h for h in job.get("hide", []) if os.path.isdir(h) and h != "/"]
+    for path in ["/tmp", "/var/tmp"] + hidden:
+        if os.path.isdir(path):
+            argv += ["--tmpfs", path]
     # Re-expose the project (and inputs outside it) after hiding: the
     # project may live under $HOME or /tmp.
     argv += ["--ro-bind", project, project]
     for path in job.get("extra_ro", []):
         if os.path.exists(path):
             argv += ["--ro-bind", path, path]
+    # Only now (the binds above made their mount points in the tmpfs): a
+    # write to the hidden home fails instead of landing in a scratch tmpfs.
+    for path in hidden:
+        argv += ["--remount-ro", path]
     declared = set(out["path"].rstrip("/") for out in job["outputs"])
     for rel in writable_dirs(job["outputs"]):
         inside = os.path.normpath(os.path.join(project, rel))
@@ -231,9 +264,10 @@ def prepare_outputs(job, staging):
 
 
 class Worker(object):
-    def __init__(self, job):
-        # type: (dict) -> None
+    def __init__(self, job, secrets=None):
+        # type: (dict, dict | None) -> None
         self.job = job
+        self.secrets = secrets or {}  # values only in memory, never written
         self.stop_reason = None  # type: str | None
         self.stop_signal = "signal"
         self.wake_r, self.wake_w = os.pipe()
@@ -295,6 +329,11 @@ class Worker(object):
         wanted = job.get("sandbox", "auto")
         command = [str(part) for part in job["argv"]]
         staging = job["staging"]
+        if wanted == "none" and job.get("network_isolation"):
+            raise RuntimeError(
+                'network_isolation = true needs the sandbox, but sandbox = "none"; '
+                'set sandbox = "auto" or "bwrap", or network_isolation = false'
+            )
         if wanted != "none":
             bwrap = shutil.which("bwrap")
             usable = bwrap is not None and bwrap_usable(bwrap)
@@ -317,9 +356,9 @@ class Worker(object):
                     "network_isolation = true needs bubblewrap, which is not usable here; "
                     "install bubblewrap or set network_isolation = false"
                 )
-        for out in job["outputs"]:
-            parent = os.path.dirname(os.path.join(job["project"], out["path"].rstrip("/")))
-            os.makedirs(parent, exist_ok=True)
+        # The same folders as in the sandbox, so a task runs alike in both.
+        for rel in writable_dirs(job["outputs"]):
+            os.makedirs(os.path.join(job["project"], rel), exist_ok=True)
         return command, "none", job["project"]
 
     def run(self, ready_fd=None):
@@ -332,8 +371,7 @@ class Worker(object):
         libc_prctl(PR_SET_CHILD_SUBREAPER, 1)
         try:
             argv, sandbox, outputs_root = self.command_argv(log_fd)
-            env = dict(os.environ)
-            env.update(job.get("env", {}))
+            env = task_environment(job, os.environ, self.secrets)
             child = subprocess.Popen(
                 argv,
                 cwd=job["cwd"],
@@ -385,7 +423,7 @@ class Worker(object):
             returncode = code
         else:
             # The command is done; anything it left behind dies now.
-            leftovers = live_descendants(os.getpid())
+            leftovers = self.settle(SETTLE_SECONDS)
             if leftovers:
                 log_note(log_fd, "killing %d process(es) the command left running" % len(leftovers))
                 self.kill_all(0.5)
@@ -422,6 +460,20 @@ class Worker(object):
                 code = _exitcode(raw)
         return code
 
+    def settle(self, seconds):
+        # type: (float) -> list
+        """Live descendants left once those already exiting are gone: when
+        bubblewrap's outer process ends first, its inner one is reparented
+        to us while it is still exiting, and is no leftover of the command."""
+        deadline = time.monotonic() + seconds
+        while True:
+            reap_children()
+            alive = live_descendants(os.getpid())
+            if not alive or time.monotonic() >= deadline:
+                reap_children()  # those that turned zombie since
+                return alive
+            self.sleep(0.01)
+
     def sandbox_pids(self, child_pid):
         # type: (int) -> set
         if self.status.get("sandbox") != "bwrap":
@@ -457,14 +509,16 @@ def main(argv=None):
     # type: (list | None) -> int
     args = list(sys.argv[1:] if argv is None else argv)
     detach = "--detach" in args
-    args = [a for a in args if a != "--detach"]
+    # Secrets arrive as a JSON object on stdin, so they touch no file.
+    secrets = json.load(sys.stdin) if "--env-stdin" in args else {}
+    args = [a for a in args if a not in ("--detach", "--env-stdin")]
     if len(args) != 1:
-        sys.stderr.write("usage: worker.py JOB_JSON [--detach]\n")
+        sys.stderr.write("usage: worker.py JOB_JSON [--detach] [--env-stdin]\n")
         return 2
     with open(args[0]) as f:
         job = json.load(f)
     if not detach:
-        return Worker(job).run()
+        return Worker(job, secrets).run()
     # Detach: the parent returns once the child has written its first
     # status, so the caller learns at once whether the command started.
     ready_r, ready_w = os.pipe()
@@ -486,7 +540,7 @@ def main(argv=None):
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
     try:
-        code = Worker(job).run(ready_fd=ready_w)
+        code = Worker(job, secrets).run(ready_fd=ready_w)
     except BaseException:  # noqa: BLE001 - the traceback is in the log (fd 2)
         import traceback
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 
 def start_ticks(pid: int) -> int | None:
     """A process's start time in clock ticks since boot, or None if gone."""
     try:
-        raw = open(f"/proc/{pid}/stat", "rb").read().decode(errors="replace")
+        raw = Path(f"/proc/{pid}/stat").read_bytes().decode(errors="replace")
     except OSError:
         return None
     fields = raw[raw.rfind(")") + 2 :].split()

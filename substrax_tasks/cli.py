@@ -12,7 +12,8 @@ import datetime
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.markup import escape
@@ -20,9 +21,11 @@ from rich.table import Table
 
 from substrax_tasks import __version__
 from substrax_tasks.backends.base import RunStatus
-from substrax_tasks.errors import SubstraxError
+from substrax_tasks.config import ComputeConfig, read_pyproject_table
+from substrax_tasks.errors import BackendError, ConfigError, HandleError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.runs import Project
+from substrax_tasks.store import RunStore, Unreadable
 
 EPILOG = "Exit codes: 0 ok, 1 failure, 2 usage error."
 
@@ -47,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help='print {"runs": [...], "unreadable": [...]}')
     status.set_defaults(func=cmd_status)
 
-    logs = commands.add_parser("logs", help="print a run's log", description="Print a run's log (stdout and stderr of its command, and the worker's notes).")
+    logs = commands.add_parser(
+        "logs", help="print a run's log",
+        description="Print a run's log (stdout and stderr of its command, and the worker's notes).",
+    )
     logs.add_argument("run", help="a run id (or a unique prefix of one)")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")
     logs.set_defaults(func=cmd_logs)
@@ -68,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     teardown.add_argument("run", help="a run id (or a unique prefix of one)")
     teardown.set_defaults(func=cmd_teardown)
+
+    why = commands.add_parser(
+        "why", help="say whether a step is up to date, and what changed",
+        description="Say whether a remote step is up to date and, if not, which of its inputs, "
+        "command, settings, env or outputs changed, naming the paths. Loads the project's dodo "
+        "file to see the step as it is declared now. Exit 0 either way.",
+    )
+    why.add_argument("step", help="the step's name, as given to remote_step()")
+    why.add_argument("--dodo", metavar="FILE", help="the dodo file (default: dodo.py in the project)")
+    why.set_defaults(func=cmd_why)
     return parser
 
 
@@ -76,10 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.run:
-        handles, unreadable = [project.store.read(args.run)], []
+        handles, unreadable = [project.store.read(args.run)], list[Unreadable]()
     else:
         handles, unreadable = project.store.read_all()
-    rows = [(h, project.backend_for(h).poll(h)) for h in handles]
+    rows: list[tuple[RunHandle, RunStatus]] = []
+    for handle in handles:
+        try:
+            rows.append((handle, project.backend_for(handle).status(handle)))
+        except HandleError as exc:  # settings this release cannot use
+            unreadable.append(Unreadable(project.store.handle_path(handle.run_id), str(exc)))
+        except BackendError as exc:  # e.g. its host is unreachable now
+            rows.append((handle, RunStatus("unknown", message=str(exc))))
     if args.json:
         print(
             json.dumps(
@@ -93,7 +116,12 @@ def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Co
     else:
         table = Table(title=None if rows else "no runs yet", show_edge=False)
         for column in ("run", "step", "backend", "state", "started", "duration"):
-            table.add_column(column, no_wrap=column in ("run", "started", "state"))
+            # A narrow terminal folds a run id rather than cut it: it is what one copies.
+            table.add_column(
+                column,
+                no_wrap=column in ("backend", "state", "duration"),
+                overflow="fold" if column == "run" else "ellipsis",
+            )
         for handle, status in rows:
             table.add_row(
                 handle.run_id, handle.step, handle.backend, status.state,
@@ -101,7 +129,8 @@ def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Co
             )
         out.print(table)
         for record in unreadable:
-            err.print(f"[bold red]unreadable[/] {escape(str(record.path))}: {escape(record.reason)}", highlight=False)
+            message = f"[bold red]unreadable[/] {escape(str(record.path))}: {escape(record.reason)}"
+            err.print(message, highlight=False)
     return 1 if unreadable else 0
 
 
@@ -117,7 +146,8 @@ def cmd_cancel(project: Project, args: argparse.Namespace, out: Console, err: Co
     handle = project.store.read(args.run)
     backend = project.backend_for(handle)
     if not backend.cancel(handle):
-        out.print(f"run {handle.run_id} had already finished ({backend.poll(handle).state}); nothing to cancel", highlight=False)
+        state = backend.poll(handle).state
+        out.print(f"run {handle.run_id} had already finished ({state}); nothing to cancel", highlight=False)
         return 0
     out.print(f"run {handle.run_id}: {backend.poll(handle).state}", highlight=False)
     return 0
@@ -127,6 +157,20 @@ def cmd_teardown(project: Project, args: argparse.Namespace, out: Console, err: 
     handle = project.store.read(args.run)
     project.backend_for(handle).teardown(handle)
     out.print(f"run {handle.run_id}: torn down (handle and logs kept)", highlight=False)
+    return 0
+
+
+def cmd_why(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
+    from substrax_tasks.dodo_loader import find_step  # imports doit: only here
+
+    runner = find_step(project.root, args.step, Path(args.dodo) if args.dodo else None)
+    reasons = runner.explain()
+    if not reasons:
+        out.print(f"{args.step}: up to date", highlight=False)
+        return 0
+    out.print(f"{args.step}: not up to date", highlight=False)
+    for reason in reasons:
+        out.print(f"  - {escape(reason)}", highlight=False)
     return 0
 
 
@@ -172,11 +216,40 @@ def duration(status: RunStatus) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
+def open_project(path: str) -> tuple[Project, ConfigError | None]:
+    """The project; when its configuration is invalid, a project whose store
+    is still found (through `state_dir`) and the error. Every command acts
+    on runs through their handles' pinned settings, so a pyproject.toml
+    edited since must not stop a cancel. Unreadable TOML stays an error."""
+    try:
+        return Project.open(path), None
+    except ConfigError as exc:
+        root = Path(path).resolve()
+        state_dir = read_pyproject_table(root).get("state_dir", ComputeConfig().state_dir)
+        if not isinstance(state_dir, str):
+            raise
+        config = ComputeConfig.model_construct(state_dir=state_dir)
+        return Project(root, config, RunStore(config.state_path(root))), exc
+
+
+def console(stream: TextIO) -> Console:
+    """Messages are never broken inside a path; away from a terminal (a pipe,
+    a file) nothing is cut or wrapped to 80 columns either."""
+    width = None if stream.isatty() else 10_000
+    return Console(file=stream, soft_wrap=True, width=width)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    out, err = Console(), Console(stderr=True)
+    out, err = console(sys.stdout), console(sys.stderr)
     try:
-        project = Project.open(args.project)
+        project, config_error = open_project(args.project)
+        if config_error is not None:
+            err.print(
+                f"[bold red]error:[/] {escape(str(config_error))}\n"
+                "(runs are reached with the settings pinned in their handles)",
+                highlight=False,
+            )
         code: int = args.func(project, args, out, err)
     except SubstraxError as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
@@ -184,7 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print("interrupted", highlight=False)
         return 1
-    return code
+    # status reports on everything: a broken configuration fails it
+    return 1 if config_error is not None and args.func is cmd_status else code
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ BACKEND_ENV = "SUBSTRAX_BACKEND"
 class ComputeConfig(BaseModel):
     """The validated `[tool.substrax.compute]` table."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: TOML has real types, so "yes" for a bool or "5" for a number is
+    # a mistake to report, not a value to coerce.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     default_backend: str = Field("local", description="Backend of steps that name none.")
     state_dir: str = Field(".substrax", description="Folder of run handles, relative to the project.")

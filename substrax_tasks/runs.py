@@ -37,7 +37,7 @@ class Project:
         name = backend or self.config.default_backend
         check_backend_name(name, "backend")
         settings = self.config.backend_settings(name, self.root)
-        return name, settings.model_dump(mode="json")
+        return name, settings.model_dump(mode="json", by_alias=True)
 
     def new_run(
         self, spec: StepSpec, backend: str | None = None, settings: dict[str, Any] | None = None
@@ -46,7 +46,7 @@ class Project:
         overrides the configured ones, validated by the backend's model."""
         name, configured = self.settings_for(backend)
         if settings is not None:
-            configured = backend_class(name).Settings.model_validate(settings).model_dump(mode="json")
+            configured = backend_class(name).Settings.model_validate(settings).model_dump(mode="json", by_alias=True)
         handle = self.store.new_run(spec, name, configured)
         return self.store.update_state(handle, project=str(self.root))
 

@@ -50,6 +50,7 @@ def build_job(
     network_isolation: bool,
     grace_seconds: float,
     hide: list[str],
+    extra_ro: list[str] | None = None,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     return {
@@ -65,7 +66,11 @@ def build_job(
         "sandbox": sandbox,
         "network_isolation": network_isolation,
         "hide": hide,
+        "extra_ro": list(extra_ro or []),
         "env": {**spec.env, **(env or {})},
+        # names only: the values come from the worker's environment (local)
+        # or its stdin (remote), never from a file
+        "forward_env": list(spec.forward_env),
     }
 
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
+from substrax_tasks.errors import HandleError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.store import RunStore
 
@@ -69,7 +70,17 @@ class Backend(ABC):
     def from_handle(cls, handle: RunHandle, store: RunStore) -> Backend:
         """The backend as the run was submitted: from the pinned settings,
         never from the project's current configuration."""
-        return cls(cls.Settings.model_validate(handle.settings), store)
+        try:
+            settings = cls.Settings.model_validate(handle.settings)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise HandleError(
+                f"run {handle.run_id}: its pinned {cls.name} settings are not valid for this release "
+                f"({where}: {first['msg']}); reach it with the release that made it, or remove "
+                f"{store.run_dir(handle.run_id)} to forget it"
+            ) from None
+        return cls(settings, store)
 
     # -- the chain, in order
     @abstractmethod

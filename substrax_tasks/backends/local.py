@@ -8,6 +8,7 @@ client exits, and `substrax-compute cancel` reaches it by pid.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -16,12 +17,13 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from substrax_tasks import _procs
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._remote_files import remote_script
-from substrax_tasks.backends.base import Backend, RunStatus
+from substrax_tasks import manifest_cache
+from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.worker_job import STAGING_DIR, WorkerPaths, build_job, status_from_record
@@ -44,6 +46,15 @@ class LocalSettings(BaseModel):
     grace_seconds: float = Field(
         5.0, gt=0, description="Time between SIGTERM and SIGKILL when a run is stopped."
     )
+
+    @model_validator(mode="after")
+    def _isolation_needs_sandbox(self) -> LocalSettings:
+        if self.network_isolation and self.sandbox == "none":
+            raise ValueError(
+                'network_isolation = true needs the sandbox, but sandbox = "none"; '
+                'set sandbox = "auto" or "bwrap", or network_isolation = false'
+            )
+        return self
 
 
 class LocalBackend(Backend):
@@ -76,6 +87,7 @@ class LocalBackend(Backend):
             network_isolation=self.settings.network_isolation,
             grace_seconds=self.settings.grace_seconds,
             hide=[str(Path.home())],
+            extra_ro=interpreter_paths(),
         )
         write_json_atomic(Path(paths.job), job)
         return self.store.update_state(handle, phase="launched")
@@ -95,7 +107,9 @@ class LocalBackend(Backend):
                 check=False,
             )
         except subprocess.TimeoutExpired:
-            raise BackendError(f"run {handle.run_id}: the worker did not start within {START_TIMEOUT_SECONDS:.0f} s") from None
+            raise BackendError(
+                f"run {handle.run_id}: the worker did not start within {START_TIMEOUT_SECONDS:.0f} s"
+            ) from None
         status = self.poll(handle)
         if done.returncode != 0 or status.state == "pending":
             tail = self.read_log(handle, 0)[-2000:].decode(errors="replace")
@@ -116,14 +130,16 @@ class LocalBackend(Backend):
         record = self._record(handle)
         if record is None or record.get("state") not in ("running", "starting"):
             return status_from_record(record, worker_alive=False)
-        alive = _procs.same_process_alive(_int(record.get("worker_pid")), _int(record.get("worker_start_ticks")))
+        alive = _procs.same_process_alive(
+            _int(record.get("worker_pid")), _int(record.get("worker_start_ticks"))
+        )
         if not alive:
             record = self._record(handle)  # it may have just written its end
         return status_from_record(record, worker_alive=alive)
 
     def cancel(self, handle: RunHandle) -> bool:
         status = self.poll(handle)
-        if status.final:
+        if status.final and status.state != "lost":  # a lost run's tree may still be alive
             return False
         record = self._record(handle) or {}
         if status.state == "pending" and not record:
@@ -131,7 +147,9 @@ class LocalBackend(Backend):
             return True
         if status.state == "lost":
             # No worker to do it: kill the task's group ourselves.
-            _procs.signal_if_same(_int(record.get("pid")), _int(record.get("start_ticks")), signal.SIGKILL, group=True)
+            _procs.signal_if_same(
+                _int(record.get("pid")), _int(record.get("start_ticks")), signal.SIGKILL, group=True
+            )
             self._write_end(handle, "cancelled", "cancelled after its worker was lost")
             return True
         _procs.signal_if_same(
@@ -154,19 +172,70 @@ class LocalBackend(Backend):
 
     def read_log(self, handle: RunHandle, offset: int) -> bytes:
         try:
-            with open(self.paths(handle).log, "rb") as f:
+            with Path(self.paths(handle).log).open("rb") as f:
                 f.seek(offset)
                 return f.read(1 << 20)
         except FileNotFoundError:
             return b""
 
+    def fetch(self, handle: RunHandle) -> Fetched:
+        """Nothing crosses a network: the outputs are hard-linked from the
+        run's staging folder into a fresh fetch folder, so a promotion that
+        fails half-way can be redone from the untouched staging folder.
+        Without a sandbox the outputs were written in place."""
+        record = self._record(handle) or {}
+        root = record.get("outputs_root")
+        if not isinstance(root, str):
+            raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
+        outputs = list(handle.spec.outputs)
+        if record.get("sandbox") == "none":
+            return Fetched(Path(root), manifest_cache.build_manifest(Path(root), outputs), in_place=True)
+        manifest = manifest_cache.build_manifest(Path(root), outputs)
+        fetched = self.store.run_dir(handle.run_id) / "fetched"
+        shutil.rmtree(fetched, ignore_errors=True)
+        for out in outputs:
+            source = Path(root) / out.rstrip("/")
+            if source.exists() or source.is_symlink():
+                link_tree(source, fetched / out.rstrip("/"))
+        return Fetched(fetched, manifest)
+
+    def outputs_available(self, handle: RunHandle) -> bool:
+        return False  # the staging folder is emptied by teardown after promotion
+
     def teardown(self, handle: RunHandle) -> None:
-        if not self.poll(handle).final:
-            self.cancel(handle)
+        self.cancel(handle)  # leaves a finished run alone
         work = self.store.run_dir(handle.run_id) / STAGING_DIR.split("/")[0]
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(self.store.run_dir(handle.run_id) / "fetched", ignore_errors=True)
         if work.exists():
             raise BackendError(f"run {handle.run_id}: could not remove {work}")
+
+
+def link_tree(source: Path, dest: Path) -> None:
+    """Hard-link a file or tree (symlinks copied as links); copy across
+    file systems."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if source.is_dir() and not source.is_symlink():
+        shutil.copytree(source, dest, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(str(source), str(dest))
+
+
+def _link_or_copy(source: str, dest: str) -> None:
+    if Path(source).is_symlink():
+        Path(dest).symlink_to(Path(source).readlink())
+        return
+    try:
+        os.link(source, dest)
+    except OSError:
+        shutil.copy2(source, dest)
+
+
+def interpreter_paths() -> list[str]:
+    """The Python running doit stays visible when $HOME is hidden (a venv,
+    pyenv or conda interpreter often lives there), read-only."""
+    paths = {sys.prefix, sys.base_prefix, str(Path(sys.executable).resolve().parent.parent)}
+    return sorted(paths)
 
 
 def _int(value: object) -> int | None:

@@ -1,0 +1,603 @@
+#!/usr/bin/env python3
+"""The manifest of a step's outputs: every file, folder and symlink, whole.
+
+This file is copied to the machine that runs the step and is also imported
+by substrax_tasks on this machine (one implementation for both sides), so it
+uses only the standard library and must run on Python 3.8+.
+
+    python3 manifest.py BASE OUTPUT [OUTPUT...]
+
+prints the manifest of the outputs (paths relative to BASE; a trailing "/"
+marks a folder output) as JSON on stdout, or a message on stderr and exit
+status 1 when the tree is refused (see ``ManifestError``).
+
+A manifest is ``{"version": 1, "entries": [...], "missing": [...],
+"digest": hex}``. ``entries`` are sorted by path, one per file, folder and
+symlink under each output (the output itself included)::
+
+    {"path": "out/a.txt", "type": "file", "size": 4, "mode": 0o644,
+     "sha256": "...", "target": null}
+
+``size`` is 0 for a folder and the length of the link text for a symlink;
+``mode`` is ``st_mode & 0o7777``, always 0o777 for a symlink (Linux ignores
+a link's own permissions and rsync cannot carry them); ``sha256`` is set for
+files only, ``target`` (the link text) for symlinks only. ``digest`` is the
+sha256 of the canonical JSON of ``entries`` alone, so equal trees give equal
+digests whatever cache was used.
+
+Outputs are relative POSIX paths without ``.``, ``..`` or empty components;
+overlapping outputs, an output under a symlinked folder, a folder output
+that is not a folder and a file output that is a folder or a symlink are
+refused. A missing output is listed in ``missing``.
+
+Symlinks are recorded as links and never followed. A symlink whose target
+leads outside the output it lives in is refused: any absolute target (a tree
+that is fetched, staged and promoted moves, so an absolute link would point
+back at where it came from), a relative one that lands outside the output
+(``../out/x`` from inside ``out/`` is fine), and one that escapes through
+another link of the tree: targets are resolved component by component,
+reading the text of the links on the way (``a -> .`` then ``b -> a/../x``
+leaves the output, though ``b``'s text looks harmless). Loops are refused.
+
+The optional ``cache`` maps a relative path to ``[size, mtime_ns, ino,
+sha256]``. A file whose (size, mtime_ns, inode) match its cache entry is not
+read: an untouched tree costs one ``lstat`` per entry. Files modified less
+than ``RACY_SECONDS`` before the manifest is taken are hashed but not cached,
+because a second write inside the same timestamp tick would leave all three
+unchanged (git's "racily clean" problem). The cache is changed only by item
+assignment and ``del``, so a caller may track changes with a dict subclass.
+
+``tree_stamp`` digests what one stat-only walk sees (no file is read): while
+it is unchanged, so is the manifest. substrax_tasks uses it to make a no-op
+verification cost one walk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import marshal
+import os
+import stat
+import sys
+import time
+
+VERSION = 1
+BUFFER_SIZE = 1 << 20  # one reusable 1 MiB read buffer per manifest
+RACY_SECONDS = 2  # files younger than this are hashed but not cached
+MAX_LINK_HOPS = 40  # like the kernel's ELOOP limit
+_LOOP = "too many levels of symbolic links"
+
+_O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK
+
+
+class ManifestError(Exception):
+    """The tree cannot be described safely (symlink escape, wrong kind of
+    output, a file that changed while it was read, a bad output path)."""
+
+
+# ----------------------------------------------------------------- hashing
+
+
+class _Hasher(object):
+    """sha256 of files read with one reusable buffer (readinto + memoryview)."""
+
+    def __init__(self):
+        # type: () -> None
+        self.buf = bytearray(BUFFER_SIZE)
+        self.view = memoryview(self.buf)
+
+    def file(self, path, st):
+        # type: (str, os.stat_result) -> str
+        """The sha256 of the regular file `path`, which `st` (its lstat)
+        describes. Opened without following links; refused if it is no
+        longer the file `st` describes or if its size changes while read."""
+        try:
+            fd = os.open(path, _O_READ)
+        except OSError as exc:
+            raise ManifestError("cannot read %s: %s" % (path, exc.strerror or exc)) from exc
+        with open(fd, "rb", buffering=0, closefd=True) as f:
+            fst = os.fstat(fd)
+            if not stat.S_ISREG(fst.st_mode) or fst.st_ino != st.st_ino or fst.st_dev != st.st_dev:
+                raise ManifestError("%s was replaced while the manifest was taken" % path)
+            h = hashlib.sha256()
+            view = self.view
+            readinto = f.readinto
+            update = h.update
+            total = 0
+            while True:
+                n = readinto(view)
+                if not n:
+                    break
+                update(view[:n])
+                total += n
+        if total != st.st_size:
+            raise ManifestError(
+                "%s changed while it was read (%d bytes read, %d expected)" % (path, total, st.st_size)
+            )
+        return h.hexdigest()
+
+
+# ----------------------------------------------------------------- symlinks
+
+
+def _resolve(base, dir_parts, target, budget):
+    # type: (str, list, str, list) -> tuple
+    """Where a link in the folder `dir_parts` (components relative to
+    `base`) with text `target` leads, as ``(parts, None)``, or ``(None,
+    why)`` if that cannot be told without leaving `base`.
+
+    Resolved like the kernel would, one component at a time, but reading
+    link text only (never following a link to read what it points at): a
+    component that is itself a link is replaced by where it leads, so a
+    ``..`` after it climbs from there. `budget` ([hops left]) bounds the
+    links taken, like the kernel's ELOOP."""
+    if target.startswith("/"):
+        return None, "its target is absolute"
+    parts = list(dir_parts)
+    for name in target.split("/"):
+        if name in ("", "."):
+            continue
+        if name == "..":
+            if not parts:
+                return None, "its target climbs out of the project"
+            parts.pop()
+            continue
+        parts.append(name)
+        try:
+            st = os.lstat(os.path.join(base, *parts))
+        except OSError:
+            continue  # does not exist (yet): the rest is read lexically
+        if stat.S_ISLNK(st.st_mode):
+            budget[0] -= 1
+            if budget[0] < 0:
+                return None, _LOOP
+            inner = os.readlink(os.path.join(base, *parts))
+            resolved, why = _resolve(base, parts[:-1], inner, budget)
+            if why == _LOOP:
+                return None, _LOOP
+            if why is not None:
+                return None, "it goes through %s -> %s, and %s" % ("/".join(parts), inner, why)
+            parts = resolved
+    return parts, None
+
+
+def _link_escape(base, out_parts, link_parts, target):
+    # type: (str, list, list, str) -> str | None
+    """Why the link at `link_parts` (relative to `base`), with text
+    `target`, leads outside the output `out_parts`; None if it stays in."""
+    resolved, why = _resolve(base, link_parts[:-1], target, [MAX_LINK_HOPS])
+    if why is not None:
+        return why
+    if resolved[: len(out_parts)] != out_parts:
+        return "it leads to %s" % ("/".join(resolved) or ".")
+    return None
+
+
+# ----------------------------------------------------------------- building
+
+
+def _kind(mode):
+    # type: (int) -> str
+    if stat.S_ISDIR(mode):
+        return "folder"
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    if stat.S_ISFIFO(mode):
+        return "fifo"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "special file"
+
+
+def _check_outputs(outputs):
+    # type: (list) -> list
+    """[(relative path without trailing slash, is folder output)], refusing
+    absolute paths, empty, "." and ".." components, and overlaps."""
+    if isinstance(outputs, str):
+        raise ManifestError("outputs must be a list of paths, not the string %r" % outputs)
+    checked = []
+    for out in outputs:
+        if not isinstance(out, str) or not out:
+            raise ManifestError("bad output path %r: expected a non-empty relative path" % (out,))
+        is_dir = out.endswith("/")
+        rel = out[:-1] if is_dir else out
+        if out.startswith("/") or any(p in ("", ".", "..") for p in rel.split("/")):
+            raise ManifestError(
+                "bad output path %r: it must be relative to the project, without '.', '..' or '//'" % out
+            )
+        checked.append((rel, is_dir))
+    # sorted by components, a path comes right before those under it
+    ordered = sorted((rel.split("/"), rel, is_dir) for rel, is_dir in checked)
+    for i in range(1, len(ordered)):
+        a_parts, a, a_dir = ordered[i - 1]
+        b_parts, b, b_dir = ordered[i]
+        if b_parts[: len(a_parts)] == a_parts:
+            raise ManifestError(
+                "outputs %r and %r overlap: declare each path once" % (a + "/" * a_dir, b + "/" * b_dir)
+            )
+    return checked
+
+
+def _check_parents(base, rel):
+    # type: (str, str) -> bool
+    """True if every folder above the output exists as a real folder; False
+    if one is missing. A link or a file on the way is refused (the output
+    would not be where it is declared)."""
+    parts = rel.split("/")[:-1]
+    for i in range(len(parts)):
+        sub = "/".join(parts[: i + 1])
+        try:
+            st = os.lstat(os.path.join(base, sub))
+        except FileNotFoundError:
+            return False
+        if stat.S_ISLNK(st.st_mode):
+            raise ManifestError(
+                "output %s lies under %s, a symlink: refused, never followed" % (rel, sub)
+            )
+        if not stat.S_ISDIR(st.st_mode):
+            raise ManifestError("output %s lies under %s, which is a %s" % (rel, sub, _kind(st.st_mode)))
+    return True
+
+
+def build_manifest(base, outputs, cache=None):
+    # type: (str | os.PathLike, list, dict | None) -> dict
+    """The manifest of `outputs` (project-relative POSIX paths, a trailing
+    "/" marking a folder) under the folder `base`. Missing outputs are listed
+    in "missing"; anything that cannot be described safely raises
+    ManifestError, and so does a tree that cannot be read or changes under
+    the walk. `cache` (rel path -> [size, mtime_ns, ino, sha256]) is read and
+    updated in place."""
+    base = os.fspath(base)
+    checked = _check_outputs(outputs)
+    try:
+        return _build(base, checked, cache)
+    except OSError as exc:
+        where = exc.filename if exc.filename is not None else base
+        raise ManifestError(
+            "cannot read %s: %s (did it change while the manifest was taken?)"
+            % (where, exc.strerror or exc)
+        ) from exc
+
+
+def _build(base, checked, cache):
+    # type: (str, list, dict | None) -> dict
+    entries = []  # type: list
+    missing = []  # type: list
+    hasher = None  # type: _Hasher | None
+    racy_ns = time.time_ns() - RACY_SECONDS * 1000000000
+    cache_get = cache.get if cache is not None else None
+    seen = set() if cache is not None else None  # type: set | None
+    add = entries.append
+    S_ISDIR, S_ISREG, S_ISLNK = stat.S_ISDIR, stat.S_ISREG, stat.S_ISLNK
+
+    def file_entry(path, rel, st):
+        # type: (str, str, os.stat_result) -> dict
+        nonlocal hasher
+        size = st.st_size
+        if cache_get is not None:
+            mtime = st.st_mtime_ns
+            ino = st.st_ino
+            hit = cache_get(rel)
+            try:
+                if hit is not None and hit[0] == size and hit[1] == mtime and hit[2] == ino:
+                    seen.add(rel)  # type: ignore[union-attr]
+                    return {"path": rel, "type": "file", "size": size, "mode": st.st_mode & 0o7777,
+                            "sha256": hit[3], "target": None}
+            except (TypeError, IndexError, KeyError):
+                pass
+        if hasher is None:
+            hasher = _Hasher()
+        digest = hasher.file(path, st)
+        if cache is not None:
+            if st.st_mtime_ns < racy_ns:
+                cache[rel] = [size, st.st_mtime_ns, st.st_ino, digest]
+                seen.add(rel)  # type: ignore[union-attr]
+            elif rel in cache:
+                del cache[rel]
+        return {"path": rel, "type": "file", "size": size, "mode": st.st_mode & 0o7777,
+                "sha256": digest, "target": None}
+
+    def link_entry(path, rel, out_parts, parts):
+        # type: (str, str, list, list) -> dict
+        target = os.readlink(path)
+        why = _link_escape(base, out_parts, parts, target)
+        if why == _LOOP:
+            raise ManifestError(
+                "symlink %s -> %s is a loop (%s): refused, never followed" % (rel, target, why)
+            )
+        if why is not None:
+            raise ManifestError(
+                "symlink %s -> %s points outside its output (%s): refused, never followed"
+                % (rel, target, why)
+            )
+        return {"path": rel, "type": "symlink", "size": len(os.fsencode(target)), "mode": 0o777,
+                "sha256": None, "target": target}
+
+    for rel, is_dir in checked:
+        top = os.path.join(base, rel)
+        try:
+            st = os.lstat(top) if _check_parents(base, rel) else None
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+        if st is None:
+            missing.append(rel + "/" if is_dir else rel)
+            continue
+        mode = st.st_mode
+        if is_dir:
+            if not S_ISDIR(mode):
+                raise ManifestError(
+                    "output %s/ is declared as a folder but is a %s%s"
+                    % (rel, _kind(mode), ": refused, never followed" if S_ISLNK(mode) else "")
+                )
+        elif S_ISDIR(mode):
+            raise ManifestError(
+                "output %s is declared as a file but is a folder: declare it as %s/" % (rel, rel)
+            )
+        elif S_ISLNK(mode):
+            target = os.readlink(top)
+            raise ManifestError(
+                "output %s is a symlink -> %s, which points outside the output: refused, never followed"
+                % (rel, target)
+            )
+        elif S_ISREG(mode):
+            add(file_entry(top, rel, st))
+            continue
+        else:
+            raise ManifestError("output %s is a %s, not a file" % (rel, _kind(mode)))
+
+        add({"path": rel, "type": "dir", "size": 0, "mode": mode & 0o7777, "sha256": None, "target": None})
+        out_parts = rel.split("/")
+        stack = [(top, rel, out_parts)]  # type: list
+        while stack:
+            dir_abs, dir_rel, dir_parts = stack.pop()
+            try:
+                it = os.scandir(dir_abs)
+            except OSError as exc:
+                raise ManifestError("cannot list %s: %s" % (dir_rel, exc.strerror or exc)) from exc
+            with it:
+                for de in it:
+                    name = de.name
+                    path = de.path
+                    erel = dir_rel + "/" + name
+                    est = de.stat(follow_symlinks=False)
+                    emode = est.st_mode
+                    if S_ISREG(emode):
+                        add(file_entry(path, erel, est))
+                    elif S_ISDIR(emode):
+                        add({"path": erel, "type": "dir", "size": 0, "mode": emode & 0o7777,
+                             "sha256": None, "target": None})
+                        stack.append((path, erel, dir_parts + [name]))
+                    elif S_ISLNK(emode):
+                        add(link_entry(path, erel, out_parts, dir_parts + [name]))
+                    else:
+                        raise ManifestError(
+                            "%s is a %s: outputs may hold only files, folders and symlinks"
+                            % (erel, _kind(emode))
+                        )
+
+    if cache is not None:
+        _prune(cache, checked, seen)  # type: ignore[arg-type]
+    entries.sort(key=_path_key)
+    return {"version": VERSION, "entries": entries, "missing": missing, "digest": entries_digest(entries)}
+
+
+def _path_key(entry):
+    # type: (dict) -> str
+    return entry["path"]
+
+
+def _prune(cache, checked, seen):
+    # type: (dict, list, set) -> None
+    """Forget cached files under these outputs that are no longer there."""
+    if len(cache) == len(seen):
+        return  # every key is a file just seen: nothing stale
+    prefixes = tuple(rel + "/" for rel, is_dir in checked if is_dir)
+    singles = set(rel for rel, is_dir in checked if not is_dir)
+    stale = [k for k in cache if k not in seen and (k in singles or k.startswith(prefixes))]
+    for k in stale:
+        del cache[k]
+
+
+def entries_digest(entries):
+    # type: (list) -> str
+    """sha256 of the canonical JSON of a manifest's entries."""
+    return hashlib.sha256(canonical_json(entries).encode()).hexdigest()
+
+
+def canonical_json(value):
+    # type: (object) -> str
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+# ----------------------------------------------------------------- stamps
+
+
+def tree_stamp(base, outputs):
+    # type: (str | os.PathLike, list) -> tuple
+    """``(stamp, newest_ctime_ns)``: a digest of what ``lstat`` says about
+    every entry under `outputs` (name, type and mode, size, ctime_ns, inode;
+    the link text of symlinks; missing outputs and the folders above each
+    output), taken in one stat-only walk. Not mtime: every change to a
+    file's content, size, mode or mtime also sets its ctime, to the clock,
+    and nothing short of moving the clock back can set ctime back.
+
+    It never reads a file and never raises for an odd tree (it only
+    describes it). If a tree's stamp equals the stamp it had when its
+    manifest was built, that manifest still holds, provided the tree was
+    older than ``RACY_SECONDS`` then (compare `newest_ctime_ns`): ctime
+    cannot be set back, so any later change moves it. This is what lets a
+    no-op verification cost one walk."""
+    base = os.fspath(base)
+    checked = _check_outputs(outputs)
+    items = []  # type: list
+    add = items.append
+    newest = 0
+    S_ISDIR, S_ISLNK = stat.S_ISDIR, stat.S_ISLNK
+    for rel, is_dir in checked:
+        add(rel)
+        add(is_dir)
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            try:
+                add(os.lstat(os.path.join(base, *parts[:i])).st_mode)
+            except OSError:
+                add(-1)
+        top = os.path.join(base, rel)
+        try:
+            st = os.lstat(top)
+        except OSError:
+            add(None)
+            continue
+        mode = st.st_mode
+        add((mode, st.st_size, st.st_ctime_ns, st.st_ino, st.st_dev))
+        if st.st_ctime_ns > newest:
+            newest = st.st_ctime_ns
+        if S_ISLNK(mode):
+            add(_readlink_or_none(top))
+        if not (is_dir and S_ISDIR(mode)):
+            continue
+        stack = [(top, rel)]
+        while stack:
+            dir_abs, dir_rel = stack.pop()
+            add(dir_rel)
+            try:
+                it = os.scandir(dir_abs)
+            except OSError:
+                add(None)
+                continue
+            with it:
+                for de in it:
+                    try:
+                        est = de.stat(follow_symlinks=False)
+                    except OSError:
+                        add((de.name, None))  # vanished under the walk
+                        continue
+                    emode = est.st_mode
+                    ctime = est.st_ctime_ns
+                    if ctime > newest:
+                        newest = ctime
+                    add((de.name, emode, est.st_size, ctime, est.st_ino))
+                    if S_ISDIR(emode):
+                        stack.append((de.path, dir_rel + "/" + de.name))
+                    elif S_ISLNK(emode):
+                        add(_readlink_or_none(de.path))
+    # marshal format 2 has no back-references, so equal lists give equal bytes
+    return hashlib.sha256(marshal.dumps(items, 2)).hexdigest(), newest
+
+
+def _readlink_or_none(path):
+    # type: (str) -> str | None
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
+
+
+# ----------------------------------------------------------------- comparing
+
+
+def _under(path, folders):
+    # type: (str, list) -> str | None
+    """The folder of `folders` (a stack of ancestors-so-far) holding `path`."""
+    while folders and not path.startswith(folders[-1] + "/"):
+        folders.pop()
+    return folders[-1] if folders else None
+
+
+def _collapsed(paths, by_path, label):
+    # type: (list, dict, str) -> list
+    """[(path, 'missing: path ...')], one per topmost path: a folder's
+    contents are counted on its line rather than listed."""
+    lines = []  # type: list
+    folders = []  # type: list
+    counts = {}  # type: dict
+    for path in paths:  # sorted, so a folder comes right before its contents
+        top = _under(path, folders)
+        if top is not None:
+            counts[top] += 1
+            continue
+        lines.append(path)
+        if by_path[path]["type"] == "dir":
+            folders.append(path)
+            counts[path] = 0
+    out = []
+    for path in lines:
+        kind = by_path[path]["type"]
+        n = counts.get(path, 0)
+        more = " (and the %d entries inside it)" % n if n else ""
+        out.append((path, "%s: %s (%s)%s" % (label, path + ("/" if kind == "dir" else ""), kind, more)))
+    return out
+
+
+def _short(digest):
+    # type: (str | None) -> str
+    return (digest or "-")[:12]
+
+
+def diff_manifests(expected, actual):
+    # type: (dict, dict) -> list
+    """Human-readable differences between two manifests, each naming its
+    path: missing, extra, changed type, changed content (file hash or size,
+    link target) and changed mode. Empty when the entries are equal. A folder
+    missing (or extra) as a whole is one line that counts what it held."""
+    exp = {e["path"]: e for e in expected["entries"]}
+    act = {e["path"]: e for e in actual["entries"]}
+    sorted_exp = sorted(exp)
+    gone = [p for p in sorted_exp if p not in act]
+    new = [p for p in sorted(act) if p not in exp]
+    lines = _collapsed(gone, exp, "missing") + _collapsed(new, act, "extra")
+    for path in sorted_exp:
+        a = act.get(path)
+        if a is None:
+            continue
+        e = exp[path]
+        if e["type"] != a["type"]:
+            lines.append((path, "changed type: %s (%s -> %s)" % (path, e["type"], a["type"])))
+            continue
+        if e["type"] == "file" and (e["sha256"] != a["sha256"] or e["size"] != a["size"]):
+            lines.append((path, "changed content: %s (%d bytes, sha256 %s -> %d bytes, sha256 %s)"
+                          % (path, e["size"], _short(e["sha256"]), a["size"], _short(a["sha256"]))))
+        elif e["type"] == "symlink" and e["target"] != a["target"]:
+            lines.append((path, "changed content: %s (symlink -> %s, now -> %s)"
+                          % (path, e["target"], a["target"])))
+        if e["mode"] != a["mode"]:
+            lines.append((path, "changed mode: %s (%04o -> %04o)" % (path, e["mode"], a["mode"])))
+    lines.sort(key=lambda pair: pair[0])
+    return [line for _, line in lines]
+
+
+# ----------------------------------------------------------------- CLI
+
+
+def main(argv=None):
+    # type: (list | None) -> int
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 2 or args[0] in ("-h", "--help"):
+        sys.stderr.write("usage: manifest.py BASE OUTPUT [OUTPUT...]\n")
+        return 2
+    base = args[0]
+    if not os.path.isdir(base):
+        sys.stderr.write("manifest.py: %s is not a folder\n" % base)
+        return 1
+    try:
+        manifest = build_manifest(base, args[1:])
+    except ManifestError as exc:
+        sys.stderr.write("manifest.py: %s\n" % exc)
+        return 1
+    out = getattr(sys.stdout, "buffer", None)
+    data = (canonical_json(manifest) + "\n").encode()
+    if out is not None:
+        out.write(data)
+        out.flush()
+    else:
+        sys.stdout.write(data.decode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

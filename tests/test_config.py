@@ -1,0 +1,143 @@
+"""`[tool.substrax.compute]`: defaults, and one clear message per mistake."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import cli, wait_final
+
+from substrax_tasks.config import load_config
+from substrax_tasks.errors import ConfigError
+from substrax_tasks.runs import Project
+from substrax_tasks.spec import make_spec
+
+# (id, pyproject.toml text, fragments the message must hold: key path, value, valid choices)
+BAD_CONFIGS = [
+    (
+        "unknown-key",
+        "[tool.substrax.compute]\nbogus = 1\n",
+        [
+            "unknown key 'bogus' in [tool.substrax.compute]",
+            "valid keys: backends, default_backend, state_dir",
+        ],
+    ),
+    (
+        "unknown-backend-key",
+        '[tool.substrax.compute.backends.local]\nsandbx = "none"\n',
+        [
+            "unknown key 'sandbx' in [tool.substrax.compute.backends.local]",
+            "valid keys: grace_seconds, network_isolation, sandbox",
+        ],
+    ),
+    (
+        "wrong-type",
+        '[tool.substrax.compute.backends.local]\nnetwork_isolation = "maybe"\n',
+        ["tool.substrax.compute.backends.local.network_isolation = 'maybe'", "valid boolean"],
+    ),
+    (
+        "wrong-type-top-level",
+        "[tool.substrax.compute]\nstate_dir = 5\n",
+        ["tool.substrax.compute.state_dir = 5", "valid string"],
+    ),
+    (
+        "bad-sandbox",
+        '[tool.substrax.compute.backends.local]\nsandbox = "docker"\n',
+        ["tool.substrax.compute.backends.local.sandbox = 'docker'", "'auto', 'bwrap' or 'none'"],
+    ),
+    (
+        "bad-grace",
+        "[tool.substrax.compute.backends.local]\ngrace_seconds = -1\n",
+        ["tool.substrax.compute.backends.local.grace_seconds = -1", "greater than 0"],
+    ),
+    (
+        "isolation-without-sandbox",
+        '[tool.substrax.compute.backends.local]\nsandbox = "none"\nnetwork_isolation = true\n',
+        [
+            "[tool.substrax.compute.backends.local]",
+            'network_isolation = true needs the sandbox, but sandbox = "none"',
+        ],
+    ),
+    (
+        "bad-default-backend",
+        '[tool.substrax.compute]\ndefault_backend = "aws"\n',
+        ["tool.substrax.compute.default_backend = 'aws' is not a backend", "valid choices: local"],
+    ),
+    (
+        "unknown-backend-table",
+        "[tool.substrax.compute.backends.aws]\nregion = 1\n",
+        ["unknown backend table [tool.substrax.compute.backends.aws]", "valid backends: local"],
+    ),
+    (
+        "invalid-toml",
+        "[tool.substrax.compute\ndefault_backend = 'local'\n",
+        ["pyproject.toml: not valid TOML", "line 1", "fix the file"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "fragments"), [pytest.param(t, f, id=i) for i, t, f in BAD_CONFIGS])
+def test_bad_config_is_refused_with_its_message(project_dir: Path, text: str, fragments: list[str]) -> None:
+    (project_dir / "pyproject.toml").write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        Project.open(project_dir)
+    for fragment in fragments:
+        assert fragment in str(caught.value)
+    assert not (project_dir / ".substrax").exists()  # refused before anything ran
+
+    done = cli(project_dir, "status")
+    assert done.returncode == 1
+    for fragment in fragments:
+        assert fragment in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_bad_backend_from_the_environment(project_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUBSTRAX_BACKEND", "gcp")
+    with pytest.raises(ConfigError, match="SUBSTRAX_BACKEND = 'gcp' is not a backend; valid choices: local"):
+        load_config(project_dir)
+    done = cli(project_dir, "status")
+    assert done.returncode == 1
+    assert "SUBSTRAX_BACKEND = 'gcp'" in done.stderr
+
+
+def test_defaults_need_no_configuration(project_dir: Path) -> None:
+    project = Project.open(project_dir)
+    assert project.config.default_backend == "local"
+    assert project.store.root == project_dir / ".substrax"
+    name, settings = project.settings_for()
+    assert name == "local"
+    assert settings == {"sandbox": "auto", "network_isolation": False, "grace_seconds": 5.0}
+
+
+def test_configured_values_are_used(project_dir: Path) -> None:
+    (project_dir / "pyproject.toml").write_text(
+        '[tool.substrax.compute]\ndefault_backend = "local"\nstate_dir = "var/runs-state"\n\n'
+        '[tool.substrax.compute.backends.local]\nsandbox = "none"\ngrace_seconds = 0.5\n'
+    )
+    project = Project.open(project_dir)
+    configured = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5}
+    assert project.settings_for() == ("local", configured)
+    handle = project.submit(make_spec("configured", ["true"], project_dir))
+    assert handle.settings == configured
+    assert wait_final(project, handle) == "succeeded"
+    assert (project_dir / "var" / "runs-state" / "runs" / handle.run_id / "handle.json").is_file()
+    done = cli(project_dir, "status")
+    assert done.returncode == 0, done.stderr
+    assert handle.run_id in done.stdout
+
+
+def test_worker_refuses_isolation_without_sandbox(project: Project) -> None:
+    """The worker holds the same line for any backend that hands it a job."""
+    spec = make_spec("isolated", ["true"], project.root)
+    handle = project.new_run(spec, settings={"sandbox": "auto"})
+    backend = project.backend_for(handle)
+    handle = backend.launch(handle)
+    job_file = project.store.run_dir(handle.run_id) / "job.json"
+    job = json.loads(job_file.read_text())
+    job.update(sandbox="none", network_isolation=True)
+    job_file.write_text(json.dumps(job))
+    backend.start(handle)
+    assert wait_final(project, handle) == "failed"
+    assert "network_isolation = true needs the sandbox" in (backend.poll(handle).message or "")

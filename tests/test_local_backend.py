@@ -1,0 +1,225 @@
+"""The local backend end to end: detached workers whose whole task tree stops.
+
+Each stop test checks by pid, through the marker in every process's argv,
+that nothing of the tree is left; with and without bubblewrap.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import (
+    SANDBOXES,
+    cli,
+    describe,
+    kill_pid,
+    log_text,
+    marked_pids,
+    outputs_root,
+    read_pid_sid,
+    ready_files,
+    run_dir,
+    status_record,
+    stubborn_tree,
+    submit,
+    wait_final,
+    wait_for,
+)
+
+from substrax_tasks import _procs
+from substrax_tasks.errors import BackendError
+from substrax_tasks.handle import RunHandle
+from substrax_tasks.runs import Project
+from substrax_tasks.spec import make_spec
+
+
+def start_stubborn(
+    project: Project, marker: str, sandbox: str, descendant: str, timeout: float | None = None
+) -> tuple[RunHandle, Path, Path]:
+    """Submit a task that ignores SIGTERM and whose descendant does too;
+    return once both have set their traps."""
+    handle = submit(
+        project, stubborn_tree(marker, descendant), sandbox=sandbox, outputs=["out/"], timeout=timeout
+    )
+    task_ready, descendant_ready = ready_files(outputs_root(project, handle), descendant)
+    wait_for(lambda: task_ready.exists() and descendant_ready.exists(), "the task and its descendant")
+    assert len(marked_pids(marker)) >= 2, describe(marked_pids(marker))
+    return handle, task_ready, descendant_ready
+
+
+def assert_tree_gone(marker: str) -> None:
+    left = marked_pids(marker)
+    assert not left, f"still alive:\n{describe(left)}"
+
+
+# ------------------------------------------------------------------ running
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_local_run_succeeds_with_log_env_and_outputs(project: Project, sandbox: str) -> None:
+    script = 'echo "to stdout"; echo "to stderr" >&2; echo "$GREETING from $(pwd)"; echo 42 > out/answer.txt'
+    handle = submit(
+        project, ["sh", "-c", script], sandbox=sandbox, outputs=["out/"], env={"GREETING": "hello"}
+    )
+    assert wait_final(project, handle) == "succeeded"
+    record = status_record(project, handle)
+    assert record["exit_code"] == 0
+    assert record["sandbox"] == sandbox
+    assert record["started_at"] and record["ended_at"]
+    log = log_text(project, handle)
+    assert "to stdout" in log
+    assert "to stderr" in log
+    assert f"hello from {project.root}" in log
+    assert "left running" not in log  # a clean run leaves nothing behind to kill
+    root = outputs_root(project, handle)
+    assert (root / "out" / "answer.txt").read_text() == "42\n"
+    if sandbox == "bwrap":
+        # The output landed in the run's staging folder, not in the project.
+        assert root == run_dir(project, handle) / "work" / "outputs"
+        assert not (project.root / "out" / "answer.txt").exists()
+    else:
+        assert root == project.root
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_local_run_failure_records_exit_code(project: Project, sandbox: str) -> None:
+    handle = submit(project, ["sh", "-c", "exit 3"], sandbox=sandbox)
+    assert wait_final(project, handle) == "failed"
+    status = project.backend_for(handle).poll(handle)
+    assert status.exit_code == 3
+
+
+def test_local_run_is_detached_from_the_client(project: Project, marker: str) -> None:
+    handle = submit(project, ["sh", "-c", "while :; do sleep 1; done", marker])
+    record = status_record(project, handle)
+    worker = record["worker_pid"]
+    # The worker leads its own session and is not a child of this process:
+    # the client may exit, the run goes on.
+    assert os.getsid(worker) == worker
+    assert os.getsid(worker) != os.getsid(0)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(worker, os.WNOHANG)
+    # ... and so does the task: its own session, not the worker's.
+    assert os.getsid(record["pid"]) == record["pid"]
+    assert project.backend_for(handle).cancel(handle)
+
+
+# ------------------------------------------------------------------ stopping
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_local_cancel_stops_task_and_descendant(project: Project, marker: str, sandbox: str) -> None:
+    handle, _, _ = start_stubborn(project, marker, sandbox, "child")
+    done = cli(project.root, "cancel", handle.run_id)
+    assert done.returncode == 0, done.stderr
+    assert "cancelled" in done.stdout
+    # The final status is written only once the whole tree is gone.
+    assert status_record(project, handle)["state"] == "cancelled"
+    assert_tree_gone(marker)
+    assert "stopping the task tree (SIGTERM)" in log_text(project, handle)
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_local_cancel_stops_setsid_grandchild(project: Project, marker: str, sandbox: str) -> None:
+    handle, task_ready, grandchild_ready = start_stubborn(project, marker, sandbox, "grandchild")
+    _, task_sid = read_pid_sid(task_ready)
+    grandchild_pid, grandchild_sid = read_pid_sid(grandchild_ready)
+    # The grandchild really escaped: a session of its own.
+    assert grandchild_sid == grandchild_pid
+    assert grandchild_sid != task_sid
+    done = cli(project.root, "cancel", handle.run_id)
+    assert done.returncode == 0, done.stderr
+    assert project.backend_for(handle).poll(handle).state == "cancelled"
+    assert_tree_gone(marker)
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_local_timeout_kills_tree_and_records_timed_out(project: Project, marker: str, sandbox: str) -> None:
+    handle, _, _ = start_stubborn(project, marker, sandbox, "grandchild", timeout=1.0)
+    assert wait_final(project, handle) == "timed_out"
+    assert_tree_gone(marker)
+    record = status_record(project, handle)
+    assert record["ended_at"]
+    assert "timeout of 1.0s" in log_text(project, handle)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_signal_to_worker_finishes_cleanup_before_it_exits(
+    project: Project, marker: str, sandbox: str, sig: signal.Signals
+) -> None:
+    handle, _, _ = start_stubborn(project, marker, sandbox, "grandchild")
+    record = status_record(project, handle)
+    worker, ticks = record["worker_pid"], record["worker_start_ticks"]
+    os.kill(worker, sig)
+    wait_for(lambda: not _procs.same_process_alive(worker, ticks), f"the worker to exit after {sig.name}")
+    # Gone only after the tree was stopped and the final status written.
+    record = status_record(project, handle)
+    assert record["state"] == "cancelled"
+    assert record["ended_at"]
+    assert_tree_gone(marker)
+    assert f"stopping the task tree ({sig.name})" in log_text(project, handle)
+
+
+def test_cancel_of_a_run_that_never_started(project: Project) -> None:
+    spec = make_spec("never", ["true"], project.root)
+    handle = project.new_run(spec, settings={"sandbox": "none"})
+    backend = project.backend_for(handle)
+    assert backend.poll(handle).state == "pending"
+    assert backend.cancel(handle)
+    assert backend.poll(handle).state == "cancelled"
+    assert not backend.cancel(handle)  # finished now: left alone
+
+
+def test_cancel_after_the_worker_was_killed(project: Project, marker: str) -> None:
+    """A worker killed by SIGKILL cannot clean up: the run reads as lost and
+    cancel kills the task's process group itself."""
+    handle, _, _ = start_stubborn(project, marker, "none", "child")
+    record = status_record(project, handle)
+    worker = record["worker_pid"]
+    kill_pid(worker, signal.SIGKILL)
+    backend = project.backend_for(handle)
+    wait_for(lambda: backend.poll(handle).state == "lost", "the run to read as lost")
+    assert "worker" in (backend.poll(handle).message or "")
+    assert backend.cancel(handle)
+    assert backend.poll(handle).state == "cancelled"
+    wait_for(lambda: not marked_pids(marker), "the task's group to die")
+
+
+def test_teardown_cancels_a_running_run_first(project: Project, marker: str) -> None:
+    handle, _, _ = start_stubborn(project, marker, "none", "child")
+    backend = project.backend_for(handle)
+    backend.teardown(handle)
+    assert backend.poll(handle).state == "cancelled"
+    assert_tree_gone(marker)
+    assert not (run_dir(project, handle) / "work").exists()
+    backend.teardown(handle)  # idempotent
+
+
+# ------------------------------------------------- without bubblewrap at hand
+
+
+@pytest.fixture
+def path_without_bwrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PATH on which bubblewrap cannot be found (commands use absolute paths)."""
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+
+
+@pytest.mark.usefixtures("path_without_bwrap")
+def test_sandbox_bwrap_without_bubblewrap_is_a_clear_error(project: Project) -> None:
+    with pytest.raises(BackendError, match=r"bubblewrap is not installed.*apt-get install bubblewrap"):
+        submit(project, ["/bin/sh", "-c", "true"], sandbox="bwrap")
+
+
+@pytest.mark.usefixtures("path_without_bwrap")
+def test_sandbox_auto_without_bubblewrap_runs_and_says_so(project: Project) -> None:
+    handle = submit(project, ["/bin/sh", "-c", "echo ran > out/x"], sandbox="auto", outputs=["out/"])
+    assert wait_final(project, handle) == "succeeded"
+    assert status_record(project, handle)["sandbox"] == "none"
+    assert "running WITHOUT a sandbox" in log_text(project, handle)
+    assert (project.root / "out" / "x").read_text() == "ran\n"

@@ -1,0 +1,78 @@
+"""The wheel carries remote/ as substrax_tasks/_remote: an installed,
+non-editable package runs its worker without the source checkout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+BUILD_SECONDS = 300  # building and installing fetch packages through pip
+
+# Runs in the installed venv, from a folder outside the checkout.
+SUBMIT_SCRIPT = """
+import json, sys, time
+from pathlib import Path
+import substrax_tasks
+from substrax_tasks._remote_files import remote_script
+from substrax_tasks.runs import Project
+from substrax_tasks.spec import make_spec
+
+project = Project.open(sys.argv[1])
+spec = make_spec("packaged", ["sh", "-c", "echo from-the-installed-worker"], project.root)
+handle = project.submit(spec, settings={"sandbox": "none", "grace_seconds": 0.5})
+status = project.backend_for(handle).wait(handle)
+print(json.dumps({
+    "package": substrax_tasks.__file__,
+    "worker": str(remote_script("worker.py")),
+    "state": status.state,
+    "log": project.backend_for(handle).read_log(handle, 0).decode(),
+}))
+"""
+
+
+def run(
+    argv: list[str], cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=BUILD_SECONDS, check=False
+    )
+    assert done.returncode == 0, f"{' '.join(argv)} failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+@pytest.mark.timeout(BUILD_SECONDS * 2)
+def test_installed_wheel_runs_its_worker(tmp_path: Path) -> None:
+    dist = tmp_path / "dist"
+    run([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(REPO)])
+    (wheel,) = dist.glob("substrax_tasks-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    assert "substrax_tasks/_remote/worker.py" in names
+    assert not any(name.startswith("remote/") for name in names)
+
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", str(venv)])
+    python = venv / "bin" / "python"
+    run([str(python), "-m", "pip", "install", "--quiet", str(wheel)])
+
+    project = tmp_path / "project"
+    project.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = run([str(python), "-c", SUBMIT_SCRIPT, str(project)], cwd=tmp_path, env=env)
+    report = json.loads(done.stdout)
+    site = venv / "lib"
+    assert Path(report["package"]).is_relative_to(site), report["package"]  # not the checkout
+    assert Path(report["worker"]).is_relative_to(site), report["worker"]
+    assert Path(report["worker"]).parent.name == "_remote"
+    assert report["state"] == "succeeded"
+    assert "from-the-installed-worker" in report["log"]
+
+    cli_help = run([str(venv / "bin" / "substrax-compute"), "--help"], cwd=tmp_path, env=env)
+    assert "status" in cli_help.stdout

@@ -1,0 +1,222 @@
+"""remote/worker.py run directly, as a child of the test, under this Python
+and under Python 3.8 (the oldest a remote host may have)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import (
+    GRACE,
+    PY38,
+    SANDBOXES,
+    WAIT,
+    WORKER,
+    describe,
+    marked_pids,
+    read_pid_sid,
+    ready_files,
+    stubborn_tree,
+    wait_for,
+)
+
+from substrax_tasks.spec import make_spec
+from substrax_tasks.worker_job import WorkerPaths, build_job
+
+
+@pytest.fixture(params=["python-current", "python-3.8"])
+def worker_python(request: pytest.FixtureRequest) -> str:
+    if request.param == "python-3.8":
+        if not PY38.exists():
+            pytest.skip(f"PYTHON 3.8 NOT FOUND at {PY38}: the worker is not tested on Python 3.8")
+        return str(PY38)
+    return sys.executable
+
+
+class Job:
+    """A job file for the worker, made by the same code the backends use."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        argv: Sequence[str],
+        *,
+        sandbox: str = "none",
+        outputs: Sequence[str] = (),
+        timeout: float | None = None,
+        hide: Sequence[str] = (),
+        project: Path | None = None,
+    ) -> None:
+        self.project = project or tmp_path / "project"
+        self.project.mkdir(parents=True, exist_ok=True)
+        self.run_dir = tmp_path / "run"
+        paths = WorkerPaths(project=str(self.project), run_dir=str(self.run_dir))
+        spec = make_spec("job", list(argv), self.project, outputs=outputs, timeout=timeout)
+        self.data: dict[str, Any] = build_job(
+            spec, paths, sandbox=sandbox, network_isolation=False, grace_seconds=GRACE, hide=list(hide)
+        )
+        self.run_dir.mkdir(parents=True)
+        self.path = Path(paths.job)
+        self.path.write_text(json.dumps(self.data))
+        self.status_file = Path(paths.status)
+        self.log_file = Path(paths.log)
+
+    def status(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.status_file.read_text())
+        return data
+
+    def log(self) -> str:
+        return self.log_file.read_text(errors="replace")
+
+    def outputs_root(self) -> Path:
+        return Path(self.status()["outputs_root"])
+
+    def start(self, python: str, **popen: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([python, str(WORKER), str(self.path)], stdin=subprocess.DEVNULL, **popen)
+
+
+def finish(proc: subprocess.Popen[bytes]) -> int:
+    try:
+        return proc.wait(timeout=WAIT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the worker did not exit within {WAIT:.0f} s")
+
+
+def test_worker_runs_command_and_writes_status(tmp_path: Path, worker_python: str) -> None:
+    job = Job(tmp_path, ["sh", "-c", "echo to-stdout; echo to-stderr >&2; exit 3"])
+    proc = job.start(worker_python)
+    assert finish(proc) == 0  # the worker's own exit: it did its job
+    status = job.status()
+    assert status["state"] == "failed"
+    assert status["exit_code"] == 3
+    assert status["worker_pid"] == proc.pid
+    assert isinstance(status["pid"], int)
+    assert status["started_at"] <= status["ended_at"]
+    assert status["sandbox"] == "none"
+    log = job.log()
+    assert "to-stdout" in log
+    assert "to-stderr" in log
+    assert not list(job.run_dir.glob("*.tmp"))  # atomic writes leave no temp file
+    assert job.status_file.stat().st_mode & 0o777 == 0o600
+
+
+def test_worker_task_runs_in_its_own_session(tmp_path: Path, worker_python: str) -> None:
+    job = Job(tmp_path, ["sh", "-c", 'echo "$$ $(cut -d " " -f 6 /proc/$$/stat)" > out/me'], outputs=["out/"])
+    assert finish(job.start(worker_python)) == 0
+    assert job.status()["state"] == "succeeded"
+    pid, sid = read_pid_sid(job.outputs_root() / "out" / "me")
+    assert pid == sid
+
+
+def test_worker_never_holds_pipes_for_the_task(tmp_path: Path, worker_python: str, marker: str) -> None:
+    """The task's output goes to the log file, never through a pipe the
+    worker holds: a background process of the task that keeps its stdout
+    and stderr open makes nobody wait, and is killed when the task ends."""
+    script = 'sh -c "while :; do sleep 1; done" "$0" & echo started'
+    job = Job(tmp_path, ["sh", "-c", script, marker])
+    proc = job.start(worker_python, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=WAIT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the worker's pipes stayed open: something held them")
+    assert proc.returncode == 0
+    assert out == b""
+    assert err == b""  # the worker's own stderr goes to the log too
+    assert job.status()["state"] == "succeeded"
+    assert "started" in job.log()
+    assert re.search(r"killing \d+ process\(es\) the command left running", job.log())
+    assert not marked_pids(marker), describe(marked_pids(marker))
+
+
+def test_worker_kills_what_a_finished_task_left_behind(
+    tmp_path: Path, worker_python: str, marker: str
+) -> None:
+    """A double-forked, setsid daemon of a task that exited 0 is found (the
+    worker is a child subreaper) and killed."""
+    script = '( setsid sh -c "trap \\"\\" TERM; while :; do sleep 1; done" "$0" & ); sleep 0.2'
+    job = Job(tmp_path, ["sh", "-c", script, marker])
+    assert finish(job.start(worker_python)) == 0
+    assert job.status()["state"] == "succeeded"
+    assert not marked_pids(marker), describe(marked_pids(marker))
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"]
+)
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_worker_stops_whole_tree_on_signal(
+    tmp_path: Path, worker_python: str, marker: str, sandbox: str, sig: signal.Signals
+) -> None:
+    job = Job(tmp_path, stubborn_tree(marker, "grandchild"), sandbox=sandbox, outputs=["out/"])
+    proc = job.start(worker_python)
+    wait_for(job.status_file.exists, "the worker's first status")
+    task_ready, grandchild_ready = ready_files(job.outputs_root(), "grandchild")
+    wait_for(lambda: task_ready.exists() and grandchild_ready.exists(), "the task tree to start")
+    proc.send_signal(sig)
+    assert finish(proc) == 0
+    # By the time the worker has exited: final status written, tree gone.
+    status = job.status()
+    assert status["state"] == "cancelled"
+    assert status["ended_at"]
+    assert not marked_pids(marker), describe(marked_pids(marker))
+    assert f"stopping the task tree ({sig.name})" in job.log()
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_worker_timeout_kills_tree(tmp_path: Path, worker_python: str, marker: str, sandbox: str) -> None:
+    job = Job(tmp_path, stubborn_tree(marker, "grandchild"), sandbox=sandbox, outputs=["out/"], timeout=1.0)
+    assert finish(job.start(worker_python)) == 0
+    status = job.status()
+    assert status["state"] == "timed_out"
+    assert status["ended_at"]
+    assert not marked_pids(marker), describe(marked_pids(marker))
+    assert "timeout of 1.0s" in job.log()
+
+
+def test_worker_detach_returns_once_the_command_started(
+    tmp_path: Path, worker_python: str, marker: str
+) -> None:
+    job = Job(tmp_path, ["sh", "-c", "while :; do sleep 1; done", marker])
+    done = subprocess.run(
+        [worker_python, str(WORKER), str(job.path), "--detach"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=WAIT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    status = job.status()
+    assert status["state"] == "running"
+    assert marked_pids(marker)
+    # The detached worker is stopped by the autouse fixture (SIGTERM by pid).
+
+
+def test_worker_usage_error_exits_2(worker_python: str) -> None:
+    done = subprocess.run([worker_python, str(WORKER)], capture_output=True, text=True, check=False)
+    assert done.returncode == 2
+    assert "usage: worker.py JOB_JSON" in done.stderr
+
+
+def test_worker_sandbox_bwrap_without_bubblewrap_fails_the_run(tmp_path: Path, worker_python: str) -> None:
+    job = Job(tmp_path, ["/bin/sh", "-c", "echo should-not-run"], sandbox="bwrap")
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    proc = subprocess.Popen(
+        [worker_python, str(WORKER), str(job.path)], stdin=subprocess.DEVNULL, env={"PATH": str(empty)}
+    )
+    assert finish(proc) == 1
+    status = job.status()
+    assert status["state"] == "failed"
+    assert "bubblewrap is not installed" in status["message"]
+    assert "should-not-run" not in job.log()
