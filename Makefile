@@ -1,0 +1,159 @@
+# substrax-tasks: set-up, checks, docs and the example pipeline.
+#
+#   make demo    run the example pipeline (dodo.py) on the local backend
+#   make test    install what the tests need, then ruff, mypy and pytest
+#
+# Both do all the set-up on a fresh Debian 12 machine: a virtualenv in .venv
+# with the project installed editable, and (as root) the system packages
+# through apt-get. As another user the apt step is skipped and the missing
+# tools are named. `make help` lists every target.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+MAKEFLAGS += --no-print-directory
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Touched after a successful install; remade when pyproject.toml changes.
+STAMP := $(VENV)/.substrax-installed
+PYTEST_ARGS ?=
+# The doit task `make remote-run` calls (defined by the example dodo.py).
+REMOTE_RUN_TASK ?= fit
+
+# Tools the tests need, as `tool:debian-package` pairs.
+TEST_TOOLS := bwrap:bubblewrap rsync:rsync sshd:openssh-server ssh:openssh-client
+# The example pipeline needs the sandbox and rsync only.
+DEMO_TOOLS := bwrap:bubblewrap rsync:rsync
+
+# $(call ensure-tools,PAIRS): install the packages of the missing tools with
+# apt-get when root; otherwise name what is missing and go on.
+define ensure-tools
+missing=(); packages=(); \
+for pair in $(1); do \
+  tool=$${pair%%:*}; package=$${pair#*:}; \
+  if ! command -v "$$tool" >/dev/null 2>&1 && [ ! -x "/usr/sbin/$$tool" ]; then \
+    missing+=("$$tool"); packages+=("$$package"); \
+  fi; \
+done; \
+if [ $${#missing[@]} -gt 0 ]; then \
+  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+    echo "==> installing $${packages[*]} (missing: $${missing[*]})"; \
+    apt-get update; \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $${packages[*]}; \
+  else \
+    echo "==> warning: missing $${missing[*]}; tests and runs that need them cannot work." >&2; \
+    echo "    as root: apt-get install -y $${packages[*]}" >&2; \
+  fi; \
+fi
+endef
+
+.PHONY: help install venv system-deps demo-deps test lint format typecheck docs demo remote-run bench clean distclean
+
+help:
+	@echo "substrax-tasks"
+	@echo "  make demo        run the example pipeline (dodo.py) on the local backend"
+	@echo "  make test        system packages (as root), then ruff, mypy and pytest"
+	@echo "  make install     create $(VENV) and install the project with its test extras"
+	@echo "  make lint        ruff check"
+	@echo "  make format      ruff format (rewrites files)"
+	@echo "  make typecheck   mypy (strict)"
+	@echo "  make docs        build the documentation into site/ (mkdocs --strict)"
+	@echo "  make remote-run  run the example's remote step on the configured backend"
+	@echo "                   (SUBSTRAX_BACKEND=name picks another one)"
+	@echo "  make bench       run every bench/bench_*.py"
+	@echo "  make clean       remove build output and caches (keeps $(VENV) and .substrax)"
+	@echo "  make distclean   clean, and remove $(VENV)"
+
+# ------------------------------------------------------------------ set-up
+
+install: $(STAMP)
+
+venv: $(BIN)/python
+
+# A virtualenv from $(PYTHON) (>= 3.10). Debian ships venv and ensurepip in
+# python3-venv: as root it is installed when missing. A failed attempt
+# leaves no half-made .venv behind.
+$(BIN)/python:
+	@if ! command -v $(PYTHON) >/dev/null 2>&1 || ! $(PYTHON) -c 'import ensurepip, venv' >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "==> installing python3 and python3-venv"; \
+	    apt-get update; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv; \
+	  else \
+	    echo "error: $(PYTHON) with the venv module is needed; as root: apt-get install -y python3 python3-venv" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { \
+	  echo "error: substrax-tasks needs Python >= 3.10, but $(PYTHON) is $$($(PYTHON) -V 2>&1);" \
+	       "run again with PYTHON=/path/to/python3.x" >&2; exit 1; }
+	@echo "==> creating $(VENV) with $$($(PYTHON) -V 2>&1)"
+	@$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	@echo "==> installing substrax-tasks (editable) with its test extras into $(VENV)"
+	$(BIN)/python -m pip install --disable-pip-version-check --quiet -e '.[test]'
+	@touch $@
+
+system-deps:
+	@$(call ensure-tools,$(TEST_TOOLS))
+
+demo-deps:
+	@$(call ensure-tools,$(DEMO_TOOLS))
+
+# ------------------------------------------------------------------ checks
+
+# pytest runs last, so the output ends with its summary line.
+test: system-deps install
+	@echo "==> ruff check"
+	@$(BIN)/ruff check .
+	@echo "==> mypy"
+	@$(BIN)/mypy
+	@echo "==> pytest"
+	@$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+
+format: install
+	$(BIN)/ruff format .
+
+typecheck: install
+	$(BIN)/mypy
+
+docs: install
+	$(BIN)/mkdocs build --strict --site-dir site
+
+# ------------------------------------------------------------------ running
+
+# doit reads its settings (sqlite3 dep file) from [tool.doit] in pyproject.toml.
+demo: demo-deps install
+	$(BIN)/doit
+
+remote-run: demo-deps install
+	@echo "==> backend: $${SUBSTRAX_BACKEND:-as configured in pyproject.toml}"
+	$(BIN)/doit $(REMOTE_RUN_TASK)
+
+# Every script runs, even after one fails; the failures are named at the end.
+bench: install
+	@shopt -s nullglob; scripts=(bench/bench_*.py); failed=(); \
+	if [ $${#scripts[@]} -eq 0 ]; then echo "no bench/bench_*.py yet"; exit 0; fi; \
+	for script in "$${scripts[@]}"; do \
+	  echo "==> $$script"; \
+	  $(BIN)/python "$$script" || failed+=("$$script"); \
+	done; \
+	if [ $${#failed[@]} -gt 0 ]; then echo "bench: failed: $${failed[*]}" >&2; exit 1; fi
+
+# ------------------------------------------------------------------ cleaning
+
+# Run records (.substrax/) and doit's database (.doit.db) are kept: a run may
+# still hold folders or machines (see `substrax-compute teardown`).
+clean:
+	rm -rf site build dist .mypy_cache .ruff_cache .pytest_cache
+	find . -path ./$(VENV) -prune -o \( -name __pycache__ -o -name '*.egg-info' \) -type d -print0 \
+	  | xargs -0 rm -rf
+
+distclean: clean
+	rm -rf $(VENV)
