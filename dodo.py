@@ -11,14 +11,13 @@ depend on its outputs with plain file_dep.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 from substrax_tasks import doit_config, remote_step
 
 DOIT_CONFIG = doit_config(default_tasks=["report"])
-PYTHON = sys.executable  # the interpreter running doit also runs the steps
+PYTHON = "python3"  # found on PATH, here and on the remote machine
 DATA = "demo-data/points.csv"
 MODEL = ["demo-data/model/coef.json", "demo-data/model/metrics.json"]
 

@@ -574,18 +574,45 @@ def diff_manifests(expected, actual):
 # ----------------------------------------------------------------- CLI
 
 
+def manifest_with_cache_file(base, outputs, cache_file):
+    # type: (str, list, str | None) -> dict
+    """build_manifest with its hash cache kept in a JSON file (the worker
+    fills it at the end of a run, so a fetch's manifests cost stats only)."""
+    cache = {}  # type: dict
+    if cache_file:
+        try:
+            with open(cache_file) as f:
+                loaded = json.load(f)
+            if isinstance(loaded, dict):
+                cache = loaded
+        except (OSError, ValueError):
+            pass
+    manifest = build_manifest(base, outputs, cache)
+    if cache_file:
+        tmp = "%s.%d.tmp" % (cache_file, os.getpid())
+        with open(tmp, "w") as f:
+            json.dump(cache, f)
+        os.replace(tmp, cache_file)
+    return manifest
+
+
 def main(argv=None):
     # type: (list | None) -> int
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) < 2 or args[0] in ("-h", "--help"):
-        sys.stderr.write("usage: manifest.py BASE OUTPUT [OUTPUT...]\n")
+    args = list(sys.argv[1:] if argv is None else argv)
+    cache_file = None
+    if "--cache" in args:
+        at = args.index("--cache")
+        cache_file = args[at + 1] if at + 1 < len(args) else None
+        del args[at : at + 2]
+    if len(args) < 2 or args[0] in ("-h", "--help") or ("--cache" in (argv or sys.argv) and not cache_file):
+        sys.stderr.write("usage: manifest.py BASE OUTPUT [OUTPUT...] [--cache FILE]\n")
         return 2
     base = args[0]
     if not os.path.isdir(base):
         sys.stderr.write("manifest.py: %s is not a folder\n" % base)
         return 1
     try:
-        manifest = build_manifest(base, args[1:])
+        manifest = manifest_with_cache_file(base, args[1:], cache_file)
     except ManifestError as exc:
         sys.stderr.write("manifest.py: %s\n" % exc)
         return 1

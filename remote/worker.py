@@ -40,6 +40,7 @@ POLL_SECONDS = 0.5  # only an upper bound: SIGCHLD and signals wake the loop
 REAP_SECONDS = 5.0  # how long to wait for SIGKILLed processes to disappear
 SETTLE_SECONDS = 0.2  # how long a finished command's exiting helpers may take
 FINAL_STATES = ("succeeded", "failed", "timed_out", "cancelled")
+START_LOCK = "start.lock"  # taken by the worker to start, by a cancel of a run not started
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # What the task inherits from the worker's environment: the system's plain
 # settings and the accelerator stacks', never credentials. Anything else
@@ -316,6 +317,28 @@ class Worker(object):
         except (BlockingIOError, InterruptedError):
             pass
 
+    def claim_start(self):
+        # type: () -> bool
+        """Under the run's start lock: refuse a run already ended (cancelled
+        before its worker got here), else record `starting` with our pid so
+        that a cancel from now on signals us."""
+        import fcntl
+
+        lock_path = os.path.join(os.path.dirname(self.job["status_file"]), START_LOCK)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                with open(self.job["status_file"]) as f:
+                    if json.load(f).get("state") in FINAL_STATES:
+                        return False
+            except (OSError, ValueError):
+                pass
+            self.write_status(state="starting")
+            return True
+        finally:
+            os.close(fd)  # closing releases the lock
+
     def write_status(self, **changes):
         # type: (...) -> None
         self.status.update(changes)
@@ -369,6 +392,12 @@ class Worker(object):
         os.dup2(log_fd, 2)
         self.install_handlers()
         libc_prctl(PR_SET_CHILD_SUBREAPER, 1)
+        if not self.claim_start():
+            log_note(log_fd, "the run was cancelled before it started; not starting it")
+            if ready_fd is not None:
+                os.write(ready_fd, b"started")
+                os.close(ready_fd)
+            return 0
         try:
             argv, sandbox, outputs_root = self.command_argv(log_fd)
             env = task_environment(job, os.environ, self.secrets)
@@ -428,6 +457,8 @@ class Worker(object):
                 log_note(log_fd, "killing %d process(es) the command left running" % len(leftovers))
                 self.kill_all(0.5)
             state = "succeeded" if returncode == 0 else "failed"
+            if state == "succeeded":
+                self.hash_outputs(log_fd, outputs_root)
         self.write_status(
             state=state,
             exit_code=returncode,
@@ -436,6 +467,22 @@ class Worker(object):
         )
         os.close(log_fd)
         return 0
+
+    def hash_outputs(self, log_fd, outputs_root):
+        # type: (int, str) -> None
+        """Take the outputs' manifest now, while nothing else can touch them,
+        and keep its hash cache: a fetch's two manifests then cost stats."""
+        run_dir = os.path.dirname(self.job["status_file"])
+        try:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import manifest  # the stdlib-only manifest.py shipped beside this file
+
+            outputs = [o["path"] + ("/" if o["kind"] == "dir" else "") for o in self.job["outputs"]]
+            taken = manifest.manifest_with_cache_file(
+                outputs_root, outputs, os.path.join(run_dir, "manifest-cache.json"))
+            write_json_atomic(os.path.join(run_dir, "manifest.json"), taken)
+        except Exception as exc:  # noqa: BLE001 - the fetch takes its own and says what is wrong
+            log_note(log_fd, "could not take the outputs' manifest: %s" % exc)
 
     def stop_tree(self, child_pid, grace):
         # type: (int, float) -> int | None

@@ -19,9 +19,10 @@ def main(data: str, out_dir: str) -> None:
         ys.append(float(y))
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    pairs = list(zip(xs, ys))  # noqa: B905 - runs on the host's python3, maybe 3.8
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in pairs) / sum((x - mean_x) ** 2 for x in xs)
     intercept = mean_y - slope * mean_x
-    mse = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys)) / n
+    mse = sum((y - (slope * x + intercept)) ** 2 for x, y in pairs) / n
     out = Path(out_dir)
     (out / "coef.json").write_text(json.dumps({"slope": slope, "intercept": intercept}, indent=1) + "\n")
     (out / "metrics.json").write_text(json.dumps({"n": n, "mse": mse}, indent=1) + "\n")

@@ -18,7 +18,7 @@ def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        Path(tmp).replace(path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

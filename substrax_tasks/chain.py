@@ -13,21 +13,25 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
+from doit.dependency import UptodateCalculator
 from doit.exceptions import TaskError, TaskFailed
 
 from substrax_tasks import manifest_cache
 from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks.backends.base import Backend, Fetched
+from substrax_tasks.backends.base import FINAL_STATES, Backend, Fetched
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.promote import promote
+from substrax_tasks.promote import promote, remove_path
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import StepSpec, canonical_digest, check_inputs_exist, safe_name
 from substrax_tasks.steplock import StepLock
@@ -60,6 +64,7 @@ class StepRunner:
         spec: StepSpec,
         project: Project,
         backend: str | None,
+        *,
         retries: int = 0,
         tracked: list[str] | None = None,
         user_uptodate: list[Any] | None = None,
@@ -70,6 +75,9 @@ class StepRunner:
         self.retries = retries
         self.tracked = list(tracked or [])
         self.user_uptodate = list(user_uptodate or [])
+        self._user_checks_normalized = [_uptodate_item(spec.step, item) for item in self.user_uptodate]
+        self._dep_manager: Any = None
+        self._tasks_dict: Any = None
         self.safe = safe_name(spec.step)
         state = project.store.root
         self.record_file = state / "steps" / f"{self.safe}.json"
@@ -82,6 +90,13 @@ class StepRunner:
         self.fetched: Fetched | None = None
         self.interrupted = False
         self.torn_down = False
+        # Between an acting launch and the end of verify (or a failed phase):
+        # teardown must then wait (doit -P thread calls it from idle threads).
+        self.chain_open = False
+        # doit's saved values of the public task, when known (`why` reads them)
+        self.doit_values: dict[str, Any] | None = None
+        self._teardown_lock = threading.Lock()
+        self.pid = os.getpid()
 
     # ------------------------------------------------------------ records
     def read_record(self) -> dict[str, Any]:
@@ -138,18 +153,94 @@ class StepRunner:
             self.project.root, list(self.spec.outputs), str(verified.get("digest")), self.outputs_cache
         )
 
+    def explain(self) -> list[str]:
+        """Why the step would run: each changed part, naming the paths.
+        Empty when it is up to date (as far as the step's own check goes)."""
+        record = self.read_record()
+        verified = record.get("verified")
+        if not isinstance(verified, dict):
+            return ["no verified run yet: the step has never completed (or its record was removed)"]
+        reasons: list[str] = []
+        old: dict[str, Any] = verified.get("key_parts") or {}
+        new = self.key_parts()
+        for field in ("command", "env", "timeout", "outputs", "resources", "secrets", "backend"):
+            if old.get(field) != new.get(field):
+                reasons.append(f"{field} changed: was {old.get(field)!r}, now {new.get(field)!r}")
+        if old.get("settings") != new.get("settings"):
+            reasons.append(self._settings_change(str(verified.get("run_id"))))
+        old_inputs: dict[str, Any] = old.get("inputs") or {}
+        new_inputs: dict[str, Any] = new["inputs"]
+        for path in sorted(set(old_inputs) | set(new_inputs)):
+            if path not in new_inputs:
+                reasons.append(f"input removed: {path}")
+            elif path not in old_inputs:
+                reasons.append(f"input added: {path}")
+            elif old_inputs[path] != new_inputs[path]:
+                reasons.append(f"input changed: {path}")
+        reasons += [f"input missing: {path}" for path in new["missing_inputs"]]
+        try:
+            manifest = json.loads(Path(str(verified.get("manifest_file"))).read_text())
+        except (OSError, ValueError):
+            reasons.append("the verified manifest is gone: outputs cannot be checked")
+        else:
+            problems = manifest_cache.verify_outputs(
+                self.project.root, list(self.spec.outputs), manifest, self.outputs_cache
+            )
+            reasons += [f"outputs: {p}" for p in problems]
+        if self.doit_values is not None and not self.doit_values.get(DOIT_VALUE):
+            reasons.append(
+                f"doit has no record of task {self.spec.step!r} (after `doit forget`, or a new "
+                "dependency file): doit runs it again"
+            )
+        if record.get("run_id") and record.get("run_id") != verified.get("run_id"):
+            reasons.append(f"a newer run {record['run_id']} was started and has not been verified")
+        return reasons
+
+    def _settings_change(self, run_id: str) -> str:
+        """Which backend settings differ from those pinned in the verified run."""
+        table = f"[tool.substrax.compute.backends.{self.backend_name}]"
+        try:
+            pinned = self.project.store.read(run_id).settings
+        except HandleError:
+            return f"settings changed: the backend settings {table} differ from the verified run's"
+        keys = sorted(k for k in set(pinned) | set(self.settings) if pinned.get(k) != self.settings.get(k))
+        changes = ", ".join(f"{k} was {pinned.get(k)!r}, now {self.settings.get(k)!r}" for k in keys)
+        return f"settings changed in {table}: {changes or 'the backend changed'}"
+
     def check(self, task: Any, values: dict[str, Any]) -> bool:
         """doit's uptodate for the public task: ours AND the user's. It is
         the whole decision, so it also tells the phases whether to act."""
+        # Every user item is asked, as doit does: some (config_changed, run_once)
+        # note the values they save when they are asked.
+        user = list(self._user_checks(task, values))
         try:
-            result = self.up_to_date(values) and all(self._user_checks(task, values))
+            result = self.up_to_date(values) and all(user)
         except SubstraxError:
             result = False
-        self.needs_run = not result
+        self.needs_run = not result or always_execute()  # doit -a runs it whatever we say
         return result
 
     def __call__(self, task: Any, values: dict[str, Any]) -> bool:
         return self.check(task, values)
+
+    def __repr__(self) -> str:
+        # doit info names each false uptodate object by its str()
+        mine = "" if not self.user_uptodate else " and the uptodate items given to it"
+        return (
+            f"the verified outputs of step {self.spec.step!r}{mine} "
+            f"(`substrax-compute why {self.spec.step!r}` says what changed)"
+        )
+
+    def clean_outputs(self, dryrun: bool = False) -> None:
+        """`doit clean STEP` with clean=True: remove the declared outputs,
+        folders included (doit's own clean leaves non-empty folders)."""
+        for out in self.spec.outputs:
+            path = self.project.root / out.rstrip("/")
+            if not (path.exists() or path.is_symlink()):
+                continue
+            print(f"{self.spec.step} - {'would remove' if dryrun else 'removing'} {out}")
+            if not dryrun:
+                remove_path(path)
 
     def configure_task(self, task: Any) -> None:
         for item in self.user_uptodate:
@@ -157,25 +248,36 @@ class StepRunner:
                 item.configure_task(task)
 
     def _user_checks(self, task: Any, values: dict[str, Any]) -> Iterator[bool]:
-        for item in self.user_uptodate:
-            if item is None:
-                continue
-            if isinstance(item, bool):
-                yield item
-            elif isinstance(item, str):
-                yield subprocess.call(item, shell=True) == 0  # noqa: S602 - doit's own str form
-            elif callable(item):
-                names = list(inspect.signature(item).parameters)
-                args = [a for n, a in zip(names[:2], (task, values), strict=False) if n in ("task", "values")]
-                result = item(*args)
-                if result is not None:
-                    yield bool(result)
+        """The user's uptodate items, evaluated as doit evaluates them."""
+        for func, args, kwargs in self._user_checks_normalized:
+            if callable(func):
+                if isinstance(func, UptodateCalculator) and self._dep_manager is not None:
+                    func.setup(self._dep_manager, self._tasks_dict)
+                magic: list[Any] = []
+                for i, name in enumerate(list(inspect.signature(func).parameters)[:2]):
+                    if (i, name) == (0, "task"):
+                        magic.append(task)
+                    elif (i, name) == (1, "values"):
+                        magic.append(values)
+                result = func(*magic, *args, **kwargs)
+            elif isinstance(func, str):
+                result = subprocess.call(  # noqa: S602 - doit's own str form
+                    func, shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+                result = result == 0
+            else:
+                result = func
+            if result is not None:
+                yield bool(result)
 
     def active(self) -> bool:
         """Phases act only when the step must run. When doit runs a phase
         without having asked the public task (`doit` with no default_tasks),
-        the records decide."""
+        the records decide; under `doit -a` (which asks no task), it runs."""
         if self.needs_run is None:
+            if always_execute():
+                self.needs_run = True
+                return True
             try:
                 self.needs_run = not self.up_to_date()
             except SubstraxError:
@@ -195,7 +297,10 @@ class StepRunner:
                 if attempt == self.retries:
                     raise
                 wait = RETRY_BACKOFF_SECONDS * (attempt + 1)
-                print(f"{self.spec.step}: {what} failed ({exc}); retry {attempt + 1} of {self.retries} in {wait:.0f} s")
+                print(
+                    f"{self.spec.step}: {what} failed ({exc}); "
+                    f"retry {attempt + 1} of {self.retries} in {wait:.0f} s"
+                )
                 time.sleep(wait)
         raise AssertionError("unreachable")
 
@@ -214,11 +319,23 @@ class StepRunner:
             raise _Abort(TaskFailed(f"step {self.spec.step!r}: {exc}")) from None
 
     def _action(self, body: Callable[[], Any]) -> Any:
+        if os.getpid() != self.pid:
+            return TaskError(
+                f"step {self.spec.step!r}: remote steps cannot run in doit's worker processes "
+                "(`doit -n N` or `-P process`): the phases of a step share state in one process. "
+                "Run them concurrently with threads: `doit -n N -P thread`"
+            )
         try:
             with self._reported():
-                return body()
+                result = body()
         except _Abort as abort:
-            return abort.failure
+            result = abort.failure
+        except BaseException:
+            self.chain_open = False
+            raise
+        if isinstance(result, (TaskFailed, TaskError)):
+            self.chain_open = False  # doit runs no later phase
+        return result
 
     # ------------------------------------------------------------ phases
     def launch(self) -> Any:
@@ -227,8 +344,16 @@ class StepRunner:
     def _launch(self) -> None:
         if not self.active():
             return
+        self.chain_open = True
         self.lock.acquire()
         check_inputs_exist(self.spec, self.project.root)
+        check_outputs_inside(self.spec, self.project.root)
+        unset = [name for name in self.spec.forward_env if name not in os.environ]
+        if unset:
+            raise SubstraxError(
+                f"secret(s) {', '.join(unset)} named in secrets=[...] are not set in this "
+                "environment; set them (their values are forwarded to the command, never stored)"
+            )
         parts = self.key_parts()
         key = self.key(parts)
         handle = self._reusable_run(key)
@@ -243,7 +368,7 @@ class StepRunner:
             launched = self._retrying("launch", lambda: backend.launch(handle))
             self._save(launched, phase="launched")
 
-    def _reusable_run(self, key: str) -> RunHandle | None:
+    def _reusable_run(self, key: str) -> RunHandle | None:  # noqa: PLR0911 - one return per case
         """The step's last run, if it has today's key and is worth keeping:
         still going (reattach), or finished but not yet fetched."""
         run_id = self.read_record().get("run_id")
@@ -294,12 +419,13 @@ class StepRunner:
         if not self.active() or handle is None:
             return None
         backend = self.backend(handle)
-        if phase_index(handle.state.get("phase")) < phase_index("started"):
-            if backend.poll(handle).state == "pending":
-                handle = self._retrying("start", lambda: backend.start(handle))
-            handle = self._save(handle, phase="started")
         try:
-            status = backend.stream_log(handle, _TextSink(), follow=True)
+            if phase_index(handle.state.get("phase")) < phase_index("started"):
+                if backend.poll(handle).state == "pending":
+                    pending = handle
+                    handle = self._retrying("start", lambda: _started(backend, pending))
+                handle = self._save(handle, phase="started")
+            status = backend.stream_log(handle, cast(IO[bytes], _TextSink()), follow=True)
         except KeyboardInterrupt:
             self.interrupted = True
             self._on_interrupt(backend, handle)
@@ -342,7 +468,9 @@ class StepRunner:
         if missing:
             message = f"the run did not produce declared output(s) {', '.join(missing)}"
             self._save(handle, verdict={"state": "failed", "message": message})
-            return TaskFailed(f"step {self.spec.step!r}: run {handle.run_id}: {message}; nothing was promoted")
+            return TaskFailed(
+                f"step {self.spec.step!r}: run {handle.run_id}: {message}; nothing was promoted"
+            )
         run_dir = self.project.store.run_dir(handle.run_id)
         write_json_atomic(run_dir / "manifest.json", fetched.manifest)
         self.fetched = fetched
@@ -351,7 +479,10 @@ class StepRunner:
 
     def verify(self) -> Any:
         """The public task: verify the staged outputs, promote them, record."""
-        return self._action(self._verify)
+        try:
+            return self._action(self._verify)
+        finally:
+            self.chain_open = False
 
     def _verify(self) -> Any:
         handle, fetched = self.handle, self.fetched
@@ -361,18 +492,29 @@ class StepRunner:
         outputs = list(self.spec.outputs)
         digest = str(fetched.manifest["digest"])
         if fetched.in_place:
-            problems = manifest_cache.verify_outputs(self.project.root, outputs, fetched.manifest, self.outputs_cache)
+            problems = manifest_cache.verify_outputs(
+                self.project.root, outputs, fetched.manifest, self.outputs_cache
+            )
         else:
             # Staged and final files share inode and mtime after the rename,
             # so the cache filled here makes the next no-op check stat-only.
-            problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, self.outputs_cache)
+            problems = manifest_cache.verify_outputs(
+                fetched.root, outputs, fetched.manifest, self.outputs_cache
+            )
         if problems:
             return TaskFailed(
                 f"step {self.spec.step!r}: the fetched outputs of run {handle.run_id} do not match "
                 "its manifest; nothing was promoted:\n  " + "\n  ".join(problems)
             )
         if not fetched.in_place:
-            promote(fetched.root, self.project.root, outputs)
+            try:
+                promote(fetched.root, self.project.root, outputs)
+            except OSError as exc:
+                return TaskFailed(
+                    f"step {self.spec.step!r}: could not move the outputs of run {handle.run_id} into "
+                    f"place ({exc}); the run is kept: fix that, then `doit {self.spec.step}` "
+                    "promotes them without running the command again"
+                )
         if not manifest_cache.outputs_match(self.project.root, outputs, digest, self.outputs_cache):
             return TaskFailed(f"step {self.spec.step!r}: outputs changed while they were promoted")
         self._save(handle, phase="promoted")
@@ -388,17 +530,32 @@ class StepRunner:
         return {DOIT_VALUE: handle.run_id}
 
     def teardown(self) -> None:
-        """doit's teardown (after success, failure or Ctrl-C). Idempotent:
-        doit may call it once per worker thread."""
-        if self.torn_down:
-            return
-        self.torn_down = True
+        """doit's teardown (after success, failure or Ctrl-C). Idempotent.
+
+        Under `-n N -P thread` doit calls every teardown from each worker
+        thread that runs out of tasks, while another thread may still drive
+        this step: such a call waits for the chain to end, or for doit's
+        last call, from the main thread as it finishes."""
+        with self._teardown_lock:
+            last_call = threading.current_thread() is threading.main_thread()
+            if self.torn_down or (self.chain_open and not last_call and not self.interrupted):
+                return
+            self.torn_down = True
+            self._teardown()
+
+    def _teardown(self) -> None:
         try:
             if self.handle is None:
                 return
             handle = self.project.store.read(self.handle.run_id)
             backend = self.backend(handle)
             status = backend.status(handle)
+            if self.chain_open and not self.interrupted and status.state not in ("pending", *FINAL_STATES):
+                # doit is ending (a Ctrl-C seen by another thread, a failure
+                # elsewhere) while this step's run goes on: abandoned.
+                self.interrupted = True
+                self._on_interrupt(backend, handle)
+                status = backend.status(handle)
             done = handle.state.get("phase") == "promoted" or (status.final and status.state != "succeeded")
             if done or (self.interrupted and backend.name == "local"):
                 backend.teardown(handle)
@@ -409,11 +566,112 @@ class StepRunner:
             self.lock.release()
 
 
+def _uptodate_item(step: str, item: Any) -> tuple[Any, list[Any], dict[str, Any]]:
+    """An uptodate item as doit takes it: bool, None, str, callable, or
+    (callable, args, kwargs); anything else is refused at declaration."""
+    if isinstance(item, bool) or item is None or isinstance(item, str) or callable(item):
+        return item, [], {}
+    if isinstance(item, tuple) and item and callable(item[0]):
+        return item[0], list(item[1]) if len(item) > 1 else [], dict(item[2]) if len(item) > 2 else {}
+    raise SubstraxError(
+        f"step {step!r}: uptodate item {item!r} must be a bool, None, str, callable or "
+        "(callable, args, kwargs), as in doit"
+    )
+
+
+def always_execute() -> bool:
+    """`doit -a` / `--always-execute`: doit then runs tasks without asking
+    whether they are up to date, and the user means "run it again"."""
+    args = sys.argv[1:]
+    args = args[: args.index("--")] if "--" in args else args
+    return "-a" in args or "--always-execute" in args
+
+
+def _started(backend: Backend, handle: RunHandle) -> RunHandle:
+    """backend.start, with Ctrl-C/SIGTERM/SIGHUP held back until it returns:
+    interrupted half-way, the worker could start its command after the
+    client gave up on it, and nothing would cancel that run."""
+    if threading.current_thread() is not threading.main_thread():
+        return backend.start(handle)
+    caught: list[int] = []
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    held = [sig for sig in signals if signal.getsignal(sig) is not None]
+    previous = {sig: signal.getsignal(sig) for sig in held}
+    for sig in held:
+        signal.signal(sig, lambda signum, _frame: caught.append(signum))
+    try:
+        return backend.start(handle)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            raise KeyboardInterrupt(f"signal {signal.Signals(caught[0]).name}")
+
+
+def check_outputs_inside(spec: StepSpec, root: Path) -> None:
+    """An output reached through a symlink could be written outside the
+    project (without a sandbox) or not at all (bubblewrap cannot bind onto
+    it): refused at launch, before anything runs."""
+    for out in spec.outputs:
+        rel = Path(out.rstrip("/"))
+        for parent in reversed(rel.parents[:-1]):  # outer folders first, "." left out
+            if (root / parent).is_symlink():
+                raise SubstraxError(
+                    f"output {out} lies under {parent.as_posix()}, a symlink to "
+                    f"{(root / parent).readlink()}: outputs must be real paths inside the project; "
+                    "replace the link by a folder or declare the output where it really is"
+                )
+        try:
+            (root / rel).resolve().relative_to(root.resolve())
+        except ValueError:
+            raise SubstraxError(
+                f"output {out} is a symlink leading outside the project "
+                f"({(root / rel).resolve()}); remove it or declare the output where it really is"
+            ) from None
+
+
+class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
+    """The public task's uptodate item: the runner's check. An
+    UptodateCalculator, so doit hands it what the user's own calculators
+    (result_dep, ...) need before asking it."""
+
+    def __init__(self, runner: StepRunner) -> None:
+        super().__init__()
+        self.runner = runner
+
+    def setup(self, dep_manager: Any, tasks_dict: Any) -> None:
+        super().setup(dep_manager, tasks_dict)
+        self.runner._dep_manager = dep_manager
+        self.runner._tasks_dict = tasks_dict
+
+    def configure_task(self, task: Any) -> None:
+        self.runner.configure_task(task)
+
+    def __call__(self, task: Any, values: dict[str, Any]) -> bool:
+        return self.runner.check(task, values)
+
+    def __repr__(self) -> str:
+        return repr(self.runner)
+
+
 class _Abort(Exception):
     def __init__(self, failure: TaskFailed | TaskError) -> None:
         super().__init__(str(failure))
         self.failure = failure
 
 
-def project_of(path: str | Path | None) -> Project:
-    return Project.open(Path.cwd() if path is None else Path(path))
+_PROJECTS: dict[tuple[Path, int], Project] = {}
+
+
+def project_of(path: str | os.PathLike[str] | None) -> Project:
+    """The project, opened once per dodo load: a dodo with 1,000 steps
+    reads and validates pyproject.toml once, not 1,000 times."""
+    root = (Path.cwd() if path is None else Path(path)).resolve()
+    try:
+        stamp = (root / "pyproject.toml").stat().st_mtime_ns
+    except FileNotFoundError:
+        stamp = 0
+    project = _PROJECTS.get((root, stamp))
+    if project is None:
+        project = _PROJECTS[(root, stamp)] = Project.open(root)
+    return project

@@ -23,6 +23,9 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 TABLE = "tool.substrax.compute"
 BACKEND_ENV = "SUBSTRAX_BACKEND"
+# A TOML file whose [tool.substrax.compute] is laid over the project's: for
+# machine-specific settings (hosts, keys) kept out of the repository.
+CONFIG_ENV = "SUBSTRAX_CONFIG"
 
 
 class ComputeConfig(BaseModel):
@@ -76,18 +79,40 @@ def format_errors(exc: ValidationError, table: str, model: type[BaseModel]) -> s
 
 def _valid_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
     """The keys allowed at `loc` inside `model` (walking nested tables)."""
-    current: Any = model
+    current: type[BaseModel] = model
     for part in loc:
-        field = current.model_fields.get(part) if isinstance(current, type) else None
+        field = next((f for n, f in current.model_fields.items() if part in (n, f.alias)), None)
         annotation = field.annotation if field is not None else None
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         current = annotation
-    return sorted(current.model_fields)
+    return sorted(field.alias or name for name, field in current.model_fields.items())
 
 
 def read_pyproject_table(project: Path) -> dict[str, Any]:
-    path = project / "pyproject.toml"
+    table = read_table(project / "pyproject.toml")
+    overlay = os.environ.get(CONFIG_ENV)
+    if overlay:
+        extra = Path(overlay)
+        if not extra.is_file():
+            raise ConfigError(f"{CONFIG_ENV}={overlay}: no such file; point it at a TOML file or unset it")
+        table = merged(table, read_table(extra))
+    return table
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` laid on `base`, table by table."""
+    result = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(result.get(key), dict):
+            result[key] = merged(result[key], value)
+        else:
+            result[key] = value
+    return result
+
+
+def read_table(path: Path) -> dict[str, Any]:
+    """`[tool.substrax.compute]` of one TOML file ({} when absent)."""
     if not path.is_file():
         return {}
     try:

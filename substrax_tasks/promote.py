@@ -9,13 +9,13 @@ first copied next to its final path and renamed from there.
 from __future__ import annotations
 
 import errno
-import os
 import shutil
 import uuid
 from pathlib import Path
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Remove a file, symlink or folder tree (a symlink is never followed)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
@@ -29,7 +29,7 @@ def _next_to(final: Path, tag: str) -> Path:
 def promote_one(staged: Path, final: Path) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.replace(staged, final) if not final.is_dir() or final.is_symlink() else _swap_dir(staged, final)
+        staged.replace(final) if not final.is_dir() or final.is_symlink() else _swap_dir(staged, final)
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
@@ -43,21 +43,21 @@ def promote_one(staged: Path, final: Path) -> None:
             promote_one(beside, final)
         finally:
             if beside.exists() or beside.is_symlink():
-                _remove(beside)
-        _remove(staged)
+                remove_path(beside)
+        remove_path(staged)
 
 
 def _swap_dir(staged: Path, final: Path) -> None:
     """A folder cannot be renamed over a non-empty folder: move the old one
     aside first (the path is briefly absent, never half-written)."""
     aside = _next_to(final, "old")
-    os.rename(final, aside)
+    final.rename(aside)
     try:
-        os.rename(staged, final)
+        staged.rename(final)
     except OSError:
-        os.rename(aside, final)  # put the old one back
+        aside.rename(final)  # put the old one back
         raise
-    _remove(aside)
+    remove_path(aside)
 
 
 def promote(staging_root: Path, project: Path, outputs: list[str]) -> None:

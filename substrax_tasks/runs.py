@@ -46,7 +46,8 @@ class Project:
         overrides the configured ones, validated by the backend's model."""
         name, configured = self.settings_for(backend)
         if settings is not None:
-            configured = backend_class(name).Settings.model_validate(settings).model_dump(mode="json", by_alias=True)
+            model = backend_class(name).Settings
+            configured = model.model_validate(settings).model_dump(mode="json", by_alias=True)
         handle = self.store.new_run(spec, name, configured)
         return self.store.update_state(handle, project=str(self.root))
 

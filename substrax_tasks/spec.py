@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from substrax_tasks.errors import SpecError
 
-ArgvItem = Union[str, int, os.PathLike]  # type: ignore[type-arg]
+ArgvItem = Union[str, int, os.PathLike]  # type: ignore[type-arg]  # noqa: UP007 - a runtime alias
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 RESOURCE_KEYS = ("accelerators", "cpus", "memory", "disk_size")
 
@@ -88,6 +88,7 @@ def make_spec(
     step: str,
     command: Sequence[ArgvItem],
     project: Path,
+    *,
     inputs: Iterable[str | os.PathLike[str]] = (),
     outputs: Iterable[str | os.PathLike[str]] = (),
     env: Mapping[str, str] | None = None,

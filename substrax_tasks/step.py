@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from substrax_tasks.chain import StepRunner, project_of
+from substrax_tasks.chain import StepCheck, StepRunner, project_of
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.spec import ArgvItem, StepSpec, make_spec, paths_overlap
 
@@ -29,6 +29,8 @@ from substrax_tasks.spec import ArgvItem, StepSpec, make_spec, paths_overlap
 # outputs, producers of inputs). Keyed by (project, step name).
 _DECLARED: dict[tuple[str, str], StepSpec] = {}
 _DECLARED_LOCK = threading.Lock()
+# The runner of each step declared in this process, for `substrax-compute why`.
+RUNNERS: dict[tuple[str, str], StepRunner] = {}
 PASSTHROUGH_KEYS = ("doc", "title", "verbosity", "clean", "getargs", "params", "pos_arg", "watch")
 PHASE_NAMES = ("launch", "setup", "sync", "run", "fetch")
 
@@ -75,7 +77,7 @@ def _check_against_others(project: Path, spec: StepSpec) -> list[str]:
     return producers
 
 
-def remote_step(
+def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, command, ...)
     name: str,
     command: Sequence[ArgvItem] | None = None,
     inputs: Iterable[str | os.PathLike[str]] = (),
@@ -115,7 +117,9 @@ def remote_step(
     try:
         proj = project_of(project)
         if (command is None) == (shell is None):
-            raise SubstraxError(f"step {name!r}: give either command=[...] or shell='...', not both or neither")
+            raise SubstraxError(
+                f"step {name!r}: give either command=[...] or shell='...', not both or neither"
+            )
         argv: Sequence[ArgvItem] = ["/bin/sh", "-c", shell] if shell is not None else (command or [])
         spec = make_spec(
             name, argv, proj.root, inputs=inputs, outputs=outputs, env=env, timeout=timeout,
@@ -137,6 +141,7 @@ def remote_step(
     except SubstraxError as exc:
         _fail_at_load(exc)
         raise  # unreachable: _fail_at_load exits
+    RUNNERS[(str(proj.root), spec.step)] = runner
     yield from step_tasks(runner, producers, list(task_dep), tracked, task_keys)
 
 
@@ -178,9 +183,12 @@ def step_tasks(
         "targets": [o.rstrip("/") for o in spec.outputs],
         "task_dep": task_dep + producers,
         "setup": [previous],
-        "uptodate": [runner],
+        "uptodate": [StepCheck(runner)],
         "doc": task_keys.pop("doc", None) or f"remote step {spec.step}: {' '.join(spec.command)[:60]}",
         "verbosity": 2,
     }
+    if task_keys.get("clean") is True:
+        # doit's clean=True leaves a non-empty folder output: remove outputs whole
+        task_keys["clean"] = [runner.clean_outputs]
     public.update(task_keys)
     yield public

@@ -67,8 +67,14 @@ class RunStore:
         write_handle(self.handle_path(handle.run_id), handle)
 
     def update_state(self, handle: RunHandle, **changes: Any) -> RunHandle:
-        """Merge `changes` into the backend state and write it at once."""
-        updated = handle.model_copy(update={"state": {**handle.state, **changes}})
+        """Merge `changes` into the backend state and write it at once. The
+        state on disk is the base (a backend may have recorded something
+        since `handle` was read), the given handle's state the fallback."""
+        try:
+            current = read_handle(self.handle_path(handle.run_id)).state
+        except HandleError:
+            current = {}
+        updated = handle.model_copy(update={"state": {**handle.state, **current, **changes}})
         self.write(updated)
         return updated
 

@@ -75,6 +75,13 @@ class Job:
     def log(self) -> str:
         return self.log_file.read_text(errors="replace")
 
+    def started(self) -> bool:
+        """The worker has written a status past `starting` (it has a pid)."""
+        try:
+            return self.status().get("state") not in (None, "starting")
+        except (OSError, ValueError):
+            return False
+
     def outputs_root(self) -> Path:
         return Path(self.status()["outputs_root"])
 
@@ -160,7 +167,7 @@ def test_worker_stops_whole_tree_on_signal(
 ) -> None:
     job = Job(tmp_path, stubborn_tree(marker, "grandchild"), sandbox=sandbox, outputs=["out/"])
     proc = job.start(worker_python)
-    wait_for(job.status_file.exists, "the worker's first status")
+    wait_for(job.started, "the worker's first status")
     task_ready, grandchild_ready = ready_files(job.outputs_root(), "grandchild")
     wait_for(lambda: task_ready.exists() and grandchild_ready.exists(), "the task tree to start")
     proc.send_signal(sig)

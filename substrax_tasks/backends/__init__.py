@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 REGISTRY = MappingProxyType(
     {
         "local": "substrax_tasks.backends.local:LocalBackend",
+        "ssh": "substrax_tasks.backends.ssh:SshBackend",
     }
 )
 BACKEND_NAMES = tuple(REGISTRY)

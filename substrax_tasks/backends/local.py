@@ -7,6 +7,8 @@ client exits, and `substrax-compute cancel` reaches it by pid.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -14,15 +16,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from substrax_tasks import _procs
+from substrax_tasks import _procs, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._remote_files import remote_script
-from substrax_tasks import manifest_cache
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
@@ -35,7 +37,7 @@ CANCEL_MARGIN_SECONDS = 10.0  # beyond the grace period, for the SIGKILL and rea
 class LocalSettings(BaseModel):
     """`[tool.substrax.compute.backends.local]`"""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     sandbox: Literal["auto", "bwrap", "none"] = Field(
         "auto",
@@ -143,8 +145,13 @@ class LocalBackend(Backend):
             return False
         record = self._record(handle) or {}
         if status.state == "pending" and not record:
-            self._write_end(handle, "cancelled", "cancelled before the command started")
-            return True
+            with self._start_lock(handle):
+                # The worker may have claimed the start meanwhile: then it
+                # is signalled below like any running worker.
+                record = self._record(handle) or {}
+                if not record:
+                    self._write_end(handle, "cancelled", "cancelled before the command started")
+                    return True
         if status.state == "lost":
             # No worker to do it: kill the task's group ourselves.
             _procs.signal_if_same(
@@ -165,6 +172,17 @@ class LocalBackend(Backend):
             f"run {handle.run_id}: the worker (pid {record.get('worker_pid')}) did not stop "
             f"within {limit:.0f} s of SIGTERM"
         )
+
+    @contextlib.contextmanager
+    def _start_lock(self, handle: RunHandle) -> Iterator[None]:
+        """The lock remote/worker.py takes to start a run (its START_LOCK)."""
+        path = self.store.run_dir(handle.run_id) / "start.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def _write_end(self, handle: RunHandle, state: str, message: str) -> None:
         record = {**(self._record(handle) or {}), "state": state, "message": message}
@@ -188,9 +206,9 @@ class LocalBackend(Backend):
         if not isinstance(root, str):
             raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
         outputs = list(handle.spec.outputs)
+        manifest = self._worker_manifest(handle) or manifest_cache.build_manifest(Path(root), outputs)
         if record.get("sandbox") == "none":
-            return Fetched(Path(root), manifest_cache.build_manifest(Path(root), outputs), in_place=True)
-        manifest = manifest_cache.build_manifest(Path(root), outputs)
+            return Fetched(Path(root), manifest, in_place=True)
         fetched = self.store.run_dir(handle.run_id) / "fetched"
         shutil.rmtree(fetched, ignore_errors=True)
         for out in outputs:
@@ -198,6 +216,15 @@ class LocalBackend(Backend):
             if source.exists() or source.is_symlink():
                 link_tree(source, fetched / out.rstrip("/"))
         return Fetched(fetched, manifest)
+
+    def _worker_manifest(self, handle: RunHandle) -> dict[str, Any] | None:
+        """The manifest the worker took as the command ended, if any."""
+        path = self.store.run_dir(handle.run_id) / "manifest.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) and "digest" in data else None
 
     def outputs_available(self, handle: RunHandle) -> bool:
         return False  # the staging folder is emptied by teardown after promotion

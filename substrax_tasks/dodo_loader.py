@@ -1,0 +1,88 @@
+"""Load a project's dodo.py the way doit does, to find its remote steps."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from doit import doit_cmd
+from doit.dependency import Dependency, SqliteDB
+from doit.loader import get_module, load_tasks
+
+from substrax_tasks.chain import StepRunner
+from substrax_tasks.errors import SubstraxError
+from substrax_tasks.step import RUNNERS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
+
+
+@contextlib.contextmanager
+def _cwd(path: Path) -> Iterator[None]:
+    before = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def find_step(project: Path, step: str, dodo: Path | None = None) -> StepRunner:
+    """The runner of `step`, as declared by the project's dodo file now.
+    It also carries doit's saved values of the step (`doit_values`) when
+    doit's dependency file can be read, so `why` sees a `doit forget`."""
+    dodo_file = (dodo or project / "dodo.py").resolve()
+    if not dodo_file.is_file():
+        raise SubstraxError(f"no dodo file at {dodo_file}; give one with --dodo FILE")
+    if doit_cmd._CMDLINE_VARS is None:
+        doit_cmd.reset_vars()  # get_var() gives its default, as under `doit` without NAME=VALUE
+    with _cwd(dodo_file.parent):
+        module = get_module(str(dodo_file), seek_parent=False)
+        members = dict(inspect.getmembers(module))
+        load_tasks(members, allow_delayed=False)
+    runner = RUNNERS.get((str(project.resolve()), step))
+    if runner is None:
+        known = sorted(name for (proj, name) in RUNNERS if proj == str(project.resolve()))
+        raise SubstraxError(
+            f"{dodo_file} declares no remote step {step!r}; its remote steps: {', '.join(known) or 'none'}"
+        )
+    runner.doit_values = _saved_values(dodo_file.parent, members.get("DOIT_CONFIG"), step)
+    return runner
+
+
+def _saved_values(folder: Path, doit_config: Any, task: str) -> dict[str, Any] | None:
+    """doit's saved values of `task`, if its dependency file is an sqlite3
+    one that exists; None when they cannot be known."""
+    settings: dict[str, Any] = dict(doit_table(folder))
+    if isinstance(doit_config, dict):
+        settings.update(doit_config)
+    dep_file = folder / str(settings.get("dep_file", ".doit.db"))
+    if settings.get("backend") != "sqlite3" or not dep_file.is_file():
+        return None
+    try:
+        dep = Dependency(SqliteDB, str(dep_file))
+        try:
+            values: dict[str, Any] = dep.get_values(task)
+        finally:
+            dep.backend._conn.close()  # read only: nothing to write back
+    except Exception:  # noqa: BLE001 - an unreadable DB only means "unknown"
+        return None
+    return values
+
+
+def doit_table(folder: Path) -> dict[str, Any]:
+    """`[tool.doit]` of the pyproject.toml beside the dodo file."""
+    path = folder / "pyproject.toml"
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    table = data.get("tool", {}).get("doit", {})
+    return table if isinstance(table, dict) else {}

@@ -1,0 +1,93 @@
+"""The repository's own example pipeline (dodo.py + scripts/), as `make demo`
+runs it: in a copy of the repository's files, with the real `doit`."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from dodo_helpers import REPO, doit, doit_ok, handles, run_count, show, step_ran, step_skipped
+
+TASKS = ("data", "fit", "report")
+
+
+@pytest.fixture
+def example(tmp_path: Path) -> Path:
+    """A fresh copy of what `make demo` needs: dodo.py, scripts/, pyproject.toml."""
+    root = tmp_path / "example"
+    root.mkdir()
+    shutil.copy2(REPO / "dodo.py", root / "dodo.py")
+    shutil.copy2(REPO / "pyproject.toml", root / "pyproject.toml")
+    shutil.copytree(REPO / "scripts", root / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def test_demo_runs_three_steps_then_nothing(example: Path) -> None:
+    first = doit_ok(example)
+    for task in TASKS:
+        assert step_ran(first, task), show(first)
+    assert run_count(example) == 1  # one remote step: fit
+    (run,) = handles(example)
+    assert run["step"] == "fit"
+    assert run["state"]["phase"] == "promoted"
+    coef = json.loads((example / "demo-data" / "model" / "coef.json").read_text())
+    assert abs(coef["slope"] - 3) < 0.1 and abs(coef["intercept"] - 2) < 0.1
+    report = (example / "demo-data" / "report.md").read_text()
+    assert "# Fit report" in report and "points: 2000" in report
+
+    second = doit_ok(example)
+    for task in TASKS:
+        assert step_skipped(second, task), show(second)
+    assert not any(line.startswith(".  ") for line in second.stdout.splitlines()), show(second)
+    assert "nothing to do" in second.stdout  # and says so
+    assert run_count(example) == 1
+
+
+def test_demo_reruns_only_what_a_change_reaches(example: Path) -> None:
+    doit_ok(example)
+    script = example / "scripts" / "report.py"
+    script.write_text(script.read_text() + "\n# a comment\n")
+    again = doit_ok(example)
+    assert step_ran(again, "report"), show(again)
+    assert step_skipped(again, "fit") and step_skipped(again, "data"), show(again)
+    assert run_count(example) == 1
+    fit = example / "scripts" / "fit.py"
+    fit.write_text(fit.read_text() + "\n# a comment\n")
+    third = doit_ok(example)
+    assert step_ran(third, "fit"), show(third)
+    assert run_count(example) == 2
+    # fit's outputs are byte for byte the same: report's file_dep did not change
+    assert step_skipped(third, "report"), show(third)
+
+
+def test_example_lists_its_tasks_and_sets_default_tasks(example: Path) -> None:
+    listed = doit_ok(example, "list")
+    names = sorted(line.split()[0] for line in listed.stdout.splitlines() if line.strip())
+    assert set(TASKS) <= set(names), show(listed)
+    assert not any(name.startswith("_") for name in names)
+    text = (REPO / "dodo.py").read_text()
+    assert "default_tasks" in text
+    assert "remote_step(" in text
+
+
+def test_make_demo_runs_doit_in_the_project() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    recipe = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    assert "$(BIN)/doit" in recipe
+
+
+def _remote_run_task() -> str:
+    makefile = (REPO / "Makefile").read_text()
+    found = re.search(r"^REMOTE_RUN_TASK\s*\?=\s*(\S+)", makefile, re.MULTILINE)
+    assert found, "the Makefile names no REMOTE_RUN_TASK"
+    return found.group(1)
+
+
+def test_make_remote_run_task_exists_and_runs_the_remote_step(example: Path) -> None:
+    task = _remote_run_task()
+    done = doit(example, task, env={"SUBSTRAX_BACKEND": "local"})
+    assert done.returncode == 0, show(done)
+    assert [h["step"] for h in handles(example)] == ["fit"]
