@@ -251,6 +251,14 @@ def bwrap_argv(bwrap, job, staging):
     return argv
 
 
+def remove_path(path):
+    # type: (str) -> None
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
 def prepare_outputs(job, staging):
     # type: (dict, str) -> None
     """Folders must exist before bubblewrap can bind onto them; as Snakemake
@@ -379,6 +387,11 @@ class Worker(object):
                     "network_isolation = true needs bubblewrap, which is not usable here; "
                     "install bubblewrap or set network_isolation = false"
                 )
+        # Without a sandbox the outputs are written in place: remove the
+        # previous ones first (as Snakemake does), so that a run that does
+        # not write an output is never taken to have made the old one.
+        for out in job["outputs"]:
+            remove_path(os.path.join(job["project"], out["path"]))
         # The same folders as in the sandbox, so a task runs alike in both.
         for rel in writable_dirs(job["outputs"]):
             os.makedirs(os.path.join(job["project"], rel), exist_ok=True)

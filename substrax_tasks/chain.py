@@ -10,7 +10,9 @@ starting a second run.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import hashlib
 import inspect
 import json
 import os
@@ -21,13 +23,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, TypeVar, cast
 
 from doit.dependency import UptodateCalculator
 from doit.exceptions import TaskError, TaskFailed
 
 from substrax_tasks import manifest_cache
 from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._output import OUTPUT_LOCK, emit
 from substrax_tasks.backends.base import FINAL_STATES, Backend, Fetched
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
 from substrax_tasks.handle import RunHandle
@@ -35,21 +38,25 @@ from substrax_tasks.promote import promote, remove_path
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import StepSpec, canonical_digest, check_inputs_exist, safe_name
 from substrax_tasks.steplock import StepLock
+from substrax_tasks.worker_job import ENV_LOCK_FILES
 
 PHASES = ("created", "launched", "set_up", "synced", "started", "fetched", "promoted")
 RETRY_BACKOFF_SECONDS = 2.0
 DOIT_VALUE = "substrax_run"  # saved by doit with the public task's values
+_T = TypeVar("_T")
 
 
 class _TextSink:
     """Log bytes to doit's (possibly captured, text-only) stdout."""
 
     def write(self, data: bytes) -> int:
-        sys.stdout.write(data.decode(errors="replace"))
+        with OUTPUT_LOCK:
+            sys.stdout.write(data.decode(errors="replace"))
         return len(data)
 
     def flush(self) -> None:
-        sys.stdout.flush()
+        with OUTPUT_LOCK:
+            sys.stdout.flush()
 
 
 def phase_index(phase: str | None) -> int:
@@ -136,22 +143,46 @@ class StepRunner:
             "settings": canonical_digest(self.settings),
             "inputs": files,
             "missing_inputs": manifest["missing"],
+            "environment": self._environment_lock(),
         }
+
+    def _environment_lock(self) -> dict[str, str]:
+        """The lock file the environment is built from: a new lock, a new env."""
+        for name in ENV_LOCK_FILES:
+            path = self.project.root / name
+            if path.is_file():
+                return {name: hashlib.sha256(path.read_bytes()).hexdigest()}
+        return {}
 
     def key(self, parts: dict[str, Any] | None = None) -> str:
         return canonical_digest(parts if parts is not None else self.key_parts())
 
     def up_to_date(self, values: dict[str, Any] | None = None) -> bool:
         """Verified outputs of a run with today's key, still intact here.
-        `values` are doit's saved values: empty after `doit forget`."""
-        if values is not None and not values.get(DOIT_VALUE):
-            return False
-        verified = self.read_record().get("verified")
+
+        `values` are doit's saved values of the public task. Without one,
+        doit either forgot the task (`doit forget`: rerun, as doit users
+        expect) or was killed before it saved its DB (trust our own record:
+        never pay twice for a run whose outputs are home). The record tells
+        them apart: a verified run is `acknowledged` only once the doit
+        process that verified it has exited normally, its DB saved."""
+        record = self.read_record()
+        verified = record.get("verified")
         if not isinstance(verified, dict) or verified.get("key") != self.key():
             return False
-        return manifest_cache.outputs_match(
+        if not manifest_cache.outputs_match(
             self.project.root, list(self.spec.outputs), str(verified.get("digest")), self.outputs_cache
-        )
+        ):
+            return False
+        if values is not None and not values.get(DOIT_VALUE):
+            return verified.get("run_id") != record.get("acknowledged")
+        return True
+
+    def _acknowledge(self, run_id: str) -> None:
+        """At interpreter exit (after doit saved its DB; never after SIGKILL)."""
+        with contextlib.suppress(OSError):
+            if (self.read_record().get("verified") or {}).get("run_id") == run_id:
+                self.write_record(acknowledged=run_id)
 
     def explain(self) -> list[str]:
         """Why the step would run: each changed part, naming the paths.
@@ -163,7 +194,8 @@ class StepRunner:
         reasons: list[str] = []
         old: dict[str, Any] = verified.get("key_parts") or {}
         new = self.key_parts()
-        for field in ("command", "env", "timeout", "outputs", "resources", "secrets", "backend"):
+        fields = ("command", "env", "timeout", "outputs", "resources", "secrets", "backend", "environment")
+        for field in fields:
             if old.get(field) != new.get(field):
                 reasons.append(f"{field} changed: was {old.get(field)!r}, now {new.get(field)!r}")
         if old.get("settings") != new.get("settings"):
@@ -238,7 +270,7 @@ class StepRunner:
             path = self.project.root / out.rstrip("/")
             if not (path.exists() or path.is_symlink()):
                 continue
-            print(f"{self.spec.step} - {'would remove' if dryrun else 'removing'} {out}")
+            emit(f"{self.spec.step} - {'would remove' if dryrun else 'removing'} {out}")
             if not dryrun:
                 remove_path(path)
 
@@ -288,7 +320,7 @@ class StepRunner:
     def backend(self, handle: RunHandle) -> Backend:
         return self.project.backend_for(handle)
 
-    def _retrying(self, what: str, call: Callable[[], RunHandle]) -> RunHandle:
+    def _retrying(self, what: str, call: Callable[[], _T]) -> _T:
         """Retry failures of the machinery, never a failed command."""
         for attempt in range(self.retries + 1):
             try:
@@ -297,7 +329,7 @@ class StepRunner:
                 if attempt == self.retries:
                     raise
                 wait = RETRY_BACKOFF_SECONDS * (attempt + 1)
-                print(
+                emit(
                     f"{self.spec.step}: {what} failed ({exc}); "
                     f"retry {attempt + 1} of {self.retries} in {wait:.0f} s"
                 )
@@ -314,9 +346,15 @@ class StepRunner:
         try:
             yield
         except BackendError as exc:
-            raise _Abort(TaskError(f"step {self.spec.step!r}: {exc}")) from None
+            raise _Abort(TaskError(self._named(exc))) from None
         except SubstraxError as exc:
-            raise _Abort(TaskFailed(f"step {self.spec.step!r}: {exc}")) from None
+            raise _Abort(TaskFailed(self._named(exc))) from None
+
+    def _named(self, exc: Exception) -> str:
+        """The message, naming the step once."""
+        text = str(exc)
+        prefix = f"step {self.spec.step!r}"
+        return text if text.startswith(prefix) else f"{prefix}: {text}"
 
     def _action(self, body: Callable[[], Any]) -> Any:
         if os.getpid() != self.pid:
@@ -358,15 +396,30 @@ class StepRunner:
         key = self.key(parts)
         handle = self._reusable_run(key)
         if handle is None:
+            self._retire_unlaunched()
             handle = self.project.new_run(self.spec, self.backend_name)
             handle = self._save(handle, key=key, key_parts=parts, phase="created")
             self.write_record(run_id=handle.run_id)
-            print(f"{self.spec.step}: new run {handle.run_id} on {self.backend_name}")
+            emit(f"{self.spec.step}: new run {handle.run_id} on {self.backend_name}")
         self.handle = handle
         if phase_index(handle.state.get("phase")) < phase_index("launched"):
             backend = self.backend(handle)
             launched = self._retrying("launch", lambda: backend.launch(handle))
             self._save(launched, phase="launched")
+
+    def _retire_unlaunched(self) -> None:
+        """The step's previous run, if its launch never succeeded (say a host
+        key was refused, then the settings changed), would read `pending`
+        for ever: record that it was given up."""
+        run_id = self.read_record().get("run_id")
+        if not run_id:
+            return
+        try:
+            old = self.project.store.read(str(run_id))
+        except HandleError:
+            return
+        if phase_index(old.state.get("phase")) < phase_index("launched") and not old.state.get("verdict"):
+            self._save(old, verdict={"state": "failed", "message": "never launched; a newer run replaced it"})
 
     def _reusable_run(self, key: str) -> RunHandle | None:  # noqa: PLR0911 - one return per case
         """The step's last run, if it has today's key and is worth keeping:
@@ -384,15 +437,15 @@ class StepRunner:
         status = backend.poll(handle)
         phase = handle.state.get("phase")
         if not status.final:
-            print(f"{self.spec.step}: reattaching to run {handle.run_id} ({status.state})")
+            emit(f"{self.spec.step}: reattaching to run {handle.run_id} ({status.state})")
             return handle
         if status.state != "succeeded":
             return None
         if phase != "promoted":
-            print(f"{self.spec.step}: run {handle.run_id} finished; fetching its outputs again")
+            emit(f"{self.spec.step}: run {handle.run_id} finished; fetching its outputs again")
             return handle
         if backend.outputs_available(handle):
-            print(f"{self.spec.step}: outputs changed here; fetching run {handle.run_id} again")
+            emit(f"{self.spec.step}: outputs changed here; fetching run {handle.run_id} again")
             return self._save(handle, phase="started")
         return None
 
@@ -442,13 +495,13 @@ class StepRunner:
 
     def _on_interrupt(self, backend: Backend, handle: RunHandle) -> None:
         if backend.name == "local":
-            print(f"\n{self.spec.step}: interrupted; cancelling local run {handle.run_id}", file=sys.stderr)
+            emit(f"\n{self.spec.step}: interrupted; cancelling local run {handle.run_id}", err=True)
             backend.cancel(handle)
         else:
-            print(
+            emit(
                 f"\n{self.spec.step}: detached from run {handle.run_id}, which goes on. "
                 f"`doit {self.spec.step}` reattaches; `substrax-compute cancel {handle.run_id}` stops it.",
-                file=sys.stderr,
+                err=True,
             )
 
     def fetch(self) -> Any:
@@ -460,7 +513,7 @@ class StepRunner:
             return None
         backend = self.backend(handle)
         try:
-            fetched = backend.fetch(handle)
+            fetched = self._retrying("fetch", lambda: backend.fetch(handle))
         except manifest_cache.ManifestError as exc:
             self._save(handle, verdict={"state": "failed", "message": str(exc)})
             return TaskFailed(f"step {self.spec.step!r}: {exc}; nothing was promoted")
@@ -527,6 +580,7 @@ class StepRunner:
                 "manifest_file": str(self.project.store.run_dir(handle.run_id) / "manifest.json"),
             }
         )
+        atexit.register(self._acknowledge, handle.run_id)
         return {DOIT_VALUE: handle.run_id}
 
     def teardown(self) -> None:
@@ -556,11 +610,17 @@ class StepRunner:
                 self.interrupted = True
                 self._on_interrupt(backend, handle)
                 status = backend.status(handle)
-            done = handle.state.get("phase") == "promoted" or (status.final and status.state != "succeeded")
+            launched = phase_index(handle.state.get("phase")) >= phase_index("launched")
+            done = (
+                handle.state.get("phase") == "promoted"
+                or (status.final and status.state != "succeeded")
+                # launched but never started (setup or sync failed): nothing to keep
+                or (status.state == "pending" and launched)
+            )
             if done or (self.interrupted and backend.name == "local"):
                 backend.teardown(handle)
             elif status.final:
-                print(f"{self.spec.step}: keeping run {handle.run_id} until its outputs are home; "
+                emit(f"{self.spec.step}: keeping run {handle.run_id} until its outputs are home; "
                       f"`doit {self.spec.step}` fetches them again")
         finally:
             self.lock.release()

@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, Union
 
@@ -158,17 +158,64 @@ def check_inputs_exist(spec: StepSpec, project: Path) -> None:
         )
 
 
-def paths_overlap(a: str, b: str) -> bool:
-    """True when one path is the other or lies inside it."""
-    pa, pb = PurePosixPath(a.rstrip("/")), PurePosixPath(b.rstrip("/"))
-    return pa == pb or pa in pb.parents or pb in pa.parents
+def _ancestors(path: str) -> Iterator[str]:
+    """"a/b/c" -> "a", "a/b" (string work: this runs for every output)."""
+    at = path.find("/")
+    while at != -1:
+        yield path[:at]
+        at = path.find("/", at + 1)
+
+
+class PathIndex:
+    """Who declared which output, answering "does this path overlap one?"
+    in time proportional to its depth, not to the number of outputs: a dodo
+    of 1,000 steps checks in milliseconds, not seconds."""
+
+    def __init__(self) -> None:
+        self.owner: dict[str, str] = {}  # output path -> its step
+        self.below: dict[str, str] = {}  # folder holding an output -> that output's step
+        self.by_step: dict[str, list[str]] = {}
+
+    def overlapping(self, path: str) -> tuple[str, str] | None:
+        """(step, output) of an output that `path` is, holds, or lies in."""
+        clean = path.rstrip("/")
+        if clean in self.owner:
+            return self.owner[clean], clean
+        if clean in self.below:
+            step = self.below[clean]
+            held = next(o for o in self.by_step[step] if o.startswith(clean + "/"))
+            return step, held
+        for folder in _ancestors(clean):
+            if folder in self.owner:
+                return self.owner[folder], folder
+        return None
+
+    def add(self, step: str, path: str) -> None:
+        clean = path.rstrip("/")
+        self.owner[clean] = step
+        self.by_step.setdefault(step, []).append(clean)
+        for folder in _ancestors(clean):
+            self.below.setdefault(folder, step)
+
+    def remove_step(self, step: str) -> None:
+        if step not in self.by_step:
+            return
+        for path in self.by_step.pop(step):
+            self.owner.pop(path, None)
+        self.below = {k: v for k, v in self.below.items() if v != step}
+        for other, paths in self.by_step.items():
+            for path in paths:
+                for folder in _ancestors(path):
+                    self.below.setdefault(folder, other)
 
 
 def check_no_overlap(step: str, outputs: list[str]) -> None:
-    for i, first in enumerate(outputs):
-        for second in outputs[i + 1 :]:
-            if paths_overlap(first, second):
-                raise SpecError(
-                    f"step {step!r}: outputs {first} and {second} overlap; "
-                    "declare each file or folder once"
-                )
+    index = PathIndex()
+    for out in outputs:
+        hit = index.overlapping(out)
+        if hit is not None:
+            raise SpecError(
+                f"step {step!r}: outputs {hit[1]} and {out.rstrip('/')} overlap; "
+                "declare each file or folder once"
+            )
+        index.add(step, out)

@@ -16,6 +16,8 @@ JOB_FILE = "job.json"
 STATUS_FILE = "status.json"
 LOG_FILE = "run.log"
 STAGING_DIR = "work/outputs"
+# The lock files a backend builds the run's environment from, first found wins.
+ENV_LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")
 
 
 @dataclass(frozen=True)

@@ -102,8 +102,7 @@ def test_noop_rerun_runs_no_task_of_the_chain(tmp_path: Path) -> None:
     root = basic(tmp_path)
     ran = json.loads(doit_ok(root, "--reporter", "json").stdout)
     names = {t["name"]: t["result"] for t in ran["tasks"]}
-    assert names["_step:launch"] == "success"
-    assert names["_step:fetch"] == "success"
+    assert names["_step"] == "success"  # the hidden task holding the phases
     assert names["step"] == "success"
     again = json.loads(doit_ok(root, "--reporter", "json").stdout)
     assert [(t["name"], t["result"]) for t in again["tasks"]] == [("step", "up-to-date")]
@@ -178,13 +177,9 @@ def test_tampered_output_reruns_the_step(tmp_path: Path, how: str, sandbox: str)
     assert step_ran(again, "step"), show(again)
     # The local backend drops a run's outputs once promoted: it runs again.
     assert run_count(root) == 2
-    produced = outputs_of(root)
-    if sandbox == "bwrap" or how != "add-to-folder":
-        assert produced == expected_outputs()
-    else:
-        # Without a sandbox the command writes in place: a stray file it does
-        # not remove stays, and is part of the new verified manifest.
-        assert produced == {**expected_outputs(), "out/sub/stray.txt": "stray\n"}
+    # Without a sandbox the outputs are removed before the command writes
+    # them in place, so a stray file is gone in both modes.
+    assert outputs_of(root) == expected_outputs()
     if how == "chmod":
         assert not os.access(root / "out" / "a.txt", os.X_OK) or sandbox == "none"
     third = doit_ok(root)
@@ -318,7 +313,7 @@ def task_plain():
     names = [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
     assert sorted(names) == ["plain", "step"], show(listed)
     private = doit_ok(root, "list", "--private")
-    assert "_step:launch" in private.stdout
+    assert "_step " in private.stdout or "_step\n" in private.stdout
     info = doit(root, "info", "step")
     assert info.returncode == 1, show(info)  # doit info: 1 when the task would run
     assert "data/in.txt" in info.stdout
@@ -743,11 +738,6 @@ def task_step():
     assert run_count(root) == 0
 
 
-@pytest.mark.xfail(
-    reason="BUG (remote/worker.py, no-sandbox path): the previous run's output stays in place, "
-    "so a run that did not write it is taken as having produced it",
-    strict=True,
-)
 def test_no_sandbox_run_that_skips_an_output_is_not_fed_the_old_one(tmp_path: Path) -> None:
     body = """
 COMMAND = get_var("c", "echo x > res.txt")

@@ -229,7 +229,7 @@ class LocalBackend(Backend):
     def outputs_available(self, handle: RunHandle) -> bool:
         return False  # the staging folder is emptied by teardown after promotion
 
-    def teardown(self, handle: RunHandle) -> None:
+    def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         self.cancel(handle)  # leaves a finished run alone
         work = self.store.run_dir(handle.run_id) / STAGING_DIR.split("/")[0]
         shutil.rmtree(work, ignore_errors=True)
