@@ -164,7 +164,7 @@ def cmd_cancel(project: Project, args: argparse.Namespace, out: Console, err: Co
 
 def cmd_teardown(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
     handle = project.store.read(args.run)
-    project.backend_for(handle).teardown(handle)
+    project.backend_for(handle).teardown(handle, force=True)
     out.print(f"run {handle.run_id}: torn down (handle and logs kept)", highlight=False)
     return 0
 

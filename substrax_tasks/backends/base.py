@@ -127,9 +127,11 @@ class Backend(ABC):
         return False
 
     @abstractmethod
-    def teardown(self, handle: RunHandle) -> None:
+    def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         """Remove what the run holds (folders, machines). Keeps the handle
-        and the logs. Idempotent; a run still going is cancelled first."""
+        and the logs. Idempotent; a run still going is cancelled first.
+        `force` (the CLI's explicit teardown) overrides settings that keep
+        things for reuse."""
 
     # -- built on the above
     def status(self, handle: RunHandle) -> RunStatus:
@@ -137,7 +139,7 @@ class Backend(ABC):
         whose command succeeded but did not produce its outputs is failed."""
         verdict = handle.state.get("verdict")
         status = self.poll(handle)
-        if isinstance(verdict, dict) and status.final:
+        if isinstance(verdict, dict) and (status.final or status.state == "pending"):
             return RunStatus(
                 str(verdict.get("state", status.state)),
                 exit_code=status.exit_code,

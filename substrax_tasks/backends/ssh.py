@@ -1,0 +1,434 @@
+"""The SSH backend: the step runs on a host you can ssh to.
+
+paramiko runs the commands (host keys verified), rsync moves the files.
+On the host, everything of a run lives in `<remote_root>/runs/<run-id>/`:
+
+    job.json status.json run.log setup.log watchdog.json
+    project/        the project's tracked files and the inputs (read-only to the task)
+    work/outputs/   what the sandboxed task writes (the outputs' folders)
+
+and `<remote_root>/bin-<digest>/` holds the stdlib-only scripts (worker,
+manifest, control), `<remote_root>/envs/<lock digest>/` the environments,
+reused while the lock file is unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from substrax_tasks._output import emit
+from substrax_tasks._remote_files import remote_script
+from substrax_tasks._ssh import SshConnection, SshTarget, connection
+from substrax_tasks.backends.base import Backend, Fetched, RunStatus
+from substrax_tasks.errors import BackendError, SubstraxError
+from substrax_tasks.handle import RunHandle
+from substrax_tasks.transports.rsync import RsyncTransport
+from substrax_tasks.worker_job import WorkerPaths, build_job, status_from_record
+
+REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
+LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")
+# remote/manifest.py's messages for a tree that changed while it was read
+MANIFEST_RACES = ("changed while it was read", "was replaced while the manifest was taken")
+ALWAYS_EXCLUDED = (".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache",
+                   ".doit.db", ".doit.db.bak", ".doit.db.dat", ".doit.db.dir")
+
+
+class SetupFailed(SubstraxError):
+    """A setup command failed: the step fails with its output (not retried)."""
+
+
+class SshCopySettings(BaseModel):
+    """`[tool.substrax.compute.backends.ssh.copy]`: the rsync transport."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    network_isolation: bool = Field(False, description="Run the command with no network.")
+    excludes: list[str] = Field(default_factory=list, description="rsync patterns never uploaded.")
+
+
+class SshSettings(BaseModel):
+    """`[tool.substrax.compute.backends.ssh]`"""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    host: str = Field(description='Host name or address; "user@host:port" is split into its pieces.')
+    port: int = Field(22, ge=1, le=65535)
+    user: str | None = Field(None, description="Login name (default: yours).")
+    identity_file: str | None = Field(None, description="Private key (default: ssh agent and ~/.ssh keys).")
+    known_hosts: str = Field("~/.ssh/known_hosts", description="Where host keys are checked.")
+    trust_new_host_key: bool = Field(False, description="Accept and save an unknown host key (first use).")
+    remote_root: str = Field(".substrax-remote", description="Folder on the host (relative: to its home).")
+    python: str = Field("python3", description="The host's Python (3.8+) for the worker.")
+    setup_commands: list[str] = Field(default_factory=list, description="Shell commands run before sync.")
+    lifetime_minutes: float = Field(120.0, gt=0, description="After this, the run is stopped and removed.")
+    sandbox: Literal["auto", "bwrap", "none"] = "auto"
+    grace_seconds: float = Field(5.0, gt=0)
+    keep_remote: bool = Field(False, description="Keep the remote run folder after teardown.")
+    pip_args: list[str] = Field(default_factory=list, description="Extra `pip install` arguments.")
+    connect_timeout: float = Field(15.0, gt=0)
+    copy_: SshCopySettings = Field(default_factory=SshCopySettings, alias="copy")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_host(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("host"), str):
+            given: str = data["host"]
+            host = given
+            if "@" in host:
+                user, host = host.split("@", 1)
+                if data.get("user", user) != user:
+                    raise ValueError(
+                        f"host {given!r} names user {user!r} but user = {data['user']!r}; give one"
+                    )
+                data = {**data, "user": user}
+            if host.count(":") == 1 and host.split(":")[1].isdigit():
+                host, port_text = host.split(":")
+                if data.get("port", int(port_text)) != int(port_text):
+                    raise ValueError(
+                        f"host {given!r} names port {port_text} but port = {data['port']!r}; give one"
+                    )
+                data = {**data, "port": int(port_text)}
+            data = {**data, "host": host}
+        return data
+
+    def with_absolute_paths(self, project: Path) -> SshSettings:
+        def absolute(path: str | None) -> str | None:
+            if path is None:
+                return None
+            expanded = Path(path).expanduser()
+            return str(expanded if expanded.is_absolute() else (project / expanded).resolve())
+
+        return self.model_copy(
+            update={"identity_file": absolute(self.identity_file), "known_hosts": absolute(self.known_hosts)}
+        )
+
+    def target(self) -> SshTarget:
+        return SshTarget(
+            host=self.host,
+            port=self.port,
+            user=self.user,
+            identity_file=self.identity_file,
+            known_hosts=str(Path(self.known_hosts).expanduser()),
+            trust_new_host_key=self.trust_new_host_key,
+            connect_timeout=self.connect_timeout,
+        )
+
+
+def scripts_digest() -> str:
+    digest = hashlib.sha256()
+    for name in REMOTE_SCRIPTS:
+        digest.update(remote_script(name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+class SshBackend(Backend):
+    name = "ssh"
+    Settings = SshSettings
+    settings: SshSettings
+
+    # ---------------------------------------------------------- helpers
+    @property
+    def conn(self) -> SshConnection:
+        return connection(self.settings.target())
+
+    def transport(self) -> RsyncTransport:
+        return RsyncTransport(self.settings.target(), excludes=self.settings.copy_.excludes)
+
+    def _state(self, handle: RunHandle, key: str) -> str:
+        value = handle.state.get(key)
+        if not isinstance(value, str):
+            raise BackendError(f"run {handle.run_id}: no {key} recorded yet (was it launched?)")
+        return value
+
+    def run_dir(self, handle: RunHandle) -> str:
+        return self._state(handle, "remote_run_dir")
+
+    def _python(self, handle: RunHandle, script: str, *args: str) -> list[str]:
+        return [self.settings.python, f"{self._state(handle, 'remote_bin')}/{script}", *args]
+
+    def _json(self, handle: RunHandle, script: str, *args: str, what: str) -> dict[str, Any]:
+        result = self.conn.check(self._python(handle, script, *args), what)
+        try:
+            data = json.loads(result.text().strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise BackendError(f"{what}: unexpected answer {result.text()[:200]!r}") from None
+        if not isinstance(data, dict):
+            raise BackendError(f"{what}: unexpected answer {data!r}")
+        return data
+
+    # ----------------------------------------------------------- phases
+    def launch(self, handle: RunHandle) -> RunHandle:
+        conn = self.conn
+        try:
+            root = conn.sftp().normalize(".") if not self.settings.remote_root.startswith("/") else "/"
+        except OSError as exc:
+            raise BackendError(f"cannot read the home folder on {self.settings.host}: {exc}") from None
+        remote_root = str(Path(root) / self.settings.remote_root)
+        run_dir = f"{remote_root}/runs/{handle.run_id}"
+        home = conn.check(["sh", "-c", 'printf %s "$HOME"'], "reading $HOME").text()
+        conn.check(["mkdir", "-p", "-m", "700", f"{run_dir}/work/outputs", f"{run_dir}/project"], "mkdir")
+        bin_dir = f"{remote_root}/bin-{scripts_digest()}"
+        if conn.run(["test", "-f", f"{bin_dir}/.complete"]).returncode != 0:
+            conn.check(["mkdir", "-p", "-m", "700", bin_dir], "mkdir")
+            for name in REMOTE_SCRIPTS:
+                conn.write_bytes(f"{bin_dir}/{name}", remote_script(name).read_bytes(), mode=0o700)
+            conn.write_bytes(f"{bin_dir}/.complete", b"")
+        return self.store.update_state(
+            handle, remote_root=remote_root, remote_run_dir=run_dir, remote_bin=bin_dir, remote_home=home
+        )
+
+    def setup(self, handle: RunHandle) -> RunHandle:
+        # The timer first: even if setup hangs, nothing outlives the lifetime.
+        seconds = str(self.settings.lifetime_minutes * 60)
+        watchdog = self._json(handle, "control.py", "watchdog", self.run_dir(handle), seconds, "--detach",
+                              what="arming the lifetime timer")
+        handle = self.store.update_state(handle, watchdog=watchdog)
+        log = self.store.run_dir(handle.run_id) / "setup.log"
+        for command in self.settings.setup_commands:
+            result = self.conn.run(["sh", "-c", command], timeout=None)
+            with log.open("ab") as f:
+                f.write(f"$ {command}\n".encode() + result.stdout + result.stderr)
+            if result.returncode != 0:
+                raise SetupFailed(
+                    f"setup command `{command}` failed on {self.settings.host} (exit {result.returncode}):\n"
+                    + (result.stdout + result.stderr).decode(errors="replace").strip()[-2000:]
+                )
+        return handle
+
+    def sync(self, handle: RunHandle) -> RunHandle:
+        project = Path(str(handle.state["project"]))
+        outputs = {o.rstrip("/") for o in handle.spec.outputs}
+        files = [
+            f for f in project_files(project, self.store.root, self.settings.copy_.excludes)
+            if f not in outputs  # the sandbox hides them; the run makes them anew
+        ]
+        files += [i for i in handle.spec.inputs if i.rstrip("/") not in files]
+        stats = self.transport().upload(project, files, f"{self.run_dir(handle)}/project")
+        env_dir = self._sync_env(handle, project)
+        return self.store.update_state(handle, env_dir=env_dir, uploaded=stats.files)
+
+    def _sync_env(self, handle: RunHandle, project: Path) -> str | None:
+        lock = next((name for name in LOCK_FILES if (project / name).is_file()), None)
+        if lock is None:
+            return None
+        recipe = json.dumps([self.settings.python, self.settings.pip_args]).encode()
+        hashed = hashlib.sha256((project / lock).read_bytes() + recipe)
+        digest = hashed.hexdigest()[:16]
+        env_dir = f"{self._state(handle, 'remote_root')}/envs/{digest}"
+        if self.conn.run(["test", "-f", f"{env_dir}/.substrax-ready"]).returncode == 0:
+            emit(f"{handle.step}: reusing the environment for {lock} ({digest})")
+            return env_dir
+        run_dir = self.run_dir(handle)
+        remote_lock = f"{run_dir}/project/{lock}"
+        if lock == "uv.lock":
+            steps = [["env", f"UV_PROJECT_ENVIRONMENT={env_dir}", "uv", "sync", "--frozen",
+                      "--project", f"{run_dir}/project"]]  # fmt: skip
+        else:
+            steps = [[self.settings.python, "-m", "venv", env_dir],
+                     [f"{env_dir}/bin/pip", "install", "--disable-pip-version-check", "-q",
+                      *self.settings.pip_args, "-r", remote_lock]]  # fmt: skip
+        for argv in steps:
+            # From the uploaded project, so relative paths in pip_args
+            # (--find-links wheels/) and in the lock file resolve as they do here.
+            in_project = ["sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", f"{run_dir}/project"]
+            self.conn.check([*in_project, *argv], f"syncing the environment from {lock}", timeout=None)
+        self.conn.check(["touch", f"{env_dir}/.substrax-ready"], "marking the environment")
+        return env_dir
+
+    def start(self, handle: RunHandle) -> RunHandle:
+        run_dir = self.run_dir(handle)
+        paths = WorkerPaths(project=f"{run_dir}/project", run_dir=run_dir)
+        env_dir = handle.state.get("env_dir")
+        job = build_job(
+            handle.spec,
+            paths,
+            sandbox=self.settings.sandbox,
+            network_isolation=self.settings.copy_.network_isolation,
+            grace_seconds=self.settings.grace_seconds,
+            hide=[str(handle.state.get("remote_home") or "")],
+            extra_ro=[env_dir] if isinstance(env_dir, str) else [],
+        )
+        if isinstance(env_dir, str):
+            job["path_prepend"] = [f"{env_dir}/bin"]
+            job["env"] = {**job["env"], "VIRTUAL_ENV": env_dir}
+        self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())
+        secrets = forwarded_env(handle)
+        argv = self._python(handle, "worker.py", paths.job, "--detach")
+        if secrets:
+            argv.append("--env-stdin")
+        result = self.conn.run(argv, stdin=json.dumps(secrets).encode() if secrets else None)
+        if result.returncode != 0:
+            raise BackendError(
+                f"run {handle.run_id}: the worker did not start on {self.settings.host}: "
+                + (result.stderr + result.stdout).decode(errors="replace")[-1500:]
+            )
+        return handle
+
+    def _remote_status(self, handle: RunHandle) -> dict[str, Any]:
+        return self._json(
+            handle, "control.py", "status", self.run_dir(handle), what="reading the run's status"
+        )
+
+    def poll(self, handle: RunHandle) -> RunStatus:
+        cached = handle.state.get("final_status")
+        if isinstance(cached, dict):
+            return RunStatus(**cached)
+        if "remote_run_dir" not in handle.state:
+            return RunStatus("pending")
+        record = self._remote_status(handle)
+        if record.get("state") is None:
+            if not record.get("exists"):
+                gone = "its remote folder is gone (torn down, or the lifetime ran out)"
+                return RunStatus("lost", message=gone)
+            return RunStatus("pending")
+        status = status_from_record(record, worker_alive=bool(record.get("worker_alive")))
+        if status.final and status.state != "lost":  # a lost run can still be cancelled
+            self.store.update_state(handle, final_status=status.__dict__)
+        return status
+
+    def cancel(self, handle: RunHandle) -> bool:
+        status = self.poll(handle)
+        if status.final and status.state != "lost":
+            return False
+        if status.state == "lost" and not self._remote_status(handle).get("exists"):
+            return False  # its folder is gone (torn down, or the lifetime ran out): nothing left
+        # lost: its worker was killed, but the task's tree may still run
+        wait = str(self.settings.grace_seconds + 10)
+        answer = self._json(handle, "control.py", "cancel", self.run_dir(handle), "--wait", wait,
+                            what="cancelling the run")
+        if answer.get("reason") == "not started":
+            return True
+        if answer.get("reason") == "finished":  # it ended meanwhile: left alone
+            self.poll(handle)
+            return False
+        if not answer.get("cancelled"):
+            raise BackendError(
+                f"run {handle.run_id}: cancel on {self.settings.host} failed: {answer.get('reason')}"
+            )
+        self.poll(handle)
+        return True
+
+    def _kept_log(self, handle: RunHandle) -> Path:
+        """The copy of the run's log that teardown keeps in the store."""
+        return self.store.run_dir(handle.run_id) / "run.log"
+
+    def read_log(self, handle: RunHandle, offset: int) -> bytes:
+        kept = self._kept_log(handle)
+        if kept.is_file():  # torn down: the remote folder and its log are gone
+            with kept.open("rb") as f:
+                f.seek(offset)
+                return f.read(1 << 20)
+        if "remote_run_dir" not in handle.state:
+            return b""
+        return self.conn.read_bytes(f"{self.run_dir(handle)}/run.log", offset) or b""
+
+    def _keep_log(self, handle: RunHandle) -> None:
+        """Copy the remote log into the store before the remote folder goes:
+        teardown keeps the handle and the logs."""
+        kept = self._kept_log(handle)
+        partial = kept.with_name(kept.name + ".partial")
+        offset = 0
+        with partial.open("wb") as f:
+            while chunk := self.conn.read_bytes(f"{self.run_dir(handle)}/run.log", offset):
+                f.write(chunk)
+                offset += len(chunk)
+        partial.replace(kept)
+
+    def _manifest(self, handle: RunHandle, root: str) -> dict[str, Any]:
+        # The worker filled this hash cache as the command ended: unchanged
+        # files cost a stat here, not a second read.
+        cache = f"{self.run_dir(handle)}/manifest-cache.json"
+        argv = self._python(handle, "manifest.py", root, *handle.spec.outputs, "--cache", cache)
+        result = self.conn.run(argv)
+        if result.returncode != 0:
+            from substrax_tasks.manifest_cache import ManifestError
+
+            raise ManifestError(result.stderr.decode(errors="replace").strip())
+        return dict(json.loads(result.stdout))
+
+    def fetch(self, handle: RunHandle) -> Fetched:
+        """rsync into local staging between two manifests of the remote
+        outputs; if they differ, nothing is promoted and the remote stays."""
+        from substrax_tasks.manifest_cache import ManifestError
+
+        record = self._remote_status(handle)
+        root = record.get("outputs_root")
+        if not isinstance(root, str):
+            raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
+        changed = (
+            f"run {handle.run_id}: the outputs on {self.settings.host} changed while they were "
+            "fetched; nothing was promoted and the remote folder is kept (`doit "
+            f"{handle.step}` fetches them again, without rerunning the command)"
+        )
+        try:
+            before = self._manifest(handle, root)
+            staging = self.store.run_dir(handle.run_id) / "fetched"
+            present = [o for o in handle.spec.outputs if o not in before.get("missing", [])]
+            if present:
+                self.transport().download(root, present, staging)
+            after = self._manifest(handle, root)
+        except ManifestError as exc:
+            # A file growing or replaced while hashed is the same race as two
+            # manifests that differ: not a verdict on the run's outputs.
+            if any(race in str(exc) for race in MANIFEST_RACES):
+                raise BackendError(f"{changed}: {exc}") from None
+            raise
+        if after["digest"] != before["digest"]:
+            raise BackendError(changed)
+        return Fetched(staging, after)
+
+    def outputs_available(self, handle: RunHandle) -> bool:
+        if handle.state.get("torn_down") or "remote_run_dir" not in handle.state:
+            return False
+        try:
+            return bool(self._remote_status(handle).get("exists"))
+        except BackendError:
+            return False
+
+    def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
+        if "remote_run_dir" not in handle.state or handle.state.get("torn_down"):
+            self.settings.target().stop_master()
+            return
+        if not self.poll(handle).final:
+            self.cancel(handle)
+        if force or not self.settings.keep_remote:
+            self._keep_log(handle)
+            self._json(handle, "control.py", "remove", self.run_dir(handle), what="removing the run folder")
+            self.store.update_state(handle, torn_down=True)
+        self.settings.target().stop_master()
+
+
+def project_files(project: Path, state_dir: Path, excludes: list[str]) -> list[str]:
+    """The project's files to upload: git's tracked files when the project
+    is a git work tree, otherwise every file but caches and the state dir."""
+    try:
+        listed = subprocess.run(
+            ["git", "-C", str(project), "ls-files", "-z", "--cached"],
+            capture_output=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+        files = [p for p in listed.decode().split("\0") if p]
+        if files:
+            return files
+    except (OSError, subprocess.SubprocessError):
+        pass
+    skip = {*ALWAYS_EXCLUDED, *excludes}
+    try:
+        state_rel = state_dir.resolve().relative_to(project.resolve()).parts[0]
+        skip.add(state_rel)
+    except (ValueError, IndexError):
+        pass
+    return sorted(entry.name for entry in project.iterdir() if entry.name not in skip)
+
+
+def forwarded_env(handle: RunHandle) -> dict[str, str]:
+    """The secrets named by the step, read from this process now: sent to
+    the worker on stdin, never written to a file here or there."""
+    return {name: os.environ[name] for name in handle.spec.forward_env if name in os.environ}
+

@@ -1,0 +1,1 @@
+"""How files move between here and the machine that runs a step."""

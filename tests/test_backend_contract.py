@@ -1,0 +1,141 @@
+"""One contract, every backend: the behaviours of substrax_tasks.backends.base
+that the chain and the CLI rely on, run against each implementation with
+real processes (LocalBackend on this machine, SshBackend against a real sshd
+in a network namespace of its own).
+
+Add a backend by adding a parameter to the `bound` fixture.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import describe, marked_pids, stubborn_tree, wait_for
+from dodo_helpers import BWRAP
+from ssh_helpers import fresh_user, needs_root, needs_sshd, ssh_host, ssh_settings, write_ssh_pyproject
+from testbeds.sshd_host import SshHost
+
+from substrax_tasks.backends.base import Backend
+from substrax_tasks.handle import RunHandle
+from substrax_tasks.runs import Project
+from substrax_tasks.spec import make_spec
+
+SANDBOX = "bwrap" if BWRAP else "none"
+WAIT = 60.0
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
+    with ssh_host(tmp_path_factory.mktemp("sshd-user"), fresh_user()) as started:
+        yield started
+
+
+@dataclass
+class Bound:
+    """A project whose default backend is the one under test."""
+
+    name: str
+    project: Project
+
+    def submit(self, command: list[str], outputs: list[str]) -> tuple[Backend, RunHandle]:
+        spec = make_spec("step", command, self.project.root, outputs=outputs)
+        handle = self.project.submit(spec)
+        return self.project.backend_for(handle), handle
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("local", id="local"),
+        pytest.param("ssh", id="ssh", marks=[needs_sshd, needs_root]),
+    ]
+)
+def bound(request: pytest.FixtureRequest, tmp_path: Path) -> Bound:
+    root = tmp_path / "project"
+    root.mkdir()
+    if request.param == "local":
+        (root / "pyproject.toml").write_text(
+            f'[tool.substrax.compute.backends.local]\nsandbox = "{SANDBOX}"\ngrace_seconds = 0.5\n'
+        )
+    else:
+        host: SshHost = request.getfixturevalue("host")
+        write_ssh_pyproject(
+            root, ssh_settings(host, remote_root=str(host.scratch / f"contract-{tmp_path.name}"))
+        )
+    project = Project.open(root)
+    assert project.config.default_backend == request.param
+    return Bound(request.param, project)
+
+
+def wait_final(backend: Backend, handle: RunHandle) -> str:
+    seen: list[str] = []
+
+    def final() -> bool:
+        status = backend.poll(handle)
+        seen.append(status.state)
+        return status.final
+
+    wait_for(final, f"run {handle.run_id} to finish", WAIT)
+    assert set(seen) <= {"pending", "running", "succeeded", "failed", "cancelled", "timed_out"}, seen
+    return seen[-1]
+
+
+def test_a_trivial_run_succeeds_logs_fetches_and_tears_down_twice(bound: Bound) -> None:
+    backend, handle = bound.submit(
+        ["/bin/sh", "-c", "mkdir -p out && echo contract-log-line && echo v > out/v.txt"], ["out/"]
+    )
+    assert backend.name == bound.name
+    assert wait_final(backend, handle) == "succeeded"
+    assert backend.poll(handle).exit_code == 0
+
+    log = backend.read_log(handle, 0)
+    assert b"contract-log-line\n" in log
+    assert backend.read_log(handle, len(log)) == b""
+    offset = log.index(b"contract-log-line")
+    assert backend.read_log(handle, offset).startswith(b"contract-log-line")
+
+    fetched = backend.fetch(handle)
+    assert [e["path"] for e in fetched.manifest["entries"]] == ["out", "out/v.txt"]
+    assert fetched.manifest["missing"] == []
+    assert (fetched.root / "out" / "v.txt").read_text() == "v\n"
+
+    # a finished run is left alone by cancel
+    assert backend.cancel(handle) is False
+    assert backend.poll(handle).state == "succeeded"
+
+    # teardown is idempotent and keeps what tells the run's story
+    handle = bound.project.store.read(handle.run_id)
+    backend.teardown(handle)
+    handle = bound.project.store.read(handle.run_id)
+    backend.teardown(handle)
+    handle = bound.project.store.read(handle.run_id)
+    assert backend.status(handle).state == "succeeded"
+    assert b"contract-log-line\n" in backend.read_log(handle, 0)
+    assert backend.cancel(handle) is False
+    assert backend.outputs_available(handle) is False
+
+
+def test_cancel_stops_a_running_tree_and_then_leaves_it_alone(bound: Bound, marker: str) -> None:
+    backend, handle = bound.submit(stubborn_tree(marker, "grandchild"), ["out/"])
+    wait_for(lambda: len(marked_pids(marker)) >= 2, "the task and its setsid grandchild", WAIT)
+    time.sleep(0.2)  # both have set their SIGTERM traps
+    assert backend.poll(handle).state == "running"
+    assert backend.cancel(handle) is True
+    assert not marked_pids(marker), describe(marked_pids(marker))
+    assert backend.poll(handle).state == "cancelled"
+    assert backend.cancel(handle) is False
+    handle = bound.project.store.read(handle.run_id)
+    backend.teardown(handle)
+    backend.teardown(bound.project.store.read(handle.run_id))
+    assert backend.status(bound.project.store.read(handle.run_id)).state == "cancelled"
+
+
+def test_teardown_of_a_running_run_cancels_it_first(bound: Bound, marker: str) -> None:
+    backend, handle = bound.submit(["/bin/sh", "-c", "while :; do sleep 0.1; done", marker], ["out/"])
+    wait_for(lambda: backend.poll(handle).state == "running", "the run to start", WAIT)
+    backend.teardown(handle)
+    assert not marked_pids(marker), describe(marked_pids(marker))
+    assert backend.status(bound.project.store.read(handle.run_id)).state == "cancelled"

@@ -1,0 +1,486 @@
+"""remote_step() on the ssh backend through the real `doit` and the real
+`substrax-compute`, against a real sshd in a network namespace of its own
+(tests/testbeds/sshd_host.py), real rsync, and real bubblewrap on the host.
+
+The host runs on this machine: its "remote" folders are real folders here
+(read directly to check remote state), and its processes are found in
+/proc by a marker in their argv.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import describe, marked_pids, stubborn_tree
+from dodo_helpers import (
+    compute,
+    compute_status,
+    doit,
+    doit_ok,
+    popen_doit,
+    popen_output,
+    run_count,
+    show,
+    step_ran,
+    step_skipped,
+    stop,
+    tree_files,
+    wait_for,
+)
+from ssh_helpers import (
+    SANDBOX,
+    build_wheel,
+    fresh_user,
+    launched_status,
+    live_handles,
+    make_ssh_project,
+    needs_bwrap,
+    needs_root,
+    needs_sshd,
+    one_step,
+    only_handle,
+    remote_run_dir,
+    remote_status,
+    ssh_host,
+    ssh_settings,
+    write_ssh_pyproject,
+)
+from testbeds.sshd_host import SshHost, is_alive, kill_sshd, restart_sshd
+
+from substrax_tasks.backends.ssh import SshSettings
+from substrax_tasks.runs import Project
+
+pytestmark = [needs_sshd, needs_root]
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
+    """The non-root test user's host (fast: no .bashrc), shared by the module."""
+    with ssh_host(tmp_path_factory.mktemp("sshd-user"), fresh_user()) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def root_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
+    """A host that lets root in (root's .bashrc costs ~250 ms a command)."""
+    with ssh_host(tmp_path_factory.mktemp("sshd-root"), None) as started:
+        yield started
+
+
+def control_master_pids(handle: dict[str, Any]) -> list[int]:
+    """Local ssh processes (the multiplexing master) of the run's target."""
+    target = SshSettings.model_validate(handle["settings"]).target()
+    return marked_pids(Path(target.control_path()).name)
+
+
+# ------------------------------------------------------------ end to end
+
+E2E_COMMAND = r"""
+set -e
+mkdir -p out
+cp data/in.txt out/copy.txt
+tr '\0' ' ' < /proc/1/cmdline > out/pid1.txt
+if touch data/in.txt 2>/dev/null; then echo writable; else echo read-only; fi > out/project.txt
+ls -A "$HOME" > out/home.txt
+ls -A > out/listing.txt
+echo "remote says hello as $(id -un)"
+echo done > res.txt
+"""
+E2E_STEP = one_step(shell=E2E_COMMAND, inputs=["data/in.txt"], outputs=["out/", "res.txt"])
+SETUP = ["echo preparing the image as $(id -un)", "command -v rsync"]
+
+
+@pytest.mark.parametrize("user", ["test-user", "root"])
+def test_full_chain_then_a_noop_rerun_that_connects_to_nothing(
+    tmp_path: Path, request: pytest.FixtureRequest, user: str
+) -> None:
+    target: SshHost = request.getfixturevalue("host" if user == "test-user" else "root_host")
+    # the test user's remote root is relative to its home (the default);
+    # root's goes to the scratch folder, not into this machine's /root
+    remote_root = None if user == "test-user" else str(target.scratch / "remote")
+    if user == "test-user":
+        (target.remote_home / "secret-of-the-user.txt").write_text("")  # hidden from the task
+    root = make_ssh_project(
+        tmp_path, target, E2E_STEP,
+        files={"data/in.txt": "hello\n", "notes/todo.txt": "private\n", "scratch.tmp": "junk\n"},
+        copy={"excludes": ["notes", "*.tmp"]},
+        setup_commands=SETUP, remote_root=remote_root,
+    )  # fmt: skip
+    done = doit_ok(root)
+    assert step_ran(done, "step") and "new run" in done.stdout, show(done)
+    run = only_handle(root)
+    state = run["state"]
+
+    # the outputs came home, made on the host under bubblewrap
+    assert tree_files(root / "out")["copy.txt"] == "hello\n"
+    assert (root / "res.txt").read_text() == "done\n"
+    assert f"remote says hello as {target.user}" in done.stdout  # the log, streamed
+    if SANDBOX == "bwrap":
+        assert "bwrap" in (root / "out" / "pid1.txt").read_text()  # pid 1 of its own pid namespace
+        assert (root / "out" / "project.txt").read_text() == "read-only\n"
+        seen_home = set((root / "out" / "home.txt").read_text().split())
+        real_home = set(os.listdir(target.remote_home)) - {".substrax-remote"}
+        assert not seen_home & real_home, "the user's home is visible in the sandbox"
+    # the project and the inputs were uploaded; excludes and the state dir not
+    listing = set((root / "out" / "listing.txt").read_text().split())
+    assert {"data", "dodo.py", "pyproject.toml"} <= listing, listing
+    assert not {"notes", "scratch.tmp", ".substrax"} & listing, listing
+
+    # setup commands ran on the host, logged in the store
+    setup_log = (root / ".substrax" / "runs" / run["run_id"] / "setup.log").read_text()
+    assert f"$ {SETUP[0]}\npreparing the image as {target.user}\n" in setup_log
+    assert "$ command -v rsync" in setup_log
+
+    # one summary line per transfer when not on a terminal, no progress bars
+    assert len(re.findall(r"^upload: \d+ files, .* MB/s\)$", done.stderr, re.M)) == 1, show(done)
+    assert len(re.findall(r"^fetch: 6 files, .* MB/s\)$", done.stderr, re.M)) == 1, show(done)
+    assert "\r" not in done.stderr and "\x1b" not in done.stderr
+
+    # verified, promoted, torn down: the remote run folder is gone
+    assert state["phase"] == "promoted" and state["torn_down"] is True
+    assert not remote_run_dir(run).exists()
+    expected_root = Path(remote_root) if remote_root else target.remote_home / ".substrax-remote"
+    assert remote_run_dir(run).parent == expected_root / "runs" and expected_root.is_dir()
+    watchdog = state["watchdog"]
+    assert isinstance(watchdog["pid"], int)
+    assert not control_master_pids(run), describe(control_master_pids(run))
+
+    # the CLI: status, logs kept after teardown, and a finished run left alone
+    (record,) = compute_status(root)
+    assert record["state"] == "succeeded" and record["exit_code"] == 0
+    logs = compute(root, "logs", run["run_id"])
+    assert logs.returncode == 0 and f"remote says hello as {target.user}" in logs.stdout, show(logs)
+    cancelled = compute(root, "cancel", run["run_id"])
+    assert cancelled.returncode == 0 and "already finished (succeeded)" in cancelled.stdout, show(cancelled)
+
+    # the no-op rerun connects to nothing: with sshd dead it still says up to date
+    kill_sshd(target)
+    try:
+        again = doit(root)
+        assert again.returncode == 0, show(again)
+        assert step_skipped(again, "step") and "nothing to do" in again.stdout, show(again)
+        assert run_count(root) == 1
+    finally:
+        restart_sshd(target)
+    # the lifetime timer ends by itself once the run folder is gone
+    wait_for(lambda: not is_alive(watchdog["pid"], watchdog["start_ticks"]), "the watchdog to exit", 15)
+
+
+# ------------------------------------------------------------------ cancel
+
+
+@pytest.mark.parametrize("sandbox", ["none", pytest.param("bwrap", marks=needs_bwrap)])
+def test_cancel_mid_run_leaves_no_remote_process(
+    tmp_path: Path, host: SshHost, marker: str, sandbox: str
+) -> None:
+    """The task ignores SIGTERM and leaves a double-forked setsid grandchild
+    that ignores it too: `substrax-compute cancel` stops them all."""
+    root = make_ssh_project(
+        tmp_path,
+        host,
+        one_step(command=stubborn_tree(marker, "grandchild"), outputs=["out/"]),
+        sandbox=sandbox,
+    )
+    proc = popen_doit(root)
+    try:
+
+        def both_ready() -> bool:
+            status = launched_status(root)
+            if not status or not status.get("outputs_root"):
+                return False
+            out = Path(status["outputs_root"]) / "out"
+            return (out / "task.ready").exists() and (out / "grandchild.ready").exists()
+
+        wait_for(both_ready, "the remote task and its setsid grandchild")
+        assert len(marked_pids(marker)) >= 2, describe(marked_pids(marker))
+        run = only_handle(root)
+        began = time.monotonic()
+        done = compute(root, "cancel", run["run_id"])
+        took = time.monotonic() - began
+        assert done.returncode == 0 and "cancelled" in done.stdout, show(done)
+        assert not marked_pids(marker), describe(marked_pids(marker))
+        assert proc.wait(timeout=60) == 1, popen_output(root)
+        assert "cancelled" in popen_output(root)
+    finally:
+        stop(proc)
+    print(f"\n[cancel, sandbox={sandbox}] remote tree gone in {took:.2f} s")
+    assert compute_status(root)[0]["state"] == "cancelled"
+    assert not remote_run_dir(run).exists()  # doit's teardown removed it
+    assert not (root / "out").exists()
+
+
+# ------------------------------------------------------- network isolation
+
+REACH = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), 3).close()
+    answer = "reached"
+except OSError as exc:
+    answer = type(exc).__name__
+open("out/reach.txt", "w").write(answer)
+"""
+
+
+@needs_bwrap
+@pytest.mark.parametrize("isolated", [True, False], ids=["isolated", "not-isolated"])
+def test_network_isolation_keeps_the_task_off_the_network(
+    tmp_path: Path, host: SshHost, isolated: bool
+) -> None:
+    assert host.peer_address is not None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind((host.peer_address, 0))
+        listener.listen(4)
+        port = listener.getsockname()[1]
+        step = one_step(command=["python3", "-c", REACH, host.peer_address, str(port)], outputs=["out/"])
+        root = make_ssh_project(tmp_path, host, step, sandbox="bwrap", copy={"network_isolation": isolated})
+        doit_ok(root)
+    answer = (root / "out" / "reach.txt").read_text()
+    if isolated:
+        assert answer != "reached" and answer.endswith("Error"), answer
+    else:
+        assert answer == "reached"
+
+
+# ------------------------------------------- outputs changed while fetched
+
+BIG = 64 * 1024 * 1024
+BIG_STEP = one_step(
+    shell=f"mkdir -p out && head -c {BIG} /dev/zero > out/big.bin && echo small > out/small.txt",
+    outputs=["out/"],
+)
+
+
+def test_outputs_changed_during_the_fetch_promote_nothing_then_a_rerun_fetches(
+    tmp_path: Path, host: SshHost
+) -> None:
+    root = make_ssh_project(tmp_path, host, BIG_STEP)
+    stop_writing = threading.Event()
+    writes = [0]
+
+    def keep_appending() -> None:
+        """Wait until the run has finished, then keep growing its large
+        output on the host until told to stop."""
+        while not stop_writing.is_set():
+            status = launched_status(root)
+            if status and status.get("state") == "succeeded":
+                break
+            time.sleep(0.005)
+        else:
+            return
+        big = Path(str(status["outputs_root"])) / "out" / "big.bin"
+        while not stop_writing.is_set():
+            with big.open("ab") as f:
+                f.write(b"x" * 4096)
+            writes[0] += 1
+            time.sleep(0.002)
+
+    writer = threading.Thread(target=keep_appending, daemon=True)
+    writer.start()
+    try:
+        first = doit(root)
+    finally:
+        stop_writing.set()
+        writer.join(timeout=30)
+    assert writes[0] > 0, "the output was never changed: the test proves nothing"
+    assert first.returncode != 0, show(first)
+    text = first.stdout + first.stderr
+    assert "changed while" in text and "nothing was promoted" in text, show(first)
+    assert "Traceback" not in text, show(first)
+    assert not (root / "out").exists()
+    run = only_handle(root)
+    assert remote_run_dir(run).is_dir(), "the remote folder must stay for the next fetch"
+    assert "verdict" not in run["state"], run["state"]
+    grown = (Path(str(remote_status(run)["outputs_root"])) / "out" / "big.bin").stat().st_size  # type: ignore[index]
+
+    second = doit_ok(root)
+    assert "fetching its outputs again" in second.stdout, show(second)
+    assert run_count(root) == 1  # the command did not run again
+    assert (root / "out" / "big.bin").stat().st_size == grown > BIG
+    assert (root / "out" / "small.txt").read_text() == "small\n"
+    assert not remote_run_dir(run).exists()
+
+
+# ------------------------------------------------- sshd killed mid-fetch
+
+HUGE = 256 * 1024 * 1024
+HUGE_STEP = one_step(
+    shell=f"mkdir -p out && head -c {HUGE} /dev/zero > out/big.bin && echo small > out/small.txt",
+    outputs=["out/"],
+)
+
+
+def test_sshd_killed_during_the_fetch_then_the_rerun_fetches_without_rerunning(
+    tmp_path: Path, host: SshHost
+) -> None:
+    root = make_ssh_project(tmp_path, host, HUGE_STEP)
+    proc = popen_doit(root)
+    try:
+
+        def copying() -> bool:
+            runs = root / ".substrax" / "runs"
+            return any(p.is_file() for p in runs.glob("*/fetched/out/*")) if runs.is_dir() else False
+
+        wait_for(copying, "rsync to start copying the output", 60)
+        kill_sshd(host)
+        try:
+            assert proc.wait(timeout=60) != 0, popen_output(root)
+        finally:
+            restart_sshd(host)
+    finally:
+        stop(proc)
+    text = popen_output(root)
+    assert "rsync fetch with" in text and "keeping run" in text, text
+    assert "Traceback" not in text, text
+    assert not (root / "out").exists(), "nothing may be promoted from a broken copy"
+    run = only_handle(root)
+    assert remote_run_dir(run).is_dir()
+
+    again = doit_ok(root)
+    assert "fetching its outputs again" in again.stdout, show(again)
+    assert run_count(root) == 1  # the command did not run again
+    assert (root / "out" / "big.bin").stat().st_size == HUGE
+    assert (root / "out" / "small.txt").read_text() == "small\n"
+    assert not remote_run_dir(run).exists()
+
+
+# ------------------------------------------------ a failing setup command
+
+
+def test_failing_setup_command_is_a_clear_error_and_the_lifetime_timer_fires(
+    tmp_path: Path, host: SshHost
+) -> None:
+    lifetime_minutes = 0.1  # 6 s
+    failing = "echo the-driver-did-not-install >&2; exit 3"
+    root = make_ssh_project(
+        tmp_path, host, one_step(shell="echo never > out/x", outputs=["out/"]),
+        setup_commands=["echo preparing", failing, "echo never-reached"],
+        lifetime_minutes=lifetime_minutes,
+        # Without it the chain removes the folder of a run whose setup
+        # failed at once; kept, only the lifetime timer can remove it.
+        keep_remote=True,
+    )  # fmt: skip
+    began = time.monotonic()
+    done = doit(root)
+    assert done.returncode == 1, show(done)
+    text = done.stdout + done.stderr
+    assert "setup command `echo the-driver-did-not-install >&2; exit 3` failed" in text, show(done)
+    assert "(exit 3)" in text and "the-driver-did-not-install" in text, show(done)
+    assert "Traceback" not in text and "never-reached" not in text, show(done)
+    run = only_handle(root)
+    folder = remote_run_dir(run)
+    watchdog = run["state"]["watchdog"]
+    if time.monotonic() - began < lifetime_minutes * 60 - 1:
+        assert folder.is_dir() and is_alive(watchdog["pid"], watchdog["start_ticks"]), "no timer armed"
+    # nobody comes back: the timer removes the run folder by itself
+    wait_for(lambda: not folder.exists(), "the lifetime timer to remove the run folder", 30)
+    wait_for(lambda: not is_alive(watchdog["pid"], watchdog["start_ticks"]), "the watchdog to exit", 10)
+    assert not (root / "out").exists()
+
+
+# ------------------------------------------------- env sync from wheels
+
+ENV_STEP = one_step(
+    command=[
+        "python3",
+        "-c",
+        "import sys, sxtiny; open('out/v.txt', 'w').write(sxtiny.VALUE + ' ' + sys.prefix)",
+    ],
+    inputs=["data/in.txt"],
+    outputs=["out/"],
+)
+
+
+def test_env_sync_offline_from_a_wheel_folder_then_reused(tmp_path: Path, host: SshHost) -> None:
+    remote_root = host.scratch / f"env-{tmp_path.name}"
+    root = make_ssh_project(
+        tmp_path, host, ENV_STEP,
+        files={"data/in.txt": "1\n", "requirements.txt": "sxtiny==0.1\n"},
+        pip_args=["--no-index", "--find-links", "wheels"], remote_root=str(remote_root),
+    )  # fmt: skip
+    build_wheel(root / "wheels", "sxtiny", "0.1", 'VALUE = "from-the-wheel"\n')
+    first = doit_ok(root)
+    value, prefix = (root / "out" / "v.txt").read_text().split()
+    assert value == "from-the-wheel"
+    assert Path(prefix).parent == remote_root / "envs"
+    assert "reusing" not in first.stdout
+
+    (root / "data" / "in.txt").write_text("2\n")  # a new run of the same step
+    second = doit_ok(root)
+    assert "new run" in second.stdout, show(second)
+    assert "step: reusing the environment for requirements.txt" in second.stdout, show(second)
+    assert run_count(root) == 2
+    assert (root / "out" / "v.txt").read_text().split() == ["from-the-wheel", prefix]
+    assert [p.name for p in (remote_root / "envs").iterdir()] == [Path(prefix).name]
+
+
+# --------------------------------- the CLI uses the handle's pinned settings
+
+PINNED = """
+MARKER = {marker!r}
+
+def task_fast():
+    yield from remote_step(
+        "fast", shell="mkdir -p out && echo fast-log && echo f > out/f.txt", outputs=["out/"]
+    )
+
+def task_slow():
+    yield from remote_step(
+        "slow", command=["/bin/sh", "-c", "echo slow-log; while :; do sleep 0.1; done", MARKER],
+        outputs=["slow/"],
+    )
+"""
+
+
+def test_status_logs_fetch_cancel_teardown_use_the_pinned_settings(
+    tmp_path: Path, host: SshHost, marker: str
+) -> None:
+    root = make_ssh_project(tmp_path, host, PINNED.format(marker=marker), ["fast"], keep_remote=True)
+    doit_ok(root, "fast")
+    fast = only_handle(root, "fast")
+    proc = popen_doit(root, "slow")
+    try:
+
+        def slow_logged() -> bool:
+            runs = [h for h in live_handles(root, "slow") if "remote_run_dir" in h["state"]]
+            log = remote_run_dir(runs[0]) / "run.log" if runs else None
+            return log is not None and log.exists() and "slow-log" in log.read_text()
+
+        wait_for(slow_logged, "the slow run to start")
+        slow = only_handle(root, "slow")
+        # the project now names a host that does not exist
+        write_ssh_pyproject(
+            root, ssh_settings(host, host="bogus.invalid", port=2, known_hosts=str(tmp_path / "nowhere"))
+        )
+        states = {r["step"]: r["state"] for r in compute_status(root)}
+        assert states == {"fast": "succeeded", "slow": "running"}
+        for run, text in ((fast, "fast-log"), (slow, "slow-log")):
+            logs = compute(root, "logs", run["run_id"])
+            assert logs.returncode == 0 and text in logs.stdout, show(logs)
+        project = Project.open(root)
+        assert project.config.backends["ssh"]["host"] == "bogus.invalid"
+        handle = project.store.read(fast["run_id"])
+        fetched = project.backend_for(handle).fetch(handle)
+        assert fetched.manifest["digest"] == handle.state["manifest_digest"]
+        assert (fetched.root / "out" / "f.txt").read_text() == "f\n"
+
+        cancelled = compute(root, "cancel", slow["run_id"])
+        assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, show(cancelled)
+        assert not marked_pids(marker), describe(marked_pids(marker))
+        assert proc.wait(timeout=60) == 1, popen_output(root)
+    finally:
+        stop(proc)
+    # keep_remote = true (pinned) keeps the remote folder through the chain's
+    # teardown; the explicit `substrax-compute teardown` removes it anyway
+    assert remote_run_dir(fast).is_dir()
+    torn = compute(root, "teardown", fast["run_id"])
+    assert torn.returncode == 0, show(torn)
+    assert not remote_run_dir(fast).is_dir()
