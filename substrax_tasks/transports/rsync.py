@@ -81,9 +81,10 @@ class RsyncTransport(Transport):
         output = bytearray()
         # stderr to a file: a pipe read only at the end could fill up and
         # stall rsync; `with` closes stdout and reaps rsync on any error.
-        with tempfile.TemporaryFile() as errfile, subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errfile
-        ) as proc:
+        with (
+            tempfile.TemporaryFile() as errfile,
+            subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errfile) as proc,
+        ):
             assert proc.stdin is not None and proc.stdout is not None
             stdout = cast(io.BufferedReader, proc.stdout)  # Popen's pipes are buffered readers
             try:
@@ -105,7 +106,11 @@ class RsyncTransport(Transport):
                                 done = _number(match.group(1))
                                 percent = int(match.group(2))
                                 total = done * 100 // percent if percent else None
-                                progress.update(task, completed=done, total=total)
+                                count = ""
+                                if match.group(4) is not None:  # to-chk=LEFT/ALL: files done
+                                    left, every = int(match.group(4)), int(match.group(5))
+                                    count = f" {every - left}/{every} files"
+                                progress.update(task, completed=done, total=total, files=count)
             except BaseException:
                 proc.kill()
                 raise
@@ -138,15 +143,15 @@ class _ProgressContext:
         self.progress: Progress | None = None
         if enabled:
             self.progress = Progress(
-                TextColumn(f"{what}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                TimeRemainingColumn(), transient=False, console=Console(stderr=True),
+                TextColumn(f"{what}{{task.fields[files]}}"), BarColumn(), DownloadColumn(),
+                TransferSpeedColumn(), TimeRemainingColumn(), transient=False, console=Console(stderr=True),
             )  # fmt: skip
 
     def __enter__(self) -> tuple[Progress | None, TaskID | None]:
         if self.progress is None:
             return None, None
         self.progress.start()
-        return self.progress, self.progress.add_task(self.what, total=None)
+        return self.progress, self.progress.add_task(self.what, total=None, files="")
 
     def __exit__(self, *exc: object) -> None:
         if self.progress is not None:
