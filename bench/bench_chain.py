@@ -174,6 +174,9 @@ def scratch_parent() -> str | None:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
 
 
+PYCACHE = Path(tempfile.gettempdir()) / f"substrax-bench-pycache-{os.getuid()}"
+
+
 def doit_argv() -> list[str]:
     """The venv's doit (beside this interpreter)."""
     beside = Path(sys.executable).with_name("doit")
@@ -240,7 +243,10 @@ def run_doit(
     """Run `doit` in the project; returns its wall time. Keeps its output,
     read through pipes, or through the file `log` (used for the threaded
     build: see the module doc)."""
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    # Bytecode cached as in any installed package (both sides alike), but in
+    # a folder of the bench's own, so that nothing is written into the repo.
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(PYCACHE)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.pop("SUBSTRAX_BACKEND", None)
     with contextlib.ExitStack() as stack:
         sink = stack.enter_context(log.open("wb")) if log is not None else subprocess.PIPE

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, TypeVar, cast
+from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 
 from doit.dependency import UptodateCalculator
 from doit.exceptions import TaskError, TaskFailed
@@ -31,14 +31,17 @@ from doit.exceptions import TaskError, TaskFailed
 from substrax_tasks import manifest_cache
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import OUTPUT_LOCK, emit
-from substrax_tasks.backends.base import FINAL_STATES, Backend, Fetched
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
-from substrax_tasks.handle import RunHandle
 from substrax_tasks.promote import promote, remove_path
-from substrax_tasks.runs import Project
+from substrax_tasks.resolved import ResolvedProject, resolve
 from substrax_tasks.spec import StepSpec, canonical_digest, check_inputs_exist, safe_name
 from substrax_tasks.steplock import StepLock
 from substrax_tasks.worker_job import ENV_LOCK_FILES
+
+if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
+    from substrax_tasks.backends.base import Backend, Fetched
+    from substrax_tasks.handle import RunHandle
+    from substrax_tasks.runs import Project
 
 PHASES = ("created", "launched", "set_up", "synced", "started", "fetched", "promoted")
 RETRY_BACKOFF_SECONDS = 2.0
@@ -69,7 +72,7 @@ class StepRunner:
     def __init__(
         self,
         spec: StepSpec,
-        project: Project,
+        project: ResolvedProject,
         backend: str | None,
         *,
         retries: int = 0,
@@ -77,7 +80,8 @@ class StepRunner:
         user_uptodate: list[Any] | None = None,
     ) -> None:
         self.spec = spec
-        self.project = project
+        self.view = project
+        self.root = project.root
         self.backend_name, self.settings = project.settings_for(backend)
         self.retries = retries
         self.tracked = list(tracked or [])
@@ -86,7 +90,7 @@ class StepRunner:
         self._dep_manager: Any = None
         self._tasks_dict: Any = None
         self.safe = safe_name(spec.step)
-        state = project.store.root
+        state = project.state_dir
         self.record_file = state / "steps" / f"{self.safe}.json"
         self.outputs_cache = state / "cache" / f"{self.safe}.outputs.json"
         self.inputs_cache = state / "cache" / f"{self.safe}.inputs.json"
@@ -105,6 +109,11 @@ class StepRunner:
         self._teardown_lock = threading.Lock()
         self.pid = os.getpid()
 
+    @property
+    def project(self) -> Project:
+        """The validated project (pydantic): only the phases that act need it."""
+        return self.view.full()
+
     # ------------------------------------------------------------ records
     def read_record(self) -> dict[str, Any]:
         try:
@@ -122,11 +131,11 @@ class StepRunner:
         """Everything that decides the outputs, split so `why` can name
         what changed. Input contents are hashed (cached by size, mtime, inode)."""
         spec = self.spec
-        inputs = [i if not (self.project.root / i).is_dir() else i.rstrip("/") + "/" for i in spec.inputs]
-        tracked = [t for t in self.tracked if (self.project.root / t).exists()]
+        inputs = [i if not (self.root / i).is_dir() else i.rstrip("/") + "/" for i in spec.inputs]
+        tracked = [t for t in self.tracked if (self.root / t).exists()]
         cache = manifest_cache.HashCache.load(self.inputs_cache)
         try:
-            manifest = manifest_cache.build_manifest(self.project.root, inputs + tracked, cache.entries)
+            manifest = manifest_cache.build_manifest(self.root, inputs + tracked, cache.entries)
         except manifest_cache.ManifestError as exc:
             raise SubstraxError(f"step {spec.step!r}: inputs refused: {exc}") from None
         finally:
@@ -149,7 +158,7 @@ class StepRunner:
     def _environment_lock(self) -> dict[str, str]:
         """The lock file the environment is built from: a new lock, a new env."""
         for name in ENV_LOCK_FILES:
-            path = self.project.root / name
+            path = self.root / name
             if path.is_file():
                 return {name: hashlib.sha256(path.read_bytes()).hexdigest()}
         return {}
@@ -171,7 +180,7 @@ class StepRunner:
         if not isinstance(verified, dict) or verified.get("key") != self.key():
             return False
         if not manifest_cache.outputs_match(
-            self.project.root, list(self.spec.outputs), str(verified.get("digest")), self.outputs_cache
+            self.root, list(self.spec.outputs), str(verified.get("digest")), self.outputs_cache
         ):
             return False
         if values is not None and not values.get(DOIT_VALUE):
@@ -216,7 +225,7 @@ class StepRunner:
             reasons.append("the verified manifest is gone: outputs cannot be checked")
         else:
             problems = manifest_cache.verify_outputs(
-                self.project.root, list(self.spec.outputs), manifest, self.outputs_cache
+                self.root, list(self.spec.outputs), manifest, self.outputs_cache
             )
             reasons += [f"outputs: {p}" for p in problems]
         if self.doit_values is not None and not self.doit_values.get(DOIT_VALUE):
@@ -267,7 +276,7 @@ class StepRunner:
         """`doit clean STEP` with clean=True: remove the declared outputs,
         folders included (doit's own clean leaves non-empty folders)."""
         for out in self.spec.outputs:
-            path = self.project.root / out.rstrip("/")
+            path = self.root / out.rstrip("/")
             if not (path.exists() or path.is_symlink()):
                 continue
             emit(f"{self.spec.step} - {'would remove' if dryrun else 'removing'} {out}")
@@ -384,8 +393,8 @@ class StepRunner:
             return
         self.chain_open = True
         self.lock.acquire()
-        check_inputs_exist(self.spec, self.project.root)
-        check_outputs_inside(self.spec, self.project.root)
+        check_inputs_exist(self.spec, self.root)
+        check_outputs_inside(self.spec, self.root)
         unset = [name for name in self.spec.forward_env if name not in os.environ]
         if unset:
             raise SubstraxError(
@@ -546,7 +555,7 @@ class StepRunner:
         digest = str(fetched.manifest["digest"])
         if fetched.in_place:
             problems = manifest_cache.verify_outputs(
-                self.project.root, outputs, fetched.manifest, self.outputs_cache
+                self.root, outputs, fetched.manifest, self.outputs_cache
             )
         else:
             # Staged and final files share inode and mtime after the rename,
@@ -561,14 +570,14 @@ class StepRunner:
             )
         if not fetched.in_place:
             try:
-                promote(fetched.root, self.project.root, outputs)
+                promote(fetched.root, self.root, outputs)
             except OSError as exc:
                 return TaskFailed(
                     f"step {self.spec.step!r}: could not move the outputs of run {handle.run_id} into "
                     f"place ({exc}); the run is kept: fix that, then `doit {self.spec.step}` "
                     "promotes them without running the command again"
                 )
-        if not manifest_cache.outputs_match(self.project.root, outputs, digest, self.outputs_cache):
+        if not manifest_cache.outputs_match(self.root, outputs, digest, self.outputs_cache):
             return TaskFailed(f"step {self.spec.step!r}: outputs changed while they were promoted")
         self._save(handle, phase="promoted")
         self.write_record(
@@ -604,7 +613,7 @@ class StepRunner:
             handle = self.project.store.read(self.handle.run_id)
             backend = self.backend(handle)
             status = backend.status(handle)
-            if self.chain_open and not self.interrupted and status.state not in ("pending", *FINAL_STATES):
+            if self.chain_open and not self.interrupted and not status.final and status.state != "pending":
                 # doit is ending (a Ctrl-C seen by another thread, a failure
                 # elsewhere) while this step's run goes on: abandoned.
                 self.interrupted = True
@@ -720,18 +729,18 @@ class _Abort(Exception):
         self.failure = failure
 
 
-_PROJECTS: dict[tuple[Path, int], Project] = {}
+_PROJECTS: dict[tuple[Path, str], ResolvedProject] = {}
 
 
-def project_of(path: str | os.PathLike[str] | None) -> Project:
-    """The project, opened once per dodo load: a dodo with 1,000 steps
-    reads and validates pyproject.toml once, not 1,000 times."""
+def project_of(path: str | os.PathLike[str] | None) -> ResolvedProject:
+    """The project's configuration, resolved once per dodo load: a dodo with
+    1,000 steps reads pyproject.toml once, and a no-op doit validates nothing
+    while the configuration is unchanged (see resolved.py)."""
     root = (Path.cwd() if path is None else Path(path)).resolve()
-    try:
-        stamp = (root / "pyproject.toml").stat().st_mtime_ns
-    except FileNotFoundError:
-        stamp = 0
-    project = _PROJECTS.get((root, stamp))
+    from substrax_tasks.resolved import config_stamp
+
+    key = (root, json.dumps(config_stamp(root)))
+    project = _PROJECTS.get(key)
     if project is None:
-        project = _PROJECTS[(root, stamp)] = Project.open(root)
+        project = _PROJECTS[key] = resolve(root)
     return project

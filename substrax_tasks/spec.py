@@ -6,15 +6,15 @@ Paths are stored relative to the project, in POSIX form; an output ending in
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Union
-
-from pydantic import BaseModel, ConfigDict
 
 from substrax_tasks.errors import SpecError
 
@@ -23,19 +23,25 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 RESOURCE_KEYS = ("accelerators", "cpus", "memory", "disk_size")
 
 
-class StepSpec(BaseModel):
-    """A step as submitted: everything that decides what the run produces."""
+@dataclass(frozen=True)
+class StepSpec:
+    """A step as submitted: everything that decides what the run produces.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    A plain dataclass, checked by make_spec(): a dodo of many steps builds
+    one per step on every `doit`, and pydantic is not imported for that."""
 
     step: str
     command: list[str]
-    inputs: list[str] = []
-    outputs: list[str] = []
-    env: dict[str, str] = {}
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
     timeout: float | None = None
-    resources: dict[str, str | int | float] = {}
-    forward_env: list[str] = []
+    resources: dict[str, str | int | float] = field(default_factory=dict)
+    forward_env: list[str] = field(default_factory=list)
+
+    def model_dump(self, mode: str = "json") -> dict[str, Any]:
+        """The spec as JSON-ready data (the name pydantic models use)."""
+        return dataclasses.asdict(self)
 
     def output_entries(self) -> list[dict[str, str]]:
         """The outputs as the worker reads them: path and kind."""

@@ -166,7 +166,7 @@ def step_tasks(
         "doc": f"phases of step {spec.step}: launch, setup, sync, run, fetch (internal)",
         "verbosity": 2,
     }
-    input_files = [i for i in spec.inputs if not i.endswith("/") and not (runner.project.root / i).is_dir()]
+    input_files = [i for i in spec.inputs if not i.endswith("/") and not (runner.root / i).is_dir()]
     public: dict[str, Any] = {
         "basename": spec.step,
         "actions": [runner.verify],

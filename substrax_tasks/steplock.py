@@ -7,17 +7,16 @@ same step twice, so each step's chain holds `<state>/locks/<step>.lock`
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
 import sys
 from pathlib import Path
-
-from filelock import FileLock, Timeout
+from typing import Any
 
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks.errors import SubstraxError
-from substrax_tasks.store import utc_now
 
 
 class StepBusy(SubstraxError):
@@ -26,22 +25,34 @@ class StepBusy(SubstraxError):
 
 class StepLock:
     def __init__(self, lock_dir: Path, safe_step: str, step: str) -> None:
-        lock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.lock_dir = lock_dir
         self.step = step
         self.holder_file = lock_dir / f"{safe_step}.holder.json"
-        # thread_local=False: doit may take it in one thread and run the
-        # teardown that releases it in another.
-        self._lock = FileLock(str(lock_dir / f"{safe_step}.lock"), thread_local=False)
+        self._path = lock_dir / f"{safe_step}.lock"
+        self._lock: Any = None  # made on first use: a no-op doit never locks
+
+    def _file_lock(self) -> Any:
+        if self._lock is None:
+            from filelock import FileLock
+
+            # thread_local=False: doit may take it in one thread and run the
+            # teardown that releases it in another.
+            self.lock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._lock = FileLock(str(self._path), thread_local=False)
+        return self._lock
 
     @property
     def held(self) -> bool:
-        return self._lock.is_locked
+        return self._lock is not None and bool(self._lock.is_locked)
 
     def acquire(self, wait_seconds: float = 0.0) -> None:
-        if self._lock.is_locked:
+        from filelock import Timeout
+
+        lock = self._file_lock()
+        if lock.is_locked:
             return
         try:
-            self._lock.acquire(timeout=wait_seconds)
+            lock.acquire(timeout=wait_seconds)
         except Timeout:
             raise StepBusy(
                 f"step {self.step!r} is being run by another process ({self.describe_holder()}); "
@@ -52,7 +63,7 @@ class StepLock:
             {
                 "pid": os.getpid(),
                 "host": socket.gethostname(),
-                "since": utc_now().isoformat(timespec="seconds"),
+                "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "argv": sys.argv,
             },
         )
@@ -66,5 +77,5 @@ class StepLock:
         return f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}: {command}"
 
     def release(self) -> None:
-        if self._lock.is_locked:
+        if self.held:
             self._lock.release(force=True)

@@ -7,10 +7,12 @@ in where the folders are and how the files travel.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from substrax_tasks.backends.base import RunStatus
 from substrax_tasks.spec import StepSpec
+
+if TYPE_CHECKING:
+    from substrax_tasks.backends.base import RunStatus
 
 JOB_FILE = "job.json"
 STATUS_FILE = "status.json"
@@ -79,6 +81,8 @@ def build_job(
 def status_from_record(record: dict[str, Any] | None, worker_alive: bool) -> RunStatus:
     """Read the worker's status file. A `running` record whose worker is
     gone means the worker was killed before it could say how things ended."""
+    from substrax_tasks.backends.base import RunStatus  # pydantic: kept off a no-op doit's path
+
     if record is None:
         return RunStatus("pending")
     state = str(record.get("state", "pending"))

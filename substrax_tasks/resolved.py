@@ -1,0 +1,119 @@
+"""The project's configuration as a no-op `doit` needs it, without pydantic.
+
+A dodo file is loaded on every `doit`, and each remote step needs its
+backend's validated settings for its up-to-date key. Validating means
+importing pydantic (~60 ms), which was most of a no-op run's own cost. So
+the validated result is kept in a small JSON file, valid while
+pyproject.toml, the SUBSTRAX_CONFIG overlay, SUBSTRAX_BACKEND, $HOME and
+this package's version are unchanged; the phases that act open the full,
+validated Project as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from substrax_tasks import __version__
+from substrax_tasks._atomic import write_json_atomic
+
+if TYPE_CHECKING:
+    from substrax_tasks.runs import Project
+
+BACKEND_ENV = "SUBSTRAX_BACKEND"  # as in config.py, which imports pydantic
+CONFIG_ENV = "SUBSTRAX_CONFIG"
+
+
+def _file_stamp(path: Path) -> list[int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_mtime_ns, st.st_size, st.st_ino]
+
+
+def config_stamp(root: Path) -> list[Any]:
+    """Everything the validated configuration depends on."""
+    overlay = os.environ.get(CONFIG_ENV)
+    return [
+        __version__,
+        str(root),
+        _file_stamp(root / "pyproject.toml"),
+        overlay,
+        _file_stamp(Path(overlay)) if overlay else None,
+        os.environ.get(BACKEND_ENV),
+        os.environ.get("HOME"),  # `~` in settings paths
+    ]
+
+
+def cache_file(root: Path) -> Path:
+    # Outside the project: its state_dir is itself part of what is cached.
+    folder = Path(tempfile.gettempdir()) / f"substrax-{os.getuid()}"
+    return folder / f"config-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}.json"
+
+
+@dataclass
+class ResolvedProject:
+    root: Path
+    state_dir: Path
+    default_backend: str
+    settings: dict[str, dict[str, Any]]  # backend name -> settings as pinned in handles
+    _full: Project | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def full(self) -> Project:
+        """The validated Project (imports pydantic): for the phases that act."""
+        with self._lock:
+            if self._full is None:
+                from substrax_tasks.runs import Project
+
+                self._full = Project.open(self.root)
+            return self._full
+
+    def settings_for(self, backend: str | None = None) -> tuple[str, dict[str, Any]]:
+        name = backend or self.default_backend
+        if name not in self.settings:  # a backend only some step names: validate it now
+            self.settings[name] = self.full().settings_for(name)[1]
+        return name, self.settings[name]
+
+
+def resolve(root: Path) -> ResolvedProject:
+    """The project's configuration, from the cache when it is current."""
+    stamp = config_stamp(root)
+    path = cache_file(root)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("stamp") == stamp:
+            return ResolvedProject(
+                root, Path(data["state_dir"]), str(data["default_backend"]), dict(data["settings"])
+            )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    from substrax_tasks.runs import Project
+
+    project = Project.open(root)
+    names = {project.config.default_backend, *project.config.backends}
+    settings = {name: project.settings_for(name)[1] for name in sorted(names)}
+    resolved = ResolvedProject(
+        root, project.store.root, project.config.default_backend, settings, _full=project
+    )
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        write_json_atomic(
+            path,
+            {
+                "stamp": stamp,
+                "state_dir": str(resolved.state_dir),
+                "default_backend": resolved.default_backend,
+                "settings": settings,
+            },
+        )
+    except OSError:
+        pass  # a cache: the next doit validates again
+    return resolved
