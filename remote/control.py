@@ -24,23 +24,11 @@ import sys
 import time
 
 FINAL_STATES = ("succeeded", "failed", "timed_out", "cancelled")
-START_LOCK = "start.lock"  # worker.py's: taken to start a run, and to cancel one not started
 WATCHDOG_POLL_SECONDS = 5.0
 
-
-def start_ticks(pid):
-    # type: (object) -> int | None
-    if not isinstance(pid, int):
-        return None
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            raw = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    fields = raw[raw.rfind(")") + 2 :].split()
-    if fields[0] == "Z":
-        return None
-    return int(fields[19])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from worker import START_LOCK  # noqa: E402 - shipped side by side
+from worker import proc_start_ticks as start_ticks
 
 
 def alive(pid, ticks):

@@ -97,14 +97,19 @@ def log_note(log_fd, message):
 
 
 def proc_start_ticks(pid):
-    # type: (int) -> int | None
-    """Start time of a process in clock ticks since boot (pid-reuse guard)."""
+    # type: (object) -> int | None
+    """Start time of a live process in clock ticks since boot (the guard
+    against pid reuse); None for no such process, or a zombie."""
+    if not isinstance(pid, int):
+        return None
     try:
         with open("/proc/%d/stat" % pid, "rb") as f:
             raw = f.read().decode(errors="replace")
     except OSError:
         return None
     fields = raw[raw.rfind(")") + 2 :].split()
+    if fields[0] == "Z":
+        return None
     return int(fields[19])
 
 

@@ -21,6 +21,7 @@ from substrax_tasks.errors import SpecError
 ArgvItem = Union[str, int, os.PathLike]  # type: ignore[type-arg]  # noqa: UP007 - a runtime alias
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 RESOURCE_KEYS = ("accelerators", "cpus", "memory", "disk_size")
+_UNCLEAN = ("", ".", "..")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,11 @@ def relative_path(raw: str | os.PathLike[str], project: Path, what: str) -> str:
     """`raw` as a clean project-relative POSIX path, or a SpecError."""
     text = os.fspath(raw)
     is_dir = text.endswith("/")
+    # The common case, already clean ("data/in.csv", "model/"), costs string
+    # work only: a dodo of many steps declares thousands of these.
+    body = text[:-1] if is_dir else text
+    if body and body[0] != "/" and all(part not in _UNCLEAN for part in body.split("/")):
+        return text
     if not text.strip():
         raise SpecError(f"{what} is empty; give a path inside the project")
     if PurePosixPath(text).is_absolute():
