@@ -27,8 +27,10 @@ FINAL_STATES = ("succeeded", "failed", "timed_out", "cancelled")
 WATCHDOG_POLL_SECONDS = 5.0
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from worker import START_LOCK  # noqa: E402 - shipped side by side
-from worker import proc_start_ticks as start_ticks
+# worker.py is shipped beside this file
+from worker import START_LOCK, proc_start_ticks  # noqa: E402
+
+start_ticks = proc_start_ticks
 
 
 def alive(pid, ticks):
