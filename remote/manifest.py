@@ -244,18 +244,20 @@ def _check_parents(base, rel):
     return True
 
 
-def build_manifest(base, outputs, cache=None):
-    # type: (str | os.PathLike, list, dict | None) -> dict
+def build_manifest(base, outputs, cache=None, cache_young=False):
+    # type: (str | os.PathLike, list, dict | None, bool) -> dict
     """The manifest of `outputs` (project-relative POSIX paths, a trailing
     "/" marking a folder) under the folder `base`. Missing outputs are listed
     in "missing"; anything that cannot be described safely raises
     ManifestError, and so does a tree that cannot be read or changes under
     the walk. `cache` (rel path -> [size, mtime_ns, ino, sha256]) is read and
-    updated in place."""
+    updated in place. `cache_young` caches files younger than RACY_SECONDS
+    too: only for a cache whose every hit is checked again later (the run's
+    side of a fetch, whose copy is hashed whole here)."""
     base = os.fspath(base)
     checked = _check_outputs(outputs)
     try:
-        return _build(base, checked, cache)
+        return _build(base, checked, cache, cache_young)
     except OSError as exc:
         where = exc.filename if exc.filename is not None else base
         raise ManifestError(
@@ -264,12 +266,12 @@ def build_manifest(base, outputs, cache=None):
         ) from exc
 
 
-def _build(base, checked, cache):
-    # type: (str, list, dict | None) -> dict
+def _build(base, checked, cache, cache_young=False):
+    # type: (str, list, dict | None, bool) -> dict
     entries = []  # type: list
     missing = []  # type: list
     hasher = None  # type: _Hasher | None
-    racy_ns = time.time_ns() - RACY_SECONDS * 1000000000
+    racy_ns = (time.time_ns() + 1) if cache_young else time.time_ns() - RACY_SECONDS * 1000000000
     cache_get = cache.get if cache is not None else None
     seen = set() if cache is not None else None  # type: set | None
     add = entries.append
@@ -577,7 +579,10 @@ def diff_manifests(expected, actual):
 def manifest_with_cache_file(base, outputs, cache_file):
     # type: (str, list, str | None) -> dict
     """build_manifest with its hash cache kept in a JSON file (the worker
-    fills it at the end of a run, so a fetch's manifests cost stats only)."""
+    fills it at the end of a run, so a fetch's manifests cost stats only).
+    Used only where the run ran: the fetched copy is hashed whole on this
+    side, so a stale entry can only make a fetch refused, never accepted,
+    and young files are cached too."""
     cache = {}  # type: dict
     if cache_file:
         try:
@@ -587,7 +592,7 @@ def manifest_with_cache_file(base, outputs, cache_file):
                 cache = loaded
         except (OSError, ValueError):
             pass
-    manifest = build_manifest(base, outputs, cache)
+    manifest = build_manifest(base, outputs, cache, cache_young=True)
     if cache_file:
         tmp = "%s.%d.tmp" % (cache_file, os.getpid())
         with open(tmp, "w") as f:

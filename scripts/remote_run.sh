@@ -91,9 +91,34 @@ echo "==> no remote configured: starting a throwaway SSH host ($where)"
 started=yes
 "$BIN/python" "$TESTBED" start --dir "$work/host" "${start_args[@]}" >/dev/null
 
+# The example runs `python3` from the remote PATH inside the sandbox, which
+# hides the login's home: if every python3 on that PATH lives in the home
+# (pyenv shims, ~/.local/bin, a conda in it), the sandboxed command finds
+# none. Then, on this throwaway host only, the step runs without the
+# sandbox, and says so. (A python3 outside the home, such as
+# /usr/bin/python3, is found inside the sandbox even when PATH lists a
+# shim in the home first, as for root here.)
+"$BIN/python" "$TESTBED" ssh-config --dir "$work/host" >"$work/ssh_config"
+host_alias=$("$BIN/python" "$TESTBED" get --dir "$work/host" name)
+# shellcheck disable=SC2016 # expanded on the host
+probe='first=$(command -v python3); outside=
+IFS=:; for d in $PATH; do case "$d" in "$HOME"|"$HOME"/*) continue;; esac
+  if [ -x "$d/python3" ]; then outside=$d/python3; break; fi; done
+printf "%s\n%s\n" "$first" "$outside"'
+found=$(ssh -F "$work/ssh_config" "$host_alias" "$probe" </dev/null)
+first_python3=$(printf '%s\n' "$found" | sed -n 1p)
+outside_python3=$(printf '%s\n' "$found" | sed -n 2p)
+sandbox=auto
+if [ -n "$first_python3" ] && [ -z "$outside_python3" ]; then
+  sandbox=none
+  echo "==> note: the host's only python3 on PATH is $first_python3, in the login's home, which the" \
+    "sandbox hides; running this throwaway step with sandbox = \"none\"" >&2
+fi
+
 overlay="$work/substrax-remote-run.toml"
-"$BIN/python" - "$work/host/host.json" "$overlay" <<'EOF'
+SANDBOX=$sandbox "$BIN/python" - "$work/host/host.json" "$overlay" <<'EOF'
 import json
+import os
 import sys
 
 host = json.load(open(sys.argv[1]))
@@ -106,6 +131,7 @@ settings = {
     "remote_root": host["scratch"] + "/remote",
     "python": "/usr/bin/python3",
     "lifetime_minutes": 30.0,
+    "sandbox": os.environ["SANDBOX"],
 }
 lines = [
     "# written by scripts/remote_run.sh for a throwaway SSH host; removed with it",

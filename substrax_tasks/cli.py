@@ -155,10 +155,12 @@ def cmd_cancel(project: Project, args: argparse.Namespace, out: Console, err: Co
     handle = project.store.read(args.run)
     backend = project.backend_for(handle)
     if not backend.cancel(handle):
-        state = backend.poll(handle).state
+        state = backend.status(project.store.read(handle.run_id)).state
         out.print(f"run {handle.run_id} had already finished ({state}); nothing to cancel", highlight=False)
         return 0
-    out.print(f"run {handle.run_id}: {backend.poll(handle).state}", highlight=False)
+    # The handle as cancel left it: it recorded how the run ended.
+    ended = backend.status(project.store.read(handle.run_id))
+    out.print(f"run {handle.run_id}: {ended.state}", highlight=False)
     return 0
 
 

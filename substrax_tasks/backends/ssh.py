@@ -14,9 +14,11 @@ reused while the lock file is unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any, Literal
@@ -312,7 +314,13 @@ class SshBackend(Backend):
             raise BackendError(
                 f"run {handle.run_id}: cancel on {self.settings.host} failed: {answer.get('reason')}"
             )
-        self.poll(handle)
+        # Recorded from the answer, not polled again: a doit driving the run
+        # may tear its folder down the moment it sees the end.
+        with contextlib.suppress(BackendError):
+            self.poll(handle)
+        if "final_status" not in self.store.read(handle.run_id).state:
+            ended = RunStatus(str(answer.get("state") or "cancelled"), message=answer.get("reason"))
+            self.store.update_state(handle, final_status=ended.__dict__)
         return True
 
     def _kept_log(self, handle: RunHandle) -> Path:
@@ -351,7 +359,13 @@ class SshBackend(Backend):
             from substrax_tasks.manifest_cache import ManifestError
 
             raise ManifestError(result.stderr.decode(errors="replace").strip())
-        return dict(json.loads(result.stdout))
+        try:
+            return dict(json.loads(result.stdout))
+        except ValueError:
+            raise BackendError(
+                f"run {handle.run_id}: the manifest from {self.settings.host} arrived damaged "
+                f"({len(result.stdout)} bytes); the fetch can be tried again"
+            ) from None
 
     def fetch(self, handle: RunHandle) -> Fetched:
         """rsync into local staging between two manifests of the remote
@@ -370,6 +384,10 @@ class SshBackend(Backend):
         try:
             before = self._manifest(handle, root)
             staging = self.store.run_dir(handle.run_id) / "fetched"
+            # Fresh each time: a killed rsync leaves temp files (and a file
+            # since deleted there would stay here), which verification would
+            # then refuse for ever.
+            shutil.rmtree(staging, ignore_errors=True)
             present = [o for o in handle.spec.outputs if o not in before.get("missing", [])]
             if present:
                 self.transport().download(root, present, staging)
