@@ -24,6 +24,7 @@ import pytest
 
 from substrax_tasks import _procs
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.resolved import cache_file
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
 from substrax_tasks.worker_job import STATUS_FILE
@@ -123,6 +124,18 @@ def stop_worker(status_file: Path) -> None:
         time.sleep(0.02)
     if _procs.same_process_alive(pid, ticks):
         kill_pid(pid)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _remove_config_caches_made_by_the_tests() -> Iterator[None]:
+    """Each test project leaves a cached configuration in the temp folder
+    (substrax_tasks/resolved.py); remove the ones this session made."""
+    folder = cache_file(Path("/")).parent
+    before = set(folder.glob("config-*.json")) if folder.is_dir() else set()
+    yield
+    if folder.is_dir():
+        for path in set(folder.glob("config-*.json")) - before:
+            path.unlink(missing_ok=True)
 
 
 @pytest.fixture(autouse=True)
