@@ -47,6 +47,7 @@ PHASES = ("created", "launched", "set_up", "synced", "started", "fetched", "prom
 RETRY_BACKOFF_SECONDS = 2.0
 DOIT_VALUE = "substrax_run"  # saved by doit with the public task's values
 _T = TypeVar("_T")
+_LOCK_DIGESTS: dict[tuple[str, int, int, int], str] = {}
 
 
 class _TextSink:
@@ -159,8 +160,16 @@ class StepRunner:
         """The lock file the environment is built from: a new lock, a new env."""
         for name in ENV_LOCK_FILES:
             path = self.root / name
-            if path.is_file():
-                return {name: hashlib.sha256(path.read_bytes()).hexdigest()}
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            # Hashed once per process and version of the file, not per step:
+            # a uv.lock is often hundreds of KB.
+            stamp = (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
+            if stamp not in _LOCK_DIGESTS:
+                _LOCK_DIGESTS[stamp] = hashlib.sha256(path.read_bytes()).hexdigest()
+            return {name: _LOCK_DIGESTS[stamp]}
         return {}
 
     def key(self, parts: dict[str, Any] | None = None) -> str:
