@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import marked_pids
+
+from substrax_tasks import _procs
 
 BIN = Path(sys.executable).parent
 DOIT = BIN / "doit"
@@ -223,27 +226,12 @@ def wait_for(condition: Callable[[], object], what: str, timeout: float = WAIT) 
 
 def pid_alive(pid: int) -> bool:
     """Alive and not a zombie."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return raw[raw.rfind(")") + 2 :].split()[0] != "Z"
+    return _procs.start_ticks(pid) is not None
 
 
 def pids_with(marker: str) -> list[int]:
-    """Live processes whose argv holds `marker`."""
-    needle = marker.encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if needle in cmdline and pid_alive(int(entry)):
-            found.append(int(entry))
-    return found
+    """Live processes whose argv holds `marker` (conftest's scan)."""
+    return marked_pids(marker)
 
 
 def kill_pids(pids: Sequence[int]) -> None:
