@@ -6,9 +6,9 @@
 
 yields one public doit task named after the step (it verifies and promotes
 the outputs; its targets are the outputs, so other tasks depend on it with
-ordinary `file_dep`) and, under the hidden basename `_<step>`, the phases
-before it (launch, setup, sync, run, fetch), chained as its `setup` so that
-an up-to-date step runs none of them.
+ordinary `file_dep`) and one hidden task `_<step>` whose actions are the
+phases before it (launch, setup, sync, run, fetch), chained as its `setup`
+so that an up-to-date step runs none of them.
 """
 
 from __future__ import annotations
