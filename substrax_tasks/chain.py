@@ -236,7 +236,12 @@ class StepRunner:
             problems = manifest_cache.verify_outputs(
                 self.root, list(self.spec.outputs), manifest, self.outputs_cache
             )
-            reasons += [f"outputs: {p}" for p in problems]
+            # A missing output is named once, not again by the entry-by-entry diff.
+            gone = {p.split(": ", 1)[1] for p in problems if p.startswith("missing output: ")}
+            reasons += [
+                f"outputs: {p}" for p in problems
+                if not (p.startswith("missing: ") and p[len("missing: "):].split(" (")[0] in gone)
+            ]
         if self.doit_values is not None and not self.doit_values.get(DOIT_VALUE):
             reasons.append(
                 f"doit has no record of task {self.spec.step!r} (after `doit forget`, or a new "
