@@ -59,7 +59,6 @@ import contextlib
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,6 +66,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from _common import median, scratch_parent
 
 from substrax_tasks import manifest_cache
 
@@ -169,10 +170,6 @@ sandbox = "{sandbox}"
 # ------------------------------------------------------------------ helpers
 
 
-def scratch_parent() -> str | None:
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-
 
 PYCACHE = Path(tempfile.gettempdir()) / f"substrax-bench-pycache-{os.getuid()}"
 
@@ -184,9 +181,6 @@ def doit_argv() -> list[str]:
         return [str(beside)]
     return [sys.executable, "-m", "doit"]
 
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
 def parse_steps(text: str) -> list[int]:

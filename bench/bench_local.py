@@ -40,7 +40,6 @@ import platform
 import secrets
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from _common import cli_argv, fmt_s, load_average, marker_processes, median, read_cmdline, scratch_parent
 
 from substrax_tasks.backends.base import LOG_POLL_SECONDS, RunStatus
 from substrax_tasks.handle import RunHandle
@@ -67,27 +68,6 @@ SANDBOXES = ("bwrap", "none")
 # ------------------------------------------------------------------ /proc
 
 
-def read_cmdline(pid: int) -> list[bytes] | None:
-    """argv of a live process; None when it is gone (or a zombie: empty)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    return raw.rstrip(b"\0").split(b"\0") if raw else None
-
-
-def marker_processes(marker: bytes) -> dict[int, list[bytes]]:
-    """Every process whose cmdline contains `marker`, with its argv."""
-    me = os.getpid()
-    found: dict[int, list[bytes]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        argv = read_cmdline(int(name))
-        if argv is not None and any(marker in arg for arg in argv):
-            found[int(name)] = argv
-    return found
 
 
 def session_and_group(pid: int) -> tuple[int, int] | None:
@@ -122,30 +102,12 @@ def kill_marked(marker: bytes) -> int:
 # ------------------------------------------------------------------ helpers
 
 
-def scratch_parent() -> str | None:
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-
-
-def cli_argv() -> list[str]:
-    """The project's console script beside this interpreter (the venv's)."""
-    beside = Path(sys.executable).with_name("substrax-compute")
-    if beside.is_file():
-        return [str(beside)]
-    found = shutil.which("substrax-compute")
-    return [found] if found else [sys.executable, "-m", "substrax_tasks.cli"]
 
 
 def settings(sandbox: str) -> dict[str, object]:
     return {"sandbox": sandbox, "grace_seconds": GRACE_SECONDS}
 
 
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def fmt_s(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.3f}"
 
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
@@ -482,11 +444,6 @@ def describe_machine() -> None:
         f"settings {{sandbox: bwrap|none, grace_seconds: {GRACE_SECONDS:g}}}; {load_average()}"
     )
 
-
-def load_average() -> str:
-    """Other work on the machine shows in the figures: say how busy it was."""
-    one, five, _fifteen = os.getloadavg()
-    return f"load average {one:.2f} (1 min), {five:.2f} (5 min)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

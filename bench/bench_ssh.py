@@ -83,7 +83,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,6 +93,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
+
+from _common import cli_argv, fmt_s, load_average, marker_processes, median, read_cmdline, scratch_parent
 
 import substrax_tasks.chain as chain_module
 from substrax_tasks import manifest_cache
@@ -179,26 +180,8 @@ testbed = load_testbed()
 # ------------------------------------------------------------------ helpers
 
 
-def scratch_parent() -> str | None:
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
 
 
-def cli_argv() -> list[str]:
-    """The project's console script beside this interpreter (the venv's)."""
-    beside = Path(sys.executable).with_name("substrax-compute")
-    if beside.is_file():
-        return [str(beside)]
-    found = shutil.which("substrax-compute")
-    return [found] if found else [sys.executable, "-m", "substrax_tasks.cli"]
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def fmt_s(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.3f}"
 
 
 def fmt_ratio(value: float) -> str:
@@ -225,10 +208,6 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]
 def progress(message: str) -> None:
     print(f"  {message}", file=sys.stderr, flush=True)
 
-
-def load_average() -> str:
-    one, five, _fifteen = os.getloadavg()
-    return f"load average {one:.2f} (1 min), {five:.2f} (5 min)"
 
 
 def remove(path: Path) -> None:
@@ -802,25 +781,6 @@ def bench_small(bed: Bed, repeats: int, what_if: bool) -> None:
 # ------------------------------------------------------------------ cancel
 
 
-def read_cmdline(pid: int) -> list[bytes] | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    return raw.rstrip(b"\0").split(b"\0") if raw else None
-
-
-def marker_processes(marker: bytes) -> dict[int, list[bytes]]:
-    me = os.getpid()
-    found: dict[int, list[bytes]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        argv = read_cmdline(int(name))
-        if argv is not None and any(marker in arg for arg in argv):
-            found[int(name)] = argv
-    return found
 
 
 def kill_marked(marker: bytes) -> int:

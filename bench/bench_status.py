@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _common import cli_argv, scratch_parent
+
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import canonical_digest, make_spec
@@ -70,18 +72,6 @@ MIXED_STATES = (("failed", 0.05), ("cancelled", 0.03), ("timed_out", 0.02), ("lo
 # ------------------------------------------------------------------ helpers
 
 
-def scratch_parent() -> str | None:
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-
-
-def cli_argv() -> list[str]:
-    """The project's console script beside this interpreter (the venv's)."""
-    beside = Path(sys.executable).with_name("substrax-compute")
-    if beside.is_file():
-        return [str(beside)]
-    found = shutil.which("substrax-compute")
-    return [found] if found else [sys.executable, "-m", "substrax_tasks.cli"]
 
 
 def iso(moment: float) -> str:
