@@ -33,7 +33,7 @@ from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import OUTPUT_LOCK, emit
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
 from substrax_tasks.promote import promote, remove_path
-from substrax_tasks.resolved import ResolvedProject, resolve
+from substrax_tasks.resolved import ResolvedProject, config_stamp, resolve
 from substrax_tasks.spec import StepSpec, canonical_digest, check_inputs_exist, safe_name
 from substrax_tasks.steplock import StepLock
 from substrax_tasks.worker_job import ENV_LOCK_FILES
@@ -751,10 +751,9 @@ def project_of(path: str | os.PathLike[str] | None) -> ResolvedProject:
     1,000 steps reads pyproject.toml once, and a no-op doit validates nothing
     while the configuration is unchanged (see resolved.py)."""
     root = (Path.cwd() if path is None else Path(path)).resolve()
-    from substrax_tasks.resolved import config_stamp
-
-    key = (root, json.dumps(config_stamp(root)))
+    stamp = config_stamp(root)
+    key = (root, json.dumps(stamp))
     project = _PROJECTS.get(key)
     if project is None:
-        project = _PROJECTS[key] = resolve(root)
+        project = _PROJECTS[key] = resolve(root, stamp)
     return project

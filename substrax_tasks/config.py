@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from substrax_tasks.backends import BACKEND_NAMES, settings_model
 from substrax_tasks.errors import ConfigError
+from substrax_tasks.resolved import BACKEND_ENV, CONFIG_ENV
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -22,10 +23,6 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 TABLE = "tool.substrax.compute"
-BACKEND_ENV = "SUBSTRAX_BACKEND"
-# A TOML file whose [tool.substrax.compute] is laid over the project's: for
-# machine-specific settings (hosts, keys) kept out of the repository.
-CONFIG_ENV = "SUBSTRAX_CONFIG"
 
 
 class ComputeConfig(BaseModel):

@@ -26,7 +26,10 @@ from substrax_tasks._atomic import write_json_atomic
 if TYPE_CHECKING:
     from substrax_tasks.runs import Project
 
-BACKEND_ENV = "SUBSTRAX_BACKEND"  # as in config.py, which imports pydantic
+# Defined here, not in config.py (which imports pydantic), and used by both.
+BACKEND_ENV = "SUBSTRAX_BACKEND"  # names the default backend
+# A TOML file whose [tool.substrax.compute] is laid over the project's: for
+# machine-specific settings (hosts, keys) kept out of the repository.
 CONFIG_ENV = "SUBSTRAX_CONFIG"
 
 
@@ -83,9 +86,9 @@ class ResolvedProject:
         return name, self.settings[name]
 
 
-def resolve(root: Path) -> ResolvedProject:
+def resolve(root: Path, stamp: list[Any] | None = None) -> ResolvedProject:
     """The project's configuration, from the cache when it is current."""
-    stamp = config_stamp(root)
+    stamp = config_stamp(root) if stamp is None else stamp
     path = cache_file(root)
     try:
         data = json.loads(path.read_text())

@@ -28,7 +28,7 @@ from substrax_tasks._remote_files import remote_script
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.worker_job import STAGING_DIR, WorkerPaths, build_job, status_from_record
+from substrax_tasks.worker_job import STAGING_DIR, START_LOCK, WorkerPaths, build_job, status_from_record
 
 START_TIMEOUT_SECONDS = 30.0  # worker start-up; bubblewrap probe included
 CANCEL_MARGIN_SECONDS = 10.0  # beyond the grace period, for the SIGKILL and reap
@@ -176,7 +176,7 @@ class LocalBackend(Backend):
     @contextlib.contextmanager
     def _start_lock(self, handle: RunHandle) -> Iterator[None]:
         """The lock remote/worker.py takes to start a run (its START_LOCK)."""
-        path = self.store.run_dir(handle.run_id) / "start.lock"
+        path = self.store.run_dir(handle.run_id) / START_LOCK
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)

@@ -32,10 +32,9 @@ from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.transports.rsync import RsyncTransport
-from substrax_tasks.worker_job import WorkerPaths, build_job, status_from_record
+from substrax_tasks.worker_job import ENV_LOCK_FILES, WorkerPaths, build_job, status_from_record
 
 REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
-LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")
 # remote/manifest.py's messages for a tree that changed while it was read
 MANIFEST_RACES = ("changed while it was read", "was replaced while the manifest was taken")
 ALWAYS_EXCLUDED = (".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache",
@@ -217,7 +216,7 @@ class SshBackend(Backend):
         return self.store.update_state(handle, env_dir=env_dir, uploaded=stats.files)
 
     def _sync_env(self, handle: RunHandle, project: Path) -> str | None:
-        lock = next((name for name in LOCK_FILES if (project / name).is_file()), None)
+        lock = next((name for name in ENV_LOCK_FILES if (project / name).is_file()), None)
         if lock is None:
             return None
         recipe = json.dumps([self.settings.python, self.settings.pip_args]).encode()
