@@ -6,7 +6,7 @@ called over SSH with one command per operation. Each prints one JSON line.
 
     python3 control.py status RUN_DIR
     python3 control.py cancel RUN_DIR [--wait SECONDS]
-    python3 control.py watchdog RUN_DIR SECONDS [--detach]
+    python3 control.py watchdog RUN_DIR SECONDS [--detach] [--poweroff]
     python3 control.py remove RUN_DIR
 
 fabric's lesson: closing an SSH channel kills nothing, so stopping a remote
@@ -142,11 +142,13 @@ def remove(run_dir):
     return {"removed": not os.path.exists(run_dir)}
 
 
-def watchdog(run_dir, seconds):
-    # type: (str, float) -> dict
+def watchdog(run_dir, seconds, poweroff=False):
+    # type: (str, float, bool) -> dict
     """After `seconds`, stop the run's tree and remove its folder, so nothing
     outlives the run's lifetime even if no client ever comes back. Exits
-    early once the folder is gone (the run was torn down)."""
+    early once the folder is gone (the run was torn down). With `poweroff`
+    (a cloud machine whose provider has no autodown) it then shuts the
+    machine down."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if not os.path.isdir(run_dir):
@@ -157,11 +159,24 @@ def watchdog(run_dir, seconds):
     with open(os.path.join(run_dir, "watchdog-fired"), "w") as f:
         f.write(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     remove(run_dir)
+    if poweroff:
+        power_off()
     return {"fired": True}
 
 
-def watchdog_child(run_dir, seconds):
-    # type: (str, float) -> None
+def power_off():
+    # type: () -> None
+    import subprocess
+
+    argv = ["shutdown", "-h", "now"] if os.geteuid() == 0 else ["sudo", "-n", "shutdown", "-h", "now"]
+    try:
+        subprocess.call(argv)
+    except OSError:
+        pass
+
+
+def watchdog_child(run_dir, seconds, poweroff=False):
+    # type: (str, float, bool) -> None
     """Body of the forked child: a new session, then a grandchild that is
     immune to the SSH session's end runs the watchdog."""
     os.setsid()
@@ -177,7 +192,7 @@ def watchdog_child(run_dir, seconds):
     with open(tmp, "w") as f:
         json.dump(info, f)
     os.replace(tmp, os.path.join(run_dir, "watchdog.json"))
-    watchdog(run_dir, seconds)
+    watchdog(run_dir, seconds, poweroff)
 
 
 def main(argv=None):
@@ -196,11 +211,12 @@ def main(argv=None):
         result = remove(run_dir)
     elif command == "watchdog" and len(args) >= 3:
         seconds = float(args[2])
+        poweroff = "--poweroff" in args
         if "--detach" in args:
             os.makedirs(run_dir, exist_ok=True)
-            result = _detach_and_wait(run_dir, seconds)
+            result = _detach_and_wait(run_dir, seconds, poweroff)
         else:
-            result = watchdog(run_dir, seconds)
+            result = watchdog(run_dir, seconds, poweroff)
     else:
         sys.stderr.write("unknown command: %s\n" % " ".join(args))
         return 2
@@ -208,15 +224,15 @@ def main(argv=None):
     return 0
 
 
-def _detach_and_wait(run_dir, seconds):
-    # type: (str, float) -> dict
+def _detach_and_wait(run_dir, seconds, poweroff=False):
+    # type: (str, float, bool) -> dict
     path = os.path.join(run_dir, "watchdog.json")
     if os.path.exists(path):
         os.unlink(path)
     pid = os.fork()
     if pid == 0:
         try:
-            watchdog_child(run_dir, seconds)
+            watchdog_child(run_dir, seconds, poweroff)
         finally:
             os._exit(0)
     os.waitpid(pid, 0)

@@ -499,6 +499,8 @@ class Worker(object):
             taken = manifest.manifest_with_cache_file(
                 outputs_root, outputs, os.path.join(run_dir, "manifest-cache.json"))
             write_json_atomic(os.path.join(run_dir, "manifest.json"), taken)
+            if self.job.get("manifest_copy"):  # the bucket transport fetches it with the outputs
+                write_json_atomic(self.job["manifest_copy"], taken)
         except Exception as exc:  # noqa: BLE001 - the fetch takes its own and says what is wrong
             log_note(log_fd, "could not take the outputs' manifest: %s" % exc)
 
@@ -563,6 +565,34 @@ class Worker(object):
         return reaped
 
 
+PATH_FIELDS = ("cwd", "project", "staging", "status_file", "log_file", "manifest_copy")
+PATH_LIST_FIELDS = ("hide", "extra_ro", "path_prepend")
+
+
+def absolute_paths(job, base):
+    # type: (dict, str) -> dict
+    """A job written before its machine's home folder was known (SkyPilot)
+    names its folders relative to where the worker starts: resolve them."""
+    job = dict(job)
+    for key in PATH_FIELDS:
+        if job.get(key):
+            job[key] = os.path.normpath(os.path.join(base, job[key]))
+    for key in PATH_LIST_FIELDS:
+        if job.get(key):
+            job[key] = [os.path.normpath(os.path.join(base, p)) if p else p for p in job[key]]
+    return job
+
+
+def read_json(path):
+    # type: (str) -> dict | None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def _exitcode(raw):
     # type: (int) -> int
     if os.WIFSIGNALED(raw):
@@ -576,14 +606,21 @@ def main(argv=None):
     detach = "--detach" in args
     # Secrets arrive as a JSON object on stdin, so they touch no file.
     secrets = json.load(sys.stdin) if "--env-stdin" in args else {}
-    args = [a for a in args if a not in ("--detach", "--env-stdin")]
+    # --exit-status: exit 0 only if the command succeeded, so a runner that
+    # reads exit codes (SkyPilot's job status) sees the run's outcome.
+    exit_status = "--exit-status" in args
+    args = [a for a in args if a not in ("--detach", "--env-stdin", "--exit-status")]
     if len(args) != 1:
-        sys.stderr.write("usage: worker.py JOB_JSON [--detach] [--env-stdin]\n")
+        sys.stderr.write("usage: worker.py JOB_JSON [--detach] [--env-stdin] [--exit-status]\n")
         return 2
     with open(args[0]) as f:
-        job = json.load(f)
+        job = absolute_paths(json.load(f), os.getcwd())
     if not detach:
-        return Worker(job, secrets).run()
+        code = Worker(job, secrets).run()
+        if exit_status and code == 0:
+            final = read_json(job["status_file"]) or {}
+            return 0 if final.get("state") == "succeeded" else 1
+        return code
     # Detach: the parent returns once the child has written its first
     # status, so the caller learns at once whether the command started.
     ready_r, ready_w = os.pipe()
