@@ -19,6 +19,11 @@ BIN := $(VENV)/bin
 # Touched after a successful install; remade when pyproject.toml changes.
 STAMP := $(VENV)/.substrax-installed
 PYTEST_ARGS ?=
+# SkyPilot lives in its own virtualenv: the project never imports it, and
+# runs remote/sky_sdk.py with this python (the tests' SUBSTRAX_SKY_PYTHON).
+SKY_VENV := .sky-venv
+SKY_VERSION := 0.14.1
+SKY_STAMP := $(SKY_VENV)/.substrax-sky-$(SKY_VERSION)
 # The doit task `make remote-run` calls (defined by the example dodo.py).
 REMOTE_RUN_TASK ?= fit
 
@@ -49,13 +54,14 @@ if [ $${#missing[@]} -gt 0 ]; then \
 fi
 endef
 
-.PHONY: help install venv system-deps demo-deps test lint format typecheck docs demo remote-run bench clean distclean
+.PHONY: help install venv sky-venv system-deps demo-deps test lint format typecheck docs demo remote-run bench clean distclean
 
 help:
 	@echo "substrax-tasks"
 	@echo "  make demo        run the example pipeline (dodo.py) on the local backend"
 	@echo "  make test        system packages (as root), then ruff, mypy and pytest"
 	@echo "  make install     create $(VENV) and install the project with its test extras"
+	@echo "  make sky-venv    install SkyPilot $(SKY_VERSION) into $(SKY_VENV) (for the SkyPilot tests)"
 	@echo "  make lint        ruff check"
 	@echo "  make format      ruff format (rewrites files)"
 	@echo "  make typecheck   mypy (strict)"
@@ -98,6 +104,18 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --disable-pip-version-check --quiet -e '.[test]'
 	@touch $@
 
+sky-venv: $(SKY_STAMP)
+
+# About 90 s and 460 MB the first time. A failed install leaves no stamp.
+$(SKY_STAMP): | $(BIN)/python
+	@echo "==> installing SkyPilot $(SKY_VERSION) into $(SKY_VENV) (its own virtualenv)"
+	@rm -rf $(SKY_VENV)
+	@$(PYTHON) -m venv $(SKY_VENV)
+	@$(SKY_VENV)/bin/python -m pip install --disable-pip-version-check --quiet 'skypilot==$(SKY_VERSION)' || { \
+	  echo "error: installing skypilot==$(SKY_VERSION) from the package index failed (is it reachable?)" >&2; \
+	  rm -rf $(SKY_VENV); exit 1; }
+	@touch $@
+
 system-deps:
 	@$(call ensure-tools,$(TEST_TOOLS))
 
@@ -107,7 +125,7 @@ demo-deps:
 # ------------------------------------------------------------------ checks
 
 # pytest runs last, so the output ends with its summary line.
-test: system-deps install
+test: system-deps install sky-venv
 	@echo "==> ruff check"
 	@$(BIN)/ruff check .
 	@echo "==> mypy"

@@ -27,6 +27,9 @@ from substrax_tasks.handle import RunHandle
 from substrax_tasks.runs import Project
 from substrax_tasks.store import RunStore, Unreadable
 
+if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only
+    from exceptiongroup import ExceptionGroup
+
 EPILOG = "Exit codes: 0 ok, 1 failure, 2 usage error."
 
 
@@ -274,6 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(project, args, out, err)
     except SubstraxError as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        return 1
+    except ExceptionGroup as group:  # cancel attempts every step: each failure is shown
+        err.print(f"[bold red]error:[/] {escape(group.message)}", highlight=False)
+        for failure in group.exceptions:
+            err.print(f"  - {escape(str(failure))}", highlight=False)
         return 1
     except KeyboardInterrupt:
         err.print("interrupted", highlight=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +81,12 @@ def _valid_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
     for part in loc:
         field = next((f for n, f in current.model_fields.items() if part in (n, f.alias)), None)
         annotation = field.annotation if field is not None else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        # an optional table (`Model | None`) lists the keys of its model
+        candidates = (annotation, *typing.get_args(annotation))
+        table = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if table is None:
             return []
-        current = annotation
+        current = table
     return sorted(field.alias or name for name, field in current.model_fields.items())
 
 

@@ -18,6 +18,7 @@ REGISTRY = MappingProxyType(
     {
         "local": "substrax_tasks.backends.local:LocalBackend",
         "ssh": "substrax_tasks.backends.ssh:SshBackend",
+        "skypilot": "substrax_tasks.backends.skypilot:SkypilotBackend",
     }
 )
 BACKEND_NAMES = tuple(REGISTRY)

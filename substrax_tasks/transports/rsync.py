@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 from rich.console import Console
 from rich.progress import (
@@ -29,7 +29,6 @@ from rich.progress import (
 )
 
 from substrax_tasks._output import emit
-from substrax_tasks._ssh import SshTarget
 from substrax_tasks.errors import BackendError
 from substrax_tasks.transports.base import TransferStats, Transport
 
@@ -43,11 +42,20 @@ def _number(text: str) -> int:
     return int(text.replace(",", ""))
 
 
+class SshEndpoint(Protocol):
+    """Where rsync's ssh goes: an SSH host, or a SkyPilot cluster's config."""
+
+    @property
+    def host(self) -> str: ...
+
+    def ssh_argv(self) -> list[str]: ...
+
+
 class RsyncTransport(Transport):
     name = "copy"
 
     def __init__(
-        self, target: SshTarget, excludes: list[str] | None = None, show_progress: bool | None = None
+        self, target: SshEndpoint, excludes: list[str] | None = None, show_progress: bool | None = None
     ) -> None:
         self.target = target
         self.excludes = list(excludes or [])

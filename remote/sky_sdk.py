@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""SkyPilot's public SDK, one call per process, JSON in and out.
+
+Runs in SkyPilot's own interpreter (the `sky_python` setting), never in
+substrax_tasks' process: `import sky` takes seconds, writes ~/.sky and pins
+its own dependencies. Stdlib + sky only.
+
+    python sky_sdk.py OPERATION  < request.json  > answer (one JSON line)
+
+The answer is `{"ok": true, "result": ...}`, or `{"ok": false, "error":
+{"type": <exception class>, "message": ...}}` with exit code 1. Records are
+SkyPilot's own, made JSON-able (enums by name); nothing parses `sky` CLI
+output. A request id is written to `request_file` (atomically) the moment
+SkyPilot hands it out, before anything waits on it, so a client killed
+while waiting leaves the id behind for `cancel` to find.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+import sky
+import sky.exceptions  # noqa: F401 - exceptions are named in answers
+
+
+def jsonable(value):
+    # type: (object) -> object
+    """SkyPilot's records as JSON: enums by name, objects by their fields."""
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "model_dump"):  # pydantic records (api_status payloads)
+        return jsonable(value.model_dump())
+    if hasattr(value, "__dict__"):
+        return {k: jsonable(v) for k, v in vars(value).items() if not k.startswith("_")}
+    return str(value)
+
+
+def write_atomic(path, data):
+    # type: (str, dict) -> None
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".request-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _record_request(request, request_id, name):
+    # type: (dict, str, str) -> None
+    path = request.get("request_file")
+    if path:
+        write_atomic(path, {"request_id": str(request_id), "name": name})
+
+
+def _wait(request, request_id):
+    # type: (dict, str) -> object
+    """Wait for a request, its log going to `log_file` when one is named."""
+    log_file = request.get("log_file")
+    if not log_file:
+        return sky.get(request_id)
+    with open(log_file, "a") as out:
+        return sky.stream_and_get(request_id, output_stream=out)
+
+
+def op_launch(request):
+    # type: (dict) -> object
+    secrets = request.get("secrets") or {}
+    # Secrets come on stdin, never from the task file on disk.
+    task = sky.Task.from_yaml_config(request["task"], secrets_overrides=list(secrets.items()) or None)
+    request_id = sky.launch(
+        task,
+        cluster_name=request["cluster_name"],
+        retry_until_up=bool(request.get("retry_until_up", False)),
+        idle_minutes_to_autostop=request.get("idle_minutes_to_autostop"),
+        down=bool(request.get("down", True)),
+    )
+    _record_request(request, request_id, "launch")
+    return _job_of(_wait(request, request_id))
+
+
+def _job_of(result):
+    # type: (object) -> dict
+    job_id = None
+    if isinstance(result, (tuple, list)) and result:
+        job_id = result[0]
+    return {"job_id": job_id}
+
+
+def op_wait_launch(request):
+    # type: (dict) -> object
+    """Reattach to a launch request a killed client left running."""
+    return _job_of(_wait(request, request["request_id"]))
+
+
+def op_request_status(request):
+    # type: (dict) -> object
+    records = sky.api_status(request_ids=list(request["request_ids"]), all_status=True)
+    answer = []
+    for record in records:
+        data = jsonable(record)
+        answer.append({
+            "request_id": data.get("request_id"),
+            "name": data.get("name"),
+            "status": data.get("status"),
+        })
+    return answer
+
+
+def op_api_cancel(request):
+    # type: (dict) -> object
+    return jsonable(sky.get(sky.api_cancel(list(request["request_ids"]), silent=True)))
+
+
+def op_job_status(request):
+    # type: (dict) -> object
+    statuses = sky.get(sky.job_status(request["cluster_name"], job_ids=list(request["job_ids"])))
+    return {str(k): jsonable(v) for k, v in (statuses or {}).items()}
+
+
+def op_queue(request):
+    # type: (dict) -> object
+    return jsonable(sky.get(sky.queue(request["cluster_name"], skip_finished=False)))
+
+
+def op_cancel(request):
+    # type: (dict) -> object
+    return jsonable(sky.get(sky.cancel(request["cluster_name"], job_ids=list(request["job_ids"]))))
+
+
+def op_down(request):
+    # type: (dict) -> object
+    request_id = sky.down(request["cluster_name"])
+    _record_request(request, request_id, "down")
+    return jsonable(sky.get(request_id))
+
+
+def op_autostop(request):
+    # type: (dict) -> object
+    return jsonable(sky.get(sky.autostop(
+        request["cluster_name"], int(request["idle_minutes"]), down=bool(request.get("down", True)))))
+
+
+def op_cluster_status(request):
+    # type: (dict) -> object
+    records = sky.get(sky.status(cluster_names=list(request["cluster_names"])))
+    return [{"name": field(r, "name"), "status": jsonable(field(r, "status"))} for r in (records or [])]
+
+
+def field(record, name):
+    # type: (object, str) -> object
+    """A field of a record that is a dict in some releases, a model in others."""
+    if isinstance(record, dict):
+        return record.get(name)
+    return getattr(record, name, None)
+
+
+def op_tail_logs(request):
+    # type: (dict) -> object
+    with open(request["output_file"], "a") as out:
+        code = sky.tail_logs(request["cluster_name"], request["job_id"], bool(request.get("follow")),
+                             tail=int(request.get("tail", 0)), output_stream=out)
+    return {"exit_code": code}
+
+
+def op_ssh_config(request):
+    # type: (dict) -> object
+    """The ssh config SkyPilot wrote for a cluster (`ssh -F FILE CLUSTER`)."""
+    path = os.path.expanduser(os.path.join("~", ".sky", "generated", "ssh", request["cluster_name"]))
+    return {"path": path if os.path.isfile(path) else None}
+
+
+def op_validate(request):
+    # type: (dict) -> object
+    """The task config as SkyPilot reads it, checked offline; and, for bucket
+    mounts, whether the chosen cloud can mount buckets at all."""
+    task = sky.Task.from_yaml_config(request["task"])
+    task.validate(skip_file_mounts=True, skip_workdir=True)
+    if request.get("needs_storage_mounting"):
+        from sky import clouds
+
+        for resources in task.resources:
+            cloud = resources.cloud
+            if cloud is None:
+                continue
+            cloud.check_features_are_supported(
+                resources, {clouds.CloudImplementationFeatures.STORAGE_MOUNTING})
+    return {"valid": True}
+
+
+OPERATIONS = {
+    "launch": op_launch,
+    "wait_launch": op_wait_launch,
+    "request_status": op_request_status,
+    "api_cancel": op_api_cancel,
+    "job_status": op_job_status,
+    "queue": op_queue,
+    "cancel": op_cancel,
+    "down": op_down,
+    "autostop": op_autostop,
+    "cluster_status": op_cluster_status,
+    "tail_logs": op_tail_logs,
+    "ssh_config": op_ssh_config,
+    "validate": op_validate,
+}
+
+
+def main(argv=None):
+    # type: (list | None) -> int
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1 or args[0] not in OPERATIONS:
+        sys.stderr.write("usage: sky_sdk.py {%s} < request.json\n" % ",".join(sorted(OPERATIONS)))
+        return 2
+    request = json.load(sys.stdin)
+    try:
+        result = OPERATIONS[args[0]](request)
+    except Exception as exc:  # noqa: BLE001 - every failure is answered, by its SkyPilot type
+        answer = {"ok": False, "error": {
+            "type": type(exc).__name__,
+            "module": type(exc).__module__,
+            "message": str(exc) or repr(exc),
+            "traceback": traceback.format_exc()[-4000:],
+        }}
+        sys.stdout.write(json.dumps(answer) + "\n")
+        return 1
+    sys.stdout.write(json.dumps({"ok": True, "result": jsonable(result)}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

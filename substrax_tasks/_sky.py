@@ -1,0 +1,140 @@
+"""Calling SkyPilot: `remote/sky_sdk.py` in SkyPilot's own interpreter.
+
+substrax_tasks never imports `sky`: each operation is one process of the
+helper script under `sky_python` (by default the python beside the `sky`
+command on PATH), with a JSON request on stdin and one JSON answer line on
+stdout. SkyPilot's exceptions come back by class name and are raised here
+as SkyCallError with that name, so callers can tell ClusterDoesNotExist
+from RequestCancelled without parsing text.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from substrax_tasks._remote_files import remote_script
+from substrax_tasks.errors import BackendError, ConfigError
+
+SETTING = "[tool.substrax.compute.backends.skypilot] sky_python"
+# The helper's own start-up (import sky) is a few seconds; a call that
+# waits on a request (launch, down) gets no limit.
+DEFAULT_TIMEOUT = 300.0
+
+
+class SkyCallError(BackendError):
+    """A SkyPilot SDK call raised `kind` (e.g. ClusterDoesNotExist)."""
+
+    def __init__(self, operation: str, kind: str, message: str) -> None:
+        super().__init__(f"SkyPilot {operation}: {kind}: {message}")
+        self.operation = operation
+        self.kind = kind
+        self.detail = message
+
+
+def resolve_sky_python(configured: str | None) -> str:
+    """The interpreter SkyPilot is installed in, or a ConfigError naming the setting."""
+    if configured:
+        path = shutil.which(str(Path(configured).expanduser()))
+        if path is None:
+            raise ConfigError(f"{SETTING} = {configured!r}: no such program; point it at SkyPilot's python")
+        return path
+    sky = shutil.which("sky")
+    if sky is None:
+        raise ConfigError(
+            "SkyPilot is not installed here: no `sky` command on PATH. Install it in its own "
+            f"virtualenv (python3 -m venv ~/.sky-venv && ~/.sky-venv/bin/pip install 'skypilot==0.14.*') "
+            f'and set {SETTING} = "~/.sky-venv/bin/python", or put its bin folder on PATH'
+        )
+    beside = Path(sky).resolve().parent / "python"
+    if not beside.exists():
+        beside = Path(sky).parent / "python"
+    if not beside.exists():
+        raise ConfigError(f"found `sky` at {sky} but no python beside it; set {SETTING}")
+    return str(beside)
+
+
+class SkyClient:
+    """One method per helper operation; each call is one helper process."""
+
+    def __init__(self, sky_python: str | None, env: dict[str, str] | None = None) -> None:
+        self.configured = sky_python
+        self.env = env
+
+    def python(self) -> str:
+        return resolve_sky_python(self.configured)
+
+    def call(
+        self,
+        operation: str,
+        request: dict[str, Any],
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        while_waiting: Callable[[], None] | None = None,
+    ) -> Any:
+        """Run one operation; `while_waiting` is called about twice a second
+        while the helper runs (to relay a launch log, say)."""
+        argv = [self.python(), str(remote_script("sky_sdk.py")), operation]
+        started = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env
+            )
+        except OSError as exc:
+            raise ConfigError(f"{SETTING}: cannot run {argv[0]}: {exc}") from None
+        try:
+            payload = json.dumps(request).encode()
+            stdout, stderr = _communicate(proc, payload, timeout, started, while_waiting)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        return self._answer(operation, argv[0], proc.returncode, stdout, stderr)
+
+    def _answer(self, operation: str, python: str, code: int, stdout: bytes, stderr: bytes) -> Any:
+        lines = stdout.decode(errors="replace").strip().splitlines()
+        try:
+            answer = json.loads(lines[-1])
+        except (ValueError, IndexError):
+            tail = stderr.decode(errors="replace").strip()[-1500:]
+            if "No module named 'sky'" in tail or "No module named sky" in tail:
+                raise ConfigError(
+                    f"{SETTING}: {python} has no SkyPilot (`import sky` failed); point it at the "
+                    "python of the virtualenv SkyPilot is installed in"
+                ) from None
+            raise BackendError(f"SkyPilot {operation}: the helper failed (exit {code}): {tail}") from None
+        if not isinstance(answer, dict):
+            raise BackendError(f"SkyPilot {operation}: unexpected answer {answer!r}")
+        if answer.get("ok"):
+            return answer.get("result")
+        error = answer.get("error") or {}
+        raise SkyCallError(operation, str(error.get("type", "Error")), str(error.get("message", "")))
+
+
+def _communicate(
+    proc: subprocess.Popen[bytes],
+    payload: bytes,
+    timeout: float | None,
+    started: float,
+    while_waiting: Callable[[], None] | None,
+) -> tuple[bytes, bytes]:
+    if while_waiting is None:
+        try:
+            return proc.communicate(payload, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise BackendError(f"SkyPilot did not answer within {timeout:g} s") from None
+    while True:
+        try:
+            out, err = proc.communicate(payload, timeout=0.5)  # retried: nothing is lost
+        except subprocess.TimeoutExpired:
+            while_waiting()
+            if timeout is not None and time.monotonic() - started > timeout:
+                raise BackendError(f"SkyPilot did not answer within {timeout:g} s") from None
+            continue
+        while_waiting()
+        return out, err

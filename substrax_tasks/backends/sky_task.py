@@ -1,0 +1,234 @@
+"""The SkyPilot task a run becomes: resources, file mounts, setup and run.
+
+Pure functions of the handle and the settings, so the generated config can
+be written to disk as the run's intent before anything is launched, and
+validated by the real SkyPilot in tests for every shape.
+
+On the cluster, relative to the cluster user's home (`remote_root`):
+
+    bin-<digest>/            worker.py, manifest.py, control.py (COPY mount)
+    runs/<run-id>/in/        job.json (COPY mount)
+    runs/<run-id>/project/   the project snapshot and sources (COPY mounts)
+    runs/<run-id>/work/outputs/  what the task writes (copy transport)
+    mnt/<bucket-key>/<run-id>/   outputs and manifest.json (bucket transport)
+    envs/<digest>/           the environment built from the lock file
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
+from substrax_tasks.handle import RunHandle
+from substrax_tasks.worker_job import ENV_LOCK_FILES, WorkerPaths, build_job
+
+REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
+_UNSAFE = re.compile(r"[^a-z0-9]+")
+
+
+def cluster_name(settings: SkypilotSettings, handle: RunHandle) -> str:
+    """`<prefix>-<step>-<6 hex>`: SkyPilot's rules (a letter first; letters,
+    digits and '-'), short enough for every cloud, unique per run."""
+    slug = _UNSAFE.sub("-", handle.step.lower()).strip("-")[:16].strip("-") or "step"
+    suffix = hashlib.sha256(handle.run_id.encode()).hexdigest()[:6]
+    return f"{settings.cluster_prefix}-{slug}-{suffix}"
+
+
+def scripts_digest(remote_dir: Path) -> str:
+    digest = hashlib.sha256()
+    for name in REMOTE_SCRIPTS:
+        digest.update((remote_dir / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    """Where a run's files are on the cluster, relative to the home folder
+    (or absolute, when remote_root is)."""
+
+    root: str
+    run_id: str
+    bin_digest: str
+    bucket_key: str | None = None
+
+    @property
+    def bin(self) -> str:
+        return f"{self.root}/bin-{self.bin_digest}"
+
+    @property
+    def run(self) -> str:
+        return f"{self.root}/runs/{self.run_id}"
+
+    @property
+    def inbox(self) -> str:
+        return f"{self.run}/in"
+
+    @property
+    def project(self) -> str:
+        return f"{self.run}/project"
+
+    @property
+    def bucket_dir(self) -> str:
+        assert self.bucket_key is not None
+        return f"{self.root}/mnt/{self.bucket_key}"
+
+    @property
+    def staging(self) -> str:
+        if self.bucket_key is not None:
+            return f"{self.bucket_dir}/{self.run_id}/outputs"
+        return WorkerPaths(project=self.project, run_dir=self.run).staging
+
+    def env_dir(self, digest: str) -> str:
+        return f"{self.root}/envs/{digest}"
+
+    @staticmethod
+    def mount_point(path: str) -> str:
+        """A file mount's destination: SkyPilot expands `~/`."""
+        return path if path.startswith("/") else f"~/{path}"
+
+
+def layout_for(settings: SkypilotSettings, handle: RunHandle, remote_dir: Path) -> ClusterLayout:
+    bucket_key = None
+    if settings.bucket is not None:
+        bucket_key = hashlib.sha256(settings.bucket.outputs_bucket.encode()).hexdigest()[:10]
+    return ClusterLayout(
+        settings.remote_root.rstrip("/"), handle.run_id, scripts_digest(remote_dir), bucket_key
+    )
+
+
+def env_lock(project: Path) -> str | None:
+    return next((name for name in ENV_LOCK_FILES if (project / name).is_file()), None)
+
+
+def env_digest(project: Path, lock: str, settings: SkypilotSettings) -> str:
+    recipe = repr((settings.python, settings.pip_args)).encode()
+    return hashlib.sha256((project / lock).read_bytes() + recipe).hexdigest()[:16]
+
+
+def worker_job(
+    settings: SkypilotSettings, handle: RunHandle, layout: ClusterLayout, env_dir: str | None
+) -> dict[str, Any]:
+    """The worker's job, its folders relative to the home folder (the worker
+    resolves them where it starts: the home is unknown until launch)."""
+    job = build_job(
+        handle.spec,
+        WorkerPaths(project=layout.project, run_dir=layout.run),
+        sandbox=settings.sandbox,
+        network_isolation=settings.transport.network_isolation,
+        grace_seconds=settings.grace_seconds,
+        hide=["."],  # the home folder: its credentials are not the task's
+        extra_ro=[env_dir] if env_dir else [],
+    )
+    job["staging"] = layout.staging
+    if layout.bucket_key is not None:
+        job["manifest_copy"] = f"{layout.bucket_dir}/{handle.run_id}/manifest.json"
+    if env_dir:
+        job["path_prepend"] = [f"{env_dir}/bin"]
+        job["env"] = {**job["env"], "VIRTUAL_ENV": env_dir}
+    return job
+
+
+def _sh(argv: list[str]) -> str:
+    return shlex.join(argv)
+
+
+def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterLayout,
+                 lock: str | None, env_dir: str | None) -> str:  # fmt: skip
+    """Lifetime timer first (nothing outlives lifetime_minutes even if setup
+    hangs), then the setup commands, then the locked environment."""
+    transport = settings.transport
+    # The run is stopped idle_minutes before the lifetime ends, so that
+    # SkyPilot's autodown (armed at launch) has the cluster gone by then.
+    seconds = max(60.0, (transport.lifetime_minutes - settings.idle_minutes) * 60)
+    watchdog = [
+        settings.python,
+        f"{layout.bin}/control.py",
+        "watchdog",
+        layout.run,
+        f"{seconds:g}",
+        "--detach",
+    ]
+    if cloud_of(settings.infra) in NO_AUTODOWN:
+        watchdog.append("--poweroff")
+    lines = ["set -e", 'cd "$HOME"', _sh(["mkdir", "-p", layout.run]), _sh(watchdog)]
+    lines += settings.setup_commands
+    if lock and env_dir:
+        env = _home(env_dir)
+        if lock == "uv.lock":
+            build = f"UV_PROJECT_ENVIRONMENT={env} uv sync --frozen --project ."
+        else:
+            pip_args = ["install", "--disable-pip-version-check", "-q", *settings.pip_args, "-r", lock]
+            pip = f"{_home(env_dir + '/bin/pip')} {_sh(pip_args)}"
+            build = f"{_sh([settings.python, '-m', 'venv'])} {env} && {pip}"
+        ready = _home(f"{env_dir}/.substrax-ready")
+        # From the project, so relative paths in pip_args and the lock resolve as they do here.
+        project = _home(layout.project)
+        lines.append(f"if [ ! -f {ready} ]; then (cd {project} && {build}) && touch {ready}; fi")
+    return "\n".join(lines) + "\n"
+
+
+def _home(path: str) -> str:
+    """A cluster path as a shell word: relative ones under "$HOME", expanded there."""
+    if path.startswith("/"):
+        return shlex.quote(path)
+    return f'"$HOME"/{shlex.quote(path)}'
+
+
+
+def run_script(settings: SkypilotSettings, layout: ClusterLayout) -> str:
+    """The worker in the foreground (SkyPilot's cancel reaches its tree; its
+    exit status is the job's), with the task's log copied into the job's."""
+    log = f"{layout.run}/run.log"
+    worker = [settings.python, f"{layout.bin}/worker.py", f"{layout.inbox}/job.json", "--exit-status"]
+    return "\n".join([
+        'cd "$HOME"',
+        f"tail -n +1 -F {shlex.quote(log)} 2>/dev/null &",
+        "tail_pid=$!",
+        _sh(worker),
+        "code=$?",
+        "sleep 1",
+        'kill "$tail_pid" 2>/dev/null',
+        'exit "$code"',
+    ]) + "\n"  # fmt: skip
+
+
+def task_config(
+    settings: SkypilotSettings,
+    handle: RunHandle,
+    layout: ClusterLayout,
+    *,
+    upload_dir: Path,
+    remote_dir: Path,
+    project: Path,
+    lock: str | None,
+    env_dir: str | None,
+) -> dict[str, Any]:
+    """The SkyPilot task config (YAML schema, as a dict). Secrets are not in
+    it: they go to SkyPilot on the helper's stdin at launch only."""
+    mount = ClusterLayout.mount_point
+    file_mounts: dict[str, Any] = {
+        mount(layout.bin): str(remote_dir),
+        mount(layout.inbox): str(upload_dir / "in"),
+        mount(layout.project): str(upload_dir / "project"),
+    }
+    if settings.copy_ is not None:
+        for source in settings.copy_.source_paths():
+            file_mounts[mount(f"{layout.project}/{source}")] = str(project / source)
+    if settings.bucket is not None:
+        file_mounts[mount(layout.bucket_dir)] = {"source": settings.bucket.outputs_bucket, "mode": "MOUNT"}
+        for path, uri in settings.bucket.buckets.items():
+            file_mounts[mount(f"{layout.project}/{path.strip('/')}")] = {"source": uri, "mode": "MOUNT"}
+    config: dict[str, Any] = {
+        "name": f"substrax-{handle.run_id}"[:60],
+        "num_nodes": 1,
+        "resources": settings.resources(dict(handle.spec.resources)),
+        "file_mounts": file_mounts,
+        "setup": setup_script(settings, handle, layout, lock, env_dir),
+        "run": run_script(settings, layout),
+    }
+    return config

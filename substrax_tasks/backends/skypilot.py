@@ -1,0 +1,577 @@
+"""The SkyPilot backend: the step runs on a cluster SkyPilot launches for it.
+
+One cluster per run, launched with one SkyPilot task (sky_task.py): COPY
+file mounts bring the remote scripts, the job file and a snapshot of the
+project; the task's setup arms the lifetime timer, runs setup_commands and
+builds the locked environment; its run is the worker, in the foreground, so
+SkyPilot's job status is the run's and SkyPilot's cancel reaches its tree.
+Launch also arms SkyPilot's autodown, so an idle cluster goes by itself.
+
+Every SkyPilot call is one process of remote/sky_sdk.py in SkyPilot's own
+interpreter (_sky.py). Files come back by rsync over the ssh config that
+SkyPilot writes for the cluster (copy transport) or from the bucket the
+worker wrote them to (bucket transport).
+
+State recorded in the handle: cluster, job_id, remote paths; in the run's
+folder: task.json (the intent, written before launch) and
+launch-request.json (SkyPilot's request id, written the moment it exists).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import IO, Any
+
+from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._output import emit
+from substrax_tasks._remote_files import remote_dir
+from substrax_tasks._sky import SkyCallError, SkyClient
+from substrax_tasks._ssh import CONTROL_PERSIST_SECONDS, RemoteResult
+from substrax_tasks.backends import sky_task
+from substrax_tasks.backends.base import Backend, Fetched, RunStatus
+from substrax_tasks.backends.skypilot_settings import SkypilotSettings
+from substrax_tasks.errors import BackendError, SubstraxError
+from substrax_tasks.handle import RunHandle
+from substrax_tasks.transports.rsync import RsyncTransport
+
+if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only
+    from exceptiongroup import ExceptionGroup
+
+# SkyPilot's JobStatus, as substrax reads it. Any other value raises.
+JOB_STATES = {
+    "INIT": "running", "PENDING": "running", "SETTING_UP": "running", "RUNNING": "running",
+    "SUCCEEDED": "succeeded", "FAILED": "failed", "FAILED_SETUP": "failed",
+    "FAILED_DRIVER": "failed", "CANCELLED": "cancelled",
+}  # fmt: skip
+REQUEST_LIVE = ("PENDING", "WAITING", "RUNNING")
+NO_CLUSTER = "ClusterDoesNotExist"
+LAUNCH_REQUEST = "launch-request.json"
+TASK_FILE = "task.json"
+MANIFEST_RACES = ("changed while it was read", "was replaced while the manifest was taken")
+
+
+class SkyConfigRefused(SubstraxError):
+    """SkyPilot refused the generated task: a configuration error, not retried."""
+
+
+def job_state(value: object) -> str:
+    """SkyPilot's job status -> substrax's run state; unknown values raise."""
+    if not isinstance(value, str) or value not in JOB_STATES:
+        raise BackendError(
+            f"SkyPilot reported job status {value!r}, which this release does not know; "
+            "refusing to read it as either running or finished"
+        )
+    return JOB_STATES[value]
+
+
+class ClusterTarget:
+    """ssh to a SkyPilot cluster through the config SkyPilot wrote for it."""
+
+    def __init__(self, cluster: str, config_file: Path) -> None:
+        self.host = cluster
+        self.config_file = config_file
+
+    def control_path(self) -> str:
+        folder = Path(tempfile.gettempdir()) / f"substrax-ssh-{os.getuid()}"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        return str(folder / hashlib.sha256(f"{self.config_file}:{self.host}".encode()).hexdigest()[:16])
+
+    def ssh_argv(self, multiplex: bool = True) -> list[str]:
+        argv = ["ssh", "-F", str(self.config_file), "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"]
+        if multiplex:
+            argv += [
+                "-o", "ControlMaster=auto",
+                "-o", f"ControlPath={self.control_path()}",
+                "-o", f"ControlPersist={CONTROL_PERSIST_SECONDS}",
+            ]  # fmt: skip
+        return argv
+
+    def run(self, argv: list[str], *, timeout: float | None = 120) -> RemoteResult:
+        import shlex
+
+        command = [*self.ssh_argv(), self.host, shlex.join(argv)]
+        try:
+            done = subprocess.run(
+                command, check=False, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL
+            )
+        except subprocess.TimeoutExpired:
+            raise BackendError(f"ssh {self.host}: no answer within {timeout} s") from None
+        return RemoteResult(done.returncode, done.stdout, done.stderr)
+
+    def stop_master(self) -> None:
+        if Path(self.control_path()).exists():
+            subprocess.run(
+                [*self.ssh_argv(), "-O", "exit", self.host],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                timeout=10, check=False,
+            )  # fmt: skip
+
+
+class SkypilotBackend(Backend):
+    name = "skypilot"
+    Settings = SkypilotSettings
+    settings: SkypilotSettings
+
+    # ------------------------------------------------------------ helpers
+    def sky(self) -> SkyClient:
+        return SkyClient(self.settings.sky_python)
+
+    def cluster(self, handle: RunHandle) -> str:
+        recorded = handle.state.get("cluster")
+        return recorded if isinstance(recorded, str) else sky_task.cluster_name(self.settings, handle)
+
+    def layout(self, handle: RunHandle) -> sky_task.ClusterLayout:
+        return sky_task.layout_for(self.settings, handle, remote_dir())
+
+    def _run_file(self, handle: RunHandle, name: str) -> Path:
+        return self.store.run_dir(handle.run_id) / name
+
+    def _request_id(self, handle: RunHandle) -> str | None:
+        try:
+            data = json.loads(self._run_file(handle, LAUNCH_REQUEST).read_text())
+        except (OSError, ValueError):
+            return None
+        rid = data.get("request_id") if isinstance(data, dict) else None
+        return rid if isinstance(rid, str) else None
+
+    def _request_state(self, rid: str) -> str | None:
+        records = self.sky().call("request_status", {"request_ids": [rid]})
+        for record in records or []:
+            if isinstance(record, dict) and record.get("request_id") == rid:
+                return str(record.get("status"))
+        return None
+
+    def target(self, handle: RunHandle) -> ClusterTarget:
+        cluster = self.cluster(handle)
+        return ClusterTarget(cluster, Path.home() / ".sky" / "generated" / "ssh" / cluster)
+
+    def _ssh(self, handle: RunHandle, argv: list[str], what: str) -> RemoteResult:
+        target = self.target(handle)
+        if not target.config_file.is_file():
+            raise BackendError(
+                f"run {handle.run_id}: no ssh access to cluster {target.host} "
+                f"({target.config_file} is missing: the cluster is down, or was launched from another home)"
+            )
+        result = target.run(argv)
+        if result.returncode != 0:
+            raise BackendError(
+                f"{what} on {target.host} failed (exit {result.returncode}): {result.text()[-1500:]}"
+            )
+        return result
+
+    def _script(self, handle: RunHandle, name: str, *args: str) -> list[str]:
+        return [self.settings.python, f"{self.layout(handle).bin}/{name}", *args]
+
+    # ------------------------------------------------------------- launch
+    def launch(self, handle: RunHandle) -> RunHandle:
+        project = Path(str(handle.state["project"]))
+        layout = self.layout(handle)
+        lock = sky_task.env_lock(project)
+        env_dir = layout.env_dir(sky_task.env_digest(project, lock, self.settings)) if lock else None
+        upload = self._run_file(handle, "upload")
+        self._snapshot(handle, project, upload)
+        (upload / "in").mkdir(parents=True, exist_ok=True)
+        write_json_atomic(
+            upload / "in" / "job.json", sky_task.worker_job(self.settings, handle, layout, env_dir)
+        )
+        config = sky_task.task_config(
+            self.settings, handle, layout, upload_dir=upload, remote_dir=remote_dir(),
+            project=project, lock=lock, env_dir=env_dir,
+        )  # fmt: skip
+        cluster = self.cluster(handle)
+        # The intent, before any paid call: what would be launched, and where.
+        write_json_atomic(self._run_file(handle, TASK_FILE), config)
+        handle = self.store.update_state(handle, cluster=cluster, remote_run=layout.run)
+        self._validate(config)
+        log = self._run_file(handle, "launch.log")
+        relay = _LogRelay(log, f"{handle.step}: ")
+        rid = self._request_id(handle)
+        state = self._request_state(rid) if rid else None
+        if rid and state in (*REQUEST_LIVE, "SUCCEEDED"):
+            emit(f"{handle.step}: waiting for launch request {rid} of cluster {cluster}")
+            result = self.sky().call("wait_launch", {"request_id": rid, "log_file": str(log)},
+                                     timeout=None, while_waiting=relay)  # fmt: skip
+        else:
+            emit(f"{handle.step}: launching cluster {cluster} (SkyPilot; `substrax-compute cancel "
+                 f"{handle.run_id}` stops it)")  # fmt: skip
+            request = {
+                "task": config,
+                "cluster_name": cluster,
+                "idle_minutes_to_autostop": self.settings.idle_minutes,
+                "down": True,
+                "retry_until_up": self.settings.retry_until_up,
+                "request_file": str(self._run_file(handle, LAUNCH_REQUEST)),
+                "log_file": str(log),
+                # values read now, sent on stdin: never written to a file
+                "secrets": {n: os.environ[n] for n in handle.spec.forward_env if n in os.environ},
+            }
+            result = self.sky().call("launch", request, timeout=None, while_waiting=relay)
+        job_id = result.get("job_id") if isinstance(result, dict) else None
+        if not isinstance(job_id, int):
+            raise BackendError(f"run {handle.run_id}: SkyPilot launched {cluster} but submitted no job")
+        return self.store.update_state(handle, job_id=job_id)
+
+    def _validate(self, config: dict[str, Any]) -> None:
+        try:
+            self.sky().call(
+                "validate", {"task": config, "needs_storage_mounting": self.settings.bucket is not None}
+            )
+        except SkyCallError as exc:
+            hint = ""
+            if exc.kind == "NotSupportedError" and self.settings.bucket is not None:
+                hint = ("; this provider cannot mount buckets: use the copy transport "
+                        "([tool.substrax.compute.backends.skypilot.copy])")  # fmt: skip
+            raise SkyConfigRefused(
+                f"SkyPilot refused the task for this step ({exc.kind}: {exc.detail}){hint}; "
+                "check [tool.substrax.compute.backends.skypilot] and the step's resources"
+            ) from None
+
+    def _snapshot(self, handle: RunHandle, project: Path, upload: Path) -> None:
+        """The project's files, the step's inputs and nothing else, as hard
+        links (copies across file systems): SkyPilot uploads this folder."""
+        from substrax_tasks.backends.ssh import project_files
+
+        dest = upload / "project"
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir(parents=True)
+        outputs = {o.rstrip("/") for o in handle.spec.outputs}
+        sources = set(self.settings.copy_.source_paths()) if self.settings.copy_ is not None else set()
+        buckets = (
+            {p.strip("/") for p in self.settings.bucket.buckets}
+            if self.settings.bucket is not None
+            else set()
+        )
+        skipped = outputs | sources | buckets
+        files = [f for f in project_files(project, self.store.root, []) if f.rstrip("/") not in skipped]
+        files += [
+            i for i in handle.spec.inputs if i.rstrip("/") not in files and i.rstrip("/") not in skipped
+        ]
+        for rel in files:
+            source = project / rel.rstrip("/")
+            target = dest / rel.rstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if source.is_dir() and not source.is_symlink():
+                shutil.copytree(
+                    source, target, symlinks=True, copy_function=_link_or_copy, dirs_exist_ok=True
+                )
+            elif source.exists() or source.is_symlink():
+                _link_or_copy(str(source), str(target))
+
+    def start(self, handle: RunHandle) -> RunHandle:
+        """The launch submitted the job already (SkyPilot runs setup, then it)."""
+        if not isinstance(handle.state.get("job_id"), int):
+            raise BackendError(f"run {handle.run_id}: it was never launched")
+        return handle
+
+    # ------------------------------------------------------------- status
+    def poll(self, handle: RunHandle) -> RunStatus:
+        cached = handle.state.get("final_status")
+        if isinstance(cached, dict):
+            return RunStatus(**cached)
+        job_id = handle.state.get("job_id")
+        if not isinstance(job_id, int):
+            return self._launch_status(handle)
+        try:
+            answer = self.sky().call(
+                "job_status", {"cluster_name": self.cluster(handle), "job_ids": [job_id]}
+            )
+        except SkyCallError as exc:
+            if exc.kind == NO_CLUSTER:
+                return RunStatus("lost", message=f"its cluster {self.cluster(handle)} is gone "
+                                 "(torn down, or its lifetime ran out)")  # fmt: skip
+            raise
+        value = (answer or {}).get(str(job_id))
+        if value is None:
+            return RunStatus("lost", message=f"job {job_id} is not in the queue of {self.cluster(handle)}")
+        state = job_state(value)
+        if state == "running":
+            return RunStatus("running", message=str(value))
+        status = self._final_from_worker(handle, RunStatus(state, message=f"SkyPilot job {value}"))
+        self.store.update_state(handle, final_status=status.__dict__)
+        return status
+
+    def _launch_status(self, handle: RunHandle) -> RunStatus:
+        rid = self._request_id(handle)
+        if rid is None:
+            return RunStatus("pending")
+        state = self._request_state(rid)
+        if state in REQUEST_LIVE or state == "SUCCEEDED" or state is None:
+            return RunStatus("pending", message=f"launch request {rid}: {state or 'unknown'}")
+        ended = RunStatus(
+            "cancelled" if state == "CANCELLED" else "failed", message=f"launch request {rid}: {state}"
+        )
+        self.store.update_state(handle, final_status=ended.__dict__)
+        return ended
+
+    def _final_from_worker(self, handle: RunHandle, status: RunStatus) -> RunStatus:
+        """The worker's own record says more (timed out, exit code, times);
+        it must agree with SkyPilot's verdict, or SkyPilot's stands."""
+        from substrax_tasks.worker_job import status_from_record
+
+        try:
+            record = self._remote_status(handle)
+        except SubstraxError:
+            return status
+        worker = status_from_record(record if record.get("state") else None, worker_alive=False)
+        agrees = (worker.state == "succeeded") == (status.state == "succeeded")
+        if not worker.final or not agrees:
+            return status
+        return worker
+
+    def _remote_status(self, handle: RunHandle) -> dict[str, Any]:
+        result = self._ssh(handle, self._script(handle, "control.py", "status", self.layout(handle).run),
+                           "reading the run's status")  # fmt: skip
+        try:
+            data = json.loads(result.text().strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise BackendError(
+                f"reading the run's status: unexpected answer {result.text()[:200]!r}"
+            ) from None
+        if not isinstance(data, dict):
+            raise BackendError(f"reading the run's status: unexpected answer {data!r}")
+        return data
+
+    # ------------------------------------------------------------- cancel
+    def cancel(self, handle: RunHandle) -> bool:
+        """Cancel the launch request if still in flight, the job, then the
+        cluster; every step is attempted, and the failures are raised
+        together as an ExceptionGroup."""
+        status = self.poll(handle)
+        if status.final and status.state != "lost":
+            return False
+        cluster = self.cluster(handle)
+        failures: list[Exception] = []
+        rid = self._request_id(handle)
+        if rid is not None:
+            try:
+                if self._request_state(rid) in REQUEST_LIVE:
+                    self.sky().call("api_cancel", {"request_ids": [rid]})
+            except SubstraxError as exc:
+                failures.append(BackendError(f"cancelling launch request {rid}: {exc}"))
+        job_id = handle.state.get("job_id")
+        if isinstance(job_id, int):
+            try:
+                self.sky().call("cancel", {"cluster_name": cluster, "job_ids": [job_id]})
+            except SkyCallError as exc:
+                if exc.kind != NO_CLUSTER:
+                    failures.append(BackendError(f"cancelling job {job_id} on {cluster}: {exc}"))
+            except SubstraxError as exc:
+                failures.append(BackendError(f"cancelling job {job_id} on {cluster}: {exc}"))
+        gone = self._down(handle, failures)
+        if gone:
+            ended = RunStatus("cancelled", message="cancelled; its cluster was taken down")
+            self.store.update_state(handle, final_status=ended.__dict__, torn_down=True)
+        if failures:
+            raise ExceptionGroup(f"run {handle.run_id}: {len(failures)} cancel step(s) failed", failures)
+        return True
+
+    def _down(self, handle: RunHandle, failures: list[Exception]) -> bool:
+        cluster = self.cluster(handle)
+        try:
+            self.sky().call("down", {"cluster_name": cluster}, timeout=None)
+        except SkyCallError as exc:
+            if exc.kind != NO_CLUSTER:
+                failures.append(BackendError(f"taking cluster {cluster} down: {exc}"))
+                return False
+        except SubstraxError as exc:
+            failures.append(BackendError(f"taking cluster {cluster} down: {exc}"))
+            return False
+        self.target(handle).stop_master()
+        return True
+
+    # --------------------------------------------------------------- logs
+    def _kept_log(self, handle: RunHandle) -> Path:
+        return self._run_file(handle, "run.log")
+
+    def read_log(self, handle: RunHandle, offset: int) -> bytes:
+        kept = self._kept_log(handle)
+        if kept.is_file():
+            with kept.open("rb") as f:
+                f.seek(offset)
+                return f.read(1 << 20)
+        if not isinstance(handle.state.get("job_id"), int) or handle.state.get("torn_down"):
+            return b""
+        log = f"{self.layout(handle).run}/run.log"
+        try:
+            result = self._ssh(
+                handle, ["sh", "-c", 'tail -c +"$1" "$2" 2>/dev/null | head -c 1048576', "sh",
+                         str(offset + 1), log], "reading the log")  # fmt: skip
+        except BackendError:
+            return b""
+        return result.stdout
+
+    def stream_log(self, handle: RunHandle, out: IO[bytes], follow: bool = False) -> RunStatus:
+        """As the base, but SkyPilot's status is read every poll_seconds (each
+        read is a process that imports sky), the log over ssh in between."""
+        import time
+
+        offset = 0
+        status = self.poll(handle)
+        next_poll = time.monotonic() + self.settings.poll_seconds
+        while True:
+            chunk = self.read_log(handle, offset)
+            if chunk:
+                out.write(chunk)
+                out.flush()
+                offset += len(chunk)
+                continue
+            if not follow or status.final:
+                return status
+            time.sleep(0.5)
+            if time.monotonic() >= next_poll:
+                status = self.poll(handle)
+                next_poll = time.monotonic() + self.settings.poll_seconds
+
+    def wait(self, handle: RunHandle, poll_seconds: float | None = None) -> RunStatus:
+        return super().wait(handle, poll_seconds or self.settings.poll_seconds)
+
+    # -------------------------------------------------------------- fetch
+    def fetch(self, handle: RunHandle) -> Fetched:
+        if self.settings.bucket is not None:
+            return self._fetch_bucket(handle)
+        return self._fetch_copy(handle)
+
+    def _manifest(self, handle: RunHandle, root: str) -> dict[str, Any]:
+        cache = f"{self.layout(handle).run}/manifest-cache.json"
+        argv = self._script(handle, "manifest.py", root, *handle.spec.outputs, "--cache", cache)
+        target = self.target(handle)
+        result = target.run(argv)
+        if result.returncode != 0:
+            from substrax_tasks.manifest_cache import ManifestError
+
+            raise ManifestError(result.stderr.decode(errors="replace").strip())
+        try:
+            return dict(json.loads(result.stdout))
+        except ValueError:
+            raise BackendError(
+                f"run {handle.run_id}: the manifest arrived damaged; the fetch can be tried again"
+            ) from None
+
+    def _fetch_copy(self, handle: RunHandle) -> Fetched:
+        from substrax_tasks.manifest_cache import ManifestError
+
+        record = self._remote_status(handle)
+        root = record.get("outputs_root")
+        if not isinstance(root, str):
+            raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
+        changed = (
+            f"run {handle.run_id}: the outputs on {self.cluster(handle)} changed while they were fetched; "
+            f"nothing was promoted and the cluster is kept (`doit {handle.step}` fetches them again)"
+        )
+        try:
+            before = self._manifest(handle, root)
+            staging = self._run_file(handle, "fetched")
+            shutil.rmtree(staging, ignore_errors=True)
+            present = [o for o in handle.spec.outputs if o not in before.get("missing", [])]
+            if present:
+                RsyncTransport(self.target(handle)).download(root, present, staging)
+            after = self._manifest(handle, root)
+        except ManifestError as exc:
+            if any(race in str(exc) for race in MANIFEST_RACES):
+                raise BackendError(f"{changed}: {exc}") from None
+            raise
+        if after["digest"] != before["digest"]:
+            raise BackendError(changed)
+        return Fetched(staging, after)
+
+    def _fetch_bucket(self, handle: RunHandle) -> Fetched:
+        from substrax_tasks.transports.bucket import BucketTransport
+
+        assert self.settings.bucket is not None
+        base = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
+        transport = BucketTransport()
+        manifest = transport.read_manifest(f"{base}/manifest.json")
+        staging = self._run_file(handle, "fetched")
+        shutil.rmtree(staging, ignore_errors=True)
+        present = [o for o in handle.spec.outputs if o not in manifest.get("missing", [])]
+        if present:
+            transport.download(f"{base}/outputs", present, staging)
+        return Fetched(staging, manifest)
+
+    def outputs_available(self, handle: RunHandle) -> bool:
+        if self.settings.bucket is not None:
+            from substrax_tasks.transports.bucket import BucketTransport
+
+            base = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
+            try:
+                BucketTransport().read_manifest(f"{base}/manifest.json")
+            except SubstraxError:
+                return False
+            return True
+        if handle.state.get("torn_down"):
+            return False
+        try:
+            return bool(self._remote_status(handle).get("exists"))
+        except SubstraxError:
+            return False
+
+    # ----------------------------------------------------------- teardown
+    def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
+        """Take the cluster down (keeping the handle and a copy of the log)."""
+        if handle.state.get("torn_down"):
+            return
+        if "cluster" not in handle.state:
+            return  # never launched: nothing was made
+        if not self.poll(handle).final:
+            self.cancel(handle)
+            return
+        with contextlib.suppress(SubstraxError, OSError):
+            self._keep_log(handle)
+        failures: list[Exception] = []
+        if not self._down(handle, failures):
+            raise failures[0]
+        self.store.update_state(handle, torn_down=True)
+
+    def _keep_log(self, handle: RunHandle) -> None:
+        kept = self._kept_log(handle)
+        partial = kept.with_name(kept.name + ".partial")
+        offset = 0
+        with partial.open("wb") as f:
+            while chunk := self.read_log(handle, offset):
+                f.write(chunk)
+                offset += len(chunk)
+        partial.replace(kept)
+
+
+def _link_or_copy(source: str, target: str) -> str:
+    if Path(source).is_symlink():
+        Path(target).symlink_to(Path(source).readlink())
+        return target
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+    return target
+
+
+class _LogRelay:
+    """Shows what a SkyPilot request writes to its log while it is waited on."""
+
+    def __init__(self, path: Path, prefix: str) -> None:
+        self.path = path
+        self.prefix = prefix
+        self.offset = path.stat().st_size if path.exists() else 0
+        self.partial = b""
+
+    def __call__(self) -> None:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        for line in lines:
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                emit(f"{self.prefix}{text}")

@@ -1,0 +1,168 @@
+"""`[tool.substrax.compute.backends.skypilot]`: judged when the configuration
+is read, before SkyPilot is started or anything is launched."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import cli
+
+from substrax_tasks.backends import sky_task
+from substrax_tasks.backends.skypilot import JOB_STATES, job_state
+from substrax_tasks.backends.skypilot_settings import NO_BUCKET_MOUNTS, SkypilotSettings
+from substrax_tasks.config import load_config
+from substrax_tasks.errors import BackendError, ConfigError
+from substrax_tasks.runs import Project
+from substrax_tasks.spec import make_spec
+
+TABLE = "[tool.substrax.compute.backends.skypilot]"
+COPY = "[tool.substrax.compute.backends.skypilot.copy]"
+BUCKET = "[tool.substrax.compute.backends.skypilot.bucket]"
+
+# (id, the skypilot tables, fragments the message must hold)
+BAD = [
+    ("no-transport", f'{TABLE}\ninfra = "aws"\n', ["no transport", COPY, BUCKET]),
+    (
+        "both-transports",
+        f'{TABLE}\ninfra = "aws"\n{COPY}\n{BUCKET}\noutputs_bucket = "s3://b"\n',
+        ["both", COPY, BUCKET, "keep exactly one"],
+    ),
+    (
+        "writable-copy-mount",
+        f'{TABLE}\ninfra = "aws"\n{COPY}\nsources = [{{path = "data", mode = "MOUNT"}}]\n',
+        ["'MOUNT' is a writable mount", "read-only", "bucket"],
+    ),
+    (
+        "bucket-as-copy-source",
+        f'{TABLE}\n{COPY}\nsources = ["s3://data"]\n',
+        ["is a bucket", "buckets = {"],
+    ),
+    (
+        "source-outside-project",
+        f'{TABLE}\n{COPY}\nsources = ["../elsewhere"]\n',
+        ["inside the project"],
+    ),
+    (
+        "bucket-on-runpod",
+        f'{TABLE}\ninfra = "runpod"\n{BUCKET}\noutputs_bucket = "s3://b"\n',
+        ["infra = 'runpod' cannot mount buckets", "copy transport", COPY],
+    ),
+    (
+        "bucket-on-vast",
+        f'{TABLE}\ninfra = "vast/us"\n{BUCKET}\noutputs_bucket = "s3://b"\n',
+        ["infra = 'vast/us' cannot mount buckets", "copy transport"],
+    ),
+    (
+        "bucket-not-a-uri",
+        f'{TABLE}\n{BUCKET}\noutputs_bucket = "my-bucket"\n',
+        ["not a bucket URI", "s3://bucket"],
+    ),
+    ("two-disk-sizes", f"{TABLE}\ndisk_size = 100\n{COPY}\ndisk_size = 50\n", ["disk_size", "give one"]),
+    (
+        "unknown-key",
+        f"{TABLE}\naccelerator = 'H100:1'\n{COPY}\n",
+        ["unknown key 'accelerator'", "valid keys:", "accelerators"],
+    ),
+    ("unknown-copy-key", f"{TABLE}\n{COPY}\nsource = []\n", ["unknown key 'source'", "sources"]),
+    ("bad-prefix", f'{TABLE}\ncluster_prefix = "My_Runs"\n{COPY}\n', ["cluster_prefix", "lower-case"]),
+    (
+        "isolation-without-sandbox",
+        f'{TABLE}\nsandbox = "none"\n{COPY}\nnetwork_isolation = true\n',
+        ["network_isolation = true needs the sandbox"],
+    ),
+]
+
+
+def write(root: Path, tables: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "pyproject.toml").write_text('[tool.substrax.compute]\ndefault_backend = "skypilot"\n' + tables)
+    return root
+
+
+@pytest.mark.parametrize(("tables", "fragments"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_a_bad_skypilot_table_is_refused_with_a_message_naming_it(
+    tmp_path: Path, tables: str, fragments: list[str]
+) -> None:
+    root = write(tmp_path / "p", tables)
+    with pytest.raises(ConfigError) as caught:
+        load_config(root)
+    for fragment in fragments:
+        assert fragment in str(caught.value), str(caught.value)
+    # The CLI says the same and exits 1 (status reports on the configuration too).
+    result = cli(root, "status")
+    assert result.returncode == 1
+    assert fragments[0] in result.stderr
+
+
+def test_a_copy_table_alone_is_a_valid_configuration(tmp_path: Path) -> None:
+    root = write(tmp_path / "p", f'{TABLE}\ninfra = "runpod"\naccelerators = "H100:1"\n{COPY}\n')
+    settings = load_config(root).backend_settings("skypilot", root)
+    assert isinstance(settings, SkypilotSettings)
+    assert settings.transport_name == "copy"
+    assert settings.transport.lifetime_minutes == 120.0
+
+
+def test_a_steps_resources_override_the_backends(tmp_path: Path) -> None:
+    settings = SkypilotSettings.model_validate(
+        {"infra": "aws", "cpus": 8, "accelerators": "A100:1", "copy": {"disk_size": 40}}
+    )
+    merged = settings.resources({"accelerators": "H100:2", "memory": 64})
+    assert merged == {"infra": "aws", "cpus": 8, "accelerators": "H100:2", "memory": 64, "disk_size": 40}
+
+
+def test_every_known_job_status_maps_and_an_unknown_one_raises() -> None:
+    assert {job_state(s) for s in ("FAILED", "FAILED_SETUP", "FAILED_DRIVER")} == {"failed"}
+    assert job_state("SUCCEEDED") == "succeeded"
+    assert job_state("CANCELLED") == "cancelled"
+    assert {job_state(s) for s in ("INIT", "PENDING", "SETTING_UP", "RUNNING")} == {"running"}
+    assert set(JOB_STATES) == {
+        "INIT", "PENDING", "SETTING_UP", "RUNNING", "SUCCEEDED", "FAILED", "FAILED_SETUP",
+        "FAILED_DRIVER", "CANCELLED",
+    }  # fmt: skip
+    for unknown in ("RECOVERING", None, 3):
+        with pytest.raises(BackendError, match="does not know"):
+            job_state(unknown)
+
+
+def test_the_generated_task_mounts_read_only_copies_and_arms_the_timer_first(tmp_path: Path) -> None:
+    root = write(
+        tmp_path / "p",
+        f'{TABLE}\ninfra = "aws"\nsetup_commands = ["echo one", "echo two"]\n'
+        f'{COPY}\nsources = ["data"]\nlifetime_minutes = 30\nnetwork_isolation = true\n',
+    )
+    (root / "data").mkdir()
+    (root / "requirements.txt").write_text("")
+    project = Project.open(root)
+    spec = make_spec("fit: a/b", ["python3", "fit.py"], root, outputs=["out/"], resources={"cpus": 2})
+    handle = project.new_run(spec)
+    backend = project.backend_for(handle)
+    layout = backend.layout(handle)  # type: ignore[attr-defined]
+    config = sky_task.task_config(
+        backend.settings, handle, layout, upload_dir=tmp_path / "up", remote_dir=tmp_path / "bin",  # type: ignore[arg-type]
+        project=root, lock="requirements.txt", env_dir=layout.env_dir("d"),
+    )  # fmt: skip
+    # every mount is a plain local source: SkyPilot COPY, never a writable MOUNT
+    assert all(isinstance(v, str) for v in config["file_mounts"].values())
+    assert f"~/{layout.project}/data" in config["file_mounts"]
+    setup = config["setup"].splitlines()
+    watchdog = next(i for i, line in enumerate(setup) if "control.py watchdog" in line)
+    assert watchdog < setup.index("echo one") < setup.index("echo two")
+    assert any("pip install" in line for line in setup[setup.index("echo two") :])
+    assert "1500" in setup[watchdog]  # (30 - 5 idle minutes) * 60 seconds
+    assert "--exit-status" in config["run"]
+    assert config["resources"] == {"infra": "aws", "cpus": 2}
+    name = sky_task.cluster_name(backend.settings, handle)  # type: ignore[arg-type]
+    assert name.startswith("substrax-fit-a-b-") and len(name) <= 35
+    job = json.loads(json.dumps(sky_task.worker_job(backend.settings, handle, layout, None)))  # type: ignore[arg-type]
+    assert job["network_isolation"] is True
+    assert not job["project"].startswith("/")  # resolved by the worker on the cluster
+
+
+def test_bucket_shapes_are_refused_only_where_buckets_cannot_be_mounted() -> None:
+    for cloud in sorted(NO_BUCKET_MOUNTS):
+        with pytest.raises(ValueError, match="cannot mount buckets"):
+            SkypilotSettings.model_validate({"infra": cloud, "bucket": {"outputs_bucket": "s3://b"}})
+    ok = SkypilotSettings.model_validate({"infra": "aws", "bucket": {"outputs_bucket": "s3://b/"}})
+    assert ok.bucket is not None and ok.bucket.outputs_bucket == "s3://b"
