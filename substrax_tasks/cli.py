@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     status = commands.add_parser(
-        "status", help="list runs and their states", description="List runs (or one run) and their states. "
+        "status",
+        help="list runs and their states",
+        description="List runs (or one run) and their states. "
         "Records that cannot be read are named with the reason, and the exit code is then 1.",
     )
     status.add_argument("run", nargs="?", help="a run id (or a unique prefix of one)")
@@ -54,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=cmd_status)
 
     logs = commands.add_parser(
-        "logs", help="print a run's log",
+        "logs",
+        help="print a run's log",
         description="Print a run's log (stdout and stderr of its command, and the worker's notes).",
     )
     logs.add_argument("run", help="a run id (or a unique prefix of one)")
@@ -62,15 +65,31 @@ def build_parser() -> argparse.ArgumentParser:
     logs.set_defaults(func=cmd_logs)
 
     cancel = commands.add_parser(
-        "cancel", help="stop a run and its whole process tree",
+        "cancel",
+        help="stop a run and its whole process tree",
         description="Stop a run: its whole process tree is terminated (SIGTERM, a grace period, "
         "SIGKILL). A run that has already finished is left alone.",
     )
     cancel.add_argument("run", help="a run id (or a unique prefix of one)")
     cancel.set_defaults(func=cmd_cancel)
 
+    fetch = commands.add_parser(
+        "fetch",
+        help="bring a succeeded run's outputs home, verified",
+        description="Fetch a succeeded run's outputs, verify them against the manifest taken where "
+        "it ran, and move them into place one rename per output (nothing half-fetched is ever "
+        "left at a final path). By default into the project, at the declared output paths, "
+        "replacing what stands there; with --to, under another folder. Works for any run the "
+        "store still holds whose outputs are still there (not torn down), also after the "
+        "configuration changed.",
+    )
+    fetch.add_argument("run", help="a run id (or a unique prefix of one)")
+    fetch.add_argument("--to", metavar="DIR", help="put the outputs under DIR instead of the project")
+    fetch.set_defaults(func=cmd_fetch)
+
     teardown = commands.add_parser(
-        "teardown", help="remove what a run holds (folders, machines)",
+        "teardown",
+        help="remove what a run holds (folders, machines)",
         description="Remove what a run holds: its working folders (local), its remote folder "
         "(ssh) or its cluster (skypilot). The handle and the logs stay. A run still going is "
         "cancelled first.",
@@ -79,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     teardown.set_defaults(func=cmd_teardown)
 
     why = commands.add_parser(
-        "why", help="say whether a step is up to date, and what changed",
+        "why",
+        help="say whether a step is up to date, and what changed",
         description="Say whether a remote step is up to date and, if not, which of its inputs, "
         "command, settings, env or outputs changed, naming the paths. Loads the project's dodo "
         "file to see the step as it is declared now. Exit 0 either way.",
@@ -136,8 +156,12 @@ def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Co
             )
         for handle, status in rows:
             table.add_row(
-                handle.run_id, handle.step, handle.backend, status.state,
-                short_time(status.started_at), duration(status),
+                handle.run_id,
+                handle.step,
+                handle.backend,
+                status.state,
+                short_time(status.started_at),
+                duration(status),
             )
         out.print(table)
         for record in unreadable:
@@ -164,6 +188,49 @@ def cmd_cancel(project: Project, args: argparse.Namespace, out: Console, err: Co
     # The handle as cancel left it: it recorded how the run ended.
     ended = backend.status(project.store.read(handle.run_id))
     out.print(f"run {handle.run_id}: {ended.state}", highlight=False)
+    return 0
+
+
+def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
+    from substrax_tasks import manifest_cache
+    from substrax_tasks.promote import promote
+
+    handle = project.store.read(args.run)
+    backend = project.backend_for(handle)
+    status = backend.status(handle)
+    if status.state != "succeeded":
+        raise BackendError(
+            f"run {handle.run_id} is {status.state}: only a succeeded run has outputs to fetch"
+        )
+    if not backend.outputs_available(handle):
+        raise BackendError(
+            f"run {handle.run_id}: its outputs are no longer where it ran (torn down, or its "
+            "lifetime ran out); `doit` reruns the step"
+        )
+    fetched = backend.fetch(handle)
+    outputs = list(handle.spec.outputs)
+    base = Path(str(handle.state.get("project") or project.root))
+    dest = Path(args.to).resolve() if args.to else base
+    cache = project.store.run_dir(handle.run_id) / "fetch-cache.json"
+    checked = base if fetched.in_place else fetched.root
+    problems = manifest_cache.verify_outputs(checked, outputs, fetched.manifest, cache)
+    if problems:
+        raise BackendError(
+            f"run {handle.run_id}: the fetched outputs do not match its manifest; nothing was "
+            "moved into place:\n  " + "\n  ".join(problems)
+        )
+    if fetched.in_place and dest == base:
+        out.print(f"run {handle.run_id}: its outputs are in place and verified", highlight=False)
+        return 0
+    if fetched.in_place:
+        raise BackendError(
+            f"run {handle.run_id} wrote its outputs in place (no sandbox); copy them from {base}"
+        )
+    promote(fetched.root, dest, outputs)
+    out.print(
+        f"run {handle.run_id}: {len(outputs)} output(s) fetched into {dest}, verified against its manifest",
+        highlight=False,
+    )
     return 0
 
 
@@ -196,8 +263,10 @@ RICH_TABLE_MAX_ROWS = 200
 
 def plain_table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)]
-    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-             for line in [headers, *rows]]
+    lines = [
+        "  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in [headers, *rows]
+    ]
     return "\n".join(lines)
 
 

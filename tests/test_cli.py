@@ -20,10 +20,12 @@ from conftest import (
     wait_for,
 )
 
+from dodo_helpers import BWRAP
+
 from substrax_tasks import __version__
 from substrax_tasks.runs import Project
 
-SUBCOMMANDS = ("status", "logs", "cancel", "teardown")
+SUBCOMMANDS = ("status", "logs", "cancel", "fetch", "teardown")
 
 
 @pytest.mark.parametrize(
@@ -34,6 +36,7 @@ SUBCOMMANDS = ("status", "logs", "cancel", "teardown")
         ["logs"],
         ["cancel"],
         ["teardown"],
+        ["fetch"],
         ["status", "--bogus"],
         ["status", "a", "b"],
     ],
@@ -185,3 +188,49 @@ def test_teardown_of_a_running_run_stops_it_first(project: Project, marker: str)
     assert project.backend_for(handle).poll(handle).state == "cancelled"
     assert not marked_pids(marker), describe(marked_pids(marker))
     assert not (run_dir(project, handle) / "work").exists()
+
+
+# --------------------------------------------------------------------- fetch
+
+
+@pytest.mark.skipif(not BWRAP, reason="FETCH OF STAGED OUTPUTS NOT TESTED: bubblewrap is missing")
+def test_fetch_brings_a_runs_outputs_home_verified_into_the_project_or_elsewhere(
+    project: Project, tmp_path: Path
+) -> None:
+    handle = submit(
+        project, ["sh", "-c", "mkdir -p out && echo model > out/model.txt && echo m > metrics.json"],
+        sandbox="bwrap", outputs=["out/", "metrics.json"],
+    )  # fmt: skip
+    assert wait_final(project, handle) == "succeeded"
+    elsewhere = tmp_path / "elsewhere"
+    done = cli(project.root, "fetch", handle.run_id, "--to", str(elsewhere))
+    assert done.returncode == 0, done.stderr
+    assert (elsewhere / "out" / "model.txt").read_text() == "model\n"
+    assert (elsewhere / "metrics.json").read_text() == "m\n"
+    assert "verified against its manifest" in done.stdout
+    assert not (project.root / "metrics.json").exists()
+    (project.root / "metrics.json").write_text("an older result\n")
+    done = cli(project.root, "fetch", handle.run_id[:12])
+    assert done.returncode == 0, done.stderr
+    assert (project.root / "metrics.json").read_text() == "m\n"
+    assert (project.root / "out" / "model.txt").read_text() == "model\n"
+
+
+@pytest.mark.skipif(not BWRAP, reason="FETCH OF STAGED OUTPUTS NOT TESTED: bubblewrap is missing")
+def test_fetch_refuses_outputs_that_no_longer_match_and_moves_nothing(project: Project) -> None:
+    handle = submit(project, ["sh", "-c", "echo good > result.txt"], sandbox="bwrap", outputs=["result.txt"])
+    assert wait_final(project, handle) == "succeeded"
+    (outputs_root(project, handle) / "result.txt").write_text("tampered\n")
+    (project.root / "result.txt").write_text("kept\n")
+    done = cli(project.root, "fetch", handle.run_id)
+    assert done.returncode == 1
+    assert "do not match its manifest" in done.stderr and "result.txt" in done.stderr
+    assert (project.root / "result.txt").read_text() == "kept\n"
+
+
+def test_fetch_of_a_failed_run_says_there_is_nothing_to_fetch(project: Project) -> None:
+    handle = submit(project, ["sh", "-c", "exit 3"], outputs=["never.txt"])
+    assert wait_final(project, handle) == "failed"
+    done = cli(project.root, "fetch", handle.run_id)
+    assert done.returncode == 1
+    assert f"run {handle.run_id} is failed: only a succeeded run has outputs to fetch" in done.stderr

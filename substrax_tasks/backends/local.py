@@ -227,7 +227,11 @@ class LocalBackend(Backend):
         return data if isinstance(data, dict) and "digest" in data else None
 
     def outputs_available(self, handle: RunHandle) -> bool:
-        return False  # the staging folder is emptied by teardown after promotion
+        """Until teardown empties it (the chain does, after promotion), the
+        sandbox's staging folder holds the outputs."""
+        record = self._record(handle) or {}
+        root = record.get("outputs_root")
+        return record.get("sandbox") != "none" and isinstance(root, str) and Path(root).is_dir()
 
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         self.cancel(handle)  # leaves a finished run alone

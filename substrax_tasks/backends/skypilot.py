@@ -213,7 +213,15 @@ class SkypilotBackend(Backend):
                 # values read now, sent on stdin: never written to a file
                 "secrets": {n: os.environ[n] for n in handle.spec.forward_env if n in os.environ},
             }
-            result = self.sky().call("launch", request, timeout=None, while_waiting=relay)
+            try:
+                result = self.sky().call("launch", request, timeout=None, while_waiting=relay)
+            except KeyboardInterrupt:
+                rid = self._request_id(handle)
+                if rid:
+                    emit(f"\n{handle.step}: launch request {rid} goes on in SkyPilot's API server; "
+                         f"`doit {handle.step}` waits for it again, `substrax-compute cancel "
+                         f"{handle.run_id}` stops it and takes the cluster down", err=True)  # fmt: skip
+                raise
         job_id = result.get("job_id") if isinstance(result, dict) else None
         if not isinstance(job_id, int):
             raise BackendError(f"run {handle.run_id}: SkyPilot launched {cluster} but submitted no job")
@@ -521,7 +529,10 @@ class SkypilotBackend(Backend):
         if "cluster" not in handle.state:
             return  # never launched: nothing was made
         if not self.poll(handle).final:
-            self.cancel(handle)
+            try:
+                self.cancel(handle)
+            except ExceptionGroup as group:  # one message for doit and the CLI alike
+                raise BackendError("; ".join(str(e) for e in group.exceptions)) from None
             return
         with contextlib.suppress(SubstraxError, OSError):
             self._keep_log(handle)
