@@ -216,9 +216,27 @@ OPERATIONS = {
 }
 
 
+def die_with_parent():
+    # type: () -> None
+    """A client killed while it waits takes this helper along (Linux); the
+    request itself goes on in SkyPilot's API server, its id on disk."""
+    parent = os.getppid()
+    try:
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the request was made
+        os._exit(1)
+
+
 def main(argv=None):
     # type: (list | None) -> int
     args = list(sys.argv[1:] if argv is None else argv)
+    die_with_parent()
     if len(args) != 1 or args[0] not in OPERATIONS:
         sys.stderr.write("usage: sky_sdk.py {%s} < request.json\n" % ",".join(sorted(OPERATIONS)))
         return 2

@@ -128,10 +128,12 @@ def _communicate(
             return proc.communicate(payload, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise BackendError(f"SkyPilot did not answer within {timeout:g} s") from None
+    sent: bytes | None = payload
     while True:
         try:
-            out, err = proc.communicate(payload, timeout=0.5)  # retried: nothing is lost
-        except subprocess.TimeoutExpired:
+            out, err = proc.communicate(sent, timeout=0.5)
+        except subprocess.TimeoutExpired:  # retried without input: nothing is lost
+            sent = None
             while_waiting()
             if timeout is not None and time.monotonic() - started > timeout:
                 raise BackendError(f"SkyPilot did not answer within {timeout:g} s") from None

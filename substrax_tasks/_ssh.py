@@ -35,6 +35,18 @@ class HostKeyError(SubstraxError):
     """The host's key is unknown or changed: never retried."""
 
 
+def control_dir() -> Path:
+    """A private folder for ssh's multiplexing sockets. Unix socket paths
+    are short (108 bytes, and ssh adds a 17-character suffix while it binds):
+    under TMPDIR when that is short, else under /tmp."""
+    base = Path(tempfile.gettempdir())
+    if len(str(base)) > 40:
+        base = Path("/tmp")  # noqa: S108 - a 0700 folder of our own
+    folder = base / f"substrax-ssh-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
+
+
 @dataclass(frozen=True)
 class SshTarget:
     """Where to connect and how to check who answers."""
@@ -60,11 +72,8 @@ class SshTarget:
         return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
 
     def control_path(self) -> str:
-        # Unix socket paths are short (108 bytes): a hash in a private /tmp folder.
-        folder = Path(tempfile.gettempdir()) / f"substrax-ssh-{os.getuid()}"
-        folder.mkdir(mode=0o700, exist_ok=True)
         digest = hashlib.sha256(repr(self).encode()).hexdigest()[:16]
-        return str(folder / digest)
+        return str(control_dir() / digest)
 
     def ssh_argv(self, multiplex: bool = True) -> list[str]:
         """OpenSSH with the same identity and known_hosts as paramiko."""

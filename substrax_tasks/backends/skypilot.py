@@ -26,7 +26,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,7 +33,7 @@ from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import emit
 from substrax_tasks._remote_files import remote_dir
 from substrax_tasks._sky import SkyCallError, SkyClient
-from substrax_tasks._ssh import CONTROL_PERSIST_SECONDS, RemoteResult
+from substrax_tasks._ssh import CONTROL_PERSIST_SECONDS, RemoteResult, control_dir
 from substrax_tasks.backends import sky_task
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.backends.skypilot_settings import SkypilotSettings
@@ -80,9 +79,8 @@ class ClusterTarget:
         self.config_file = config_file
 
     def control_path(self) -> str:
-        folder = Path(tempfile.gettempdir()) / f"substrax-ssh-{os.getuid()}"
-        folder.mkdir(mode=0o700, exist_ok=True)
-        return str(folder / hashlib.sha256(f"{self.config_file}:{self.host}".encode()).hexdigest()[:16])
+        digest = hashlib.sha256(f"{self.config_file}:{self.host}".encode()).hexdigest()[:16]
+        return str(control_dir() / digest)
 
     def ssh_argv(self, multiplex: bool = True) -> list[str]:
         argv = ["ssh", "-F", str(self.config_file), "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"]
@@ -162,9 +160,8 @@ class SkypilotBackend(Backend):
             )
         result = target.run(argv)
         if result.returncode != 0:
-            raise BackendError(
-                f"{what} on {target.host} failed (exit {result.returncode}): {result.text()[-1500:]}"
-            )
+            said = (result.stderr + result.stdout).decode(errors="replace").strip()
+            raise BackendError(f"{what} on {target.host} failed (exit {result.returncode}): {said[-1500:]}")
         return result
 
     def _script(self, handle: RunHandle, name: str, *args: str) -> list[str]:
@@ -553,6 +550,8 @@ class SkypilotBackend(Backend):
 
 
 def _link_or_copy(source: str, target: str) -> str:
+    if os.path.lexists(target):  # an input inside a folder already taken
+        return target
     if Path(source).is_symlink():
         Path(target).symlink_to(Path(source).readlink())
         return target

@@ -1,0 +1,276 @@
+"""remote_step() on the skypilot backend, through the real `doit` and the real
+`substrax-compute`, against the fake SkyPilot (tests/fakesky: the SDK's
+documented behaviour, jobs as real local processes, requests that outlive
+their client) driven by the real remote/sky_sdk.py helper, with the cluster's
+ssh served by a real sshd in a network namespace (rsync and the manifests
+go through it) and real bubblewrap.
+
+No cloud is reachable here: this is the one place a fake stands in, and
+tests/test_fakesky_contract.py holds its signatures to the installed SDK's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dodo_helpers import (
+    COMPUTE,
+    clean_env,
+    doit,
+    doit_ok,
+    popen_doit,
+    popen_output,
+    run_count,
+    show,
+    step_ran,
+    step_skipped,
+    stop,
+    wait_for,
+)
+from fakesky_cleanup import cleanup, fakesky_env, leftovers
+from ssh_helpers import SANDBOX, needs_root, needs_sshd, only_handle, ssh_host, toml_value, write_ssh_dodo
+from testbeds.sshd_host import SshHost
+
+pytestmark = [needs_sshd, needs_root]
+
+STEP = """
+def task_step():
+    yield from remote_step(
+        "step", shell=COMMAND, inputs=["data/in.txt"], outputs=["out/", "res.txt"],
+        resources={"cpus": 1},
+    )
+"""
+COMMAND = r"""
+set -e
+mkdir -p out
+cp data/in.txt out/copy.txt
+if touch data/in.txt 2>/dev/null; then echo writable; else echo read-only; fi > out/project.txt
+echo "hello from the cluster"
+echo done > res.txt
+"""
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
+    """The clusters' ssh: root on a host in a network namespace (the fake's
+    jobs run as root on this machine, so its folders are the host's)."""
+    with ssh_host(tmp_path_factory.mktemp("sky-sshd"), None) as started:
+        yield started
+
+
+class Sky:
+    """A project on the skypilot backend, the fake's HOME and environment."""
+
+    def __init__(self, base: Path, host: SshHost) -> None:
+        self.base = base
+        self.home = base / "skyhome"
+        self.home.mkdir()
+        self.root = base / "proj"
+        self.root.mkdir()
+        self.remote = base / "remote"
+        self.env = fakesky_env(
+            self.home,
+            FAKESKY_SSH_HOST=host.address,
+            FAKESKY_SSH_PORT=str(host.port),
+            FAKESKY_SSH_USER=host.user or "root",
+            FAKESKY_SSH_IDENTITY=str(host.client_key),
+            FAKESKY_MINUTE_SECONDS="20",  # idle_minutes = 1: the cluster waits 20 s for a fetch
+            FAKESKY_CANCEL_GRACE="1",
+        )
+        self.env["PATH"] = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
+
+    def configure(self, sky_python: str = sys.executable, copy: dict[str, Any] | None = None,
+                  **settings: Any) -> None:  # fmt: skip
+        values: dict[str, Any] = {
+            "sky_python": sky_python, "remote_root": str(self.remote), "sandbox": SANDBOX,
+            "grace_seconds": 0.5, "poll_seconds": 0.3, "idle_minutes": 1,
+            "setup_commands": ["echo setting up the node"],
+        }  # fmt: skip
+        values.update(settings)
+        lines = ["[tool.substrax.compute]", 'default_backend = "skypilot"', "",
+                 "[tool.substrax.compute.backends.skypilot]"]  # fmt: skip
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+        lines += ["", "[tool.substrax.compute.backends.skypilot.copy]"]
+        lines += [f"{k} = {toml_value(v)}" for k, v in (copy or {"lifetime_minutes": 10.0}).items()]
+        (self.root / "pyproject.toml").write_text("\n".join(lines) + "\n")
+
+    def project(self, body: str = STEP, command: str = COMMAND) -> Path:
+        self.configure()
+        write_ssh_dodo(self.root, f"COMMAND = {command!r}\n" + body, ["step"])
+        (self.root / "data").mkdir(exist_ok=True)
+        (self.root / "data" / "in.txt").write_text("hello\n")
+        return self.root
+
+    def compute(self, *args: str, timeout: float = 120) -> Any:
+        import subprocess
+
+        return subprocess.run(
+            [str(COMPUTE), "--project", str(self.root), *args], cwd=self.root, env=clean_env(self.env),
+            capture_output=True, text=True, timeout=timeout, check=False,
+        )  # fmt: skip
+
+    def clusters(self) -> list[str]:
+        folder = self.home / ".fakesky" / "clusters"
+        return sorted(p.name for p in folder.glob("*") if (p / "cluster.json").exists())
+
+    def requests(self) -> int:
+        folder = self.home / ".fakesky" / "requests"
+        return len(list(folder.iterdir())) if folder.is_dir() else 0
+
+    def run_file(self, handle: dict[str, Any], name: str) -> Path:
+        return self.root / ".substrax" / "runs" / str(handle["run_id"]) / name
+
+
+@pytest.fixture
+def sky(tmp_path: Path, host: SshHost) -> Iterator[Sky]:
+    made = Sky(tmp_path, host)
+    try:
+        yield made
+    finally:
+        cleanup(made.home)
+    assert leftovers(made.home) == [], "the fake left processes running"
+
+
+def test_full_chain_then_a_noop_rerun_that_asks_skypilot_nothing(sky: Sky) -> None:
+    root = sky.project()
+    done = doit_ok(root, env=sky.env)
+    assert step_ran(done, "step") and "launching cluster substrax-step-" in done.stdout, show(done)
+    assert (root / "out" / "copy.txt").read_text() == "hello\n"
+    assert (root / "out" / "project.txt").read_text() == ("read-only\n" if SANDBOX == "bwrap" else "writable\n")
+    assert (root / "res.txt").read_text() == "done\n"
+    assert "hello from the cluster" in done.stdout  # the task's log, streamed over ssh
+    handle = only_handle(root)
+    assert handle["state"]["torn_down"] is True and handle["state"]["phase"] == "promoted"
+    # the intent and the request id stayed beside the handle
+    task = json.loads(sky.run_file(handle, "task.json").read_text())
+    assert task["resources"] == {"cpus": 1}
+    assert "echo setting up the node" in task["setup"]
+    request = json.loads(sky.run_file(handle, "launch-request.json").read_text())
+    assert request["name"] == "launch" and request["request_id"]
+    assert sky.clusters() == []  # taken down after the outputs came home
+    assert not (sky.home / ".sky" / "generated" / "ssh" / handle["state"]["cluster"]).exists()
+    status = sky.compute("status", handle["run_id"], "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["runs"][0]["state"] == "succeeded"  # from the local copy
+    assert "hello from the cluster" in sky.compute("logs", handle["run_id"]).stdout
+
+    asked = sky.requests()
+    again = doit_ok(root, env=sky.env)
+    assert step_skipped(again, "step"), show(again)
+    assert run_count(root) == 1 and sky.requests() == asked
+
+
+def test_a_failing_command_reads_as_failed_with_its_log_and_the_cluster_goes(sky: Sky) -> None:
+    root = sky.project(command="echo about to fail; exit 7")
+    done = doit(root, env=sky.env)
+    assert done.returncode != 0, show(done)
+    assert "failed" in done.stderr + done.stdout and "about to fail" in done.stderr + done.stdout
+    handle = only_handle(root)
+    status = sky.compute("status", handle["run_id"], "--json")
+    record = json.loads(status.stdout)["runs"][0]
+    assert record["state"] == "failed" and record["exit_code"] == 7
+    assert sky.clusters() == []
+    assert not (root / "res.txt").exists()
+
+
+def test_client_killed_mid_launch_then_cancel_finds_the_request_and_leaves_nothing(sky: Sky) -> None:
+    root = sky.project()
+    sky.env["FAKESKY_LAUNCH_DELAY"] = "60"
+    proc = popen_doit(root, env=sky.env)
+    try:
+        wait_for(lambda: list((root / ".substrax" / "runs").glob("*/launch-request.json")),
+                 "the launch request id", timeout=60)  # fmt: skip
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    handle = only_handle(root)
+    assert sky.run_file(handle, "task.json").is_file()  # the intent, written before waiting
+    assert "final_status" not in handle["state"] and "job_id" not in handle["state"]
+    status = sky.compute("status", handle["run_id"], "--json")
+    assert json.loads(status.stdout)["runs"][0]["state"] == "pending", popen_output(root)
+    done = sky.compute("cancel", handle["run_id"])
+    assert done.returncode == 0, done.stderr
+    assert "cancelled" in done.stdout
+    request = json.loads(sky.run_file(handle, "launch-request.json").read_text())["request_id"]
+    record = json.loads((sky.home / ".fakesky" / "requests" / request / "request.json").read_text())
+    assert record["status"] == "CANCELLED"
+    assert sky.clusters() == []
+    again = sky.compute("cancel", handle["run_id"])
+    assert again.returncode == 0 and "nothing to cancel" in again.stdout
+
+
+def test_a_rerun_after_an_interrupted_launch_waits_on_the_same_request(sky: Sky) -> None:
+    root = sky.project()
+    sky.env["FAKESKY_LAUNCH_DELAY"] = "4"
+    proc = popen_doit(root, env=sky.env)
+    try:
+        wait_for(lambda: list((root / ".substrax" / "runs").glob("*/launch-request.json")),
+                 "the launch request id", timeout=60)  # fmt: skip
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    first = json.loads(next((root / ".substrax" / "runs").glob("*/launch-request.json")).read_text())
+    done = doit_ok(root, env=sky.env)
+    assert "reattaching" in done.stdout and "waiting for launch request" in done.stdout, show(done)
+    handle = only_handle(root)
+    assert json.loads(sky.run_file(handle, "launch-request.json").read_text()) == first
+    assert (root / "res.txt").read_text() == "done\n"
+    assert sky.clusters() == []
+
+
+def test_cancel_of_a_finished_run_does_nothing(sky: Sky) -> None:
+    root = sky.project()
+    doit_ok(root, env=sky.env)
+    handle = only_handle(root)
+    asked = sky.requests()
+    done = sky.compute("cancel", handle["run_id"])
+    assert done.returncode == 0
+    assert "had already finished (succeeded); nothing to cancel" in done.stdout
+    assert sky.requests() == asked
+
+
+def failing_python(folder: Path, operation: str) -> str:
+    """A SkyPilot interpreter whose `operation` fails as SkyPilot would (an
+    answer naming the exception), every other one passing through."""
+    script = folder / "sky-python"
+    answer = json.dumps({"ok": False, "error": {"type": "ApiServerConnectionError",
+                                                "message": f"injected failure of {operation}"}})  # fmt: skip
+    script.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$2" = {operation} ]; then cat >/dev/null; echo {json.dumps(answer)}; exit 1; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return str(script)
+
+
+def test_cancel_with_a_failing_step_still_takes_the_cluster_down_and_exits_1(sky: Sky) -> None:
+    root = sky.project(command="echo started; sleep 300")
+    proc = popen_doit(root, env=sky.env)
+    try:
+        wait_for(lambda: "started" in popen_output(root), "the command to start", timeout=90)
+        handle = only_handle(root)
+        # the handle's pinned settings are what cancel uses: the failure goes there
+        path = root / ".substrax" / "runs" / handle["run_id"] / "handle.json"
+        pinned = json.loads(path.read_text())
+        pinned["settings"]["sky_python"] = failing_python(sky.base, "cancel")
+        path.write_text(json.dumps(pinned))
+        done = sky.compute("cancel", handle["run_id"])
+        assert done.returncode == 1, done.stdout
+        assert "1 cancel step(s) failed" in done.stderr
+        assert "injected failure of cancel" in done.stderr
+        assert sky.clusters() == []  # the down was attempted all the same, and worked
+        proc.wait(timeout=90)
+    finally:
+        stop(proc)
+    assert proc.returncode != 0
