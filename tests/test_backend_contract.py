@@ -8,6 +8,7 @@ Add a backend by adding a parameter to the `bound` fixture.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import describe, marked_pids, stubborn_tree, wait_for
 from dodo_helpers import BWRAP
+from fakesky_cleanup import cleanup, fakesky_env
 from ssh_helpers import fresh_user, needs_root, needs_sshd, ssh_host, ssh_settings, write_ssh_pyproject
 from testbeds.sshd_host import SshHost
 
@@ -31,6 +33,13 @@ WAIT = 60.0
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
     with ssh_host(tmp_path_factory.mktemp("sshd-user"), fresh_user()) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def root_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
+    """The SkyPilot clusters' ssh: the fake runs jobs as this process's user (root)."""
+    with ssh_host(tmp_path_factory.mktemp("sshd-root"), None) as started:
         yield started
 
 
@@ -51,23 +60,45 @@ class Bound:
     params=[
         pytest.param("local", id="local"),
         pytest.param("ssh", id="ssh", marks=[needs_sshd, needs_root]),
+        # SkyPilot's SDK through remote/sky_sdk.py, against the fake SkyPilot
+        # (jobs as local processes), the cluster's ssh a real sshd
+        pytest.param("skypilot", id="skypilot", marks=[needs_sshd, needs_root]),
     ]
 )
-def bound(request: pytest.FixtureRequest, tmp_path: Path) -> Bound:
+def bound(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Bound]:
     root = tmp_path / "project"
     root.mkdir()
     if request.param == "local":
         (root / "pyproject.toml").write_text(
             f'[tool.substrax.compute.backends.local]\nsandbox = "{SANDBOX}"\ngrace_seconds = 0.5\n'
         )
-    else:
+    elif request.param == "ssh":
         host: SshHost = request.getfixturevalue("host")
         write_ssh_pyproject(
             root, ssh_settings(host, remote_root=str(host.scratch / f"contract-{tmp_path.name}"))
         )
+    else:
+        sky_home = tmp_path / "skyhome"
+        root_host: SshHost = request.getfixturevalue("root_host")
+        env = fakesky_env(
+            sky_home, FAKESKY_SSH_HOST=root_host.address, FAKESKY_SSH_PORT=str(root_host.port),
+            FAKESKY_SSH_USER="root", FAKESKY_SSH_IDENTITY=str(root_host.client_key),
+            FAKESKY_MINUTE_SECONDS="30", FAKESKY_CANCEL_GRACE="1",
+        )  # fmt: skip
+        for name, value in env.items():  # the helper and ssh run with these
+            if name in ("HOME", "TMPDIR", "PYTHONPATH") or name.startswith("FAKESKY_"):
+                monkeypatch.setenv(name, value)
+        request.addfinalizer(lambda: cleanup(sky_home))
+        (root / "pyproject.toml").write_text(
+            '[tool.substrax.compute]\ndefault_backend = "skypilot"\n'
+            "[tool.substrax.compute.backends.skypilot]\n"
+            f'sky_python = "{sys.executable}"\nremote_root = "{tmp_path / "remote"}"\n'
+            f'sandbox = "{SANDBOX}"\ngrace_seconds = 0.5\npoll_seconds = 0.3\n'
+            "[tool.substrax.compute.backends.skypilot.copy]\n"
+        )
     project = Project.open(root)
     assert project.config.default_backend == request.param
-    return Bound(request.param, project)
+    yield Bound(request.param, project)
 
 
 def wait_final(backend: Backend, handle: RunHandle) -> str:

@@ -144,7 +144,8 @@ def test_full_chain_then_a_noop_rerun_that_asks_skypilot_nothing(sky: Sky) -> No
     done = doit_ok(root, env=sky.env)
     assert step_ran(done, "step") and "launching cluster substrax-step-" in done.stdout, show(done)
     assert (root / "out" / "copy.txt").read_text() == "hello\n"
-    assert (root / "out" / "project.txt").read_text() == ("read-only\n" if SANDBOX == "bwrap" else "writable\n")
+    sandboxed = "read-only\n" if SANDBOX == "bwrap" else "writable\n"
+    assert (root / "out" / "project.txt").read_text() == sandboxed
     assert (root / "res.txt").read_text() == "done\n"
     assert "hello from the cluster" in done.stdout  # the task's log, streamed over ssh
     handle = only_handle(root)

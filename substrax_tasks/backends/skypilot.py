@@ -279,6 +279,11 @@ class SkypilotBackend(Backend):
     # ------------------------------------------------------------- status
     def poll(self, handle: RunHandle) -> RunStatus:
         cached = handle.state.get("final_status")
+        if not isinstance(cached, dict):
+            # A caller's copy of the handle may predate the end: once the
+            # cluster is down, the store's record is all that tells it.
+            with contextlib.suppress(SubstraxError):
+                cached = self.store.read(handle.run_id).state.get("final_status")
         if isinstance(cached, dict):
             return RunStatus(**cached)
         job_id = handle.state.get("job_id")
@@ -323,8 +328,9 @@ class SkypilotBackend(Backend):
 
         try:
             record = self._remote_status(handle)
-        except SubstraxError:
-            return status
+        except SubstraxError as exc:
+            note = f"the worker's record is out of reach: {exc}"
+            return RunStatus(status.state, message=f"{status.message} ({note})")
         worker = status_from_record(record if record.get("state") else None, worker_alive=False)
         agrees = (worker.state == "succeeded") == (status.state == "succeeded")
         if not worker.final or not agrees:
