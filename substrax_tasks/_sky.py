@@ -92,7 +92,7 @@ class SkyClient:
             stdout, stderr = _communicate(proc, payload, timeout, started, while_waiting)
         except BaseException:
             proc.kill()
-            proc.wait()
+            proc.communicate()  # reaps it and closes its pipes
             raise
         return self._answer(operation, argv[0], proc.returncode, stdout, stderr)
 

@@ -141,6 +141,8 @@ def sky(tmp_path: Path, host: SshHost) -> Iterator[Sky]:
 
 def test_full_chain_then_a_noop_rerun_that_asks_skypilot_nothing(sky: Sky) -> None:
     root = sky.project()
+    # SkyPilot would leave out what .gitignore names: a declared input all the same
+    (root / ".gitignore").write_text("data/\n")
     done = doit_ok(root, env=sky.env)
     assert step_ran(done, "step") and "launching cluster substrax-step-" in done.stdout, show(done)
     assert (root / "out" / "copy.txt").read_text() == "hello\n"

@@ -52,6 +52,9 @@ JOB_STATES = {
 }  # fmt: skip
 REQUEST_LIVE = ("PENDING", "WAITING", "RUNNING")
 NO_CLUSTER = "ClusterDoesNotExist"
+# The cluster is INIT, STOPPED or AUTOSTOPPING (an autodown under way): its
+# queue cannot be read, and there is nothing left to cancel in it.
+CLUSTER_GONE = (NO_CLUSTER, "ClusterNotUpError")
 LAUNCH_REQUEST = "launch-request.json"
 TASK_FILE = "task.json"
 MANIFEST_RACES = ("changed while it was read", "was replaced while the manifest was taken")
@@ -269,6 +272,14 @@ class SkypilotBackend(Backend):
                 )
             elif source.exists() or source.is_symlink():
                 _link_or_copy(str(source), str(target))
+        # SkyPilot filters a mount through the .gitignore files in it, unless
+        # its root holds a .skyignore: an empty one, so that what was chosen
+        # above (tracked files and declared inputs) is what arrives. Written
+        # beside and renamed: the snapshot's files are links to the project's.
+        ignore = dest / ".skyignore"
+        partial = dest / ".skyignore.partial"
+        partial.write_text("# substrax-tasks: this snapshot is exactly what is uploaded\n")
+        partial.replace(ignore)
 
     def start(self, handle: RunHandle) -> RunHandle:
         """The launch submitted the job already (SkyPilot runs setup, then it)."""
@@ -294,9 +305,9 @@ class SkypilotBackend(Backend):
                 "job_status", {"cluster_name": self.cluster(handle), "job_ids": [job_id]}
             )
         except SkyCallError as exc:
-            if exc.kind == NO_CLUSTER:
-                return RunStatus("lost", message=f"its cluster {self.cluster(handle)} is gone "
-                                 "(torn down, or its lifetime ran out)")  # fmt: skip
+            if exc.kind in CLUSTER_GONE:
+                return RunStatus("lost", message=f"its cluster {self.cluster(handle)} is gone or "
+                                 f"going (torn down, or its lifetime ran out): {exc.kind}")  # fmt: skip
             raise
         value = (answer or {}).get(str(job_id))
         if value is None:
@@ -372,7 +383,7 @@ class SkypilotBackend(Backend):
             try:
                 self.sky().call("cancel", {"cluster_name": cluster, "job_ids": [job_id]})
             except SkyCallError as exc:
-                if exc.kind != NO_CLUSTER:
+                if exc.kind not in CLUSTER_GONE:  # else the down below ends it all the same
                     failures.append(BackendError(f"cancelling job {job_id} on {cluster}: {exc}"))
             except SubstraxError as exc:
                 failures.append(BackendError(f"cancelling job {job_id} on {cluster}: {exc}"))
