@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import marked_pids
 from dodo_helpers import (
     COMPUTE,
     clean_env,
@@ -277,3 +278,24 @@ def test_cancel_with_a_failing_step_still_takes_the_cluster_down_and_exits_1(sky
     finally:
         stop(proc)
     assert proc.returncode != 0
+
+
+def test_the_lifetime_takes_the_cluster_down_with_no_client_present(sky: Sky, marker: str) -> None:
+    """The node's timer stops the run (lifetime - idle = 3 s here), the idle
+    cluster's autodown (1 minute = 2 s here) takes it down: nobody calls."""
+    sky.env["FAKESKY_MINUTE_SECONDS"] = "2"
+    sky.project(command=f"echo started; exec sleep 300 # {marker}")
+    sky.configure(copy={"lifetime_minutes": 1.05})
+    proc = popen_doit(sky.root, env=sky.env)
+    try:
+        wait_for(lambda: "started" in popen_output(sky.root), "the command to start", timeout=90)
+        proc.send_signal(signal.SIGKILL)  # the client is gone for good
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    assert marked_pids(marker), "the command runs on after its client died"
+    wait_for(lambda: sky.clusters() == [] and not marked_pids(marker),
+             "the lifetime to end the run and the cluster", timeout=60)  # fmt: skip
+    handle = only_handle(sky.root)
+    status = sky.compute("status", handle["run_id"], "--json")
+    assert json.loads(status.stdout)["runs"][0]["state"] == "lost"  # its cluster went by itself

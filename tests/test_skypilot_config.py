@@ -66,6 +66,11 @@ BAD = [
         ["unknown key 'accelerator'", "valid keys:", "accelerators"],
     ),
     ("unknown-copy-key", f"{TABLE}\n{COPY}\nsource = []\n", ["unknown key 'source'", "sources"]),
+    (
+        "lifetime-within-idle",
+        f"{TABLE}\nidle_minutes = 10\n{COPY}\nlifetime_minutes = 10\n",
+        ["lifetime_minutes = 10 must be more than idle_minutes = 10"],
+    ),
     ("bad-prefix", f'{TABLE}\ncluster_prefix = "My_Runs"\n{COPY}\n', ["cluster_prefix", "lower-case"]),
     (
         "isolation-without-sandbox",

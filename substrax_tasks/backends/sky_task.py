@@ -144,7 +144,7 @@ def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterL
     transport = settings.transport
     # The run is stopped idle_minutes before the lifetime ends, so that
     # SkyPilot's autodown (armed at launch) has the cluster gone by then.
-    seconds = max(60.0, (transport.lifetime_minutes - settings.idle_minutes) * 60)
+    seconds = (transport.lifetime_minutes - settings.idle_minutes) * 60  # > 0: checked with the settings
     watchdog = [
         settings.python,
         f"{layout.bin}/control.py",

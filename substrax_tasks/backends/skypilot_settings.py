@@ -171,6 +171,12 @@ class SkypilotSettings(_Strict):
             )
         if self.copy_ is not None and self.copy_.disk_size and self.disk_size:
             raise ValueError(f"disk_size is set in [{TABLE}] and in {copy_key}; give one")
+        if self.transport.lifetime_minutes <= self.idle_minutes:
+            raise ValueError(
+                f"lifetime_minutes = {self.transport.lifetime_minutes:g} must be more than idle_minutes = "
+                f"{self.idle_minutes} (the run is stopped idle_minutes before the lifetime ends, so that "
+                "SkyPilot's autodown has the cluster gone by then)"
+            )
         needs_sandbox = self.transport.network_isolation
         if needs_sandbox and self.sandbox == "none":
             raise ValueError('network_isolation = true needs the sandbox, but sandbox = "none"')
