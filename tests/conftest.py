@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from s3_server import s3_env, s3_server  # noqa: F401  (the bucket transport's S3 server)
 
 from substrax_tasks import _procs
 from substrax_tasks.handle import RunHandle

@@ -19,7 +19,6 @@ from conftest import (
     wait_final,
     wait_for,
 )
-
 from dodo_helpers import BWRAP
 
 from substrax_tasks import __version__

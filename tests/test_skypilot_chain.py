@@ -37,6 +37,7 @@ from dodo_helpers import (
     wait_for,
 )
 from fakesky_cleanup import cleanup, fakesky_env, leftovers
+from s3_server import S3Server
 from ssh_helpers import SANDBOX, needs_root, needs_sshd, only_handle, ssh_host, toml_value, write_ssh_dodo
 from testbeds.sshd_host import SshHost
 
@@ -89,7 +90,7 @@ class Sky:
         self.env["PATH"] = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
 
     def configure(self, sky_python: str = sys.executable, copy: dict[str, Any] | None = None,
-                  **settings: Any) -> None:  # fmt: skip
+                  bucket: dict[str, Any] | None = None, **settings: Any) -> None:  # fmt: skip
         values: dict[str, Any] = {
             "sky_python": sky_python, "remote_root": str(self.remote), "sandbox": SANDBOX,
             "grace_seconds": 0.5, "poll_seconds": 0.3, "idle_minutes": 1,
@@ -99,8 +100,12 @@ class Sky:
         lines = ["[tool.substrax.compute]", 'default_backend = "skypilot"', "",
                  "[tool.substrax.compute.backends.skypilot]"]  # fmt: skip
         lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
-        lines += ["", "[tool.substrax.compute.backends.skypilot.copy]"]
-        lines += [f"{k} = {toml_value(v)}" for k, v in (copy or {"lifetime_minutes": 10.0}).items()]
+        if bucket is not None:
+            lines += ["", "[tool.substrax.compute.backends.skypilot.bucket]"]
+            lines += [f"{k} = {toml_value(v)}" for k, v in bucket.items()]
+        else:
+            lines += ["", "[tool.substrax.compute.backends.skypilot.copy]"]
+            lines += [f"{k} = {toml_value(v)}" for k, v in (copy or {"lifetime_minutes": 10.0}).items()]
         (self.root / "pyproject.toml").write_text("\n".join(lines) + "\n")
 
     def project(self, body: str = STEP, command: str = COMMAND) -> Path:
@@ -299,3 +304,27 @@ def test_the_lifetime_takes_the_cluster_down_with_no_client_present(sky: Sky, ma
     handle = only_handle(sky.root)
     status = sky.compute("status", handle["run_id"], "--json")
     assert json.loads(status.stdout)["runs"][0]["state"] == "lost"  # its cluster went by itself
+
+
+def test_the_bucket_transport_fetches_from_a_real_s3_server_and_verifies(
+    sky: Sky, s3_server: S3Server
+) -> None:
+    """Outputs written to the mounted bucket (the fake mounts a bucket as
+    the folder the S3 server serves), fetched with s3fs through the real S3
+    API, verified against the manifest the worker wrote beside them."""
+    sky.project()
+    sky.configure(bucket={"outputs_bucket": f"s3://{s3_server.bucket}/runs", "lifetime_minutes": 10.0})
+    sky.env.update(s3_server.env)
+    sky.env["FAKESKY_BUCKET_DIR"] = str(s3_server.data_dir)
+    done = doit_ok(sky.root, env=sky.env)
+    assert step_ran(done, "step"), show(done)
+    assert (sky.root / "out" / "copy.txt").read_text() == "hello\n"
+    assert (sky.root / "res.txt").read_text() == "done\n"
+    handle = only_handle(sky.root)
+    in_bucket = s3_server.data_dir / s3_server.bucket / "runs" / handle["run_id"]
+    assert (in_bucket / "outputs" / "res.txt").read_text() == "done\n"
+    manifest = json.loads((in_bucket / "manifest.json").read_text())
+    assert {e["path"] for e in manifest["entries"]} >= {"out/copy.txt", "res.txt"}
+    assert sky.clusters() == []
+    again = doit_ok(sky.root, env=sky.env)
+    assert step_skipped(again, "step"), show(again)

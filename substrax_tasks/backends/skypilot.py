@@ -516,6 +516,7 @@ class SkypilotBackend(Backend):
         present = [o for o in handle.spec.outputs if o not in manifest.get("missing", [])]
         if present:
             transport.download(f"{base}/outputs", present, staging)
+        _apply_modes(staging, manifest)
         return Fetched(staging, manifest)
 
     def outputs_available(self, handle: RunHandle) -> bool:
@@ -564,6 +565,15 @@ class SkypilotBackend(Backend):
                 f.write(chunk)
                 offset += len(chunk)
         partial.replace(kept)
+
+
+def _apply_modes(root: Path, manifest: dict[str, Any]) -> None:
+    """An object store keeps no file modes: the copies take the ones the
+    worker recorded, and verification then judges contents and sizes."""
+    for entry in manifest.get("entries", []):
+        path = root / str(entry.get("path"))
+        if entry.get("type") in ("file", "dir") and isinstance(entry.get("mode"), int) and path.exists():
+            path.chmod(entry["mode"])
 
 
 def _link_or_copy(source: str, target: str) -> str:

@@ -1,0 +1,482 @@
+"""The bucket transport: outputs (and, rarely, inputs) through an object store.
+
+A run's worker writes the step's outputs under
+``<outputs_bucket>/<run_id>/outputs/<output path>`` and, last, their manifest
+to ``<outputs_bucket>/<run_id>/manifest.json``; this side reads the manifest
+(`read_manifest`) and copies the outputs into a staging folder (`download`).
+
+Any fsspec file system works: s3fs for ``s3://`` (the `bucket` extra), gcsfs
+for ``gs://``, adlfs for ``az://``, ... once its package is installed; a
+missing one is named with the command that installs it. fsspec is imported
+only when a transfer starts, never by importing this module.
+
+s3fs reads the endpoint and credentials from the environment
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+``AWS_PROFILE``, ...); `endpoint_url` and `storage_options` (passed to the
+file system's constructor, e.g. ``{"key": ..., "secret": ...,
+"config_kwargs": {...}}``) override them. Every transport builds file systems
+of its own (no fsspec instance cache), so a changed environment is honoured.
+
+A download never leaves a half-written file at a final path: each object is
+written to a hidden ``.<name>.<hex>.part`` beside its final path and renamed
+over it once complete and of the listed size; a failed or interrupted copy
+removes its part files. (The SkyPilot backend also stages into a fresh
+folder, and a part file orphaned by a SIGKILL shows up as an extra file in
+the verification of that folder, so it can never be promoted.)
+
+Object stores hold neither file modes, symlinks nor empty folders: a
+downloaded file gets the default mode (0o666 minus the umask, 0o644 under
+the usual 022), a folder output with no object under it arrives as an empty
+folder, and an upload refuses symlinks and special files.
+
+Progress goes to a rich bar (files and bytes done, rate, time left) when
+stderr is a terminal, and to one summary line otherwise, as with rsync.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from substrax_tasks._output import emit
+from substrax_tasks.errors import BackendError
+from substrax_tasks.transports.base import TransferStats, Transport
+
+MAX_WORKERS = 8  # objects copied at once: one request each, so small files do not go one by one
+INSTALL_BUCKET = "pip install 'substrax-tasks[bucket]'"
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True)
+class _Copy:
+    source: str  # a local path (upload) or a file system path (download)
+    dest: str
+    size: int
+
+
+class _Stopped(Exception):
+    """Raised inside a copy's progress hook to abort it: another copy failed."""
+
+
+class BucketTransport(Transport):
+    name = "bucket"
+
+    def __init__(
+        self,
+        endpoint_url: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        show_progress: bool | None = None,
+        max_workers: int = MAX_WORKERS,
+    ) -> None:
+        self.endpoint_url = endpoint_url
+        self.storage_options = dict(storage_options or {})
+        self.show_progress = sys.stderr.isatty() if show_progress is None else show_progress
+        self.max_workers = max(1, max_workers)
+        self._filesystems: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ file systems
+
+    def filesystem(self, uri: str) -> tuple[Any, str]:
+        """The fsspec file system for `uri` and the path within it (no
+        protocol, no trailing "/"). One file system per protocol and transport."""
+        try:
+            import fsspec  # type: ignore[import-untyped]
+        except ImportError:
+            raise BackendError(
+                f"the bucket transport needs fsspec to reach {uri}, and it is not installed: {INSTALL_BUCKET}"
+            ) from None
+        protocol, _ = fsspec.core.split_protocol(uri)
+        if protocol is None:
+            raise BackendError(f"{uri!r} is not a bucket URI; write it as s3://bucket/prefix (or gs://, ...)")
+        try:
+            cls = fsspec.get_filesystem_class(protocol)
+        except ImportError as exc:
+            raise BackendError(
+                f"{uri} needs {_package_for(protocol)}, which is not installed: "
+                f"pip install {_package_for(protocol)} ({exc})"
+            ) from None
+        except ValueError:
+            raise BackendError(
+                f"{uri}: unknown protocol {protocol!r}; expected one fsspec knows, "
+                f"e.g. s3://, gs://, az://, file://"
+            ) from None
+        path = str(cls._strip_protocol(uri)).rstrip("/")
+        with self._lock:
+            fs = self._filesystems.get(protocol)
+            if fs is None:
+                options = dict(self.storage_options)
+                if self.endpoint_url is not None:
+                    options["endpoint_url"] = self.endpoint_url
+                try:
+                    fs = cls(skip_instance_cache=True, **options)
+                except Exception as exc:
+                    raise BackendError(
+                        f"cannot set up {protocol}:// for {uri} with options {sorted(options)}: {exc}"
+                    ) from exc
+                self._filesystems[protocol] = fs
+        fs.invalidate_cache()  # listings made before (by us or anyone) may be stale
+        return fs, path
+
+    # -------------------------------------------------------------- manifest
+
+    def read_manifest(self, uri: str) -> dict[str, Any]:
+        """The manifest at `uri` (``<outputs_bucket>/<run_id>/manifest.json``),
+        checked whole: its digest must match its entries. Missing or damaged
+        means the run did not finish writing its outputs: BackendError."""
+        import json
+
+        from substrax_tasks.manifest_cache import manifest_module
+
+        run_folder = uri.rstrip("/").rsplit("/", 1)[0] if "/" in uri.rstrip("/") else uri
+        fs, path = self.filesystem(uri)
+        try:
+            data = fs.cat_file(path)
+        except FileNotFoundError:
+            raise BackendError(
+                f"the run folder {run_folder} holds no {MANIFEST_NAME}: the run did not finish "
+                f"writing its outputs (it failed, was stopped or lost, or the run id is wrong)"
+            ) from None
+        except Exception as exc:
+            raise _failure("reading", uri, exc) from exc
+        try:
+            manifest = json.loads(data)
+        except ValueError:
+            manifest = None
+        problem = _manifest_problem(manifest, manifest_module())
+        if problem is not None:
+            raise BackendError(
+                f"the manifest in the run folder {run_folder} is damaged ({problem}): the run did not "
+                f"finish writing its outputs; nothing was fetched"
+            )
+        assert isinstance(manifest, dict)
+        return manifest
+
+    # ------------------------------------------------------------- transfers
+
+    def download(self, remote_root: str, rel_paths: list[str], local_root: Path) -> TransferStats:
+        """Copy ``remote_root/<rel>`` (an object, or every object under that
+        prefix) to ``local_root/<rel>``. A file that is not in the bucket is
+        a BackendError; a folder with no object under it arrives empty."""
+        started = time.monotonic()
+        fs, root = self.filesystem(remote_root)
+        folders: list[Path] = [local_root]
+        copies: list[_Copy] = []
+        absent: list[str] = []
+        for rel in rel_paths:
+            found = _remote_tree(fs, remote_root, root, rel)
+            if found is None:
+                absent.append(rel)
+                continue
+            for sub, name, size in found:
+                if name is None:
+                    folders.append(local_root / sub)
+                else:
+                    copies.append(_Copy(name, str(local_root / sub), size))
+        if absent:
+            raise BackendError(
+                f"not in {remote_root.rstrip('/')}: {', '.join(absent)}; the bucket lost objects the "
+                "run wrote, or something else removed them. Nothing was fetched"
+            )
+        try:
+            for folder in folders:
+                folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BackendError(f"cannot make the folders of the fetch in {local_root}: {exc}") from exc
+
+        def fetch_one(copy: _Copy, callback: Any) -> None:
+            final = Path(copy.dest)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            # beside the final path (same file system: the rename is atomic); short enough for NAME_MAX
+            part = final.with_name(f".{final.name[:200]}.{secrets.token_hex(4)}.part")
+            try:
+                fs.get_file(copy.source, str(part), callback=callback)
+                got = part.stat().st_size
+                if got != copy.size:
+                    raise BackendError(
+                        f"{_uri(remote_root, root, copy.source)} changed while it was fetched "
+                        f"({copy.size} bytes listed, {got} received)"
+                    )
+                part.replace(final)
+            finally:
+                part.unlink(missing_ok=True)
+
+        return self._run("fetch", copies, fetch_one, lambda c: _uri(remote_root, root, c.source), started)
+
+    def upload(self, local_root: Path, rel_paths: list[str], remote_root: str) -> TransferStats:
+        """Copy ``local_root/<rel>`` (a file, or every file under a folder) to
+        ``remote_root/<rel>``. The bucket must exist; a prefix needs no making.
+        Objects appear whole or not at all."""
+        started = time.monotonic()
+        fs, root = self.filesystem(remote_root)
+        copies: list[_Copy] = []
+        for rel in rel_paths:
+            clean = _relative(rel, str(local_root))
+            for sub, size in _local_files(local_root, clean):
+                copies.append(_Copy(str(local_root / sub), f"{root}/{sub}", size))
+
+        def put_one(copy: _Copy, callback: Any) -> None:
+            fs.put_file(copy.source, copy.dest, callback=callback)
+
+        return self._run("upload", copies, put_one, lambda c: _uri(remote_root, root, c.dest), started)
+
+    def _run(
+        self,
+        what: str,
+        copies: list[_Copy],
+        copy_one: Callable[[_Copy, Any], None],
+        name_of: Callable[[_Copy], str],
+        started: float,
+    ) -> TransferStats:
+        """Run the copies, `max_workers` at a time, with progress. On the
+        first failure (or an interrupt) the others are aborted at their next
+        chunk and nothing more starts; the first failure is raised."""
+        from fsspec.callbacks import Callback  # type: ignore[import-untyped]
+
+        stop = threading.Event()
+        total = sum(c.size for c in copies)
+        with _Meter(what, len(copies), total, self.show_progress) as meter:
+
+            def one(copy: _Copy) -> None:
+                if stop.is_set():
+                    return
+                seen = [0]
+
+                def hook(size: int | None, value: int, **_: object) -> None:
+                    if stop.is_set():
+                        raise _Stopped
+                    meter.add_bytes(value - seen[0])
+                    seen[0] = value
+
+                try:
+                    copy_one(copy, Callback(hooks={"meter": hook}))
+                except BackendError:
+                    raise
+                except _Stopped:
+                    return
+                except Exception as exc:
+                    raise _failure(f"{what} of", name_of(copy), exc) from exc
+                meter.add_bytes(copy.size - seen[0])
+                meter.file_done()
+
+            if copies:
+                pool = ThreadPoolExecutor(max_workers=min(self.max_workers, len(copies)))
+                futures: list[Future[None]] = []
+                try:
+                    futures = [pool.submit(one, copy) for copy in copies]
+                    wait(futures, return_when=FIRST_EXCEPTION)
+                    for future in futures:
+                        failed = future.exception() if future.done() and not future.cancelled() else None
+                        if failed is not None:
+                            raise failed
+                finally:
+                    stop.set()
+                    pool.shutdown(wait=True, cancel_futures=True)
+        stats = TransferStats(files=meter.files, bytes=meter.bytes, seconds=time.monotonic() - started)
+        if not self.show_progress:
+            emit(stats.summary(what), err=True)
+        return stats
+
+
+# ------------------------------------------------------------------ helpers
+
+
+class _Meter:
+    """Files and bytes done, counted from many threads; a rich bar if asked."""
+
+    def __init__(self, what: str, files: int, total: int, show: bool) -> None:
+        self.what = what
+        self.total_files = files
+        self.total = total
+        self.show = show
+        self.files = 0
+        self.bytes = 0
+        self._lock = threading.Lock()
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> _Meter:
+        if self.show:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn(f"{self.what}{{task.fields[files]}}"), BarColumn(), DownloadColumn(),
+                TransferSpeedColumn(), TimeRemainingColumn(), transient=False, console=Console(stderr=True),
+            )  # fmt: skip
+            self._progress.start()
+            self._task = self._progress.add_task(self.what, total=self.total, files=self._files_text())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def _files_text(self) -> str:
+        return f" {self.files}/{self.total_files} files"
+
+    def add_bytes(self, count: int) -> None:
+        if count == 0:
+            return
+        with self._lock:
+            self.bytes += count
+        if self._progress is not None:
+            self._progress.advance(self._task, count)
+
+    def file_done(self) -> None:
+        with self._lock:
+            self.files += 1
+            text = self._files_text()
+        if self._progress is not None:
+            self._progress.update(self._task, files=text)
+
+
+def _package_for(protocol: str) -> str:
+    """The package that implements `protocol` for fsspec (s3 -> s3fs)."""
+    from fsspec.registry import known_implementations  # type: ignore[import-untyped]
+
+    known = known_implementations.get(protocol, {})
+    return str(known.get("class", protocol)).split(".", 1)[0]
+
+
+def _remote_tree(fs: Any, remote_root: str, root: str, rel: str) -> list[tuple[str, str | None, int]] | None:
+    """What the download of `rel` brings: (local relative path, file system
+    path or None for a folder, size), or None if `rel` is not there. A
+    folder output ("out/") with no object under it is an empty folder: an
+    object store cannot tell it from none."""
+    clean = _relative(rel, remote_root)
+    remote = f"{root}/{clean}"
+    try:
+        info = fs.info(remote)
+    except FileNotFoundError:
+        return [(clean, None, 0)] if rel.endswith("/") else None
+    except Exception as exc:
+        raise _failure("reading", f"{remote_root.rstrip('/')}/{clean}", exc) from exc
+    if info.get("type") != "directory":
+        return [(clean, remote, int(info.get("size") or 0))]
+    try:
+        listing: dict[str, dict[str, Any]] = fs.find(remote, withdirs=True, detail=True)
+    except Exception as exc:
+        raise _failure("listing", f"{remote_root.rstrip('/')}/{clean}/", exc) from exc
+    where = f"{remote_root.rstrip('/')}/{clean}/"
+    tree: list[tuple[str, str | None, int]] = [(clean, None, 0)]
+    for name, entry in sorted(listing.items()):
+        sub = name[len(remote) + 1 :].rstrip("/") if name.startswith(remote + "/") else ""
+        if not sub:
+            continue
+        local = f"{clean}/{_relative(sub, where)}"
+        if entry.get("type") == "directory":
+            tree.append((local, None, 0))
+        else:
+            tree.append((local, name, int(entry.get("size") or 0)))
+    return tree
+
+
+def _relative(rel: str, where: str) -> str:
+    """`rel` without a trailing "/", refused unless it is a plain relative
+    path (no "", ".", ".." components): a key like ``out/../../x`` must not
+    land outside the local folder."""
+    clean = rel.rstrip("/")
+    parts = clean.split("/")
+    if not clean or clean.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise BackendError(
+            f"{rel!r} under {where} is not a plain relative path (no leading '/', '.', '..' or '//'): refused"
+        )
+    return str(PurePosixPath(*parts))
+
+
+def _local_files(local_root: Path, rel: str) -> Iterator[tuple[str, int]]:
+    """(relative path, size) of every file of the upload `rel`: itself, or
+    every file under it. Symlinks and special files are refused (an object
+    store cannot hold them), and so is a path that does not exist."""
+    path = local_root / rel
+    try:
+        st = path.lstat()
+    except OSError as exc:
+        raise BackendError(f"cannot upload {path}: {exc.strerror or exc}") from None
+    if stat.S_ISREG(st.st_mode):
+        yield rel, st.st_size
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise BackendError(f"cannot upload {path}: {_kind(st.st_mode)}s cannot be put in a bucket")
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for name in sorted(filenames) + [d for d in dirnames if Path(dirpath, d).is_symlink()]:
+            full = Path(dirpath, name)
+            st = full.lstat()
+            if not stat.S_ISREG(st.st_mode):
+                raise BackendError(f"cannot upload {full}: {_kind(st.st_mode)}s cannot be put in a bucket")
+            yield full.relative_to(local_root).as_posix(), st.st_size
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    if stat.S_ISFIFO(mode):
+        return "fifo"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    return "special file"
+
+
+def _uri(remote_root: str, root: str, path: str) -> str:
+    """A file system path shown as a URI under `remote_root`."""
+    if path.startswith(root + "/"):
+        return f"{remote_root.rstrip('/')}/{path[len(root) + 1 :]}"
+    return path
+
+
+def _failure(action: str, uri: str, exc: BaseException) -> BackendError:
+    if isinstance(exc, PermissionError):
+        return BackendError(
+            f"{action} {uri} was refused ({exc}): check the credentials (for s3://: AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) and that they may use this bucket"
+        )
+    if isinstance(exc, FileNotFoundError):
+        return BackendError(f"{action} {uri} failed: not found ({exc}); does the bucket exist?")
+    if "Connect" in type(exc).__name__:  # botocore's EndpointConnectionError, aiohttp's, ...
+        return BackendError(
+            f"{action} {uri} failed: {exc}; is the endpoint right and reachable "
+            "(for s3://: AWS_ENDPOINT_URL, or the transport's endpoint_url)?"
+        )
+    return BackendError(f"{action} {uri} failed: {type(exc).__name__}: {exc}")
+
+
+def _manifest_problem(manifest: object, mod: Any) -> str | None:
+    """Why `manifest` is not a whole manifest of remote/manifest.py, or None."""
+    if not isinstance(manifest, dict):
+        return "it is not a JSON object"
+    version, entries = manifest.get("version"), manifest.get("entries")
+    missing, digest = manifest.get("missing"), manifest.get("digest")
+    checks = [
+        (version == mod.VERSION, f"version {version!r}, expected {mod.VERSION}"),
+        (isinstance(entries, list) and all(isinstance(e, dict) and "path" in e for e in entries),
+         "its entries are not a list of entries"),
+        (isinstance(missing, list) and all(isinstance(m, str) for m in missing),
+         "its missing outputs are not a list of paths"),
+        (isinstance(digest, str), "it has no digest"),
+    ]  # fmt: skip
+    problem = next((why for ok, why in checks if not ok), None)
+    if problem is not None:
+        return problem
+    try:
+        own = str(mod.entries_digest(entries))
+    except (TypeError, ValueError) as exc:
+        return f"its entries cannot be digested: {exc}"
+    return None if own == digest else f"its digest {str(digest)[:12]} does not match its entries ({own[:12]})"
