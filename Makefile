@@ -28,7 +28,7 @@ SKY_STAMP := $(SKY_VENV)/.substrax-sky-$(SKY_VERSION)
 REMOTE_RUN_TASK ?= fit
 
 # Tools the tests need, as `tool:debian-package` pairs.
-TEST_TOOLS := bwrap:bubblewrap rsync:rsync sshd:openssh-server ssh:openssh-client
+TEST_TOOLS := bwrap:bubblewrap rsync:rsync sshd:openssh-server ssh:openssh-client ip:iproute2
 # The example pipeline needs the sandbox and rsync only.
 DEMO_TOOLS := bwrap:bubblewrap rsync:rsync
 

@@ -186,7 +186,8 @@ def op_validate(request):
     """The task config as SkyPilot reads it, checked offline; and, for bucket
     mounts, whether the chosen cloud can mount buckets at all."""
     task = sky.Task.from_yaml_config(request["task"])
-    task.validate(skip_file_mounts=True, skip_workdir=True)
+    # The backend asks for its local sources to be checked too (they exist by then).
+    task.validate(skip_file_mounts=not request.get("check_file_mounts"), skip_workdir=True)
     if request.get("needs_storage_mounting"):
         from sky import clouds
 

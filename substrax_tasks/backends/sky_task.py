@@ -29,6 +29,7 @@ from substrax_tasks.worker_job import ENV_LOCK_FILES, WorkerPaths, build_job
 
 REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
 _UNSAFE = re.compile(r"[^a-z0-9]+")
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
 
 
 def cluster_name(settings: SkypilotSettings, handle: RunHandle) -> str:
@@ -224,7 +225,8 @@ def task_config(
         for path, uri in settings.bucket.buckets.items():
             file_mounts[mount(f"{layout.project}/{path.strip('/')}")] = {"source": uri, "mode": "MOUNT"}
     config: dict[str, Any] = {
-        "name": f"substrax-{handle.run_id}"[:60],
+        # SkyPilot's task names: letters and digits, single '-' between them
+        "name": _UNSAFE_NAME.sub("-", f"substrax-{handle.run_id}")[:60].strip("-"),
         "num_nodes": 1,
         "resources": settings.resources(dict(handle.spec.resources)),
         "file_mounts": file_mounts,

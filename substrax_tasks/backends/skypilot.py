@@ -229,9 +229,12 @@ class SkypilotBackend(Backend):
 
     def _validate(self, config: dict[str, Any]) -> None:
         try:
-            self.sky().call(
-                "validate", {"task": config, "needs_storage_mounting": self.settings.bucket is not None}
-            )
+            request = {
+                "task": config,
+                "needs_storage_mounting": self.settings.bucket is not None,
+                "check_file_mounts": True,  # the snapshot and sources exist by now
+            }
+            self.sky().call("validate", request)
         except SkyCallError as exc:
             hint = ""
             if exc.kind == "NotSupportedError" and self.settings.bucket is not None:
