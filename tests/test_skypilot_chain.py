@@ -16,6 +16,8 @@ import os
 import signal
 import stat
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -328,3 +330,56 @@ def test_the_bucket_transport_fetches_from_a_real_s3_server_and_verifies(
     assert sky.clusters() == []
     again = doit_ok(sky.root, env=sky.env)
     assert step_skipped(again, "step"), show(again)
+
+
+BIG = 8 * 1024 * 1024
+BIG_STEP = """
+def task_step():
+    yield from remote_step("step", shell=COMMAND, outputs=["out/"], retries=0)
+"""
+
+
+def test_outputs_changed_during_the_fetch_keep_the_cluster_and_a_rerun_fetches(sky: Sky) -> None:
+    sky.env["FAKESKY_MINUTE_SECONDS"] = "60"  # the idle cluster waits a minute for the rerun
+    command = f"mkdir -p out && head -c {BIG} /dev/zero > out/big.bin && echo s > out/s.txt"
+    root = sky.project(BIG_STEP, command)
+    run_folder = sky.remote / "runs"
+    stop_writing = threading.Event()
+    writes = [0]
+
+    def keep_appending() -> None:
+        """Once the run has succeeded, keep growing its output on the cluster."""
+        while not stop_writing.is_set():
+            done = [p for p in run_folder.glob("*/status.json") if '"succeeded"' in p.read_text()]
+            if done:
+                break
+            time.sleep(0.005)
+        else:
+            return
+        big = done[0].parent / "work" / "outputs" / "out" / "big.bin"
+        while not stop_writing.is_set():
+            with big.open("ab") as f:
+                f.write(b"x" * 4096)
+            writes[0] += 1
+            time.sleep(0.002)
+
+    writer = threading.Thread(target=keep_appending, daemon=True)
+    writer.start()
+    try:
+        first = doit(root, env=sky.env)
+    finally:
+        stop_writing.set()
+        writer.join(timeout=30)
+    assert writes[0] > 0, "the output was never changed: the test proves nothing"
+    assert first.returncode != 0, show(first)
+    assert "changed while" in first.stdout + first.stderr, show(first)
+    assert "nothing was promoted" in first.stdout + first.stderr
+    assert not (root / "out").exists()
+    assert len(sky.clusters()) == 1, "the cluster must stay up for the next fetch"
+
+    second = doit_ok(root, env=sky.env)
+    assert "fetching its outputs again" in second.stdout, show(second)
+    assert run_count(root) == 1  # the command did not run again
+    assert (root / "out" / "big.bin").stat().st_size > BIG
+    assert (root / "out" / "s.txt").read_text() == "s\n"
+    assert sky.clusters() == []
