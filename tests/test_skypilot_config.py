@@ -4,11 +4,13 @@ is read, before SkyPilot is started or anything is launched."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import cli
 
+from substrax_tasks._sky import resolve_sky_python
 from substrax_tasks.backends import sky_task
 from substrax_tasks.backends.skypilot import JOB_STATES, job_state
 from substrax_tasks.backends.skypilot_settings import NO_BUCKET_MOUNTS, SkypilotSettings
@@ -171,3 +173,20 @@ def test_bucket_shapes_are_refused_only_where_buckets_cannot_be_mounted() -> Non
             SkypilotSettings.model_validate({"infra": cloud, "bucket": {"outputs_bucket": "s3://b"}})
     ok = SkypilotSettings.model_validate({"infra": "aws", "bucket": {"outputs_bucket": "s3://b/"}})
     assert ok.bucket is not None and ok.bucket.outputs_bucket == "s3://b"
+
+
+def test_a_missing_skypilot_interpreter_is_an_error_naming_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ConfigError, match=r"sky_python = '/nowhere/python': no such program"):
+        resolve_sky_python("/nowhere/python")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `sky` anywhere
+    with pytest.raises(ConfigError) as caught:
+        resolve_sky_python(None)
+    assert "no `sky` command on PATH" in str(caught.value)
+    assert "[tool.substrax.compute.backends.skypilot] sky_python" in str(caught.value)
+    # `sky` found: the python beside it
+    (tmp_path / "sky").write_text("#!/bin/sh\n")
+    (tmp_path / "sky").chmod(0o755)
+    (tmp_path / "python").symlink_to(sys.executable)
+    assert resolve_sky_python(None) == str(tmp_path / "python")
