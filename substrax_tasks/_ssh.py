@@ -88,23 +88,30 @@ class SshTarget:
         ]  # fmt: skip
         if self.identity_file:
             argv += ["-i", self.identity_file, "-o", "IdentitiesOnly=yes"]
-        if multiplex:
-            argv += [
-                "-o", "ControlMaster=auto",
-                "-o", f"ControlPath={self.control_path()}",
-                "-o", f"ControlPersist={CONTROL_PERSIST_SECONDS}",
-            ]  # fmt: skip
-        return argv
+        return argv + (multiplexing(self.control_path()) if multiplex else [])
 
     def stop_master(self) -> None:
-        """Stop the multiplexing master, so no local ssh outlives the run."""
-        if not Path(self.control_path()).exists():
-            return
-        subprocess.run(
-            [*self.ssh_argv(), "-O", "exit", self.host],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            timeout=10, check=False,
-        )  # fmt: skip
+        stop_master(self.ssh_argv(), self.host, self.control_path())
+
+
+def multiplexing(control_path: str) -> list[str]:
+    """ssh options for one shared connection per target (ControlMaster)."""
+    return [
+        "-o", "ControlMaster=auto",
+        "-o", f"ControlPath={control_path}",
+        "-o", f"ControlPersist={CONTROL_PERSIST_SECONDS}",
+    ]  # fmt: skip
+
+
+def stop_master(ssh_argv: list[str], host: str, control_path: str) -> None:
+    """Stop the multiplexing master, so no local ssh outlives the run."""
+    if not Path(control_path).exists():
+        return
+    subprocess.run(
+        [*ssh_argv, "-O", "exit", host],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        timeout=10, check=False,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

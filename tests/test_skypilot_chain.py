@@ -192,17 +192,23 @@ def test_a_failing_command_reads_as_failed_with_its_log_and_the_cluster_goes(sky
     assert not (root / "res.txt").exists()
 
 
-def test_client_killed_mid_launch_then_cancel_finds_the_request_and_leaves_nothing(sky: Sky) -> None:
-    root = sky.project()
-    sky.env["FAKESKY_LAUNCH_DELAY"] = "60"
-    proc = popen_doit(root, env=sky.env)
+def kill_client_mid_launch(sky: Sky, launch_seconds: float) -> None:
+    """`doit` SIGKILLed once SkyPilot has handed out the launch request's id,
+    while the (fake) provisioning takes `launch_seconds`."""
+    sky.env["FAKESKY_LAUNCH_DELAY"] = str(launch_seconds)
+    proc = popen_doit(sky.root, env=sky.env)
     try:
-        wait_for(lambda: list((root / ".substrax" / "runs").glob("*/launch-request.json")),
+        wait_for(lambda: list((sky.root / ".substrax" / "runs").glob("*/launch-request.json")),
                  "the launch request id", timeout=60)  # fmt: skip
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         stop(proc)
+
+
+def test_client_killed_mid_launch_then_cancel_finds_the_request_and_leaves_nothing(sky: Sky) -> None:
+    root = sky.project()
+    kill_client_mid_launch(sky, launch_seconds=60)
     handle = only_handle(root)
     assert sky.run_file(handle, "task.json").is_file()  # the intent, written before waiting
     assert "final_status" not in handle["state"] and "job_id" not in handle["state"]
@@ -221,15 +227,7 @@ def test_client_killed_mid_launch_then_cancel_finds_the_request_and_leaves_nothi
 
 def test_a_rerun_after_an_interrupted_launch_waits_on_the_same_request(sky: Sky) -> None:
     root = sky.project()
-    sky.env["FAKESKY_LAUNCH_DELAY"] = "4"
-    proc = popen_doit(root, env=sky.env)
-    try:
-        wait_for(lambda: list((root / ".substrax" / "runs").glob("*/launch-request.json")),
-                 "the launch request id", timeout=60)  # fmt: skip
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        stop(proc)
+    kill_client_mid_launch(sky, launch_seconds=4)
     first = json.loads(next((root / ".substrax" / "runs").glob("*/launch-request.json")).read_text())
     done = doit_ok(root, env=sky.env)
     assert "reattaching" in done.stdout and "waiting for launch request" in done.stdout, show(done)

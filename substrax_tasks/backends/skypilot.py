@@ -33,7 +33,7 @@ from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import emit
 from substrax_tasks._remote_files import remote_dir
 from substrax_tasks._sky import SkyCallError, SkyClient
-from substrax_tasks._ssh import CONTROL_PERSIST_SECONDS, RemoteResult, control_dir
+from substrax_tasks._ssh import RemoteResult, control_dir, multiplexing, stop_master
 from substrax_tasks.backends import sky_task
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.backends.skypilot_settings import SkypilotSettings
@@ -87,13 +87,7 @@ class ClusterTarget:
 
     def ssh_argv(self, multiplex: bool = True) -> list[str]:
         argv = ["ssh", "-F", str(self.config_file), "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"]
-        if multiplex:
-            argv += [
-                "-o", "ControlMaster=auto",
-                "-o", f"ControlPath={self.control_path()}",
-                "-o", f"ControlPersist={CONTROL_PERSIST_SECONDS}",
-            ]  # fmt: skip
-        return argv
+        return argv + (multiplexing(self.control_path()) if multiplex else [])
 
     def run(self, argv: list[str], *, timeout: float | None = 120) -> RemoteResult:
         import shlex
@@ -108,12 +102,7 @@ class ClusterTarget:
         return RemoteResult(done.returncode, done.stdout, done.stderr)
 
     def stop_master(self) -> None:
-        if Path(self.control_path()).exists():
-            subprocess.run(
-                [*self.ssh_argv(), "-O", "exit", self.host],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                timeout=10, check=False,
-            )  # fmt: skip
+        stop_master(self.ssh_argv(), self.host, self.control_path())
 
 
 class SkypilotBackend(Backend):
