@@ -54,12 +54,13 @@ if [ $${#missing[@]} -gt 0 ]; then \
 fi
 endef
 
-.PHONY: help install venv sky-venv system-deps demo-deps test lint format typecheck docs demo remote-run bench clean distclean
+.PHONY: help install venv sky-venv system-deps demo-deps test test-e2e lint format typecheck docs demo remote-run bench clean distclean
 
 help:
 	@echo "substrax-tasks"
 	@echo "  make demo        run the example pipeline (dodo.py) on the local backend"
 	@echo "  make test        system packages (as root), then ruff, mypy and pytest"
+	@echo "  make test-e2e    (root) a one-node Slurm cluster here, SkyPilot launching on it, end to end"
 	@echo "  make install     create $(VENV) and install the project with its test extras"
 	@echo "  make sky-venv    install SkyPilot $(SKY_VERSION) into $(SKY_VENV) (for the SkyPilot tests)"
 	@echo "  make lint        ruff check"
@@ -131,7 +132,34 @@ test: system-deps install sky-venv
 	@echo "==> mypy"
 	@$(BIN)/mypy
 	@echo "==> pytest"
-	@$(BIN)/python -m pytest $(PYTEST_ARGS)
+	@$(BIN)/python -m pytest --ignore=tests/e2e $(PYTEST_ARGS)
+
+# The end-to-end tier (root only): a one-node Slurm cluster on this machine
+# (tests/testbeds/slurm_cluster.py: munge, slurmctld, slurmd, an sshd and a
+# throwaway cluster user), SkyPilot launching on it through remote/sky_sdk.py.
+# The bed goes down again even when a test fails or make is interrupted; its
+# own output goes to $(E2E_BED).log, shown when something fails (and the bed's
+# daemon logs are then kept in $(E2E_BED)/logs). The output ends with pytest's
+# summary line. One bed per checkout: the folder is named after $(CURDIR).
+E2E_BED ?= /tmp/sxt-e2e-$(shell printf '%s' '$(CURDIR)' | sha1sum | cut -c1-8)
+E2E_PYTEST_ARGS ?= -rA
+
+test-e2e: system-deps install sky-venv
+	@echo "==> Slurm test bed up in $(E2E_BED) (its log: $(E2E_BED).log)"
+	@set +e; \
+	bed=tests/testbeds/slurm_cluster.py; log="$(E2E_BED).log"; \
+	trap 'exit 130' INT; trap 'exit 143' TERM; \
+	trap 'rc=$$?; trap "" INT TERM; keep=(); [ $$rc -eq 0 ] || keep=(--keep-logs); \
+	  if ! $(BIN)/python "$$bed" down --root "$(E2E_BED)" "$${keep[@]}" >>"$$log" 2>&1; then \
+	    echo "error: the Slurm test bed did not come down cleanly:" >&2; tail -n 30 "$$log" >&2; rc=1; \
+	  elif [ $$rc -eq 0 ]; then rm -f "$$log"; \
+	  else echo "==> kept: the bed log $$log and the daemon logs in $(E2E_BED)/logs" >&2; fi; \
+	  exit $$rc' EXIT; \
+	if ! $(BIN)/python "$$bed" up --root "$(E2E_BED)" >"$$log" 2>&1; then \
+	  echo "error: the Slurm test bed did not come up:" >&2; tail -n 40 "$$log" >&2; exit 1; \
+	fi; \
+	echo "==> pytest tests/e2e"; \
+	SUBSTRAX_E2E_BED="$(E2E_BED)" $(BIN)/python -m pytest tests/e2e $(E2E_PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
