@@ -28,11 +28,12 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 from doit.dependency import UptodateCalculator
 from doit.exceptions import TaskError, TaskFailed
 
-from substrax_tasks import manifest_cache
+from substrax_tasks import __version__, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import OUTPUT_LOCK, emit
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
 from substrax_tasks.promote import promote, remove_path
+from substrax_tasks.proofs import proof_file
 from substrax_tasks.resolved import ResolvedProject, config_stamp, resolve
 from substrax_tasks.spec import StepSpec, canonical_digest, check_inputs_exist, safe_name
 from substrax_tasks.steplock import StepLock
@@ -48,6 +49,9 @@ RETRY_BACKOFF_SECONDS = 2.0
 DOIT_VALUE = "substrax_run"  # saved by doit with the public task's values
 _T = TypeVar("_T")
 _LOCK_DIGESTS: dict[tuple[str, int, int, int], str] = {}
+# Part of every proof (proofs.py): a release that changes what the key or
+# the check means must not take an older release's proofs.
+PROOF_VERSION = f"{__version__}/1"
 
 
 class _TextSink:
@@ -96,6 +100,8 @@ class StepRunner:
         self.outputs_cache = state / "cache" / f"{self.safe}.outputs.json"
         self.inputs_cache = state / "cache" / f"{self.safe}.inputs.json"
         self.lock = StepLock(state / "locks", self.safe, spec.step)
+        self.proofs = proof_file(state)
+        self._static_digest: str | None = None
         # What this process learned; doit runs the phases in order.
         self.needs_run: bool | None = None
         self.handle: RunHandle | None = None
@@ -132,11 +138,9 @@ class StepRunner:
         """Everything that decides the outputs, split so `why` can name
         what changed. Input contents are hashed (cached by size, mtime, inode)."""
         spec = self.spec
-        inputs = [i if not (self.root / i).is_dir() else i.rstrip("/") + "/" for i in spec.inputs]
-        tracked = [t for t in self.tracked if (self.root / t).exists()]
         cache = manifest_cache.HashCache.load(self.inputs_cache)
         try:
-            manifest = manifest_cache.build_manifest(self.root, inputs + tracked, cache.entries)
+            manifest = manifest_cache.build_manifest(self.root, self._input_paths(), cache.entries)
         except manifest_cache.ManifestError as exc:
             raise SubstraxError(f"step {spec.step!r}: inputs refused: {exc}") from None
         finally:
@@ -155,6 +159,15 @@ class StepRunner:
             "missing_inputs": manifest["missing"],
             "environment": self._environment_lock(),
         }
+
+    def _input_paths(self) -> list[str]:
+        """The inputs as the key sees them (a folder given without its "/"
+        gets one), then the tracked files that exist."""
+        # os.path on strings: no Path object per input of every step, each no-op.
+        isdir, exists, join = os.path.isdir, os.path.exists, os.path.join
+        root = os.fspath(self.root)
+        inputs = [i if not isdir(join(root, i)) else i.rstrip("/") + "/" for i in self.spec.inputs]
+        return inputs + [t for t in self.tracked if exists(join(root, t))]
 
     def _environment_lock(self) -> dict[str, str]:
         """The lock file the environment is built from: a new lock, a new env."""
@@ -184,6 +197,21 @@ class StepRunner:
         never pay twice for a run whose outputs are home). The record tells
         them apart: a verified run is `acknowledged` only once the doit
         process that verified it has exited normally, its DB saved."""
+        proof = self._proof()
+        trusting = values is None or bool(values.get(DOIT_VALUE))
+        if proof is not None and trusting and self.proofs.holds(self.spec.step, proof[0]):
+            return True
+        result = self._checked_in_full(values)
+        if result and proof is not None:
+            racy_limit = time.time_ns() - manifest_cache.manifest_module().RACY_SECONDS * 1_000_000_000
+            # Kept only if all it covers was older than the racy window (a
+            # later change cannot hide in its timestamps) and held still
+            # while it was checked.
+            if proof[1] < racy_limit and self._proof() == proof:
+                self.proofs.record(self.spec.step, proof[0])
+        return result
+
+    def _checked_in_full(self, values: dict[str, Any] | None) -> bool:
         record = self.read_record()
         verified = record.get("verified")
         if not isinstance(verified, dict) or verified.get("key") != self.key():
@@ -195,6 +223,41 @@ class StepRunner:
         if values is not None and not values.get(DOIT_VALUE):
             return verified.get("run_id") != record.get("acknowledged")
         return True
+
+    def _proof(self) -> tuple[str, int] | None:
+        """The step's proof (proofs.py) as things stand now, and the newest
+        ctime it covers; None if it has no record (never up to date) or its
+        paths are refused. It reads no file: a stat of the record, the tree
+        stamps of the inputs and of the outputs (which move with any change,
+        as manifests.md explains), and what the step declares."""
+        try:
+            st = self.record_file.stat()
+        except OSError:
+            return None
+        mod = manifest_cache.manifest_module()
+        try:
+            inputs, inputs_newest = mod.tree_stamp(self.root, self._input_paths())
+            outputs, outputs_newest = mod.tree_stamp(self.root, self.spec.outputs)
+        except mod.ManifestError:
+            return None
+        record = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        proof = canonical_digest(
+            [self._declared_digest(), self._environment_lock(), inputs, outputs, record]
+        )
+        return proof, max(inputs_newest, outputs_newest, st.st_ctime_ns)
+
+    def _declared_digest(self) -> str:
+        """What the step declares and its backend settings: fixed in a process."""
+        if self._static_digest is None:
+            spec = self.spec
+            self._static_digest = canonical_digest(
+                [
+                    PROOF_VERSION, spec.step, spec.command, spec.env, spec.timeout, spec.inputs,
+                    spec.outputs, spec.resources, spec.forward_env, self.tracked, self.backend_name,
+                    self.settings,
+                ]
+            )
+        return self._static_digest
 
     def _acknowledge(self, run_id: str) -> None:
         """At interpreter exit (after doit saved its DB; never after SIGKILL)."""
