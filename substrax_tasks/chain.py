@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -49,6 +50,7 @@ RETRY_BACKOFF_SECONDS = 2.0
 DOIT_VALUE = "substrax_run"  # saved by doit with the public task's values
 _T = TypeVar("_T")
 _LOCK_DIGESTS: dict[tuple[str, int, int, int], str] = {}
+_LOCK_CANDIDATES: dict[Path, list[tuple[str, Path]]] = {}
 # Part of every proof (proofs.py): a release that changes what the key or
 # the check means must not take an older release's proofs.
 PROOF_VERSION = f"{__version__}/1"
@@ -95,12 +97,8 @@ class StepRunner:
         self._dep_manager: Any = None
         self._tasks_dict: Any = None
         self.safe = safe_name(spec.step)
-        state = project.state_dir
-        self.record_file = state / "steps" / f"{self.safe}.json"
-        self.outputs_cache = state / "cache" / f"{self.safe}.outputs.json"
-        self.inputs_cache = state / "cache" / f"{self.safe}.inputs.json"
-        self.lock = StepLock(state / "locks", self.safe, spec.step)
-        self.proofs = proof_file(state)
+        self.record_file = project.state_dir.joinpath("steps", f"{self.safe}.json")
+        self.proofs = proof_file(project.state_dir)
         self._static_digest: str | None = None
         # What this process learned; doit runs the phases in order.
         self.needs_run: bool | None = None
@@ -115,6 +113,20 @@ class StepRunner:
         self.doit_values: dict[str, Any] | None = None
         self._teardown_lock = threading.Lock()
         self.pid = os.getpid()
+
+    # Paths and the lock made on first use: a no-op doit of many steps needs
+    # only the record's path.
+    @functools.cached_property
+    def outputs_cache(self) -> Path:
+        return self.view.state_dir.joinpath("cache", f"{self.safe}.outputs.json")
+
+    @functools.cached_property
+    def inputs_cache(self) -> Path:
+        return self.view.state_dir.joinpath("cache", f"{self.safe}.inputs.json")
+
+    @functools.cached_property
+    def lock(self) -> StepLock:
+        return StepLock(self.view.state_dir / "locks", self.safe, self.spec.step)
 
     @property
     def project(self) -> Project:
@@ -171,8 +183,10 @@ class StepRunner:
 
     def _environment_lock(self) -> dict[str, str]:
         """The lock file the environment is built from: a new lock, a new env."""
-        for name in ENV_LOCK_FILES:
-            path = self.root / name
+        candidates = _LOCK_CANDIDATES.get(self.root)
+        if candidates is None:  # the paths made once per project, not per step
+            candidates = _LOCK_CANDIDATES[self.root] = [(n, self.root / n) for n in ENV_LOCK_FILES]
+        for name, path in candidates:
             try:
                 st = path.stat()
             except OSError:
@@ -776,6 +790,11 @@ def check_outputs_inside(spec: StepSpec, root: Path) -> None:
             ) from None
 
 
+_CHECK_SIGNATURE = inspect.Signature(
+    [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ("task", "values")]
+)
+
+
 class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
     """The public task's uptodate item: the runner's check. An
     UptodateCalculator, so doit hands it what the user's own calculators
@@ -784,6 +803,9 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
     def __init__(self, runner: StepRunner) -> None:
         super().__init__()
         self.runner = runner
+        # doit asks inspect.signature() of every uptodate callable on every
+        # run; a ready answer spares it the introspection of __call__.
+        self.__signature__ = _CHECK_SIGNATURE
 
     def setup(self, dep_manager: Any, tasks_dict: Any) -> None:
         super().setup(dep_manager, tasks_dict)
@@ -807,13 +829,22 @@ class _Abort(Exception):
 
 
 _PROJECTS: dict[tuple[Path, str], ResolvedProject] = {}
+# Each path a dodo names (or the cwd) resolved once: resolve() lstats every
+# component, for every step.
+_ROOTS: dict[str, Path] = {}
 
 
 def project_of(path: str | os.PathLike[str] | None) -> ResolvedProject:
     """The project's configuration, resolved once per dodo load: a dodo with
     1,000 steps reads pyproject.toml once, and a no-op doit validates nothing
     while the configuration is unchanged (see resolved.py)."""
-    root = (Path.cwd() if path is None else Path(path)).resolve()
+    raw = str(Path.cwd()) if path is None else os.fspath(path)
+    root = _ROOTS.get(raw)
+    if root is None:
+        given = Path(raw)
+        root = given.resolve()
+        if given.is_absolute():  # a relative one moves with the cwd: resolved each time
+            _ROOTS[raw] = root
     stamp = config_stamp(root)
     key = (root, json.dumps(stamp))
     project = _PROJECTS.get(key)
