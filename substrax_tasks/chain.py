@@ -33,17 +33,15 @@ from substrax_tasks import __version__, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import OUTPUT_LOCK, emit
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
-from substrax_tasks.promote import promote, remove_path
 from substrax_tasks.proofs import proof_file
-from substrax_tasks.resolved import ResolvedProject, config_stamp, resolve
+from substrax_tasks.resolved import ENV_LOCK_FILES, ResolvedProject, config_stamp, resolve
 from substrax_tasks.spec import StepSpec, canonical_digest, check_inputs_exist, safe_name
-from substrax_tasks.steplock import StepLock
-from substrax_tasks.worker_job import ENV_LOCK_FILES
 
 if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
     from substrax_tasks.backends.base import Backend, Fetched
     from substrax_tasks.handle import RunHandle
     from substrax_tasks.runs import Project
+    from substrax_tasks.steplock import StepLock
 
 PHASES = ("created", "launched", "set_up", "synced", "started", "fetched", "promoted")
 RETRY_BACKOFF_SECONDS = 2.0
@@ -126,6 +124,8 @@ class StepRunner:
 
     @functools.cached_property
     def lock(self) -> StepLock:
+        from substrax_tasks.steplock import StepLock  # the phases that act only
+
         return StepLock(self.view.state_dir / "locks", self.safe, self.spec.step)
 
     @property
@@ -372,6 +372,8 @@ class StepRunner:
                 continue
             emit(f"{self.spec.step} - {'would remove' if dryrun else 'removing'} {out}")
             if not dryrun:
+                from substrax_tasks.promote import remove_path  # not on a no-op's path
+
                 remove_path(path)
 
     def configure_task(self, task: Any) -> None:
@@ -661,6 +663,8 @@ class StepRunner:
             )
         if not fetched.in_place:
             try:
+                from substrax_tasks.promote import promote  # not on a no-op's path
+
                 promote(fetched.root, self.root, outputs)
             except OSError as exc:
                 return TaskFailed(

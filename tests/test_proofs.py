@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 from dodo_helpers import (
     DEFAULT_SANDBOX,
+    clean_env,
     doit_ok,
     make_project,
     run_count,
@@ -207,3 +210,29 @@ def test_a_damaged_proof_file_costs_the_full_check_only(root: Path) -> None:
     path.unlink()
     assert step_skipped(doit_ok(root), "step")
     assert run_count(root) == 1
+
+
+# What a no-op doit imports: each of these cost milliseconds on every run.
+NOOP_DOIT = """
+import sys
+from doit.cmd_base import DodoTaskLoader
+from doit.doit_cmd import DoitMain
+
+code = DoitMain(DodoTaskLoader()).run([])
+print(sorted(sys.modules))
+sys.exit(code)
+"""
+NOT_ON_A_NOOP = ("pydantic", "filelock", "uuid", "substrax_tasks.promote", "substrax_tasks.steplock",
+                 "substrax_tasks.worker_job", "substrax_tasks.runs", "substrax_tasks.backends")
+
+
+def test_a_noop_doit_imports_no_machinery_of_the_phases(root: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", NOOP_DOIT], cwd=root, env=clean_env(), capture_output=True, text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "-- step" in done.stdout
+    modules = done.stdout.strip().splitlines()[-1]
+    imported = [name for name in NOT_ON_A_NOOP if repr(name) in modules]
+    assert imported == []
