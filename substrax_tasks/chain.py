@@ -266,9 +266,9 @@ class StepRunner:
             spec = self.spec
             self._static_digest = canonical_digest(
                 [
-                    PROOF_VERSION, spec.step, spec.command, spec.env, spec.timeout, spec.inputs,
-                    spec.outputs, spec.resources, spec.forward_env, self.tracked, self.backend_name,
-                    self.settings,
+                    PROOF_VERSION, str(self.root), spec.step, spec.command, spec.env, spec.timeout,
+                    spec.inputs, spec.outputs, spec.resources, spec.forward_env, self.tracked,
+                    self.backend_name, self.settings,
                 ]
             )
         return self._static_digest
