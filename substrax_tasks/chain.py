@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -28,26 +29,29 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 from doit.dependency import UptodateCalculator
 from doit.exceptions import TaskError, TaskFailed
 
-from substrax_tasks import manifest_cache
+from substrax_tasks import __version__, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import OUTPUT_LOCK, emit
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
-from substrax_tasks.promote import promote, remove_path
-from substrax_tasks.resolved import ResolvedProject, config_stamp, resolve
+from substrax_tasks.proofs import proof_file
+from substrax_tasks.resolved import ENV_LOCK_FILES, ResolvedProject, config_stamp, resolve
 from substrax_tasks.spec import StepSpec, canonical_digest, check_inputs_exist, safe_name
-from substrax_tasks.steplock import StepLock
-from substrax_tasks.worker_job import ENV_LOCK_FILES
 
 if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
     from substrax_tasks.backends.base import Backend, Fetched
     from substrax_tasks.handle import RunHandle
     from substrax_tasks.runs import Project
+    from substrax_tasks.steplock import StepLock
 
 PHASES = ("created", "launched", "set_up", "synced", "started", "fetched", "promoted")
 RETRY_BACKOFF_SECONDS = 2.0
 DOIT_VALUE = "substrax_run"  # saved by doit with the public task's values
 _T = TypeVar("_T")
 _LOCK_DIGESTS: dict[tuple[str, int, int, int], str] = {}
+_LOCK_CANDIDATES: dict[Path, list[tuple[str, Path]]] = {}
+# Part of every proof (proofs.py): a release that changes what the key or
+# the check means must not take an older release's proofs.
+PROOF_VERSION = f"{__version__}/1"
 
 
 class _TextSink:
@@ -91,11 +95,9 @@ class StepRunner:
         self._dep_manager: Any = None
         self._tasks_dict: Any = None
         self.safe = safe_name(spec.step)
-        state = project.state_dir
-        self.record_file = state / "steps" / f"{self.safe}.json"
-        self.outputs_cache = state / "cache" / f"{self.safe}.outputs.json"
-        self.inputs_cache = state / "cache" / f"{self.safe}.inputs.json"
-        self.lock = StepLock(state / "locks", self.safe, spec.step)
+        self.record_file = project.state_dir.joinpath("steps", f"{self.safe}.json")
+        self.proofs = proof_file(project.state_dir)
+        self._static_digest: str | None = None
         # What this process learned; doit runs the phases in order.
         self.needs_run: bool | None = None
         self.handle: RunHandle | None = None
@@ -109,6 +111,22 @@ class StepRunner:
         self.doit_values: dict[str, Any] | None = None
         self._teardown_lock = threading.Lock()
         self.pid = os.getpid()
+
+    # Paths and the lock made on first use: a no-op doit of many steps needs
+    # only the record's path.
+    @functools.cached_property
+    def outputs_cache(self) -> Path:
+        return self.view.state_dir.joinpath("cache", f"{self.safe}.outputs.json")
+
+    @functools.cached_property
+    def inputs_cache(self) -> Path:
+        return self.view.state_dir.joinpath("cache", f"{self.safe}.inputs.json")
+
+    @functools.cached_property
+    def lock(self) -> StepLock:
+        from substrax_tasks.steplock import StepLock  # the phases that act only
+
+        return StepLock(self.view.state_dir / "locks", self.safe, self.spec.step)
 
     @property
     def project(self) -> Project:
@@ -132,11 +150,9 @@ class StepRunner:
         """Everything that decides the outputs, split so `why` can name
         what changed. Input contents are hashed (cached by size, mtime, inode)."""
         spec = self.spec
-        inputs = [i if not (self.root / i).is_dir() else i.rstrip("/") + "/" for i in spec.inputs]
-        tracked = [t for t in self.tracked if (self.root / t).exists()]
         cache = manifest_cache.HashCache.load(self.inputs_cache)
         try:
-            manifest = manifest_cache.build_manifest(self.root, inputs + tracked, cache.entries)
+            manifest = manifest_cache.build_manifest(self.root, self._input_paths(), cache.entries)
         except manifest_cache.ManifestError as exc:
             raise SubstraxError(f"step {spec.step!r}: inputs refused: {exc}") from None
         finally:
@@ -156,10 +172,21 @@ class StepRunner:
             "environment": self._environment_lock(),
         }
 
+    def _input_paths(self) -> list[str]:
+        """The inputs as the key sees them (a folder given without its "/"
+        gets one), then the tracked files that exist."""
+        # os.path on strings: no Path object per input of every step, each no-op.
+        isdir, exists, join = os.path.isdir, os.path.exists, os.path.join
+        root = os.fspath(self.root)
+        inputs = [i if not isdir(join(root, i)) else i.rstrip("/") + "/" for i in self.spec.inputs]
+        return inputs + [t for t in self.tracked if exists(join(root, t))]
+
     def _environment_lock(self) -> dict[str, str]:
         """The lock file the environment is built from: a new lock, a new env."""
-        for name in ENV_LOCK_FILES:
-            path = self.root / name
+        candidates = _LOCK_CANDIDATES.get(self.root)
+        if candidates is None:  # the paths made once per project, not per step
+            candidates = _LOCK_CANDIDATES[self.root] = [(n, self.root / n) for n in ENV_LOCK_FILES]
+        for name, path in candidates:
             try:
                 st = path.stat()
             except OSError:
@@ -184,6 +211,21 @@ class StepRunner:
         never pay twice for a run whose outputs are home). The record tells
         them apart: a verified run is `acknowledged` only once the doit
         process that verified it has exited normally, its DB saved."""
+        proof = self._proof()
+        trusting = values is None or bool(values.get(DOIT_VALUE))
+        if proof is not None and trusting and self.proofs.holds(self.spec.step, proof[0]):
+            return True
+        result = self._checked_in_full(values)
+        if result and proof is not None:
+            racy_limit = time.time_ns() - manifest_cache.manifest_module().RACY_SECONDS * 1_000_000_000
+            # Kept only if all it covers was older than the racy window (a
+            # later change cannot hide in its timestamps) and held still
+            # while it was checked.
+            if proof[1] < racy_limit and self._proof() == proof:
+                self.proofs.record(self.spec.step, proof[0])
+        return result
+
+    def _checked_in_full(self, values: dict[str, Any] | None) -> bool:
         record = self.read_record()
         verified = record.get("verified")
         if not isinstance(verified, dict) or verified.get("key") != self.key():
@@ -195,6 +237,41 @@ class StepRunner:
         if values is not None and not values.get(DOIT_VALUE):
             return verified.get("run_id") != record.get("acknowledged")
         return True
+
+    def _proof(self) -> tuple[str, int] | None:
+        """The step's proof (proofs.py) as things stand now, and the newest
+        ctime it covers; None if it has no record (never up to date) or its
+        paths are refused. It reads no file: a stat of the record, the tree
+        stamps of the inputs and of the outputs (which move with any change,
+        as manifests.md explains), and what the step declares."""
+        try:
+            st = self.record_file.stat()
+        except OSError:
+            return None
+        mod = manifest_cache.manifest_module()
+        try:
+            inputs, inputs_newest = mod.tree_stamp(self.root, self._input_paths())
+            outputs, outputs_newest = mod.tree_stamp(self.root, self.spec.outputs)
+        except mod.ManifestError:
+            return None
+        record = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        proof = canonical_digest(
+            [self._declared_digest(), self._environment_lock(), inputs, outputs, record]
+        )
+        return proof, max(inputs_newest, outputs_newest, st.st_ctime_ns)
+
+    def _declared_digest(self) -> str:
+        """What the step declares and its backend settings: fixed in a process."""
+        if self._static_digest is None:
+            spec = self.spec
+            self._static_digest = canonical_digest(
+                [
+                    PROOF_VERSION, str(self.root), spec.step, spec.command, spec.env, spec.timeout,
+                    spec.inputs, spec.outputs, spec.resources, spec.forward_env, self.tracked,
+                    self.backend_name, self.settings,
+                ]
+            )
+        return self._static_digest
 
     def _acknowledge(self, run_id: str) -> None:
         """At interpreter exit (after doit saved its DB; never after SIGKILL)."""
@@ -295,6 +372,8 @@ class StepRunner:
                 continue
             emit(f"{self.spec.step} - {'would remove' if dryrun else 'removing'} {out}")
             if not dryrun:
+                from substrax_tasks.promote import remove_path  # not on a no-op's path
+
                 remove_path(path)
 
     def configure_task(self, task: Any) -> None:
@@ -584,6 +663,8 @@ class StepRunner:
             )
         if not fetched.in_place:
             try:
+                from substrax_tasks.promote import promote  # not on a no-op's path
+
                 promote(fetched.root, self.root, outputs)
             except OSError as exc:
                 return TaskFailed(
@@ -713,6 +794,11 @@ def check_outputs_inside(spec: StepSpec, root: Path) -> None:
             ) from None
 
 
+_CHECK_SIGNATURE = inspect.Signature(
+    [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ("task", "values")]
+)
+
+
 class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
     """The public task's uptodate item: the runner's check. An
     UptodateCalculator, so doit hands it what the user's own calculators
@@ -721,6 +807,9 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
     def __init__(self, runner: StepRunner) -> None:
         super().__init__()
         self.runner = runner
+        # doit asks inspect.signature() of every uptodate callable on every
+        # run; a ready answer spares it the introspection of __call__.
+        self.__signature__ = _CHECK_SIGNATURE
 
     def setup(self, dep_manager: Any, tasks_dict: Any) -> None:
         super().setup(dep_manager, tasks_dict)
@@ -744,13 +833,22 @@ class _Abort(Exception):
 
 
 _PROJECTS: dict[tuple[Path, str], ResolvedProject] = {}
+# Each path a dodo names (or the cwd) resolved once: resolve() lstats every
+# component, for every step.
+_ROOTS: dict[str, Path] = {}
 
 
 def project_of(path: str | os.PathLike[str] | None) -> ResolvedProject:
     """The project's configuration, resolved once per dodo load: a dodo with
     1,000 steps reads pyproject.toml once, and a no-op doit validates nothing
     while the configuration is unchanged (see resolved.py)."""
-    root = (Path.cwd() if path is None else Path(path)).resolve()
+    raw = str(Path.cwd()) if path is None else os.fspath(path)
+    root = _ROOTS.get(raw)
+    if root is None:
+        given = Path(raw)
+        root = given.resolve()
+        if given.is_absolute():  # a relative one moves with the cwd: resolved each time
+            _ROOTS[raw] = root
     stamp = config_stamp(root)
     key = (root, json.dumps(stamp))
     project = _PROJECTS.get(key)

@@ -31,6 +31,10 @@ BACKEND_ENV = "SUBSTRAX_BACKEND"  # names the default backend
 # A TOML file whose [tool.substrax.compute] is laid over the project's: for
 # machine-specific settings (hosts, keys) kept out of the repository.
 CONFIG_ENV = "SUBSTRAX_CONFIG"
+# The lock files a backend builds the run's environment from, first found
+# wins; part of every step's key. Here, not in worker_job.py, so that a
+# no-op doit does not import that module's dataclass.
+ENV_LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")
 
 
 def _file_stamp(path: Path) -> list[int] | None:

@@ -166,7 +166,9 @@ def step_tasks(
         "doc": f"phases of step {spec.step}: launch, setup, sync, run, fetch (internal)",
         "verbosity": 2,
     }
-    input_files = [i for i in spec.inputs if not i.endswith("/") and not (runner.root / i).is_dir()]
+    # os.path on strings: no Path object per input of every step, each doit.
+    isdir, join, root = os.path.isdir, os.path.join, os.fspath(runner.root)
+    input_files = [i for i in spec.inputs if not i.endswith("/") and not isdir(join(root, i))]
     public: dict[str, Any] = {
         "basename": spec.step,
         "actions": [runner.verify],

@@ -19,8 +19,6 @@ STATUS_FILE = "status.json"
 LOG_FILE = "run.log"
 STAGING_DIR = "work/outputs"
 START_LOCK = "start.lock"  # remote/worker.py's: taken to start a run, and to cancel one not started
-# The lock files a backend builds the run's environment from, first found wins.
-ENV_LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,9 @@ from substrax_tasks._ssh import SshConnection, SshTarget, connection
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.resolved import ENV_LOCK_FILES
 from substrax_tasks.transports.rsync import RsyncTransport
-from substrax_tasks.worker_job import ENV_LOCK_FILES, WorkerPaths, build_job, status_from_record
+from substrax_tasks.worker_job import WorkerPaths, build_job, status_from_record
 
 REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
 # remote/manifest.py's messages for a tree that changed while it was read

@@ -1,0 +1,238 @@
+"""The up-to-date proofs (proofs.py): one file per project that lets a
+no-op `doit` skip the full check of a step, and never a change.
+
+A proof is kept only for a step whose inputs, outputs and record are older
+than the racy window, so the chain tests here wait it out once before the
+no-op that records the proof.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from dodo_helpers import (
+    DEFAULT_SANDBOX,
+    clean_env,
+    doit_ok,
+    make_project,
+    run_count,
+    show,
+    step_ran,
+    step_skipped,
+    write_pyproject,
+)
+
+from substrax_tasks import manifest_cache
+from substrax_tasks.chain import DOIT_VALUE
+from substrax_tasks.dodo_loader import find_step
+from substrax_tasks.proofs import FILE_NAME, VERSION, ProofFile, proof_file
+
+# ------------------------------------------------------------ the file
+
+
+def test_proofs_of_two_processes_are_merged_private_and_atomic(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "cache" / FILE_NAME
+    path.parent.mkdir(parents=True)
+    first, second = ProofFile(path), ProofFile(path)  # as two doit processes see it
+    assert not first.holds("a", "1")
+    first.record("a", "1")
+    second.record("b", "2")
+    first.save()
+    second.save()
+    third = ProofFile(path)
+    assert third.holds("a", "1")
+    assert third.holds("b", "2")
+    assert not third.holds("a", "2")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_saved_only_when_something_new(tmp_path: Path) -> None:
+    path = tmp_path / FILE_NAME
+    proofs = ProofFile(path)
+    proofs.save()
+    assert not path.exists()
+    proofs.record("a", "1")
+    proofs.save()
+    before = path.stat().st_mtime_ns, path.stat().st_ino
+    again = ProofFile(path)
+    again.record("a", "1")  # already there
+    again.save()
+    assert (path.stat().st_mtime_ns, path.stat().st_ino) == before
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"[]",
+        json.dumps({"version": VERSION + 1, "proofs": {"a": "1"}}).encode(),
+        json.dumps({"version": VERSION, "proofs": ["a"]}).encode(),
+        json.dumps({"version": VERSION, "proofs": {"a": 1}}).encode(),
+    ],
+)
+def test_a_damaged_or_foreign_file_holds_nothing_and_is_rewritten(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / FILE_NAME
+    path.write_bytes(content)
+    proofs = ProofFile(path)
+    assert not proofs.holds("a", "1")
+    proofs.record("b", "2")
+    proofs.save()
+    assert json.loads(path.read_text()) == {"version": VERSION, "proofs": {"b": "2"}}
+
+
+def test_a_removed_state_folder_is_not_made_again(tmp_path: Path) -> None:
+    proofs = proof_file(tmp_path / "gone")
+    proofs.record("a", "1")
+    proofs.save()
+    assert not (tmp_path / "gone").exists()
+
+
+def test_one_object_per_project_in_a_process(tmp_path: Path) -> None:
+    assert proof_file(tmp_path / "s") is proof_file(tmp_path / "s")
+    assert proof_file(tmp_path / "s") is not proof_file(tmp_path / "t")
+
+
+# ----------------------------------------------------------- the chain
+
+BODY = """
+def task_step():
+    yield from remote_step(
+        "step",
+        command=["/bin/sh", "-c", "mkdir -p out && cp data/in.txt out/a.txt && cp data/dir/x out/x"],
+        inputs=["data/in.txt", "data/dir"],
+        outputs=["out/"],
+    )
+"""
+
+
+def wait_out_racy_window() -> None:
+    time.sleep(manifest_cache.manifest_module().RACY_SECONDS + 0.2)
+
+
+def proven(root: Path) -> dict[str, str]:
+    path = root / ".substrax" / "cache" / FILE_NAME
+    data: dict[str, dict[str, str]] = json.loads(path.read_text())
+    return data["proofs"]
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A step that ran, then a no-op that recorded its proof."""
+    project = make_project(tmp_path, BODY, ["step"], files={"data/in.txt": "in\n", "data/dir/x": "x\n"})
+    assert step_ran(doit_ok(project), "step")
+    wait_out_racy_window()
+    assert step_skipped(doit_ok(project), "step")
+    assert set(proven(project)) == {"step"}
+    return project
+
+
+def test_a_kept_proof_answers_without_the_full_check(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = find_step(root, "step")
+
+    def full_check(values: object) -> bool:
+        raise AssertionError("the full check was made")
+
+    monkeypatch.setattr(runner, "_checked_in_full", full_check)
+    assert runner.up_to_date({DOIT_VALUE: "run"})
+    assert runner.up_to_date(None)
+    # doit has no value for the task (`doit forget`): the full check decides
+    with pytest.raises(AssertionError, match="full check"):
+        runner.up_to_date({})
+    assert step_skipped(doit_ok(root), "step")
+    assert run_count(root) == 1
+
+
+def _edit_output(root: Path) -> None:
+    (root / "out" / "a.txt").write_text("tampered\n")
+
+
+def _edit_input(root: Path) -> None:
+    (root / "data" / "in.txt").write_text("changed\n")
+
+
+def _add_to_input_folder(root: Path) -> None:
+    (root / "data" / "dir" / "y").write_text("y\n")
+
+
+def _remove_record(root: Path) -> None:
+    (root / ".substrax" / "steps" / "step.json").unlink()
+
+
+def _change_settings(root: Path) -> None:
+    write_pyproject(root, DEFAULT_SANDBOX)
+    text = (root / "pyproject.toml").read_text()
+    assert "grace_seconds = 0.5" in text
+    (root / "pyproject.toml").write_text(text.replace("grace_seconds = 0.5", "grace_seconds = 0.7"))
+
+
+def _add_environment_lock(root: Path) -> None:
+    (root / "requirements.txt").write_text("numpy==2.0.0\n")
+
+
+def _forget(root: Path) -> None:
+    doit_ok(root, "forget", "step")
+
+
+CHANGES: dict[str, Callable[[Path], None]] = {
+    "edit-output": _edit_output,
+    "edit-input": _edit_input,
+    "add-to-input-folder": _add_to_input_folder,
+    "remove-record": _remove_record,
+    "change-settings": _change_settings,
+    "add-environment-lock": _add_environment_lock,
+    "doit-forget": _forget,
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_every_change_reruns_despite_a_kept_proof(root: Path, change: str) -> None:
+    CHANGES[change](root)
+    again = doit_ok(root)
+    assert step_ran(again, "step"), show(again)
+    assert run_count(root) == 2
+    assert step_skipped(doit_ok(root), "step")
+    assert run_count(root) == 2
+
+
+def test_a_damaged_proof_file_costs_the_full_check_only(root: Path) -> None:
+    path = root / ".substrax" / "cache" / FILE_NAME
+    path.write_text("{damaged")
+    assert step_skipped(doit_ok(root), "step")
+    assert set(proven(root)) == {"step"}  # written again
+    path.unlink()
+    assert step_skipped(doit_ok(root), "step")
+    assert run_count(root) == 1
+
+
+# What a no-op doit imports: each of these cost milliseconds on every run.
+NOOP_DOIT = """
+import sys
+from doit.cmd_base import DodoTaskLoader
+from doit.doit_cmd import DoitMain
+
+code = DoitMain(DodoTaskLoader()).run([])
+print(sorted(sys.modules))
+sys.exit(code)
+"""
+NOT_ON_A_NOOP = ("pydantic", "filelock", "uuid", "substrax_tasks.promote", "substrax_tasks.steplock",
+                 "substrax_tasks.worker_job", "substrax_tasks.runs", "substrax_tasks.backends")
+
+
+def test_a_noop_doit_imports_no_machinery_of_the_phases(root: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", NOOP_DOIT], cwd=root, env=clean_env(), capture_output=True, text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "-- step" in done.stdout
+    modules = done.stdout.strip().splitlines()[-1]
+    imported = [name for name in NOT_ON_A_NOOP if repr(name) in modules]
+    assert imported == []
