@@ -25,7 +25,8 @@ from typing import Any
 
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.worker_job import ENV_LOCK_FILES, WorkerPaths, build_job
+from substrax_tasks.resolved import ENV_LOCK_FILES
+from substrax_tasks.worker_job import WorkerPaths, build_job
 
 REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
 _UNSAFE = re.compile(r"[^a-z0-9]+")
