@@ -50,6 +50,11 @@ assignment and ``del``, so a caller may track changes with a dict subclass.
 ``tree_stamp`` digests what one stat-only walk sees (no file is read): while
 it is unchanged, so is the manifest. substrax_tasks uses it to make a no-op
 verification cost one walk.
+
+A fetch over SSH runs ``manifest.py BASE OUTPUT... --cache FILE --watch``
+once (see ``watch``): it prints the manifest, then waits for the copy to end
+and answers whether the tree held still meanwhile, so one manifest crosses
+the network, not two.
 """
 
 from __future__ import annotations
@@ -576,58 +581,144 @@ def diff_manifests(expected, actual):
 # ----------------------------------------------------------------- CLI
 
 
-def manifest_with_cache_file(base, outputs, cache_file):
-    # type: (str, list, str | None) -> dict
-    """build_manifest with its hash cache kept in a JSON file (the worker
-    fills it at the end of a run, so a fetch's manifests cost stats only).
-    Used only where the run ran: the fetched copy is hashed whole on this
-    side, so a stale entry can only make a fetch refused, never accepted,
-    and young files are cached too."""
-    cache = {}  # type: dict
+class _ChangeNotingDict(dict):
+    """A dict that notes item assignment and deletion, the only ways
+    build_manifest changes a cache: an unchanged cache is not rewritten."""
+
+    changed = False
+
+    def __setitem__(self, key, value):
+        # type: (str, list) -> None
+        self.changed = True
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key):
+        # type: (str) -> None
+        self.changed = True
+        dict.__delitem__(self, key)
+
+
+def _load_cache_file(cache_file):
+    # type: (str | None) -> _ChangeNotingDict
+    cache = _ChangeNotingDict()
     if cache_file:
         try:
             with open(cache_file) as f:
                 loaded = json.load(f)
             if isinstance(loaded, dict):
-                cache = loaded
+                return _ChangeNotingDict(loaded)
         except (OSError, ValueError):
             pass
+        cache.changed = True  # missing or unreadable: write a good one
+    return cache
+
+
+def _save_cache_file(cache, cache_file):
+    # type: (_ChangeNotingDict, str | None) -> None
+    if not cache_file or not cache.changed:
+        return
+    tmp = "%s.%d.tmp" % (cache_file, os.getpid())
+    with open(tmp, "w") as f:
+        json.dump(cache, f, separators=(",", ":"))
+    os.replace(tmp, cache_file)
+    cache.changed = False
+
+
+def manifest_with_cache_file(base, outputs, cache_file):
+    # type: (str, list, str | None) -> dict
+    """build_manifest with its hash cache kept in a JSON file (the worker
+    fills it at the end of a run, so a fetch's manifest costs stats only).
+    Used only where the run ran: the fetched copy is hashed whole on this
+    side, so a stale entry can only make a fetch refused, never accepted,
+    and young files are cached too. The file is rewritten only if the cache
+    changed."""
+    cache = _load_cache_file(cache_file)
     manifest = build_manifest(base, outputs, cache, cache_young=True)
-    if cache_file:
-        tmp = "%s.%d.tmp" % (cache_file, os.getpid())
-        with open(tmp, "w") as f:
-            json.dump(cache, f)
-        os.replace(tmp, cache_file)
+    _save_cache_file(cache, cache_file)
     return manifest
+
+
+def manifest_json(manifest):
+    # type: (dict) -> bytes
+    """canonical_json(manifest) as one line of bytes, built around the
+    entries' JSON rather than dumping them a second time: the keys of a
+    manifest sort as digest, entries, missing, version."""
+    entries = canonical_json(manifest["entries"])
+    return ('{"digest":%s,"entries":%s,"missing":%s,"version":%s}\n' % (
+        json.dumps(manifest["digest"]), entries, canonical_json(manifest["missing"]),
+        json.dumps(manifest["version"]))).encode()
+
+
+CHECK_REQUEST = b"check\n"
+
+
+def watch(base, outputs, cache_file, stdin, stdout):
+    # type: (str, list, str | None, BinaryIO, BinaryIO) -> int
+    """The remote side of a fetch, in one process (one manifest sent, one
+    interpreter started):
+
+    1. ``tree_stamp`` of the outputs, then their manifest (from the hash
+       cache), printed as one line of canonical JSON;
+    2. on the line ``check`` from `stdin` (the copy has ended), the stamp
+       again, answered as one JSON line: ``{"unchanged": true}``, or
+       ``{"unchanged": false, "why": "..."}``. End of input without it: exit.
+
+    The manifest was built between the two stamps, so equal stamps mean it
+    describes one state of the tree, which also held while the copy read it
+    (the copy is hashed whole on the other side and compared with it). A
+    stamp proves nothing about changes within a file's last timestamp tick:
+    if any entry changed less than RACY_SECONDS before the first stamp, the
+    manifest is also built again (hashes cached by size, mtime and inode)
+    and compared, as two whole manifests were before."""
+    started = time.time_ns()
+    stamp, newest = tree_stamp(base, outputs)
+    racy = newest >= started - RACY_SECONDS * 1000000000
+    cache = _load_cache_file(cache_file)
+    manifest = build_manifest(base, outputs, cache, cache_young=True)
+    stdout.write(manifest_json(manifest))
+    stdout.flush()
+    _save_cache_file(cache, cache_file)  # after the answer: the copy need not wait for it
+    request = stdin.readline()
+    if request != CHECK_REQUEST:
+        return 0
+    answer = {"unchanged": True}  # type: dict
+    if tree_stamp(base, outputs)[0] != stamp:
+        answer = {"unchanged": False, "why": "the tree's stat stamp changed"}
+    elif racy and build_manifest(base, outputs, cache, cache_young=True)["digest"] != manifest["digest"]:
+        answer = {"unchanged": False, "why": "its manifest changed"}
+    stdout.write((canonical_json(answer) + "\n").encode())
+    stdout.flush()
+    return 0
 
 
 def main(argv=None):
     # type: (list | None) -> int
     args = list(sys.argv[1:] if argv is None else argv)
     cache_file = None
+    watching = "--watch" in args
+    if watching:
+        args.remove("--watch")
     if "--cache" in args:
         at = args.index("--cache")
         cache_file = args[at + 1] if at + 1 < len(args) else None
         del args[at : at + 2]
     if len(args) < 2 or args[0] in ("-h", "--help") or ("--cache" in (argv or sys.argv) and not cache_file):
-        sys.stderr.write("usage: manifest.py BASE OUTPUT [OUTPUT...] [--cache FILE]\n")
+        sys.stderr.write("usage: manifest.py BASE OUTPUT [OUTPUT...] [--cache FILE] [--watch]\n")
         return 2
     base = args[0]
     if not os.path.isdir(base):
         sys.stderr.write("manifest.py: %s is not a folder\n" % base)
         return 1
+    out = getattr(sys.stdout, "buffer", sys.stdout)
     try:
+        if watching:
+            return watch(base, args[1:], cache_file, getattr(sys.stdin, "buffer", sys.stdin), out)
         manifest = manifest_with_cache_file(base, args[1:], cache_file)
     except ManifestError as exc:
         sys.stderr.write("manifest.py: %s\n" % exc)
         return 1
-    out = getattr(sys.stdout, "buffer", None)
-    data = (canonical_json(manifest) + "\n").encode()
-    if out is not None:
-        out.write(data)
-        out.flush()
-    else:
-        sys.stdout.write(data.decode())
+    out.write(manifest_json(manifest))
+    out.flush()
     return 0
 
 
