@@ -249,8 +249,8 @@ def _check_parents(base, rel):
     return True
 
 
-def build_manifest(base, outputs, cache=None, cache_young=False):
-    # type: (str | os.PathLike, list, dict | None, bool) -> dict
+def build_manifest(base, outputs, cache=None, cache_young=False, digest=True):
+    # type: (str | os.PathLike, list, dict | None, bool, bool) -> dict
     """The manifest of `outputs` (project-relative POSIX paths, a trailing
     "/" marking a folder) under the folder `base`. Missing outputs are listed
     in "missing"; anything that cannot be described safely raises
@@ -258,17 +258,21 @@ def build_manifest(base, outputs, cache=None, cache_young=False):
     the walk. `cache` (rel path -> [size, mtime_ns, ino, sha256]) is read and
     updated in place. `cache_young` caches files younger than RACY_SECONDS
     too: only for a cache whose every hit is checked again later (the run's
-    side of a fetch, whose copy is hashed whole here)."""
+    side of a fetch, whose copy is hashed whole here). `digest=False`
+    leaves "digest" None, for a caller that compares entries directly."""
     base = os.fspath(base)
     checked = _check_outputs(outputs)
     try:
-        return _build(base, checked, cache, cache_young)
+        manifest = _build(base, checked, cache, cache_young)
     except OSError as exc:
         where = exc.filename if exc.filename is not None else base
         raise ManifestError(
             "cannot read %s: %s (did it change while the manifest was taken?)"
             % (where, exc.strerror or exc)
         ) from exc
+    if digest:
+        manifest["digest"] = entries_digest(manifest["entries"])
+    return manifest
 
 
 def _build(base, checked, cache, cache_young=False):
@@ -390,7 +394,7 @@ def _build(base, checked, cache, cache_young=False):
     if cache is not None:
         _prune(cache, checked, seen)  # type: ignore[arg-type]
     entries.sort(key=_path_key)
-    return {"version": VERSION, "entries": entries, "missing": missing, "digest": entries_digest(entries)}
+    return {"version": VERSION, "entries": entries, "missing": missing, "digest": None}
 
 
 def _path_key(entry):

@@ -590,6 +590,7 @@ class StepRunner:
                 fetched.manifest,
                 self.outputs_cache,
                 seed=fetched.hashes or None,
+                digest_checked=fetched.digest_checked,
             )
         except BaseException:
             with contextlib.suppress(Exception):

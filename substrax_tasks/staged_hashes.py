@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import Any
 
 BUFFER_SIZE = 1 << 20
+SMALL_FILE = 1 << 16  # read in one call, without the reusable buffer
 _O_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
@@ -33,6 +34,7 @@ class StagedHasher:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._root = os.fspath(root) + os.sep
         self.entries: dict[str, list[Any]] = {}
         self._names: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._deferred: list[str] = []
@@ -70,9 +72,8 @@ class StagedHasher:
         self._deferred = []
 
     def _hash(self, rel: str, *, last_try: bool) -> None:
-        path = self.root / rel
         try:
-            fd = os.open(path, _O_READ)
+            fd = os.open(self._root + rel, _O_READ)  # a str path: pathlib costs more than the read
         except FileNotFoundError:
             if not last_try:
                 self._deferred.append(rel)
@@ -92,16 +93,24 @@ class StagedHasher:
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode):
             return None
-        digest = hashlib.sha256()
-        view = self._view
-        total = 0
-        while n := os.readv(fd, [view]):
-            digest.update(view[:n])
-            total += n
+        size = before.st_size
+        if size < SMALL_FILE:
+            # One read, one more byte than expected: getting exactly `size`
+            # bytes proves the end was reached, without a second call.
+            data = os.read(fd, size + 1)
+            total = len(data)
+            digest = hashlib.sha256(data)
+        else:
+            digest = hashlib.sha256()
+            view = self._view
+            total = 0
+            while n := os.readv(fd, [view]):
+                digest.update(view[:n])
+                total += n
         after = os.fstat(fd)
-        unchanged = (before.st_size, before.st_mtime_ns, before.st_ctime_ns) == (
+        unchanged = (size, before.st_mtime_ns, before.st_ctime_ns) == (
             after.st_size, after.st_mtime_ns, after.st_ctime_ns
         )  # fmt: skip
-        if not unchanged or total != after.st_size:
+        if not unchanged or total != size:
             return None  # changed while read: left to verification
-        return [after.st_size, after.st_mtime_ns, after.st_ino, digest.hexdigest()]
+        return [size, after.st_mtime_ns, after.st_ino, digest.hexdigest()]

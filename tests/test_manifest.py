@@ -828,3 +828,41 @@ def test_promoted_files_reuse_hashes_from_staging(tmp_path: Path) -> None:
     cache = HashCache.load(cache_file)
     assert build_manifest(proj, ["out/"], cache.entries)["digest"] == expected["digest"]
     assert not cache.changed
+
+
+def test_verify_with_a_seed_uses_its_hashes_and_keeps_only_old_files(project: Path, tmp_path: Path) -> None:
+    """A fetch hashes its copy as files arrive; verification reuses those
+    hashes while the files match, and remembers them only as the cache's
+    own racy rule allows."""
+    expected = build_manifest(project, ["out/"])
+    age(project)
+    (project / "out/run.sh").touch()  # modified just now: young
+    seed = {}
+    for rel in ("out/a.txt", "out/run.sh"):
+        st = (project / rel).stat()
+        seed[rel] = [st.st_size, st.st_mtime_ns, st.st_ino, sha((project / rel).read_bytes())]
+    seed["out/a.txt"][3] = sha(b"what the seed claims")  # a seed is believed while its file matches
+    cache_file = tmp_path / "cache.json"
+    problems = verify_outputs(project, ["out/"], expected, cache_file, seed=seed)
+    assert [p.split(" (")[0] for p in problems] == ["changed content: out/a.txt"]
+    kept = HashCache.load(cache_file).entries
+    assert "out/run.sh" not in kept  # young: not remembered
+    assert kept["out/sub/b.bin"][3] == sha(bytes(range(256)) * 10)  # old, hashed by the walk
+    assert kept["out/a.txt"][3] == sha(b"what the seed claims")  # stays until its file changes
+
+
+@pytest.mark.parametrize("digest_checked", [False, True])
+def test_verify_compares_entries_whether_or_not_the_digest_was_checked(
+    project: Path, tmp_path: Path, digest_checked: bool
+) -> None:
+    expected = build_manifest(project, ["out/"])
+    cache_file = tmp_path / "cache.json"
+    assert verify_outputs(project, ["out/"], expected, cache_file, digest_checked=digest_checked) == []
+    (project / "out/run.sh").chmod(0o700)
+    problems = verify_outputs(project, ["out/"], expected, cache_file, digest_checked=digest_checked)
+    assert problems == ["changed mode: out/run.sh (0755 -> 0700)"]
+    (project / "out/run.sh").chmod(0o755)
+    damaged = {**expected, "digest": "0" * 64}  # only a caller that did not check it can tell
+    problems = verify_outputs(project, ["out/"], damaged, cache_file, digest_checked=digest_checked)
+    assert bool(problems) is not digest_checked
+    assert all("the record is damaged" in p for p in problems)

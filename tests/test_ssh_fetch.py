@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import describe, marked_pids, wait_for
@@ -27,6 +28,8 @@ from substrax_tasks.handle import RunHandle
 from substrax_tasks.manifest_cache import ManifestError
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
+from substrax_tasks.transports.base import TransferStats
+from substrax_tasks.transports.rsync import RsyncTransport
 
 pytestmark = [needs_sshd, needs_root]
 
@@ -100,6 +103,7 @@ def test_files_are_hashed_as_they_arrive_odd_names_and_a_missing_output_included
     try:
         assert fetched.manifest["missing"] == ["absent.txt"]  # skipped by rsync, named by the manifest
         assert fetched.manifest_json is not None and json.loads(fetched.manifest_json) == fetched.manifest
+        assert fetched.digest_checked  # on arrival, from the line itself
         for rel, data in names.items():
             assert (fetched.root / rel).read_bytes() == data
             size, _mtime, ino, digest = fetched.hashes[rel]  # hashed here as it arrived
@@ -111,8 +115,9 @@ def test_files_are_hashed_as_they_arrive_odd_names_and_a_missing_output_included
         fetched.confirm()
     no_watch_left(handle)
     problems = manifest_cache.verify_outputs(
-        fetched.root, ["out/", "absent.txt"], fetched.manifest, tmp_path / "cache.json", seed=fetched.hashes
-    )
+        fetched.root, ["out/", "absent.txt"], fetched.manifest, tmp_path / "cache.json",
+        seed=fetched.hashes, digest_checked=True,
+    )  # fmt: skip
     assert problems == ["output never produced: absent.txt"]
 
 
@@ -126,17 +131,27 @@ def test_a_tree_the_manifest_refuses_is_a_manifest_error_not_a_copy_error(
     no_watch_left(handle)
 
 
-def test_outputs_changed_after_the_copy_are_caught_by_confirm(tmp_path: Path, host: SshHost) -> None:
+def test_outputs_changed_during_the_copy_are_caught_by_confirm(
+    tmp_path: Path, host: SshHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
     backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    copy = RsyncTransport.download
+
+    def copy_then_change(self: RsyncTransport, *args: Any, **kwargs: Any) -> TransferStats:
+        stats = copy(self, *args, **kwargs)
+        (outputs_on_host(handle) / "out" / "late.txt").write_text("written as the copy ended\n")
+        return stats
+
+    monkeypatch.setattr(RsyncTransport, "download", copy_then_change)
     fetched: Fetched = backend.begin_fetch(handle)
-    (outputs_on_host(handle) / "out" / "late.txt").write_text("written after the copy\n")
     with pytest.raises(BackendError, match="changed while they were fetched"):
         fetched.confirm()
     fetched.confirm()  # once only: a second call does nothing
     no_watch_left(handle)
+    monkeypatch.setattr(RsyncTransport, "download", copy)
     # fetched again, the tree holds still
     again = backend.fetch(handle)
-    assert (again.root / "out" / "late.txt").read_text() == "written after the copy\n"
+    assert (again.root / "out" / "late.txt").read_text() == "written as the copy ended\n"
     no_watch_left(handle)
 
 

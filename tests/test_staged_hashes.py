@@ -5,9 +5,12 @@ leave out is as important as what they hash."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
+from substrax_tasks.backends.ssh_watch import _digest_of_line_matches
+from substrax_tasks.manifest_cache import build_manifest, manifest_module
 from substrax_tasks.staged_hashes import StagedHasher
 from substrax_tasks.transports.rsync import _OutputReader, _unescape
 
@@ -96,3 +99,19 @@ def test_output_reader_sends_file_names_on_and_keeps_the_rest() -> None:
     kept = bytes(reader.output)
     assert b"Number of regular files transferred: 2" in kept and b"sent 1 bytes" in kept
     assert b"~" not in kept
+
+
+# ----------------------------------------------------------------- the manifest's line
+
+
+def test_the_digest_is_checked_from_the_line_the_host_sent(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out/a,\"missing\":[].txt").write_bytes(b"a")  # the separator, inside a name
+    manifest = build_manifest(tmp_path, ["out/"])
+    line: bytes = manifest_module().manifest_json(manifest)  # type: ignore[attr-defined]
+    assert _digest_of_line_matches(line, manifest["digest"])
+    assert not _digest_of_line_matches(line.replace(b'"size":1', b'"size":2'), manifest["digest"])
+    assert not _digest_of_line_matches(line, "0" * 64)
+    spaced = json.dumps(manifest).encode()  # valid JSON, another form: digested again later
+    assert not _digest_of_line_matches(spaced, manifest["digest"])
+    assert not _digest_of_line_matches(line, None)

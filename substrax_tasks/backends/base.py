@@ -56,6 +56,7 @@ class Fetched:
     hash-cache entries (relative path -> [size, mtime_ns, inode, sha256]):
     verification reuses an entry only while its file still matches it;
     manifest_json: the manifest's JSON as received, if it was (saved as is);
+    digest_checked: the manifest's digest was checked against its entries;
     confirm: from `Backend.begin_fetch`, the source's last word, which the
     caller must call once it has verified the copy and before it promotes
     anything: it raises BackendError if the outputs changed at the source
@@ -67,6 +68,7 @@ class Fetched:
     in_place: bool = False
     hashes: dict[str, list[Any]] = field(default_factory=dict)
     manifest_json: bytes | None = None
+    digest_checked: bool = False
     confirm: Callable[[], None] = field(default=lambda: None, compare=False)
 
 

@@ -404,6 +404,7 @@ class SshBackend(Backend):
                         raise refusal from None
                     raise
                 manifest, line = watch.manifest()
+            watch.ask()  # the copy is over: the host checks while this side verifies
         except BaseException:
             watch.close()
             raise
@@ -420,7 +421,10 @@ class SshBackend(Backend):
             if why is not None:
                 raise BackendError(f"{self._changed(handle)} ({why})")
 
-        return Fetched(staging, manifest, hashes=hasher.entries, manifest_json=line, confirm=_once(confirm))
+        return Fetched(
+            staging, manifest, hashes=hasher.entries, manifest_json=line,
+            digest_checked=watch.digest_checked, confirm=_once(confirm),
+        )  # fmt: skip
 
     def _changed(self, handle: RunHandle) -> str:
         return (

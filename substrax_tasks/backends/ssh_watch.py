@@ -10,6 +10,7 @@ that manifest (3 MB for 20,000 files) while rsync copies.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import queue
 import threading
@@ -22,6 +23,21 @@ from substrax_tasks.errors import BackendError
 
 CHECK_REQUEST = b"check\n"  # remote/manifest.py CHECK_REQUEST
 ANSWER_TIMEOUT = 120.0  # seconds for an answer once asked (as for any remote command)
+
+
+def _digest_of_line_matches(line: bytes, digest: object) -> bool:
+    """Whether `digest` is the sha256 of the entries' canonical JSON, read
+    from the line itself: remote/manifest.py writes that JSON verbatim
+    after '"entries":', and the entries cannot hold ',"missing":' outside a
+    string (a quote in a path is escaped). False for a line in another
+    form: the entries are then digested again by verification."""
+    if not isinstance(digest, str):
+        return False
+    prefix = b'{"digest":"' + digest.encode() + b'","entries":'
+    end = line.rfind(b',"missing":')
+    return line.startswith(prefix) and end > len(prefix) and (
+        hashlib.sha256(memoryview(line)[len(prefix) : end]).hexdigest() == digest
+    )
 
 
 class ManifestWatch:
@@ -39,6 +55,9 @@ class ManifestWatch:
         self._stderr = b""
         self._broken: str | None = None
         self._ended = threading.Event()
+        self._asked = False
+        # The manifest's digest is that of its entries (checked on arrival).
+        self.digest_checked = False
         self._thread = threading.Thread(target=self._read, name="manifest-watch", daemon=True)
         self._thread.start()
 
@@ -69,7 +88,8 @@ class ManifestWatch:
                 self.on_failure()
 
     def _deliver(self, line: bytes, index: int) -> None:
-        """The manifest is parsed here, in the reader thread, while the copy runs."""
+        """The manifest is parsed, and its digest checked, here in the
+        reader thread while the copy runs."""
         if index == 0:
             try:
                 manifest = json.loads(line)
@@ -77,6 +97,7 @@ class ManifestWatch:
                 manifest = None
             if isinstance(manifest, dict) and isinstance(manifest.get("entries"), list):
                 self._manifest = (manifest, line)
+                self.digest_checked = _digest_of_line_matches(line, manifest.get("digest"))
         self._lines.put(line)
 
     def _next_line(self, what: str) -> bytes:
@@ -121,13 +142,22 @@ class ManifestWatch:
             )
         return self._manifest
 
-    def check(self) -> str | None:
-        """Ask whether the outputs held still since their manifest was
-        taken: None if they did, otherwise why not. Call after manifest()."""
+    def ask(self) -> None:
+        """Ask whether the outputs held still since their manifest was taken
+        (once the copy has ended); `check()` reads the answer. Does not wait."""
+        if self._asked:
+            return
+        self._asked = True
         try:
             self.channel.sendall(CHECK_REQUEST)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise BackendError(f"asking {self.host} whether the outputs changed failed: {exc}") from None
+
+    def check(self) -> str | None:
+        """The answer (asked now if `ask()` was not called): None if the
+        outputs held still since their manifest was taken, otherwise why
+        not. Call after manifest()."""
+        self.ask()
         line = self._next_line("the outputs' check")
         try:
             answer = json.loads(line)

@@ -40,6 +40,9 @@ from substrax_tasks.transports.base import TransferStats, Transport
 _PROGRESS = re.compile(r"^\s*([\d,]+)\s+(\d+)%\s+\S+\s+\S+(?:\s+\(xfr#(\d+), (?:to|ir)-chk=(\d+)/(\d+)\))?")
 _STAT_FILES = re.compile(r"Number of regular files transferred: ([\d,]+)")
 _STAT_BYTES = re.compile(r"Total transferred file size: ([\d,]+)")
+# Bytes of rsync's output handled at a time when no bar is drawn: ~500 names
+# of received files, so the hasher is never far behind.
+READ_BLOCK = 1 << 14
 # --out-format line of each item a download has received: a prefix no
 # --stats or progress line starts with, then the name (a folder's ends in /)
 _DONE = b"~"
@@ -143,7 +146,10 @@ class RsyncTransport(Transport):
                     proc.stdin.close()
                 with self._progress(what) as (progress, task):
                     reader = _OutputReader(on_file, progress, task)
-                    while chunk := stdout.read1(1 << 16):
+                    # rsync writes a line at a time: without a bar to move,
+                    # blocks of lines cost this process half the CPU.
+                    read = stdout.read1 if progress is not None else stdout.read
+                    while chunk := read(READ_BLOCK):
                         reader.feed(chunk)
                     reader.feed(b"\n")  # the last line, if unterminated
             except BaseException:
