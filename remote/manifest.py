@@ -645,12 +645,16 @@ def manifest_with_cache_file(base, outputs, cache_file):
 def manifest_json(manifest):
     # type: (dict) -> bytes
     """canonical_json(manifest) as one line of bytes, built around the
-    entries' JSON rather than dumping them a second time: the keys of a
-    manifest sort as digest, entries, missing, version."""
-    entries = canonical_json(manifest["entries"])
-    return ('{"digest":%s,"entries":%s,"missing":%s,"version":%s}\n' % (
-        json.dumps(manifest["digest"]), entries, canonical_json(manifest["missing"]),
-        json.dumps(manifest["version"]))).encode()
+    entries' JSON, which is encoded once: the keys of a manifest sort as
+    digest, entries, missing, version. A manifest built with digest=False
+    gets its digest here, from that same JSON."""
+    entries = canonical_json(manifest["entries"]).encode()
+    if manifest["digest"] is None:
+        manifest["digest"] = hashlib.sha256(entries).hexdigest()
+    head = '{"digest":%s,"entries":' % json.dumps(manifest["digest"])
+    tail = ',"missing":%s,"version":%s}\n' % (
+        canonical_json(manifest["missing"]), json.dumps(manifest["version"]))
+    return head.encode() + entries + tail.encode()
 
 
 CHECK_REQUEST = b"check\n"
@@ -678,8 +682,8 @@ def watch(base, outputs, cache_file, stdin, stdout):
     stamp, newest = tree_stamp(base, outputs)
     racy = newest >= started - RACY_SECONDS * 1000000000
     cache = _load_cache_file(cache_file)
-    manifest = build_manifest(base, outputs, cache, cache_young=True)
-    stdout.write(manifest_json(manifest))
+    manifest = build_manifest(base, outputs, cache, cache_young=True, digest=False)
+    stdout.write(manifest_json(manifest))  # digests the entries' JSON it writes
     stdout.flush()
     _save_cache_file(cache, cache_file)  # after the answer: the copy need not wait for it
     request = stdin.readline()

@@ -90,10 +90,16 @@ class StagedHasher:
             self.entries[rel] = entry
 
     def _digest(self, fd: int) -> list[Any] | None:
-        before = os.fstat(fd)
-        if not stat.S_ISREG(before.st_mode):
+        """[size, mtime_ns, inode, sha256] of the open file, or None if it is
+        not a regular file or its size was not what was read. A file at its
+        final path is complete (rsync renames it there) and nothing else
+        writes into staging; should anything, it would change the mtime
+        (set by rsync to the remote file's) or the inode, and verification
+        would read the file itself."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             return None
-        size = before.st_size
+        size = st.st_size
         if size < SMALL_FILE:
             # One read, one more byte than expected: getting exactly `size`
             # bytes proves the end was reached, without a second call.
@@ -107,10 +113,6 @@ class StagedHasher:
             while n := os.readv(fd, [view]):
                 digest.update(view[:n])
                 total += n
-        after = os.fstat(fd)
-        unchanged = (size, before.st_mtime_ns, before.st_ctime_ns) == (
-            after.st_size, after.st_mtime_ns, after.st_ctime_ns
-        )  # fmt: skip
-        if not unchanged or total != size:
+        if total != size:
             return None  # changed while read: left to verification
-        return [size, after.st_mtime_ns, after.st_ino, digest.hexdigest()]
+        return [size, st.st_mtime_ns, st.st_ino, digest.hexdigest()]

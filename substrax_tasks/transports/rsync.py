@@ -40,9 +40,11 @@ from substrax_tasks.transports.base import TransferStats, Transport
 _PROGRESS = re.compile(r"^\s*([\d,]+)\s+(\d+)%\s+\S+\s+\S+(?:\s+\(xfr#(\d+), (?:to|ir)-chk=(\d+)/(\d+)\))?")
 _STAT_FILES = re.compile(r"Number of regular files transferred: ([\d,]+)")
 _STAT_BYTES = re.compile(r"Total transferred file size: ([\d,]+)")
-# Bytes of rsync's output handled at a time when no bar is drawn: ~500 names
-# of received files, so the hasher is never far behind.
-READ_BLOCK = 1 << 14
+# rsync's output is read at most every READ_PAUSE seconds: a pause's worth of
+# lines (some 10 KB at 20,000 small files a second) is far below what the
+# pipe holds, so rsync never waits for it, and the hasher is never far behind.
+READ_BLOCK = 1 << 16
+READ_PAUSE = 0.01
 # --out-format line of each item a download has received: a prefix no
 # --stats or progress line starts with, then the name (a folder's ends in /)
 _DONE = b"~"
@@ -146,11 +148,13 @@ class RsyncTransport(Transport):
                     proc.stdin.close()
                 with self._progress(what) as (progress, task):
                     reader = _OutputReader(on_file, progress, task)
-                    # rsync writes a line at a time: without a bar to move,
-                    # blocks of lines cost this process half the CPU.
-                    read = stdout.read1 if progress is not None else stdout.read
-                    while chunk := read(READ_BLOCK):
+                    while chunk := stdout.read1(READ_BLOCK):
                         reader.feed(chunk)
+                        if len(chunk) < READ_BLOCK // 2:
+                            # rsync writes a line per file: read what gathered
+                            # in a pause, not each line as it comes (20,000
+                            # reads, waking this process up 20,000 times).
+                            time.sleep(READ_PAUSE)
                     reader.feed(b"\n")  # the last line, if unterminated
             except BaseException:
                 proc.kill()
