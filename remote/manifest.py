@@ -53,8 +53,8 @@ verification cost one walk.
 
 A fetch over SSH runs ``manifest.py BASE OUTPUT... --cache FILE --watch``
 once (see ``watch``): it prints the manifest, then waits for the copy to end
-and answers whether the tree held still meanwhile, so one manifest crosses
-the network, not two.
+and answers whether the tree held still meanwhile (``tree_stats``), so one
+manifest crosses the network and one walk suffices before the copy ends.
 """
 
 from __future__ import annotations
@@ -228,18 +228,23 @@ def _check_outputs(outputs):
     return checked
 
 
-def _check_parents(base, rel):
-    # type: (str, str) -> bool
+def _check_parents(base, rel, modes=None):
+    # type: (str, str, list | None) -> bool
     """True if every folder above the output exists as a real folder; False
     if one is missing. A link or a file on the way is refused (the output
-    would not be where it is declared)."""
+    would not be where it is declared). `modes` gets each one's st_mode
+    (None for the missing one), as `tree_stats` lists them."""
     parts = rel.split("/")[:-1]
     for i in range(len(parts)):
         sub = "/".join(parts[: i + 1])
         try:
             st = os.lstat(os.path.join(base, sub))
         except FileNotFoundError:
+            if modes is not None:
+                modes.append(None)
             return False
+        if modes is not None:
+            modes.append(st.st_mode)
         if stat.S_ISLNK(st.st_mode):
             raise ManifestError(
                 "output %s lies under %s, a symlink: refused, never followed" % (rel, sub)
@@ -249,8 +254,8 @@ def _check_parents(base, rel):
     return True
 
 
-def build_manifest(base, outputs, cache=None, cache_young=False, digest=True):
-    # type: (str | os.PathLike, list, dict | None, bool, bool) -> dict
+def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, stats=None):
+    # type: (str | os.PathLike, list, dict | None, bool, bool, dict | None) -> dict
     """The manifest of `outputs` (project-relative POSIX paths, a trailing
     "/" marking a folder) under the folder `base`. Missing outputs are listed
     in "missing"; anything that cannot be described safely raises
@@ -259,11 +264,13 @@ def build_manifest(base, outputs, cache=None, cache_young=False, digest=True):
     updated in place. `cache_young` caches files younger than RACY_SECONDS
     too: only for a cache whose every hit is checked again later (the run's
     side of a fetch, whose copy is hashed whole here). `digest=False`
-    leaves "digest" None, for a caller that compares entries directly."""
+    leaves "digest" None, for a caller that compares entries directly.
+    `stats`, a dict, gets what the walk saw, as `tree_stats` describes it: a
+    later `tree_stats` equal to it means the tree has not changed since."""
     base = os.fspath(base)
     checked = _check_outputs(outputs)
     try:
-        manifest = _build(base, checked, cache, cache_young)
+        manifest = _build(base, checked, cache, cache_young, stats)
     except OSError as exc:
         where = exc.filename if exc.filename is not None else base
         raise ManifestError(
@@ -275,9 +282,12 @@ def build_manifest(base, outputs, cache=None, cache_young=False, digest=True):
     return manifest
 
 
-def _build(base, checked, cache, cache_young=False):
-    # type: (str, list, dict | None, bool) -> dict
+def _build(base, checked, cache, cache_young=False, stats=None):
+    # type: (str, list, dict | None, bool, dict | None) -> dict
     entries = []  # type: list
+    # what the walk saw, for a later tree_stats to compare (a throwaway dict
+    # when nobody asked: cheaper than testing for None at every entry)
+    seen_stats = {} if stats is None else stats  # type: dict
     missing = []  # type: list
     hasher = None  # type: _Hasher | None
     racy_ns = (time.time_ns() + 1) if cache_young else time.time_ns() - RACY_SECONDS * 1000000000
@@ -331,10 +341,13 @@ def _build(base, checked, cache, cache_young=False):
 
     for rel, is_dir in checked:
         top = os.path.join(base, rel)
+        modes = []  # type: list
         try:
-            st = os.lstat(top) if _check_parents(base, rel) else None
+            st = os.lstat(top) if _check_parents(base, rel, modes) else None
         except (FileNotFoundError, NotADirectoryError):
             st = None
+        seen_stats[(_PARENTS, rel)] = tuple(modes)
+        seen_stats[rel] = None if st is None else (st.st_mode, st.st_size, st.st_ctime_ns, st.st_ino)
         if st is None:
             missing.append(rel + "/" if is_dir else rel)
             continue
@@ -377,6 +390,7 @@ def _build(base, checked, cache, cache_young=False):
                     erel = dir_rel + "/" + name
                     est = de.stat(follow_symlinks=False)
                     emode = est.st_mode
+                    seen_stats[erel] = (emode, est.st_size, est.st_ctime_ns, est.st_ino)
                     if S_ISREG(emode):
                         add(file_entry(path, erel, est))
                     elif S_ISDIR(emode):
@@ -384,7 +398,9 @@ def _build(base, checked, cache, cache_young=False):
                              "sha256": None, "target": None})
                         stack.append((path, erel, dir_parts + [name]))
                     elif S_ISLNK(emode):
-                        add(link_entry(path, erel, out_parts, dir_parts + [name]))
+                        entry = link_entry(path, erel, out_parts, dir_parts + [name])
+                        seen_stats[erel] += (entry["target"],)
+                        add(entry)
                     else:
                         raise ManifestError(
                             "%s is a %s: outputs may hold only files, folders and symlinks"
@@ -499,6 +515,66 @@ def tree_stamp(base, outputs):
                         add(_readlink_or_none(de.path))
     # marshal format 2 has no back-references, so equal lists give equal bytes
     return hashlib.sha256(marshal.dumps(items, 2)).hexdigest(), newest
+
+
+_PARENTS = "parents of"  # tree_stats' key for the modes of the folders above an output
+
+
+def tree_stats(base, outputs):
+    # type: (str | os.PathLike, list) -> dict
+    """What one stat-only walk sees, by path: ``(mode, size, ctime_ns,
+    inode)`` of every entry under `outputs` (the outputs themselves
+    included; a symlink's text added; None for an output that is missing or
+    an entry that vanished under the walk), and under ``("parents of",
+    output)`` the modes of the folders above each output. Like `tree_stamp`
+    it never reads a file and never raises for an odd tree, and
+    ``build_manifest(..., stats=...)`` fills the same dict from its own walk:
+    equal dicts mean nothing changed in between (ctime cannot be set back),
+    whatever the order the folders listed their entries in."""
+    base = os.fspath(base)
+    stats = {}  # type: dict
+    S_ISDIR, S_ISLNK = stat.S_ISDIR, stat.S_ISLNK
+    for rel, is_dir in _check_outputs(outputs):
+        modes = []  # type: list
+        parts = rel.split("/")[:-1]
+        for i in range(len(parts)):
+            try:
+                modes.append(os.lstat(os.path.join(base, *parts[: i + 1])).st_mode)
+            except OSError:
+                modes.append(None)
+                break
+        stats[(_PARENTS, rel)] = tuple(modes)
+        top = os.path.join(base, rel)
+        try:
+            st = None if None in modes else os.lstat(top)
+        except OSError:
+            st = None
+        stats[rel] = None if st is None else (st.st_mode, st.st_size, st.st_ctime_ns, st.st_ino)
+        if st is None or not (is_dir and S_ISDIR(st.st_mode)):
+            continue
+        stack = [(top, rel)]
+        while stack:
+            dir_abs, dir_rel = stack.pop()
+            try:
+                it = os.scandir(dir_abs)
+            except OSError:
+                stats[(dir_rel, "listing")] = None  # unreadable now: differs from any walk that read it
+                continue
+            with it:
+                for de in it:
+                    erel = dir_rel + "/" + de.name
+                    try:
+                        est = de.stat(follow_symlinks=False)
+                    except OSError:
+                        stats[erel] = None
+                        continue
+                    emode = est.st_mode
+                    stats[erel] = (emode, est.st_size, est.st_ctime_ns, est.st_ino)
+                    if S_ISDIR(emode):
+                        stack.append((de.path, erel))
+                    elif S_ISLNK(emode):
+                        stats[erel] += (_readlink_or_none(de.path),)
+    return stats
 
 
 def _readlink_or_none(path):
@@ -665,24 +741,28 @@ def watch(base, outputs, cache_file, stdin, stdout):
     """The remote side of a fetch, in one process (one manifest sent, one
     interpreter started):
 
-    1. ``tree_stamp`` of the outputs, then their manifest (from the hash
-       cache), printed as one line of canonical JSON;
-    2. on the line ``check`` from `stdin` (the copy has ended), the stamp
-       again, answered as one JSON line: ``{"unchanged": true}``, or
+    1. the outputs' manifest (from the hash cache), printed as one line of
+       canonical JSON, its walk noting what it saw of each entry
+       (``tree_stats``);
+    2. on the line ``check`` from `stdin` (the copy has ended),
+       ``tree_stats`` again, compared with what the manifest's walk saw and
+       answered as one JSON line: ``{"unchanged": true}``, or
        ``{"unchanged": false, "why": "..."}``. End of input without it: exit.
 
-    The manifest was built between the two stamps, so equal stamps mean it
-    describes one state of the tree, which also held while the copy read it
-    (the copy is hashed whole on the other side and compared with it). A
-    stamp proves nothing about changes within a file's last timestamp tick:
-    if any entry changed less than RACY_SECONDS before the first stamp, the
-    manifest is also built again (hashes cached by size, mtime and inode)
-    and compared, as two whole manifests were before."""
+    Equal stats mean no entry changed between the moment the manifest's walk
+    looked at it and the end of the copy, so the manifest describes one
+    state of the tree, which also held while the copy read it (the copy is
+    hashed whole on the other side and compared with it). A ctime proves
+    nothing about changes within its own timestamp tick: if any entry
+    changed less than RACY_SECONDS before the walk, the manifest is also
+    built again (hashes cached by size, mtime and inode) and compared, as
+    two whole manifests were before."""
     started = time.time_ns()
-    stamp, newest = tree_stamp(base, outputs)
-    racy = newest >= started - RACY_SECONDS * 1000000000
     cache = _load_cache_file(cache_file)
-    manifest = build_manifest(base, outputs, cache, cache_young=True, digest=False)
+    seen = {}  # type: dict
+    manifest = build_manifest(base, outputs, cache, cache_young=True, digest=False, stats=seen)
+    newest = max([v[2] for k, v in seen.items() if isinstance(k, str) and v is not None] or [0])
+    racy = newest >= started - RACY_SECONDS * 1000000000
     stdout.write(manifest_json(manifest))  # digests the entries' JSON it writes
     stdout.flush()
     _save_cache_file(cache, cache_file)  # after the answer: the copy need not wait for it
@@ -690,8 +770,8 @@ def watch(base, outputs, cache_file, stdin, stdout):
     if request != CHECK_REQUEST:
         return 0
     answer = {"unchanged": True}  # type: dict
-    if tree_stamp(base, outputs)[0] != stamp:
-        answer = {"unchanged": False, "why": "the tree's stat stamp changed"}
+    if tree_stats(base, outputs) != seen:
+        answer = {"unchanged": False, "why": "what a stat of each entry says changed"}
     elif racy and build_manifest(base, outputs, cache, cache_young=True)["digest"] != manifest["digest"]:
         answer = {"unchanged": False, "why": "its manifest changed"}
     stdout.write((canonical_json(answer) + "\n").encode())

@@ -866,3 +866,33 @@ def test_verify_compares_entries_whether_or_not_the_digest_was_checked(
     problems = verify_outputs(project, ["out/"], damaged, cache_file, digest_checked=digest_checked)
     assert bool(problems) is not digest_checked
     assert all("the record is damaged" in p for p in problems)
+
+
+def change_tree(project: Path, kind: str) -> None:
+    if kind == "chmod":
+        (project / "out/a.txt").chmod(0o600)
+    elif kind == "new file":
+        write(project / "out/sub/new.txt", b"n")
+    elif kind == "relink":
+        (project / "out/link_to_file").unlink()
+        os.symlink("run.sh", project / "out/link_to_file")
+    elif kind == "rename":
+        (project / "out/sub/b.bin").rename(project / "out/sub/c.bin")
+    else:  # a missing output appears
+        (project / "nope").mkdir()
+
+
+def test_tree_stats_equal_what_the_manifest_walk_saw_until_something_changes(project: Path) -> None:
+    mod: Any = manifest_module()
+    outputs = ["out/", "report.txt", "nope/", "gone/deeper/x.txt"]
+    seen: dict[Any, Any] = {}
+    mod.build_manifest(project, outputs, stats=seen)
+    assert mod.tree_stats(project, outputs) == seen
+    assert seen["nope"] is None and seen[("parents of", "gone/deeper/x.txt")] == (None,)
+    assert seen["out/link_to_file"][-1] == "a.txt"  # a link's text
+    for kind in ("chmod", "new file", "relink", "rename", "appears"):
+        change_tree(project, kind)
+        assert mod.tree_stats(project, outputs) != seen, kind
+        seen = {}
+        mod.build_manifest(project, outputs, stats=seen)
+        assert mod.tree_stats(project, outputs) == seen, kind
