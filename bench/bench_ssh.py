@@ -19,11 +19,12 @@ side in one loop (the order rotates each repeat; medians; a ratio is the
 median of the ratios of one repeat):
 
 (a) verified fetch of the 1 GiB output: what `doit` does once the run has
-    finished, i.e. the chain's `fetch` phase (SshBackend.fetch: the run's
-    status, a manifest of the remote outputs, rsync into local staging, a
-    second manifest) and its `verify` phase (hash the staged copy against the
-    manifest, promote it into the project, check the promoted outputs, write
-    the record), driven through StepRunner.fetch()/verify(). The OpenSSH
+    finished, i.e. the chain's `fetch` phase (SshBackend.fetch: rsync into
+    local staging, hashing each file as it arrives, while the host stamps
+    the outputs and sends their manifest; then the host's check that the
+    outputs held still) and its `verify` phase (check the staged copy
+    against the manifest, promote it into the project, write the record),
+    driven through StepRunner.fetch()/verify(). The OpenSSH
     ControlMaster is stopped first, as after a run longer than its
     ControlPersist; paramiko's connection is open (the run phase used it).
     Baselines: bare `rsync -a` over ssh with the same cipher (aes128-gcm)
@@ -43,15 +44,17 @@ median of the ratios of one repeat):
     left.
 
 Where the time goes: the phases of each verified fetch are timed (wrappers
-around the backend's status and manifest calls, the rsync download, the
-verification, the promotion); a profile section times what they are made of
+around the backend's status call, the rsync download, the wait for the
+remote manifest after it and the remote check, the verification, the
+promotion and the post-promotion check when one is made; what overlaps the
+download is inside its time); a profile section times what they are made of
 (a remote command over paramiko, remote Python start-up, the remote
 manifest with and without the worker's hash cache, OpenSSH connect with and
 without a ControlMaster, rsync with and without the transport's options);
 and "what if" rows time the verified fetch with a live ControlMaster, and
 with the run folder's hash cache holding every file.
 
-The fetch's manifests read the hash cache the worker fills as the command
+The fetch's manifest reads the hash cache the worker fills as the command
 ends (`<run folder>/manifest-cache.json`, `manifest.py --cache`); files
 written less than RACY_SECONDS (2 s) before it hashed them are left out of
 it. Before each "as is" fetch this script puts that file back as the worker
@@ -100,6 +103,7 @@ import substrax_tasks.chain as chain_module
 from substrax_tasks import manifest_cache
 from substrax_tasks._ssh import SshConnection
 from substrax_tasks.backends.ssh import SshBackend
+from substrax_tasks.backends.ssh_watch import ManifestWatch
 from substrax_tasks.chain import DOIT_VALUE, StepRunner
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
@@ -301,14 +305,16 @@ class Recorder:
         self._originals.clear()
 
 
-PHASES = ("status", "manifests", "rsync", "verify copy", "promote", "outputs_match")
+PHASES = ("status", "rsync", "manifest wait", "check", "verify copy", "promote", "outputs_match")
 
 
 def phase_recorder() -> Recorder:
     recorder = Recorder()
     recorder.wrap(SshBackend, "_remote_status", "status")
-    recorder.wrap(SshBackend, "_manifest", "manifests")
     recorder.wrap(RsyncTransport, "download", "rsync")
+    # the remote manifest is taken during the copy: what is left to wait for after it
+    recorder.wrap(ManifestWatch, "manifest", "manifest wait")
+    recorder.wrap(ManifestWatch, "check", "check")
     recorder.wrap(manifest_cache, "verify_outputs", "verify copy")
     recorder.wrap(chain_module, "promote", "promote")
     recorder.wrap(manifest_cache, "outputs_match", "outputs_match")

@@ -50,6 +50,11 @@ assignment and ``del``, so a caller may track changes with a dict subclass.
 ``tree_stamp`` digests what one stat-only walk sees (no file is read): while
 it is unchanged, so is the manifest. substrax_tasks uses it to make a no-op
 verification cost one walk.
+
+A fetch over SSH runs ``manifest.py BASE OUTPUT... --cache FILE --watch``
+once (see ``watch``): it prints the manifest, then waits for the copy to end
+and answers whether the tree held still meanwhile (``tree_stats``), so one
+manifest crosses the network and one walk suffices before the copy ends.
 """
 
 from __future__ import annotations
@@ -226,18 +231,23 @@ def _check_outputs(outputs):
     return checked
 
 
-def _check_parents(base, rel):
-    # type: (str, str) -> bool
+def _check_parents(base, rel, modes=None):
+    # type: (str, str, list | None) -> bool
     """True if every folder above the output exists as a real folder; False
     if one is missing. A link or a file on the way is refused (the output
-    would not be where it is declared)."""
+    would not be where it is declared). `modes` gets each one's st_mode
+    (None for the missing one), as `tree_stats` lists them."""
     parts = rel.split("/")[:-1]
     for i in range(len(parts)):
         sub = "/".join(parts[: i + 1])
         try:
             st = os.lstat(os.path.join(base, sub))
         except FileNotFoundError:
+            if modes is not None:
+                modes.append(None)
             return False
+        if modes is not None:
+            modes.append(st.st_mode)
         if stat.S_ISLNK(st.st_mode):
             raise ManifestError(
                 "output %s lies under %s, a symlink: refused, never followed" % (rel, sub)
@@ -247,8 +257,8 @@ def _check_parents(base, rel):
     return True
 
 
-def build_manifest(base, outputs, cache=None, cache_young=False):
-    # type: (str | os.PathLike, list, dict | None, bool) -> dict
+def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, stats=None):
+    # type: (str | os.PathLike, list, dict | None, bool, bool, dict | None) -> dict
     """The manifest of `outputs` (project-relative POSIX paths, a trailing
     "/" marking a folder) under the folder `base`. Missing outputs are listed
     in "missing"; anything that cannot be described safely raises
@@ -256,22 +266,31 @@ def build_manifest(base, outputs, cache=None, cache_young=False):
     the walk. `cache` (rel path -> [size, mtime_ns, ino, sha256]) is read and
     updated in place. `cache_young` caches files younger than RACY_SECONDS
     too: only for a cache whose every hit is checked again later (the run's
-    side of a fetch, whose copy is hashed whole here)."""
+    side of a fetch, whose copy is hashed whole here). `digest=False`
+    leaves "digest" None, for a caller that compares entries directly.
+    `stats`, a dict, gets what the walk saw, as `tree_stats` describes it: a
+    later `tree_stats` equal to it means the tree has not changed since."""
     base = os.fspath(base)
     checked = _check_outputs(outputs)
     try:
-        return _build(base, checked, cache, cache_young)
+        manifest = _build(base, checked, cache, cache_young, stats)
     except OSError as exc:
         where = exc.filename if exc.filename is not None else base
         raise ManifestError(
             "cannot read %s: %s (did it change while the manifest was taken?)"
             % (where, exc.strerror or exc)
         ) from exc
+    if digest:
+        manifest["digest"] = entries_digest(manifest["entries"])
+    return manifest
 
 
-def _build(base, checked, cache, cache_young=False):
-    # type: (str, list, dict | None, bool) -> dict
+def _build(base, checked, cache, cache_young=False, stats=None):
+    # type: (str, list, dict | None, bool, dict | None) -> dict
     entries = []  # type: list
+    # what the walk saw, for a later tree_stats to compare (a throwaway dict
+    # when nobody asked: cheaper than testing for None at every entry)
+    seen_stats = {} if stats is None else stats  # type: dict
     missing = []  # type: list
     hasher = None  # type: _Hasher | None
     racy_ns = (time.time_ns() + 1) if cache_young else time.time_ns() - RACY_SECONDS * 1000000000
@@ -325,10 +344,13 @@ def _build(base, checked, cache, cache_young=False):
 
     for rel, is_dir in checked:
         top = os.path.join(base, rel)
+        modes = []  # type: list
         try:
-            st = os.lstat(top) if _check_parents(base, rel) else None
+            st = os.lstat(top) if _check_parents(base, rel, modes) else None
         except (FileNotFoundError, NotADirectoryError):
             st = None
+        seen_stats[(_PARENTS, rel)] = tuple(modes)
+        seen_stats[rel] = None if st is None else (st.st_mode, st.st_size, st.st_ctime_ns, st.st_ino)
         if st is None:
             missing.append(rel + "/" if is_dir else rel)
             continue
@@ -371,6 +393,7 @@ def _build(base, checked, cache, cache_young=False):
                     erel = dir_rel + "/" + name
                     est = de.stat(follow_symlinks=False)
                     emode = est.st_mode
+                    seen_stats[erel] = (emode, est.st_size, est.st_ctime_ns, est.st_ino)
                     if S_ISREG(emode):
                         add(file_entry(path, erel, est))
                     elif S_ISDIR(emode):
@@ -378,7 +401,9 @@ def _build(base, checked, cache, cache_young=False):
                              "sha256": None, "target": None})
                         stack.append((path, erel, dir_parts + [name]))
                     elif S_ISLNK(emode):
-                        add(link_entry(path, erel, out_parts, dir_parts + [name]))
+                        entry = link_entry(path, erel, out_parts, dir_parts + [name])
+                        seen_stats[erel] += (entry["target"],)
+                        add(entry)
                     else:
                         raise ManifestError(
                             "%s is a %s: outputs may hold only files, folders and symlinks"
@@ -388,7 +413,7 @@ def _build(base, checked, cache, cache_young=False):
     if cache is not None:
         _prune(cache, checked, seen)  # type: ignore[arg-type]
     entries.sort(key=_path_key)
-    return {"version": VERSION, "entries": entries, "missing": missing, "digest": entries_digest(entries)}
+    return {"version": VERSION, "entries": entries, "missing": missing, "digest": None}
 
 
 def _path_key(entry):
@@ -514,6 +539,66 @@ def _open_dir(path):
     return os.open(path, _O_DIR) if _SCANDIR_FD else -1
 
 
+_PARENTS = "parents of"  # tree_stats' key for the modes of the folders above an output
+
+
+def tree_stats(base, outputs):
+    # type: (str | os.PathLike, list) -> dict
+    """What one stat-only walk sees, by path: ``(mode, size, ctime_ns,
+    inode)`` of every entry under `outputs` (the outputs themselves
+    included; a symlink's text added; None for an output that is missing or
+    an entry that vanished under the walk), and under ``("parents of",
+    output)`` the modes of the folders above each output. Like `tree_stamp`
+    it never reads a file and never raises for an odd tree, and
+    ``build_manifest(..., stats=...)`` fills the same dict from its own walk:
+    equal dicts mean nothing changed in between (ctime cannot be set back),
+    whatever the order the folders listed their entries in."""
+    base = os.fspath(base)
+    stats = {}  # type: dict
+    S_ISDIR, S_ISLNK = stat.S_ISDIR, stat.S_ISLNK
+    for rel, is_dir in _check_outputs(outputs):
+        modes = []  # type: list
+        parts = rel.split("/")[:-1]
+        for i in range(len(parts)):
+            try:
+                modes.append(os.lstat(os.path.join(base, *parts[: i + 1])).st_mode)
+            except OSError:
+                modes.append(None)
+                break
+        stats[(_PARENTS, rel)] = tuple(modes)
+        top = os.path.join(base, rel)
+        try:
+            st = None if None in modes else os.lstat(top)
+        except OSError:
+            st = None
+        stats[rel] = None if st is None else (st.st_mode, st.st_size, st.st_ctime_ns, st.st_ino)
+        if st is None or not (is_dir and S_ISDIR(st.st_mode)):
+            continue
+        stack = [(top, rel)]
+        while stack:
+            dir_abs, dir_rel = stack.pop()
+            try:
+                it = os.scandir(dir_abs)
+            except OSError:
+                stats[(dir_rel, "listing")] = None  # unreadable now: differs from any walk that read it
+                continue
+            with it:
+                for de in it:
+                    erel = dir_rel + "/" + de.name
+                    try:
+                        est = de.stat(follow_symlinks=False)
+                    except OSError:
+                        stats[erel] = None
+                        continue
+                    emode = est.st_mode
+                    stats[erel] = (emode, est.st_size, est.st_ctime_ns, est.st_ino)
+                    if S_ISDIR(emode):
+                        stack.append((de.path, erel))
+                    elif S_ISLNK(emode):
+                        stats[erel] += (_readlink_or_none(de.path),)
+    return stats
+
+
 def _readlink_or_none(path):
     # type: (str) -> str | None
     try:
@@ -598,58 +683,152 @@ def diff_manifests(expected, actual):
 # ----------------------------------------------------------------- CLI
 
 
-def manifest_with_cache_file(base, outputs, cache_file):
-    # type: (str, list, str | None) -> dict
-    """build_manifest with its hash cache kept in a JSON file (the worker
-    fills it at the end of a run, so a fetch's manifests cost stats only).
-    Used only where the run ran: the fetched copy is hashed whole on this
-    side, so a stale entry can only make a fetch refused, never accepted,
-    and young files are cached too."""
-    cache = {}  # type: dict
+class _ChangeNotingDict(dict):
+    """A dict that notes item assignment and deletion, the only ways
+    build_manifest changes a cache: an unchanged cache is not rewritten."""
+
+    changed = False
+
+    def __setitem__(self, key, value):
+        # type: (str, list) -> None
+        self.changed = True
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key):
+        # type: (str) -> None
+        self.changed = True
+        dict.__delitem__(self, key)
+
+
+def _load_cache_file(cache_file):
+    # type: (str | None) -> _ChangeNotingDict
+    cache = _ChangeNotingDict()
     if cache_file:
         try:
             with open(cache_file) as f:
                 loaded = json.load(f)
             if isinstance(loaded, dict):
-                cache = loaded
+                return _ChangeNotingDict(loaded)
         except (OSError, ValueError):
             pass
+        cache.changed = True  # missing or unreadable: write a good one
+    return cache
+
+
+def _save_cache_file(cache, cache_file):
+    # type: (_ChangeNotingDict, str | None) -> None
+    if not cache_file or not cache.changed:
+        return
+    tmp = "%s.%d.tmp" % (cache_file, os.getpid())
+    with open(tmp, "w") as f:
+        json.dump(cache, f, separators=(",", ":"))
+    os.replace(tmp, cache_file)
+    cache.changed = False
+
+
+def manifest_with_cache_file(base, outputs, cache_file):
+    # type: (str, list, str | None) -> dict
+    """build_manifest with its hash cache kept in a JSON file (the worker
+    fills it at the end of a run, so a fetch's manifest costs stats only).
+    Used only where the run ran: the fetched copy is hashed whole on this
+    side, so a stale entry can only make a fetch refused, never accepted,
+    and young files are cached too. The file is rewritten only if the cache
+    changed."""
+    cache = _load_cache_file(cache_file)
     manifest = build_manifest(base, outputs, cache, cache_young=True)
-    if cache_file:
-        tmp = "%s.%d.tmp" % (cache_file, os.getpid())
-        with open(tmp, "w") as f:
-            json.dump(cache, f)
-        os.replace(tmp, cache_file)
+    _save_cache_file(cache, cache_file)
     return manifest
+
+
+def manifest_json(manifest):
+    # type: (dict) -> bytes
+    """canonical_json(manifest) as one line of bytes, built around the
+    entries' JSON, which is encoded once: the keys of a manifest sort as
+    digest, entries, missing, version. A manifest built with digest=False
+    gets its digest here, from that same JSON."""
+    entries = canonical_json(manifest["entries"]).encode()
+    if manifest["digest"] is None:
+        manifest["digest"] = hashlib.sha256(entries).hexdigest()
+    head = '{"digest":%s,"entries":' % json.dumps(manifest["digest"])
+    tail = ',"missing":%s,"version":%s}\n' % (
+        canonical_json(manifest["missing"]), json.dumps(manifest["version"]))
+    return head.encode() + entries + tail.encode()
+
+
+CHECK_REQUEST = b"check\n"
+
+
+def watch(base, outputs, cache_file, stdin, stdout):
+    # type: (str, list, str | None, BinaryIO, BinaryIO) -> int
+    """The remote side of a fetch, in one process (one manifest sent, one
+    interpreter started):
+
+    1. the outputs' manifest (from the hash cache), printed as one line of
+       canonical JSON, its walk noting what it saw of each entry
+       (``tree_stats``);
+    2. on the line ``check`` from `stdin` (the copy has ended),
+       ``tree_stats`` again, compared with what the manifest's walk saw and
+       answered as one JSON line: ``{"unchanged": true}``, or
+       ``{"unchanged": false, "why": "..."}``. End of input without it: exit.
+
+    Equal stats mean no entry changed between the moment the manifest's walk
+    looked at it and the end of the copy, so the manifest describes one
+    state of the tree, which also held while the copy read it (the copy is
+    hashed whole on the other side and compared with it). A ctime proves
+    nothing about changes within its own timestamp tick: if any entry
+    changed less than RACY_SECONDS before the walk, the manifest is also
+    built again (hashes cached by size, mtime and inode) and compared, as
+    two whole manifests were before."""
+    started = time.time_ns()
+    cache = _load_cache_file(cache_file)
+    seen = {}  # type: dict
+    manifest = build_manifest(base, outputs, cache, cache_young=True, digest=False, stats=seen)
+    newest = max([v[2] for k, v in seen.items() if isinstance(k, str) and v is not None] or [0])
+    racy = newest >= started - RACY_SECONDS * 1000000000
+    stdout.write(manifest_json(manifest))  # digests the entries' JSON it writes
+    stdout.flush()
+    _save_cache_file(cache, cache_file)  # after the answer: the copy need not wait for it
+    request = stdin.readline()
+    if request != CHECK_REQUEST:
+        return 0
+    answer = {"unchanged": True}  # type: dict
+    if tree_stats(base, outputs) != seen:
+        answer = {"unchanged": False, "why": "what a stat of each entry says changed"}
+    elif racy and build_manifest(base, outputs, cache, cache_young=True)["digest"] != manifest["digest"]:
+        answer = {"unchanged": False, "why": "its manifest changed"}
+    stdout.write((canonical_json(answer) + "\n").encode())
+    stdout.flush()
+    return 0
 
 
 def main(argv=None):
     # type: (list | None) -> int
     args = list(sys.argv[1:] if argv is None else argv)
     cache_file = None
+    watching = "--watch" in args
+    if watching:
+        args.remove("--watch")
     if "--cache" in args:
         at = args.index("--cache")
         cache_file = args[at + 1] if at + 1 < len(args) else None
         del args[at : at + 2]
     if len(args) < 2 or args[0] in ("-h", "--help") or ("--cache" in (argv or sys.argv) and not cache_file):
-        sys.stderr.write("usage: manifest.py BASE OUTPUT [OUTPUT...] [--cache FILE]\n")
+        sys.stderr.write("usage: manifest.py BASE OUTPUT [OUTPUT...] [--cache FILE] [--watch]\n")
         return 2
     base = args[0]
     if not os.path.isdir(base):
         sys.stderr.write("manifest.py: %s is not a folder\n" % base)
         return 1
+    out = getattr(sys.stdout, "buffer", sys.stdout)
     try:
+        if watching:
+            return watch(base, args[1:], cache_file, getattr(sys.stdin, "buffer", sys.stdin), out)
         manifest = manifest_with_cache_file(base, args[1:], cache_file)
     except ManifestError as exc:
         sys.stderr.write("manifest.py: %s\n" % exc)
         return 1
-    out = getattr(sys.stdout, "buffer", None)
-    data = (canonical_json(manifest) + "\n").encode()
-    if out is not None:
-        out.write(data)
-        out.flush()
-    else:
-        sys.stdout.write(data.decode())
+    out.write(manifest_json(manifest))
+    out.flush()
     return 0
 
 

@@ -24,5 +24,9 @@ def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
         raise
 
 
-def write_json_atomic(path: Path, data: Any, mode: int = 0o600) -> None:
-    write_bytes_atomic(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), mode)
+def write_json_atomic(path: Path, data: Any, mode: int = 0o600, indent: int | None = 1) -> None:
+    """Sorted keys; indented for people to read, or (`indent=None`) compact,
+    which json encodes in C: for large machine files (manifests, caches)."""
+    separators = (",", ":") if indent is None else None
+    text = json.dumps(data, indent=indent, sort_keys=True, separators=separators)
+    write_bytes_atomic(path, (text + "\n").encode(), mode)

@@ -233,6 +233,19 @@ class SshConnection:
             raise BackendError(f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}") from None
         return RemoteResult(code, bytes(out), bytes(err))
 
+    def open_command(self, argv: list[str]) -> paramiko.Channel:
+        """Start argv on the host (quoted for its shell) and return its
+        channel, for a conversation over its stdin and stdout; the caller
+        reads, writes and closes it."""
+        command = shlex.join(argv)
+        try:
+            channel = self.client().get_transport().open_session()  # type: ignore[union-attr]
+            channel.exec_command(command)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            self.close()
+            raise BackendError(f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}") from None
+        return channel
+
     def check(self, argv: list[str], what: str, **kwargs: float | bytes | None) -> RemoteResult:
         result = self.run(argv, **kwargs)  # type: ignore[arg-type]
         if result.returncode != 0:

@@ -27,10 +27,13 @@ def _next_to(final: Path, tag: str) -> Path:
     return final.with_name(f".{final.name}.substrax-{tag}-{secrets.token_hex(4)}")
 
 
-def promote_one(staged: Path, final: Path) -> None:
+def promote_one(staged: Path, final: Path) -> bool:
+    """Move `staged` to `final`; True if by renames alone (the very files
+    staged now stand there), False if it had to be copied."""
     final.parent.mkdir(parents=True, exist_ok=True)
     try:
         staged.replace(final) if not final.is_dir() or final.is_symlink() else _swap_dir(staged, final)
+        return True
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
@@ -46,6 +49,7 @@ def promote_one(staged: Path, final: Path) -> None:
             if beside.exists() or beside.is_symlink():
                 remove_path(beside)
         remove_path(staged)
+        return False
 
 
 def _swap_dir(staged: Path, final: Path) -> None:
@@ -61,8 +65,12 @@ def _swap_dir(staged: Path, final: Path) -> None:
     remove_path(aside)
 
 
-def promote(staging_root: Path, project: Path, outputs: list[str]) -> None:
-    """Move each output from `staging_root/<out>` to `project/<out>`."""
+def promote(staging_root: Path, project: Path, outputs: list[str]) -> bool:
+    """Move each output from `staging_root/<out>` to `project/<out>`. True
+    if every one was moved by renames alone, so the project holds the very
+    files that were staged (and verified there)."""
+    renamed = True
     for out in outputs:
         rel = out.rstrip("/")
-        promote_one(staging_root / rel, project / rel)
+        renamed = promote_one(staging_root / rel, project / rel) and renamed
+    return renamed

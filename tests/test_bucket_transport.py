@@ -119,15 +119,16 @@ def test_an_object_added_under_an_output_folder_fails_verification(s3_env: S3Ser
     assert "extra: reports/extra.txt (file)" in problems, problems
 
 
-def test_an_output_that_is_not_in_the_bucket_is_named_and_nothing_lands(
+def test_an_output_gone_from_the_bucket_is_named_by_the_verification(
     s3_env: S3Server, tmp_path: Path
 ) -> None:
     run, _ = finished_run(s3_env, tmp_path)
     s3_env.filesystem().rm_file(f"{run}/outputs/model.bin".removeprefix("s3://"))
     staging = tmp_path / "staging"
-    with pytest.raises(BackendError, match=r"not in s3://.*/outputs: model\.bin; the bucket lost"):
-        fetch(BucketTransport(show_progress=False), run, staging)
-    assert not staging.exists() or not list(staging.rglob("*"))
+    manifest = fetch(BucketTransport(show_progress=False), run, staging)
+    assert not (staging / "model.bin").exists()
+    problems = manifest_cache.verify_outputs(staging, OUTPUTS, manifest, tmp_path / "cache.json")
+    assert "missing output: model.bin" in problems, problems
 
 
 # ----------------------------------------------------------- the manifest

@@ -517,6 +517,105 @@ def test_cli_usage_errors(tmp_path: Path) -> None:
     assert "is not a folder" in proc.stderr
 
 
+# The fetch's remote side: `manifest.py ... --watch` (RACY_SECONDS set to 0
+# makes the fresh test tree count as old, so the stamp alone decides).
+WATCH = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import manifest
+manifest.RACY_SECONDS = int(sys.argv[2])
+sys.exit(manifest.main(sys.argv[3:]))
+"""
+
+
+def start_watch(project: Path, cache: Path, racy_seconds: int = 2) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [str(py38()), "-c", WATCH, str(remote_script("manifest.py").parent), str(racy_seconds),
+         str(project), "out/", "report.txt", "--cache", str(cache), "--watch"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def ask(proc: subprocess.Popen[bytes]) -> tuple[dict[str, Any], bytes]:
+    """Send the check request (the manifest line already read); the answer
+    and what came after it."""
+    out, err = proc.communicate(b"check\n", timeout=60)
+    assert proc.returncode == 0, err
+    answer, *rest = out.splitlines(keepends=True)
+    return json.loads(answer), b"".join(rest)
+
+
+@pytest.mark.parametrize("racy_seconds", [0, 2])
+def test_watch_prints_the_manifest_then_answers_unchanged_under_python38(
+    project: Path, tmp_path: Path, racy_seconds: int
+) -> None:
+    cache = tmp_path / "cache.json"
+    proc = start_watch(project, cache, racy_seconds)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    expected = build_manifest(project, ["out/", "report.txt"])
+    assert json.loads(line) == expected
+    assert line == (manifest_module().canonical_json(expected) + "\n").encode()  # type: ignore[attr-defined]
+    answer, after = ask(proc)
+    assert answer == {"unchanged": True} and after == b""
+    assert set(json.loads(cache.read_text())) == {"out/a.txt", "out/run.sh", "out/sub/b.bin", "report.txt"}
+
+
+@pytest.mark.parametrize("racy_seconds", [0, 2])
+@pytest.mark.parametrize("change", ["append", "chmod", "new file", "same size, old mtime"])
+def test_watch_answers_changed_when_the_outputs_changed_after_the_manifest(
+    project: Path, tmp_path: Path, racy_seconds: int, change: str
+) -> None:
+    proc = start_watch(project, tmp_path / "cache.json", racy_seconds)
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    target = project / "out/a.txt"
+    if change == "append":
+        with target.open("ab") as f:
+            f.write(b"more")
+    elif change == "chmod":
+        target.chmod(0o600)
+    elif change == "new file":
+        write(project / "out/sub/new.txt", b"new")
+    else:  # what a cache keyed by size and mtime alone would miss
+        st = target.stat()
+        target.write_bytes(b"ALPHA\n")
+        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    answer, _ = ask(proc)
+    assert answer["unchanged"] is False, answer
+    assert answer["why"]
+
+
+def test_watch_exits_at_the_end_of_its_input_without_checking(project: Path, tmp_path: Path) -> None:
+    proc = start_watch(project, tmp_path / "cache.json")
+    out, err = proc.communicate(b"", timeout=60)
+    assert proc.returncode == 0, err
+    assert len(out.splitlines()) == 1  # the manifest, no answer
+
+
+def test_watch_refuses_an_escaping_symlink_before_printing_anything(project: Path, tmp_path: Path) -> None:
+    os.symlink("/etc/passwd", project / "out/leak")
+    proc = start_watch(project, tmp_path / "cache.json")
+    out, err = proc.communicate(b"check\n", timeout=60)
+    assert proc.returncode == 1
+    assert out == b""
+    assert b"manifest.py: symlink out/leak -> /etc/passwd" in err
+
+
+def test_cache_file_is_rewritten_only_when_it_changed(project: Path, tmp_path: Path) -> None:
+    mod: Any = manifest_module()
+    cache = tmp_path / "cache.json"
+    mod.manifest_with_cache_file(str(project), ["out/"], str(cache))
+    before = cache.stat()
+    mod.manifest_with_cache_file(str(project), ["out/"], str(cache))
+    after = cache.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    write(project / "out/a.txt", b"changed\n")
+    mod.manifest_with_cache_file(str(project), ["out/"], str(cache))
+    assert cache.stat().st_ino != before.st_ino
+    assert json.loads(cache.read_text())["out/a.txt"][3] == sha(b"changed\n")
+
+
 def test_cache_stamp_and_diff_work_under_python38(project: Path) -> None:
     age(project)
     code = """
@@ -729,3 +828,71 @@ def test_promoted_files_reuse_hashes_from_staging(tmp_path: Path) -> None:
     cache = HashCache.load(cache_file)
     assert build_manifest(proj, ["out/"], cache.entries)["digest"] == expected["digest"]
     assert not cache.changed
+
+
+def test_verify_with_a_seed_uses_its_hashes_and_keeps_only_old_files(project: Path, tmp_path: Path) -> None:
+    """A fetch hashes its copy as files arrive; verification reuses those
+    hashes while the files match, and remembers them only as the cache's
+    own racy rule allows."""
+    expected = build_manifest(project, ["out/"])
+    age(project)
+    (project / "out/run.sh").touch()  # modified just now: young
+    seed = {}
+    for rel in ("out/a.txt", "out/run.sh"):
+        st = (project / rel).stat()
+        seed[rel] = [st.st_size, st.st_mtime_ns, st.st_ino, sha((project / rel).read_bytes())]
+    seed["out/a.txt"][3] = sha(b"what the seed claims")  # a seed is believed while its file matches
+    cache_file = tmp_path / "cache.json"
+    problems = verify_outputs(project, ["out/"], expected, cache_file, seed=seed)
+    assert [p.split(" (")[0] for p in problems] == ["changed content: out/a.txt"]
+    kept = HashCache.load(cache_file).entries
+    assert "out/run.sh" not in kept  # young: not remembered
+    assert kept["out/sub/b.bin"][3] == sha(bytes(range(256)) * 10)  # old, hashed by the walk
+    assert kept["out/a.txt"][3] == sha(b"what the seed claims")  # stays until its file changes
+
+
+@pytest.mark.parametrize("digest_checked", [False, True])
+def test_verify_compares_entries_whether_or_not_the_digest_was_checked(
+    project: Path, tmp_path: Path, digest_checked: bool
+) -> None:
+    expected = build_manifest(project, ["out/"])
+    cache_file = tmp_path / "cache.json"
+    assert verify_outputs(project, ["out/"], expected, cache_file, digest_checked=digest_checked) == []
+    (project / "out/run.sh").chmod(0o700)
+    problems = verify_outputs(project, ["out/"], expected, cache_file, digest_checked=digest_checked)
+    assert problems == ["changed mode: out/run.sh (0755 -> 0700)"]
+    (project / "out/run.sh").chmod(0o755)
+    damaged = {**expected, "digest": "0" * 64}  # only a caller that did not check it can tell
+    problems = verify_outputs(project, ["out/"], damaged, cache_file, digest_checked=digest_checked)
+    assert bool(problems) is not digest_checked
+    assert all("the record is damaged" in p for p in problems)
+
+
+def change_tree(project: Path, kind: str) -> None:
+    if kind == "chmod":
+        (project / "out/a.txt").chmod(0o600)
+    elif kind == "new file":
+        write(project / "out/sub/new.txt", b"n")
+    elif kind == "relink":
+        (project / "out/link_to_file").unlink()
+        os.symlink("run.sh", project / "out/link_to_file")
+    elif kind == "rename":
+        (project / "out/sub/b.bin").rename(project / "out/sub/c.bin")
+    else:  # a missing output appears
+        (project / "nope").mkdir()
+
+
+def test_tree_stats_equal_what_the_manifest_walk_saw_until_something_changes(project: Path) -> None:
+    mod: Any = manifest_module()
+    outputs = ["out/", "report.txt", "nope/", "gone/deeper/x.txt"]
+    seen: dict[Any, Any] = {}
+    mod.build_manifest(project, outputs, stats=seen)
+    assert mod.tree_stats(project, outputs) == seen
+    assert seen["nope"] is None and seen[("parents of", "gone/deeper/x.txt")] == (None,)
+    assert seen["out/link_to_file"][-1] == "a.txt"  # a link's text
+    for kind in ("chmod", "new file", "relink", "rename", "appears"):
+        change_tree(project, kind)
+        assert mod.tree_stats(project, outputs) != seen, kind
+        seen = {}
+        mod.build_manifest(project, outputs, stats=seen)
+        assert mod.tree_stats(project, outputs) == seen, kind

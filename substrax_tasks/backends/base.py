@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
@@ -50,12 +51,25 @@ class Fetched:
 
     root: a local folder holding the outputs at their project-relative paths;
     manifest: what they must match, taken where the run ran;
-    in_place: the outputs already stand at their final paths (no sandbox).
+    in_place: the outputs already stand at their final paths (no sandbox);
+    hashes: files under `root` already hashed here as they arrived, as
+    hash-cache entries (relative path -> [size, mtime_ns, inode, sha256]):
+    verification reuses an entry only while its file still matches it;
+    manifest_json: the manifest's JSON as received, if it was (saved as is);
+    digest_checked: the manifest's digest was checked against its entries;
+    confirm: from `Backend.begin_fetch`, the source's last word, which the
+    caller must call once it has verified the copy and before it promotes
+    anything: it raises BackendError if the outputs changed at the source
+    while they were copied (and ends the fetch either way).
     """
 
     root: Path
     manifest: dict[str, Any]
     in_place: bool = False
+    hashes: dict[str, list[Any]] = field(default_factory=dict)
+    manifest_json: bytes | None = None
+    digest_checked: bool = False
+    confirm: Callable[[], None] = field(default=lambda: None, compare=False)
 
 
 class Backend(ABC):
@@ -121,6 +135,14 @@ class Backend(ABC):
         staging folder and return them with the manifest taken over there.
         Must raise BackendError (and promote nothing) when the outputs
         changed while they were copied."""
+
+    def begin_fetch(self, handle: RunHandle) -> Fetched:
+        """`fetch`, except that its last check may still be under way:
+        `Fetched.confirm()` waits for it (raising BackendError if the
+        outputs changed at the source). The chain verifies the copy
+        meanwhile, then confirms before it promotes. Default: `fetch`, whose
+        check is over when it returns."""
+        return self.fetch(handle)
 
     def outputs_available(self, handle: RunHandle) -> bool:
         """Whether a finished run's outputs can still be fetched again."""

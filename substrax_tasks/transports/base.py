@@ -8,6 +8,7 @@ anything (the chain verifies and promotes what it brought back).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -34,6 +35,17 @@ class Transport(ABC):
         folder with everything in it). Creates `remote_root`."""
 
     @abstractmethod
-    def download(self, remote_root: str, rel_paths: list[str], local_root: Path) -> TransferStats:
+    def download(
+        self,
+        remote_root: str,
+        rel_paths: list[str],
+        local_root: Path,
+        on_file: Callable[[str], None] | None = None,
+    ) -> TransferStats:
         """Copy `remote_root/<rel>` to `local_root/<rel>` for each path that
-        exists there. Raises BackendError if the copy broke off."""
+        exists there. Raises BackendError if the copy broke off.
+
+        `on_file` (optional) is told the relative path of each file as the
+        copy finishes it, from the copy's thread; the file may reach its
+        final path a moment later. A hint for work that can overlap the
+        copy (hashing), never proof that a file arrived whole."""

@@ -163,30 +163,31 @@ class BucketTransport(Transport):
 
     # ------------------------------------------------------------- transfers
 
-    def download(self, remote_root: str, rel_paths: list[str], local_root: Path) -> TransferStats:
+    def download(
+        self,
+        remote_root: str,
+        rel_paths: list[str],
+        local_root: Path,
+        on_file: Callable[[str], None] | None = None,
+    ) -> TransferStats:
         """Copy ``remote_root/<rel>`` (an object, or every object under that
-        prefix) to ``local_root/<rel>``. A file that is not in the bucket is
-        a BackendError; a folder with no object under it arrives empty."""
+        prefix) to ``local_root/<rel>``. A path with nothing in the bucket
+        is skipped (verification against the manifest names it); a folder
+        output arrives, empty if nothing is under it.
+        `on_file` is told each file's relative path once it stands whole."""
         started = time.monotonic()
         fs, root = self.filesystem(remote_root)
         folders: list[Path] = [local_root]
         copies: list[_Copy] = []
-        absent: list[str] = []
         for rel in rel_paths:
             found = _remote_tree(fs, remote_root, root, rel)
             if found is None:
-                absent.append(rel)
-                continue
+                continue  # as the contract says: the verification names what did not come
             for sub, name, size in found:
                 if name is None:
                     folders.append(local_root / sub)
                 else:
                     copies.append(_Copy(name, str(local_root / sub), size))
-        if absent:
-            raise BackendError(
-                f"not in {remote_root.rstrip('/')}: {', '.join(absent)}; the bucket lost objects the "
-                "run wrote, or something else removed them. Nothing was fetched"
-            )
         try:
             for folder in folders:
                 folder.mkdir(parents=True, exist_ok=True)
@@ -209,6 +210,8 @@ class BucketTransport(Transport):
                 part.replace(final)
             finally:
                 part.unlink(missing_ok=True)
+            if on_file is not None:
+                on_file(final.relative_to(local_root).as_posix())
 
         return self._run("fetch", copies, fetch_one, lambda c: _uri(remote_root, root, c.source), started)
 
