@@ -154,7 +154,9 @@ def op_autostop(request):
 
 def op_cluster_status(request):
     # type: (dict) -> object
-    records = sky.get(sky.status(cluster_names=list(request["cluster_names"])))
+    """The named clusters' records; every cluster of this user's without names."""
+    names = request.get("cluster_names")
+    records = sky.get(sky.status(cluster_names=None if names is None else list(names)))
     return [{"name": field(r, "name"), "status": jsonable(field(r, "status"))} for r in (records or [])]
 
 
@@ -176,8 +178,33 @@ def op_tail_logs(request):
 
 def op_ssh_config(request):
     # type: (dict) -> object
-    """The ssh config SkyPilot wrote for a cluster (`ssh -F FILE CLUSTER`)."""
-    path = os.path.expanduser(os.path.join("~", ".sky", "generated", "ssh", request["cluster_name"]))
+    """The ssh config for a cluster (`ssh -F FILE CLUSTER`).
+
+    With `write`, (re)written first as the `sky status` command writes it on
+    the client: with SkyPilot's proxy where the cluster needs one (a Slurm
+    cluster's ssh goes through the API server into the job's allocation,
+    where the session lands in the cluster's own home; Kubernetes' pods
+    likewise). A local API server writes one itself while it provisions, but
+    for Slurm that one logs into the login node, in the user's own home, and
+    a remote API server writes none here. The SDK has no call for this in
+    0.14 (the CLI's helper, a TODO to move into the SDK): without it, the
+    config already there is all there is.
+    """
+    name = request["cluster_name"]
+    path = os.path.expanduser(os.path.join("~", ".sky", "generated", "ssh", name))
+    if request.get("write"):
+        writer = None
+        try:
+            from sky.client.cli import command as cli
+
+            writer = getattr(cli, "_get_cluster_records_and_set_ssh_config", None)
+        except ImportError:
+            pass
+        if writer is not None:
+            import contextlib
+
+            with contextlib.redirect_stdout(sys.stderr):  # one JSON line on stdout, nothing else
+                writer([name])
     return {"path": path if os.path.isfile(path) else None}
 
 

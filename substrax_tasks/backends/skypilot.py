@@ -20,6 +20,7 @@ launch-request.json (SkyPilot's request id, written the moment it exists).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import IO, Any
+
+from pydantic import BaseModel
 
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import emit
@@ -39,6 +42,7 @@ from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.backends.skypilot_settings import SkypilotSettings
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.store import RunStore
 from substrax_tasks.transports.rsync import RsyncTransport
 
 if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only
@@ -87,7 +91,27 @@ class ClusterTarget:
 
     def ssh_argv(self, multiplex: bool = True) -> list[str]:
         argv = ["ssh", "-F", str(self.config_file), "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"]
+        argv += [arg for key in self.home_identities() for arg in ("-i", str(key))]
         return argv + (multiplexing(self.control_path()) if multiplex else [])
+
+    def home_identities(self) -> list[Path]:
+        """The config's `IdentityFile ~/...` keys, under SkyPilot's HOME.
+
+        SkyPilot means its own HOME by `~` (it writes the key there), but
+        ssh expands `~` to the home in the password database: with HOME set
+        elsewhere (a container, CI, a test) ssh would not find the key."""
+        try:
+            text = self.config_file.read_text()
+        except OSError:
+            return []
+        found = []
+        for line in text.splitlines():
+            words = line.replace("=", " ", 1).split()
+            if len(words) == 2 and words[0].lower() == "identityfile" and words[1].startswith("~/"):
+                key = Path.home() / words[1][2:]
+                if key.is_file():
+                    found.append(key)
+        return found
 
     def run(self, argv: list[str], *, timeout: float | None = 120) -> RemoteResult:
         import shlex
@@ -110,6 +134,10 @@ class SkypilotBackend(Backend):
     Settings = SkypilotSettings
     settings: SkypilotSettings
 
+    def __init__(self, settings: BaseModel, store: RunStore) -> None:
+        super().__init__(settings, store)
+        self._ssh_config_written: set[str] = set()  # clusters asked once in this process
+
     # ------------------------------------------------------------ helpers
     def sky(self) -> SkyClient:
         return SkyClient(self.settings.sky_python)
@@ -119,7 +147,14 @@ class SkypilotBackend(Backend):
         return recorded if isinstance(recorded, str) else sky_task.cluster_name(self.settings, handle)
 
     def layout(self, handle: RunHandle) -> sky_task.ClusterLayout:
-        return sky_task.layout_for(self.settings, handle, remote_dir())
+        layout = sky_task.layout_for(self.settings, handle, remote_dir())
+        # The scripts the launch uploaded, even if this installation's differ
+        # by now (an upgrade between launch and fetch): their folder is named
+        # after their digest.
+        pinned = handle.state.get("bin_digest")
+        if isinstance(pinned, str) and pinned != layout.bin_digest:
+            layout = dataclasses.replace(layout, bin_digest=pinned)
+        return layout
 
     def _run_file(self, handle: RunHandle, name: str) -> Path:
         return self.store.run_dir(handle.run_id) / name
@@ -143,8 +178,22 @@ class SkypilotBackend(Backend):
         cluster = self.cluster(handle)
         return ClusterTarget(cluster, Path.home() / ".sky" / "generated" / "ssh" / cluster)
 
+    def _write_ssh_config(self, handle: RunHandle) -> None:
+        """Have SkyPilot (re)write the cluster's ssh config here, as its
+        `sky status` does: the one a local API server writes while it
+        provisions reaches a Slurm cluster's login node, not the job (see
+        remote/sky_sdk.py), and a remote API server writes none here."""
+        cluster = self.cluster(handle)
+        self._ssh_config_written.add(cluster)
+        try:
+            self.sky().call("ssh_config", {"cluster_name": cluster, "write": True})
+        except SubstraxError as exc:
+            emit(f"{handle.step}: could not write the ssh config of {cluster}: {exc}", err=True)
+
     def _ssh(self, handle: RunHandle, argv: list[str], what: str) -> RemoteResult:
         target = self.target(handle)
+        if not target.config_file.is_file() and target.host not in self._ssh_config_written:
+            self._write_ssh_config(handle)  # another machine's launch, or one before an upgrade
         if not target.config_file.is_file():
             raise BackendError(
                 f"run {handle.run_id}: no ssh access to cluster {target.host} "
@@ -178,7 +227,9 @@ class SkypilotBackend(Backend):
         cluster = self.cluster(handle)
         # The intent, before any paid call: what would be launched, and where.
         write_json_atomic(self._run_file(handle, TASK_FILE), config)
-        handle = self.store.update_state(handle, cluster=cluster, remote_run=layout.run)
+        handle = self.store.update_state(
+            handle, cluster=cluster, remote_run=layout.run, bin_digest=layout.bin_digest
+        )
         self._validate(config)
         log = self._run_file(handle, "launch.log")
         relay = _LogRelay(log, f"{handle.step}: ")
@@ -214,7 +265,9 @@ class SkypilotBackend(Backend):
         job_id = result.get("job_id") if isinstance(result, dict) else None
         if not isinstance(job_id, int):
             raise BackendError(f"run {handle.run_id}: SkyPilot launched {cluster} but submitted no job")
-        return self.store.update_state(handle, job_id=job_id)
+        handle = self.store.update_state(handle, job_id=job_id)
+        self._write_ssh_config(handle)
+        return handle
 
     def _validate(self, config: dict[str, Any]) -> None:
         try:
@@ -297,10 +350,7 @@ class SkypilotBackend(Backend):
                 "job_status", {"cluster_name": self.cluster(handle), "job_ids": [job_id]}
             )
         except SkyCallError as exc:
-            if exc.kind in CLUSTER_GONE:
-                return RunStatus("lost", message=f"its cluster {self.cluster(handle)} is gone or "
-                                 f"going (torn down, or its lifetime ran out): {exc.kind}")  # fmt: skip
-            raise
+            return self._status_after_error(handle, exc)
         value = (answer or {}).get(str(job_id))
         if value is None:
             return RunStatus("lost", message=f"job {job_id} is not in the queue of {self.cluster(handle)}")
@@ -310,6 +360,27 @@ class SkypilotBackend(Backend):
         status = self._final_from_worker(handle, RunStatus(state, message=f"SkyPilot job {value}"))
         self.store.update_state(handle, final_status=status.__dict__)
         return status
+
+    def _status_after_error(self, handle: RunHandle, exc: SkyCallError) -> RunStatus:
+        """SkyPilot could not read the job's status. While another process
+        cancels the run, its cluster is going: SkyPilot then fails in ways
+        of its own (on Slurm, a CommandError once the cluster's runtime is
+        removed), which say nothing about the run; the canceller's record
+        tells the end."""
+        with contextlib.suppress(SubstraxError):
+            handle = self.store.read(handle.run_id)
+        final = handle.state.get("final_status")
+        if isinstance(final, dict):
+            return RunStatus(**final)
+        cluster = self.cluster(handle)
+        if handle.state.get("cancel_requested"):
+            if exc.kind in CLUSTER_GONE:
+                return RunStatus("cancelled", message=f"cancelled; its cluster {cluster} was taken down")
+            return RunStatus("running", message=f"being cancelled (SkyPilot: {exc.kind})")
+        if exc.kind in CLUSTER_GONE:
+            return RunStatus("lost", message=f"its cluster {cluster} is gone or going (torn down, "
+                             f"or its lifetime ran out): {exc.kind}")  # fmt: skip
+        raise exc
 
     def _launch_status(self, handle: RunHandle) -> RunStatus:
         rid = self._request_id(handle)
@@ -338,6 +409,10 @@ class SkypilotBackend(Backend):
         agrees = (worker.state == "succeeded") == (status.state == "succeeded")
         if not worker.final or not agrees:
             return status
+        if worker.state == "lost":
+            # No end in its record: the worker was killed (SkyPilot's cancel
+            # on Slurm does not wait for it), which SkyPilot's verdict says.
+            return RunStatus(status.state, started_at=worker.started_at, message=status.message)
         return worker
 
     def _remote_status(self, handle: RunHandle) -> dict[str, Any]:
@@ -361,6 +436,9 @@ class SkypilotBackend(Backend):
         status = self.poll(handle)
         if status.final and status.state != "lost":
             return False
+        # Told first: a client waiting on the run reads SkyPilot's failures
+        # while the cluster goes as the cancel they are (_status_after_error).
+        handle = self.store.update_state(handle, cancel_requested=True)
         cluster = self.cluster(handle)
         failures: list[Exception] = []
         rid = self._request_id(handle)
