@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from testbeds.sshd_host import _stat as proc_stat
 
 REPO = Path(__file__).resolve().parent.parent
 SKY_VERSION = "0.14.1"
@@ -289,12 +290,7 @@ def run_driver(
 # ------------------------------------------------------------------ processes
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes().decode(errors="replace")
-    except OSError:
-        return None
-    return raw[raw.rfind(")") + 2 :].split()
+_stat_fields = proc_stat  # one reading of /proc/PID/stat, the test bed's
 
 
 @dataclass(frozen=True)
