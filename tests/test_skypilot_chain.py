@@ -39,7 +39,7 @@ from dodo_helpers import (
     wait_for,
 )
 from fakesky_cleanup import cleanup, fakesky_env, leftovers
-from s3_server import S3Server
+from s3_server import S3Server, running_s3_server
 from ssh_helpers import SANDBOX, needs_root, needs_sshd, only_handle, ssh_host, toml_value, write_ssh_dodo
 from testbeds.sshd_host import SshHost
 
@@ -306,12 +306,17 @@ def test_the_lifetime_takes_the_cluster_down_with_no_client_present(sky: Sky, ma
     assert json.loads(status.stdout)["runs"][0]["state"] == "lost"  # its cluster went by itself
 
 
-def test_the_bucket_transport_fetches_from_a_real_s3_server_and_verifies(
-    sky: Sky, s3_server: S3Server
-) -> None:
+def test_the_bucket_transport_fetches_from_a_real_s3_server_and_verifies(sky: Sky, tmp_path: Path) -> None:
     """Outputs written to the mounted bucket (the fake mounts a bucket as
     the folder the S3 server serves), fetched with s3fs through the real S3
-    API, verified against the manifest the worker wrote beside them."""
+    API, verified against the manifest the worker wrote beside them. A
+    server of its own: rclone caches folder listings for minutes, so one
+    that listed the bucket before would not see what the job wrote there."""
+    with running_s3_server(tmp_path / "s3") as s3_server:
+        bucket_chain(sky, s3_server)
+
+
+def bucket_chain(sky: Sky, s3_server: S3Server) -> None:
     sky.project()
     sky.configure(bucket={"outputs_bucket": f"s3://{s3_server.bucket}/runs", "lifetime_minutes": 10.0})
     sky.env.update(s3_server.env)

@@ -43,8 +43,10 @@ def test_a_file_not_yet_in_place_is_tried_again_after_the_next_name(tmp_path: Pa
     with StagedHasher(tmp_path) as hasher:
         hasher.add("out/late.txt")  # not there yet
         hasher.add("out/missing.txt")  # never will be
-        (tmp_path / "out/late.txt").write_bytes(b"late\n")
-        (tmp_path / "out/next.txt").write_bytes(b"next\n")
+        # as rsync does: written under a temp name, renamed into place whole
+        for name, data in (("late.txt", b"late\n"), ("next.txt", b"next\n")):
+            (tmp_path / "out" / f".{name}.tmp").write_bytes(data)
+            (tmp_path / "out" / f".{name}.tmp").replace(tmp_path / "out" / name)
         hasher.add("out/next.txt")
     assert sorted(hasher.entries) == ["out/late.txt", "out/next.txt"]
     assert hasher.entries["out/late.txt"] == entry_of(tmp_path / "out/late.txt")
