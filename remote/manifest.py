@@ -185,8 +185,9 @@ def _link_escape(base, out_parts, link_parts, target):
 # ----------------------------------------------------------------- building
 
 
-def _kind(mode):
+def kind_of(mode):
     # type: (int) -> str
+    """What a file mode is, in words (also for messages on this side)."""
     if stat.S_ISDIR(mode):
         return "folder"
     if stat.S_ISREG(mode):
@@ -253,7 +254,7 @@ def _check_parents(base, rel, modes=None):
                 "output %s lies under %s, a symlink: refused, never followed" % (rel, sub)
             )
         if not stat.S_ISDIR(st.st_mode):
-            raise ManifestError("output %s lies under %s, which is a %s" % (rel, sub, _kind(st.st_mode)))
+            raise ManifestError("output %s lies under %s, which is a %s" % (rel, sub, kind_of(st.st_mode)))
     return True
 
 
@@ -359,7 +360,7 @@ def _build(base, checked, cache, cache_young=False, stats=None):
             if not S_ISDIR(mode):
                 raise ManifestError(
                     "output %s/ is declared as a folder but is a %s%s"
-                    % (rel, _kind(mode), ": refused, never followed" if S_ISLNK(mode) else "")
+                    % (rel, kind_of(mode), ": refused, never followed" if S_ISLNK(mode) else "")
                 )
         elif S_ISDIR(mode):
             raise ManifestError(
@@ -375,7 +376,7 @@ def _build(base, checked, cache, cache_young=False, stats=None):
             add(file_entry(top, rel, st))
             continue
         else:
-            raise ManifestError("output %s is a %s, not a file" % (rel, _kind(mode)))
+            raise ManifestError("output %s is a %s, not a file" % (rel, kind_of(mode)))
 
         add({"path": rel, "type": "dir", "size": 0, "mode": mode & 0o7777, "sha256": None, "target": None})
         out_parts = rel.split("/")
@@ -407,7 +408,7 @@ def _build(base, checked, cache, cache_young=False, stats=None):
                     else:
                         raise ManifestError(
                             "%s is a %s: outputs may hold only files, folders and symlinks"
-                            % (erel, _kind(emode))
+                            % (erel, kind_of(emode))
                         )
 
     if cache is not None:

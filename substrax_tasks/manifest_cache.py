@@ -62,6 +62,8 @@ class ManifestModule(Protocol):
 
     def entries_digest(self, entries: list[dict[str, Any]]) -> str: ...
 
+    def kind_of(self, mode: int) -> str: ...
+
 
 _load_lock = threading.Lock()
 

@@ -429,13 +429,9 @@ def _local_files(local_root: Path, rel: str) -> Iterator[tuple[str, int]]:
 
 
 def _kind(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    if stat.S_ISFIFO(mode):
-        return "fifo"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    return "special file"
+    from substrax_tasks.manifest_cache import manifest_module
+
+    return manifest_module().kind_of(mode)
 
 
 def _uri(remote_root: str, root: str, path: str) -> str:
