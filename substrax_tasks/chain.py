@@ -580,7 +580,9 @@ class StepRunner:
                     pending = handle
                     handle = self._retrying("start", lambda: _started(backend, pending))
                 handle = self._save(handle, phase="started")
-            status = backend.stream_log(handle, cast(IO[bytes], _TextSink()), follow=True)
+            # The connection the fetch will use is kept up meanwhile.
+            with backend.ready_for_fetch(handle):
+                status = backend.stream_log(handle, cast(IO[bytes], _TextSink()), follow=True)
         except KeyboardInterrupt:
             self.interrupted = True
             self._on_interrupt(backend, handle)

@@ -8,6 +8,7 @@ Add a backend by adding a parameter to the `bound` fixture.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -101,6 +102,21 @@ def bound(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Mo
     yield Bound(request.param, project)
 
 
+def live_children() -> set[int]:
+    """This process's children that have not ended (zombies excluded)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            found.add(int(entry))
+    return found
+
+
 def wait_final(backend: Backend, handle: RunHandle) -> str:
     seen: list[str] = []
 
@@ -119,7 +135,11 @@ def test_a_trivial_run_succeeds_logs_fetches_and_tears_down_twice(bound: Bound) 
         ["/bin/sh", "-c", "mkdir -p out && echo contract-log-line && echo v > out/v.txt"], ["out/"]
     )
     assert backend.name == bound.name
-    assert wait_final(backend, handle) == "succeeded"
+    before = live_children()
+    # what the chain holds while it waits for a run ends with the block
+    with backend.ready_for_fetch(handle):
+        assert wait_final(backend, handle) == "succeeded"
+    wait_for(lambda: live_children() <= before, "what ready_for_fetch started to end", WAIT)
     assert backend.poll(handle).exit_code == 0
 
     log = backend.read_log(handle, 0)

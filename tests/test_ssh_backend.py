@@ -36,6 +36,7 @@ from ssh_helpers import (
 )
 from testbeds.sshd_host import SshHost
 
+from substrax_tasks._ssh import SshTarget
 from substrax_tasks.backends.ssh import SshSettings
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
@@ -275,3 +276,95 @@ def test_fetch_on_a_terminal_shows_a_progress_bar_not_the_summary_line(tmp_path:
     assert (tmp_path / "got" / "big.bin").stat().st_size == 8 << 20
     assert "fetch" in text and "━" in text and "8.4/8.4 MB" in text, text  # the bar: bytes done
     assert "fetch: 1 files" not in text, text  # no summary line on a terminal
+
+
+# ------------------------------------------------- the master held for a fetch
+
+HOLD_SCRIPT = """
+import json, sys
+from substrax_tasks._ssh import SshTarget
+target = SshTarget(**json.loads(sys.argv[1]))
+with target.master_held():
+    print("held", flush=True)
+    sys.stdin.readline()
+print("released", flush=True)
+"""
+
+
+def cats_of(uid: int) -> list[int]:
+    """The held sessions' `cat` on the host (it runs here, as the test's own user)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if Path(f"/proc/{entry}/comm").read_text().strip() != "cat":
+                continue
+            if (
+                os.stat(f"/proc/{entry}").st_uid == uid
+                and "State:\tZ" not in Path(f"/proc/{entry}/status").read_text()
+            ):
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def master_alive(target: SshTarget) -> bool:
+    check = [*target.ssh_argv(), "-O", "check", target.host]
+    return subprocess.run(check, capture_output=True, timeout=10, check=False).returncode == 0
+
+
+@needs_sshd
+@needs_root
+@pytest.mark.parametrize("end", ["released", "holder killed"])
+def test_a_held_master_serves_the_next_rsync_and_ends_with_its_holder(
+    tmp_path: Path, host: SshHost, end: str
+) -> None:
+    fields = {
+        "host": host.address, "port": host.port, "user": host.user,
+        "identity_file": str(host.client_key), "known_hosts": str(host.known_hosts),
+    }  # fmt: skip
+    target = SshTarget(
+        host=host.address, port=host.port, user=host.user,
+        identity_file=str(host.client_key), known_hosts=str(host.known_hosts),
+    )  # fmt: skip
+    target.stop_master()
+    assert not cats_of(host.uid), describe(cats_of(host.uid))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_SCRIPT, json.dumps(fields)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline() == "held\n"
+        wait_for(lambda: master_alive(target) and cats_of(host.uid), "the held session on the host")
+        # what the fetch's rsync does: a session through the live master
+        through = subprocess.run(
+            [*target.ssh_argv(), "-v", target.host, "true"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert through.returncode == 0, through.stderr
+        assert "mux_client" in through.stderr and "Authenticated" not in through.stderr, through.stderr
+        if end == "released":
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+            assert holder.stdout.readline() == "released\n"
+            assert holder.wait(timeout=30) == 0
+        else:
+            holder.kill()
+            holder.wait(timeout=30)
+        # the session ends with its holder; the master idles out (ControlPersist)
+        wait_for(lambda: not cats_of(host.uid), "the held session to end")
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        holder.stdin.close()  # type: ignore[union-attr]
+        holder.stdout.close()  # type: ignore[union-attr]
+        target.stop_master()
+    master = Path(target.control_path()).name
+    wait_for(lambda: not marked_pids(master), "the master to exit")

@@ -8,6 +8,7 @@ implementation must guarantee; the contract tests hold every backend to it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -128,6 +129,13 @@ class Backend(ABC):
     @abstractmethod
     def read_log(self, handle: RunHandle, offset: int) -> bytes:
         """The run's log from byte `offset` on (b"" when nothing new)."""
+
+    def ready_for_fetch(self, handle: RunHandle) -> contextlib.AbstractContextManager[None]:
+        """Held by the chain while it waits for the run: keep ready what the
+        fetch that follows will need (a connection), so it does not wait for
+        it then. Whatever it holds must end with the block, or with this
+        process. Default: nothing."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def fetch(self, handle: RunHandle) -> Fetched:

@@ -365,6 +365,12 @@ class SshBackend(Backend):
             raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
         return root
 
+    def ready_for_fetch(self, handle: RunHandle) -> contextlib.AbstractContextManager[None]:
+        """OpenSSH's master, held up while the run goes on: the fetch's rsync
+        then starts on a live connection instead of paying a fresh ssh login
+        after a run longer than ControlPersist."""
+        return self.settings.target().master_held()
+
     def fetch(self, handle: RunHandle) -> Fetched:
         fetched = self.begin_fetch(handle)
         fetched.confirm()

@@ -88,11 +88,14 @@ class RsyncTransport(Transport):
         argv = [
             # --no-owner/--no-group: files are ours on arrival, whoever ran rsync
             "rsync", "--archive", "--no-owner", "--no-group", "--recursive", "--from0", "--files-from=-",
-            "--stats", "--no-inc-recursive",
+            "--stats",
             "-e", shlex.join(self.target.ssh_argv()),
         ]  # fmt: skip
         if self.show_progress:  # parsed for the bar; nobody reads it otherwise
-            argv.append("--info=progress2")
+            # The whole file list first, so the bar's total is right from the
+            # start; otherwise rsync's incremental recursion (~5% faster on
+            # 20,000 small files here) lists folders as it goes.
+            argv += ["--info=progress2", "--no-inc-recursive"]
         for pattern in self.excludes:
             argv.append(f"--exclude={pattern}")
         return [*argv, source, dest]
