@@ -40,6 +40,7 @@ from substrax_tasks._ssh import RemoteResult, control_dir, multiplexing, stop_ma
 from substrax_tasks.backends import sky_task
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.backends.skypilot_settings import SkypilotSettings
+from substrax_tasks.backends.ssh_watch import ManifestWatch, ProcessChannel, watched_fetch
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.store import RunStore
@@ -61,7 +62,6 @@ NO_CLUSTER = "ClusterDoesNotExist"
 CLUSTER_GONE = (NO_CLUSTER, "ClusterNotUpError")
 LAUNCH_REQUEST = "launch-request.json"
 TASK_FILE = "task.json"
-MANIFEST_RACES = ("changed while it was read", "was replaced while the manifest was taken")
 
 
 class SkyConfigRefused(SubstraxError):
@@ -124,6 +124,12 @@ class ClusterTarget:
         except subprocess.TimeoutExpired:
             raise BackendError(f"ssh {self.host}: no answer within {timeout} s") from None
         return RemoteResult(done.returncode, done.stdout, done.stderr)
+
+    def open_command(self, argv: list[str]) -> ProcessChannel:
+        """A command left running, to talk with on its stdin and stdout."""
+        import shlex
+
+        return ProcessChannel([*self.ssh_argv(), self.host, shlex.join(argv)])
 
     def stop_master(self) -> None:
         stop_master(self.ssh_argv(), self.host, self.control_path())
@@ -527,52 +533,36 @@ class SkypilotBackend(Backend):
 
     # -------------------------------------------------------------- fetch
     def fetch(self, handle: RunHandle) -> Fetched:
+        fetched = self.begin_fetch(handle)
+        fetched.confirm()
+        return fetched
+
+    def begin_fetch(self, handle: RunHandle) -> Fetched:
         if self.settings.bucket is not None:
             return self._fetch_bucket(handle)
         return self._fetch_copy(handle)
 
-    def _manifest(self, handle: RunHandle, root: str) -> dict[str, Any]:
-        cache = f"{self.layout(handle).run}/manifest-cache.json"
-        argv = self._script(handle, "manifest.py", root, *handle.spec.outputs, "--cache", cache)
-        target = self.target(handle)
-        result = target.run(argv)
-        if result.returncode != 0:
-            from substrax_tasks.manifest_cache import ManifestError
-
-            raise ManifestError(result.stderr.decode(errors="replace").strip())
-        try:
-            return dict(json.loads(result.stdout))
-        except ValueError:
-            raise BackendError(
-                f"run {handle.run_id}: the manifest arrived damaged; the fetch can be tried again"
-            ) from None
-
     def _fetch_copy(self, handle: RunHandle) -> Fetched:
-        from substrax_tasks.manifest_cache import ManifestError
-
+        """As the SSH backend fetches (ssh_watch.watched_fetch): rsync over
+        SkyPilot's ssh config while the node takes the outputs' manifest,
+        each file hashed here as it arrives, the node's last check confirmed
+        before anything is promoted."""
         record = self._remote_status(handle)
         root = record.get("outputs_root")
         if not isinstance(root, str):
             raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
+        cache = f"{self.layout(handle).run}/manifest-cache.json"
+        argv = self._script(handle, "manifest.py", root, *handle.spec.outputs, "--cache", cache, "--watch")
+        target = self.target(handle)
+        watch = ManifestWatch(target.open_command(argv), self.cluster(handle))
         changed = (
             f"run {handle.run_id}: the outputs on {self.cluster(handle)} changed while they were fetched; "
             f"nothing was promoted and the cluster is kept (`doit {handle.step}` fetches them again)"
         )
-        try:
-            before = self._manifest(handle, root)
-            staging = self._run_file(handle, "fetched")
-            shutil.rmtree(staging, ignore_errors=True)
-            present = [o for o in handle.spec.outputs if o not in before.get("missing", [])]
-            if present:
-                RsyncTransport(self.target(handle)).download(root, present, staging)
-            after = self._manifest(handle, root)
-        except ManifestError as exc:
-            if any(race in str(exc) for race in MANIFEST_RACES):
-                raise BackendError(f"{changed}: {exc}") from None
-            raise
-        if after["digest"] != before["digest"]:
-            raise BackendError(changed)
-        return Fetched(staging, after)
+        staging = self._run_file(handle, "fetched")
+        return watched_fetch(
+            watch, RsyncTransport(target), root, list(handle.spec.outputs), staging=staging, changed=changed
+        )
 
     def _fetch_bucket(self, handle: RunHandle) -> Fetched:
         from substrax_tasks.transports.bucket import BucketTransport

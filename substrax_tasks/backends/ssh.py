@@ -18,9 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import subprocess
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,17 +28,14 @@ from substrax_tasks._output import emit
 from substrax_tasks._remote_files import remote_script
 from substrax_tasks._ssh import SshConnection, SshTarget, connection
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
-from substrax_tasks.backends.ssh_watch import ManifestWatch
+from substrax_tasks.backends.ssh_watch import ManifestWatch, watched_fetch
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.resolved import ENV_LOCK_FILES
-from substrax_tasks.staged_hashes import StagedHasher
 from substrax_tasks.transports.rsync import RsyncTransport
 from substrax_tasks.worker_job import WorkerPaths, build_job, status_from_record
 
 REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
-# remote/manifest.py's messages for a tree that changed while it was read
-MANIFEST_RACES = ("changed while it was read", "was replaced while the manifest was taken")
 ALWAYS_EXCLUDED = (".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache",
                    ".doit.db", ".doit.db.bak", ".doit.db.dat", ".doit.db.dir")
 
@@ -380,78 +375,22 @@ class SshBackend(Backend):
         """rsync into local staging while the host takes the outputs'
         manifest; `confirm()` then asks the host whether the outputs held
         still all along. If they did not, nothing may be promoted and the
-        remote stays.
-
-        Three things overlap the copy: the host's manifest (taken between
-        two stat stamps of the tree: remote/manifest.py `watch`), receiving
-        it here, and hashing each file here as rsync finishes it
-        (StagedHasher), so verification finds those hashes ready; and the
-        host's last check overlaps that verification."""
+        remote stays (see ssh_watch.watched_fetch)."""
         root = self._outputs_root(handle)
-        staging = self.store.run_dir(handle.run_id) / "fetched"
-        # Fresh each time: a killed rsync leaves temp files (and a file
-        # since deleted there would stay here), which verification would
-        # then refuse for ever.
-        shutil.rmtree(staging, ignore_errors=True)
         # The worker filled this hash cache as the command ended: unchanged
         # files cost a stat there, not a second read.
         cache = f"{self.run_dir(handle)}/manifest-cache.json"
         argv = self._python(handle, "manifest.py", root, *handle.spec.outputs, "--cache", cache, "--watch")
         watch = ManifestWatch(self.conn.open_command(argv), self.settings.host)
-        transport = self.transport()
-        watch.on_failure = transport.stop  # a refused tree: no need to copy it all
-        try:
-            with self._changes_named(handle):
-                try:
-                    with StagedHasher(staging) as hasher:
-                        transport.download(root, list(handle.spec.outputs), staging, on_file=hasher.add)
-                except BackendError:
-                    refusal = watch.refusal()  # a refused tree says more than the rsync it stopped
-                    if refusal is not None:
-                        raise refusal from None
-                    raise
-                manifest, line = watch.manifest()
-            watch.ask()  # the copy is over: the host checks while this side verifies
-        except BaseException:
-            watch.close()
-            raise
-
-        def confirm() -> None:
-            from substrax_tasks.manifest_cache import ManifestError
-
-            try:
-                why = watch.check()
-            except ManifestError as exc:  # the tree it accepted is now refused: it changed
-                raise BackendError(f"{self._changed(handle)}: {exc}") from None
-            finally:
-                watch.close()
-            if why is not None:
-                raise BackendError(f"{self._changed(handle)} ({why})")
-
-        return Fetched(
-            staging, manifest, hashes=hasher.entries, manifest_json=line,
-            digest_checked=watch.digest_checked, confirm=_once(confirm),
-        )  # fmt: skip
-
-    def _changed(self, handle: RunHandle) -> str:
-        return (
+        staging = self.store.run_dir(handle.run_id) / "fetched"
+        changed = (
             f"run {handle.run_id}: the outputs on {self.settings.host} changed while they were "
             "fetched; nothing was promoted and the remote folder is kept (`doit "
             f"{handle.step}` fetches them again, without rerunning the command)"
         )
-
-    @contextlib.contextmanager
-    def _changes_named(self, handle: RunHandle) -> Iterator[None]:
-        """A file growing or replaced while the host hashed it is the same
-        race as outputs that change under the copy: not a verdict on the run."""
-        from substrax_tasks.manifest_cache import ManifestError
-
-        try:
-            yield
-        except ManifestError as exc:
-            if any(race in str(exc) for race in MANIFEST_RACES):
-                raise BackendError(f"{self._changed(handle)}: {exc}") from None
-            raise
+        return watched_fetch(
+            watch, self.transport(), root, list(handle.spec.outputs), staging=staging, changed=changed
+        )
 
     def outputs_available(self, handle: RunHandle) -> bool:
         if handle.state.get("torn_down") or "remote_run_dir" not in handle.state:
@@ -494,19 +433,6 @@ def project_files(project: Path, state_dir: Path, excludes: list[str]) -> list[s
     except (ValueError, IndexError):
         pass
     return sorted(entry.name for entry in project.iterdir() if entry.name not in skip)
-
-
-def _once(call: Callable[[], None]) -> Callable[[], None]:
-    """`call` the first time; later calls do nothing (its error is raised once)."""
-    done = False
-
-    def once() -> None:
-        nonlocal done
-        if not done:
-            done = True
-            call()
-
-    return once
 
 
 def forwarded_env(handle: RunHandle) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The remote side of an SSH fetch: one `manifest.py --watch` on one channel.
+"""A verified fetch over SSH: rsync, and one `manifest.py --watch` on one channel.
 
 The remote script stamps the outputs, prints their manifest and waits; once
 the copy has ended, `check()` asks it whether the outputs held still all
@@ -12,17 +12,27 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import queue
+import shutil
+import subprocess
+import tempfile
 import threading
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import paramiko
 
+from substrax_tasks.backends.base import Fetched
 from substrax_tasks.errors import BackendError
+from substrax_tasks.transports.rsync import RsyncTransport
 
 CHECK_REQUEST = b"check\n"  # remote/manifest.py CHECK_REQUEST
 ANSWER_TIMEOUT = 120.0  # seconds for an answer once asked (as for any remote command)
+CLOSE_GRACE_SECONDS = 10.0  # for an ssh whose input was closed to end by itself
+# remote/manifest.py's messages for a tree that changed while it was read
+MANIFEST_RACES = ("changed while it was read", "was replaced while the manifest was taken")
 
 
 def _digest_of_line_matches(line: bytes, digest: object) -> bool:
@@ -43,7 +53,7 @@ def _digest_of_line_matches(line: bytes, digest: object) -> bool:
 class ManifestWatch:
     """A running `manifest.py BASE OUTPUT... --cache FILE --watch`."""
 
-    def __init__(self, channel: paramiko.Channel, host: str) -> None:
+    def __init__(self, channel: Channel, host: str) -> None:
         self.channel = channel
         self.host = host
         # Called from the reader thread if the script ends without a
@@ -175,3 +185,143 @@ class ManifestWatch:
         with contextlib.suppress(Exception):
             self.channel.close()
         self._thread.join(timeout=10)
+
+
+class Channel(Protocol):
+    """The parts of a paramiko Channel a watch uses (ProcessChannel has them too)."""
+
+    def recv(self, nbytes: int) -> bytes: ...
+
+    def recv_exit_status(self) -> int: ...
+
+    def recv_stderr(self, nbytes: int) -> bytes: ...
+
+    def sendall(self, data: bytes) -> None: ...
+
+    def shutdown_write(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ProcessChannel:
+    """A remote command run by an OpenSSH client process, seen as a Channel:
+    for hosts reached through an ssh config file (SkyPilot's clusters)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        # stderr to a file: a pipe read only at the end could fill and stall it
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
+        self._stderr_read = False
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+
+    def recv(self, nbytes: int) -> bytes:
+        assert self.proc.stdout is not None
+        return os.read(self.proc.stdout.fileno(), nbytes)
+
+    def recv_exit_status(self) -> int:
+        return self.proc.wait()
+
+    def recv_stderr(self, nbytes: int) -> bytes:
+        if self.proc.poll() is None:
+            return b""
+        if not self._stderr_read:  # the process wrote it all, moving the shared offset
+            self._stderr_read = True
+            self._stderr.seek(0)
+        return self._stderr.read(nbytes)
+
+    def sendall(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def shutdown_write(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=CLOSE_GRACE_SECONDS)  # its input closed: it ends by itself
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout, self._stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+def watched_fetch(
+    watch: ManifestWatch,
+    transport: RsyncTransport,
+    root: str,
+    outputs: list[str],
+    *,
+    staging: Path,
+    changed: str,
+) -> Fetched:
+    """Copy `outputs` from `root` on the host into a fresh `staging` while
+    the host's `manifest.py --watch` (`watch`) takes their manifest, hashing
+    each file here as it arrives (StagedHasher); the host's last check is
+    left to `Fetched.confirm()`, so that it overlaps verification. `changed`
+    says what a change at the source during the fetch means, for the errors.
+
+    Three things overlap the copy: the host's manifest (taken between two
+    stat stamps of the tree: remote/manifest.py `watch`), receiving it here,
+    and hashing each file as rsync finishes it, so verification finds those
+    hashes ready; and the host's last check overlaps that verification."""
+    from substrax_tasks.manifest_cache import ManifestError
+    from substrax_tasks.staged_hashes import StagedHasher
+
+    # Fresh each time: a killed rsync leaves temp files (and a file since
+    # deleted there would stay here), which verification would then refuse.
+    shutil.rmtree(staging, ignore_errors=True)
+    watch.on_failure = transport.stop  # a refused tree: no need to copy it all
+    try:
+        try:
+            with StagedHasher(staging) as hasher:
+                transport.download(root, outputs, staging, on_file=hasher.add)
+        except BackendError:
+            refusal = watch.refusal()  # a refused tree says more than the rsync it stopped
+            if refusal is not None:
+                raise refusal from None
+            raise
+        manifest, line = watch.manifest()
+        watch.ask()  # the copy is over: the host checks while this side verifies
+    except ManifestError as exc:
+        watch.close()
+        # a file growing or replaced while the host hashed it is the same
+        # race as outputs that change under the copy: not a verdict on the run
+        if any(race in str(exc) for race in MANIFEST_RACES):
+            raise BackendError(f"{changed}: {exc}") from None
+        raise
+    except BaseException:
+        watch.close()
+        raise
+
+    def confirm() -> None:
+        try:
+            why = watch.check()
+        except ManifestError as exc:  # the tree it accepted is now refused: it changed
+            raise BackendError(f"{changed}: {exc}") from None
+        finally:
+            watch.close()
+        if why is not None:
+            raise BackendError(f"{changed} ({why})")
+
+    return Fetched(
+        staging, manifest, hashes=hasher.entries, manifest_json=line,
+        digest_checked=watch.digest_checked, confirm=_once(confirm),
+    )  # fmt: skip
+
+
+def _once(call: Callable[[], None]) -> Callable[[], None]:
+    """`call`, run on the first call only (later calls do nothing)."""
+    done = False
+
+    def once() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            call()
+
+    return once
