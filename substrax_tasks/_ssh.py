@@ -109,15 +109,34 @@ class SshTarget:
         master idles out after ControlPersist, unless used again. If this
         process dies instead, the pipe closes all the same, so the master
         never outlives it by more than ControlPersist. A session that could
-        not connect changes nothing: rsync then connects itself."""
-        proc = subprocess.Popen(
-            [*self.ssh_argv(), self.host, "cat"],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        not connect changes nothing: rsync then connects itself.
+
+        Steps running at once on one host (`doit -n N -P thread`) share one
+        held session: each is one of sshd's MaxSessions (10 by default) on
+        the master, which the rsyncs of those steps need too."""
+        key = self.control_path()
+        with _held_lock:
+            proc, holders = _held.get(key, (None, 0))
+            if proc is None:
+                proc = subprocess.Popen(
+                    [*self.ssh_argv(), self.host, "cat"],
+                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+            _held[key] = (proc, holders + 1)
         try:
             yield
         finally:
-            release_session(proc)
+            with _held_lock:
+                proc, holders = _held.pop(key)
+                if holders > 1:
+                    _held[key] = (proc, holders - 1)
+                else:
+                    release_session(proc)
+
+
+# Held sessions by control path: (the ssh process, how many hold it).
+_held: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
+_held_lock = threading.Lock()
 
 
 def multiplexing(control_path: str) -> list[str]:

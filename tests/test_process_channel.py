@@ -75,3 +75,10 @@ def test_close_ends_a_process_that_ignores_its_closed_input(monkeypatch: pytest.
     assert channel.proc.returncode is not None
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # reaped, so the pid names nothing
+    # its reader (the watch's thread) reads each stream to its end, which closes it
+    while channel.recv(1024):
+        pass
+    assert channel.recv_exit_status() == channel.proc.returncode
+    while channel.recv_stderr(1024):
+        pass
+    assert channel.proc.stdout is not None and channel.proc.stdout.closed

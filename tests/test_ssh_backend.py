@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -365,6 +366,28 @@ def test_a_held_master_serves_the_next_rsync_and_ends_with_its_holder(
             holder.wait()
         holder.stdin.close()  # type: ignore[union-attr]
         holder.stdout.close()  # type: ignore[union-attr]
+        target.stop_master()
+    master = Path(target.control_path()).name
+    wait_for(lambda: not marked_pids(master), "the master to exit")
+
+
+@needs_sshd
+@needs_root
+def test_steps_on_one_host_share_one_held_session(host: SshHost) -> None:
+    target = SshTarget(
+        host=host.address, port=host.port, user=host.user,
+        identity_file=str(host.client_key), known_hosts=str(host.known_hosts),
+    )  # fmt: skip
+    target.stop_master()
+    try:
+        with target.master_held():
+            wait_for(lambda: cats_of(host.uid), "the held session on the host")
+            with target.master_held():  # a second step waiting on the same host
+                time.sleep(0.3)
+                assert len(cats_of(host.uid)) == 1, describe(cats_of(host.uid))
+            assert len(cats_of(host.uid)) == 1, "the first step still holds it"
+        wait_for(lambda: not cats_of(host.uid), "the held session to end with its last holder")
+    finally:
         target.stop_master()
     master = Path(target.control_path()).name
     wait_for(lambda: not marked_pids(master), "the master to exit")

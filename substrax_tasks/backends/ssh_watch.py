@@ -205,28 +205,41 @@ class Channel(Protocol):
 
 class ProcessChannel:
     """A remote command run by an OpenSSH client process, seen as a Channel:
-    for hosts reached through an ssh config file (SkyPilot's clusters)."""
+    for hosts reached through an ssh config file (SkyPilot's clusters).
+
+    Its output is read by one reader (the watch's thread), which closes
+    each stream once it has read it to the end: `close()`, called from
+    another thread, ends the process but never closes a file the reader may
+    still be reading (its descriptor could be reused under it)."""
 
     def __init__(self, argv: list[str]) -> None:
         # stderr to a file: a pipe read only at the end could fill and stall it
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed once read to the end
         self._stderr_read = False
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
 
     def recv(self, nbytes: int) -> bytes:
-        assert self.proc.stdout is not None
-        return os.read(self.proc.stdout.fileno(), nbytes)
+        stdout = self.proc.stdout
+        assert stdout is not None
+        data = os.read(stdout.fileno(), nbytes)
+        if not data:
+            stdout.close()
+        return data
 
     def recv_exit_status(self) -> int:
         return self.proc.wait()
 
     def recv_stderr(self, nbytes: int) -> bytes:
-        if self.proc.poll() is None:
+        """What the process wrote on stderr, once it has ended (b"" before)."""
+        if self.proc.poll() is None or self._stderr.closed:
             return b""
         if not self._stderr_read:  # the process wrote it all, moving the shared offset
             self._stderr_read = True
             self._stderr.seek(0)
-        return self._stderr.read(nbytes)
+        data = self._stderr.read(nbytes)
+        if not data:
+            self._stderr.close()
+        return data
 
     def sendall(self, data: bytes) -> None:
         assert self.proc.stdin is not None
@@ -238,16 +251,14 @@ class ProcessChannel:
             self.proc.stdin.close()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=CLOSE_GRACE_SECONDS)  # its input closed: it ends by itself
-        if self.proc.poll() is None:
+        """End the process: given its input's end, it exits by itself; killed
+        if it has not within CLOSE_GRACE_SECONDS."""
+        self.shutdown_write()
+        try:
+            self.proc.wait(timeout=CLOSE_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout, self._stderr):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
 
 
 def watched_fetch(
