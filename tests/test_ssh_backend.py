@@ -8,6 +8,7 @@ never starts it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pty
@@ -292,6 +293,13 @@ print("released", flush=True)
 """
 
 
+def target_of(host: SshHost) -> SshTarget:
+    return SshTarget(
+        host=host.address, port=host.port, user=host.user,
+        identity_file=str(host.client_key), known_hosts=str(host.known_hosts),
+    )  # fmt: skip
+
+
 def cats_of(uid: int) -> list[int]:
     """The held sessions' `cat` on the host (it runs here, as the test's own user)."""
     found = []
@@ -322,18 +330,11 @@ def master_alive(target: SshTarget) -> bool:
 def test_a_held_master_serves_the_next_rsync_and_ends_with_its_holder(
     tmp_path: Path, host: SshHost, end: str
 ) -> None:
-    fields = {
-        "host": host.address, "port": host.port, "user": host.user,
-        "identity_file": str(host.client_key), "known_hosts": str(host.known_hosts),
-    }  # fmt: skip
-    target = SshTarget(
-        host=host.address, port=host.port, user=host.user,
-        identity_file=str(host.client_key), known_hosts=str(host.known_hosts),
-    )  # fmt: skip
+    target = target_of(host)
     target.stop_master()
     assert not cats_of(host.uid), describe(cats_of(host.uid))
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_SCRIPT, json.dumps(fields)],
+        [sys.executable, "-c", HOLD_SCRIPT, json.dumps(dataclasses.asdict(target))],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -374,10 +375,7 @@ def test_a_held_master_serves_the_next_rsync_and_ends_with_its_holder(
 @needs_sshd
 @needs_root
 def test_steps_on_one_host_share_one_held_session(host: SshHost) -> None:
-    target = SshTarget(
-        host=host.address, port=host.port, user=host.user,
-        identity_file=str(host.client_key), known_hosts=str(host.known_hosts),
-    )  # fmt: skip
+    target = target_of(host)
     target.stop_master()
     try:
         with target.master_held():
