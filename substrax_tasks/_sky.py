@@ -1,4 +1,4 @@
-"""Calling SkyPilot: `remote/sky_sdk.py` in SkyPilot's own interpreter.
+"""Calling SkyPilot: `sky_helper/sky_sdk.py` in SkyPilot's own interpreter.
 
 substrax_tasks never imports `sky`: each operation is one process of the
 helper script under `sky_python` (by default the python beside the `sky`
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from substrax_tasks._remote_files import remote_script
+from substrax_tasks._remote_files import sky_helper_script
 from substrax_tasks.errors import BackendError, ConfigError
 
 SETTING = "[tool.substrax.compute.backends.skypilot] sky_python"
@@ -79,7 +79,7 @@ class SkyClient:
     ) -> Any:
         """Run one operation; `while_waiting` is called about twice a second
         while the helper runs (to relay a launch log, say)."""
-        argv = [self.python(), str(remote_script("sky_sdk.py")), operation]
+        argv = [self.python(), str(sky_helper_script()), operation]
         started = time.monotonic()
         try:
             proc = subprocess.Popen(

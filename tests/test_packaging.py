@@ -1,5 +1,6 @@
-"""The wheel carries remote/ as substrax_tasks/_remote: an installed,
-non-editable package runs its worker without the source checkout."""
+"""The wheel carries remote/ as substrax_tasks/_remote (and sky_helper/ as
+substrax_tasks/_sky_helper): an installed, non-editable package runs its
+worker without the source checkout."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ SUBMIT_SCRIPT = """
 import json, sys, time
 from pathlib import Path
 import substrax_tasks
-from substrax_tasks._remote_files import remote_script
+from substrax_tasks._remote_files import remote_script, sky_helper_script
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
 
@@ -31,6 +32,7 @@ status = project.backend_for(handle).wait(handle)
 print(json.dumps({
     "package": substrax_tasks.__file__,
     "worker": str(remote_script("worker.py")),
+    "sky_helper": str(sky_helper_script()),
     "state": status.state,
     "log": project.backend_for(handle).read_log(handle, 0).decode(),
 }))
@@ -56,6 +58,9 @@ def test_installed_wheel_runs_its_worker(tmp_path: Path) -> None:
         names = set(archive.namelist())
     assert "substrax_tasks/_remote/worker.py" in names
     assert not any(name.startswith("remote/") for name in names)
+    # the SkyPilot helper imports sky: beside remote/, never shipped with it
+    assert "substrax_tasks/_sky_helper/sky_sdk.py" in names
+    assert "substrax_tasks/_remote/sky_sdk.py" not in names
 
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", str(venv)])
@@ -71,6 +76,7 @@ def test_installed_wheel_runs_its_worker(tmp_path: Path) -> None:
     assert Path(report["package"]).is_relative_to(site), report["package"]  # not the checkout
     assert Path(report["worker"]).is_relative_to(site), report["worker"]
     assert Path(report["worker"]).parent.name == "_remote"
+    assert Path(report["sky_helper"]).is_relative_to(site), report["sky_helper"]
     assert report["state"] == "succeeded"
     assert "from-the-installed-worker" in report["log"]
 

@@ -1,4 +1,4 @@
-"""remote/sky_sdk.py through SkyClient, against the fake SkyPilot
+"""sky_helper/sky_sdk.py through SkyClient, against the fake SkyPilot
 (tests/fakesky/sky), whose requests, jobs and timers are real local
 processes and whose public API tests/test_fakesky_contract.py holds to the
 real SDK's.
@@ -23,7 +23,7 @@ import pytest
 from fakesky_cleanup import cleanup, fakesky_env, kill, leftovers
 from ssh_helpers import ssh_host
 
-from substrax_tasks._remote_files import remote_script
+from substrax_tasks._remote_files import sky_helper_script
 from substrax_tasks._sky import SkyCallError, SkyClient
 from substrax_tasks.errors import ConfigError
 
@@ -109,7 +109,7 @@ def launch_and_kill_the_client(home: Path, request: dict[str, Any], env: dict[st
     stdin.write_text(json.dumps(request))
     with stdin.open("rb") as source:
         helper = subprocess.Popen(
-            [sys.executable, str(remote_script("sky_sdk.py")), "launch"], stdin=source,
+            [sys.executable, str(sky_helper_script()), "launch"], stdin=source,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=fakesky_env(home, **env),
         )  # fmt: skip
     try:

@@ -7,7 +7,7 @@ builds the locked environment; its run is the worker, in the foreground, so
 SkyPilot's job status is the run's and SkyPilot's cancel reaches its tree.
 Launch also arms SkyPilot's autodown, so an idle cluster goes by itself.
 
-Every SkyPilot call is one process of remote/sky_sdk.py in SkyPilot's own
+Every SkyPilot call is one process of sky_helper/sky_sdk.py in SkyPilot's own
 interpreter (_sky.py). Files come back by rsync over the ssh config that
 SkyPilot writes for the cluster (copy transport) or from the bucket the
 worker wrote them to (bucket transport).
@@ -188,7 +188,7 @@ class SkypilotBackend(Backend):
         """Have SkyPilot (re)write the cluster's ssh config here, as its
         `sky status` does: the one a local API server writes while it
         provisions reaches a Slurm cluster's login node, not the job (see
-        remote/sky_sdk.py), and a remote API server writes none here."""
+        sky_helper/sky_sdk.py), and a remote API server writes none here."""
         cluster = self.cluster(handle)
         self._ssh_config_written.add(cluster)
         try:
