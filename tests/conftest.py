@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pty
 import shutil
 import signal
 import subprocess
@@ -272,3 +273,28 @@ def cli(project_root: Path | None, *args: str, timeout: float = 60) -> subproces
     return subprocess.run(
         [*argv, *args], capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def on_a_terminal(argv: list[str], timeout: float = 60) -> str:
+    """Run `argv` with a pseudo-terminal (120 columns) as its stdout and
+    stderr; what it showed there, once it exited with 0."""
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+            env={**os.environ, "COLUMNS": "120", "TERM": "xterm"},
+        )  # fmt: skip
+        os.close(follower)
+        shown = bytearray()
+        while True:
+            try:
+                chunk = os.read(leader, 1 << 16)
+            except OSError:  # EIO: the terminal's other end is closed
+                break
+            if not chunk:
+                break
+            shown += chunk
+        assert proc.wait(timeout=timeout) == 0, shown.decode(errors="replace")
+    finally:
+        os.close(leader)
+    return shown.decode(errors="replace")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import secrets
 import shutil
 import socket
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import on_a_terminal
 from s3_server import S3Server
 
 from substrax_tasks import manifest_cache
@@ -309,27 +309,7 @@ def test_fetch_on_a_terminal_shows_a_progress_bar_not_the_summary_line(
 ) -> None:
     remote = f"s3://{s3_env.bucket}/progress-{secrets.token_hex(4)}"
     write_object(s3_env, f"{remote}/big.bin", b"\0" * (8 << 20))
-    leader, follower = pty.openpty()
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", PROGRESS_SCRIPT, remote, str(tmp_path / "got")],
-            stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
-            env={**os.environ, "COLUMNS": "120", "TERM": "xterm"},
-        )  # fmt: skip
-        os.close(follower)
-        shown = bytearray()
-        while True:
-            try:
-                chunk = os.read(leader, 1 << 16)
-            except OSError:  # EIO: the terminal's other end is closed
-                break
-            if not chunk:
-                break
-            shown += chunk
-        assert proc.wait(timeout=60) == 0, shown.decode(errors="replace")
-    finally:
-        os.close(leader)
-    text = shown.decode(errors="replace")
+    text = on_a_terminal([sys.executable, "-c", PROGRESS_SCRIPT, remote, str(tmp_path / "got")])
     assert (tmp_path / "got" / "big.bin").stat().st_size == 8 << 20
     assert "fetch 1/1 files" in text and "━" in text and "8.4/8.4 MB" in text, text
     assert "fetch: 1 files" not in text, text

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pty
 import re
 import signal
 import subprocess
@@ -21,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import describe, marked_pids, wait_for
+from conftest import describe, marked_pids, on_a_terminal, wait_for
 from dodo_helpers import doit, doit_ok, run_count, show
 from pydantic import ValidationError
 from ssh_helpers import (
@@ -250,31 +249,10 @@ def test_fetch_on_a_terminal_shows_a_progress_bar_not_the_summary_line(tmp_path:
     source = host.scratch / f"progress-{tmp_path.name}"
     source.mkdir()
     (source / "big.bin").write_bytes(b"\0" * (8 << 20))
-    target = {
-        "host": host.address, "port": host.port, "user": host.user,
-        "identity_file": str(host.client_key), "known_hosts": str(host.known_hosts),
-    }  # fmt: skip
-    leader, follower = pty.openpty()
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", PROGRESS_SCRIPT, json.dumps(target), str(source), str(tmp_path / "got")],
-            stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
-            env={**os.environ, "COLUMNS": "120", "TERM": "xterm"},
-        )  # fmt: skip
-        os.close(follower)
-        shown = bytearray()
-        while True:
-            try:
-                chunk = os.read(leader, 1 << 16)
-            except OSError:  # EIO: the terminal's other end is closed
-                break
-            if not chunk:
-                break
-            shown += chunk
-        assert proc.wait(timeout=60) == 0, shown.decode(errors="replace")
-    finally:
-        os.close(leader)
-    text = shown.decode(errors="replace")
+    target = dataclasses.asdict(target_of(host))
+    text = on_a_terminal(
+        [sys.executable, "-c", PROGRESS_SCRIPT, json.dumps(target), str(source), str(tmp_path / "got")]
+    )
     assert (tmp_path / "got" / "big.bin").stat().st_size == 8 << 20
     assert "fetch" in text and "━" in text and "8.4/8.4 MB" in text, text  # the bar: bytes done
     assert "fetch: 1 files" not in text, text  # no summary line on a terminal
