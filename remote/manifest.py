@@ -258,8 +258,8 @@ def _check_parents(base, rel, modes=None):
     return True
 
 
-def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, stats=None):
-    # type: (str | os.PathLike, list, dict | None, bool, bool, dict | None) -> dict
+def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, stats=None, staged=None):
+    # type: (str | os.PathLike, list, dict | None, bool, bool, dict | None, dict | None) -> dict
     """The manifest of `outputs` (project-relative POSIX paths, a trailing
     "/" marking a folder) under the folder `base`. Missing outputs are listed
     in "missing"; anything that cannot be described safely raises
@@ -270,11 +270,20 @@ def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, st
     side of a fetch, whose copy is hashed whole here). `digest=False`
     leaves "digest" None, for a caller that compares entries directly.
     `stats`, a dict, gets what the walk saw, as `tree_stats` describes it: a
-    later `tree_stats` equal to it means the tree has not changed since."""
+    later `tree_stats` equal to it means the tree has not changed since.
+
+    `staged` (rel path -> [size, mtime_ns, ino, sha256, mode]) describes
+    files hashed whole after they were renamed into a folder that nothing
+    else writes, and never in place (a fetch's staging folder, filled by
+    rsync): a file the folder's listing shows as a regular file with the
+    same inode is the file that was hashed, and is described from its entry
+    without a stat. Anything else is looked at as usual."""
+    if staged and stats is not None:
+        raise ValueError("files described from `staged` are not stat'ed: no stats to give")
     base = os.fspath(base)
     checked = _check_outputs(outputs)
     try:
-        manifest = _build(base, checked, cache, cache_young, stats)
+        manifest = _build(base, checked, cache, cache_young, stats, staged)
     except OSError as exc:
         where = exc.filename if exc.filename is not None else base
         raise ManifestError(
@@ -286,8 +295,8 @@ def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, st
     return manifest
 
 
-def _build(base, checked, cache, cache_young=False, stats=None):
-    # type: (str, list, dict | None, bool, dict | None) -> dict
+def _build(base, checked, cache, cache_young=False, stats=None, staged=None):
+    # type: (str, list, dict | None, bool, dict | None, dict | None) -> dict
     entries = []  # type: list
     # what the walk saw, for a later tree_stats to compare (a throwaway dict
     # when nobody asked: cheaper than testing for None at every entry)
@@ -296,6 +305,7 @@ def _build(base, checked, cache, cache_young=False, stats=None):
     hasher = None  # type: _Hasher | None
     racy_ns = (time.time_ns() + 1) if cache_young else time.time_ns() - RACY_SECONDS * 1000000000
     cache_get = cache.get if cache is not None else None
+    staged_get = staged.get if staged else None
     seen = set() if cache is not None else None  # type: set | None
     add = entries.append
     S_ISDIR, S_ISREG, S_ISLNK = stat.S_ISDIR, stat.S_ISREG, stat.S_ISLNK
@@ -390,8 +400,17 @@ def _build(base, checked, cache, cache_young=False, stats=None):
             with it:
                 for de in it:
                     name = de.name
-                    path = de.path
                     erel = dir_rel + "/" + name
+                    if staged_get is not None:
+                        # the listing's inode and type: no stat (see `staged`)
+                        hit = staged_get(erel)
+                        if hit is not None and hit[2] == de.inode() and de.is_file(follow_symlinks=False):
+                            if seen is not None:
+                                seen.add(erel)
+                            add({"path": erel, "type": "file", "size": hit[0], "mode": hit[4],
+                                 "sha256": hit[3], "target": None})
+                            continue
+                    path = de.path
                     est = de.stat(follow_symlinks=False)
                     emode = est.st_mode
                     seen_stats[erel] = (emode, est.st_size, est.st_ctime_ns, est.st_ino)
@@ -741,6 +760,114 @@ def manifest_with_cache_file(base, outputs, cache_file):
     return manifest
 
 
+SETTLED_SUFFIX = ".settled"  # beside the hash cache: the run's manifest, kept for `watch`
+SETTLE_WAIT_SECONDS = 0.2  # for the file system's clock to pass the command's last writes
+
+
+def settle(base, outputs, cache_file):
+    # type: (str, list, str) -> dict
+    """The run's side once its command has ended (the worker): the outputs'
+    manifest, as `manifest_with_cache_file` takes it, and, beside the cache
+    file, a record for `watch`: the manifest's line and what its walk saw of
+    each entry (`tree_stats`' form).
+
+    The record is kept only if every entry last changed before the walk
+    began, by the file system's own clock: the ctime of a file made just
+    before the walk, on the same file system (git's racy-clean rule, made
+    exact). Any later change then sets a ctime the record does not hold
+    (ctime follows the clock and cannot be set back), so a fetch that finds
+    every entry as recorded may send this manifest without a walk before the
+    copy. Entries changed in the clock's current tick (the command's last
+    writes) are waited out once, for SETTLE_WAIT_SECONDS at most, and read
+    again; should that not do, no record is kept and `watch` takes the
+    manifest itself."""
+    base = os.fspath(base)
+    record_file = cache_file + SETTLED_SUFFIX
+    _remove_quietly(record_file)  # never a record older than the manifest just taken
+    cache = _load_cache_file(cache_file)
+    for attempt in (1, 2):
+        clock = _fs_clock(record_file)
+        seen = {}  # type: dict
+        manifest = build_manifest(base, outputs, cache, cache_young=True, digest=False, stats=seen)
+        newest = _newest_ctime(seen)
+        if clock is None or clock[1] != os.lstat(base).st_dev:
+            break  # no clock on this file system: no record
+        if newest < clock[0]:
+            record = {"version": VERSION, "base": base, "outputs": _check_outputs(outputs),
+                      "line": manifest_json(manifest), "stats": seen}
+            tmp = "%s.%d.tmp" % (record_file, os.getpid())
+            with open(tmp, "wb") as f:
+                marshal.dump(record, f)
+            os.replace(tmp, record_file)
+            break
+        if attempt == 1:
+            # Hashes of files changed in this tick prove nothing: forget them,
+            # wait for the clock to move on, and read those files again.
+            for rel, st in seen.items():
+                if isinstance(rel, str) and st is not None and st[2] >= clock[0] and rel in cache:
+                    del cache[rel]
+            deadline = time.time() + SETTLE_WAIT_SECONDS
+            while time.time() < deadline and (_fs_clock(record_file) or (0,))[0] <= newest:
+                time.sleep(0.001)
+    if manifest["digest"] is None:
+        manifest_json(manifest)  # fills in the digest
+    _save_cache_file(cache, cache_file)
+    return manifest
+
+
+def _fs_clock(near):
+    # type: (str) -> tuple | None
+    """``(ctime_ns, st_dev)`` of a file made now beside `near`: the file
+    system's clock as its timestamps see it. None if it cannot be made."""
+    probe = "%s.%d.clock" % (near, os.getpid())
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        return st.st_ctime_ns, st.st_dev
+    finally:
+        os.close(fd)
+        _remove_quietly(probe)
+
+
+def _newest_ctime(seen):
+    # type: (dict) -> int
+    """The newest ctime among the entries of a walk's stats."""
+    return max([v[2] for k, v in seen.items() if isinstance(k, str) and v is not None] or [0])
+
+
+def _remove_quietly(path):
+    # type: (str) -> None
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _settled_record(base, outputs, cache_file):
+    # type: (str, list, str | None) -> dict | None
+    """`settle`'s record for exactly these outputs under `base`, if any."""
+    if not cache_file:
+        return None
+    try:
+        with open(cache_file + SETTLED_SUFFIX, "rb") as f:
+            record = marshal.load(f)
+    except (OSError, ValueError, EOFError, TypeError):
+        return None  # none, or written by another Python: take the manifest anew
+    if (
+        not isinstance(record, dict)
+        or record.get("version") != VERSION
+        or record.get("base") != os.fspath(base)
+        or record.get("outputs") != _check_outputs(outputs)
+        or not isinstance(record.get("line"), bytes)
+        or not isinstance(record.get("stats"), dict)
+    ):
+        return None
+    return record
+
+
 def manifest_json(manifest):
     # type: (dict) -> bytes
     """canonical_json(manifest) as one line of bytes, built around the
@@ -780,6 +907,9 @@ def watch(base, outputs, cache_file, stdin, stdout):
     changed less than RACY_SECONDS before the walk, the manifest is also
     built again (hashes cached by size, mtime and inode) and compared, as
     two whole manifests were before."""
+    record = _settled_record(base, outputs, cache_file)
+    if record is not None:
+        return _watch_settled(base, outputs, record, cache_file, stdin, stdout)
     started = time.time_ns()
     cache = _load_cache_file(cache_file)
     seen = {}  # type: dict
@@ -797,6 +927,34 @@ def watch(base, outputs, cache_file, stdin, stdout):
         answer = {"unchanged": False, "why": "what a stat of each entry says changed"}
     elif racy and build_manifest(base, outputs, cache, cache_young=True)["digest"] != manifest["digest"]:
         answer = {"unchanged": False, "why": "its manifest changed"}
+    stdout.write((canonical_json(answer) + "\n").encode())
+    stdout.flush()
+    return 0
+
+
+def _watch_settled(base, outputs, record, cache_file, stdin, stdout):
+    # type: (str, list, dict, str, BinaryIO, BinaryIO) -> int
+    """`watch` from `settle`'s record: its manifest is sent at once, and the
+    check is one `tree_stats` walk compared with what the run's own walk
+    saw. Equal means no entry changed from that walk to the end of the copy
+    (see `settle`), so the manifest held all along. Unequal: the record is
+    dropped, so that the next fetch takes the outputs' manifest anew."""
+    stdout.write(record["line"])
+    stdout.flush()
+    if stdin.readline() != CHECK_REQUEST:
+        return 0
+    answer = {"unchanged": True}  # type: dict
+    now = tree_stats(base, outputs)
+    if now != record["stats"]:
+        _remove_quietly(cache_file + SETTLED_SUFFIX)
+        # A changed ctime voids a cached hash even where size and mtime
+        # look the same (a rewrite that set the mtime back).
+        cache = _load_cache_file(cache_file)
+        for rel, was in record["stats"].items():
+            if isinstance(rel, str) and now.get(rel) != was and rel in cache:
+                del cache[rel]
+        _save_cache_file(cache, cache_file)
+        answer = {"unchanged": False, "why": "what a stat of each entry says changed since the run ended"}
     stdout.write((canonical_json(answer) + "\n").encode())
     stdout.flush()
     return 0

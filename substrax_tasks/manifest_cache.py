@@ -52,8 +52,11 @@ class ManifestModule(Protocol):
         base: str | os.PathLike[str],
         outputs: Sequence[str],
         cache: CacheEntries | None = None,
+        *,
         cache_young: bool = False,
         digest: bool = True,
+        stats: dict[Any, Any] | None = None,
+        staged: Mapping[str, list[Any]] | None = None,
     ) -> Manifest: ...
 
     def diff_manifests(self, expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]: ...
@@ -202,19 +205,30 @@ def verify_outputs(
     that is missing, or was already missing when `expected_manifest` was
     taken, are differences too. Cached hashes are reused and updated.
 
-    `seed`, if given, replaces the cache file's entries: hash-cache entries
-    just taken of the files under `base` (a fetch hashing its copy as the
-    files arrived), used like any other while their file matches. The cache
-    file's own entries describe the files verified last time, which a fresh
-    copy does not share (its files are new inodes).
+    `seed`, if given, holds the files of a fetch's staging folder `base`
+    hashed as they arrived (rel path -> [size, mtime_ns, ino, sha256,
+    mode]): a file still at the same inode is described from its entry
+    without a stat (`build_manifest`'s `staged`: nothing else writes there,
+    and the copy never writes in place), and the entries replace the cache
+    file's, which describe the files verified last time (a fresh copy's
+    files are new inodes). Should the outputs not match, they are looked
+    at again without that shortcut before any difference is reported.
 
     `digest_checked`: the caller has checked that the expected digest is
     that of the expected entries, so the entries are compared as they are,
     without encoding them again to digest them (a third of the time)."""
     mod = manifest_module()
-    cache = HashCache(cache_file, seed) if seed is not None else HashCache.load(cache_file)
+    if seed is not None:
+        cache = HashCache(cache_file, {rel: entry[:4] for rel, entry in seed.items()})
+    else:
+        cache = HashCache.load(cache_file)
     try:
-        actual = mod.build_manifest(base, _outputs(outputs), cache.entries, digest=not digest_checked)
+        actual = mod.build_manifest(
+            base, _outputs(outputs), cache.entries, digest=not digest_checked, staged=seed
+        )
+        if seed and not _matches(actual, expected_manifest, digest_checked):
+            # a second look, every file stat'ed: the shortcut never decides a refusal
+            actual = mod.build_manifest(base, _outputs(outputs), cache.entries, digest=not digest_checked)
     except mod.ManifestError as exc:
         return [f"refused: {exc}"]
     finally:
@@ -222,10 +236,7 @@ def verify_outputs(
             _forget_young(cache.entries, mod.RACY_SECONDS)
         cache.save()
     never = list(expected_manifest.get("missing", []))
-    if digest_checked:
-        same = actual["entries"] == expected_manifest["entries"]
-    else:  # the digest covers every entry
-        same = actual["digest"] == expected_manifest.get("digest")
+    same = _matches(actual, expected_manifest, digest_checked)
     if same and not never and not actual["missing"]:
         return []
     problems = [f"output never produced: {out}" for out in never]
@@ -241,6 +252,14 @@ def verify_outputs(
             f"own entries ({recorded}): the record is damaged"
         )
     return problems
+
+
+def _matches(actual: Manifest, expected: Mapping[str, Any], digest_checked: bool) -> bool:
+    """The entries are those expected (compared directly when the expected
+    digest is known to be its entries'; otherwise the digest covers them)."""
+    if digest_checked:
+        return bool(actual["entries"] == expected["entries"])
+    return bool(actual["digest"] == expected.get("digest"))
 
 
 def _forget_young(entries: CacheEntries, racy_seconds: int) -> None:

@@ -5,12 +5,15 @@ it renames the file into place. A thread hashes each named file once it
 stands at its final path, so that verification, after the copy, finds the
 hashes ready and only walks the tree: the copy's idle CPU does the hashing.
 
-The hashes are hash-cache entries (relative path -> [size, mtime_ns, inode,
-sha256], as in `manifest_cache.HashCache`), used by verification only for a
-file whose size, mtime and inode still match. Nothing here decides what is
-verified: a file not yet in place when its turn comes is tried again after
-the next ones, and one that never is, or that changed while it was read, is
-simply left out (verification then reads it itself).
+The hashes are hash-cache entries with the file's mode (relative path ->
+[size, mtime_ns, inode, sha256, mode]), which verification takes for a file
+the folder's listing still shows at the same inode (`build_manifest`'s
+`staged`): rsync writes each file under a temporary name and renames it into
+place, so a file at its final path is complete and never written again, and
+nothing else writes into staging. Nothing here decides what is verified: a
+file not yet in place when its turn comes is tried again after the next
+ones, and one that never is, or that changed while it was read, is simply
+left out (verification then reads it itself).
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ class StagedHasher:
             self.entries[rel] = entry
 
     def _digest(self, fd: int) -> list[Any] | None:
-        """[size, mtime_ns, inode, sha256] of the open file, or None if it is
+        """[size, mtime_ns, inode, sha256, mode] of the open file, or None if it is
         not a regular file or its size was not what was read. A file at its
         final path is complete (rsync renames it there) and nothing else
         writes into staging; should anything, it would change the mtime
@@ -115,4 +118,4 @@ class StagedHasher:
                 total += n
         if total != size:
             return None  # changed while read: left to verification
-        return [size, st.st_mtime_ns, st.st_ino, digest.hexdigest()]
+        return [size, st.st_mtime_ns, st.st_ino, digest.hexdigest(), st.st_mode & 0o7777]

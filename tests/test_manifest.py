@@ -840,7 +840,8 @@ def test_verify_with_a_seed_uses_its_hashes_and_keeps_only_old_files(project: Pa
     seed = {}
     for rel in ("out/a.txt", "out/run.sh"):
         st = (project / rel).stat()
-        seed[rel] = [st.st_size, st.st_mtime_ns, st.st_ino, sha((project / rel).read_bytes())]
+        data = (project / rel).read_bytes()
+        seed[rel] = [st.st_size, st.st_mtime_ns, st.st_ino, sha(data), st.st_mode & 0o7777]
     seed["out/a.txt"][3] = sha(b"what the seed claims")  # a seed is believed while its file matches
     cache_file = tmp_path / "cache.json"
     problems = verify_outputs(project, ["out/"], expected, cache_file, seed=seed)
@@ -896,3 +897,151 @@ def test_tree_stats_equal_what_the_manifest_walk_saw_until_something_changes(pro
         seen = {}
         mod.build_manifest(project, outputs, stats=seen)
         assert mod.tree_stats(project, outputs) == seen, kind
+
+
+def test_staged_entries_describe_files_still_at_their_inode_without_a_stat(project: Path) -> None:
+    """`staged`: a file the listing shows at the inode that was hashed is
+    taken from its entry (here one that lies, to show it is not read); a
+    file renamed over since, a missing one and one the entry does not
+    cover are looked at as usual."""
+    truth = build_manifest(project, ["out/"])
+    st = (project / "out/a.txt").stat()
+    staged = {"out/a.txt": [st.st_size, st.st_mtime_ns, st.st_ino, "ab" * 32, 0o600]}
+    taken = manifest_module().build_manifest(project, ["out/"], staged=staged)
+    shortcut = {e["path"]: e for e in taken["entries"]}
+    assert (shortcut["out/a.txt"]["sha256"], shortcut["out/a.txt"]["mode"]) == ("ab" * 32, 0o600)
+    assert {p: e for p, e in shortcut.items() if p != "out/a.txt"} == {
+        e["path"]: e for e in truth["entries"] if e["path"] != "out/a.txt"
+    }
+    (project / "out/a.new").write_bytes((project / "out/a.txt").read_bytes())
+    os.replace(project / "out/a.new", project / "out/a.txt")  # the same bytes, another inode
+    assert manifest_module().build_manifest(project, ["out/"], staged=staged)["digest"] == truth["digest"]
+    with pytest.raises(ValueError, match="no stats"):
+        manifest_module().build_manifest(project, ["out/"], staged=staged, stats={})
+
+
+def test_verify_looks_again_without_the_staged_shortcut_before_refusing(
+    project: Path, tmp_path: Path
+) -> None:
+    """An entry that disagrees with the manifest (a mode the copy set after
+    the hash, say) never makes a refusal by itself: the files are stat'ed
+    and read as usual, and verification passes when they match. A file
+    renamed over after its hash is another inode: read, and refused."""
+    expected = build_manifest(project, ["out/"])
+    st = (project / "out/a.txt").stat()
+    digest = sha((project / "out/a.txt").read_bytes())
+    seed = {"out/a.txt": [st.st_size, st.st_mtime_ns, st.st_ino, digest, 0o600]}
+    assert verify_outputs(project, ["out/"], expected, tmp_path / "cache.json", seed=seed) == []
+    seed["out/a.txt"][4] = st.st_mode & 0o7777
+    (project / "out/a.new").write_bytes(b"another copy\n")
+    os.replace(project / "out/a.new", project / "out/a.txt")  # delivered again after the hash
+    problems = verify_outputs(project, ["out/"], expected, tmp_path / "cache2.json", seed=seed)
+    assert [p.split(" (")[0] for p in problems] == ["changed content: out/a.txt"]
+
+
+# The run's side: `settle` keeps the manifest for the fetch's `watch`.
+SETTLE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import manifest
+print(manifest.canonical_json(manifest.settle(sys.argv[2], ["out/", "report.txt"], sys.argv[3])))
+"""
+
+
+def settle_under_py38(project: Path, cache: Path) -> dict[str, Any]:
+    done = subprocess.run(
+        [str(py38()), "-c", SETTLE, str(remote_script("manifest.py").parent), str(project), str(cache)],
+        capture_output=True, check=True,
+    )  # fmt: skip
+    taken: dict[str, Any] = json.loads(done.stdout)
+    return taken
+
+
+def settled_record(cache: Path) -> Path:
+    return Path(str(cache) + manifest_module().SETTLED_SUFFIX)  # type: ignore[attr-defined]
+
+
+def test_a_settled_manifest_is_sent_as_it_is_and_checked_by_stats_under_python38(
+    project: Path, tmp_path: Path
+) -> None:
+    """The fixture's files were written just now: `settle` waits out the
+    clock's tick and keeps its record. `watch` then sends that manifest
+    without taking one (it reads no cache and writes none) and checks it."""
+    cache = tmp_path / "cache.json"
+    taken = settle_under_py38(project, cache)
+    assert taken == build_manifest(project, ["out/", "report.txt"])
+    assert settled_record(cache).is_file()
+    cache.unlink()  # a watch that took the manifest itself would write it again
+    proc = start_watch(project, cache)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line == (manifest_module().canonical_json(taken) + "\n").encode()  # type: ignore[attr-defined]
+    answer, after = ask(proc)
+    assert answer == {"unchanged": True} and after == b""
+    assert not cache.exists() and settled_record(cache).is_file()
+
+
+@pytest.mark.parametrize("change", ["append", "chmod", "new file", "same size and mtime", "removed"])
+def test_a_settled_manifest_is_dropped_once_the_outputs_changed_since_the_run(
+    project: Path, tmp_path: Path, change: str
+) -> None:
+    cache = tmp_path / "cache.json"
+    settle_under_py38(project, cache)
+    target = project / "out/a.txt"
+    if change == "append":
+        with target.open("ab") as f:
+            f.write(b"more")
+    elif change == "chmod":
+        target.chmod(0o600)
+    elif change == "new file":
+        write(project / "out/sub/new.txt", b"new")
+    elif change == "removed":
+        target.unlink()
+    else:  # what a cache keyed by size and mtime alone would miss
+        st = target.stat()
+        target.write_bytes(b"ALPHA\n")
+        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    proc = start_watch(project, cache)
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    answer, _ = ask(proc)
+    assert answer["unchanged"] is False and "since the run ended" in answer["why"], answer
+    assert not settled_record(cache).exists()
+    # the next fetch takes the manifest of the outputs as they now are
+    proc = start_watch(project, cache, racy_seconds=0)
+    assert proc.stdout is not None
+    assert json.loads(proc.stdout.readline()) == build_manifest(project, ["out/", "report.txt"])
+    assert ask(proc)[0] == {"unchanged": True}
+
+
+def test_a_settled_manifest_of_other_outputs_is_not_used(project: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache.json"
+    manifest_module().settle(str(project), ["out/"], str(cache))  # type: ignore[attr-defined]
+    assert settled_record(cache).is_file()
+    cache.unlink()
+    proc = start_watch(project, cache, racy_seconds=0)  # out/ and report.txt
+    assert proc.stdout is not None
+    assert json.loads(proc.stdout.readline()) == build_manifest(project, ["out/", "report.txt"])
+    assert ask(proc)[0] == {"unchanged": True}
+    assert cache.is_file()  # taken anew, through the cache
+
+
+@pytest.mark.parametrize("clock", ["behind the last change", "on another file system", "unavailable"])
+def test_settle_keeps_no_record_unless_the_file_systems_clock_passed_every_change(
+    project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: str
+) -> None:
+    """A clock that never passes the newest ctime (the wait gives up), one
+    read on another file system or none at all: the manifest is taken as
+    usual, and the fetch will take its own."""
+    mod: Any = manifest_module()
+    dev = project.stat().st_dev
+    fake = {"behind the last change": (0, dev), "on another file system": (time.time_ns() + 10**12, dev + 1),
+            "unavailable": None}[clock]  # fmt: skip
+    monkeypatch.setattr(mod, "_fs_clock", lambda near: fake)
+    monkeypatch.setattr(mod, "SETTLE_WAIT_SECONDS", 0.01)
+    cache = tmp_path / "cache.json"
+    assert mod.settle(str(project), ["out/", "report.txt"], str(cache)) == build_manifest(
+        project, ["out/", "report.txt"]
+    )
+    assert not settled_record(cache).exists()
+    assert set(json.loads(cache.read_text())) == {"out/a.txt", "out/run.sh", "out/sub/b.bin", "report.txt"}

@@ -106,9 +106,12 @@ def test_files_are_hashed_as_they_arrive_odd_names_and_a_missing_output_included
         assert fetched.digest_checked  # on arrival, from the line itself
         for rel, data in names.items():
             assert (fetched.root / rel).read_bytes() == data
-            size, _mtime, ino, digest = fetched.hashes[rel]  # hashed here as it arrived
-            assert (size, ino, digest) == (len(data), (fetched.root / rel).stat().st_ino,
-                                           hashlib.sha256(data).hexdigest())  # fmt: skip
+            size, mtime, ino, digest, mode = fetched.hashes[rel]  # hashed here as it arrived
+            assert digest == hashlib.sha256(data).hexdigest()
+            # rsync renamed it into place done: nothing about it changed after the hash,
+            # so verification may describe it from this entry (`staged`)
+            st = (fetched.root / rel).lstat()
+            assert (size, mtime, ino, mode) == (len(data), st.st_mtime_ns, st.st_ino, st.st_mode & 0o7777)
         assert set(fetched.hashes) == set(names)  # the link and the folders are left to verification
         assert (fetched.root / "out/link").readlink() == Path("plain.txt")
     finally:
@@ -135,6 +138,10 @@ def test_outputs_changed_during_the_copy_are_caught_by_confirm(
     tmp_path: Path, host: SshHost, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    # the worker kept its manifest for the fetch (manifest.settle): the host
+    # sends that one, and its check compares a stat of each entry with it
+    settled = remote_run_dir(handle.model_dump(mode="json")) / "manifest-cache.json.settled"
+    assert settled.is_file()
     copy = RsyncTransport.download
 
     def copy_then_change(self: RsyncTransport, *args: Any, **kwargs: Any) -> TransferStats:
@@ -148,6 +155,7 @@ def test_outputs_changed_during_the_copy_are_caught_by_confirm(
         fetched.confirm()
     fetched.confirm()  # once only: a second call does nothing
     no_watch_left(handle)
+    assert not settled.exists()  # the outputs moved on since the run: the next manifest is taken anew
     monkeypatch.setattr(RsyncTransport, "download", copy)
     # fetched again, the tree holds still
     again = backend.fetch(handle)

@@ -21,7 +21,7 @@ def sha(data: bytes) -> str:
 
 def entry_of(path: Path) -> list[object]:
     st = path.lstat()
-    return [st.st_size, st.st_mtime_ns, st.st_ino, sha(path.read_bytes())]
+    return [st.st_size, st.st_mtime_ns, st.st_ino, sha(path.read_bytes()), st.st_mode & 0o7777]
 
 
 def test_named_files_are_hashed_as_cache_entries(tmp_path: Path) -> None:

@@ -53,9 +53,10 @@ class Fetched:
     root: a local folder holding the outputs at their project-relative paths;
     manifest: what they must match, taken where the run ran;
     in_place: the outputs already stand at their final paths (no sandbox);
-    hashes: files under `root` already hashed here as they arrived, as
-    hash-cache entries (relative path -> [size, mtime_ns, inode, sha256]):
-    verification reuses an entry only while its file still matches it;
+    hashes: files under `root` already hashed here as they arrived
+    (relative path -> [size, mtime_ns, inode, sha256, mode]), into a staging
+    folder nothing else writes and the copy fills by renames: verification
+    takes an entry for the file while the same inode stands at its path;
     manifest_json: the manifest's JSON as received, if it was (saved as is);
     digest_checked: the manifest's digest was checked against its entries;
     confirm: from `Backend.begin_fetch`, the source's last word, which the

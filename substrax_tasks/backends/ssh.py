@@ -377,8 +377,9 @@ class SshBackend(Backend):
         still all along. If they did not, nothing may be promoted and the
         remote stays (see ssh_watch.watched_fetch)."""
         root = self._outputs_root(handle)
-        # The worker filled this hash cache as the command ended: unchanged
-        # files cost a stat there, not a second read.
+        # The worker filled this hash cache as the command ended, and kept
+        # its manifest beside it (manifest.settle): the host sends that at
+        # once and checks it with a stat of each entry.
         cache = f"{self.run_dir(handle)}/manifest-cache.json"
         argv = self._python(handle, "manifest.py", root, *handle.spec.outputs, "--cache", cache, "--watch")
         watch = ManifestWatch(self.conn.open_command(argv), self.settings.host)
