@@ -16,7 +16,8 @@ two projects on tmpfs (/dev/shm when present) and builds each once with
   as one folder output `out/sNNNN/` (one doit target); with `--outputs
   files` each file `out/sNNNN/fNNN.txt` is declared (100 targets).
 * baseline: N plain doit tasks with the same `file_dep` and `targets`, and a
-  Python action writing the same files. With folder outputs its target is
+  Python action writing the same files. Both projects hold the same
+  pyproject.toml (doit reads its `[tool.doit]` table in either). With folder outputs its target is
   the folder (doit checks that it exists), while the remote step's check
   stats every file in it: that is part of what is measured.
 
@@ -224,8 +225,9 @@ def write_project(root: Path, kind: str, steps: int, opts: Options) -> Project:
     common = COMMON_DODO.format(steps=steps, files=opts.files, mode=opts.mode)
     template = REMOTE_DODO if kind == "remote" else BASELINE_DODO
     (root / "dodo.py").write_text(template.format(steps=steps, common=common))
-    if kind == "remote":
-        (root / "pyproject.toml").write_text(PYPROJECT.format(sandbox=opts.sandbox))
+    # The same pyproject.toml in both: doit reads its [tool.doit] table (and
+    # imports tomllib for that) whichever tasks the dodo file declares.
+    (root / "pyproject.toml").write_text(PYPROJECT.format(sandbox=opts.sandbox))
     return Project(kind, root)
 
 

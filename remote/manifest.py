@@ -203,10 +203,30 @@ def kind_of(mode):
     return "special file"
 
 
+_CHECKED = {}  # type: dict
+_CHECKED_MAX = 4096  # outputs lists remembered (a no-op checks each step's twice)
+
+
 def _check_outputs(outputs):
     # type: (list) -> list
     """[(relative path without trailing slash, is folder output)], refusing
-    absolute paths, empty, "." and ".." components, and overlaps."""
+    absolute paths, empty, "." and ".." components, and overlaps. The
+    answer for a list seen before is remembered (a new list each call)."""
+    try:
+        known = _CHECKED.get(tuple(outputs))
+    except TypeError:  # an unhashable item: refused below
+        known = None
+    if known is not None:
+        return list(known)
+    checked = _checked_outputs(outputs)
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.clear()
+    _CHECKED[tuple(outputs)] = tuple(checked)
+    return checked
+
+
+def _checked_outputs(outputs):
+    # type: (list) -> list
     if isinstance(outputs, str):
         raise ManifestError("outputs must be a list of paths, not the string %r" % outputs)
     checked = []
@@ -488,16 +508,26 @@ def tree_stamp(base, outputs):
     add = items.append
     newest = 0
     S_ISDIR, S_ISLNK = stat.S_ISDIR, stat.S_ISLNK
+    prefix = base + "/" if base and not base.endswith("/") else base
+    # the mode of each folder above an output, by path: outputs declared
+    # file by file share their folders (100 files in one: 1 lstat, not 100)
+    folder_modes = {}  # type: dict
     for rel, is_dir in checked:
         add(rel)
         add(is_dir)
-        parts = rel.split("/")
-        for i in range(1, len(parts)):
-            try:
-                add(os.lstat(os.path.join(base, *parts[:i])).st_mode)
-            except OSError:
-                add(-1)
-        top = os.path.join(base, rel)
+        at = rel.find("/")
+        while at != -1:
+            folder = rel[:at]
+            mode = folder_modes.get(folder)
+            if mode is None:
+                try:
+                    mode = os.lstat(prefix + folder).st_mode
+                except OSError:
+                    mode = -1
+                folder_modes[folder] = mode
+            add(mode)
+            at = rel.find("/", at + 1)
+        top = prefix + rel
         try:
             st = os.lstat(top)
         except OSError:

@@ -878,7 +878,7 @@ def project_of(path: str | os.PathLike[str] | None) -> ResolvedProject:
         if given.is_absolute():  # a relative one moves with the cwd: resolved each time
             _ROOTS[raw] = root
     stamp = config_stamp(root)
-    key = (root, json.dumps(stamp))
+    key = (root, repr(stamp))  # str, int, None and lists of them: repr is exact
     project = _PROJECTS.get(key)
     if project is None:
         project = _PROJECTS[key] = resolve(root, stamp)

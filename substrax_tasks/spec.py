@@ -21,7 +21,6 @@ from substrax_tasks.errors import SpecError
 ArgvItem = Union[str, int, os.PathLike]  # type: ignore[type-arg]  # noqa: UP007 - a runtime alias
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 RESOURCE_KEYS = ("accelerators", "cpus", "memory", "disk_size")
-_UNCLEAN = ("", ".", "..")
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,9 @@ def relative_path(raw: str | os.PathLike[str], project: Path, what: str) -> str:
     is_dir = text.endswith("/")
     # The common case, already clean ("data/in.csv", "model/"), costs string
     # work only: a dodo of many steps declares thousands of these.
-    body = text[:-1] if is_dir else text
-    if body and body[0] != "/" and all(part not in _UNCLEAN for part in body.split("/")):
+    probe = "/" + (text[:-1] if is_dir else text) + "/"
+    # no empty, "." or ".." component, not absolute (that would start "//")
+    if "//" not in probe and "/./" not in probe and "/../" not in probe:
         return text
     if not text.strip():
         raise SpecError(f"{what} is empty; give a path inside the project")
@@ -178,6 +178,14 @@ def _ancestors(path: str) -> Iterator[str]:
         at = path.find("/", at + 1)
 
 
+def _ancestors_deepest_first(path: str) -> Iterator[str]:
+    """"a/b/c" -> "a/b", "a"."""
+    at = path.rfind("/")
+    while at != -1:
+        yield path[:at]
+        at = path.rfind("/", 0, at)
+
+
 class PathIndex:
     """Who declared which output, answering "does this path overlap one?"
     in time proportional to its depth, not to the number of outputs: a dodo
@@ -206,8 +214,13 @@ class PathIndex:
         clean = path.rstrip("/")
         self.owner[clean] = step
         self.by_step.setdefault(step, []).append(clean)
-        for folder in _ancestors(clean):
-            self.below.setdefault(folder, step)
+        below = self.below
+        # A folder already noted has its own folders noted too: outputs
+        # declared file by file in one folder stop at the first look.
+        for folder in _ancestors_deepest_first(clean):
+            if folder in below:
+                break
+            below[folder] = step
 
     def remove_step(self, step: str) -> None:
         if step not in self.by_step:

@@ -1045,3 +1045,24 @@ def test_settle_keeps_no_record_unless_the_file_systems_clock_passed_every_chang
     )
     assert not settled_record(cache).exists()
     assert set(json.loads(cache.read_text())) == {"out/a.txt", "out/run.sh", "out/sub/b.bin", "report.txt"}
+
+
+def test_the_stamp_of_outputs_declared_file_by_file_moves_with_their_folders(project: Path) -> None:
+    """Files declared one by one share their folders, looked at once per
+    stamp: a change to a shared folder's mode, to one file, or a folder
+    gone still moves it, and an untouched tree keeps it."""
+    mod: Any = manifest_module()
+    outputs = ["out/a.txt", "out/run.sh", "out/sub/b.bin"]
+    first = mod.tree_stamp(str(project), outputs)
+    assert mod.tree_stamp(str(project), outputs) == first
+    (project / "out/sub").chmod(0o700)
+    moved = mod.tree_stamp(str(project), outputs)
+    assert moved[0] != first[0]
+    (project / "out/sub").chmod(0o755)
+    (project / "out/run.sh").chmod(0o700)
+    assert mod.tree_stamp(str(project), outputs)[0] not in (first[0], moved[0])
+    os.rename(project / "out/sub", project / "elsewhere")
+    gone = mod.tree_stamp(str(project), outputs)
+    os.rename(project / "elsewhere", project / "out/sub")
+    assert gone[0] != mod.tree_stamp(str(project), outputs)[0]
+    assert mod.tree_stamp(str(project), ["out/sub/b.bin", "out/a.txt"])[0] != gone[0]
