@@ -870,7 +870,8 @@ def project_of(path: str | os.PathLike[str] | None) -> ResolvedProject:
     """The project's configuration, resolved once per dodo load: a dodo with
     1,000 steps reads pyproject.toml once, and a no-op doit validates nothing
     while the configuration is unchanged (see resolved.py)."""
-    raw = str(Path.cwd()) if path is None else os.fspath(path)
+    # the cwd as text, no Path: this runs for every step of a dodo
+    raw = os.getcwd() if path is None else os.fspath(path)  # noqa: PTH109
     root = _ROOTS.get(raw)
     if root is None:
         given = Path(raw)

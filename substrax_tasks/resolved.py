@@ -45,13 +45,20 @@ def _file_stamp(path: Path) -> list[int] | None:
     return [st.st_mtime_ns, st.st_size, st.st_ino]
 
 
+_PYPROJECTS: dict[Path, tuple[str, Path]] = {}  # root -> (its text, its pyproject.toml)
+
+
 def config_stamp(root: Path) -> list[Any]:
-    """Everything the validated configuration depends on."""
+    """Everything the validated configuration depends on (taken for every
+    step a dodo declares: the paths are made once per root)."""
     overlay = os.environ.get(CONFIG_ENV)
+    known = _PYPROJECTS.get(root)
+    if known is None:
+        known = _PYPROJECTS[root] = (str(root), root / "pyproject.toml")
     return [
         __version__,
-        str(root),
-        _file_stamp(root / "pyproject.toml"),
+        known[0],
+        _file_stamp(known[1]),
         overlay,
         _file_stamp(Path(overlay)) if overlay else None,
         os.environ.get(BACKEND_ENV),

@@ -38,14 +38,21 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
+_SIGNALS_MAPPED = False
+
+
 def map_termination_signals() -> None:
     """SIGTERM/SIGHUP become KeyboardInterrupt, so doit saves its DB and runs
-    teardown (it does neither when killed by a signal it does not catch)."""
-    if threading.current_thread() is not threading.main_thread():
+    teardown (it does neither when killed by a signal it does not catch).
+    Once per process (every step of a dodo calls it): a handler the program
+    sets afterwards is its own choice."""
+    global _SIGNALS_MAPPED
+    if _SIGNALS_MAPPED or threading.current_thread() is not threading.main_thread():
         return
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
             signal.signal(sig, _interrupt)
+    _SIGNALS_MAPPED = True
 
 
 def _fail_at_load(exc: SubstraxError) -> None:
