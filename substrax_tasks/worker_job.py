@@ -18,6 +18,9 @@ JOB_FILE = "job.json"
 STATUS_FILE = "status.json"
 LOG_FILE = "run.log"
 STAGING_DIR = "work/outputs"
+# A job key: the worker keeps its manifest of the outputs for a fetch that
+# watches them over ssh (remote/manifest.py settle); absent: not kept.
+KEEP_MANIFEST_FOR_FETCH = "keep_manifest_for_fetch"
 START_LOCK = "start.lock"  # remote/worker.py's: taken to start a run, and to cancel one not started
 
 

@@ -76,6 +76,11 @@ def test_local_run_succeeds_with_log_env_and_outputs(project: Project, sandbox: 
     assert "left running" not in log  # a clean run leaves nothing behind to kill
     root = outputs_root(project, handle)
     assert (root / "out" / "answer.txt").read_text() == "42\n"
+    # the worker's manifest and hash cache, but no copy kept for a fetch over
+    # ssh (manifest.settle): the local backend reads manifest.json itself
+    assert (run_dir(project, handle) / "manifest.json").is_file()
+    assert (run_dir(project, handle) / "manifest-cache.json").is_file()
+    assert not (run_dir(project, handle) / "manifest-cache.json.settled").exists()
     if sandbox == "bwrap":
         # The output landed in the run's staging folder, not in the project.
         assert root == run_dir(project, handle) / "work" / "outputs"

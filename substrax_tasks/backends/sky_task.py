@@ -26,7 +26,7 @@ from typing import Any
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.resolved import ENV_LOCK_FILES
-from substrax_tasks.worker_job import WorkerPaths, build_job
+from substrax_tasks.worker_job import KEEP_MANIFEST_FOR_FETCH, WorkerPaths, build_job
 
 REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
 _UNSAFE = re.compile(r"[^a-z0-9]+")
@@ -129,6 +129,8 @@ def worker_job(
     job["staging"] = layout.staging
     if layout.bucket_key is not None:
         job["manifest_copy"] = f"{layout.bucket_dir}/{handle.run_id}/manifest.json"
+    else:  # the copy transport's fetch watches the outputs over ssh (manifest.settle)
+        job[KEEP_MANIFEST_FOR_FETCH] = True
     if env_dir:
         job["path_prepend"] = [f"{env_dir}/bin"]
         job["env"] = {**job["env"], "VIRTUAL_ENV": env_dir}

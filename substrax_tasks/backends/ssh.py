@@ -33,7 +33,7 @@ from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.resolved import ENV_LOCK_FILES
 from substrax_tasks.transports.rsync import RsyncTransport
-from substrax_tasks.worker_job import WorkerPaths, build_job, status_from_record
+from substrax_tasks.worker_job import KEEP_MANIFEST_FOR_FETCH, WorkerPaths, build_job, status_from_record
 
 REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
 ALWAYS_EXCLUDED = (".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache",
@@ -258,6 +258,7 @@ class SshBackend(Backend):
         if isinstance(env_dir, str):
             job["path_prepend"] = [f"{env_dir}/bin"]
             job["env"] = {**job["env"], "VIRTUAL_ENV": env_dir}
+        job[KEEP_MANIFEST_FOR_FETCH] = True  # the fetch's watch sends it (manifest.settle)
         self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())
         secrets = forwarded_env(handle)
         argv = self._python(handle, "worker.py", paths.job, "--detach")
