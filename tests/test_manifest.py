@@ -561,14 +561,8 @@ def test_watch_prints_the_manifest_then_answers_unchanged_under_python38(
     assert set(json.loads(cache.read_text())) == {"out/a.txt", "out/run.sh", "out/sub/b.bin", "report.txt"}
 
 
-@pytest.mark.parametrize("racy_seconds", [0, 2])
-@pytest.mark.parametrize("change", ["append", "chmod", "new file", "same size, old mtime"])
-def test_watch_answers_changed_when_the_outputs_changed_after_the_manifest(
-    project: Path, tmp_path: Path, racy_seconds: int, change: str
-) -> None:
-    proc = start_watch(project, tmp_path / "cache.json", racy_seconds)
-    assert proc.stdout is not None
-    proc.stdout.readline()
+def change_output(project: Path, change: str) -> None:
+    """Change the outputs after their manifest was taken, one way or another."""
     target = project / "out/a.txt"
     if change == "append":
         with target.open("ab") as f:
@@ -577,10 +571,23 @@ def test_watch_answers_changed_when_the_outputs_changed_after_the_manifest(
         target.chmod(0o600)
     elif change == "new file":
         write(project / "out/sub/new.txt", b"new")
-    else:  # what a cache keyed by size and mtime alone would miss
+    elif change == "removed":
+        target.unlink()
+    else:  # same size, old mtime: what a cache keyed by size and mtime alone would miss
         st = target.stat()
         target.write_bytes(b"ALPHA\n")
         os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("racy_seconds", [0, 2])
+@pytest.mark.parametrize("change", ["append", "chmod", "new file", "same size, old mtime"])
+def test_watch_answers_changed_when_the_outputs_changed_after_the_manifest(
+    project: Path, tmp_path: Path, racy_seconds: int, change: str
+) -> None:
+    proc = start_watch(project, tmp_path / "cache.json", racy_seconds)
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    change_output(project, change)
     answer, _ = ask(proc)
     assert answer["unchanged"] is False, answer
     assert answer["why"]
@@ -981,26 +988,13 @@ def test_a_settled_manifest_is_sent_as_it_is_and_checked_by_stats_under_python38
     assert not cache.exists() and settled_record(cache).is_file()
 
 
-@pytest.mark.parametrize("change", ["append", "chmod", "new file", "same size and mtime", "removed"])
+@pytest.mark.parametrize("change", ["append", "chmod", "new file", "same size, old mtime", "removed"])
 def test_a_settled_manifest_is_dropped_once_the_outputs_changed_since_the_run(
     project: Path, tmp_path: Path, change: str
 ) -> None:
     cache = tmp_path / "cache.json"
     settle_under_py38(project, cache)
-    target = project / "out/a.txt"
-    if change == "append":
-        with target.open("ab") as f:
-            f.write(b"more")
-    elif change == "chmod":
-        target.chmod(0o600)
-    elif change == "new file":
-        write(project / "out/sub/new.txt", b"new")
-    elif change == "removed":
-        target.unlink()
-    else:  # what a cache keyed by size and mtime alone would miss
-        st = target.stat()
-        target.write_bytes(b"ALPHA\n")
-        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    change_output(project, change)
     proc = start_watch(project, cache)
     assert proc.stdout is not None
     proc.stdout.readline()
