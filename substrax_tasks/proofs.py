@@ -33,8 +33,7 @@ from substrax_tasks._atomic import write_json_atomic
 FILE_NAME = "up-to-date.json"
 VERSION = 1
 
-_FILES: dict[Path, ProofFile] = {}
-_BY_STATE_DIR: dict[Path, ProofFile] = {}  # the same objects, by the state_dir asked for
+_FILES: dict[Path, ProofFile] = {}  # by state dir: every step asks, no path built each time
 _FILES_LOCK = threading.Lock()
 
 
@@ -103,13 +102,11 @@ def _read(path: Path) -> dict[str, str]:
 
 def proof_file(state_dir: Path) -> ProofFile:
     """The project's proof file, one object per process for all its steps."""
-    found = _BY_STATE_DIR.get(state_dir)  # every step asks: no path built each time
+    found = _FILES.get(state_dir)
     if found is not None:
         return found
-    path = state_dir / "cache" / FILE_NAME
     with _FILES_LOCK:
-        found = _FILES.get(path)
+        found = _FILES.get(state_dir)
         if found is None:
-            found = _FILES[path] = ProofFile(path)
-        _BY_STATE_DIR[state_dir] = found
+            found = _FILES[state_dir] = ProofFile(state_dir / "cache" / FILE_NAME)
         return found
