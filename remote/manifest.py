@@ -502,9 +502,28 @@ def tree_stamp(base, outputs):
     older than ``RACY_SECONDS`` then (compare `newest_ctime_ns`): ctime
     cannot be set back, so any later change moves it. This is what lets a
     no-op verification cost one walk."""
+    items = []  # type: list
+    newest = stat_walk(base, outputs, items)
+    return stamp_of(items), newest
+
+
+def stamp_of(items):
+    # type: (list) -> str
+    """The digest of what `stat_walk` (or several) appended to `items`."""
+    # marshal format 2 has no back-references, so equal lists give equal bytes
+    return hashlib.sha256(marshal.dumps(items, 2)).hexdigest()
+
+
+def stat_walk(base, outputs, items, any_folder=False):
+    # type: (str | os.PathLike, list, list, bool) -> int
+    """Append to `items` what `tree_stamp` digests of `outputs`, and return
+    the newest ctime_ns seen. With `any_folder`, a path declared without
+    its trailing "/" is walked too when it is a folder (inputs are declared
+    either way); outputs are walked only where they are declared folders.
+    A caller checking several trees in one go (a step's inputs and outputs)
+    hashes them once, with `stamp_of`."""
     base = os.fspath(base)
     checked = _check_outputs(outputs)
-    items = []  # type: list
     add = items.append
     newest = 0
     S_ISDIR, S_ISLNK = stat.S_ISDIR, stat.S_ISLNK
@@ -539,7 +558,7 @@ def tree_stamp(base, outputs):
             newest = st.st_ctime_ns
         if S_ISLNK(mode):
             add(_readlink_or_none(top))
-        if not (is_dir and S_ISDIR(mode)):
+        if not ((is_dir or any_folder) and S_ISDIR(mode)):
             continue
         stack = [(top, rel)]
         while stack:
@@ -578,8 +597,7 @@ def tree_stamp(base, outputs):
             finally:
                 if fd >= 0:
                     os.close(fd)
-    # marshal format 2 has no back-references, so equal lists give equal bytes
-    return hashlib.sha256(marshal.dumps(items, 2)).hexdigest(), newest
+    return newest
 
 
 def _open_dir(path):
