@@ -35,7 +35,7 @@ from substrax_tasks._atomic import write_bytes_atomic, write_json_atomic
 from substrax_tasks._output import OUTPUT_LOCK, emit
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
 from substrax_tasks.proofs import proof_file
-from substrax_tasks.resolved import ENV_LOCK_FILES, ResolvedProject, config_stamp, resolve
+from substrax_tasks.resolved import ENV_LOCK_FILES, ResolvedProject, config_key, config_stamp, resolve
 from substrax_tasks.spec import StepSpec, canonical_digest, check_inputs_exist, safe_name
 
 if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
@@ -96,8 +96,8 @@ class StepRunner:
         self._dep_manager: Any = None
         self._tasks_dict: Any = None
         self.safe = safe_name(spec.step)
-        self.record_file = project.state_dir.joinpath("steps", f"{self.safe}.json")
-        self._record_path = os.fspath(self.record_file)
+        # as text: a no-op only stats it (the Path is made on first use)
+        self._record_path = f"{project.state_dir_text}/steps/{self.safe}.json"
         # what the proof walks: the inputs, then the extra tracked files
         self._stamped_inputs = [*spec.inputs, *self.tracked]
         self.proofs = proof_file(project.state_dir)
@@ -118,6 +118,10 @@ class StepRunner:
 
     # Paths and the lock made on first use: a no-op doit of many steps needs
     # only the record's path.
+    @functools.cached_property
+    def record_file(self) -> Path:
+        return Path(self._record_path)
+
     @functools.cached_property
     def outputs_cache(self) -> Path:
         return self.view.state_dir.joinpath("cache", f"{self.safe}.outputs.json")
@@ -358,7 +362,7 @@ class StepRunner:
         the whole decision, so it also tells the phases whether to act."""
         # Every user item is asked, as doit does: some (config_changed, run_once)
         # note the values they save when they are asked.
-        user = list(self._user_checks(task, values))
+        user = list(self._user_checks(task, values)) if self._user_checks_normalized else []
         try:
             result = self.up_to_date(values) and all(user)
         except SubstraxError:
@@ -874,7 +878,7 @@ class _Abort(Exception):
         self.failure = failure
 
 
-_PROJECTS: dict[tuple[Path, str], ResolvedProject] = {}
+_PROJECTS: dict[tuple[Path, tuple[Any, ...]], ResolvedProject] = {}
 # Each path a dodo names (or the cwd) resolved once: resolve() lstats every
 # component, for every step.
 _ROOTS: dict[str, Path] = {}
@@ -892,9 +896,8 @@ def project_of(path: str | os.PathLike[str] | None) -> ResolvedProject:
         root = given.resolve()
         if given.is_absolute():  # a relative one moves with the cwd: resolved each time
             _ROOTS[raw] = root
-    stamp = config_stamp(root)
-    key = (root, repr(stamp))  # str, int, None and lists of them: repr is exact
-    project = _PROJECTS.get(key)
+    config = config_key(root)
+    project = _PROJECTS.get((root, config))
     if project is None:
-        project = _PROJECTS[key] = resolve(root, stamp)
+        project = _PROJECTS[root, config] = resolve(root, config_stamp(root, config))
     return project

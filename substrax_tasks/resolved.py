@@ -36,33 +36,38 @@ CONFIG_ENV = "SUBSTRAX_CONFIG"
 ENV_LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")
 
 
-def _file_stamp(path: Path) -> list[int] | None:
+def _file_stamp(path: str) -> tuple[int, int, int] | None:
     try:
-        st = path.stat()
+        st = os.stat(path)  # noqa: PTH116 - a str, no Path: every step of every doit
     except OSError:
         return None
-    return [st.st_mtime_ns, st.st_size, st.st_ino]
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
-_PYPROJECTS: dict[Path, tuple[str, Path]] = {}  # root -> (its text, its pyproject.toml)
+_PYPROJECTS: dict[Path, tuple[str, str]] = {}  # root -> (its text, its pyproject.toml)
 
 
-def config_stamp(root: Path) -> list[Any]:
-    """Everything the validated configuration depends on (taken for every
-    step a dodo declares: the paths are made once per root)."""
+def config_key(root: Path) -> tuple[Any, ...]:
+    """Everything the validated configuration depends on, hashable (taken
+    for every step a dodo declares: the paths are made once per root)."""
     overlay = os.environ.get(CONFIG_ENV)
     known = _PYPROJECTS.get(root)
     if known is None:
-        known = _PYPROJECTS[root] = (str(root), root / "pyproject.toml")
-    return [
+        known = _PYPROJECTS[root] = (str(root), str(root / "pyproject.toml"))
+    return (
         __version__,
         known[0],
         _file_stamp(known[1]),
         overlay,
-        _file_stamp(Path(overlay)) if overlay else None,
+        _file_stamp(overlay) if overlay else None,
         os.environ.get(BACKEND_ENV),
         os.environ.get("HOME"),  # `~` in settings paths
-    ]
+    )
+
+
+def config_stamp(root: Path, key: tuple[Any, ...] | None = None) -> list[Any]:
+    """`config_key` as the cache file keeps it (JSON: lists, not tuples)."""
+    return json.loads(json.dumps(config_key(root) if key is None else key))  # type: ignore[no-any-return]
 
 
 def cache_file(root: Path) -> Path:
@@ -85,6 +90,7 @@ class ResolvedProject:
     ) -> None:
         self.root = root
         self.state_dir = state_dir
+        self.state_dir_text = str(state_dir)  # every step's record path starts with it
         self.default_backend = default_backend
         self.settings = settings
         self._full = _full

@@ -126,7 +126,8 @@ def make_spec(
         argv.append(os.fspath(item) if isinstance(item, os.PathLike) else str(item))
     input_paths = [relative_path(i, project, f"step {step!r}: input") for i in inputs]
     output_paths = [relative_path(o, project, f"step {step!r}: output") for o in outputs]
-    check_no_overlap(step, output_paths)
+    if len(output_paths) > 1:  # one output cannot overlap itself
+        check_no_overlap(step, output_paths)
     if timeout is not None and timeout <= 0:
         raise SpecError(f"step {step!r}: timeout must be a positive number of seconds, got {timeout}")
     env_checked: dict[str, str] = {}
