@@ -278,8 +278,9 @@ def _check_parents(base, rel, modes=None):
     return True
 
 
-def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, stats=None, staged=None):
-    # type: (str | os.PathLike, list, dict | None, bool, bool, dict | None, dict | None) -> dict
+def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, stats=None, staged=None,
+                   clock=None):
+    # type: (str | os.PathLike, list, dict | None, bool, bool, dict | None, dict | None, tuple | None) -> dict
     """The manifest of `outputs` (project-relative POSIX paths, a trailing
     "/" marking a folder) under the folder `base`. Missing outputs are listed
     in "missing"; anything that cannot be described safely raises
@@ -297,13 +298,19 @@ def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, st
     else writes, and never in place (a fetch's staging folder, filled by
     rsync): a file the folder's listing shows as a regular file with the
     same inode is the file that was hashed, and is described from its entry
-    without a stat. Anything else is looked at as usual."""
+    without a stat. Anything else is looked at as usual.
+
+    `clock`, the ``(ctime_ns, st_dev)`` of a file made just before the walk
+    (`fs_clock`), also caches a younger file of that file system whose mtime
+    is older than it: any later write sets the mtime to that clock or after
+    (git's racily-clean rule, made exact), so the first check after a run
+    need not hash its outputs again."""
     if staged and stats is not None:
         raise ValueError("files described from `staged` are not stat'ed: no stats to give")
     base = os.fspath(base)
     checked = _check_outputs(outputs)
     try:
-        manifest = _build(base, checked, cache, cache_young, stats, staged)
+        manifest = _build(base, checked, cache, cache_young, stats, staged, clock)
     except OSError as exc:
         where = exc.filename if exc.filename is not None else base
         raise ManifestError(
@@ -315,8 +322,8 @@ def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, st
     return manifest
 
 
-def _build(base, checked, cache, cache_young=False, stats=None, staged=None):
-    # type: (str, list, dict | None, bool, dict | None, dict | None) -> dict
+def _build(base, checked, cache, cache_young=False, stats=None, staged=None, clock=None):
+    # type: (str, list, dict | None, bool, dict | None, dict | None, tuple | None) -> dict
     entries = []  # type: list
     # what the walk saw, for a later tree_stats to compare (a throwaway dict
     # when nobody asked: cheaper than testing for None at every entry)
@@ -324,6 +331,7 @@ def _build(base, checked, cache, cache_young=False, stats=None, staged=None):
     missing = []  # type: list
     hasher = None  # type: _Hasher | None
     racy_ns = (time.time_ns() + 1) if cache_young else time.time_ns() - RACY_SECONDS * 1000000000
+    clock_ns, clock_dev = clock if clock is not None else (0, None)
     cache_get = cache.get if cache is not None else None
     staged_get = staged.get if staged else None
     seen = set() if cache is not None else None  # type: set | None
@@ -349,8 +357,9 @@ def _build(base, checked, cache, cache_young=False, stats=None, staged=None):
             hasher = _Hasher()
         digest = hasher.file(path, st)
         if cache is not None:
-            if st.st_mtime_ns < racy_ns:
-                cache[rel] = [size, st.st_mtime_ns, st.st_ino, digest]
+            mtime = st.st_mtime_ns
+            if mtime < racy_ns or (mtime < clock_ns and st.st_dev == clock_dev):
+                cache[rel] = [size, mtime, st.st_ino, digest]
                 seen.add(rel)  # type: ignore[union-attr]
             elif rel in cache:
                 del cache[rel]
@@ -834,7 +843,7 @@ def settle(base, outputs, cache_file):
     _remove_quietly(record_file)  # never a record older than the manifest just taken
     cache = _load_cache_file(cache_file)
     for attempt in (1, 2):
-        clock = _fs_clock(record_file)
+        clock = fs_clock(record_file)
         seen = {}  # type: dict
         manifest = build_manifest(base, outputs, cache, cache_young=True, digest=False, stats=seen)
         newest = _newest_ctime(seen)
@@ -855,7 +864,7 @@ def settle(base, outputs, cache_file):
                 if isinstance(rel, str) and st is not None and st[2] >= clock[0] and rel in cache:
                     del cache[rel]
             deadline = time.time() + SETTLE_WAIT_SECONDS
-            while time.time() < deadline and (_fs_clock(record_file) or (0,))[0] <= newest:
+            while time.time() < deadline and (fs_clock(record_file) or (0,))[0] <= newest:
                 time.sleep(0.001)
     if manifest["digest"] is None:
         manifest_json(manifest)  # fills in the digest
@@ -863,7 +872,7 @@ def settle(base, outputs, cache_file):
     return manifest
 
 
-def _fs_clock(near):
+def fs_clock(near):
     # type: (str) -> tuple | None
     """``(ctime_ns, st_dev)`` of a file made now beside `near`: the file
     system's clock as its timestamps see it. None if it cannot be made."""

@@ -19,6 +19,7 @@ module ``substrax_remote_manifest``) and adds what only this side needs:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -59,7 +60,10 @@ if TYPE_CHECKING:  # a Protocol class costs a no-op doit ~0.5 ms to build
             digest: bool = True,
             stats: dict[Any, Any] | None = None,
             staged: Mapping[str, list[Any]] | None = None,
+            clock: tuple[int, int] | None = None,
         ) -> Manifest: ...
+
+        def fs_clock(self, near: str) -> tuple[int, int] | None: ...
 
         def diff_manifests(self, expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]: ...
 
@@ -231,18 +235,24 @@ def verify_outputs(
         cache = HashCache(cache_file, {rel: entry[:4] for rel, entry in seed.items()})
     else:
         cache = HashCache.load(cache_file)
+    # The file system's clock, read before the walk: the files of a run just
+    # made are cached when that clock has passed their mtime, so the first
+    # no-op after the run does not hash them again (see build_manifest).
+    clock = _clock_near(cache_file)
     try:
         actual = mod.build_manifest(
-            base, _outputs(outputs), cache.entries, digest=not digest_checked, staged=seed
+            base, _outputs(outputs), cache.entries, digest=not digest_checked, staged=seed, clock=clock
         )
         if seed and not _matches(actual, expected_manifest, digest_checked):
             # a second look, every file stat'ed: the shortcut never decides a refusal
-            actual = mod.build_manifest(base, _outputs(outputs), cache.entries, digest=not digest_checked)
+            actual = mod.build_manifest(
+                base, _outputs(outputs), cache.entries, digest=not digest_checked, clock=clock
+            )
     except mod.ManifestError as exc:
         return [f"refused: {exc}"]
     finally:
         if seed is not None:
-            _forget_young(cache.entries, mod.RACY_SECONDS)
+            _forget_young(cache.entries, mod.RACY_SECONDS, clock, base)
         cache.save()
     never = list(expected_manifest.get("missing", []))
     same = _matches(actual, expected_manifest, digest_checked)
@@ -271,11 +281,34 @@ def _matches(actual: Manifest, expected: Mapping[str, Any], digest_checked: bool
     return bool(actual["digest"] == expected.get("digest"))
 
 
-def _forget_young(entries: CacheEntries, racy_seconds: int) -> None:
+def _clock_near(cache_file: Path) -> tuple[int, int] | None:
+    """`fs_clock` beside the cache file (the state dir, where runs are
+    staged too), or None where no file can be made there."""
+    with contextlib.suppress(OSError):
+        cache_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    clock: tuple[int, int] | None = manifest_module().fs_clock(str(cache_file))
+    return clock
+
+
+def _forget_young(
+    entries: CacheEntries,
+    racy_seconds: int,
+    clock: tuple[int, int] | None = None,
+    base: str | os.PathLike[str] | None = None,
+) -> None:
     """Keep only what build_manifest itself would have cached: a seed is
     trusted for the verification it was taken for, but a file modified less
-    than `racy_seconds` ago is not remembered beyond it (see RACY_SECONDS)."""
+    than `racy_seconds` ago is not remembered beyond it (see RACY_SECONDS),
+    unless the file system's `clock`, read before the walk, had passed its
+    mtime (and `base`, where the files are, is on that file system)."""
     limit = time.time_ns() - racy_seconds * 1_000_000_000
+    if clock is not None and base is not None:
+        try:
+            same_fs = os.stat(base).st_dev == clock[1]  # noqa: PTH116 - a str or a Path, as given
+        except OSError:
+            same_fs = False
+        if same_fs:
+            limit = max(limit, clock[0])
     for rel in [rel for rel, entry in entries.items() if entry[1] >= limit]:
         del entries[rel]
 

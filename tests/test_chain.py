@@ -87,6 +87,10 @@ def test_first_run_promotes_and_rerun_executes_nothing(tmp_path: Path, sandbox: 
     assert run["state"]["phase"] == "promoted"
     handle_file = run_dirs(root)[0] / "handle.json"
     before = handle_file.stat().st_mtime_ns
+    # Verification cached the hashes of the files just made (the file
+    # system's clock had passed them): the no-op below hashes nothing.
+    cache = json.loads((root / ".substrax/cache/step.outputs.json").read_text())
+    assert set(cache["entries"]) == set(expected_outputs())
 
     second = doit_ok(root)
     assert step_skipped(second, "step"), show(second)

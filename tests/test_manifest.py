@@ -837,13 +837,20 @@ def test_promoted_files_reuse_hashes_from_staging(tmp_path: Path) -> None:
     assert not cache.changed
 
 
-def test_verify_with_a_seed_uses_its_hashes_and_keeps_only_old_files(project: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("clock_passed", [False, True])
+def test_verify_with_a_seed_uses_its_hashes_and_keeps_only_settled_files(
+    project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock_passed: bool
+) -> None:
     """A fetch hashes its copy as files arrive; verification reuses those
     hashes while the files match, and remembers them only as the cache's
-    own racy rule allows."""
+    own racy rule allows: a young file only once the file system's clock,
+    read before the walk, has passed its mtime."""
     expected = build_manifest(project, ["out/"])
     age(project)
     (project / "out/run.sh").touch()  # modified just now: young
+    young = (project / "out/run.sh").stat()
+    clock = (young.st_mtime_ns + (1 if clock_passed else 0), young.st_dev)
+    monkeypatch.setattr(manifest_module(), "fs_clock", lambda near: clock)
     seed = {}
     for rel in ("out/a.txt", "out/run.sh"):
         st = (project / rel).stat()
@@ -854,9 +861,52 @@ def test_verify_with_a_seed_uses_its_hashes_and_keeps_only_old_files(project: Pa
     problems = verify_outputs(project, ["out/"], expected, cache_file, seed=seed)
     assert [p.split(" (")[0] for p in problems] == ["changed content: out/a.txt"]
     kept = HashCache.load(cache_file).entries
-    assert "out/run.sh" not in kept  # young: not remembered
+    # young: remembered only if the clock had passed it (a later write moves its mtime)
+    assert ("out/run.sh" in kept) is clock_passed
     assert kept["out/sub/b.bin"][3] == sha(bytes(range(256)) * 10)  # old, hashed by the walk
     assert kept["out/a.txt"][3] == sha(b"what the seed claims")  # stays until its file changes
+
+
+@pytest.mark.parametrize(
+    ("clock", "cached"),
+    [("passed", True), ("same tick", False), ("another file system", False), ("none", False)],
+)
+def test_a_young_file_is_cached_once_the_file_systems_clock_passed_it(
+    project: Path, clock: str, cached: bool
+) -> None:
+    """git's racily-clean rule made exact: a file written less than
+    RACY_SECONDS ago is cached only if a clock read on its own file system
+    before the walk is past its mtime, so that any later write moves it."""
+    age(project)
+    (project / "out/run.sh").write_bytes(b"#!/bin/sh\necho changed\n")  # young
+    st = (project / "out/run.sh").stat()
+    given = {"passed": (st.st_mtime_ns + 1, st.st_dev), "same tick": (st.st_mtime_ns, st.st_dev),
+             "another file system": (st.st_mtime_ns + 1, st.st_dev + 1), "none": None}[clock]  # fmt: skip
+    cache: dict[str, list[Any]] = {}
+    manifest_module().build_manifest(str(project), ["out/"], cache, clock=given)
+    assert ("out/run.sh" in cache) is cached
+    assert "out/a.txt" in cache  # old: cached whatever the clock says
+    if cached:
+        content = sha(b"#!/bin/sh\necho changed\n")
+        assert cache["out/run.sh"] == [st.st_size, st.st_mtime_ns, st.st_ino, content]
+
+
+def test_verify_outputs_reads_the_file_systems_clock_beside_its_cache(project: Path, tmp_path: Path) -> None:
+    """The outputs of a run just made are cached by verification once the
+    clock has moved past them: the first no-op after it hashes nothing."""
+    cache_file = tmp_path / "state/cache/step.outputs.json"
+    (project / "out/run.sh").write_bytes(b"#!/bin/sh\necho changed\n")  # young
+    expected = build_manifest(project, ["out/"])
+    mod: Any = manifest_module()
+    written = (project / "out/run.sh").stat().st_mtime_ns
+    cache_file.parent.mkdir(parents=True)
+    deadline = time.monotonic() + 5
+    while (mod.fs_clock(str(cache_file.parent / "probe")) or (0,))[0] <= written:
+        assert time.monotonic() < deadline, "the file system's clock did not move in 5 s"
+        time.sleep(0.001)
+    assert verify_outputs(project, ["out/"], expected, cache_file) == []
+    assert "out/run.sh" in HashCache.load(cache_file).entries
+    assert not [p.name for p in cache_file.parent.iterdir() if p.name.endswith(".clock")]  # the probe is gone
 
 
 @pytest.mark.parametrize("digest_checked", [False, True])
@@ -1031,7 +1081,7 @@ def test_settle_keeps_no_record_unless_the_file_systems_clock_passed_every_chang
     dev = project.stat().st_dev
     fake = {"behind the last change": (0, dev), "on another file system": (time.time_ns() + 10**12, dev + 1),
             "unavailable": None}[clock]  # fmt: skip
-    monkeypatch.setattr(mod, "_fs_clock", lambda near: fake)
+    monkeypatch.setattr(mod, "fs_clock", lambda near: fake)
     monkeypatch.setattr(mod, "SETTLE_WAIT_SECONDS", 0.01)
     cache = tmp_path / "cache.json"
     assert mod.settle(str(project), ["out/", "report.txt"], str(cache)) == build_manifest(
