@@ -90,7 +90,8 @@ class ResolvedProject:
     ) -> None:
         self.root = root
         self.state_dir = state_dir
-        self.state_dir_text = str(state_dir)  # every step's record path starts with it
+        self.root_text = str(root)  # paths a no-op checks for every step start with these
+        self.state_dir_text = str(state_dir)
         self.default_backend = default_backend
         self.settings = settings
         self._full = _full
