@@ -136,7 +136,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
         )
         if retries < 0:
             raise SubstraxError(f"step {name!r}: retries must be 0 or more, got {retries}")
-        unknown = sorted(set(task_keys) - set(PASSTHROUGH_KEYS))
+        unknown = sorted(set(task_keys) - set(PASSTHROUGH_KEYS)) if task_keys else []
         if unknown:
             raise SubstraxError(
                 f"step {name!r}: unknown argument(s) {', '.join(unknown)}; doit keys passed "
