@@ -31,10 +31,11 @@ same backend and file for the baseline) and set `default_tasks` to the N
 public tasks, so plain `doit` asks exactly the N tasks whether they are up
 to date (the remote steps' internal phase tasks are loaded, not asked).
 
-After the build it waits until the newest output is older than the manifest
-cache's racy window (`RACY_SECONDS`; younger files are hashed but not
-cached), runs one untimed no-op `doit` in each project (shown as "1st
-no-op": the remote one records its outputs' stamps then), and then times
+After the build it waits until the newest output is older than the racy
+window (`RACY_SECONDS`: the outputs' tree stamp and a step's proof are kept
+only for what is older), runs one untimed no-op `doit` in each project
+(shown as "1st no-op": the remote one records its outputs' stamps and the
+steps' proofs then), and then times
 the no-op `doit` (a subprocess, wall time, output through pipes) in both
 projects, interleaved and alternating which goes first, `--repeats` times;
 medians are shown with their ratio (goal: <= 1.5x at 100 steps). What `doit`
@@ -459,7 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(
         "\nper step +: the remote project's extra no-op time per step; 1st no-op: the first run after the "
-        "build (the remote one rehashes outputs that were too young to cache when verified)."
+        "build (the remote one makes each step's full check once: its key, the manifest of its outputs "
+        "from the hashes cached when they were verified, and keeps the proofs later no-ops use)."
     )
     return 0
 
