@@ -248,9 +248,9 @@ class StepRunner:
         """The step's proof (proofs.py) as things stand now, and the newest
         ctime it covers; None if it has no record (never up to date) or its
         paths are refused. It reads no file: a stat of the record, one
-        stat-only walk of the inputs and of the outputs (which moves with any
-        change, as manifests.md explains), and what the step declares, all
-        hashed at once."""
+        stat-only walk of the inputs, the outputs and the environment's lock
+        files (which moves with any change, as manifests.md explains), and
+        what the step declares, all hashed at once."""
         try:
             st = os.stat(self._record_path)  # noqa: PTH116 - a str, no Path: every step, every no-op
         except OSError:
@@ -277,15 +277,16 @@ class StepRunner:
     def _declared(self) -> bytes:
         """What the step declares and its backend settings, fixed in a
         process, as bytes for the proof. marshal, not canonical JSON (5x
-        dearer, for 100 steps ~1 ms of each no-op): a dict in another order
-        gives other bytes, so at worst one more full check, never a wrong
-        answer. JSON is the fallback for a value marshal cannot write."""
+        dearer, for 100 steps ~1 ms of each no-op), with the dicts' items
+        sorted: equal declarations give equal bytes (a nested dict in another
+        order would give other bytes: one more full check, never a wrong
+        answer). JSON is the fallback for a value marshal cannot write."""
         if self._static_part is None:
             spec = self.spec
             declared = [
-                PROOF_VERSION, str(self.root), spec.step, spec.command, spec.env, spec.timeout,
-                spec.inputs, spec.outputs, spec.resources, spec.forward_env, self.tracked,
-                self.backend_name, self.settings,
+                PROOF_VERSION, str(self.root), spec.step, spec.command, sorted(spec.env.items()),
+                spec.timeout, spec.inputs, spec.outputs, sorted(spec.resources.items()),
+                spec.forward_env, self.tracked, self.backend_name, sorted(self.settings.items()),
             ]
             try:
                 self._static_part = marshal.dumps(declared, 2)

@@ -30,9 +30,10 @@ from dodo_helpers import (
 )
 
 from substrax_tasks import manifest_cache
-from substrax_tasks.chain import DOIT_VALUE
+from substrax_tasks.chain import DOIT_VALUE, StepRunner, project_of
 from substrax_tasks.dodo_loader import find_step
 from substrax_tasks.proofs import FILE_NAME, VERSION, ProofFile, proof_file
+from substrax_tasks.spec import make_spec
 
 # ------------------------------------------------------------ the file
 
@@ -52,6 +53,22 @@ def test_proofs_of_two_processes_are_merged_private_and_atomic(tmp_path: Path) -
     assert not third.holds("a", "2")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_the_declared_part_of_a_proof_ignores_the_order_of_dicts(tmp_path: Path) -> None:
+    """Equal declarations, equal proofs, whatever order a dodo builds its
+    env or resources in; any other value, another proof."""
+    root = make_project(tmp_path, "", ["step"])
+    project = project_of(root)
+
+    def declared(env: dict[str, str], resources: dict[str, int]) -> bytes:
+        spec = make_spec("step", ["true"], project.root, env=env, resources=resources)
+        return StepRunner(spec, project, None)._declared()
+
+    first = declared({"A": "1", "B": "2"}, {"cpus": 2, "memory": 4})
+    assert declared({"B": "2", "A": "1"}, {"memory": 4, "cpus": 2}) == first
+    assert declared({"A": "1", "B": "3"}, {"cpus": 2, "memory": 4}) != first
+    assert declared({"A": "1", "B": "2"}, {"cpus": 2, "memory": 8}) != first
 
 
 def test_saved_only_when_something_new(tmp_path: Path) -> None:
