@@ -259,23 +259,22 @@ sys.exit(code)
 """
 
 
-def test_nothing_holds_doits_tasks_once_a_noop_doit_has_run(root: Path) -> None:
+def noop_doit_says(root: Path, script: str) -> str:
+    """Run `script` (a no-op doit in-process) in the project; its last line."""
     done = subprocess.run(
-        [sys.executable, "-c", HELD_AFTER_RUN], cwd=root, env=clean_env(), capture_output=True, text=True,
+        [sys.executable, "-c", script], cwd=root, env=clean_env(), capture_output=True, text=True,
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "-- step" in done.stdout
-    assert done.stdout.strip().splitlines()[-1] == "0"
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_nothing_holds_doits_tasks_once_a_noop_doit_has_run(root: Path) -> None:
+    assert noop_doit_says(root, HELD_AFTER_RUN) == "0"
 
 
 def test_a_noop_doit_imports_no_machinery_of_the_phases(root: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", NOOP_DOIT], cwd=root, env=clean_env(), capture_output=True, text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "-- step" in done.stdout
-    modules = done.stdout.strip().splitlines()[-1]
+    modules = noop_doit_says(root, NOOP_DOIT)
     imported = [name for name in NOT_ON_A_NOOP if repr(name) in modules]
     assert imported == []
