@@ -286,8 +286,7 @@ def _clock_near(cache_file: Path) -> tuple[int, int] | None:
     staged too), or None where no file can be made there."""
     with contextlib.suppress(OSError):
         cache_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    clock: tuple[int, int] | None = manifest_module().fs_clock(str(cache_file))
-    return clock
+    return manifest_module().fs_clock(str(cache_file))
 
 
 def _forget_young(
