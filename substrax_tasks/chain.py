@@ -259,17 +259,17 @@ class StepRunner:
         items: list[Any] = [
             self._declared(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
         ]
+        root = self.view.root_text
         try:
             # inputs as declared, folders walked whether or not they end in "/"
-            newest = mod.stat_walk(self.root, self._stamped_inputs, items, True)
-            newest = max(newest, mod.stat_walk(self.root, self.spec.outputs, items))
+            newest = mod.stat_walk(root, self._stamped_inputs, items, True)
+            newest = max(newest, mod.stat_walk(root, self.spec.outputs, items))
             # The environment's lock files, by stat like the inputs (the key
             # hashes the one in use). Usually absent: access() asks without
             # the exception a failed lstat raises (a third of the cost).
-            root = self.view.root_text
             locks = [n for n in ENV_LOCK_FILES if os.access(f"{root}/{n}", os.F_OK, follow_symlinks=False)]
             items.append(len(locks))
-            newest = max(newest, mod.stat_walk(self.root, locks, items))
+            newest = max(newest, mod.stat_walk(root, locks, items))
         except mod.ManifestError:
             return None
         return mod.stamp_of(items), max(newest, st.st_ctime_ns)
