@@ -124,14 +124,27 @@ def doit_ok(root: Path, *args: str, env: Mapping[str, str] | None = None) -> sub
     return done
 
 
+# Exec doit with SIGINT, SIGTERM and SIGHUP at their defaults: a test run
+# started with them ignored (`nohup`, `cmd &` in a script) passes that on to
+# every child, and doit, like any program, keeps a signal ignored that it was
+# started with. The pid stays doit's.
+EXEC_WITH_DEFAULT_SIGNALS = """
+import os, signal, sys
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_DFL)
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
 def popen_doit(root: Path, *args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
     """`doit ARGS` started in the background, its output in files beside the
-    project (read them with `popen_output`)."""
+    project (read them with `popen_output`); signals as a terminal gives them."""
     out = (root.parent / "doit.out").open("w")
     err = (root.parent / "doit.err").open("w")
     try:
         return subprocess.Popen(
-            [str(DOIT), *args], cwd=root, env=clean_env(env), stdout=out, stderr=err, text=True
+            [sys.executable, "-c", EXEC_WITH_DEFAULT_SIGNALS, str(DOIT), *args],
+            cwd=root, env=clean_env(env), stdout=out, stderr=err, text=True,
         )
     finally:
         out.close()
