@@ -30,7 +30,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 from doit.dependency import UptodateCalculator
 from doit.exceptions import TaskError, TaskFailed
 
-from substrax_tasks import __version__, manifest_cache
+from substrax_tasks import __version__, manifest_cache, stamp_prefetch
 from substrax_tasks._atomic import write_bytes_atomic, write_json_atomic
 from substrax_tasks._output import OUTPUT_LOCK, emit
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
@@ -52,7 +52,7 @@ _LOCK_DIGESTS: dict[tuple[str, int, int, int], str] = {}
 _LOCK_CANDIDATES: dict[Path, list[tuple[str, Path]]] = {}
 # Part of every proof (proofs.py): a release that changes what the key or
 # the check means must not take an older release's proofs.
-PROOF_VERSION = f"{__version__}/2"
+PROOF_VERSION = f"{__version__}/3"
 
 
 class _TextSink:
@@ -98,6 +98,8 @@ class StepRunner:
         self._record_path = f"{project.state_dir_text}/steps/{self.safe}.json"
         # what the proof walks: the inputs, then the extra tracked files
         self._stamped_inputs = [*spec.inputs, *self.tracked]
+        # where stamp_prefetch keeps this step's outputs, walked ahead
+        self._outputs_job = stamp_prefetch.register(project.root_text, spec.step, list(spec.outputs))
         self.proofs = proof_file(project.state_dir)
         self._static_part: bytes | None = None
         # What this process learned; doit runs the phases in order.
@@ -208,7 +210,12 @@ class StepRunner:
     def key(self, parts: dict[str, Any] | None = None) -> str:
         return canonical_digest(parts if parts is not None else self.key_parts())
 
-    def up_to_date(self, values: dict[str, Any] | None = None) -> bool:
+    def up_to_date(
+        self,
+        values: dict[str, Any] | None = None,
+        task: Any = None,
+        doit_state: tuple[Any, Any] | None = None,
+    ) -> bool:
         """Verified outputs of a run with today's key, still intact here.
 
         `values` are doit's saved values of the public task. Without one,
@@ -216,8 +223,10 @@ class StepRunner:
         expect) or was killed before it saved its DB (trust our own record:
         never pay twice for a run whose outputs are home). The record tells
         them apart: a verified run is `acknowledged` only once the doit
-        process that verified it has exited normally, its DB saved."""
-        proof = self._proof()
+        process that verified it has exited normally, its DB saved.
+        `task` and `doit_state` (doit's task and its dependency manager and
+        tasks) let the proof use outputs walked ahead (stamp_prefetch)."""
+        proof = self._proof(task, doit_state)
         trusting = values is None or bool(values.get(DOIT_VALUE))
         if proof is not None and trusting and self.proofs.holds(self.spec.step, proof[0]):
             return True
@@ -244,7 +253,7 @@ class StepRunner:
             return verified.get("run_id") != record.get("acknowledged")
         return True
 
-    def _proof(self) -> tuple[str, int] | None:
+    def _proof(self, task: Any = None, doit_state: tuple[Any, Any] | None = None) -> tuple[str, int] | None:
         """The step's proof (proofs.py) as things stand now, and the newest
         ctime it covers; None if it has no record (never up to date) or its
         paths are refused. It reads no file: a stat of the record, one
@@ -263,7 +272,10 @@ class StepRunner:
         try:
             # inputs as declared, folders walked whether or not they end in "/"
             newest = mod.stat_walk(root, self._stamped_inputs, items, True)
-            newest = max(newest, mod.stat_walk(root, self.spec.outputs, items))
+            # the outputs by their own digest: they may have been walked ahead
+            outputs, outputs_newest = stamp_prefetch.outputs_stamp(self._outputs_job, task, doit_state)
+            items.append(outputs)
+            newest = max(newest, outputs_newest)
             # The environment's lock files, by stat like the inputs (the key
             # hashes the one in use). Usually absent: access() asks without
             # the exception a failed lstat raises (a third of the cost).
@@ -369,7 +381,7 @@ class StepRunner:
         # note the values they save when they are asked.
         user = list(self._user_checks(task, values, doit_state)) if self._user_checks_normalized else []
         try:
-            result = self.up_to_date(values) and all(user)
+            result = self.up_to_date(values, task, doit_state) and all(user)
         except SubstraxError:
             result = False
         self.needs_run = not result or always_execute()  # doit -a runs it whatever we say
