@@ -12,19 +12,21 @@ does the same for its index (threads there; a Python walk holds the GIL).
 
 What a stamp may be used for: a stamp says what the outputs were when the
 child walked them. It stands for "now" only while nothing could have
-changed them since, so a check uses it only if no task that doit ran
-before it (its task_dep and calc_dep, transitively, which doit runs before
-asking it) has executed; otherwise, and for any stamp not there yet, the
-check walks in line. A proof is still only kept after an in-line walk
-agrees with it (chain.StepRunner.up_to_date).
+changed them since, so a check uses it only if no task that doit may run
+before asking it (its task_dep, calc_dep and setup tasks, transitively)
+has executed; otherwise, and for any stamp not there yet, the check walks
+in line. A proof is still only kept after an in-line walk agrees with it
+(chain.StepRunner.up_to_date).
 
-When the child is used at all: Linux (fork, pidfd, /proc) with one thread
-in this process (a fork with other threads running can deadlock the child;
-`doit -P thread` runs without it), and more than one step to walk. The
-child closes every inherited descriptor but its pipe, and ends on its own
-once it has walked every step or this process is gone; this process kills
-it (by its pidfd) and reaps it when every stamp is taken, when a task
-executes, at the next doit run in the process, and at exit.
+When the child is used at all: Linux (fork, pidfd, /proc), more than one
+step to walk, and no other thread in this process at the first check (a
+fork with other threads running can deadlock the child; doit starts the
+threads of `-P thread` and the processes of `-P process` after that
+check). The child closes every inherited descriptor but its pipe, and
+ends on its own once it has walked every step or this process is gone;
+this process kills it (by its pidfd) and reaps it when every stamp is
+taken, when a check finds a task before it executed, at the next doit run
+in the process, and at exit.
 """
 
 from __future__ import annotations

@@ -118,13 +118,16 @@ def test_a_noop_doit_forks_one_child_and_leaves_none(built: Path) -> None:
     assert _processes_in(built) == []
 
 
+@pytest.mark.parametrize("pool", [[], ["-n", "2", "-P", "thread"]], ids=["serial", "threads"])
 @pytest.mark.parametrize("where", ["first", "last"])
-def test_an_edit_is_seen_whichever_side_walks_it(built: Path, where: str) -> None:
-    """The child walks from the last step, the checks start at the first."""
-    assert all(step_skipped(doit_ok(built), name) for name in NAMES)
+def test_an_edit_is_seen_whichever_side_walks_it(built: Path, where: str, pool: list[str]) -> None:
+    """The child walks from the last step, the checks start at the first;
+    under `-P thread` doit starts its threads after the first check (and the
+    fork), and the step that reruns does so beside the later checks."""
+    assert all(step_skipped(doit_ok(built, *pool), name) for name in NAMES)
     name = NAMES[0] if where == "first" else NAMES[-1]
     (built / "out" / name / "b.txt").write_text("tampered\n")
-    again = doit_ok(built)
+    again = doit_ok(built, *pool)
     assert step_ran(again, name), show(again)
     assert [n for n in NAMES if n != name and not step_skipped(again, n)] == [], show(again)
     assert (built / "out" / name / "b.txt").read_text() == f"{name[1:]}\n"
