@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
-import marshal
 import mmap
 import os
 import signal
@@ -91,8 +89,7 @@ def walk(root: str, outputs: list[str]) -> tuple[bytes, int]:
     mod = manifest_cache.manifest_module()
     items: list[Any] = []
     newest = mod.stat_walk(root, outputs, items)
-    # marshal format 2 has no back-references: equal lists give equal bytes
-    return hashlib.sha256(marshal.dumps(items, 2)).digest(), newest
+    return bytes.fromhex(mod.stamp_of(items)), newest
 
 
 class _Prefetch:

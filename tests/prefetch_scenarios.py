@@ -52,6 +52,19 @@ def _child_done(prefetch: Any) -> None:
     assert ready, "the child did not finish its walk in 30 s"
 
 
+def _first_check(
+    jobs: list[stamp_prefetch.OutputsJob], tasks: dict[str, Task], state: tuple[_Run, dict[str, Task]]
+) -> tuple[Any, int]:
+    """The first check of a run, which forks the child; once the child has
+    walked everything, the prefetch and how many stamps of the child's that
+    check took (the child can get to its step first)."""
+    stamp_prefetch.outputs_stamp(jobs[0], tasks["s0"], state)
+    prefetch = stamp_prefetch._CURRENT
+    assert prefetch is not None
+    _child_done(prefetch)
+    return prefetch, prefetch.used
+
+
 def _reaped(pid: int) -> bool:
     try:
         os.waitpid(pid, os.WNOHANG)
@@ -81,11 +94,7 @@ def the_childs_stamps_are_those_of_a_walk_in_line(tmp_path: Path) -> None:
 def a_stamp_taken_twice_is_walked_again(tmp_path: Path) -> None:
     jobs, tasks = _steps(tmp_path)
     state = (_Run(), tasks)
-    stamp_prefetch.outputs_stamp(jobs[0], tasks["s0"], state)
-    prefetch = stamp_prefetch._CURRENT
-    assert prefetch is not None
-    _child_done(prefetch)
-    first = prefetch.used
+    prefetch, first = _first_check(jobs, tasks, state)
     assert stamp_prefetch.outputs_stamp(jobs[3], tasks["s3"], state) == _walked(tmp_path, 3)
     assert prefetch.used == first + 1
     (tmp_path / "out" / "s3" / "f0.txt").write_text("changed since the first check\n")
@@ -99,11 +108,7 @@ def no_stamp_of_the_child_once_a_task_before_the_check_has_run(tmp_path: Path) -
     tasks["s4"].task_dep.append("s3")
     tasks["s3"].task_dep.append("prepare")  # s4 waits on prepare through s3
     state = (_Run(), tasks)
-    stamp_prefetch.outputs_stamp(jobs[0], tasks["s0"], state)
-    prefetch = stamp_prefetch._CURRENT
-    assert prefetch is not None
-    _child_done(prefetch)
-    first = prefetch.used
+    prefetch, first = _first_check(jobs, tasks, state)
     prefetch._drain()
     seen_by_child = prefetch.stamps[jobs[4].slot]
     # `prepare` runs and rewrites an output of s4 after the child walked it
@@ -177,11 +182,7 @@ def closing_reaps_a_child_whatever_it_was_doing(tmp_path: Path) -> None:
 def a_step_declared_again_takes_no_stamp_walked_for_the_old_declaration(tmp_path: Path) -> None:
     jobs, tasks = _steps(tmp_path)
     state = (_Run(), tasks)
-    stamp_prefetch.outputs_stamp(jobs[0], tasks["s0"], state)
-    prefetch = stamp_prefetch._CURRENT
-    assert prefetch is not None
-    _child_done(prefetch)
-    first = prefetch.used
+    prefetch, first = _first_check(jobs, tasks, state)
     # the dodo is loaded again in this process, s2 now with another output
     again = stamp_prefetch.register(str(tmp_path), "s2", ["out/s3/"])
     assert again.slot == jobs[2].slot
