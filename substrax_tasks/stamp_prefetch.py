@@ -183,7 +183,8 @@ def _prefetched(job: OutputsJob, task: Any, doit_state: tuple[Any, Any]) -> tupl
         if _CURRENT is not None:
             _CURRENT.close()
         _CURRENT = _start()
-        _DECIDED_FOR = _reference(dep_manager)
+        # weak: a finished run is not kept alive by it
+        _DECIDED_FOR = weakref.ref(dep_manager)
     current = _CURRENT
     if current is None or current.closed:
         return None
@@ -191,15 +192,6 @@ def _prefetched(job: OutputsJob, task: Any, doit_state: tuple[Any, Any]) -> tupl
         current.close()  # tasks are running: from now on, every check walks in line
         return None
     return current.take(job)
-
-
-def _reference(run: Any) -> Callable[[], Any]:
-    """A weak reference to doit's dependency manager, so that a finished
-    run is not kept alive by it (a strong one if it cannot be weak)."""
-    try:
-        return weakref.ref(run)
-    except TypeError:
-        return lambda: run
 
 
 def _ran_before(task: Any, tasks: Any) -> bool:
