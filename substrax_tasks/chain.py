@@ -638,7 +638,7 @@ class StepRunner:
         return None
 
     def _on_interrupt(self, backend: Backend, handle: RunHandle) -> None:
-        if backend.name == "local":
+        if backend.capabilities.interrupt_cancels:
             emit(f"\n{self.spec.step}: interrupted; cancelling local run {handle.run_id}", err=True)
             backend.cancel(handle)
         else:
@@ -786,7 +786,7 @@ class StepRunner:
                 # launched but never started (setup or sync failed): nothing to keep
                 or (status.state == "pending" and launched)
             )
-            if done or (self.interrupted and backend.name == "local"):
+            if done or (self.interrupted and backend.capabilities.interrupt_cancels):
                 backend.teardown(handle)
             elif status.final:
                 emit(f"{self.spec.step}: keeping run {handle.run_id} until its outputs are home; "

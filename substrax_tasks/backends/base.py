@@ -47,6 +47,23 @@ class RunStatus:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a backend does, as data the chain reads (it never asks a
+    backend's name).
+
+    interrupt_cancels: Ctrl-C in the client cancels the run (it runs on
+    this machine, tied to the client); otherwise the client detaches and the
+    run goes on, reachable again by a rerun or the CLI.
+    outputs_stay: a finished run's outputs stay where it ran until
+    teardown, so a failed fetch or promotion can be retried without
+    running the command again.
+    """
+
+    interrupt_cancels: bool = False
+    outputs_stay: bool = True
+
+
+@dataclass(frozen=True)
 class Fetched:
     """Outputs brought to this machine, not yet promoted.
 
@@ -77,6 +94,7 @@ class Fetched:
 class Backend(ABC):
     name: ClassVar[str]
     Settings: ClassVar[type[BaseModel]]
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init__(self, settings: BaseModel, store: RunStore) -> None:
         self.settings = settings

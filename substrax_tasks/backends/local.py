@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from substrax_tasks import _procs, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._remote_files import remote_script
-from substrax_tasks.backends.base import Backend, Fetched, RunStatus
+from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.worker_job import STAGING_DIR, START_LOCK, WorkerPaths, build_job, status_from_record
@@ -62,6 +62,7 @@ class LocalSettings(BaseModel):
 class LocalBackend(Backend):
     name = "local"
     Settings = LocalSettings
+    capabilities = Capabilities(interrupt_cancels=True)
     settings: LocalSettings
 
     def paths(self, handle: RunHandle) -> WorkerPaths:
