@@ -22,10 +22,10 @@ from conftest import (
 )
 
 from substrax_tasks.errors import HandleError
-from substrax_tasks.handle import HANDLE_FILE, HANDLE_VERSION, read_handle
+from substrax_tasks.handle import HANDLE_VERSION, read_handle
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
-from substrax_tasks.store import run_digest
+from substrax_tasks.store import HANDLE_FILE, run_digest
 
 
 def write_pyproject(root: Path, local_table: str | None) -> None:
