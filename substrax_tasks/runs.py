@@ -70,12 +70,3 @@ class Project:
             handle = phase(handle)
         return handle
 
-
-def new_run(
-    spec: StepSpec, project: str | Path, settings: dict[str, Any] | None = None, backend: str | None = None
-) -> RunHandle:
-    return Project.open(project).new_run(spec, backend, settings)
-
-
-def submit(spec: StepSpec, project: str | Path, backend: str | None = None) -> RunHandle:
-    return Project.open(project).submit(spec, backend)

@@ -41,10 +41,6 @@ class Unreadable:
     reason: str
 
 
-def utc_now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
-
-
 def run_digest(spec: StepSpec, backend: str, settings: dict[str, Any]) -> str:
     """What decides a run's result: the spec plus the backend and its settings."""
     return canonical_digest(
@@ -86,7 +82,7 @@ class RunStore:
         record, made before anything slow or paid happens."""
         from substrax_tasks.handle import RunHandle
 
-        now = utc_now()
+        now = datetime.datetime.now(datetime.timezone.utc)
         run_id = f"{safe_name(spec.step)}-{now:%Y%m%dT%H%M%S}-{os.urandom(3).hex()}"
         self.runs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.run_dir(run_id).mkdir(mode=0o700)

@@ -178,10 +178,6 @@ class SkypilotSettings(RemoteSettings):
         assert chosen is not None  # the validator above
         return chosen
 
-    @property
-    def transport_name(self) -> str:
-        return "copy" if self.copy_ is not None else "bucket"
-
     def resources(self, step_resources: dict[str, Any]) -> dict[str, Any]:
         """SkyPilot's `resources:` for one step: these defaults, the step's own on top."""
         disk = self.disk_size or (self.copy_.disk_size if self.copy_ is not None else None)
