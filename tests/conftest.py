@@ -25,8 +25,8 @@ import pytest
 from s3_server import s3_env, s3_server  # noqa: F401  (the bucket transport's S3 server)
 
 from substrax_tasks import _procs
+from substrax_tasks.config import cache_file
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.resolved import cache_file
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
 from substrax_tasks.worker_job import STATUS_FILE
@@ -131,7 +131,7 @@ def stop_worker(status_file: Path) -> None:
 @pytest.fixture(autouse=True, scope="session")
 def _remove_config_caches_made_by_the_tests() -> Iterator[None]:
     """Each test project leaves a cached configuration in the temp folder
-    (substrax_tasks/resolved.py); remove the ones this session made."""
+    (substrax_tasks/config.py); remove the ones this session made."""
     folder = cache_file(Path("/")).parent
     before = set(folder.glob("config-*.json")) if folder.is_dir() else set()
     yield

@@ -18,9 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Any
 
 from substrax_tasks import _procs, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
@@ -28,35 +26,11 @@ from substrax_tasks._remote_files import remote_script
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.settings import LocalSettings
 from substrax_tasks.worker_job import STAGING_DIR, START_LOCK, WorkerPaths, build_job, status_from_record
 
 START_TIMEOUT_SECONDS = 30.0  # worker start-up; bubblewrap probe included
 CANCEL_MARGIN_SECONDS = 10.0  # beyond the grace period, for the SIGKILL and reap
-
-
-class LocalSettings(BaseModel):
-    """`[tool.substrax.compute.backends.local]`"""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    sandbox: Literal["auto", "bwrap", "none"] = Field(
-        "auto",
-        description="bwrap: always sandbox (error if bubblewrap is missing); auto: when "
-        "bubblewrap is usable, noted in the run's log otherwise; none: no sandbox.",
-    )
-    network_isolation: bool = Field(False, description="Run the command with no network.")
-    grace_seconds: float = Field(
-        5.0, gt=0, description="Time between SIGTERM and SIGKILL when a run is stopped."
-    )
-
-    @model_validator(mode="after")
-    def _isolation_needs_sandbox(self) -> LocalSettings:
-        if self.network_isolation and self.sandbox == "none":
-            raise ValueError(
-                'network_isolation = true needs the sandbox, but sandbox = "none"; '
-                'set sandbox = "auto" or "bwrap", or network_isolation = false'
-            )
-        return self
 
 
 class LocalBackend(Backend):

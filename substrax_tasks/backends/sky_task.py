@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
+from substrax_tasks.config import ENV_LOCK_FILES
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.resolved import ENV_LOCK_FILES
 from substrax_tasks.worker_job import KEEP_MANIFEST_FOR_FETCH, WorkerPaths, build_job
 
 REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
