@@ -66,10 +66,9 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str) -> list[str]:
             continue
         for entry in sorted(os.listdir(inside)):
             entry_rel = entry if rel == "." else rel + "/" + entry
-            if entry_rel in declared or (rel == "." and entry_rel == job.get("store_rel")):
-                continue
-            real = os.path.join(inside, entry)
-            argv += ["--ro-bind", real, real]
+            if entry_rel not in declared:
+                real = os.path.join(inside, entry)
+                argv += ["--ro-bind", real, real]
     argv += ["--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session"]
     if job.get("network_isolation"):
         argv.append("--unshare-net")
