@@ -7,6 +7,7 @@ double-forked and called ``setsid``, stays below it and is found here.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -67,10 +68,8 @@ def with_children(pid: int) -> set[int]:
 
 def signal_pids(pids: list[int], sig: int) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(OSError):  # already gone
             os.kill(pid, sig)
-        except OSError:
-            pass  # already gone
 
 
 def reap_children() -> list[tuple[int, int]]:

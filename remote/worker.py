@@ -2,12 +2,11 @@
 """Run one step's command and make sure nothing it started outlives it.
 
 Copied with its siblings to the machine that runs the step: stdlib only,
-Python 3.8+.
+Python 3.8+. The job file names the command, its folders and files.
 
     python3 worker.py JOB_JSON [--detach] [--env-stdin] [--exit-status]
 
-The job file (written by substrax_tasks) names the command, its folders and
-where to write the status and the log. The worker:
+The worker:
 
 * sends stdout and stderr of the command straight to the log file (no pipe
   it holds, so a descendant keeping them open can never make it wait);
@@ -25,6 +24,7 @@ where to write the status and the log. The worker:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -58,10 +58,9 @@ def task_environment(job: dict[str, Any], inherited: dict[str, str], secrets: di
     env, its named secrets, and the environment's bin folder first on PATH."""
     env = {k: v for k, v in inherited.items() if k in PASSED_ENV or k.startswith(PASSED_ENV_PREFIXES)}
     for name in job.get("forward_env", []):
-        if name in secrets:
-            env[name] = secrets[name]
-        elif name in inherited:
-            env[name] = inherited[name]
+        value = secrets.get(name, inherited.get(name))
+        if value is not None:
+            env[name] = value
     env.update(job.get("env", {}))
     prepend = [p for p in job.get("path_prepend", []) if p]
     if prepend:
@@ -113,11 +112,9 @@ class Worker:
     def sleep(self, seconds: float) -> None:
         """Sleep until a signal arrives or `seconds` pass."""
         select.select([self.wake_r], [], [], max(0.0, seconds))  # retried after a handler (PEP 475)
-        try:
+        with contextlib.suppress(BlockingIOError):
             while os.read(self.wake_r, 512):
                 pass
-        except BlockingIOError:
-            pass
 
     def claim_start(self) -> bool:
         """Under the run's start lock: refuse a run already ended (cancelled
