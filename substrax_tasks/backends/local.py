@@ -2,7 +2,8 @@
 
 The run's folder in the store is also its working folder; the worker is
 started detached (its own session, double-forked), so it goes on if the
-client exits, and `substrax-compute cancel` reaches it by pid.
+client exits. Status and cancel are `remote/control.py`'s, as for every
+backend, called here in this process.
 """
 
 from __future__ import annotations
