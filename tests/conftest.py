@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from s3_server import s3_env, s3_server  # noqa: F401  (the bucket transport's S3 server)
 
-from substrax_tasks import _procs
+from substrax_tasks._remote_files import control
 from substrax_tasks.config import cache_file
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.runs import Project
@@ -88,7 +88,7 @@ def marked_pids(marker: str) -> list[int]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if needle in cmdline and _procs.start_ticks(int(entry)) is not None:
+        if needle in cmdline and control().start_ticks(int(entry)) is not None:
             found.append(int(entry))
     return found
 
@@ -118,13 +118,13 @@ def stop_worker(status_file: Path) -> None:
     except (OSError, ValueError):
         return
     pid, ticks = record.get("worker_pid"), record.get("worker_start_ticks")
-    if not _procs.same_process_alive(pid, ticks):
+    if not control().alive(pid, ticks):
         return
     kill_pid(pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
-    while _procs.same_process_alive(pid, ticks) and time.monotonic() < deadline:
+    while control().alive(pid, ticks) and time.monotonic() < deadline:
         time.sleep(0.02)
-    if _procs.same_process_alive(pid, ticks):
+    if control().alive(pid, ticks):
         kill_pid(pid)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from substrax_tasks._output import emit
-from substrax_tasks._remote_files import remote_script
+from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
 from substrax_tasks._ssh import SshConnection, connection
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.backends.ssh_watch import ManifestWatch, watched_fetch
@@ -34,7 +34,6 @@ from substrax_tasks.settings import SshSettings
 from substrax_tasks.transports.rsync import RsyncTransport
 from substrax_tasks.worker_job import KEEP_MANIFEST_FOR_FETCH, WorkerPaths, build_job, status_from_record
 
-REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
 ALWAYS_EXCLUDED = (".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache",
                    ".doit.db", ".doit.db.bak", ".doit.db.dat", ".doit.db.dir")
 
