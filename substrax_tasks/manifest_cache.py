@@ -159,10 +159,15 @@ class HashCache:
         cache._on_disk = len(cache.entries) == len(raw)  # else rewrite it without the bad ones
         return cache
 
+    @property
+    def changed(self) -> bool:
+        """Something to write: the file is missing or stale, or an entry changed."""
+        return not self._on_disk or cast(_TrackedDict, self.entries).changed
+
     def save(self) -> None:
-        entries = cast(_TrackedDict, self.entries)
-        if self._on_disk and not entries.changed:
+        if not self.changed:
             return
+        entries = cast(_TrackedDict, self.entries)
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # compact: a cache of 20,000 files is 2 MB, 4x slower to indent
         write_json_atomic(self.path, {"version": CACHE_VERSION, "entries": dict(entries)}, indent=None)
