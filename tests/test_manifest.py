@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -789,7 +789,7 @@ def test_outputs_match_of_an_untouched_tree_reads_no_file(
     def boom(*args: object, **kwargs: object) -> str:
         raise AssertionError("a file was read although nothing changed")
 
-    monkeypatch.setattr(manifest_module()._Hasher, "file", boom)
+    monkeypatch.setattr(cast(Any, manifest_module())._Hasher, "file", boom)
     assert outputs_match(project, outputs, digest, cache_file)
     assert not outputs_match(project, outputs, "0" * 64, cache_file)
 
@@ -1005,7 +1005,6 @@ def test_the_stamp_of_outputs_declared_file_by_file_moves_with_their_folders(pro
     """Files declared one by one share their folders, looked at once per
     stamp: a change to a shared folder's mode, to one file, or a folder
     gone still moves it, and an untouched tree keeps it."""
-    mod: Any = manifest_module()
     outputs = ["out/a.txt", "out/run.sh", "out/sub/b.bin"]
     first = tree_stamp(str(project), outputs)
     assert tree_stamp(str(project), outputs) == first
