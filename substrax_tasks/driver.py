@@ -1,18 +1,15 @@
 """Driving one run of a step: launch, setup, sync, run, fetch, verify and
 promote, teardown.
 
-doit executes these phases only when it decided the step must run (our
-check or a user's uptodate item said so, or `-a`), so each phase acts when
-it is executed. Each writes its durable record (the handle's state, the
-step record) the moment it finishes, because doit saves its own DB only at
-the end of a run and loses it on SIGKILL: a rerun reads those records to
-reattach to a run that is still going, or to fetch a finished one again,
-instead of starting a second run.
+doit executes these phases only when it decided the step must run (a check
+said so, or `-a`), so each acts when executed. Each writes its durable
+record (the handle's state, the step record) the moment it finishes: doit
+saves its DB only at the end and loses it on SIGKILL, and a rerun reads
+those records to reattach to a live run or fetch a finished one again.
 
-The driver of a step lives in one doit process. Its `RunState` says what
-that process is doing with it; under `doit -n N -P thread` teardown may be
-called from any thread while another drives the step, so the state changes
-under a lock.
+`RunState` says what this process is doing with the step; under `doit -n N
+-P thread` teardown may be called from any thread while another drives the
+step, so the state changes under a lock.
 """
 
 from __future__ import annotations
@@ -21,8 +18,6 @@ import atexit
 import contextlib
 import enum
 import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,11 +26,12 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 
 from doit.exceptions import TaskError, TaskFailed
 
-from substrax_tasks import uptodate
+from substrax_tasks import manifest_cache, uptodate
 from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks._output import OUTPUT_LOCK, emit
+from substrax_tasks._output import TextSink, emit
+from substrax_tasks._signals import map_termination_signals, started_holding_signals
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
-from substrax_tasks.spec import check_inputs_exist
+from substrax_tasks.spec import check_inputs_exist, check_outputs_inside
 from substrax_tasks.uptodate import DOIT_VALUE, Step
 
 if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
@@ -62,42 +58,6 @@ def phase_index(phase: object) -> int:
     return PHASES.index(phase) if isinstance(phase, str) and phase in PHASES else -1
 
 
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-
-def map_termination_signals() -> None:
-    """SIGTERM/SIGHUP become KeyboardInterrupt, so doit saves its DB and runs
-    teardown (it does neither when killed by a signal it does not catch).
-    Called as doit starts running tasks (the first check, or the first phase
-    under `-a`), never when a dodo is merely loaded; a handler the program
-    set itself is left alone."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) in (signal.SIG_DFL, None):
-            signal.signal(sig, _interrupt)
-
-
-class _TextSink:
-    """Log bytes to doit's (possibly captured, text-only) stdout."""
-
-    def write(self, data: bytes) -> int:
-        with OUTPUT_LOCK:
-            sys.stdout.write(data.decode(errors="replace"))
-        return len(data)
-
-    def flush(self) -> None:
-        with OUTPUT_LOCK:
-            sys.stdout.flush()
-
-
-class _Abort(Exception):
-    def __init__(self, failure: TaskFailed | TaskError) -> None:
-        super().__init__(str(failure))
-        self.failure = failure
-
-
 class StepDriver:
     """The phases of one step in one doit process, as doit actions."""
 
@@ -122,15 +82,15 @@ class StepDriver:
     def backend(self, handle: RunHandle) -> Backend:
         return self.project.backend_for(handle)
 
-    def _set(self, state: RunState, *, only_from: tuple[RunState, ...] = ()) -> None:
+    def _set(self, state: RunState) -> None:
         with self._lock:
-            if not only_from or self.state in only_from:
-                self.state = state
+            self.state = state
 
-    def write_record(self, **changes: Any) -> None:
-        path = self.step.files.record
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_json_atomic(path, {**uptodate.read_record(self.step), "step": self.spec.step, **changes})
+    def _close(self) -> None:
+        """The chain ended here (an interrupted one stays INTERRUPTED)."""
+        with self._lock:
+            if self.state is RunState.OPEN:
+                self.state = RunState.CLOSED
 
     # ------------------------------------------------------------ doit glue
     def _action(self, body: Callable[[], Any]) -> Any:
@@ -144,19 +104,16 @@ class StepDriver:
             )
         map_termination_signals()  # under `doit -a` no check ran first
         try:
-            try:
-                result = body()
-            except BackendError as exc:
-                raise _Abort(TaskError(self._named(exc))) from None
-            except SubstraxError as exc:
-                raise _Abort(TaskFailed(self._named(exc))) from None
-        except _Abort as abort:
-            result = abort.failure
+            result = body()
+        except BackendError as exc:
+            result = TaskError(self._named(exc))
+        except SubstraxError as exc:
+            result = TaskFailed(self._named(exc))
         except BaseException:
-            self._set(RunState.CLOSED, only_from=(RunState.OPEN,))
+            self._close()
             raise
         if isinstance(result, (TaskFailed, TaskError)):
-            self._set(RunState.CLOSED, only_from=(RunState.OPEN,))
+            self._close()
         return result
 
     def _named(self, exc: Exception) -> str:
@@ -209,7 +166,7 @@ class StepDriver:
             self._retire_unlaunched()
             handle = self.project.new_run(self.spec, self.step.backend)
             handle = self._save(handle, key=key, key_parts=parts, phase="created")
-            self.write_record(run_id=handle.run_id)
+            uptodate.write_record(self.step, run_id=handle.run_id)
             emit(f"{self.spec.step}: new run {handle.run_id} on {self.step.backend}")
         self.handle = handle
         if phase_index(handle.state.get("phase")) < phase_index("launched"):
@@ -279,10 +236,10 @@ class StepDriver:
             if phase_index(handle.state.get("phase")) < phase_index("started"):
                 if backend.poll(handle).state == "pending":
                     pending = handle
-                    handle = self._retrying("start", lambda: _started(backend, pending))
+                    handle = self._retrying("start", lambda: started_holding_signals(backend, pending))
                 handle = self._save(handle, phase="started")
             with backend.ready_for_fetch(handle):  # the fetch's connection is kept up meanwhile
-                status = backend.stream_log(handle, cast(IO[bytes], _TextSink()), follow=True)
+                status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)
         except KeyboardInterrupt:
             self._set(RunState.INTERRUPTED)
             self._on_interrupt(backend, handle)
@@ -320,7 +277,7 @@ class StepDriver:
         backend = self.backend(handle)
         try:
             fetched = self._retrying("fetch", lambda: backend.fetch(handle))
-        except manifest_error() as exc:
+        except manifest_cache.ManifestError as exc:
             self._save(handle, verdict={"state": "failed", "message": str(exc)})
             return TaskFailed(f"step {self.spec.step!r}: {exc}; nothing was promoted")
         missing = fetched.manifest.get("missing") or []
@@ -344,11 +301,10 @@ class StepDriver:
         try:
             return self._action(self._verify)
         finally:
-            self._set(RunState.CLOSED, only_from=(RunState.OPEN,))
+            self._close()
 
     def _verify(self) -> Any:
-        from substrax_tasks import manifest_cache
-        from substrax_tasks.promote import promote
+        from substrax_tasks.promote import promote  # not on a no-op's path
 
         handle, fetched = self.handle, self.fetched
         if handle is None or fetched is None:
@@ -379,7 +335,7 @@ class StepDriver:
         if not renamed and not manifest_cache.outputs_match(self.root, outputs, digest, cache):
             return TaskFailed(f"step {self.spec.step!r}: outputs changed while they were promoted")
         self._save(handle, phase="promoted")
-        self.write_record(
+        uptodate.write_record(self.step,
             verified={
                 "run_id": handle.run_id,
                 "key": handle.state.get("key"),
@@ -395,7 +351,7 @@ class StepDriver:
         """At interpreter exit, after doit saved its DB (never after SIGKILL)."""
         with contextlib.suppress(OSError):
             if (uptodate.read_record(self.step).get("verified") or {}).get("run_id") == run_id:
-                self.write_record(acknowledged=run_id)
+                uptodate.write_record(self.step, acknowledged=run_id)
 
     # ------------------------------------------------------------ teardown
     def teardown(self) -> None:
@@ -441,52 +397,3 @@ class StepDriver:
         elif status.final:
             emit(f"{self.spec.step}: keeping run {handle.run_id} until its outputs are home; "
                  f"`doit {self.spec.step}` fetches them again")
-
-
-def manifest_error() -> type[Exception]:
-    from substrax_tasks.manifest_cache import ManifestError
-
-    return ManifestError
-
-
-def _started(backend: Backend, handle: RunHandle) -> RunHandle:
-    """backend.start, with Ctrl-C/SIGTERM/SIGHUP held back until it returns:
-    interrupted half-way, the worker could start its command after the
-    client gave up on it, and nothing would cancel that run."""
-    if threading.current_thread() is not threading.main_thread():
-        return backend.start(handle)
-    caught: list[int] = []
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    held = [sig for sig in signals if signal.getsignal(sig) is not None]
-    previous = {sig: signal.getsignal(sig) for sig in held}
-    for sig in held:
-        signal.signal(sig, lambda signum, _frame: caught.append(signum))
-    try:
-        return backend.start(handle)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if caught:
-            raise KeyboardInterrupt(f"signal {signal.Signals(caught[0]).name}")
-
-
-def check_outputs_inside(outputs: list[str], root: Path) -> None:
-    """An output reached through a symlink could be written outside the
-    project (without a sandbox) or not at all (bubblewrap cannot bind onto
-    it): refused at launch, before anything runs."""
-    for out in outputs:
-        rel = Path(out.rstrip("/"))
-        for parent in reversed(rel.parents[:-1]):  # outer folders first, "." left out
-            if (root / parent).is_symlink():
-                raise SubstraxError(
-                    f"output {out} lies under {parent.as_posix()}, a symlink to "
-                    f"{(root / parent).readlink()}: outputs must be real paths inside the project; "
-                    "replace the link by a folder or declare the output where it really is"
-                )
-        try:
-            (root / rel).resolve().relative_to(root.resolve())
-        except ValueError:
-            raise SubstraxError(
-                f"output {out} is a symlink leading outside the project "
-                f"({(root / rel).resolve()}); remove it or declare the output where it really is"
-            ) from None

@@ -26,7 +26,8 @@ from typing import Any
 
 from doit.dependency import UptodateCalculator
 
-from substrax_tasks.driver import StepDriver, map_termination_signals
+from substrax_tasks._signals import map_termination_signals
+from substrax_tasks.driver import StepDriver
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.resolved import ResolvedProject, config_key, config_stamp, resolve
 from substrax_tasks.spec import ArgvItem, PathIndex, StepSpec, make_spec

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from substrax_tasks import __version__, manifest_cache
+from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.proofs import proof_file
 from substrax_tasks.resolved import ENV_LOCK_FILES
@@ -100,6 +101,12 @@ def read_record(step: Step) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def write_record(step: Step, **changes: Any) -> None:
+    path = step.files.record
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_json_atomic(path, {**read_record(step), "step": step.name, **changes})
 
 
 def key_parts(step: Step) -> dict[str, Any]:
