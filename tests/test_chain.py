@@ -577,6 +577,28 @@ def test_always_execute_runs_the_step_again(tmp_path: Path) -> None:
     assert step_skipped(doit_ok(root), "step")
 
 
+def test_plain_doit_without_default_tasks_skips_an_up_to_date_step(tmp_path: Path) -> None:
+    """Without default_tasks doit selects every task, the hidden task of the
+    phases too: it carries the step's check, so an up-to-date step runs
+    nothing; `doit -a` runs the step once."""
+    body = f"COMMAND = {COMMAND!r}\nENV = {{}}\nTIMEOUT = None\n" + BASIC
+    root = make_project(tmp_path, body, (), files={"data/in.txt": "hello\n"})
+    dodo = root / "dodo.py"
+    dodo.write_text(dodo.read_text().replace("doit_config(default_tasks=[])", "doit_config()"))
+    assert step_ran(doit_ok(root), "step")
+
+    def results(*args: str) -> dict[str, str]:
+        done = json.loads(doit_ok(root, "--reporter", "json", *args).stdout)
+        return {t["name"]: t["result"] for t in done["tasks"]}
+
+    assert results() == {"_step": "up-to-date", "step": "up-to-date"}
+    assert run_count(root) == 1
+    assert results("-a") == {"_step": "success", "step": "success"}
+    assert run_count(root) == 2
+    assert outputs_of(root) == expected_outputs()
+    assert step_skipped(doit_ok(root), "step")
+
+
 def test_passthrough_keys_and_task_dep(tmp_path: Path) -> None:
     body = """
 def task_first():
