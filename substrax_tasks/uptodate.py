@@ -80,19 +80,15 @@ class Step:
 
     @functools.cached_property
     def declared(self) -> bytes:
-        """The declaration and settings as bytes for the proof. marshal,
-        not canonical JSON (5x dearer), with dict items sorted; JSON where
-        marshal cannot write a value."""
+        """The declaration and settings as bytes for the proof: marshal (all
+        of it is str, numbers, lists and JSON data), dict items sorted."""
         spec = self.spec
         items = [
             PROOF_VERSION, str(self.root), spec.step, spec.command, sorted(spec.env.items()),
             spec.timeout, spec.inputs, spec.outputs, sorted(spec.resources.items()),
             spec.forward_env, self.tracked, self.backend, sorted(self.settings.items()),
         ]
-        try:
-            return marshal.dumps(items, 2)
-        except ValueError:
-            return canonical_digest(items).encode()
+        return marshal.dumps(items, 2)
 
 
 def read_record(step: Step) -> dict[str, Any]:
@@ -195,12 +191,11 @@ def proof(step: Step) -> tuple[str, int] | None:
         return None
     items: list[Any] = [step.declared, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
     root = str(step.root)
-    locks = [n for n in ENV_LOCK_FILES if (step.root / n).is_symlink() or (step.root / n).exists()]
     try:
         newest = mod.stat_walk(root, [*step.spec.inputs, *step.tracked], items, True)
         newest = max(newest, mod.stat_walk(root, list(step.spec.outputs), items))
-        items.append(len(locks))
-        newest = max(newest, mod.stat_walk(root, locks, items))
+        # every candidate lock file, present or not: one appearing is a change
+        newest = max(newest, mod.stat_walk(root, list(ENV_LOCK_FILES), items))
     except mod.ManifestError:
         return None
     return mod.stamp_of(items), max(newest, st.st_ctime_ns)
