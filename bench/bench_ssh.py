@@ -24,7 +24,7 @@ median of the ratios of one repeat):
     the outputs and sends their manifest; then the host's check that the
     outputs held still) and its `verify` phase (check the staged copy
     against the manifest, promote it into the project, write the record),
-    driven through StepRunner.fetch()/verify(). The OpenSSH
+    driven through StepDriver.fetch()/verify(). The OpenSSH
     ControlMaster is as the chain's run phase leaves it: that phase holds
     it up while it waits for the run (`Backend.ready_for_fetch`), and lets
     go once the run has ended (the release is inside the timed span);
@@ -106,18 +106,19 @@ from typing import Any, Protocol
 
 from _common import cli_argv, fmt_s, load_average, marker_processes, median, read_cmdline, scratch_parent
 
-import substrax_tasks.chain as chain_module
 import substrax_tasks.promote as promote_module
 from substrax_tasks import manifest_cache
 from substrax_tasks._ssh import SshConnection
 from substrax_tasks.backends.ssh import SshBackend
 from substrax_tasks.backends.ssh_watch import ManifestWatch
-from substrax_tasks.chain import DOIT_VALUE, StepRunner
+from substrax_tasks.driver import StepDriver
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec, safe_name
+from substrax_tasks.step import project_of
 from substrax_tasks.transports.rsync import RsyncTransport
+from substrax_tasks.uptodate import DOIT_VALUE, Step
 
 REPO = Path(__file__).resolve().parents[1]
 TESTBED_FILE = REPO / "tests" / "testbeds" / "sshd_host.py"
@@ -569,9 +570,10 @@ def verified_fetch(
         hold.__enter__()
         wait_master_up(bed)
     # the project as remote_step() resolves it for its runners
-    runner = StepRunner(handle.spec, chain_module.project_of(bed.project.root), "ssh")
+    project = project_of(bed.project.root)
+    backend, settings = project.settings_for("ssh")
+    runner = StepDriver(Step(handle.spec, project.root, backend, settings, project.store), project)
     runner.handle = handle
-    runner.needs_run = True
     with quiet() as said, recorder.recording() as phases:
         t0 = time.perf_counter()
         hold.__exit__(None, None, None)

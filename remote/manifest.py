@@ -39,17 +39,21 @@ another link of the tree: targets are resolved component by component,
 reading the text of the links on the way (``a -> .`` then ``b -> a/../x``
 leaves the output, though ``b``'s text looks harmless). Loops are refused.
 
-The optional ``cache`` maps a relative path to ``[size, mtime_ns, ino,
-sha256]``. A file whose (size, mtime_ns, inode) match its cache entry is not
-read: an untouched tree costs one ``lstat`` per entry. Files modified less
-than ``RACY_SECONDS`` before the manifest is taken are hashed but not cached,
-because a second write inside the same timestamp tick would leave all three
-unchanged (git's "racily clean" problem). The cache is changed only by item
-assignment and ``del``, so a caller may track changes with a dict subclass.
+The optional ``cache`` maps a relative path to ``[size, mtime_ns, ctime_ns,
+inode, device, sha256]``. A file whose lstat gives those same five values is
+not read: an untouched tree costs one ``lstat`` per entry. ctime is part of
+the key because nothing short of moving the clock back sets it back (a task
+that restores an mtime with ``os.utime`` still moves it). A file whose ctime
+is younger than ``RACY_SECONDS`` when the manifest is taken is hashed but not
+cached, because a second write inside the same timestamp tick would leave
+every value unchanged (git's "racily clean" problem). The window is read
+from ``SUBSTRAX_RACY_SECONDS`` (default 2) so that tests need not wait it
+out. The cache is changed only by item assignment and ``del``, so a caller
+may track changes with a dict subclass.
 
-``tree_stamp`` digests what one stat-only walk sees (no file is read): while
-it is unchanged, so is the manifest. substrax_tasks uses it to make a no-op
-verification cost one walk.
+``stat_walk`` appends what one stat-only walk sees (no file is read) and
+``stamp_of`` digests it: while it is unchanged, so is the manifest.
+substrax_tasks builds a step's proof from it.
 
 A fetch over SSH runs ``manifest.py BASE OUTPUT... --cache FILE --watch``
 once (see ``watch``): it prints the manifest, then waits for the copy to end
@@ -69,7 +73,8 @@ import time
 
 VERSION = 1
 BUFFER_SIZE = 1 << 20  # one reusable 1 MiB read buffer per manifest
-RACY_SECONDS = 2  # files younger than this are hashed but not cached
+# files changed more recently than this are hashed but not cached (see above)
+RACY_SECONDS = float(os.environ.get("SUBSTRAX_RACY_SECONDS", "2"))
 MAX_LINK_HOPS = 40  # like the kernel's ELOOP limit
 _LOOP = "too many levels of symbolic links"
 
@@ -203,30 +208,10 @@ def kind_of(mode):
     return "special file"
 
 
-_CHECKED = {}  # type: dict
-_CHECKED_MAX = 4096  # outputs lists remembered (a no-op checks each step's twice)
-
-
 def _check_outputs(outputs):
     # type: (list) -> list
     """[(relative path without trailing slash, is folder output)], refusing
-    absolute paths, empty, "." and ".." components, and overlaps. The
-    answer for a list seen before is remembered (a new list each call)."""
-    try:
-        known = _CHECKED.get(tuple(outputs))
-    except TypeError:  # an unhashable item: refused below
-        known = None
-    if known is not None:
-        return list(known)
-    checked = _checked_outputs(outputs)
-    if len(_CHECKED) >= _CHECKED_MAX:
-        _CHECKED.clear()
-    _CHECKED[tuple(outputs)] = tuple(checked)
-    return checked
-
-
-def _checked_outputs(outputs):
-    # type: (list) -> list
+    absolute paths, empty, "." and ".." components, and overlaps."""
     if isinstance(outputs, str):
         raise ManifestError("outputs must be a list of paths, not the string %r" % outputs)
     checked = []
@@ -278,15 +263,14 @@ def _check_parents(base, rel, modes=None):
     return True
 
 
-def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, stats=None, staged=None,
-                   clock=None):
-    # type: (str | os.PathLike, list, dict | None, bool, bool, dict | None, dict | None, tuple | None) -> dict
+def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, stats=None, staged=None):
+    # type: (str | os.PathLike, list, dict | None, bool, bool, dict | None, dict | None) -> dict
     """The manifest of `outputs` (project-relative POSIX paths, a trailing
     "/" marking a folder) under the folder `base`. Missing outputs are listed
     in "missing"; anything that cannot be described safely raises
     ManifestError, and so does a tree that cannot be read or changes under
-    the walk. `cache` (rel path -> [size, mtime_ns, ino, sha256]) is read and
-    updated in place. `cache_young` caches files younger than RACY_SECONDS
+    the walk. `cache` (rel path -> [size, mtime_ns, ctime_ns, ino, dev, sha256]) is
+    read and updated in place. `cache_young` caches files younger than RACY_SECONDS
     too: only for a cache whose every hit is checked again later (the run's
     side of a fetch, whose copy is hashed whole here). `digest=False`
     leaves "digest" None, for a caller that compares entries directly.
@@ -298,19 +282,13 @@ def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, st
     else writes, and never in place (a fetch's staging folder, filled by
     rsync): a file the folder's listing shows as a regular file with the
     same inode is the file that was hashed, and is described from its entry
-    without a stat. Anything else is looked at as usual.
-
-    `clock`, the ``(ctime_ns, st_dev)`` of a file made just before the walk
-    (`fs_clock`), also caches a younger file of that file system whose mtime
-    is older than it: any later write sets the mtime to that clock or after
-    (git's racily-clean rule, made exact), so the first check after a run
-    need not hash its outputs again."""
+    without a stat. Anything else is looked at as usual."""
     if staged and stats is not None:
         raise ValueError("files described from `staged` are not stat'ed: no stats to give")
     base = os.fspath(base)
     checked = _check_outputs(outputs)
     try:
-        manifest = _build(base, checked, cache, cache_young, stats, staged, clock)
+        manifest = _build(base, checked, cache, cache_young, stats, staged)
     except OSError as exc:
         where = exc.filename if exc.filename is not None else base
         raise ManifestError(
@@ -322,16 +300,15 @@ def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, st
     return manifest
 
 
-def _build(base, checked, cache, cache_young=False, stats=None, staged=None, clock=None):
-    # type: (str, list, dict | None, bool, dict | None, dict | None, tuple | None) -> dict
+def _build(base, checked, cache, cache_young=False, stats=None, staged=None):
+    # type: (str, list, dict | None, bool, dict | None, dict | None) -> dict
     entries = []  # type: list
     # what the walk saw, for a later tree_stats to compare (a throwaway dict
     # when nobody asked: cheaper than testing for None at every entry)
     seen_stats = {} if stats is None else stats  # type: dict
     missing = []  # type: list
     hasher = None  # type: _Hasher | None
-    racy_ns = (time.time_ns() + 1) if cache_young else time.time_ns() - RACY_SECONDS * 1000000000
-    clock_ns, clock_dev = clock if clock is not None else (0, None)
+    racy_ns = (time.time_ns() + 1) if cache_young else time.time_ns() - int(RACY_SECONDS * 1e9)
     cache_get = cache.get if cache is not None else None
     staged_get = staged.get if staged else None
     seen = set() if cache is not None else None  # type: set | None
@@ -342,24 +319,20 @@ def _build(base, checked, cache, cache_young=False, stats=None, staged=None, clo
         # type: (str, str, os.stat_result) -> dict
         nonlocal hasher
         size = st.st_size
+        key = [size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
         if cache_get is not None:
-            mtime = st.st_mtime_ns
-            ino = st.st_ino
             hit = cache_get(rel)
-            try:
-                if hit is not None and hit[0] == size and hit[1] == mtime and hit[2] == ino:
-                    seen.add(rel)  # type: ignore[union-attr]
-                    return {"path": rel, "type": "file", "size": size, "mode": st.st_mode & 0o7777,
-                            "sha256": hit[3], "target": None}
-            except (TypeError, IndexError, KeyError):
-                pass
+            if isinstance(hit, list) and hit[:5] == key and len(hit) == 6:
+                seen.add(rel)  # type: ignore[union-attr]
+                return {"path": rel, "type": "file", "size": size, "mode": st.st_mode & 0o7777,
+                        "sha256": hit[5], "target": None}
         if hasher is None:
             hasher = _Hasher()
         digest = hasher.file(path, st)
         if cache is not None:
-            mtime = st.st_mtime_ns
-            if mtime < racy_ns or (mtime < clock_ns and st.st_dev == clock_dev):
-                cache[rel] = [size, mtime, st.st_ino, digest]
+            # the racy rule: a file changed inside the window is not remembered
+            if st.st_ctime_ns < racy_ns:
+                cache[rel] = key + [digest]
                 seen.add(rel)  # type: ignore[union-attr]
             elif rel in cache:
                 del cache[rel]
@@ -496,26 +469,6 @@ def canonical_json(value):
 # ----------------------------------------------------------------- stamps
 
 
-def tree_stamp(base, outputs):
-    # type: (str | os.PathLike, list) -> tuple
-    """``(stamp, newest_ctime_ns)``: a digest of what ``lstat`` says about
-    every entry under `outputs` (name, type and mode, size, ctime_ns, inode;
-    the link text of symlinks; missing outputs and the folders above each
-    output), taken in one stat-only walk. Not mtime: every change to a
-    file's content, size, mode or mtime also sets its ctime, to the clock,
-    and nothing short of moving the clock back can set ctime back.
-
-    It never reads a file and never raises for an odd tree (it only
-    describes it). If a tree's stamp equals the stamp it had when its
-    manifest was built, that manifest still holds, provided the tree was
-    older than ``RACY_SECONDS`` then (compare `newest_ctime_ns`): ctime
-    cannot be set back, so any later change moves it. This is what lets a
-    no-op verification cost one walk."""
-    items = []  # type: list
-    newest = stat_walk(base, outputs, items)
-    return stamp_of(items), newest
-
-
 def stamp_of(items):
     # type: (list) -> str
     """The digest of what `stat_walk` (or several) appended to `items`."""
@@ -525,10 +478,16 @@ def stamp_of(items):
 
 def stat_walk(base, outputs, items, any_folder=False):
     # type: (str | os.PathLike, list, list, bool) -> int
-    """Append to `items` what `tree_stamp` digests of `outputs`, and return
-    the newest ctime_ns seen. With `any_folder`, a path declared without
-    its trailing "/" is walked too when it is a folder (inputs are declared
-    either way); outputs are walked only where they are declared folders.
+    """Append to `items` what ``lstat`` says about every entry under
+    `outputs` (name, type and mode, size, ctime_ns, inode; the link text of
+    symlinks; missing outputs and the folders above each output), and return
+    the newest ctime_ns seen. Not mtime: every change to a file's content,
+    size, mode or mtime also sets its ctime, to the clock, and nothing short
+    of moving the clock back sets ctime back. It never reads a file and
+    never raises for an odd tree (it only describes it). With `any_folder`,
+    a path declared without its trailing "/" is walked too when it is a
+    folder (inputs are declared either way); outputs are walked only where
+    they are declared folders.
     A caller checking several trees in one go (a step's inputs and outputs)
     hashes them once, with `stamp_of`."""
     base = os.fspath(base)
@@ -625,7 +584,7 @@ def tree_stats(base, outputs):
     inode)`` of every entry under `outputs` (the outputs themselves
     included; a symlink's text added; None for an output that is missing or
     an entry that vanished under the walk), and under ``("parents of",
-    output)`` the modes of the folders above each output. Like `tree_stamp`
+    output)`` the modes of the folders above each output. Like `stat_walk`
     it never reads a file and never raises for an odd tree, and
     ``build_manifest(..., stats=...)`` fills the same dict from its own walk:
     equal dicts mean nothing changed in between (ctime cannot be set back),

@@ -18,3 +18,16 @@ def emit(text: str, *, err: bool = False) -> None:
         stream = sys.stderr if err else sys.stdout
         stream.write(text if text.endswith("\n") else text + "\n")
         stream.flush()
+
+
+class TextSink:
+    """Log bytes to doit's (possibly captured, text-only) stdout."""
+
+    def write(self, data: bytes) -> int:
+        with OUTPUT_LOCK:
+            sys.stdout.write(data.decode(errors="replace"))
+        return len(data)
+
+    def flush(self) -> None:
+        with OUTPUT_LOCK:
+            sys.stdout.flush()

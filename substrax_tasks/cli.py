@@ -213,17 +213,17 @@ def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Con
     base = Path(str(handle.state.get("project") or project.root))
     dest = Path(args.to).resolve() if args.to else base
     cache = project.store.run_dir(handle.run_id) / "fetch-cache.json"
-    checked = base if fetched.in_place else fetched.root
-    problems = manifest_cache.verify_outputs(checked, outputs, fetched.manifest, cache)
+    in_place = fetched.root.resolve() == base.resolve()
+    problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, cache)
     if problems:
         raise BackendError(
             f"run {handle.run_id}: the fetched outputs do not match its manifest; nothing was "
             "moved into place:\n  " + "\n  ".join(problems)
         )
-    if fetched.in_place and dest == base:
+    if in_place and dest == base:
         out.print(f"run {handle.run_id}: its outputs are in place and verified", highlight=False)
         return 0
-    if fetched.in_place:
+    if in_place:
         raise BackendError(
             f"run {handle.run_id} wrote its outputs in place (no sandbox); copy them from {base}"
         )
@@ -244,9 +244,17 @@ def cmd_teardown(project: Project, args: argparse.Namespace, out: Console, err: 
 
 def cmd_why(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
     from substrax_tasks.dodo_loader import find_step  # imports doit: only here
+    from substrax_tasks.uptodate import explain
 
-    runner = find_step(project.root, args.step, Path(args.dodo) if args.dodo else None)
-    reasons = runner.explain()
+    driver, doit_values = find_step(project.root, args.step, Path(args.dodo) if args.dodo else None)
+
+    def pinned_settings(run_id: str) -> dict[str, Any] | None:
+        try:
+            return project.store.read(run_id).settings
+        except HandleError:
+            return None
+
+    reasons = explain(driver.step, doit_values, pinned_settings)
     if not reasons:
         out.print(f"{args.step}: up to date", highlight=False)
         return 0

@@ -14,9 +14,9 @@ from doit import doit_cmd
 from doit.dependency import Dependency, SqliteDB
 from doit.loader import get_module, load_tasks
 
-from substrax_tasks.chain import StepRunner
+from substrax_tasks.driver import StepDriver
 from substrax_tasks.errors import SubstraxError
-from substrax_tasks.step import RUNNERS
+from substrax_tasks.step import DRIVERS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,10 +34,11 @@ def _cwd(path: Path) -> Iterator[None]:
         os.chdir(before)
 
 
-def find_step(project: Path, step: str, dodo: Path | None = None) -> StepRunner:
-    """The runner of `step`, as declared by the project's dodo file now.
-    It also carries doit's saved values of the step (`doit_values`) when
-    doit's dependency file can be read, so `why` sees a `doit forget`."""
+def find_step(project: Path, step: str, dodo: Path | None = None) -> tuple[StepDriver, dict[str, Any] | None]:
+    """The driver of `step`, as declared by the project's dodo file now, and
+    doit's saved values of the step when doit's dependency file can be read
+    (so `why` sees a `doit forget`). Loading declares tasks only: no signal
+    handler or exit hook is installed."""
     dodo_file = (dodo or project / "dodo.py").resolve()
     if not dodo_file.is_file():
         raise SubstraxError(f"no dodo file at {dodo_file}; give one with --dodo FILE")
@@ -47,14 +48,13 @@ def find_step(project: Path, step: str, dodo: Path | None = None) -> StepRunner:
         module = get_module(str(dodo_file), seek_parent=False)
         members = dict(inspect.getmembers(module))
         load_tasks(members, allow_delayed=False)
-    runner = RUNNERS.get((str(project.resolve()), step))
-    if runner is None:
-        known = sorted(name for (proj, name) in RUNNERS if proj == str(project.resolve()))
+    driver = DRIVERS.get((str(project.resolve()), step))
+    if driver is None:
+        known = sorted(name for (proj, name) in DRIVERS if proj == str(project.resolve()))
         raise SubstraxError(
             f"{dodo_file} declares no remote step {step!r}; its remote steps: {', '.join(known) or 'none'}"
         )
-    runner.doit_values = _saved_values(dodo_file.parent, members.get("DOIT_CONFIG"), step)
-    return runner
+    return driver, _saved_values(dodo_file.parent, members.get("DOIT_CONFIG"), step)
 
 
 def _saved_values(folder: Path, doit_config: Any, task: str) -> dict[str, Any] | None:

@@ -1,21 +1,16 @@
-"""Proofs that steps are up to date: one small file per project.
+"""The kept proofs that steps are up to date: one small file per project.
 
-The full no-op check of a step reads three JSON files (its record, its
-inputs' hash cache, its outputs' stamp), computes its key over its input
-hashes and walks its outputs. Once that check has found a step up to date,
-the chain keeps a *proof*: a digest of everything the check depends on, as
-seen without reading a file (the step's declaration, backend settings and
-environment lock; the tree stamp of its inputs and of its outputs; the stat
-of its record). The next `doit` computes the proof again and, if it is the
-one kept, knows the answer without the full check.
+A proof (uptodate.py) is a digest of what a step's check depends on, as seen
+without reading a file. Once the full check found a step up to date, its
+proof is kept here; the next `doit` computes the proof again and, if it is
+the one kept, knows the answer without the full check.
 
-The proofs of a project live in `<state_dir>/cache/up-to-date.json`, read
-once per process by the first step checked, and written at exit when this
-process found new ones. It is only a cache: a missing, damaged or stale file
-costs the full checks again, never a wrong answer, since a proof counts only
-if it equals the one computed now. Two doit processes of one project merge
-their proofs under an flock; should one write win over the other anyway,
-the steps concerned are checked in full next time.
+The file is read once per process by the first step checked, and written at
+exit when this process found new proofs (the hook is registered by the first
+new proof, so only a doit that checked steps has one). It is only a cache: a
+missing, damaged or stale file costs the full checks again, never a wrong
+answer, since a proof counts only if it equals the one computed now. Two
+doit processes of one project merge their proofs under an flock.
 """
 
 from __future__ import annotations
@@ -30,10 +25,9 @@ from pathlib import Path
 
 from substrax_tasks._atomic import write_json_atomic
 
-FILE_NAME = "up-to-date.json"
 VERSION = 1
 
-_FILES: dict[Path, ProofFile] = {}  # by state dir: every step asks, no path built each time
+_FILES: dict[Path, ProofFile] = {}  # by path: one object per project for all its steps
 _FILES_LOCK = threading.Lock()
 
 
@@ -100,13 +94,10 @@ def _read(path: Path) -> dict[str, str]:
     return {k: v for k, v in proofs.items() if isinstance(k, str) and isinstance(v, str)}
 
 
-def proof_file(state_dir: Path) -> ProofFile:
-    """The project's proof file, one object per process for all its steps."""
-    found = _FILES.get(state_dir)
-    if found is not None:
-        return found
+def proof_file(path: Path) -> ProofFile:
+    """The proof file at `path`, one object per process for all its steps."""
     with _FILES_LOCK:
-        found = _FILES.get(state_dir)
+        found = _FILES.get(path)
         if found is None:
-            found = _FILES[state_dir] = ProofFile(state_dir / "cache" / FILE_NAME)
+            found = _FILES[path] = ProofFile(path)
         return found

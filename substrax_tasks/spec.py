@@ -171,6 +171,28 @@ def check_inputs_exist(spec: StepSpec, project: Path) -> None:
         )
 
 
+def check_outputs_inside(outputs: list[str], root: Path) -> None:
+    """An output reached through a symlink could be written outside the
+    project (without a sandbox) or not at all (bubblewrap cannot bind onto
+    it): refused at launch, before anything runs."""
+    for out in outputs:
+        rel = Path(out.rstrip("/"))
+        for parent in reversed(rel.parents[:-1]):  # outer folders first, "." left out
+            if (root / parent).is_symlink():
+                raise SpecError(
+                    f"output {out} lies under {parent.as_posix()}, a symlink to "
+                    f"{(root / parent).readlink()}: outputs must be real paths inside the project; "
+                    "replace the link by a folder or declare the output where it really is"
+                )
+        try:
+            (root / rel).resolve().relative_to(root.resolve())
+        except ValueError:
+            raise SpecError(
+                f"output {out} is a symlink leading outside the project "
+                f"({(root / rel).resolve()}); remove it or declare the output where it really is"
+            ) from None
+
+
 def _ancestors(path: str) -> Iterator[str]:
     """"a/b/c" -> "a", "a/b" (string work: this runs for every output)."""
     at = path.find("/")

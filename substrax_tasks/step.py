@@ -1,4 +1,4 @@
-"""`remote_step()`: a step of a dodo.py that runs on a backend.
+"""`remote_step()`: a step of a dodo.py that runs on a backend (the doit adapter).
 
     def task_train():
         yield from remote_step("train", command=["python", "train.py"],
@@ -8,51 +8,38 @@ yields one public doit task named after the step (it verifies and promotes
 the outputs; its targets are the outputs, so other tasks depend on it with
 ordinary `file_dep`) and one hidden task `_<step>` whose actions are the
 phases before it (launch, setup, sync, run, fetch), chained as its `setup`
-so that an up-to-date step runs none of them.
+so that an up-to-date step runs none of them. Both carry the step's check
+(`StepCheck`) and the user's own uptodate items, which doit ANDs: `doit`
+with no default_tasks selects the hidden task too, and it must then be
+skipped like the public one.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import signal
 import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from substrax_tasks.chain import StepCheck, StepRunner, project_of
+from doit.dependency import UptodateCalculator
+
+from substrax_tasks._signals import map_termination_signals
+from substrax_tasks.config import ResolvedProject, config_key, config_stamp, resolve
+from substrax_tasks.driver import StepDriver
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.spec import ArgvItem, PathIndex, StepSpec, make_spec
+from substrax_tasks.uptodate import Step, up_to_date
 
 # The outputs declared in this process, per project, for cross-step checks
 # (overlapping outputs, producers of inputs).
 _INDEXES: dict[str, PathIndex] = {}
 _DECLARED_LOCK = threading.Lock()
-# The runner of each step declared in this process, for `substrax-compute why`.
-RUNNERS: dict[tuple[str, str], StepRunner] = {}
+# The driver of each step declared in this process, for `substrax-compute why`.
+DRIVERS: dict[tuple[str, str], StepDriver] = {}
 PASSTHROUGH_KEYS = ("doc", "title", "verbosity", "clean", "getargs", "params", "pos_arg", "watch")
-
-
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-
-_SIGNALS_MAPPED = False
-
-
-def map_termination_signals() -> None:
-    """SIGTERM/SIGHUP become KeyboardInterrupt, so doit saves its DB and runs
-    teardown (it does neither when killed by a signal it does not catch).
-    Once per process (every step of a dodo calls it): a handler the program
-    sets afterwards is its own choice."""
-    global _SIGNALS_MAPPED
-    if _SIGNALS_MAPPED or threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) in (signal.SIG_DFL, None):
-            signal.signal(sig, _interrupt)
-    _SIGNALS_MAPPED = True
 
 
 def _fail_at_load(exc: SubstraxError) -> None:
@@ -122,7 +109,6 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     task_dep, uptodate, doc, title, verbosity, clean, ...: passed to doit
       (uptodate is combined with the step's own check: all must hold).
     """
-    map_termination_signals()
     try:
         proj = project_of(project)
         if (command is None) == (shell is None):
@@ -144,51 +130,112 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
             )
         producers = _check_against_others(proj.root, spec)
         tracked = [os.fspath(p) for p in file_dep]
-        runner = StepRunner(
-            spec, proj, backend, retries=retries, tracked=tracked, user_uptodate=list(uptodate)
-        )
+        backend_name, settings = proj.settings_for(backend)
+        step = Step(spec, proj.root, backend_name, settings, proj.store, tracked=tracked)
     except SubstraxError as exc:
         _fail_at_load(exc)
         raise  # unreachable: _fail_at_load exits
-    RUNNERS[(str(proj.root), spec.step)] = runner
-    yield from step_tasks(runner, producers, list(task_dep), tracked, task_keys)
+    driver = StepDriver(step, proj, retries=retries)
+    DRIVERS[(str(proj.root), spec.step)] = driver
+    yield from step_tasks(driver, producers, list(task_dep), list(uptodate), task_keys)
 
 
 def step_tasks(
-    runner: StepRunner,
+    driver: StepDriver,
     producers: list[str],
     task_dep: list[str],
-    tracked: list[str],
+    user_uptodate: list[Any],
     task_keys: dict[str, Any],
 ) -> Iterator[dict[str, Any]]:
-    spec = runner.spec
+    step = driver.step
+    spec = step.spec
     hidden = f"_{spec.step}"
     # One hidden task whose actions are the phases, in order (doit stops at
     # the first that fails): a task per phase cost 0.25 ms each on every
     # no-op, four times over, for nothing a user can call.
     yield {
         "basename": hidden,
-        "actions": [runner.launch, runner.setup, runner.sync, runner.run, runner.fetch],
-        "teardown": [runner.teardown],
+        "actions": [driver.launch, driver.setup, driver.sync, driver.run, driver.fetch],
+        "teardown": [driver.teardown],
+        "uptodate": [StepCheck(step), *user_uptodate],
         "doc": f"phases of step {spec.step}: launch, setup, sync, run, fetch (internal)",
         "verbosity": 2,
     }
-    # os.path on strings: no Path object per input of every step, each doit.
-    isdir, join, root = os.path.isdir, os.path.join, os.fspath(runner.root)
-    input_files = [i for i in spec.inputs if not i.endswith("/") and not isdir(join(root, i))]
+    input_files = [i for i in spec.inputs if not i.endswith("/") and not (step.root / i).is_dir()]
     public: dict[str, Any] = {
         "basename": spec.step,
-        "actions": [runner.verify],
-        "file_dep": input_files + tracked,
+        "actions": [driver.verify],
+        "file_dep": input_files + step.tracked,
         "targets": [o.rstrip("/") for o in spec.outputs],
         "task_dep": task_dep + producers,
         "setup": [hidden],
-        "uptodate": [StepCheck(runner)],
+        "uptodate": [StepCheck(step), *user_uptodate],
         "doc": task_keys.pop("doc", None) or f"remote step {spec.step}: {' '.join(spec.command)[:60]}",
         "verbosity": 2,
     }
     if task_keys.get("clean") is True:
         # doit's clean=True leaves a non-empty folder output: remove outputs whole
-        task_keys["clean"] = [runner.clean_outputs]
+        task_keys["clean"] = [functools.partial(clean_outputs, step)]
     public.update(task_keys)
     yield public
+
+
+class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
+    """The step's own uptodate item, in the shape of doit's `config_changed`:
+    called with the task and its saved values. Both tasks of a step ask it
+    about the public task's values (the hidden one saves none), which tell
+    a `doit forget` from a doit killed before it saved its DB."""
+
+    def __init__(self, step: Step) -> None:
+        super().__init__()
+        self.step = step
+        self._dep_manager: Any = None
+
+    def setup(self, dep_manager: Any, tasks_dict: Any) -> None:
+        self._dep_manager = dep_manager
+
+    def __call__(self, task: Any, values: dict[str, Any]) -> bool:
+        map_termination_signals()  # doit is running tasks now, not just loading the dodo
+        dep_manager, self._dep_manager = self._dep_manager, None  # no cycle through doit's tasks
+        if task.name != self.step.name and dep_manager is not None:
+            values = dep_manager.get_values(self.step.name)
+        try:
+            return up_to_date(self.step, values)
+        except SubstraxError:
+            return False
+
+    def __repr__(self) -> str:
+        # doit info names each false uptodate object by its str()
+        return (
+            f"the verified outputs of step {self.step.name!r} "
+            f"(`substrax-compute why {self.step.name!r}` says what changed)"
+        )
+
+
+def clean_outputs(step: Step, dryrun: bool = False) -> None:
+    """`doit clean STEP` with clean=True: remove the declared outputs,
+    folders included (doit's own clean leaves non-empty folders)."""
+    from substrax_tasks._output import emit
+    from substrax_tasks.promote import remove_path
+
+    for out in step.spec.outputs:
+        path = step.root / out.rstrip("/")
+        if path.exists() or path.is_symlink():
+            emit(f"{step.name} - {'would remove' if dryrun else 'removing'} {out}")
+            if not dryrun:
+                remove_path(path)
+
+
+_PROJECTS: dict[tuple[Path, tuple[Any, ...]], ResolvedProject] = {}
+
+
+def project_of(path: str | os.PathLike[str] | None) -> ResolvedProject:
+    """The project's configuration, resolved once per dodo load: a dodo with
+    1,000 steps reads pyproject.toml once, and a no-op doit validates nothing
+    while the configuration is unchanged (see config.py)."""
+    root = Path(os.getcwd() if path is None else path).resolve()  # noqa: PTH109
+    config = config_key(root)
+    project = _PROJECTS.get((root, config))
+    if project is None:
+        project = _PROJECTS[root, config] = resolve(root, config_stamp(root, config))
+    return project

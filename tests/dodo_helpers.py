@@ -31,6 +31,9 @@ COMPUTE = BIN / "substrax-compute"
 REPO = Path(__file__).resolve().parent.parent
 GRACE = 0.5
 WAIT = 30.0
+# remote/manifest.py's racy window for the doit processes of the tests:
+# short, so a test need not wait 2 s for a proof or a cached hash.
+RACY_SECONDS = "0.1"
 
 
 def _bwrap_usable() -> bool:
@@ -99,6 +102,7 @@ def make_project(
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SUBSTRAX_", "DOIT_"))}
     env["PYTHONUNBUFFERED"] = "1"
+    env["SUBSTRAX_RACY_SECONDS"] = RACY_SECONDS
     env.update(extra or {})
     return env
 

@@ -161,7 +161,7 @@ def test_worker_refuses_isolation_without_sandbox(project: Project) -> None:
     assert "network_isolation = true needs the sandbox" in (backend.poll(handle).message or "")
 
 
-MODULES = ["config", "settings", "store", "runs", "handle", "steplock", "cli", "chain",
+MODULES = ["config", "settings", "store", "runs", "handle", "steplock", "cli", "uptodate", "driver", "step",
            "backends", "backends.local", "backends.ssh", "backends.skypilot", "backends.skypilot_settings"]
 
 

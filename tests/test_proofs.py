@@ -3,7 +3,8 @@ no-op `doit` skip the full check of a step, and never a change.
 
 A proof is kept only for a step whose inputs, outputs and record are older
 than the racy window, so the chain tests here wait it out once before the
-no-op that records the proof.
+no-op that records the proof (the tests' doit runs with a short window,
+dodo_helpers.RACY_SECONDS).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 from dodo_helpers import (
     DEFAULT_SANDBOX,
+    RACY_SECONDS,
     clean_env,
     doit_ok,
     make_project,
@@ -29,11 +31,14 @@ from dodo_helpers import (
     write_pyproject,
 )
 
-from substrax_tasks import manifest_cache
-from substrax_tasks.chain import DOIT_VALUE, StepRunner, project_of
+from substrax_tasks import uptodate
 from substrax_tasks.dodo_loader import find_step
-from substrax_tasks.proofs import FILE_NAME, VERSION, ProofFile, proof_file
+from substrax_tasks.proofs import VERSION, ProofFile, proof_file
 from substrax_tasks.spec import make_spec
+from substrax_tasks.store import RunStore
+from substrax_tasks.uptodate import DOIT_VALUE, Step
+
+FILE_NAME = "up-to-date.json"
 
 # ------------------------------------------------------------ the file
 
@@ -58,12 +63,9 @@ def test_proofs_of_two_processes_are_merged_private_and_atomic(tmp_path: Path) -
 def test_the_declared_part_of_a_proof_ignores_the_order_of_dicts(tmp_path: Path) -> None:
     """Equal declarations, equal proofs, whatever order a dodo builds its
     env or resources in; any other value, another proof."""
-    root = make_project(tmp_path, "", ["step"])
-    project = project_of(root)
-
     def declared(env: dict[str, str], resources: dict[str, int]) -> bytes:
-        spec = make_spec("step", ["true"], project.root, env=env, resources=resources)
-        return StepRunner(spec, project, None)._declared()
+        spec = make_spec("step", ["true"], tmp_path, env=env, resources=resources)
+        return Step(spec, tmp_path, "local", {"sandbox": "none"}, RunStore(tmp_path / "state")).declared
 
     first = declared({"A": "1", "B": "2"}, {"cpus": 2, "memory": 4})
     assert declared({"B": "2", "A": "1"}, {"memory": 4, "cpus": 2}) == first
@@ -106,7 +108,7 @@ def test_a_damaged_or_foreign_file_holds_nothing_and_is_rewritten(tmp_path: Path
 
 
 def test_a_removed_state_folder_is_not_made_again(tmp_path: Path) -> None:
-    proofs = proof_file(tmp_path / "gone")
+    proofs = proof_file(tmp_path / "gone" / "cache" / FILE_NAME)
     proofs.record("a", "1")
     proofs.save()
     assert not (tmp_path / "gone").exists()
@@ -115,6 +117,10 @@ def test_a_removed_state_folder_is_not_made_again(tmp_path: Path) -> None:
 def test_one_object_per_project_in_a_process(tmp_path: Path) -> None:
     assert proof_file(tmp_path / "s") is proof_file(tmp_path / "s")
     assert proof_file(tmp_path / "s") is not proof_file(tmp_path / "t")
+    store = RunStore(tmp_path)
+    assert Step(make_spec("a", ["true"], tmp_path), tmp_path, "local", {}, store).files.proofs == (
+        Step(make_spec("b", ["true"], tmp_path), tmp_path, "local", {}, store).files.proofs
+    )
 
 
 # ----------------------------------------------------------- the chain
@@ -131,7 +137,7 @@ def task_step():
 
 
 def wait_out_racy_window() -> None:
-    time.sleep(manifest_cache.manifest_module().RACY_SECONDS + 0.2)
+    time.sleep(float(RACY_SECONDS) + 0.1)
 
 
 def proven(root: Path) -> dict[str, str]:
@@ -152,17 +158,17 @@ def root(tmp_path: Path) -> Path:
 
 
 def test_a_kept_proof_answers_without_the_full_check(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = find_step(root, "step")
+    step = find_step(root, "step")[0].step
 
-    def full_check(values: object) -> bool:
+    def full_check(step: Step, values: object) -> bool:
         raise AssertionError("the full check was made")
 
-    monkeypatch.setattr(runner, "_checked_in_full", full_check)
-    assert runner.up_to_date({DOIT_VALUE: "run"})
-    assert runner.up_to_date(None)
+    monkeypatch.setattr(uptodate, "verified_outputs_hold", full_check)
+    assert uptodate.up_to_date(step, {DOIT_VALUE: "run"})
+    assert uptodate.up_to_date(step, None)
     # doit has no value for the task (`doit forget`): the full check decides
     with pytest.raises(AssertionError, match="full check"):
-        runner.up_to_date({})
+        uptodate.up_to_date(step, {})
     assert step_skipped(doit_ok(root), "step")
     assert run_count(root) == 1
 
@@ -278,3 +284,43 @@ def test_a_noop_doit_imports_no_machinery_of_the_phases(root: Path) -> None:
     modules = noop_doit_says(root, NOOP_DOIT)
     imported = [name for name in NOT_ON_A_NOOP if repr(name) in modules]
     assert imported == []
+
+
+# ------------------------------------------- what loading a dodo installs
+
+LOAD_ONLY = """
+import atexit, json, signal, sys
+from doit.loader import get_module, load_tasks
+
+hooks = atexit._ncallbacks()
+module = get_module("dodo.py", seek_parent=False)
+tasks = {t.name: t for t in load_tasks(dict(vars(module)), allow_delayed=False)}
+loaded = {
+    "sigterm_default": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+    "sighup_default": signal.getsignal(signal.SIGHUP) is signal.SIG_DFL,
+    "new_exit_hooks": atexit._ncallbacks() - hooks,
+    "tasks": sorted(tasks),
+}
+check = tasks["step"].uptodate[0][0]  # the step's own check, as doit would call it
+check(tasks["step"], {})
+loaded["sigterm_mapped_at_first_check"] = signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+print(json.dumps(loaded))
+"""
+
+
+def test_loading_a_dodo_only_declares_tasks(root: Path) -> None:
+    """Importing a dodo and calling its task functions installs no signal
+    handler and no exit hook; the SIGTERM mapping doit needs comes with the
+    first check, when doit runs tasks."""
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_ONLY], cwd=root, env=clean_env(), capture_output=True, text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout) == {
+        "sigterm_default": True,
+        "sighup_default": True,
+        "new_exit_hooks": 0,
+        "tasks": ["_step", "step"],
+        "sigterm_mapped_at_first_check": True,
+    }

@@ -202,3 +202,17 @@ def test_why_with_another_dodo_file(root: Path) -> None:
 
 def compute_argv(root: Path) -> list[str]:
     return [str(COMPUTE), "--project", str(root)]
+
+
+def test_why_loading_the_dodo_changes_no_signal_handler(root: Path) -> None:
+    """`why` loads the dodo as doit does, but runs no task: SIGTERM and
+    SIGHUP keep the handlers they had."""
+    import signal
+
+    from substrax_tasks.dodo_loader import find_step
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    driver, values = find_step(root, "step")
+    assert driver.step.name == "step"
+    assert values is not None  # doit's DB was read: its saved values
+    assert {sig: signal.getsignal(sig) for sig in before} == before

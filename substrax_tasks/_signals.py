@@ -1,0 +1,50 @@
+"""Signals while doit runs tasks: SIGTERM/SIGHUP as KeyboardInterrupt, and
+a start that a signal cannot cut in half."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from substrax_tasks.backends.base import Backend
+    from substrax_tasks.handle import RunHandle
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def map_termination_signals() -> None:
+    """SIGTERM/SIGHUP become KeyboardInterrupt, so doit saves its DB and runs
+    teardown (it does neither when killed by a signal it does not catch).
+    Called as doit starts running tasks (the first check, or the first phase
+    under `-a`), never when a dodo is merely loaded; a handler the program
+    set itself is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            signal.signal(sig, _interrupt)
+
+
+def started_holding_signals(backend: Backend, handle: RunHandle) -> RunHandle:
+    """backend.start, with Ctrl-C/SIGTERM/SIGHUP held back until it returns:
+    interrupted half-way, the worker could start its command after the
+    client gave up on it, and nothing would cancel that run."""
+    if threading.current_thread() is not threading.main_thread():
+        return backend.start(handle)
+    caught: list[int] = []
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    held = [sig for sig in signals if signal.getsignal(sig) is not None]
+    previous = {sig: signal.getsignal(sig) for sig in held}
+    for sig in held:
+        signal.signal(sig, lambda signum, _frame: caught.append(signum))
+    try:
+        return backend.start(handle)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            raise KeyboardInterrupt(f"signal {signal.Signals(caught[0]).name}")

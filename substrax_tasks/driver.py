@@ -1,0 +1,401 @@
+"""Driving one run of a step: launch, setup, sync, run, fetch, verify and
+promote, teardown.
+
+doit executes these phases only when it decided the step must run (a check
+said so, or `-a`), so each acts when executed. Each writes its durable
+record (the handle's state, the step record) the moment it finishes: doit
+saves its DB only at the end and loses it on SIGKILL, and a rerun reads
+those records to reattach to a live run or fetch a finished one again.
+
+`RunState` says what this process is doing with the step; under `doit -n N
+-P thread` teardown may be called from any thread while another drives the
+step, so the state changes under a lock.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import enum
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
+
+from doit.exceptions import TaskError, TaskFailed
+
+from substrax_tasks import manifest_cache, uptodate
+from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._output import TextSink, emit
+from substrax_tasks._signals import map_termination_signals, started_holding_signals
+from substrax_tasks.errors import BackendError, HandleError, SubstraxError
+from substrax_tasks.spec import check_inputs_exist, check_outputs_inside
+from substrax_tasks.uptodate import DOIT_VALUE, Step
+
+if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
+    from substrax_tasks.backends.base import Backend, Fetched
+    from substrax_tasks.config import ResolvedProject
+    from substrax_tasks.handle import RunHandle
+    from substrax_tasks.runs import Project
+    from substrax_tasks.steplock import StepLock
+
+PHASES = ("created", "launched", "set_up", "synced", "started", "fetched", "promoted")
+RETRY_BACKOFF_SECONDS = 2.0
+_T = TypeVar("_T")
+
+
+class RunState(enum.Enum):
+    IDLE = "idle"  # nothing done for this step in this process
+    OPEN = "open"  # launch acted: the step's lock is held and its run is being driven
+    CLOSED = "closed"  # the chain ended: verified and promoted, or a phase failed
+    INTERRUPTED = "interrupted"  # given up while the run went on (Ctrl-C, or doit ending)
+    TORN_DOWN = "torn_down"  # teardown done; nothing more happens
+
+
+def phase_index(phase: object) -> int:
+    return PHASES.index(phase) if isinstance(phase, str) and phase in PHASES else -1
+
+
+class StepDriver:
+    """The phases of one step in one doit process, as doit actions."""
+
+    def __init__(self, step: Step, project: ResolvedProject, *, retries: int = 0) -> None:
+        self.step = step
+        self.spec = step.spec
+        self.root = step.root
+        self.view = project
+        self.retries = retries
+        self.state = RunState.IDLE
+        self.handle: RunHandle | None = None
+        self.fetched: Fetched | None = None
+        self._lock = threading.Lock()
+        self._step_lock: StepLock | None = None
+        self.pid = os.getpid()
+
+    @property
+    def project(self) -> Project:
+        """The validated project (pydantic): only the phases that act need it."""
+        from substrax_tasks.runs import Project
+
+        return Project.of(self.view)
+
+    def backend(self, handle: RunHandle) -> Backend:
+        return self.project.backend_for(handle)
+
+    def _set(self, state: RunState) -> None:
+        with self._lock:
+            self.state = state
+
+    def _close(self) -> None:
+        """The chain ended here (an interrupted one stays INTERRUPTED)."""
+        with self._lock:
+            if self.state is RunState.OPEN:
+                self.state = RunState.CLOSED
+
+    # ------------------------------------------------------------ doit glue
+    def _action(self, body: Callable[[], Any]) -> Any:
+        """A phase as a doit action: our errors become doit failures with
+        their message, and a failure closes the chain (doit runs no later phase)."""
+        if os.getpid() != self.pid:
+            return TaskError(
+                f"step {self.spec.step!r}: remote steps cannot run in doit's worker processes "
+                "(`doit -n N` or `-P process`): the phases of a step share state in one process. "
+                "Run them concurrently with threads: `doit -n N -P thread`"
+            )
+        map_termination_signals()  # under `doit -a` no check ran first
+        try:
+            result = body()
+        except BackendError as exc:
+            result = TaskError(self._named(exc))
+        except SubstraxError as exc:
+            result = TaskFailed(self._named(exc))
+        except BaseException:
+            self._close()
+            raise
+        if isinstance(result, (TaskFailed, TaskError)):
+            self._close()
+        return result
+
+    def _named(self, exc: Exception) -> str:
+        text = str(exc)
+        prefix = f"step {self.spec.step!r}"
+        return text if text.startswith(prefix) else f"{prefix}: {text}"
+
+    def _retrying(self, what: str, call: Callable[[], _T]) -> _T:
+        """Retry failures of the machinery, never a failed command."""
+        for attempt in range(self.retries + 1):
+            try:
+                return call()
+            except BackendError as exc:
+                if attempt == self.retries:
+                    raise
+                wait = RETRY_BACKOFF_SECONDS * (attempt + 1)
+                emit(
+                    f"{self.spec.step}: {what} failed ({exc}); "
+                    f"retry {attempt + 1} of {self.retries} in {wait:.0f} s"
+                )
+                time.sleep(wait)
+        raise AssertionError("unreachable")
+
+    def _save(self, handle: RunHandle, **changes: Any) -> RunHandle:
+        self.handle = self.project.store.update_state(handle, **changes)
+        return self.handle
+
+    # ------------------------------------------------------------ phases
+    def launch(self) -> Any:
+        return self._action(self._launch)
+
+    def _launch(self) -> None:
+        from substrax_tasks.steplock import StepLock
+
+        self._set(RunState.OPEN)
+        self._step_lock = StepLock(self.step.files.lock, self.spec.step)
+        self._step_lock.acquire()
+        check_inputs_exist(self.spec, self.root)
+        check_outputs_inside(self.spec.outputs, self.root)
+        unset = [name for name in self.spec.forward_env if name not in os.environ]
+        if unset:
+            raise SubstraxError(
+                f"secret(s) {', '.join(unset)} named in secrets=[...] are not set in this "
+                "environment; set them (their values are forwarded to the command, never stored)"
+            )
+        parts = uptodate.key_parts(self.step)
+        key = uptodate.key(parts)
+        handle = self._reusable_run(key)
+        if handle is None:
+            self._retire_unlaunched()
+            handle = self.project.new_run(self.spec, self.step.backend)
+            handle = self._save(handle, key=key, key_parts=parts, phase="created")
+            uptodate.write_record(self.step, run_id=handle.run_id)
+            emit(f"{self.spec.step}: new run {handle.run_id} on {self.step.backend}")
+        self.handle = handle
+        if phase_index(handle.state.get("phase")) < phase_index("launched"):
+            backend = self.backend(handle)
+            self._save(self._retrying("launch", lambda: backend.launch(handle)), phase="launched")
+
+    def _last_run(self) -> RunHandle | None:
+        run_id = uptodate.read_record(self.step).get("run_id")
+        if not run_id:
+            return None
+        try:
+            return self.project.store.read(str(run_id))
+        except HandleError:
+            return None
+
+    def _retire_unlaunched(self) -> None:
+        """The step's previous run, if its launch never succeeded, would read
+        `pending` for ever: record that it was given up."""
+        old = self._last_run()
+        never_launched = old is not None and phase_index(old.state.get("phase")) < phase_index("launched")
+        if old is not None and never_launched and not old.state.get("verdict"):
+            self._save(old, verdict={"state": "failed", "message": "never launched; a newer run replaced it"})
+
+    def _reusable_run(self, key: str) -> RunHandle | None:
+        """The step's last run, if it has today's key and is worth keeping:
+        still going (reattach), or finished but not yet fetched."""
+        handle = self._last_run()
+        if handle is None or handle.state.get("key") != key or handle.state.get("verdict"):
+            return None
+        backend = self.backend(handle)
+        status = backend.poll(handle)
+        if not status.final:
+            emit(f"{self.spec.step}: reattaching to run {handle.run_id} ({status.state})")
+            return handle
+        if status.state != "succeeded":
+            return None
+        if handle.state.get("phase") != "promoted":
+            emit(f"{self.spec.step}: run {handle.run_id} finished; fetching its outputs again")
+            return handle
+        if backend.outputs_available(handle):
+            emit(f"{self.spec.step}: outputs changed here; fetching run {handle.run_id} again")
+            return self._save(handle, phase="started")
+        return None
+
+    def setup(self) -> Any:
+        return self._action(lambda: self._advance("set_up", "setup", lambda b, h: b.setup(h)))
+
+    def sync(self) -> Any:
+        return self._action(lambda: self._advance("synced", "sync", lambda b, h: b.sync(h)))
+
+    def _advance(self, phase: str, what: str, call: Callable[[Backend, RunHandle], RunHandle]) -> None:
+        handle = self.handle
+        if handle is None or phase_index(handle.state.get("phase")) >= phase_index(phase):
+            return
+        backend = self.backend(handle)
+        self._save(self._retrying(what, lambda: call(backend, handle)), phase=phase)
+
+    def run(self) -> Any:
+        return self._action(self._run)
+
+    def _run(self) -> Any:
+        handle = self.handle
+        if handle is None:
+            return None
+        backend = self.backend(handle)
+        try:
+            if phase_index(handle.state.get("phase")) < phase_index("started"):
+                if backend.poll(handle).state == "pending":
+                    pending = handle
+                    handle = self._retrying("start", lambda: started_holding_signals(backend, pending))
+                handle = self._save(handle, phase="started")
+            with backend.ready_for_fetch(handle):  # the fetch's connection is kept up meanwhile
+                status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)
+        except KeyboardInterrupt:
+            self._set(RunState.INTERRUPTED)
+            self._on_interrupt(backend, handle)
+            raise
+        # What the backend noted as the run ended (its final status, where its outputs are).
+        self.handle = handle = self.project.store.read(handle.run_id)
+        if status.state != "succeeded":
+            tail = backend.read_log(handle, 0)[-1500:].decode(errors="replace")
+            return TaskFailed(
+                f"step {self.spec.step!r}: run {handle.run_id} {status.state}"
+                + (f" (exit code {status.exit_code})" if status.exit_code is not None else "")
+                + (f": {status.message}" if status.message else "")
+                + f"\nlast lines of its log (substrax-compute logs {handle.run_id}):\n{tail}"
+            )
+        return None
+
+    def _on_interrupt(self, backend: Backend, handle: RunHandle) -> None:
+        if backend.capabilities.interrupt_cancels:
+            emit(f"\n{self.spec.step}: interrupted; cancelling local run {handle.run_id}", err=True)
+            backend.cancel(handle)
+        else:
+            emit(
+                f"\n{self.spec.step}: detached from run {handle.run_id}, which goes on. "
+                f"`doit {self.spec.step}` reattaches; `substrax-compute cancel {handle.run_id}` stops it.",
+                err=True,
+            )
+
+    def fetch(self) -> Any:
+        return self._action(self._fetch)
+
+    def _fetch(self) -> Any:
+        handle = self.handle
+        if handle is None:
+            return None
+        backend = self.backend(handle)
+        try:
+            fetched = self._retrying("fetch", lambda: backend.fetch(handle))
+        except manifest_cache.ManifestError as exc:
+            self._save(handle, verdict={"state": "failed", "message": str(exc)})
+            return TaskFailed(f"step {self.spec.step!r}: {exc}; nothing was promoted")
+        missing = fetched.manifest.get("missing") or []
+        if missing:
+            message = f"the run did not produce declared output(s) {', '.join(missing)}"
+            self._save(handle, verdict={"state": "failed", "message": message})
+            return TaskFailed(
+                f"step {self.spec.step!r}: run {handle.run_id}: {message}; nothing was promoted"
+            )
+        # compact: a manifest of 20,000 files is 3 MB, 4x slower to indent
+        write_json_atomic(self._manifest_file(handle), fetched.manifest, indent=None)
+        self.fetched = fetched
+        self._save(handle, phase="fetched", manifest_digest=fetched.manifest["digest"])
+        return None
+
+    def _manifest_file(self, handle: RunHandle) -> Path:
+        return self.project.store.run_dir(handle.run_id) / "manifest.json"
+
+    def verify(self) -> Any:
+        """The public task: verify the fetched outputs, promote them, record."""
+        try:
+            return self._action(self._verify)
+        finally:
+            self._close()
+
+    def _verify(self) -> Any:
+        from substrax_tasks.promote import promote  # not on a no-op's path
+
+        handle, fetched = self.handle, self.fetched
+        if handle is None or fetched is None:
+            # No run driven here: the phases were up to date while a user's
+            # uptodate item was not. What doit saves stays the verified run.
+            return {DOIT_VALUE: (uptodate.read_record(self.step).get("verified") or {}).get("run_id", "")}
+        outputs = list(self.spec.outputs)
+        digest = str(fetched.manifest["digest"])
+        cache = self.step.files.outputs_cache
+        problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, cache)
+        if problems:
+            return TaskFailed(
+                f"step {self.spec.step!r}: the fetched outputs of run {handle.run_id} do not match "
+                "its manifest; nothing was promoted:\n  " + "\n  ".join(problems)
+            )
+        renamed = False
+        if fetched.root.resolve() != self.root.resolve():
+            try:
+                renamed = promote(fetched.root, self.root, outputs)
+            except OSError as exc:
+                return TaskFailed(
+                    f"step {self.spec.step!r}: could not move the outputs of run {handle.run_id} into "
+                    f"place ({exc}); the run is kept: fix that, then `doit {self.spec.step}` "
+                    "promotes them without running the command again"
+                )
+        # Renames moved the very files just verified; a copy (another file
+        # system) or outputs verified in place are checked where they stand.
+        if not renamed and not manifest_cache.outputs_match(self.root, outputs, digest, cache):
+            return TaskFailed(f"step {self.spec.step!r}: outputs changed while they were promoted")
+        self._save(handle, phase="promoted")
+        uptodate.write_record(self.step,
+            verified={
+                "run_id": handle.run_id,
+                "key": handle.state.get("key"),
+                "key_parts": handle.state.get("key_parts"),
+                "digest": digest,
+                "manifest_file": str(self._manifest_file(handle)),
+            }
+        )
+        atexit.register(self._acknowledge, handle.run_id)
+        return {DOIT_VALUE: handle.run_id}
+
+    def _acknowledge(self, run_id: str) -> None:
+        """At interpreter exit, after doit saved its DB (never after SIGKILL)."""
+        with contextlib.suppress(OSError):
+            if (uptodate.read_record(self.step).get("verified") or {}).get("run_id") == run_id:
+                uptodate.write_record(self.step, acknowledged=run_id)
+
+    # ------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        """doit's teardown (after success, failure or Ctrl-C). Idempotent.
+
+        Under `-n N -P thread` doit calls every teardown from each worker
+        thread that runs out of tasks, while another thread may still drive
+        this step: such a call leaves an open chain alone, and doit's last
+        call, from the main thread as it finishes, tears it down."""
+        with self._lock:
+            was = self.state
+            if was is RunState.TORN_DOWN or (
+                was is RunState.OPEN and threading.current_thread() is not threading.main_thread()
+            ):
+                return
+            self.state = RunState.TORN_DOWN
+        try:
+            if self.handle is not None:
+                self._tear_down(was)
+        finally:
+            if self._step_lock is not None:
+                self._step_lock.release()
+
+    def _tear_down(self, was: RunState) -> None:
+        handle = self.project.store.read(cast("RunHandle", self.handle).run_id)
+        backend = self.backend(handle)
+        status = backend.status(handle)
+        interrupted = was is RunState.INTERRUPTED
+        if was is RunState.OPEN and not status.final and status.state != "pending":
+            # doit is ending (a Ctrl-C seen by another thread, a failure
+            # elsewhere) while this step's run goes on: abandoned.
+            interrupted = True
+            self._on_interrupt(backend, handle)
+            status = backend.status(handle)
+        launched = phase_index(handle.state.get("phase")) >= phase_index("launched")
+        done = (
+            handle.state.get("phase") == "promoted"
+            or (status.final and status.state != "succeeded")
+            or (status.state == "pending" and launched)  # setup or sync failed: nothing to keep
+        )
+        if done or (interrupted and backend.capabilities.interrupt_cancels):
+            backend.teardown(handle)
+        elif status.final:
+            emit(f"{self.spec.step}: keeping run {handle.run_id} until its outputs are home; "
+                 f"`doit {self.spec.step}` fetches them again")

@@ -1,0 +1,115 @@
+"""uptodate.py without doit: the key, the proof and `why`'s reasons as plain
+functions of a step, its record and the files."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from substrax_tasks import manifest_cache, uptodate
+from substrax_tasks.proofs import proof_file
+from substrax_tasks.spec import make_spec
+from substrax_tasks.store import RunStore
+from substrax_tasks.uptodate import DOIT_VALUE, Step
+
+RACY = 0.05
+
+
+@pytest.fixture(autouse=True)
+def short_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(manifest_cache.manifest_module(), "RACY_SECONDS", RACY)
+
+
+def make_step(
+    root: Path, command: str = "cp in.txt out/a.txt", settings: dict[str, object] | None = None
+) -> Step:
+    spec = make_spec("fit", ["/bin/sh", "-c", command], root, inputs=["in.txt", "data"], outputs=["out/"])
+    return Step(spec, root, "local", dict(settings or {"sandbox": "none"}), RunStore(root / ".state"))
+
+
+def verified(root: Path, step: Step) -> None:
+    """What the chain leaves once it promoted a run: outputs in place, the
+    run's manifest saved, the record naming the verified key and digest."""
+    (root / "out").mkdir(exist_ok=True)
+    (root / "out" / "a.txt").write_text("made\n")
+    manifest = manifest_cache.build_manifest(root, ["out/"])
+    manifest_file = root / ".state" / "runs" / "r1" / "manifest.json"
+    manifest_file.parent.mkdir(parents=True)
+    manifest_file.write_text(json.dumps(manifest))
+    parts = uptodate.key_parts(step)
+    record = {"run_id": "r1", "key": uptodate.key(parts), "key_parts": parts,
+              "digest": manifest["digest"], "manifest_file": str(manifest_file)}
+    uptodate.write_record(step, run_id="r1", verified=record)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    (tmp_path / "in.txt").write_text("input\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x").write_text("x\n")
+    return tmp_path
+
+
+def test_the_key_moves_with_input_contents_and_settings_only(root: Path) -> None:
+    step = make_step(root)
+    first = uptodate.key(uptodate.key_parts(step))
+    assert uptodate.key(uptodate.key_parts(make_step(root))) == first
+    (root / "data" / "x").write_text("y\n")  # a file of an input folder
+    assert uptodate.key(uptodate.key_parts(step)) != first
+    assert uptodate.key(uptodate.key_parts(make_step(root, settings={"sandbox": "bwrap"}))) != first
+
+
+def test_up_to_date_only_with_a_verified_record_and_matching_outputs(root: Path) -> None:
+    step = make_step(root)
+    assert not uptodate.up_to_date(step, None)  # never verified
+    verified(root, step)
+    assert uptodate.up_to_date(step, {DOIT_VALUE: "r1"})
+    (root / "out" / "a.txt").write_text("edited\n")
+    assert not uptodate.up_to_date(step, {DOIT_VALUE: "r1"})
+
+
+def test_forgotten_by_doit_reruns_unless_doit_never_saved_the_run(root: Path) -> None:
+    step = make_step(root)
+    verified(root, step)
+    # doit was killed before it saved its DB: the record is trusted
+    assert uptodate.up_to_date(step, {})
+    uptodate.write_record(step, acknowledged="r1")  # that doit exited normally
+    assert not uptodate.up_to_date(step, {})  # so no value means `doit forget`
+
+
+def test_a_proof_is_kept_once_the_racy_window_passed_and_moves_with_any_change(root: Path) -> None:
+    step = make_step(root)
+    verified(root, step)
+    proofs = root / ".state" / "cache" / "up-to-date.json"
+    assert uptodate.up_to_date(step, None)
+    kept = proof_file(proofs)
+    assert not kept.holds("fit", uptodate.proof(step)[0])  # type: ignore[index]  # too young
+    time.sleep(RACY + 0.02)
+    assert uptodate.up_to_date(step, None)
+    now = uptodate.proof(step)
+    assert now is not None and kept.holds("fit", now[0])
+    (root / "uv.lock").write_text("lock\n")  # an environment lock appears
+    assert uptodate.proof(step) != now
+    (root / "uv.lock").unlink()
+    (root / "data" / "new").write_text("n\n")
+    assert uptodate.proof(step) != now
+
+
+def test_explain_names_each_change(root: Path) -> None:
+    step = make_step(root)
+    assert uptodate.explain(step, None, lambda run_id: None)[0].startswith("no verified run yet")
+    verified(root, step)
+    assert uptodate.explain(step, {DOIT_VALUE: "r1"}, lambda run_id: None) == []
+    (root / "in.txt").write_text("changed\n")
+    (root / "out" / "a.txt").unlink()
+    changed = make_step(root, command="true", settings={"sandbox": "bwrap"})
+    reasons = uptodate.explain(changed, {}, lambda run_id: {"sandbox": "none"})
+    assert reasons[0].startswith("command changed")
+    table = "[tool.substrax.compute.backends.local]"
+    assert f"settings changed in {table}: sandbox was 'none', now 'bwrap'" in reasons
+    assert "input changed: in.txt" in reasons
+    assert any(r.startswith("outputs: missing") for r in reasons)
+    assert reasons[-1].startswith("doit has no record of task 'fit'")
