@@ -7,17 +7,19 @@ status file under the test's tmp_path is stopped when the test ends.
 
 from __future__ import annotations
 
+import _posixsubprocess  # subprocess forks through it
 import contextlib
 import json
 import os
 import pty
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +128,76 @@ def stop_worker(status_file: Path) -> None:
         time.sleep(0.02)
     if _procs.same_process_alive(pid, ticks):
         kill_pid(pid)
+
+
+# --------------------------------------------------------------- unit tier
+
+# What a test marked `unit` may not do: start a process or reach a network.
+# subprocess, multiprocessing and pty all end in one of these calls.
+_SPAWNERS: tuple[tuple[object, str], ...] = (
+    (subprocess.Popen, "_execute_child"),
+    (_posixsubprocess, "fork_exec"),
+    (os, "fork"),
+    (os, "forkpty"),
+    (os, "posix_spawn"),
+    (os, "posix_spawnp"),
+    (os, "system"),
+)
+_NETWORK: tuple[tuple[object, str], ...] = (
+    (socket.socket, "connect"),
+    (socket.socket, "connect_ex"),
+    (socket.socket, "sendto"),
+    (socket, "getaddrinfo"),
+)
+
+
+class UnitTierViolation(RuntimeError):
+    """A test marked `unit` started a process or opened a connection."""
+
+
+_CALL_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.when == "call":
+        item.stash[_CALL_FAILED] = report.failed
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process_and_reach_no_network(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """Makes the `unit` marker a promise: such a test runs in this process
+    only. The call raises, and the test fails at teardown even if the code
+    under test caught the error."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    tried: list[str] = []
+
+    def refuse(what: str) -> Callable[..., Any]:
+        def refused(*args: object, **kwargs: object) -> Any:
+            message = (
+                f"{request.node.nodeid} is marked unit (no processes, no network) "
+                f"but called {what}; drop the marker or the call"
+            )
+            tried.append(message)
+            raise UnitTierViolation(message)
+
+        return refused
+
+    for owner, name in _SPAWNERS + _NETWORK:
+        if hasattr(owner, name):
+            label = getattr(owner, "__name__", type(owner).__name__)
+            monkeypatch.setattr(owner, name, refuse(f"{label}.{name}"))
+    yield
+    if tried and not request.node.stash.get(_CALL_FAILED, False):  # it caught the error
+        pytest.fail(tried[0], pytrace=False)
 
 
 @pytest.fixture(autouse=True, scope="session")
