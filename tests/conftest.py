@@ -155,35 +155,17 @@ class UnitTierViolation(RuntimeError):
     """A test marked `unit` started a process or opened a connection."""
 
 
-_CALL_FAILED = pytest.StashKey[bool]()
+_TRIED = pytest.StashKey[list[str]]()
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    report = yield
-    if report.when == "call":
-        item.stash[_CALL_FAILED] = report.failed
-    return report
-
-
-@pytest.fixture(autouse=True)
-def _unit_tests_start_no_process_and_reach_no_network(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[None]:
-    """Makes the `unit` marker a promise: such a test runs in this process
-    only. The call raises, and the test fails at teardown even if the code
-    under test caught the error."""
-    if request.node.get_closest_marker("unit") is None:
-        yield
-        return
-    tried: list[str] = []
+@contextlib.contextmanager
+def _refusing_processes_and_network(item: pytest.Item) -> Iterator[None]:
+    tried = item.stash.setdefault(_TRIED, [])
 
     def refuse(what: str) -> Callable[..., Any]:
         def refused(*args: object, **kwargs: object) -> Any:
             message = (
-                f"{request.node.nodeid} is marked unit (no processes, no network) "
+                f"{item.nodeid} is marked unit (no processes, no network) "
                 f"but called {what}; drop the marker or the call"
             )
             tried.append(message)
@@ -191,13 +173,47 @@ def _unit_tests_start_no_process_and_reach_no_network(
 
         return refused
 
-    for owner, name in _SPAWNERS + _NETWORK:
-        if hasattr(owner, name):
-            label = getattr(owner, "__name__", type(owner).__name__)
-            monkeypatch.setattr(owner, name, refuse(f"{label}.{name}"))
-    yield
-    if tried and not request.node.stash.get(_CALL_FAILED, False):  # it caught the error
-        pytest.fail(tried[0], pytrace=False)
+    patch = pytest.MonkeyPatch()
+    try:
+        for owner, name in _SPAWNERS + _NETWORK:
+            if hasattr(owner, name):
+                label = getattr(owner, "__name__", type(owner).__name__)
+                patch.setattr(owner, name, refuse(f"{label}.{name}"))
+        yield
+    finally:
+        patch.undo()
+
+
+# The guard covers a unit test's setup (a module or session fixture made for
+# it counts too) and its call; not its teardown, which may stop what another
+# test's fixture started.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    with _refusing_processes_and_network(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    with _refusing_processes_and_network(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A unit test that caught the guard's error still fails."""
+    report = yield
+    tried = item.stash.get(_TRIED, [])
+    if tried and report.when in ("setup", "call") and report.passed:
+        report.outcome = "failed"
+        report.longrepr = tried[0]
+    return report
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -404,6 +404,10 @@ class SkyServer:
     log: Path = field(default_factory=Path)
     netns_fd: int | None = None  # keeps the namespace (and its inode number) ours
     left_after_stop: str = ""
+    # multiprocessing's named semaphores (/dev/shm/sem.mp-*) that our
+    # processes had open: a SIGKILL leaves them behind (the resource tracker
+    # that would unlink them dies too), so kill_all unlinks them
+    semaphores: set[Path] = field(default_factory=set)
 
     def enter(self) -> list[str]:
         """argv prefix that runs a command inside the server's namespace."""
@@ -441,6 +445,8 @@ class SkyServer:
             if not left:
                 return
             for proc in left.values():
+                self.semaphores |= _semaphores_of(proc.pid)
+            for proc in left.values():
                 _kill_exact(proc)
             if self.server is not None:
                 self.server.poll()
@@ -464,6 +470,23 @@ class SkyServer:
             if self.netns_fd is not None:
                 os.close(self.netns_fd)
                 self.netns_fd = None
+            for path in self.semaphores:
+                path.unlink(missing_ok=True)
+
+
+def _semaphores_of(pid: int) -> set[Path]:
+    """The named POSIX semaphores process `pid` has mapped (glibc maps them
+    from /dev/shm/sem.NAME)."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return set()
+    found = set()
+    for line in maps.splitlines():
+        name = line.rsplit(None, 1)[-1] if line.count(" ") >= 5 else ""
+        if name.startswith("/dev/shm/sem.mp-"):
+            found.add(Path(name))
+    return found
 
 
 def _ip() -> str:
@@ -537,6 +560,8 @@ def start_server(root: Path, *, path_prepend: Iterable[Path] = (), timeout: floa
 def stop_server(server: SkyServer) -> None:
     """`sky api stop`, then SIGKILL, by pid, whatever the server left."""
     try:
+        for pid in server.ours():  # `sky api stop` may kill them before they unlink these
+            server.semaphores |= _semaphores_of(pid)
         server.run([*sky_command(), "api", "stop"], timeout=120)
         if server.server is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
