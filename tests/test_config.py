@@ -102,6 +102,7 @@ def test_bad_backend_from_the_environment(project_dir: Path, monkeypatch: pytest
     assert "SUBSTRAX_BACKEND = 'gcp'" in done.stderr
 
 
+@pytest.mark.unit
 def test_defaults_need_no_configuration(project_dir: Path) -> None:
     project = Project.open(project_dir)
     assert project.config.default_backend == "local"

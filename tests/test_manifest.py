@@ -79,6 +79,7 @@ def project(tmp_path: Path) -> Path:
 # ----------------------------------------------------------------- entries
 
 
+@pytest.mark.unit
 def test_entries_of_files_dirs_and_symlinks(project: Path) -> None:
     m = build_manifest(project, ["out/", "report.txt"])
     assert m["version"] == 1
@@ -112,6 +113,7 @@ def test_entries_of_files_dirs_and_symlinks(project: Path) -> None:
     assert "data/input.csv" not in got
 
 
+@pytest.mark.unit
 def test_special_mode_bits_are_kept(tmp_path: Path) -> None:
     write(tmp_path / "out/tool", b"x", 0o4755)
     (tmp_path / "out").chmod(0o1777)
@@ -120,6 +122,7 @@ def test_special_mode_bits_are_kept(tmp_path: Path) -> None:
     assert got["out"]["mode"] == 0o1777
 
 
+@pytest.mark.unit
 def test_large_file_hash_spans_many_buffers(tmp_path: Path) -> None:
     data = os.urandom(3 * (1 << 20) + 12345)
     write(tmp_path / "big.bin", data)
@@ -128,6 +131,7 @@ def test_large_file_hash_spans_many_buffers(tmp_path: Path) -> None:
     assert e["size"] == len(data)
 
 
+@pytest.mark.unit
 def test_symlinks_are_recorded_not_followed(project: Path) -> None:
     m = build_manifest(project, ["out/"])
     paths = {e["path"] for e in m["entries"]}
@@ -140,6 +144,7 @@ def test_symlinks_are_recorded_not_followed(project: Path) -> None:
     assert got["out/dangling"]["target"] == "not-yet"
 
 
+@pytest.mark.unit
 def test_link_that_climbs_out_and_back_into_its_output_is_accepted(tmp_path: Path) -> None:
     write(tmp_path / "out/x", b"x")
     os.symlink("../out/x", tmp_path / "out/back")
@@ -152,12 +157,14 @@ def test_link_that_climbs_out_and_back_into_its_output_is_accepted(tmp_path: Pat
 # ----------------------------------------------------------------- digest
 
 
+@pytest.mark.unit
 def test_digest_is_sha256_of_canonical_entries(project: Path) -> None:
     m = build_manifest(project, ["out/", "report.txt"])
     canonical = json.dumps(m["entries"], sort_keys=True, separators=(",", ":"))
     assert m["digest"] == sha(canonical.encode())
 
 
+@pytest.mark.unit
 def test_digest_is_stable_and_cache_independent(project: Path, tmp_path: Path) -> None:
     outputs = ["out/", "report.txt"]
     first = build_manifest(project, outputs)
@@ -178,6 +185,7 @@ def test_digest_is_stable_and_cache_independent(project: Path, tmp_path: Path) -
     "change",
     ["content", "mode", "add", "delete", "retarget", "empty_dir"],
 )
+@pytest.mark.unit
 def test_digest_changes_with_the_tree(project: Path, change: str) -> None:
     before = build_manifest(project, ["out/"])["digest"]
     if change == "content":
@@ -199,6 +207,7 @@ def test_digest_changes_with_the_tree(project: Path, change: str) -> None:
 # ----------------------------------------------------------------- outputs
 
 
+@pytest.mark.unit
 def test_missing_outputs_are_listed(project: Path) -> None:
     m = build_manifest(project, ["out/", "nope/", "gone.txt", "out2/deeper/x"])
     assert m["missing"] == ["nope/", "gone.txt", "out2/deeper/x"]
@@ -207,16 +216,19 @@ def test_missing_outputs_are_listed(project: Path) -> None:
     assert empty["entries"] == [] and empty["missing"] == ["nope/"]
 
 
+@pytest.mark.unit
 def test_output_under_a_file_is_an_error(project: Path) -> None:
     with pytest.raises(ManifestError, match=r"output report\.txt/x lies under report\.txt, which is a file"):
         build_manifest(project, ["report.txt/x"])
 
 
+@pytest.mark.unit
 def test_folder_output_that_is_a_file_is_an_error(project: Path) -> None:
     with pytest.raises(ManifestError, match=r"report\.txt/ is declared as a folder but is a file"):
         build_manifest(project, ["report.txt/"])
 
 
+@pytest.mark.unit
 def test_file_output_that_is_a_folder_is_an_error(project: Path) -> None:
     with pytest.raises(ManifestError, match=r"output out is declared as a file but is a folder"):
         build_manifest(project, ["out"])
@@ -236,11 +248,13 @@ def test_file_output_that_is_a_folder_is_an_error(project: Path) -> None:
         (["out/a.txt", "out/"], "overlap"),
     ],
 )
+@pytest.mark.unit
 def test_bad_output_paths_are_refused(project: Path, outputs: list[str], message: str) -> None:
     with pytest.raises(ManifestError, match=message):
         build_manifest(project, outputs)
 
 
+@pytest.mark.unit
 def test_outputs_must_be_a_list_not_a_string(project: Path) -> None:
     with pytest.raises(ManifestError, match="not the string"):
         manifest_module().build_manifest(project, "out/")
@@ -250,6 +264,7 @@ def test_outputs_must_be_a_list_not_a_string(project: Path) -> None:
         outputs_match(project, "out/", "0" * 64, project / "cache.json")
 
 
+@pytest.mark.unit
 def test_special_files_are_refused(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     os.mkfifo(tmp_path / "out/pipe")
@@ -271,6 +286,7 @@ def test_special_files_are_refused(tmp_path: Path) -> None:
         ("out/parent", "..", "it leads to ."),
     ],
 )
+@pytest.mark.unit
 def test_symlink_pointing_outside_is_refused(project: Path, link: str, target: str, why: str) -> None:
     os.symlink(target, project / link)
     with pytest.raises(ManifestError) as info:
@@ -281,6 +297,7 @@ def test_symlink_pointing_outside_is_refused(project: Path, link: str, target: s
     assert "refused, never followed" in message
 
 
+@pytest.mark.unit
 def test_symlink_escape_through_another_link_is_refused(project: Path) -> None:
     # each link's text looks harmless, but a/.. is the folder above `out`
     os.symlink(".", project / "out/here")
@@ -289,12 +306,14 @@ def test_symlink_escape_through_another_link_is_refused(project: Path) -> None:
         build_manifest(project, ["out/"])
 
 
+@pytest.mark.unit
 def test_symlink_into_a_sibling_output_is_refused(project: Path) -> None:
     os.symlink("../report.txt", project / "out/rep")
     with pytest.raises(ManifestError, match=r"out/rep -> \.\./report\.txt points outside its output"):
         build_manifest(project, ["out/", "report.txt"])
 
 
+@pytest.mark.unit
 def test_symlink_loop_is_refused(project: Path) -> None:
     os.symlink("loop2", project / "out/loop1")
     os.symlink("loop1", project / "out/loop2")
@@ -302,6 +321,7 @@ def test_symlink_loop_is_refused(project: Path) -> None:
         build_manifest(project, ["out/"])
 
 
+@pytest.mark.unit
 def test_output_that_is_a_symlink_is_refused(project: Path) -> None:
     os.symlink("report.txt", project / "rep_link")
     with pytest.raises(ManifestError, match=r"output rep_link is a symlink -> report\.txt.*never followed"):
@@ -311,6 +331,7 @@ def test_output_that_is_a_symlink_is_refused(project: Path) -> None:
         build_manifest(project, ["out_link/"])
 
 
+@pytest.mark.unit
 def test_output_under_a_symlinked_folder_is_refused(project: Path) -> None:
     os.symlink("out", project / "via")
     with pytest.raises(ManifestError, match=r"output via/sub lies under via, a symlink"):
@@ -318,6 +339,7 @@ def test_output_under_a_symlinked_folder_is_refused(project: Path) -> None:
 
 
 @pytest.mark.parametrize("target", ["absolute", "relative"])
+@pytest.mark.unit
 def test_refused_link_is_never_followed(
     project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str
 ) -> None:
@@ -347,6 +369,7 @@ def test_refused_link_is_never_followed(
 # ----------------------------------------------------------------- the hash cache
 
 
+@pytest.mark.unit
 def test_cached_hash_is_reused_when_size_mtime_and_inode_match(project: Path) -> None:
     age(project)
     target = project / "out/a.txt"
@@ -371,6 +394,7 @@ def test_cached_hash_is_reused_when_size_mtime_and_inode_match(project: Path) ->
     assert cache["out/a.txt"][1] == OLD_NS + 1
 
 
+@pytest.mark.unit
 def test_cache_entry_with_another_inode_is_not_trusted(project: Path) -> None:
     age(project)
     cache: dict[str, list[Any]] = {}
@@ -387,6 +411,7 @@ def test_cache_entry_with_another_inode_is_not_trusted(project: Path) -> None:
     assert got["sha256"] == sha(b"omega\n")
 
 
+@pytest.mark.unit
 def test_a_file_modified_just_now_is_hashed_but_not_cached(project: Path) -> None:
     age(project)
     write(project / "out/fresh.txt", b"fresh")
@@ -397,6 +422,7 @@ def test_a_file_modified_just_now_is_hashed_but_not_cached(project: Path) -> Non
     assert "out/a.txt" in cache
 
 
+@pytest.mark.unit
 def test_cache_forgets_deleted_files_and_keeps_other_outputs(project: Path) -> None:
     age(project)
     cache: dict[str, list[Any]] = {"elsewhere/x": [1, 2, 3, "f" * 64]}
@@ -410,6 +436,7 @@ def test_cache_forgets_deleted_files_and_keeps_other_outputs(project: Path) -> N
     assert "elsewhere/x" in cache  # not under these outputs: left alone
 
 
+@pytest.mark.unit
 def test_malformed_cache_entries_are_ignored(project: Path) -> None:
     age(project)
     cache: dict[str, list[Any]] = {"out/a.txt": "junk", "out/run.sh": [1]}  # type: ignore[dict-item]
@@ -421,11 +448,13 @@ def test_malformed_cache_entries_are_ignored(project: Path) -> None:
 # ----------------------------------------------------------------- diff_manifests
 
 
+@pytest.mark.unit
 def test_diff_of_equal_manifests_is_empty(project: Path) -> None:
     m = build_manifest(project, ["out/"])
     assert diff_manifests(m, build_manifest(project, ["out/"])) == []
 
 
+@pytest.mark.unit
 def test_diff_names_each_kind_of_change(project: Path) -> None:
     expected = build_manifest(project, ["out/"])
     (project / "out/a.txt").write_bytes(b"changed, and longer\n")  # content
@@ -449,6 +478,7 @@ def test_diff_names_each_kind_of_change(project: Path) -> None:
     ]
 
 
+@pytest.mark.unit
 def test_diff_counts_a_missing_or_extra_folder_on_one_line(project: Path) -> None:
     expected = build_manifest(project, ["out/"])
     shutil.rmtree(project / "out/sub")
@@ -461,6 +491,7 @@ def test_diff_counts_a_missing_or_extra_folder_on_one_line(project: Path) -> Non
     ]
 
 
+@pytest.mark.unit
 def test_diff_of_a_missing_output(project: Path) -> None:
     expected = build_manifest(project, ["out/", "report.txt"])
     shutil.rmtree(project / "out")
@@ -609,6 +640,7 @@ def test_watch_refuses_an_escaping_symlink_before_printing_anything(project: Pat
     assert b"manifest.py: symlink out/leak -> /etc/passwd" in err
 
 
+@pytest.mark.unit
 def test_cache_file_is_rewritten_only_when_it_changed(project: Path, tmp_path: Path) -> None:
     mod: Any = manifest_module()
     cache = tmp_path / "cache.json"
@@ -654,6 +686,7 @@ print(json.dumps({"digest": a["digest"], "diff": m.diff_manifests(a, c),
 # ----------------------------------------------------------------- local use
 
 
+@pytest.mark.unit
 def test_module_is_loaded_once_from_remote_script() -> None:
     mod = manifest_module()
     assert mod is manifest_module()
@@ -662,6 +695,7 @@ def test_module_is_loaded_once_from_remote_script() -> None:
     assert ManifestError is mod.ManifestError
 
 
+@pytest.mark.unit
 def test_hash_cache_file_is_private_atomic_and_written_only_on_change(project: Path, tmp_path: Path) -> None:
     age(project)
     cache_file = tmp_path / "state/cache.json"
@@ -682,6 +716,7 @@ def test_hash_cache_file_is_private_atomic_and_written_only_on_change(project: P
     assert loaded.entries["out/a.txt"] == data["entries"]["out/a.txt"]
 
 
+@pytest.mark.unit
 def test_bad_entries_of_a_hash_cache_file_are_dropped(tmp_path: Path) -> None:
     f = tmp_path / "cache.json"
     good = [4, OLD_NS, 12, "a" * 64]
@@ -696,6 +731,7 @@ def test_bad_entries_of_a_hash_cache_file_are_dropped(tmp_path: Path) -> None:
     assert not HashCache.load(f).changed
 
 
+@pytest.mark.unit
 def test_an_unreadable_tree_is_a_manifest_error(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def vanished(path: Any, *args: Any, **kwargs: Any) -> str:
         raise FileNotFoundError(2, "No such file or directory", os.fsdecode(path))
@@ -706,6 +742,7 @@ def test_an_unreadable_tree_is_a_manifest_error(project: Path, monkeypatch: pyte
 
 
 @pytest.mark.parametrize("content", [b"", b"{not json", b"[1, 2]", b'{"version": 99, "entries": {}}'])
+@pytest.mark.unit
 def test_unreadable_hash_cache_loads_empty(tmp_path: Path, content: bytes) -> None:
     f = tmp_path / "cache.json"
     f.write_bytes(content)
@@ -716,6 +753,7 @@ def test_unreadable_hash_cache_loads_empty(tmp_path: Path, content: bytes) -> No
     assert json.loads(f.read_text()) == {"version": 1, "entries": {}}
 
 
+@pytest.mark.unit
 def test_verify_outputs_reports_differences(project: Path, tmp_path: Path) -> None:
     cache_file = tmp_path / "cache.json"
     expected = build_manifest(project, ["out/", "report.txt"])
@@ -728,6 +766,7 @@ def test_verify_outputs_reports_differences(project: Path, tmp_path: Path) -> No
     assert "missing: report.txt (file)" in problems
 
 
+@pytest.mark.unit
 def test_verify_outputs_refuses_an_escape_and_a_never_produced_output(project: Path, tmp_path: Path) -> None:
     cache_file = tmp_path / "cache.json"
     expected = build_manifest(project, ["out/", "never/"])
@@ -739,6 +778,7 @@ def test_verify_outputs_refuses_an_escape_and_a_never_produced_output(project: P
     assert problem.startswith("refused: symlink out/data -> ../data points outside its output")
 
 
+@pytest.mark.unit
 def test_verify_outputs_notices_a_damaged_digest(project: Path, tmp_path: Path) -> None:
     expected = build_manifest(project, ["out/"])
     expected["digest"] = "0" * 64
@@ -754,6 +794,7 @@ def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_racy_window")
+@pytest.mark.unit
 def test_outputs_match_fast_path_reads_no_file(
     project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -779,6 +820,7 @@ def test_outputs_match_fast_path_reads_no_file(
 @pytest.mark.parametrize(
     "tamper", ["edit", "edit_same_size", "delete", "add", "chmod", "mkdir", "relink", "remove_output"]
 )
+@pytest.mark.unit
 def test_outputs_match_notices_tampering(project: Path, tmp_path: Path, tamper: str) -> None:
     cache_file = tmp_path / "cache.json"
     outputs = ["out/", "report.txt"]
@@ -807,6 +849,7 @@ def test_outputs_match_notices_tampering(project: Path, tmp_path: Path, tamper: 
 
 
 @pytest.mark.usefixtures("no_racy_window")
+@pytest.mark.unit
 def test_outputs_match_is_false_for_a_refused_tree(project: Path, tmp_path: Path) -> None:
     cache_file = tmp_path / "cache.json"
     digest = build_manifest(project, ["out/"])["digest"]
@@ -814,6 +857,7 @@ def test_outputs_match_is_false_for_a_refused_tree(project: Path, tmp_path: Path
     assert not outputs_match(project, ["out/"], digest, cache_file)
 
 
+@pytest.mark.unit
 def test_outputs_match_records_no_stamp_for_a_fresh_tree(project: Path, tmp_path: Path) -> None:
     cache_file = tmp_path / "cache.json"
     digest = build_manifest(project, ["out/"])["digest"]
@@ -822,6 +866,7 @@ def test_outputs_match_records_no_stamp_for_a_fresh_tree(project: Path, tmp_path
 
 
 @pytest.mark.usefixtures("no_racy_window")
+@pytest.mark.unit
 def test_promoted_files_reuse_hashes_from_staging(tmp_path: Path) -> None:
     """A rename keeps inode, size and mtime: hashes taken in staging serve
     the project once the outputs are promoted."""
@@ -838,6 +883,7 @@ def test_promoted_files_reuse_hashes_from_staging(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("clock_passed", [False, True])
+@pytest.mark.unit
 def test_verify_with_a_seed_uses_its_hashes_and_keeps_only_settled_files(
     project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock_passed: bool
 ) -> None:
@@ -871,6 +917,7 @@ def test_verify_with_a_seed_uses_its_hashes_and_keeps_only_settled_files(
     ("clock", "cached"),
     [("passed", True), ("same tick", False), ("another file system", False), ("none", False)],
 )
+@pytest.mark.unit
 def test_a_young_file_is_cached_once_the_file_systems_clock_passed_it(
     project: Path, clock: str, cached: bool
 ) -> None:
@@ -891,6 +938,7 @@ def test_a_young_file_is_cached_once_the_file_systems_clock_passed_it(
         assert cache["out/run.sh"] == [st.st_size, st.st_mtime_ns, st.st_ino, content]
 
 
+@pytest.mark.unit
 def test_verify_outputs_reads_the_file_systems_clock_beside_its_cache(project: Path, tmp_path: Path) -> None:
     """The outputs of a run just made are cached by verification once the
     clock has moved past them: the first no-op after it hashes nothing."""
@@ -910,6 +958,7 @@ def test_verify_outputs_reads_the_file_systems_clock_beside_its_cache(project: P
 
 
 @pytest.mark.parametrize("digest_checked", [False, True])
+@pytest.mark.unit
 def test_verify_compares_entries_whether_or_not_the_digest_was_checked(
     project: Path, tmp_path: Path, digest_checked: bool
 ) -> None:
@@ -940,6 +989,7 @@ def change_tree(project: Path, kind: str) -> None:
         (project / "nope").mkdir()
 
 
+@pytest.mark.unit
 def test_tree_stats_equal_what_the_manifest_walk_saw_until_something_changes(project: Path) -> None:
     mod: Any = manifest_module()
     outputs = ["out/", "report.txt", "nope/", "gone/deeper/x.txt"]
@@ -956,6 +1006,7 @@ def test_tree_stats_equal_what_the_manifest_walk_saw_until_something_changes(pro
         assert mod.tree_stats(project, outputs) == seen, kind
 
 
+@pytest.mark.unit
 def test_staged_entries_describe_files_still_at_their_inode_without_a_stat(project: Path) -> None:
     """`staged`: a file the listing shows at the inode that was hashed is
     taken from its entry (here one that lies, to show it is not read); a
@@ -977,6 +1028,7 @@ def test_staged_entries_describe_files_still_at_their_inode_without_a_stat(proje
         manifest_module().build_manifest(project, ["out/"], staged=staged, stats={})
 
 
+@pytest.mark.unit
 def test_verify_looks_again_without_the_staged_shortcut_before_refusing(
     project: Path, tmp_path: Path
 ) -> None:
@@ -1071,6 +1123,7 @@ def test_a_settled_manifest_of_other_outputs_is_not_used(project: Path, tmp_path
 
 
 @pytest.mark.parametrize("clock", ["behind the last change", "on another file system", "unavailable"])
+@pytest.mark.unit
 def test_settle_keeps_no_record_unless_the_file_systems_clock_passed_every_change(
     project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: str
 ) -> None:
@@ -1091,6 +1144,7 @@ def test_settle_keeps_no_record_unless_the_file_systems_clock_passed_every_chang
     assert set(json.loads(cache.read_text())) == {"out/a.txt", "out/run.sh", "out/sub/b.bin", "report.txt"}
 
 
+@pytest.mark.unit
 def test_the_stamp_of_outputs_declared_file_by_file_moves_with_their_folders(project: Path) -> None:
     """Files declared one by one share their folders, looked at once per
     stamp: a change to a shared folder's mode, to one file, or a folder
