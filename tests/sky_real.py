@@ -404,10 +404,6 @@ class SkyServer:
     log: Path = field(default_factory=Path)
     netns_fd: int | None = None  # keeps the namespace (and its inode number) ours
     left_after_stop: str = ""
-    # multiprocessing's named semaphores (/dev/shm/sem.mp-*) that our
-    # processes had open: a SIGKILL leaves them behind (the resource tracker
-    # that would unlink them dies too), so kill_all unlinks them
-    semaphores: set[Path] = field(default_factory=set)
 
     def enter(self) -> list[str]:
         """argv prefix that runs a command inside the server's namespace."""
@@ -445,8 +441,6 @@ class SkyServer:
             if not left:
                 return
             for proc in left.values():
-                self.semaphores |= _semaphores_of(proc.pid)
-            for proc in left.values():
                 _kill_exact(proc)
             if self.server is not None:
                 self.server.poll()
@@ -470,8 +464,6 @@ class SkyServer:
             if self.netns_fd is not None:
                 os.close(self.netns_fd)
                 self.netns_fd = None
-            for path in self.semaphores:
-                path.unlink(missing_ok=True)
 
 
 def _semaphores_of(pid: int) -> set[Path]:
@@ -487,6 +479,29 @@ def _semaphores_of(pid: int) -> set[Path]:
         if name.startswith("/dev/shm/sem.mp-"):
             found.add(Path(name))
     return found
+
+
+def _unlink_orphaned_semaphores(since_ns: int) -> None:
+    """SkyPilot's processes leave multiprocessing's named semaphores behind
+    when they are killed (by a cancel, by `sky api stop`, by kill_all), since
+    their resource tracker dies with them: unlink every /dev/shm/sem.mp-*
+    made since `since_ns` that no live process has open.
+    A named semaphore nobody has mapped can never be opened again by the
+    multiprocessing that made it: it is only ever reopened by name from a
+    parent that still holds it."""
+    candidates = set()
+    for path in Path("/dev/shm").glob("sem.mp-*"):
+        with contextlib.suppress(FileNotFoundError):
+            if path.lstat().st_ctime_ns >= since_ns:
+                candidates.add(path)
+    if not candidates:
+        return
+    mapped: set[Path] = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            mapped |= _semaphores_of(int(entry))
+    for path in candidates - mapped:
+        path.unlink(missing_ok=True)
 
 
 def _ip() -> str:
@@ -560,8 +575,6 @@ def start_server(root: Path, *, path_prepend: Iterable[Path] = (), timeout: floa
 def stop_server(server: SkyServer) -> None:
     """`sky api stop`, then SIGKILL, by pid, whatever the server left."""
     try:
-        for pid in server.ours():  # `sky api stop` may kill them before they unlink these
-            server.semaphores |= _semaphores_of(pid)
         server.run([*sky_command(), "api", "stop"], timeout=120)
         if server.server is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -574,11 +587,13 @@ def stop_server(server: SkyServer) -> None:
 
 @contextlib.contextmanager
 def running_server(root: Path, *, path_prepend: Iterable[Path] = ()) -> Iterator[SkyServer]:
+    began_ns = time.time_ns()
     server = start_server(root, path_prepend=path_prepend)
     try:
         yield server
     finally:
         stop_server(server)
+        _unlink_orphaned_semaphores(began_ns)
 
 
 def _tail(path: Path, lines: int = 40) -> str:
