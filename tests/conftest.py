@@ -159,7 +159,11 @@ _TRIED = pytest.StashKey[list[str]]()
 
 
 @contextlib.contextmanager
-def _refusing_processes_and_network(item: pytest.Item) -> Iterator[None]:
+def _unit_guard(item: pytest.Item) -> Iterator[None]:
+    """For a test marked `unit`: the calls above raise, and are noted."""
+    if item.get_closest_marker("unit") is None:
+        yield
+        return
     tried = item.stash.setdefault(_TRIED, [])
 
     def refuse(what: str) -> Callable[..., Any]:
@@ -189,17 +193,13 @@ def _refusing_processes_and_network(item: pytest.Item) -> Iterator[None]:
 # test's fixture started.
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
-    if item.get_closest_marker("unit") is None:
-        return (yield)
-    with _refusing_processes_and_network(item):
+    with _unit_guard(item):
         return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    if item.get_closest_marker("unit") is None:
-        return (yield)
-    with _refusing_processes_and_network(item):
+    with _unit_guard(item):
         return (yield)
 
 
