@@ -461,7 +461,7 @@ def cleanup(bed: Bed) -> list[str]:
             bed.stop_master()
     with contextlib.suppress(ImportError, OSError):
         # the configuration cache remote_step() keeps for this project, if any
-        from substrax_tasks.resolved import cache_file  # not in every version
+        from substrax_tasks.config import cache_file  # not in every version
 
         cache_file(bed.project.root).unlink(missing_ok=True)
     for marker in bed.markers:

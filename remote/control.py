@@ -1,55 +1,104 @@
 #!/usr/bin/env python3
-"""Inspect, stop and time-limit runs on the machine that runs them.
+"""A run's status file, and the one way to read, stop and time-limit a run.
 
-Stdlib only, Python 3.8+: copied beside worker.py to remote machines and
-called over SSH with one command per operation. Each prints one JSON line.
+Stdlib only, Python 3.8+. The local backend loads this file into its own
+process; over SSH it runs beside worker.py, one command per operation, each
+printing one JSON line:
 
     python3 control.py status RUN_DIR
     python3 control.py cancel RUN_DIR [--wait SECONDS]
     python3 control.py watchdog RUN_DIR SECONDS [--detach] [--poweroff]
     python3 control.py remove RUN_DIR
 
-fabric's lesson: closing an SSH channel kills nothing, so stopping a remote
-tree takes an explicit command that signals the worker by pid (checked
-against its start time, so a reused pid is never signalled).
+It imports no sibling, so loading it shadows no module of the user's.
+Closing an SSH channel kills nothing (fabric's lesson): a remote tree is
+stopped by signalling its worker by pid, checked against its start time.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
 import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
+from typing import Any, Iterator
 
 FINAL_STATES = ("succeeded", "failed", "timed_out", "cancelled")
+STATUS_FILE = "status.json"
+START_LOCK = "start.lock"  # the worker takes it to start, a cancel of a run not started to end it
 WATCHDOG_POLL_SECONDS = 5.0
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# worker.py is shipped beside this file
-from worker import START_LOCK, proc_start_ticks  # noqa: E402
-
-start_ticks = proc_start_ticks
+CANCEL_WAIT_SECONDS = 30.0
 
 
-def alive(pid, ticks):
-    # type: (object, object) -> bool
-    return ticks is not None and start_ticks(pid) == ticks
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
-def read_status(run_dir):
-    # type: (str) -> dict | None
+def write_json_atomic(path: str, data: dict[str, Any]) -> None:
+    """temp file + fsync + rename: a reader sees the old or the new file, whole."""
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        with open(os.path.join(run_dir, "status.json")) as f:
+        os.write(fd, json.dumps(data, indent=1, sort_keys=True).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
             data = json.load(f)
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
 
-def status(run_dir):
-    # type: (str) -> dict
+def start_ticks(pid: object) -> int | None:
+    """Start time of a live process in clock ticks since boot (the guard
+    against pid reuse); None for no such process, or a zombie."""
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return None
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2 :].split()
+    if fields[0] == "Z":
+        return None  # it has finished; only its parent's wait is left
+    return int(fields[19])
+
+
+def alive(pid: object, ticks: object) -> bool:
+    """True while `pid` is still the process that started at `ticks`."""
+    return ticks is not None and start_ticks(pid) == ticks
+
+
+@contextlib.contextmanager
+def start_lock(run_dir: str) -> Iterator[None]:
+    """Held by the worker while it claims the start and by a cancel while it
+    ends a run not started, so that exactly one of them wins."""
+    fd = os.open(os.path.join(run_dir, START_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def read_status(run_dir: str) -> dict[str, Any] | None:
+    return read_json(os.path.join(run_dir, STATUS_FILE))
+
+
+def status(run_dir: str) -> dict[str, Any]:
     """The worker's status, plus whether its worker is alive right now."""
     record = read_status(run_dir)
     if record is None:
@@ -62,13 +111,12 @@ def status(run_dir):
     return record
 
 
-def cancel(run_dir, wait):
-    # type: (str, float) -> dict
+def cancel(run_dir: str, wait: float) -> dict[str, Any]:
     """SIGTERM the worker (which stops the whole tree) and wait for its end.
     A worker that is gone already: kill what is left of the task's group."""
     record = read_status(run_dir)
     if record is None:
-        if _end_before_start(run_dir):
+        if end_before_start(run_dir):
             return {"cancelled": True, "state": "cancelled", "reason": "not started"}
         record = read_status(run_dir)  # the worker claimed the start meanwhile
         if record is None:
@@ -83,67 +131,43 @@ def cancel(run_dir, wait):
             if now.get("state") in FINAL_STATES:
                 return {"cancelled": True, "state": now.get("state")}
             time.sleep(0.02)
-        return {"cancelled": False, "reason": "worker did not stop within %ss" % wait}
+        return {"cancelled": False, "reason": "worker (pid %s) did not stop within %ss of SIGTERM"
+                % (record["worker_pid"], wait)}
     record = read_status(run_dir) or record  # the worker may have just written its end
     if record.get("state") in FINAL_STATES:
         return {"cancelled": False, "reason": "finished", "state": record.get("state")}
     if alive(record.get("pid"), record.get("start_ticks")):
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(record["pid"], signal.SIGKILL)
-        except OSError:
-            pass
     # No worker is left to record the end: record it here, so the run
     # reads as cancelled rather than lost.
-    _write_status(run_dir, dict(record, state="cancelled", ended_at=_now(),
-                                message="cancelled after its worker was lost"))
+    write_json_atomic(os.path.join(run_dir, STATUS_FILE), dict(
+        record, state="cancelled", ended_at=now_iso(), message="cancelled after its worker was lost"))
     return {"cancelled": True, "state": "cancelled", "reason": "worker was gone"}
 
 
-def _now():
-    # type: () -> str
-    return time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
-
-
-def _write_status(run_dir, record):
-    # type: (str, dict) -> None
-    tmp = os.path.join(run_dir, "status.json.control.tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(run_dir, "status.json"))
-
-
-def _end_before_start(run_dir):
-    # type: (str) -> bool
-    """Under the worker's start lock: if no worker has claimed the run yet,
-    write its end (`cancelled`), which a worker started later respects.
-    False when the run folder is gone or a worker got there first."""
-    import fcntl
-
+def end_before_start(run_dir: str) -> bool:
+    """Under the start lock: if no worker has claimed the run yet, write its
+    end (`cancelled`), which a worker started later respects. False when
+    the run folder is gone or a worker got there first."""
     if not os.path.isdir(run_dir):
         return False
-    fd = os.open(os.path.join(run_dir, START_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with start_lock(run_dir):
         if read_status(run_dir) is not None:
             return False
-        _write_status(run_dir, {"state": "cancelled", "message": "cancelled before the command started",
-                                "exit_code": None, "started_at": None, "ended_at": _now()})
+        write_json_atomic(os.path.join(run_dir, STATUS_FILE), {
+            "state": "cancelled", "message": "cancelled before the command started",
+            "exit_code": None, "started_at": None, "ended_at": now_iso()})
         return True
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
-def remove(run_dir):
-    # type: (str) -> dict
-    cancel(run_dir, 30.0)
+def remove(run_dir: str) -> dict[str, Any]:
+    cancel(run_dir, CANCEL_WAIT_SECONDS)
     shutil.rmtree(run_dir, ignore_errors=True)
     return {"removed": not os.path.exists(run_dir)}
 
 
-def watchdog(run_dir, seconds, poweroff=False):
-    # type: (str, float, bool) -> dict
+def watchdog(run_dir: str, seconds: float, poweroff: bool = False) -> dict[str, Any]:
     """After `seconds`, stop the run's tree and remove its folder, so nothing
     outlives the run's lifetime even if no client ever comes back. Exits
     early once the folder is gone (the run was torn down). With `poweroff`
@@ -160,43 +184,43 @@ def watchdog(run_dir, seconds, poweroff=False):
         f.write(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     remove(run_dir)
     if poweroff:
-        power_off()
+        argv = ["shutdown", "-h", "now"] if os.geteuid() == 0 else ["sudo", "-n", "shutdown", "-h", "now"]
+        with contextlib.suppress(OSError):
+            subprocess.call(argv)
     return {"fired": True}
 
 
-def power_off():
-    # type: () -> None
-    import subprocess
+def detach_watchdog(run_dir: str, seconds: float, poweroff: bool) -> dict[str, Any]:
+    """Start the watchdog in a grandchild of its own session, immune to the
+    SSH session's end; its record once it is armed."""
+    path = os.path.join(run_dir, "watchdog.json")
+    if os.path.exists(path):
+        os.unlink(path)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            if os.fork() == 0:
+                devnull = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(devnull, fd)
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
+                write_json_atomic(path, {"pid": os.getpid(), "start_ticks": start_ticks(os.getpid()),
+                                         "seconds": seconds, "armed_at": time.time()})
+                watchdog(run_dir, seconds, poweroff)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        armed = read_json(path)
+        if armed is not None:
+            return armed
+        time.sleep(0.01)
+    return {"pid": None, "error": "watchdog did not start"}
 
-    argv = ["shutdown", "-h", "now"] if os.geteuid() == 0 else ["sudo", "-n", "shutdown", "-h", "now"]
-    try:
-        subprocess.call(argv)
-    except OSError:
-        pass
 
-
-def watchdog_child(run_dir, seconds, poweroff=False):
-    # type: (str, float, bool) -> None
-    """Body of the forked child: a new session, then a grandchild that is
-    immune to the SSH session's end runs the watchdog."""
-    os.setsid()
-    if os.fork():
-        os._exit(0)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    info = {"pid": os.getpid(), "start_ticks": start_ticks(os.getpid()), "seconds": seconds,
-            "armed_at": time.time()}
-    tmp = os.path.join(run_dir, "watchdog.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, os.path.join(run_dir, "watchdog.json"))
-    watchdog(run_dir, seconds, poweroff)
-
-
-def main(argv=None):
-    # type: (list | None) -> int
+def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2:
         sys.stderr.write(__doc__ or "")
@@ -205,16 +229,15 @@ def main(argv=None):
     if command == "status":
         result = status(run_dir)
     elif command == "cancel":
-        wait = float(args[args.index("--wait") + 1]) if "--wait" in args else 30.0
+        wait = float(args[args.index("--wait") + 1]) if "--wait" in args else CANCEL_WAIT_SECONDS
         result = cancel(run_dir, wait)
     elif command == "remove":
         result = remove(run_dir)
     elif command == "watchdog" and len(args) >= 3:
-        seconds = float(args[2])
-        poweroff = "--poweroff" in args
+        seconds, poweroff = float(args[2]), "--poweroff" in args
         if "--detach" in args:
             os.makedirs(run_dir, exist_ok=True)
-            result = _detach_and_wait(run_dir, seconds, poweroff)
+            result = detach_watchdog(run_dir, seconds, poweroff)
         else:
             result = watchdog(run_dir, seconds, poweroff)
     else:
@@ -222,28 +245,6 @@ def main(argv=None):
         return 2
     sys.stdout.write(json.dumps(result) + "\n")
     return 0
-
-
-def _detach_and_wait(run_dir, seconds, poweroff=False):
-    # type: (str, float, bool) -> dict
-    path = os.path.join(run_dir, "watchdog.json")
-    if os.path.exists(path):
-        os.unlink(path)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            watchdog_child(run_dir, seconds, poweroff)
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with open(path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            time.sleep(0.01)
-    return {"pid": None, "error": "watchdog did not start"}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Where the scripts run outside this process are.
 
-* `remote/`: the stdlib-only scripts (worker, manifest, control) shipped to
-  the machines a run uses, Python 3.8+.
+* `remote/`: the stdlib-only scripts (worker, control, proctree, sandbox,
+  manifest) shipped to the machines a run uses, Python 3.8+; the local
+  backend loads control.py into this process (`remote_module`).
 * `sky_helper/`: `sky_sdk.py`, run here in SkyPilot's own interpreter (it
   imports `sky`, so it is neither stdlib-only nor shipped to a host).
 
@@ -12,9 +13,16 @@ they are the repo's folders of those names.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import threading
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 _PACKAGE = Path(__file__).resolve().parent
+# What a host needs in its bin folder to run the worker (and what its digest covers).
+REMOTE_SCRIPTS = ("worker.py", "control.py", "proctree.py", "sandbox.py", "manifest.py")
 
 
 def _folder(packed: str, checkout: str, marker: str) -> Path:
@@ -35,6 +43,49 @@ def remote_dir() -> Path:
 
 def remote_script(name: str) -> Path:
     return remote_dir() / name
+
+
+_load_lock = threading.Lock()
+
+
+def remote_module(name: str) -> ModuleType:
+    """`remote/<name>.py` loaded into this process once, as the module
+    `substrax_remote_<name>`: the very file that runs over there. Only for
+    the scripts that import no sibling (control, sandbox, manifest)."""
+    module_name = f"substrax_remote_{name}"
+    with _load_lock:
+        module = sys.modules.get(module_name)
+        if module is None:
+            path = remote_script(f"{name}.py")
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load {path}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
+    return module
+
+
+if TYPE_CHECKING:
+
+    class Control(Protocol):
+        """The parts of `remote/control.py` used on this side (see there)."""
+
+        def read_json(self, path: str) -> dict[str, Any] | None: ...
+        def start_ticks(self, pid: object) -> int | None: ...
+        def alive(self, pid: object, ticks: object) -> bool: ...
+        def status(self, run_dir: str) -> dict[str, Any]: ...
+        def cancel(self, run_dir: str, wait: float) -> dict[str, Any]: ...
+
+
+def control() -> Control:
+    """`remote/control.py`: the one status and cancel of a run (the local
+    backend calls it here, the others run it on their host)."""
+    return cast("Control", remote_module("control"))
 
 
 def sky_helper_script() -> Path:

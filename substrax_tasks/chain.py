@@ -33,9 +33,9 @@ from doit.exceptions import TaskError, TaskFailed
 from substrax_tasks import __version__, manifest_cache, stamp_prefetch
 from substrax_tasks._atomic import write_bytes_atomic, write_json_atomic
 from substrax_tasks._output import OUTPUT_LOCK, emit
+from substrax_tasks.config import ENV_LOCK_FILES, ResolvedProject, config_key, config_stamp, resolve
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
 from substrax_tasks.proofs import proof_file
-from substrax_tasks.resolved import ENV_LOCK_FILES, ResolvedProject, config_key, config_stamp, resolve
 from substrax_tasks.spec import StepSpec, canonical_digest, check_inputs_exist, safe_name
 
 if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
@@ -95,7 +95,7 @@ class StepRunner:
         self._user_checks_normalized = [_uptodate_item(spec.step, item) for item in self.user_uptodate]
         self.safe = safe_name(spec.step)
         # as text: a no-op only stats it (the Path is made on first use)
-        self._record_path = f"{project.state_dir_text}/steps/{self.safe}.json"
+        self._record_path = str(project.store.step_record(spec.step))
         # what the proof walks: the inputs, then the extra tracked files
         self._stamped_inputs = [*spec.inputs, *self.tracked]
         # where stamp_prefetch keeps this step's outputs, walked ahead
@@ -124,22 +124,24 @@ class StepRunner:
 
     @functools.cached_property
     def outputs_cache(self) -> Path:
-        return self.view.state_dir.joinpath("cache", f"{self.safe}.outputs.json")
+        return self.view.store.outputs_cache(self.spec.step)
 
     @functools.cached_property
     def inputs_cache(self) -> Path:
-        return self.view.state_dir.joinpath("cache", f"{self.safe}.inputs.json")
+        return self.view.store.inputs_cache(self.spec.step)
 
     @functools.cached_property
     def lock(self) -> StepLock:
         from substrax_tasks.steplock import StepLock  # the phases that act only
 
-        return StepLock(self.view.state_dir / "locks", self.safe, self.spec.step)
+        return StepLock(self.view.store.step_lock(self.spec.step), self.spec.step)
 
     @property
     def project(self) -> Project:
         """The validated project (pydantic): only the phases that act need it."""
-        return self.view.full()
+        from substrax_tasks.runs import Project
+
+        return Project.of(self.view)
 
     # ------------------------------------------------------------ records
     def read_record(self) -> dict[str, Any]:

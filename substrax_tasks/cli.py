@@ -21,10 +21,11 @@ from rich.table import Table
 
 from substrax_tasks import __version__
 from substrax_tasks.backends.base import RunStatus
-from substrax_tasks.config import ComputeConfig, read_pyproject_table
+from substrax_tasks.config import read_pyproject_table
 from substrax_tasks.errors import BackendError, ConfigError, HandleError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.runs import Project
+from substrax_tasks.settings import ComputeConfig
 from substrax_tasks.store import RunStore, Unreadable
 
 if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only

@@ -1,119 +1,51 @@
-"""`[tool.substrax.compute]` in the project's pyproject.toml.
+"""`[tool.substrax.compute]`: read from pyproject.toml, the SUBSTRAX_CONFIG
+overlay and SUBSTRAX_BACKEND, and the resolution a no-op `doit` uses.
 
-Validated by pydantic models that forbid unknown keys; every error names the
-key path, the bad value and what would be valid, before anything runs.
+A dodo file is loaded on every `doit`, and each remote step needs its
+backend's validated settings for its up-to-date key. Validating (settings.py)
+means importing pydantic, which was most of a no-op run's own cost. So the
+validated result is kept in a small JSON file, valid while pyproject.toml,
+the overlay, SUBSTRAX_BACKEND, $HOME and this package's version are
+unchanged. This module therefore imports settings.py only where it validates.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
-import typing
+import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from substrax_tasks.backends import BACKEND_NAMES, settings_model
+from substrax_tasks import __version__
+from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks.errors import ConfigError
-from substrax_tasks.resolved import BACKEND_ENV, CONFIG_ENV
+from substrax_tasks.store import RunStore
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
+if TYPE_CHECKING:
+    from substrax_tasks.settings import ComputeConfig
 
 TABLE = "tool.substrax.compute"
-
-
-class ComputeConfig(BaseModel):
-    """The validated `[tool.substrax.compute]` table."""
-
-    # strict: TOML has real types, so "yes" for a bool or "5" for a number is
-    # a mistake to report, not a value to coerce.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    default_backend: str = Field("local", description="Backend of steps that name none.")
-    state_dir: str = Field(".substrax", description="Folder of run handles, relative to the project.")
-    backends: dict[str, dict[str, Any]] = Field(default_factory=dict)
-
-    def state_path(self, project: Path) -> Path:
-        return (project / self.state_dir).resolve()
-
-    def backend_settings(self, name: str, project: Path) -> BaseModel:
-        """The validated settings of backend `name`, paths made absolute."""
-        model = settings_model(name)
-        try:
-            settings = model.model_validate(self.backends.get(name, {}))
-        except ValidationError as exc:
-            raise ConfigError(format_errors(exc, f"{TABLE}.backends.{name}", model)) from None
-        absolutize = getattr(settings, "with_absolute_paths", None)
-        return absolutize(project) if absolutize else settings
-
-
-def _describe_value(value: Any) -> str:
-    return repr(value) if not isinstance(value, dict) else "a table"
-
-
-def format_errors(exc: ValidationError, table: str, model: type[BaseModel]) -> str:
-    """One message for every problem, each with key path, value and fix."""
-    lines = [f"pyproject.toml: invalid configuration in [{table}]:"]
-    for error in exc.errors():
-        loc = [str(part) for part in error["loc"]]
-        key = ".".join(loc)
-        where = f"{table}.{key}" if key else table
-        if error["type"] == "extra_forbidden":
-            parent_path = ".".join([table, *loc[:-1]])
-            valid = _valid_keys(model, loc[:-1])
-            lines.append(
-                f"  - unknown key '{loc[-1]}' in [{parent_path}]"
-                + (f"; valid keys: {', '.join(valid)}" if valid else "")
-            )
-        else:
-            value = _describe_value(error.get("input"))
-            lines.append(f"  - {where} = {value}: {error['msg']}")
-    return "\n".join(lines)
-
-
-def _valid_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
-    """The keys allowed at `loc` inside `model` (walking nested tables)."""
-    current: type[BaseModel] = model
-    for part in loc:
-        field = next((f for n, f in current.model_fields.items() if part in (n, f.alias)), None)
-        annotation = field.annotation if field is not None else None
-        # an optional table (`Model | None`) lists the keys of its model
-        candidates = (annotation, *typing.get_args(annotation))
-        table = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if table is None:
-            return []
-        current = table
-    return sorted(field.alias or name for name, field in current.model_fields.items())
-
-
-def read_pyproject_table(project: Path) -> dict[str, Any]:
-    table = read_table(project / "pyproject.toml")
-    overlay = os.environ.get(CONFIG_ENV)
-    if overlay:
-        extra = Path(overlay)
-        if not extra.is_file():
-            raise ConfigError(f"{CONFIG_ENV}={overlay}: no such file; point it at a TOML file or unset it")
-        table = merged(table, read_table(extra))
-    return table
-
-
-def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """`over` laid on `base`, table by table."""
-    result = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(result.get(key), dict):
-            result[key] = merged(result[key], value)
-        else:
-            result[key] = value
-    return result
+BACKEND_ENV = "SUBSTRAX_BACKEND"  # names the default backend
+# A TOML file whose [tool.substrax.compute] is laid over the project's: for
+# machine-specific settings (hosts, keys) kept out of the repository.
+CONFIG_ENV = "SUBSTRAX_CONFIG"
+# The lock files a backend builds the run's environment from, first found
+# wins; part of every step's key, so known without importing a backend.
+ENV_LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")
 
 
 def read_table(path: Path) -> dict[str, Any]:
     """`[tool.substrax.compute]` of one TOML file ({} when absent)."""
+    # here, not at the top: a no-op doit reads the cache below, not TOML
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 only
+        import tomli as tomllib
+
     if not path.is_file():
         return {}
     try:
@@ -128,29 +60,131 @@ def read_table(path: Path) -> dict[str, Any]:
     return table
 
 
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` laid on `base`, table by table."""
+    result = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(result.get(key), dict):
+            result[key] = merged(result[key], value)
+        else:
+            result[key] = value
+    return result
+
+
+def read_pyproject_table(project: Path) -> dict[str, Any]:
+    """The project's table with the SUBSTRAX_CONFIG overlay laid over it."""
+    table = read_table(project / "pyproject.toml")
+    overlay = os.environ.get(CONFIG_ENV)
+    if overlay:
+        extra = Path(overlay)
+        if not extra.is_file():
+            raise ConfigError(f"{CONFIG_ENV}={overlay}: no such file; point it at a TOML file or unset it")
+        table = merged(table, read_table(extra))
+    return table
+
+
 def load_config(project: Path) -> ComputeConfig:
     """Read and validate the project's configuration (embedded defaults when absent)."""
-    raw = dict(read_pyproject_table(project))
+    from substrax_tasks.settings import validate
+
+    return validate(read_pyproject_table(project), project, os.environ.get(BACKEND_ENV))
+
+
+def _file_stamp(path: str) -> tuple[int, int, int] | None:
     try:
-        config = ComputeConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(format_errors(exc, TABLE, ComputeConfig)) from None
-    override = os.environ.get(BACKEND_ENV)
-    if override:
-        config = config.model_copy(update={"default_backend": override})
-    check_backend_name(config.default_backend, f"{TABLE}.default_backend" if not override else BACKEND_ENV)
-    for name in config.backends:
-        if name not in BACKEND_NAMES:
-            raise ConfigError(
-                f"pyproject.toml: unknown backend table [{TABLE}.backends.{name}]; "
-                f"valid backends: {', '.join(BACKEND_NAMES)}"
+        st = os.stat(path)  # noqa: PTH116 - a str: this runs for every step of every doit
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def config_key(root: Path) -> tuple[Any, ...]:
+    """Everything the validated configuration depends on, hashable."""
+    overlay = os.environ.get(CONFIG_ENV)
+    text = str(root)
+    return (
+        __version__,
+        text,
+        _file_stamp(f"{text}/pyproject.toml"),
+        overlay,
+        _file_stamp(overlay) if overlay else None,
+        os.environ.get(BACKEND_ENV),
+        os.environ.get("HOME"),  # `~` in settings paths
+    )
+
+
+def config_stamp(root: Path, key: tuple[Any, ...] | None = None) -> list[Any]:
+    """`config_key` as the cache file keeps it (JSON: lists, not tuples)."""
+    return json.loads(json.dumps(config_key(root) if key is None else key))  # type: ignore[no-any-return]
+
+
+def cache_file(root: Path) -> Path:
+    # Outside the project: its state_dir is itself part of what is cached.
+    folder = Path(tempfile.gettempdir()) / f"substrax-{os.getuid()}"
+    return folder / f"config-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}.json"
+
+
+class ResolvedProject:
+    """The project's configuration as every step needs it: its store and
+    each backend's settings as pinned in handles. `config()` validates."""
+
+    def __init__(
+        self,
+        root: Path,
+        state_dir: Path,
+        default_backend: str,
+        settings: dict[str, dict[str, Any]],  # backend name -> settings as pinned in handles
+        config: ComputeConfig | None = None,
+    ) -> None:
+        self.root = root
+        self.root_text = str(root)
+        self.store = RunStore(state_dir)
+        self.default_backend = default_backend
+        self.settings = settings
+        self._config = config
+        self._lock = threading.Lock()
+
+    @property
+    def state_dir(self) -> Path:
+        return self.store.root
+
+    def __repr__(self) -> str:
+        return f"ResolvedProject(root={self.root!r}, default_backend={self.default_backend!r})"
+
+    def config(self) -> ComputeConfig:
+        """The validated configuration (imports pydantic): for the phases that act."""
+        with self._lock:
+            if self._config is None:
+                self._config = load_config(self.root)
+            return self._config
+
+    def settings_for(self, backend: str | None = None) -> tuple[str, dict[str, Any]]:
+        name = backend or self.default_backend
+        if name not in self.settings:  # a backend only some step names: validate it now
+            self.settings[name] = self.config().pinned(name, self.root)
+        return name, self.settings[name]
+
+
+def resolve(root: Path, stamp: list[Any] | None = None) -> ResolvedProject:
+    """The project's configuration, from the cache when it is current."""
+    stamp = config_stamp(root) if stamp is None else stamp
+    path = cache_file(root)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("stamp") == stamp:
+            return ResolvedProject(
+                root, Path(data["state_dir"]), str(data["default_backend"]), dict(data["settings"])
             )
-        config.backend_settings(name, project)  # validate every table now
-    return config
-
-
-def check_backend_name(name: str, where: str) -> None:
-    if name not in BACKEND_NAMES:
-        raise ConfigError(
-            f"{where} = {name!r} is not a backend; valid choices: {', '.join(BACKEND_NAMES)}"
-        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    config = load_config(root)
+    names = sorted({config.default_backend, *config.backends})
+    settings = {name: config.pinned(name, root) for name in names}
+    resolved = ResolvedProject(root, config.state_path(root), config.default_backend, settings, config)
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        record = {"stamp": stamp, "state_dir": str(resolved.state_dir), "settings": settings}
+        write_json_atomic(path, {**record, "default_backend": config.default_backend})
+    except OSError:
+        pass  # a cache: the next doit validates again
+    return resolved

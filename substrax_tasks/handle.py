@@ -2,6 +2,7 @@
 
 Everything needed to reach the run again, from the handle alone: the spec,
 the backend's validated settings (paths absolute), the backend's state.
+Where it lives and how it is written: store.py.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks.errors import HandleError
 from substrax_tasks.spec import StepSpec
 
 HANDLE_VERSION = 2
-HANDLE_FILE = "handle.json"
 
 
 class RunHandle(BaseModel):
@@ -32,10 +31,6 @@ class RunHandle(BaseModel):
     spec_digest: str
     created_at: str
     state: dict[str, Any] = {}
-
-
-def write_handle(path: Path, handle: RunHandle) -> None:
-    write_json_atomic(path, handle.model_dump(mode="json"))
 
 
 def read_handle(path: Path) -> RunHandle:

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from substrax_tasks.backends import backend_class
+from substrax_tasks.backends import backend_class, settings_model
 from substrax_tasks.backends.base import Backend
-from substrax_tasks.config import ComputeConfig, check_backend_name, load_config
+from substrax_tasks.config import ResolvedProject, load_config
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.settings import ComputeConfig
 from substrax_tasks.spec import StepSpec
 from substrax_tasks.store import RunStore
 
@@ -32,12 +33,15 @@ class Project:
         config = load_config(path)
         return cls(path, config, RunStore(config.state_path(path)))
 
+    @classmethod
+    def of(cls, resolved: ResolvedProject) -> Project:
+        """The project a no-op's resolution stands for, validated now."""
+        return cls(resolved.root, resolved.config(), resolved.store)
+
     def settings_for(self, backend: str | None = None) -> tuple[str, dict[str, Any]]:
         """The backend's name and its validated settings, as pinned into handles."""
         name = backend or self.config.default_backend
-        check_backend_name(name, "backend")
-        settings = self.config.backend_settings(name, self.root)
-        return name, settings.model_dump(mode="json", by_alias=True)
+        return name, self.config.pinned(name, self.root)
 
     def new_run(
         self, spec: StepSpec, backend: str | None = None, settings: dict[str, Any] | None = None
@@ -46,7 +50,7 @@ class Project:
         overrides the configured ones, validated by the backend's model."""
         name, configured = self.settings_for(backend)
         if settings is not None:
-            model = backend_class(name).Settings
+            model = settings_model(name)
             configured = model.model_validate(settings).model_dump(mode="json", by_alias=True)
         handle = self.store.new_run(spec, name, configured)
         return self.store.update_state(handle, project=str(self.root))
@@ -66,12 +70,3 @@ class Project:
             handle = phase(handle)
         return handle
 
-
-def new_run(
-    spec: StepSpec, project: str | Path, settings: dict[str, Any] | None = None, backend: str | None = None
-) -> RunHandle:
-    return Project.open(project).new_run(spec, backend, settings)
-
-
-def submit(spec: StepSpec, project: str | Path, backend: str | None = None) -> RunHandle:
-    return Project.open(project).submit(spec, backend)

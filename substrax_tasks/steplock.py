@@ -1,7 +1,7 @@
 """One driver per step: an exclusive lock held while a run is created or driven.
 
 doit's dependency DB does not stop two `doit` processes from launching the
-same step twice, so each step's chain holds `<state>/locks/<step>.lock`
+same step twice, so each step's chain holds its lock (store.step_lock)
 (flock, released by the kernel if the holder dies) and says who holds it.
 """
 
@@ -24,11 +24,10 @@ class StepBusy(SubstraxError):
 
 
 class StepLock:
-    def __init__(self, lock_dir: Path, safe_step: str, step: str) -> None:
-        self.lock_dir = lock_dir
+    def __init__(self, path: Path, step: str) -> None:
         self.step = step
-        self.holder_file = lock_dir / f"{safe_step}.holder.json"
-        self._path = lock_dir / f"{safe_step}.lock"
+        self._path = path  # store.step_lock(step)
+        self.holder_file = path.with_suffix(".holder.json")
         self._lock: Any = None  # made on first use: a no-op doit never locks
 
     def _file_lock(self) -> Any:
@@ -37,7 +36,7 @@ class StepLock:
 
             # thread_local=False: doit may take it in one thread and run the
             # teardown that releases it in another.
-            self.lock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._lock = FileLock(str(self._path), thread_local=False)
         return self._lock
 

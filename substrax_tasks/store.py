@@ -1,17 +1,36 @@
-"""The store: `<state_dir>/runs/<run-id>/` holds each run's handle and files."""
+"""The store: the state folder (`state_dir`, `.substrax/` by default) and its layout.
+
+    runs/<run-id>/handle.json     the run's handle (handle.py), the one durable record
+    runs/<run-id>/handle.lock     taken by every write of the handle
+    runs/<run-id>/...             the run's own files: job, status, log, fetched outputs
+    steps/<step>.json             each step's record: its run, its verified manifest
+    cache/<step>.outputs.json     hash caches of a step's outputs and of its inputs
+    cache/<step>.inputs.json
+    cache/up-to-date.json         the project's proofs
+    locks/<step>.lock             one driver per step (steplock.py)
+
+where <step> is `spec.safe_name(step)`. Every module asks here for these
+paths. A no-op doit asks too, so pydantic (handle.py) is imported only by
+the methods that read or write a handle.
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks.errors import HandleError
-from substrax_tasks.handle import HANDLE_FILE, RunHandle, read_handle, write_handle
 from substrax_tasks.spec import StepSpec, canonical_digest, safe_name
+
+if TYPE_CHECKING:
+    from substrax_tasks.handle import RunHandle
+
+HANDLE_FILE = "handle.json"
+PROOFS_FILE = "up-to-date.json"
 
 
 @dataclass(frozen=True)
@@ -20,10 +39,6 @@ class Unreadable:
 
     path: Path
     reason: str
-
-
-def utc_now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
 
 
 def run_digest(spec: StepSpec, backend: str, settings: dict[str, Any]) -> str:
@@ -38,17 +53,37 @@ class RunStore:
         self.root = root
         self.runs_dir = root / "runs"
 
+    # -- the layout
     def run_dir(self, run_id: str) -> Path:
         return self.runs_dir / run_id
 
     def handle_path(self, run_id: str) -> Path:
         return self.run_dir(run_id) / HANDLE_FILE
 
+    def step_record(self, step: str) -> Path:
+        return self.root / "steps" / f"{safe_name(step)}.json"
+
+    def outputs_cache(self, step: str) -> Path:
+        return self.root / "cache" / f"{safe_name(step)}.outputs.json"
+
+    def inputs_cache(self, step: str) -> Path:
+        return self.root / "cache" / f"{safe_name(step)}.inputs.json"
+
+    @property
+    def proofs_file(self) -> Path:
+        return self.root / "cache" / PROOFS_FILE
+
+    def step_lock(self, step: str) -> Path:
+        return self.root / "locks" / f"{safe_name(step)}.lock"
+
+    # -- handles
     def new_run(self, spec: StepSpec, backend: str, settings: dict[str, Any]) -> RunHandle:
         """Create the run's folder and write its handle: the first durable
         record, made before anything slow or paid happens."""
-        now = utc_now()
-        run_id = f"{safe_name(spec.step)}-{now:%Y%m%dT%H%M%S}-{secrets.token_hex(3)}"
+        from substrax_tasks.handle import RunHandle
+
+        now = datetime.datetime.now(datetime.timezone.utc)
+        run_id = f"{safe_name(spec.step)}-{now:%Y%m%dT%H%M%S}-{os.urandom(3).hex()}"
         self.runs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.run_dir(run_id).mkdir(mode=0o700)
         handle = RunHandle(
@@ -60,26 +95,29 @@ class RunStore:
             spec_digest=run_digest(spec, backend, settings),
             created_at=now.isoformat(timespec="milliseconds"),
         )
-        self.write(handle)
+        write_json_atomic(self.handle_path(run_id), handle.model_dump(mode="json"))
         return handle
-
-    def write(self, handle: RunHandle) -> None:
-        write_handle(self.handle_path(handle.run_id), handle)
 
     def update_state(self, handle: RunHandle, **changes: Any) -> RunHandle:
         """Merge `changes` into the backend state and write it at once. The
-        state on disk is the base (a backend may have recorded something
-        since `handle` was read), the given handle's state the fallback."""
-        try:
-            current = read_handle(self.handle_path(handle.run_id)).state
-        except HandleError:
-            current = {}
-        updated = handle.model_copy(update={"state": {**handle.state, **current, **changes}})
-        self.write(updated)
+        state on disk is the base (another process, `doit` or `substrax-compute
+        cancel`, may have recorded something since `handle` was read), the
+        given handle's state the fallback. The handle's lock makes the
+        read-merge-write one step for every process."""
+        from filelock import FileLock
+
+        path = self.handle_path(handle.run_id)
+        with FileLock(path.with_name("handle.lock"), mode=0o600):
+            try:
+                current = _read(path).state
+            except HandleError:
+                current = {}
+            updated = handle.model_copy(update={"state": {**handle.state, **current, **changes}})
+            write_json_atomic(path, updated.model_dump(mode="json"))
         return updated
 
     def read(self, run_ref: str) -> RunHandle:
-        return read_handle(self.handle_path(self.resolve(run_ref)))
+        return _read(self.handle_path(self.resolve(run_ref)))
 
     def resolve(self, run_ref: str) -> str:
         """A run id from the id itself or a unique prefix of it."""
@@ -111,9 +149,15 @@ class RunStore:
         for run_dir in self._run_dirs():
             path = run_dir / HANDLE_FILE
             try:
-                handles.append(read_handle(path))
+                handles.append(_read(path))
             except HandleError as exc:
                 unreadable.append(Unreadable(path, str(exc)))
         handles.sort(key=lambda h: (h.created_at, h.run_id))
         unreadable.sort(key=lambda u: str(u.path))
         return handles, unreadable
+
+
+def _read(path: Path) -> RunHandle:
+    from substrax_tasks.handle import read_handle
+
+    return read_handle(path)

@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 from s3_server import s3_env, s3_server  # noqa: F401  (the bucket transport's S3 server)
 
-from substrax_tasks import _procs
+from substrax_tasks._remote_files import control
+from substrax_tasks.config import cache_file
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.resolved import cache_file
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
 from substrax_tasks.worker_job import STATUS_FILE
@@ -90,7 +90,7 @@ def marked_pids(marker: str) -> list[int]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if needle in cmdline and _procs.start_ticks(int(entry)) is not None:
+        if needle in cmdline and control().start_ticks(int(entry)) is not None:
             found.append(int(entry))
     return found
 
@@ -120,13 +120,13 @@ def stop_worker(status_file: Path) -> None:
     except (OSError, ValueError):
         return
     pid, ticks = record.get("worker_pid"), record.get("worker_start_ticks")
-    if not _procs.same_process_alive(pid, ticks):
+    if not control().alive(pid, ticks):
         return
     kill_pid(pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
-    while _procs.same_process_alive(pid, ticks) and time.monotonic() < deadline:
+    while control().alive(pid, ticks) and time.monotonic() < deadline:
         time.sleep(0.02)
-    if _procs.same_process_alive(pid, ticks):
+    if control().alive(pid, ticks):
         kill_pid(pid)
 
 
@@ -219,7 +219,7 @@ def pytest_runtest_makereport(
 @pytest.fixture(autouse=True, scope="session")
 def _remove_config_caches_made_by_the_tests() -> Iterator[None]:
     """Each test project leaves a cached configuration in the temp folder
-    (substrax_tasks/resolved.py); remove the ones this session made."""
+    (substrax_tasks/config.py); remove the ones this session made."""
     folder = cache_file(Path("/")).parent
     before = set(folder.glob("config-*.json")) if folder.is_dir() else set()
     yield

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import cli, wait_final
 
+from substrax_tasks.backends import BACKEND_NAMES, backend_class, settings_model
 from substrax_tasks.config import load_config
 from substrax_tasks.errors import ConfigError
 from substrax_tasks.runs import Project
@@ -60,14 +63,29 @@ BAD_CONFIGS = [
         ],
     ),
     (
+        "ssh-isolation-without-sandbox",
+        '[tool.substrax.compute.backends.ssh]\nhost = "box"\nsandbox = "none"\n'
+        "[tool.substrax.compute.backends.ssh.copy]\nnetwork_isolation = true\n",
+        [
+            "[tool.substrax.compute.backends.ssh]",
+            'network_isolation = true needs the sandbox, but sandbox = "none"',
+        ],
+    ),
+    (
         "bad-default-backend",
         '[tool.substrax.compute]\ndefault_backend = "aws"\n',
-        ["tool.substrax.compute.default_backend = 'aws' is not a backend", "valid choices: local"],
+        [
+            "tool.substrax.compute.default_backend = 'aws' is not a backend",
+            "valid choices: local, ssh, skypilot",
+        ],
     ),
     (
         "unknown-backend-table",
         "[tool.substrax.compute.backends.aws]\nregion = 1\n",
-        ["unknown backend table [tool.substrax.compute.backends.aws]", "valid backends: local"],
+        [
+            "unknown backend table [tool.substrax.compute.backends.aws]",
+            "valid backends: local, ssh, skypilot",
+        ],
     ),
     (
         "invalid-toml",
@@ -142,3 +160,50 @@ def test_worker_refuses_isolation_without_sandbox(project: Project) -> None:
     backend.start(handle)
     assert wait_final(project, handle) == "failed"
     assert "network_isolation = true needs the sandbox" in (backend.poll(handle).message or "")
+
+
+MODULES = ["config", "settings", "store", "runs", "handle", "steplock", "cli", "chain",
+           "backends", "backends.local", "backends.ssh", "backends.skypilot", "backends.skypilot_settings"]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_each_module_can_be_imported_first(module: str) -> None:
+    """No import cycle: each module loads in a fresh interpreter on its own."""
+    done = subprocess.run(
+        [sys.executable, "-c", f"import substrax_tasks.{module}"], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_every_backend_has_its_settings_model_registered() -> None:
+    for name in BACKEND_NAMES:
+        assert backend_class(name).Settings is settings_model(name)
+
+
+RESOLVE = """
+import sys
+from pathlib import Path
+from substrax_tasks.config import resolve
+print(resolve(Path(sys.argv[1])).settings_for()[1]["grace_seconds"], "pydantic" in sys.modules)
+"""
+
+
+def test_an_unchanged_configuration_is_resolved_without_pydantic(project_dir: Path) -> None:
+    """A no-op doit reads the validated settings from the cache; an edit of
+    pyproject.toml makes it validate again."""
+    pyproject = project_dir / "pyproject.toml"
+
+    def resolved() -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-c", RESOLVE, str(project_dir)]
+        return subprocess.run(argv, capture_output=True, text=True, check=False)
+
+    pyproject.write_text("[tool.substrax.compute.backends.local]\ngrace_seconds = 2.0\n")
+    assert resolved().stdout == "2.0 True\n"  # first: validated
+    assert resolved().stdout == "2.0 False\n"  # then from the cache
+    pyproject.write_text("[tool.substrax.compute.backends.local]\ngrace_seconds = 3.5\n")
+    assert resolved().stdout == "3.5 True\n"
+    assert resolved().stdout == "3.5 False\n"
+    pyproject.write_text("[tool.substrax.compute.backends.local]\ngrace_seconds = -1\n")
+    refused = resolved()
+    assert refused.returncode != 0
+    assert "tool.substrax.compute.backends.local.grace_seconds = -1" in refused.stderr

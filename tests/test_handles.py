@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +24,10 @@ from conftest import (
 )
 
 from substrax_tasks.errors import HandleError
-from substrax_tasks.handle import HANDLE_FILE, HANDLE_VERSION, read_handle
+from substrax_tasks.handle import HANDLE_VERSION, read_handle
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
-from substrax_tasks.store import run_digest
+from substrax_tasks.store import HANDLE_FILE, run_digest
 
 
 def write_pyproject(root: Path, local_table: str | None) -> None:
@@ -198,3 +200,38 @@ def test_pinned_settings_this_release_refuses_are_named_not_a_traceback(project:
     assert "Traceback" not in done.stderr
     assert done.returncode == 1
     assert handle.run_id in done.stderr
+
+
+UPDATES = """
+import sys
+from substrax_tasks.runs import Project
+store = Project.open(sys.argv[1]).store
+handle = store.read(sys.argv[2])
+print("ready", flush=True)
+sys.stdin.readline()
+for i in range(200):  # from the handle as first read: only the file carries the other's keys
+    store.update_state(handle, **{f"{sys.argv[3]}{i}": i})
+"""
+
+
+def test_two_processes_writing_one_handle_lose_no_update(project: Project) -> None:
+    """`doit` and `substrax-compute cancel` may both record state in one
+    handle: each read-merge-write holds the handle's lock."""
+    handle = project.new_run(make_spec("shared", ["true"], project.root))
+    argv = [sys.executable, "-c", UPDATES, str(project.root), handle.run_id]
+    writers = [
+        subprocess.Popen([*argv, tag], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for tag in ("a", "b")
+    ]
+    for writer in writers:  # both loaded, then both released at once
+        assert writer.stdout is not None and writer.stdout.readline() == "ready\n"
+    for writer in writers:
+        assert writer.stdin is not None
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+    for writer in writers:
+        writer.communicate(timeout=100)
+    assert [writer.returncode for writer in writers] == [0, 0]
+    state = project.store.read(handle.run_id).state
+    assert {f"{tag}{i}" for tag in "ab" for i in range(200)} <= set(state)
+    assert state["project"] == str(project.root)  # written before them, kept too

@@ -29,7 +29,7 @@ from conftest import (
     wait_for,
 )
 
-from substrax_tasks import _procs
+from substrax_tasks._remote_files import control
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.runs import Project
@@ -76,11 +76,9 @@ def test_local_run_succeeds_with_log_env_and_outputs(project: Project, sandbox: 
     assert "left running" not in log  # a clean run leaves nothing behind to kill
     root = outputs_root(project, handle)
     assert (root / "out" / "answer.txt").read_text() == "42\n"
-    # the worker's manifest and hash cache, but no copy kept for a fetch over
-    # ssh (manifest.settle): the local backend reads manifest.json itself
+    # the end-of-run manifest the fetch verifies against, and its hash cache
     assert (run_dir(project, handle) / "manifest.json").is_file()
     assert (run_dir(project, handle) / "manifest-cache.json").is_file()
-    assert not (run_dir(project, handle) / "manifest-cache.json.settled").exists()
     if sandbox == "bwrap":
         # The output landed in the run's staging folder, not in the project.
         assert root == run_dir(project, handle) / "work" / "outputs"
@@ -160,7 +158,7 @@ def test_signal_to_worker_finishes_cleanup_before_it_exits(
     record = status_record(project, handle)
     worker, ticks = record["worker_pid"], record["worker_start_ticks"]
     os.kill(worker, sig)
-    wait_for(lambda: not _procs.same_process_alive(worker, ticks), f"the worker to exit after {sig.name}")
+    wait_for(lambda: not control().alive(worker, ticks), f"the worker to exit after {sig.name}")
     # Gone only after the tree was stopped and the final status written.
     record = status_record(project, handle)
     assert record["state"] == "cancelled"

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+from substrax_tasks._remote_files import REMOTE_SCRIPTS
+
 BUILD_SECONDS = 300  # building and installing fetch packages through pip
 
 # Runs in the installed venv, from a folder outside the checkout.
@@ -57,7 +59,7 @@ def test_installed_wheel_runs_its_worker(tmp_path: Path) -> None:
     (wheel,) = dist.glob("substrax_tasks-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-    assert "substrax_tasks/_remote/worker.py" in names
+    assert {f"substrax_tasks/_remote/{name}" for name in REMOTE_SCRIPTS} <= names
     assert not any(name.startswith("remote/") for name in names)
     # the SkyPilot helper imports sky: beside remote/, never shipped with it
     assert "substrax_tasks/_sky_helper/sky_sdk.py" in names

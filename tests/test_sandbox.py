@@ -1,22 +1,104 @@
-"""The bubblewrap sandbox of local runs, with real bubblewrap.
+"""The bubblewrap sandbox: the argv remote/sandbox.py builds (no bubblewrap
+needed), then local runs under real bubblewrap.
 
-The task tries each thing and prints ALLOWED/DENIED per attempt; the test
-reads that from the log and checks the host's files as well.
+In the second part the task tries each thing and prints ALLOWED/DENIED per
+attempt; the test reads that from the log and checks the host's files too.
 """
 
 from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import log_text, needs_bwrap, outputs_root, run_dir, submit, wait_final
 
+from substrax_tasks._remote_files import remote_module
 from substrax_tasks.runs import Project
+from substrax_tasks.spec import make_spec
+from substrax_tasks.worker_job import WorkerPaths, build_job
 
-pytestmark = needs_bwrap
+sandbox = remote_module("sandbox")
+
+# ------------------------------------------------- the argv, without bubblewrap
+
+
+def job_for(project: Path, outputs: Sequence[str], *, network_isolation: bool = False,
+            hide: Sequence[str] = (), extra_ro: Sequence[str] = ()) -> dict[str, Any]:
+    """A job file's content, made by the code the backends use."""
+    spec = make_spec("step", ["true"], project, outputs=outputs)
+    paths = WorkerPaths(project=str(project), run_dir=str(project / ".substrax" / "runs" / "r1"))
+    return build_job(spec, paths, sandbox="bwrap", network_isolation=network_isolation,
+                     grace_seconds=1.0, hide=list(hide), extra_ro=list(extra_ro))
+
+
+def pairs(argv: list[str], option: str) -> list[tuple[str, str]]:
+    """(source, destination) of every `option SOURCE DEST` in argv."""
+    return [(argv[i + 1], argv[i + 2]) for i, arg in enumerate(argv) if arg == option]
+
+
+def test_bwrap_argv_system_read_only_own_namespaces_then_the_command(tmp_path: Path) -> None:
+    argv = sandbox.bwrap_argv("/usr/bin/bwrap", job_for(tmp_path, []), "/staging")
+    assert argv[:8] == ["/usr/bin/bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    assert {"--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session"} <= set(argv)
+    assert "--unshare-net" not in argv
+    assert argv[8:10] == ["--tmpfs", "/tmp"]  # a private, empty /tmp
+    assert argv[-3:] == ["--chdir", str(tmp_path), "--"]  # the command follows
+    assert (str(tmp_path), str(tmp_path)) in pairs(argv, "--ro-bind")
+
+
+def test_bwrap_argv_network_isolation_unshares_the_network(tmp_path: Path) -> None:
+    argv = sandbox.bwrap_argv("bwrap", job_for(tmp_path, [], network_isolation=True), "/staging")
+    assert "--unshare-net" in argv
+
+
+def test_bwrap_argv_hides_home_yet_shows_a_project_inside_it(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    project = home / "work" / "project"
+    project.mkdir(parents=True)
+    python = tmp_path / "venv"
+    python.mkdir()
+    job = job_for(project, [], hide=[str(home), str(tmp_path / "no-such-folder")], extra_ro=[str(python)])
+    argv = sandbox.bwrap_argv("bwrap", job, "/staging")
+    tmpfs = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--tmpfs"]
+    assert str(home) in tmpfs
+    assert str(tmp_path / "no-such-folder") not in argv  # nothing to hide there
+    binds = pairs(argv, "--ro-bind")
+    assert (str(project), str(project)) in binds
+    assert (str(python), str(python)) in binds
+    # read-only only after the binds above made their mount points in it
+    remount = argv.index("--remount-ro")
+    assert argv[remount + 1] == str(home)
+    assert remount > argv.index(str(python))
+
+
+def test_bwrap_argv_binds_output_folders_from_staging(tmp_path: Path) -> None:
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "old.txt").write_text("kept\n")
+    (tmp_path / "results" / "metrics.json").write_text("earlier\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "stale.txt").write_text("earlier\n")
+    argv = sandbox.bwrap_argv("bwrap", job_for(tmp_path, ["out/", "results/metrics.json"]), "/staging")
+    assert pairs(argv, "--bind") == [
+        ("/staging/out", str(tmp_path / "out")),
+        ("/staging/results", str(tmp_path / "results")),
+    ]
+    ro = [dest for _src, dest in pairs(argv, "--ro-bind")]
+    assert str(tmp_path / "results" / "old.txt") in ro  # beside a file output: visible, read-only
+    assert str(tmp_path / "results" / "metrics.json") not in ro  # an earlier version of an output
+    assert not [d for d in ro if d.startswith(str(tmp_path / "out"))]  # a folder output starts empty
+
+
+def test_writable_dirs_outer_folders_first() -> None:
+    outputs = [{"path": "a/b/c", "kind": "dir"}, {"path": "top.txt", "kind": "file"},
+               {"path": "a/x.txt", "kind": "file"}, {"path": "z", "kind": "dir"}]
+    assert sandbox.writable_dirs(outputs) == [".", "a", "z", "a/b/c"]
+
+
+# ------------------------------------------------------ runs under bubblewrap
 
 # attempt NAME SHELL-CODE: runs the code, prints "ALLOWED NAME" or "DENIED NAME"
 ATTEMPT = 'attempt() { if sh -c "$2" >/dev/null 2>&1; then echo "ALLOWED $1"; else echo "DENIED $1"; fi; }\n'
@@ -37,6 +119,7 @@ def fake_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+@needs_bwrap
 def test_sandbox_allows_writes_only_to_declared_outputs(
     project: Project, fake_home: Path, marker: str
 ) -> None:
@@ -106,6 +189,7 @@ attempt write-private-tmp 'echo x > {scratch}'
     assert not (root / "out" / "result.txt").exists()
 
 
+@needs_bwrap
 def test_sandbox_project_inside_home_stays_visible_read_only(
     tmp_path: Path, fake_home: Path
 ) -> None:
@@ -159,6 +243,7 @@ def connections_made(server: socket.socket) -> int:
         count += 1
 
 
+@needs_bwrap
 @pytest.mark.parametrize("isolated", [True, False], ids=["network_isolation", "network"])
 def test_network_isolation_removes_the_network(
     project: Project, tcp_server: socket.socket, isolated: bool

@@ -108,7 +108,7 @@ def test_a_copy_table_alone_is_a_valid_configuration(tmp_path: Path) -> None:
     root = write(tmp_path / "p", f'{TABLE}\ninfra = "runpod"\naccelerators = "H100:1"\n{COPY}\n')
     settings = load_config(root).backend_settings("skypilot", root)
     assert isinstance(settings, SkypilotSettings)
-    assert settings.transport_name == "copy"
+    assert settings.transport is settings.copy_
     assert settings.transport.lifetime_minutes == 120.0
 
 

@@ -38,8 +38,8 @@ from ssh_helpers import (
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks._ssh import SshTarget
-from substrax_tasks.backends.ssh import SshSettings
 from substrax_tasks.runs import Project
+from substrax_tasks.settings import SshSettings
 from substrax_tasks.spec import make_spec
 
 

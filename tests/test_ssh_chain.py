@@ -55,8 +55,8 @@ from ssh_helpers import (
 )
 from testbeds.sshd_host import SshHost, is_alive, kill_sshd, restart_sshd
 
-from substrax_tasks.backends.ssh import SshSettings
 from substrax_tasks.runs import Project
+from substrax_tasks.settings import SshSettings
 
 pytestmark = [needs_sshd, needs_root]
 

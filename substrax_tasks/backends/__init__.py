@@ -1,18 +1,19 @@
 """Backends by name, imported lazily so that naming one costs nothing.
 
-The public view is read-only; each entry is "module:Class".
+The public views are read-only; each entry is "module:Class". A backend's
+settings model is registered apart from its class, so that validating a
+configuration imports no backend (nor paramiko).
 """
 
 from __future__ import annotations
 
 import importlib
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pydantic import BaseModel
-
     from substrax_tasks.backends.base import Backend
+    from substrax_tasks.settings import BackendSettings
 
 REGISTRY = MappingProxyType(
     {
@@ -21,18 +22,30 @@ REGISTRY = MappingProxyType(
         "skypilot": "substrax_tasks.backends.skypilot:SkypilotBackend",
     }
 )
+SETTINGS = MappingProxyType(
+    {
+        "local": "substrax_tasks.settings:LocalSettings",
+        "ssh": "substrax_tasks.settings:SshSettings",
+        "skypilot": "substrax_tasks.backends.skypilot_settings:SkypilotSettings",
+    }
+)
 BACKEND_NAMES = tuple(REGISTRY)
 
 
-def backend_class(name: str) -> type[Backend]:
+def _load(table: MappingProxyType[str, str], name: str) -> Any:
     try:
-        target = REGISTRY[name]
+        target = table[name]
     except KeyError:
         raise KeyError(f"unknown backend {name!r}; valid choices: {', '.join(BACKEND_NAMES)}") from None
     module_name, _, class_name = target.partition(":")
-    cls: type[Backend] = getattr(importlib.import_module(module_name), class_name)
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def backend_class(name: str) -> type[Backend]:
+    cls: type[Backend] = _load(REGISTRY, name)
     return cls
 
 
-def settings_model(name: str) -> type[BaseModel]:
-    return backend_class(name).Settings
+def settings_model(name: str) -> type[BackendSettings]:
+    model: type[BackendSettings] = _load(SETTINGS, name)
+    return model

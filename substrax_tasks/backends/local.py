@@ -2,61 +2,31 @@
 
 The run's folder in the store is also its working folder; the worker is
 started detached (its own session, double-forked), so it goes on if the
-client exits, and `substrax-compute cancel` reaches it by pid.
+client exits. Status and cancel are `remote/control.py`'s, as for every
+backend, called here in this process.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from substrax_tasks import _procs, manifest_cache
+from substrax_tasks import manifest_cache
 from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks._remote_files import remote_script
+from substrax_tasks._remote_files import control, remote_script
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.worker_job import STAGING_DIR, START_LOCK, WorkerPaths, build_job, status_from_record
+from substrax_tasks.settings import LocalSettings
+from substrax_tasks.worker_job import STAGING_DIR, WorkerPaths, build_job, status_from_record
 
 START_TIMEOUT_SECONDS = 30.0  # worker start-up; bubblewrap probe included
 CANCEL_MARGIN_SECONDS = 10.0  # beyond the grace period, for the SIGKILL and reap
-
-
-class LocalSettings(BaseModel):
-    """`[tool.substrax.compute.backends.local]`"""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    sandbox: Literal["auto", "bwrap", "none"] = Field(
-        "auto",
-        description="bwrap: always sandbox (error if bubblewrap is missing); auto: when "
-        "bubblewrap is usable, noted in the run's log otherwise; none: no sandbox.",
-    )
-    network_isolation: bool = Field(False, description="Run the command with no network.")
-    grace_seconds: float = Field(
-        5.0, gt=0, description="Time between SIGTERM and SIGKILL when a run is stopped."
-    )
-
-    @model_validator(mode="after")
-    def _isolation_needs_sandbox(self) -> LocalSettings:
-        if self.network_isolation and self.sandbox == "none":
-            raise ValueError(
-                'network_isolation = true needs the sandbox, but sandbox = "none"; '
-                'set sandbox = "auto" or "bwrap", or network_isolation = false'
-            )
-        return self
 
 
 class LocalBackend(Backend):
@@ -122,72 +92,26 @@ class LocalBackend(Backend):
             )
         return self.store.update_state(handle, phase="started")
 
-    def _record(self, handle: RunHandle) -> dict[str, object] | None:
-        try:
-            data = json.loads(Path(self.paths(handle).status).read_text())
-        except FileNotFoundError:
-            return None
-        return data if isinstance(data, dict) else None
+    def _record(self, handle: RunHandle) -> dict[str, Any] | None:
+        return control().read_json(self.paths(handle).status)
 
     def poll(self, handle: RunHandle) -> RunStatus:
-        record = self._record(handle)
-        if record is None or record.get("state") not in ("running", "starting"):
-            return status_from_record(record, worker_alive=False)
-        alive = _procs.same_process_alive(
-            _int(record.get("worker_pid")), _int(record.get("worker_start_ticks"))
-        )
-        if not alive:
-            record = self._record(handle)  # it may have just written its end
-        return status_from_record(record, worker_alive=alive)
+        record = control().status(str(self.store.run_dir(handle.run_id)))
+        if record.get("state") is None:
+            return RunStatus("pending")
+        return status_from_record(record, worker_alive=bool(record.get("worker_alive")))
 
     def cancel(self, handle: RunHandle) -> bool:
         status = self.poll(handle)
         if status.final and status.state != "lost":  # a lost run's tree may still be alive
             return False
-        record = self._record(handle) or {}
-        if status.state == "pending" and not record:
-            with self._start_lock(handle):
-                # The worker may have claimed the start meanwhile: then it
-                # is signalled below like any running worker.
-                record = self._record(handle) or {}
-                if not record:
-                    self._write_end(handle, "cancelled", "cancelled before the command started")
-                    return True
-        if status.state == "lost":
-            # No worker to do it: kill the task's group ourselves.
-            _procs.signal_if_same(
-                _int(record.get("pid")), _int(record.get("start_ticks")), signal.SIGKILL, group=True
-            )
-            self._write_end(handle, "cancelled", "cancelled after its worker was lost")
+        wait = self.settings.grace_seconds + CANCEL_MARGIN_SECONDS
+        answer = control().cancel(str(self.store.run_dir(handle.run_id)), wait)
+        if answer.get("cancelled"):
             return True
-        _procs.signal_if_same(
-            _int(record.get("worker_pid")), _int(record.get("worker_start_ticks")), signal.SIGTERM
-        )
-        limit = self.settings.grace_seconds + CANCEL_MARGIN_SECONDS
-        deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            if self.poll(handle).final:
-                return True
-            time.sleep(0.01)
-        raise BackendError(
-            f"run {handle.run_id}: the worker (pid {record.get('worker_pid')}) did not stop "
-            f"within {limit:.0f} s of SIGTERM"
-        )
-
-    @contextlib.contextmanager
-    def _start_lock(self, handle: RunHandle) -> Iterator[None]:
-        """The lock remote/worker.py takes to start a run (its START_LOCK)."""
-        path = self.store.run_dir(handle.run_id) / START_LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
-    def _write_end(self, handle: RunHandle, state: str, message: str) -> None:
-        record = {**(self._record(handle) or {}), "state": state, "message": message}
-        write_json_atomic(Path(self.paths(handle).status), record)
+        if answer.get("reason") in ("finished", "not started"):  # ended meanwhile, or no run folder
+            return False
+        raise BackendError(f"run {handle.run_id}: {answer.get('reason')}")
 
     def read_log(self, handle: RunHandle, offset: int) -> bytes:
         try:
@@ -268,8 +192,4 @@ def interpreter_paths() -> list[str]:
     pyenv or conda interpreter often lives there), read-only."""
     paths = {sys.prefix, sys.base_prefix, str(Path(sys.executable).resolve().parent.parent)}
     return sorted(paths)
-
-
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) else None
 

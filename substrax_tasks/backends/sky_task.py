@@ -6,7 +6,7 @@ validated by the real SkyPilot in tests for every shape.
 
 On the cluster, relative to the cluster user's home (`remote_root`):
 
-    bin-<digest>/            worker.py, manifest.py, control.py (COPY mount)
+    bin-<digest>/            the remote/ scripts (COPY mount)
     runs/<run-id>/in/        job.json (COPY mount)
     runs/<run-id>/project/   the project snapshot and sources (COPY mounts)
     runs/<run-id>/work/outputs/  what the task writes (copy transport)
@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from substrax_tasks._remote_files import REMOTE_SCRIPTS
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
+from substrax_tasks.config import ENV_LOCK_FILES
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.resolved import ENV_LOCK_FILES
 from substrax_tasks.worker_job import KEEP_MANIFEST_FOR_FETCH, WorkerPaths, build_job
 
-REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
 _UNSAFE = re.compile(r"[^a-z0-9]+")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from substrax_tasks.settings import LifetimeMinutes, NetworkIsolation, RemoteSettings, Strict
 from substrax_tasks.spec import RESOURCE_KEYS
 
 TABLE = "tool.substrax.compute.backends.skypilot"
@@ -34,11 +35,7 @@ def cloud_of(infra: str | None) -> str | None:
     return infra.split("/", 1)[0].strip().lower() or None
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class CopySource(_Strict):
+class CopySource(Strict):
     """A `sources` entry written as a table: `{path = "data", mode = "COPY"}`."""
 
     path: str
@@ -58,11 +55,9 @@ class CopySource(_Strict):
         return "COPY"
 
 
-class _TransportSettings(_Strict):
-    lifetime_minutes: float = Field(
-        120.0, gt=0, description="No cluster outlives this: the run is stopped and the cluster taken down."
-    )
-    network_isolation: bool = Field(False, description="Run the command with no network.")
+class _TransportSettings(Strict):
+    lifetime_minutes: LifetimeMinutes = 120.0
+    network_isolation: NetworkIsolation = False
 
 
 class SkyCopySettings(_TransportSettings):
@@ -113,7 +108,7 @@ class SkyBucketSettings(_TransportSettings):
         return uri.rstrip("/")
 
 
-class SkypilotSettings(_Strict):
+class SkypilotSettings(RemoteSettings):
     """`[tool.substrax.compute.backends.skypilot]`"""
 
     # -- resources (a step's own `resources` override these)
@@ -129,24 +124,16 @@ class SkypilotSettings(_Strict):
     disk_tier: Literal["low", "medium", "high", "ultra", "best"] | None = None
     image_id: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
-    # -- the run
-    setup_commands: list[str] = Field(
-        default_factory=list, description="Shell commands run before the env sync."
-    )
+    # -- the run (and the fields of RemoteSettings)
     sky_python: str | None = Field(
         None, description="SkyPilot's Python (default: the one beside `sky` on PATH)."
     )
     cluster_prefix: str = Field("substrax", description="Clusters are named <prefix>-<step>-<id>.")
-    remote_root: str = Field(".substrax-remote", description="Folder on the cluster, relative to its home.")
-    python: str = Field("python3", description="The cluster's Python (3.8+) for the worker.")
-    sandbox: Literal["auto", "bwrap", "none"] = "auto"
-    grace_seconds: float = Field(5.0, gt=0)
     idle_minutes: int = Field(
         5, ge=1, description="After the run ends, SkyPilot takes the cluster down once idle this long."
     )
     retry_until_up: bool = False
     poll_seconds: float = Field(5.0, gt=0, description="How often the job's status is read while it runs.")
-    pip_args: list[str] = Field(default_factory=list, description="Extra `pip install` arguments.")
     copy_: SkyCopySettings | None = Field(None, alias="copy")
     bucket: SkyBucketSettings | None = None
 
@@ -177,20 +164,19 @@ class SkypilotSettings(_Strict):
                 f"{self.idle_minutes} (the run is stopped idle_minutes before the lifetime ends, so that "
                 "SkyPilot's autodown has the cluster gone by then)"
             )
-        needs_sandbox = self.transport.network_isolation
-        if needs_sandbox and self.sandbox == "none":
-            raise ValueError('network_isolation = true needs the sandbox, but sandbox = "none"')
         return self
+
+    @property
+    def network_isolated(self) -> bool:
+        # read by the shared validator, which may run before _one_transport
+        chosen = self.copy_ if self.copy_ is not None else self.bucket
+        return chosen is not None and chosen.network_isolation
 
     @property
     def transport(self) -> SkyCopySettings | SkyBucketSettings:
         chosen = self.copy_ if self.copy_ is not None else self.bucket
         assert chosen is not None  # the validator above
         return chosen
-
-    @property
-    def transport_name(self) -> str:
-        return "copy" if self.copy_ is not None else "bucket"
 
     def resources(self, step_resources: dict[str, Any]) -> dict[str, Any]:
         """SkyPilot's `resources:` for one step: these defaults, the step's own on top."""

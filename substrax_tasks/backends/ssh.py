@@ -20,105 +20,26 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Any
 
 from substrax_tasks._output import emit
-from substrax_tasks._remote_files import remote_script
-from substrax_tasks._ssh import SshConnection, SshTarget, connection
+from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
+from substrax_tasks._ssh import SshConnection, connection
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.backends.ssh_watch import ManifestWatch, watched_fetch
+from substrax_tasks.config import ENV_LOCK_FILES
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.resolved import ENV_LOCK_FILES
+from substrax_tasks.settings import SshSettings
 from substrax_tasks.transports.rsync import RsyncTransport
 from substrax_tasks.worker_job import KEEP_MANIFEST_FOR_FETCH, WorkerPaths, build_job, status_from_record
 
-REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
 ALWAYS_EXCLUDED = (".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache",
                    ".doit.db", ".doit.db.bak", ".doit.db.dat", ".doit.db.dir")
 
 
 class SetupFailed(SubstraxError):
     """A setup command failed: the step fails with its output (not retried)."""
-
-
-class SshCopySettings(BaseModel):
-    """`[tool.substrax.compute.backends.ssh.copy]`: the rsync transport."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    network_isolation: bool = Field(False, description="Run the command with no network.")
-    excludes: list[str] = Field(default_factory=list, description="rsync patterns never uploaded.")
-
-
-class SshSettings(BaseModel):
-    """`[tool.substrax.compute.backends.ssh]`"""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    host: str = Field(description='Host name or address; "user@host:port" is split into its pieces.')
-    port: int = Field(22, ge=1, le=65535)
-    user: str | None = Field(None, description="Login name (default: yours).")
-    identity_file: str | None = Field(None, description="Private key (default: ssh agent and ~/.ssh keys).")
-    known_hosts: str = Field("~/.ssh/known_hosts", description="Where host keys are checked.")
-    trust_new_host_key: bool = Field(False, description="Accept and save an unknown host key (first use).")
-    remote_root: str = Field(".substrax-remote", description="Folder on the host (relative: to its home).")
-    python: str = Field("python3", description="The host's Python (3.8+) for the worker.")
-    setup_commands: list[str] = Field(default_factory=list, description="Shell commands run before sync.")
-    lifetime_minutes: float = Field(120.0, gt=0, description="After this, the run is stopped and removed.")
-    sandbox: Literal["auto", "bwrap", "none"] = "auto"
-    grace_seconds: float = Field(5.0, gt=0)
-    keep_remote: bool = Field(False, description="Keep the remote run folder after teardown.")
-    pip_args: list[str] = Field(default_factory=list, description="Extra `pip install` arguments.")
-    connect_timeout: float = Field(15.0, gt=0)
-    copy_: SshCopySettings = Field(default_factory=SshCopySettings, alias="copy")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _split_host(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("host"), str):
-            given: str = data["host"]
-            host = given
-            if "@" in host:
-                user, host = host.split("@", 1)
-                if data.get("user", user) != user:
-                    raise ValueError(
-                        f"host {given!r} names user {user!r} but user = {data['user']!r}; give one"
-                    )
-                data = {**data, "user": user}
-            if host.count(":") == 1 and host.split(":")[1].isdigit():
-                host, port_text = host.split(":")
-                if data.get("port", int(port_text)) != int(port_text):
-                    raise ValueError(
-                        f"host {given!r} names port {port_text} but port = {data['port']!r}; give one"
-                    )
-                data = {**data, "port": int(port_text)}
-            data = {**data, "host": host}
-        return data
-
-    def with_absolute_paths(self, project: Path) -> SshSettings:
-        def absolute(path: str | None) -> str | None:
-            if path is None:
-                return None
-            expanded = Path(path).expanduser()
-            return str(expanded if expanded.is_absolute() else (project / expanded).resolve())
-
-        return self.model_copy(
-            update={"identity_file": absolute(self.identity_file), "known_hosts": absolute(self.known_hosts)}
-        )
-
-    def target(self) -> SshTarget:
-        return SshTarget(
-            host=self.host,
-            port=self.port,
-            user=self.user,
-            identity_file=self.identity_file,
-            known_hosts=str(Path(self.known_hosts).expanduser()),
-            trust_new_host_key=self.trust_new_host_key,
-            connect_timeout=self.connect_timeout,
-        )
 
 
 def scripts_digest() -> str:

@@ -1,0 +1,123 @@
+"""The bubblewrap sandbox a step's command runs in, and the choice of it.
+
+Stdlib only, Python 3.8+; shipped beside worker.py. `bwrap_argv` only builds
+the argv (it reads the project's folders, changes nothing), so it is tested
+without running bubblewrap.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from typing import Any, Callable
+
+
+def bwrap_usable(bwrap: str) -> bool:
+    """bubblewrap can be installed yet unusable (user namespaces disabled)."""
+    try:
+        probe = subprocess.run(
+            [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "true"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def writable_dirs(outputs: list[dict[str, str]]) -> list[str]:
+    """Project-relative folders the task may write in: each folder output,
+    and the folder holding each file output. Outer folders first."""
+    dirs = set()
+    for out in outputs:
+        path = out["path"].rstrip("/")
+        dirs.add(path if out["kind"] == "dir" else os.path.dirname(path) or ".")
+    return sorted(dirs, key=lambda d: (0 if d == "." else d.count("/") + 1, d))
+
+
+def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str) -> list[str]:
+    """The bubblewrap prefix: system and project read-only, /tmp replaced by
+    an empty private tmpfs, home (the "hide" folders) by an empty read-only
+    one, each output folder bound from the run's staging folder so that the
+    task writes its outputs at their usual paths."""
+    project = job["project"]
+    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    hidden = [h for h in job.get("hide", []) if os.path.isdir(h) and h != "/"]
+    for path in ["/tmp", "/var/tmp", *hidden]:
+        if os.path.isdir(path):
+            argv += ["--tmpfs", path]
+    # Re-expose the project (and inputs outside it) after hiding: the
+    # project may live under $HOME or /tmp.
+    argv += ["--ro-bind", project, project]
+    for path in job.get("extra_ro", []):
+        if os.path.exists(path):
+            argv += ["--ro-bind", path, path]
+    # Only now (the binds above made their mount points in the tmpfs): a
+    # write to the hidden home fails instead of landing in a scratch tmpfs.
+    for path in hidden:
+        argv += ["--remount-ro", path]
+    declared = {out["path"].rstrip("/") for out in job["outputs"]}
+    for rel in writable_dirs(job["outputs"]):
+        inside = os.path.normpath(os.path.join(project, rel))
+        argv += ["--bind", os.path.normpath(os.path.join(staging, rel)), inside]
+        # What already stands in that folder stays visible, read-only;
+        # earlier versions of the declared outputs do not.
+        if rel in declared:
+            continue
+        for entry in sorted(os.listdir(inside)):
+            entry_rel = entry if rel == "." else rel + "/" + entry
+            if entry_rel not in declared:
+                real = os.path.join(inside, entry)
+                argv += ["--ro-bind", real, real]
+    argv += ["--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session"]
+    if job.get("network_isolation"):
+        argv.append("--unshare-net")
+    return [*argv, "--chdir", job["cwd"], "--"]
+
+
+def sandboxed_command(job: dict[str, Any], note: Callable[[str], None]) -> tuple[list[str], str, str]:
+    """(argv, sandbox name, folder the outputs end up in) for the job's
+    `sandbox` setting; a setting this machine cannot honour raises."""
+    wanted = job.get("sandbox", "auto")
+    command = [str(part) for part in job["argv"]]
+    if wanted == "none" and job.get("network_isolation"):
+        raise RuntimeError(
+            'network_isolation = true needs the sandbox, but sandbox = "none"; '
+            'set sandbox = "auto" or "bwrap", or network_isolation = false'
+        )
+    if wanted != "none":
+        bwrap = shutil.which("bwrap")
+        if bwrap is not None and bwrap_usable(bwrap):
+            staging = job["staging"]
+            # bubblewrap binds onto folders that exist; as Snakemake does,
+            # the outputs' parent folders are made in the project too.
+            for rel in writable_dirs(job["outputs"]):
+                os.makedirs(os.path.join(staging, rel), exist_ok=True)
+                os.makedirs(os.path.join(job["project"], rel), exist_ok=True)
+            return bwrap_argv(bwrap, job, staging) + command, "bwrap", staging
+        problem = "not installed" if bwrap is None else "not usable (user namespaces off?)"
+        if wanted == "bwrap":
+            raise RuntimeError(
+                'sandbox = "bwrap" but bubblewrap is %s on this machine; install it '
+                '(apt-get install bubblewrap) or set sandbox = "auto" or "none"' % problem
+            )
+        note("bubblewrap is %s: running WITHOUT a sandbox (outputs are written in place)"
+             % ("not installed" if bwrap is None else "not usable"))
+        if job.get("network_isolation"):
+            raise RuntimeError(
+                "network_isolation = true needs bubblewrap, which is not usable here; "
+                "install bubblewrap or set network_isolation = false"
+            )
+    # Without a sandbox the outputs are written in place: remove the
+    # previous ones first (as Snakemake does), so that a run that does
+    # not write an output is never taken to have made the old one.
+    for out in job["outputs"]:
+        path = os.path.join(job["project"], out["path"])
+        if os.path.islink(path) or os.path.isfile(path):
+            os.unlink(path)
+        elif os.path.isdir(path):
+            shutil.rmtree(path)
+    # The same folders as in the sandbox, so a task runs alike in both.
+    for rel in writable_dirs(job["outputs"]):
+        os.makedirs(os.path.join(job["project"], rel), exist_ok=True)
+    return command, "none", job["project"]
