@@ -68,7 +68,7 @@ def test_installed_wheel_runs_its_worker(tmp_path: Path) -> None:
     # A venv of its own holding the wheel, not the checkout. Its dependencies
     # come from this venv's site-packages, through a .pth line: the lines of
     # that folder's own .pth files (the editable install's) are not read.
-    # (ensurepip and downloading them again took ~25 s and checked nothing more.)
+    # (Installing them again from the index would check nothing more.)
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     python = venv / "bin" / "python"
