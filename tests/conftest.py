@@ -133,7 +133,9 @@ def stop_worker(status_file: Path) -> None:
 # --------------------------------------------------------------- unit tier
 
 # What a test marked `unit` may not do: start a process or reach a network.
-# subprocess, multiprocessing and pty all end in one of these calls.
+# subprocess, multiprocessing and pty all end in one of these calls. Which
+# tests are unit is found, not guessed: mark them all, run `pytest -m unit`,
+# and drop the marker of each test that fails.
 _SPAWNERS: tuple[tuple[object, str], ...] = (
     (subprocess.Popen, "_execute_child"),
     (_posixsubprocess, "fork_exec"),
