@@ -2,6 +2,7 @@
 #
 #   make demo    run the example pipeline (dodo.py) on the local backend
 #   make test    install what the tests need, then ruff, mypy and pytest
+#   make test-fast  the unit tier only (no processes, no network): seconds
 #
 # Both do all the set-up on a fresh Debian 12 machine: a virtualenv in .venv
 # with the project installed editable, and (as root) the system packages
@@ -58,12 +59,13 @@ if [ $${#missing[@]} -gt 0 ]; then \
 fi
 endef
 
-.PHONY: help install venv sky-venv system-deps demo-deps test test-e2e lint format typecheck docs demo remote-run bench clean distclean
+.PHONY: help install venv sky-venv system-deps demo-deps test test-fast test-e2e lint format typecheck docs demo remote-run bench clean distclean
 
 help:
 	@echo "substrax-tasks"
 	@echo "  make demo        run the example pipeline (dodo.py) on the local backend"
 	@echo "  make test        system packages (as root), then ruff, mypy and pytest"
+	@echo "  make test-fast   the unit tier (pytest -m unit: no processes, no network), in seconds"
 	@echo "  make test-e2e    (root) a one-node Slurm cluster here, SkyPilot launching on it, end to end"
 	@echo "  make install     create $(VENV) and install the project with its test extras"
 	@echo "  make sky-venv    install SkyPilot $(SKY_VERSION) into $(SKY_VENV) (for the SkyPilot tests)"
@@ -146,6 +148,11 @@ test: system-deps install sky-venv $(MYPY38)
 	@$(MYPY38) --config-file remote/mypy.ini
 	@echo "==> pytest"
 	@$(BIN)/python -m pytest --ignore=tests/e2e $(PYTEST_ARGS)
+
+# The tests marked `unit` run in this process only (tests/conftest.py makes
+# spawning a process or opening a connection fail them): no apt, no SkyPilot.
+test-fast: install
+	@$(BIN)/python -m pytest -m unit -p no:cacheprovider $(PYTEST_ARGS)
 
 # The end-to-end tier (root only): a one-node Slurm cluster on this machine
 # (tests/testbeds/slurm_cluster.py: munge, slurmctld, slurmd, an sshd and a

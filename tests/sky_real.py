@@ -466,6 +466,44 @@ class SkyServer:
                 self.netns_fd = None
 
 
+def _semaphores_of(pid: int) -> set[Path]:
+    """The named POSIX semaphores process `pid` has mapped (glibc maps them
+    from /dev/shm/sem.NAME)."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return set()
+    found = set()
+    for line in maps.splitlines():
+        name = line.rsplit(None, 1)[-1] if line.count(" ") >= 5 else ""
+        if name.startswith("/dev/shm/sem.mp-"):
+            found.add(Path(name))
+    return found
+
+
+def _unlink_orphaned_semaphores(since_ns: int) -> None:
+    """SkyPilot's processes leave multiprocessing's named semaphores behind
+    when they are killed (by a cancel, by `sky api stop`, by kill_all), since
+    their resource tracker dies with them: unlink every /dev/shm/sem.mp-*
+    made since `since_ns` that no live process has open.
+    A named semaphore nobody has mapped can never be opened again by the
+    multiprocessing that made it: it is only ever reopened by name from a
+    parent that still holds it."""
+    candidates = set()
+    for path in Path("/dev/shm").glob("sem.mp-*"):
+        with contextlib.suppress(FileNotFoundError):
+            if path.lstat().st_ctime_ns >= since_ns:
+                candidates.add(path)
+    if not candidates:
+        return
+    mapped: set[Path] = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            mapped |= _semaphores_of(int(entry))
+    for path in candidates - mapped:
+        path.unlink(missing_ok=True)
+
+
 def _ip() -> str:
     return shutil.which("ip") or "/usr/sbin/ip"
 
@@ -549,11 +587,13 @@ def stop_server(server: SkyServer) -> None:
 
 @contextlib.contextmanager
 def running_server(root: Path, *, path_prepend: Iterable[Path] = ()) -> Iterator[SkyServer]:
+    began_ns = time.time_ns()
     server = start_server(root, path_prepend=path_prepend)
     try:
         yield server
     finally:
         stop_server(server)
+        _unlink_orphaned_semaphores(began_ns)
 
 
 def _tail(path: Path, lines: int = 40) -> str:

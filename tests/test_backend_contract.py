@@ -1,9 +1,13 @@
 """One contract, every backend: the behaviours of substrax_tasks.backends.base
 that the chain and the CLI rely on, run against each implementation with
 real processes (LocalBackend on this machine, SshBackend against a real sshd
-in a network namespace of its own).
+in a network namespace of its own, SkypilotBackend through the SDK helper
+against the fake SkyPilot). One test per behaviour, as fsspec's
+tests/abstract binds one suite to every filesystem.
 
-Add a backend by adding a parameter to the `bound` fixture.
+Add a backend by adding a parameter to the `bound` fixture. Per backend, one
+finished run (`finished`) and one torn-down run (`torn_down`) are made once
+and shared by the tests that only look at them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import describe, marked_pids, stubborn_tree, wait_for
+from conftest import describe, marked_pids, stop_worker, stubborn_tree, wait_for
 from dodo_helpers import BWRAP
 from fakesky_cleanup import cleanup, fakesky_env
 from ssh_helpers import fresh_user, needs_root, needs_sshd, ssh_host, ssh_settings, write_ssh_pyproject
@@ -26,9 +30,13 @@ from substrax_tasks.backends.base import Backend
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
+from substrax_tasks.worker_job import STATUS_FILE
 
 SANDBOX = "bwrap" if BWRAP else "none"
 WAIT = 60.0
+STATES = {"pending", "running", "succeeded", "failed", "cancelled", "timed_out"}
+LOG_LINE = b"contract-log-line"
+TRIVIAL = ["/bin/sh", "-c", "mkdir -p out && echo contract-log-line && echo v > out/v.txt"]
 
 
 @pytest.fixture(scope="module")
@@ -56,50 +64,60 @@ class Bound:
         handle = self.project.submit(spec)
         return self.project.backend_for(handle), handle
 
+    def reread(self, handle: RunHandle) -> RunHandle:
+        return self.project.store.read(handle.run_id)
 
-@pytest.fixture(
-    params=[
-        pytest.param("local", id="local"),
-        pytest.param("ssh", id="ssh", marks=[needs_sshd, needs_root]),
-        # SkyPilot's SDK through sky_helper/sky_sdk.py, against the fake SkyPilot
-        # (jobs as local processes), the cluster's ssh a real sshd
-        pytest.param("skypilot", id="skypilot", marks=[needs_sshd, needs_root]),
-    ]
-)
-def bound(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Bound]:
-    root = tmp_path / "project"
-    root.mkdir()
+
+def _write_pyproject(request: pytest.FixtureRequest, root: Path, tmp: Path, env: pytest.MonkeyPatch) -> None:
     if request.param == "local":
         (root / "pyproject.toml").write_text(
             f'[tool.substrax.compute.backends.local]\nsandbox = "{SANDBOX}"\ngrace_seconds = 0.5\n'
         )
     elif request.param == "ssh":
         host: SshHost = request.getfixturevalue("host")
-        write_ssh_pyproject(
-            root, ssh_settings(host, remote_root=str(host.scratch / f"contract-{tmp_path.name}"))
-        )
+        write_ssh_pyproject(root, ssh_settings(host, remote_root=str(host.scratch / f"contract-{tmp.name}")))
     else:
-        sky_home = tmp_path / "skyhome"
+        sky_home = tmp / "skyhome"
         root_host: SshHost = request.getfixturevalue("root_host")
-        env = fakesky_env(
+        fake = fakesky_env(
             sky_home, FAKESKY_SSH_HOST=root_host.address, FAKESKY_SSH_PORT=str(root_host.port),
             FAKESKY_SSH_USER="root", FAKESKY_SSH_IDENTITY=str(root_host.client_key),
             FAKESKY_MINUTE_SECONDS="30", FAKESKY_CANCEL_GRACE="1",
         )  # fmt: skip
-        for name, value in env.items():  # the helper and ssh run with these
+        for name, value in fake.items():  # the helper and ssh run with these
             if name in ("HOME", "TMPDIR", "PYTHONPATH") or name.startswith("FAKESKY_"):
-                monkeypatch.setenv(name, value)
+                env.setenv(name, value)
         request.addfinalizer(lambda: cleanup(sky_home))
         (root / "pyproject.toml").write_text(
             '[tool.substrax.compute]\ndefault_backend = "skypilot"\n'
             "[tool.substrax.compute.backends.skypilot]\n"
-            f'sky_python = "{sys.executable}"\nremote_root = "{tmp_path / "remote"}"\n'
+            f'sky_python = "{sys.executable}"\nremote_root = "{tmp / "remote"}"\n'
             f'sandbox = "{SANDBOX}"\ngrace_seconds = 0.5\npoll_seconds = 0.3\n'
             "[tool.substrax.compute.backends.skypilot.copy]\n"
         )
-    project = Project.open(root)
-    assert project.config.default_backend == request.param
-    yield Bound(request.param, project)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("local", id="local"),
+        pytest.param("ssh", id="ssh", marks=[needs_sshd, needs_root]),
+        # SkyPilot's SDK through sky_helper/sky_sdk.py, against the fake SkyPilot
+        # (jobs as local processes), the cluster's ssh a real sshd
+        pytest.param("skypilot", id="skypilot", marks=[needs_sshd, needs_root]),
+    ],
+)
+def bound(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bound]:
+    tmp = tmp_path_factory.mktemp(f"contract-{request.param}")
+    root = tmp / "project"
+    root.mkdir()
+    with pytest.MonkeyPatch.context() as env:
+        _write_pyproject(request, root, tmp, env)
+        project = Project.open(root)
+        assert project.config.default_backend == request.param
+        yield Bound(request.param, project)
+        for status_file in tmp.rglob(STATUS_FILE):  # a failed test leaves no worker behind
+            stop_worker(status_file)
 
 
 def live_children() -> set[int]:
@@ -117,7 +135,8 @@ def live_children() -> set[int]:
     return found
 
 
-def wait_final(backend: Backend, handle: RunHandle) -> str:
+def wait_final(backend: Backend, handle: RunHandle) -> list[str]:
+    """Every state poll() reported until the run was final."""
     seen: list[str] = []
 
     def final() -> bool:
@@ -126,47 +145,105 @@ def wait_final(backend: Backend, handle: RunHandle) -> str:
         return status.final
 
     wait_for(final, f"run {handle.run_id} to finish", WAIT)
-    assert set(seen) <= {"pending", "running", "succeeded", "failed", "cancelled", "timed_out"}, seen
-    return seen[-1]
+    return seen
 
 
-def test_a_trivial_run_succeeds_logs_fetches_and_tears_down_twice(bound: Bound) -> None:
-    backend, handle = bound.submit(
-        ["/bin/sh", "-c", "mkdir -p out && echo contract-log-line && echo v > out/v.txt"], ["out/"]
-    )
-    assert backend.name == bound.name
+@dataclass
+class Finished:
+    """A trivial run that ended, waited for inside `ready_for_fetch`."""
+
+    bound: Bound
+    backend: Backend
+    handle: RunHandle
+    states: list[str]  # what poll() said while the chain would wait
+    outlived_the_block: set[int]  # children ready_for_fetch started that outlived it
+
+
+@pytest.fixture(scope="module")
+def finished(bound: Bound) -> Finished:
+    backend, handle = bound.submit(TRIVIAL, ["out/"])
     before = live_children()
-    # what the chain holds while it waits for a run ends with the block
     with backend.ready_for_fetch(handle):
-        assert wait_final(backend, handle) == "succeeded"
-    wait_for(lambda: live_children() <= before, "what ready_for_fetch started to end", WAIT)
-    assert backend.poll(handle).exit_code == 0
+        states = wait_final(backend, handle)
+    deadline = time.monotonic() + WAIT
+    while not live_children() <= before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return Finished(bound, backend, handle, states, live_children() - before)
 
-    log = backend.read_log(handle, 0)
-    assert b"contract-log-line\n" in log
-    assert backend.read_log(handle, len(log)) == b""
-    offset = log.index(b"contract-log-line")
-    assert backend.read_log(handle, offset).startswith(b"contract-log-line")
 
-    fetched = backend.fetch(handle)
+@pytest.fixture(scope="module")
+def torn_down(bound: Bound) -> Finished:
+    """A finished trivial run, then torn down."""
+    backend, handle = bound.submit(TRIVIAL, ["out/"])
+    states = wait_final(backend, handle)
+    backend.teardown(bound.reread(handle))
+    return Finished(bound, backend, bound.reread(handle), states, set())
+
+
+def test_the_project_builds_the_backend_it_configures(finished: Finished) -> None:
+    assert finished.backend.name == finished.bound.name
+
+
+def test_a_trivial_run_succeeds(finished: Finished) -> None:
+    assert set(finished.states) <= STATES, finished.states
+    assert finished.states[-1] == "succeeded", finished.states
+    status = finished.backend.poll(finished.handle)
+    assert (status.state, status.exit_code) == ("succeeded", 0)
+
+
+def test_what_ready_for_fetch_starts_ends_with_the_block(finished: Finished) -> None:
+    assert not finished.outlived_the_block, describe(sorted(finished.outlived_the_block))
+
+
+def test_the_log_holds_what_the_command_printed(finished: Finished) -> None:
+    assert LOG_LINE + b"\n" in finished.backend.read_log(finished.handle, 0)
+
+
+def test_the_log_read_from_its_end_is_empty(finished: Finished) -> None:
+    log = finished.backend.read_log(finished.handle, 0)
+    assert finished.backend.read_log(finished.handle, len(log)) == b""
+
+
+def test_the_log_read_from_an_offset_starts_there(finished: Finished) -> None:
+    offset = finished.backend.read_log(finished.handle, 0).index(LOG_LINE)
+    assert finished.backend.read_log(finished.handle, offset).startswith(LOG_LINE)
+
+
+def test_fetch_lists_every_output_in_its_manifest(finished: Finished) -> None:
+    fetched = finished.backend.fetch(finished.handle)
     assert [e["path"] for e in fetched.manifest["entries"]] == ["out", "out/v.txt"]
     assert fetched.manifest["missing"] == []
+
+
+def test_fetch_brings_the_outputs_under_its_root(finished: Finished) -> None:
+    fetched = finished.backend.fetch(finished.handle)
     assert (fetched.root / "out" / "v.txt").read_text() == "v\n"
 
-    # a finished run is left alone by cancel
-    assert backend.cancel(handle) is False
-    assert backend.poll(handle).state == "succeeded"
 
-    # teardown is idempotent and keeps what tells the run's story
-    handle = bound.project.store.read(handle.run_id)
-    backend.teardown(handle)
-    handle = bound.project.store.read(handle.run_id)
-    backend.teardown(handle)
-    handle = bound.project.store.read(handle.run_id)
-    assert backend.status(handle).state == "succeeded"
-    assert b"contract-log-line\n" in backend.read_log(handle, 0)
-    assert backend.cancel(handle) is False
-    assert backend.outputs_available(handle) is False
+def test_cancel_leaves_a_finished_run_alone(finished: Finished) -> None:
+    assert finished.backend.cancel(finished.handle) is False
+    assert finished.backend.poll(finished.handle).state == "succeeded"
+
+
+def test_a_second_teardown_is_harmless(torn_down: Finished) -> None:
+    torn_down.backend.teardown(torn_down.bound.reread(torn_down.handle))
+    assert torn_down.backend.status(torn_down.bound.reread(torn_down.handle)).state == "succeeded"
+
+
+def test_teardown_keeps_the_final_status(torn_down: Finished) -> None:
+    assert torn_down.backend.status(torn_down.handle).state == "succeeded"
+
+
+def test_teardown_keeps_the_log(torn_down: Finished) -> None:
+    assert LOG_LINE + b"\n" in torn_down.backend.read_log(torn_down.handle, 0)
+
+
+def test_cancel_leaves_a_torn_down_run_alone(torn_down: Finished) -> None:
+    assert torn_down.backend.cancel(torn_down.handle) is False
+
+
+def test_teardown_leaves_no_outputs_to_fetch(torn_down: Finished) -> None:
+    assert torn_down.backend.outputs_available(torn_down.handle) is False
 
 
 def test_cancel_stops_a_running_tree_and_then_leaves_it_alone(bound: Bound, marker: str) -> None:
@@ -178,10 +255,9 @@ def test_cancel_stops_a_running_tree_and_then_leaves_it_alone(bound: Bound, mark
     assert not marked_pids(marker), describe(marked_pids(marker))
     assert backend.poll(handle).state == "cancelled"
     assert backend.cancel(handle) is False
-    handle = bound.project.store.read(handle.run_id)
-    backend.teardown(handle)
-    backend.teardown(bound.project.store.read(handle.run_id))
-    assert backend.status(bound.project.store.read(handle.run_id)).state == "cancelled"
+    backend.teardown(bound.reread(handle))
+    backend.teardown(bound.reread(handle))
+    assert backend.status(bound.reread(handle)).state == "cancelled"
 
 
 def test_teardown_of_a_running_run_cancels_it_first(bound: Bound, marker: str) -> None:
@@ -189,4 +265,4 @@ def test_teardown_of_a_running_run_cancels_it_first(bound: Bound, marker: str) -
     wait_for(lambda: backend.poll(handle).state == "running", "the run to start", WAIT)
     backend.teardown(handle)
     assert not marked_pids(marker), describe(marked_pids(marker))
-    assert backend.status(bound.project.store.read(handle.run_id)).state == "cancelled"
+    assert backend.status(bound.reread(handle)).state == "cancelled"

@@ -204,6 +204,7 @@ def test_an_endpoint_that_does_not_answer_says_so(s3_env: S3Server, monkeypatch:
         BucketTransport().read_manifest(f"s3://{s3_env.bucket}/runs/x/manifest.json")
 
 
+@pytest.mark.unit
 def test_a_protocol_whose_package_is_missing_names_the_package() -> None:
     try:
         import gcsfs  # type: ignore[import-not-found]  # noqa: F401
@@ -222,6 +223,7 @@ def test_a_protocol_whose_package_is_missing_names_the_package() -> None:
         ("bucket/run", "is not a bucket URI"),
     ],
 )
+@pytest.mark.unit
 def test_not_a_bucket_uri(uri: str, why: str, tmp_path: Path) -> None:
     with pytest.raises(BackendError, match=why):
         BucketTransport().download(uri, ["out.txt"], tmp_path)

@@ -120,6 +120,7 @@ def test_bad_backend_from_the_environment(project_dir: Path, monkeypatch: pytest
     assert "SUBSTRAX_BACKEND = 'gcp'" in done.stderr
 
 
+@pytest.mark.unit
 def test_defaults_need_no_configuration(project_dir: Path) -> None:
     project = Project.open(project_dir)
     assert project.config.default_backend == "local"
@@ -174,6 +175,7 @@ def test_each_module_can_be_imported_first(module: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.unit
 def test_every_backend_has_its_settings_model_registered() -> None:
     for name in BACKEND_NAMES:
         assert backend_class(name).Settings is settings_model(name)

@@ -87,6 +87,7 @@ def test_settings_stay_pinned_when_the_pyproject_changes(project_dir: Path, mark
     assert [(r["run_id"], r["state"]) for r in data["runs"]] == [(handle.run_id, "cancelled")]
 
 
+@pytest.mark.unit
 def test_handle_records_spec_settings_and_digest(project: Project) -> None:
     spec = make_spec(
         "record", ["sh", "-c", "true"], project.root, outputs=["out/"], env={"A": "1"}, timeout=9

@@ -167,6 +167,7 @@ def test_signal_to_worker_finishes_cleanup_before_it_exits(
     assert f"stopping the task tree ({sig.name})" in log_text(project, handle)
 
 
+@pytest.mark.unit
 def test_cancel_of_a_run_that_never_started(project: Project) -> None:
     spec = make_spec("never", ["true"], project.root)
     handle = project.new_run(spec, settings={"sandbox": "none"})
@@ -214,6 +215,7 @@ def path_without_bwrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("path_without_bwrap")
+@pytest.mark.unit
 def test_sandbox_bwrap_without_bubblewrap_is_a_clear_error(project: Project) -> None:
     with pytest.raises(BackendError, match=r"bubblewrap is not installed.*apt-get install bubblewrap"):
         submit(project, ["/bin/sh", "-c", "true"], sandbox="bwrap")

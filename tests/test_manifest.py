@@ -89,6 +89,7 @@ def project(tmp_path: Path) -> Path:
 # ----------------------------------------------------------------- entries
 
 
+@pytest.mark.unit
 def test_entries_of_files_dirs_and_symlinks(project: Path) -> None:
     m = build_manifest(project, ["out/", "report.txt"])
     assert m["version"] == 1
@@ -122,6 +123,7 @@ def test_entries_of_files_dirs_and_symlinks(project: Path) -> None:
     assert "data/input.csv" not in got
 
 
+@pytest.mark.unit
 def test_special_mode_bits_are_kept(tmp_path: Path) -> None:
     write(tmp_path / "out/tool", b"x", 0o4755)
     (tmp_path / "out").chmod(0o1777)
@@ -130,6 +132,7 @@ def test_special_mode_bits_are_kept(tmp_path: Path) -> None:
     assert got["out"]["mode"] == 0o1777
 
 
+@pytest.mark.unit
 def test_large_file_hash_spans_many_buffers(tmp_path: Path) -> None:
     data = os.urandom(3 * (1 << 20) + 12345)
     write(tmp_path / "big.bin", data)
@@ -138,6 +141,7 @@ def test_large_file_hash_spans_many_buffers(tmp_path: Path) -> None:
     assert e["size"] == len(data)
 
 
+@pytest.mark.unit
 def test_symlinks_are_recorded_not_followed(project: Path) -> None:
     m = build_manifest(project, ["out/"])
     paths = {e["path"] for e in m["entries"]}
@@ -150,6 +154,7 @@ def test_symlinks_are_recorded_not_followed(project: Path) -> None:
     assert got["out/dangling"]["target"] == "not-yet"
 
 
+@pytest.mark.unit
 def test_link_that_climbs_out_and_back_into_its_output_is_accepted(tmp_path: Path) -> None:
     write(tmp_path / "out/x", b"x")
     os.symlink("../out/x", tmp_path / "out/back")
@@ -162,12 +167,14 @@ def test_link_that_climbs_out_and_back_into_its_output_is_accepted(tmp_path: Pat
 # ----------------------------------------------------------------- digest
 
 
+@pytest.mark.unit
 def test_digest_is_sha256_of_canonical_entries(project: Path) -> None:
     m = build_manifest(project, ["out/", "report.txt"])
     canonical = json.dumps(m["entries"], sort_keys=True, separators=(",", ":"))
     assert m["digest"] == sha(canonical.encode())
 
 
+@pytest.mark.unit
 def test_digest_is_stable_and_cache_independent(project: Path, tmp_path: Path) -> None:
     outputs = ["out/", "report.txt"]
     first = build_manifest(project, outputs)
@@ -188,6 +195,7 @@ def test_digest_is_stable_and_cache_independent(project: Path, tmp_path: Path) -
     "change",
     ["content", "mode", "add", "delete", "retarget", "empty_dir"],
 )
+@pytest.mark.unit
 def test_digest_changes_with_the_tree(project: Path, change: str) -> None:
     before = build_manifest(project, ["out/"])["digest"]
     if change == "content":
@@ -209,6 +217,7 @@ def test_digest_changes_with_the_tree(project: Path, change: str) -> None:
 # ----------------------------------------------------------------- outputs
 
 
+@pytest.mark.unit
 def test_missing_outputs_are_listed(project: Path) -> None:
     m = build_manifest(project, ["out/", "nope/", "gone.txt", "out2/deeper/x"])
     assert m["missing"] == ["nope/", "gone.txt", "out2/deeper/x"]
@@ -217,16 +226,19 @@ def test_missing_outputs_are_listed(project: Path) -> None:
     assert empty["entries"] == [] and empty["missing"] == ["nope/"]
 
 
+@pytest.mark.unit
 def test_output_under_a_file_is_an_error(project: Path) -> None:
     with pytest.raises(ManifestError, match=r"output report\.txt/x lies under report\.txt, which is a file"):
         build_manifest(project, ["report.txt/x"])
 
 
+@pytest.mark.unit
 def test_folder_output_that_is_a_file_is_an_error(project: Path) -> None:
     with pytest.raises(ManifestError, match=r"report\.txt/ is declared as a folder but is a file"):
         build_manifest(project, ["report.txt/"])
 
 
+@pytest.mark.unit
 def test_file_output_that_is_a_folder_is_an_error(project: Path) -> None:
     with pytest.raises(ManifestError, match=r"output out is declared as a file but is a folder"):
         build_manifest(project, ["out"])
@@ -246,11 +258,13 @@ def test_file_output_that_is_a_folder_is_an_error(project: Path) -> None:
         (["out/a.txt", "out/"], "overlap"),
     ],
 )
+@pytest.mark.unit
 def test_bad_output_paths_are_refused(project: Path, outputs: list[str], message: str) -> None:
     with pytest.raises(ManifestError, match=message):
         build_manifest(project, outputs)
 
 
+@pytest.mark.unit
 def test_outputs_must_be_a_list_not_a_string(project: Path) -> None:
     with pytest.raises(ManifestError, match="not the string"):
         manifest_module().build_manifest(project, "out/")
@@ -260,6 +274,7 @@ def test_outputs_must_be_a_list_not_a_string(project: Path) -> None:
         outputs_match(project, "out/", "0" * 64, project / "cache.json")
 
 
+@pytest.mark.unit
 def test_special_files_are_refused(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     os.mkfifo(tmp_path / "out/pipe")
@@ -281,6 +296,7 @@ def test_special_files_are_refused(tmp_path: Path) -> None:
         ("out/parent", "..", "it leads to ."),
     ],
 )
+@pytest.mark.unit
 def test_symlink_pointing_outside_is_refused(project: Path, link: str, target: str, why: str) -> None:
     os.symlink(target, project / link)
     with pytest.raises(ManifestError) as info:
@@ -291,6 +307,7 @@ def test_symlink_pointing_outside_is_refused(project: Path, link: str, target: s
     assert "refused, never followed" in message
 
 
+@pytest.mark.unit
 def test_symlink_escape_through_another_link_is_refused(project: Path) -> None:
     # each link's text looks harmless, but a/.. is the folder above `out`
     os.symlink(".", project / "out/here")
@@ -299,12 +316,14 @@ def test_symlink_escape_through_another_link_is_refused(project: Path) -> None:
         build_manifest(project, ["out/"])
 
 
+@pytest.mark.unit
 def test_symlink_into_a_sibling_output_is_refused(project: Path) -> None:
     os.symlink("../report.txt", project / "out/rep")
     with pytest.raises(ManifestError, match=r"out/rep -> \.\./report\.txt points outside its output"):
         build_manifest(project, ["out/", "report.txt"])
 
 
+@pytest.mark.unit
 def test_symlink_loop_is_refused(project: Path) -> None:
     os.symlink("loop2", project / "out/loop1")
     os.symlink("loop1", project / "out/loop2")
@@ -312,6 +331,7 @@ def test_symlink_loop_is_refused(project: Path) -> None:
         build_manifest(project, ["out/"])
 
 
+@pytest.mark.unit
 def test_output_that_is_a_symlink_is_refused(project: Path) -> None:
     os.symlink("report.txt", project / "rep_link")
     with pytest.raises(ManifestError, match=r"output rep_link is a symlink -> report\.txt.*never followed"):
@@ -321,6 +341,7 @@ def test_output_that_is_a_symlink_is_refused(project: Path) -> None:
         build_manifest(project, ["out_link/"])
 
 
+@pytest.mark.unit
 def test_output_under_a_symlinked_folder_is_refused(project: Path) -> None:
     os.symlink("out", project / "via")
     with pytest.raises(ManifestError, match=r"output via/sub lies under via, a symlink"):
@@ -328,6 +349,7 @@ def test_output_under_a_symlinked_folder_is_refused(project: Path) -> None:
 
 
 @pytest.mark.parametrize("target", ["absolute", "relative"])
+@pytest.mark.unit
 def test_refused_link_is_never_followed(
     project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str
 ) -> None:
@@ -357,6 +379,7 @@ def test_refused_link_is_never_followed(
 # ----------------------------------------------------------------- the hash cache
 
 
+@pytest.mark.unit
 def test_cached_hash_is_reused_while_size_mtime_ctime_inode_and_device_match(project: Path) -> None:
     age(project)
     target = project / "out/a.txt"
@@ -384,6 +407,7 @@ def test_cached_hash_is_reused_while_size_mtime_ctime_inode_and_device_match(pro
     assert cache["out/a.txt"][2] == target.stat().st_ctime_ns
 
 
+@pytest.mark.unit
 def test_cache_entry_with_another_inode_is_not_trusted(project: Path) -> None:
     age(project)
     cache: dict[str, list[Any]] = {}
@@ -400,6 +424,7 @@ def test_cache_entry_with_another_inode_is_not_trusted(project: Path) -> None:
     assert got["sha256"] == sha(b"omega\n")
 
 
+@pytest.mark.unit
 def test_a_file_modified_just_now_is_hashed_but_not_cached(project: Path) -> None:
     age(project)
     write(project / "out/fresh.txt", b"fresh")
@@ -410,6 +435,7 @@ def test_a_file_modified_just_now_is_hashed_but_not_cached(project: Path) -> Non
     assert "out/a.txt" in cache
 
 
+@pytest.mark.unit
 def test_cache_forgets_deleted_files_and_keeps_other_outputs(project: Path) -> None:
     age(project)
     cache: dict[str, list[Any]] = {"elsewhere/x": [1, 2, 3, "f" * 64]}
@@ -423,6 +449,7 @@ def test_cache_forgets_deleted_files_and_keeps_other_outputs(project: Path) -> N
     assert "elsewhere/x" in cache  # not under these outputs: left alone
 
 
+@pytest.mark.unit
 def test_malformed_cache_entries_are_ignored(project: Path) -> None:
     age(project)
     cache: dict[str, list[Any]] = {"out/a.txt": "junk", "out/run.sh": [1]}  # type: ignore[dict-item]
@@ -434,11 +461,13 @@ def test_malformed_cache_entries_are_ignored(project: Path) -> None:
 # ----------------------------------------------------------------- diff_manifests
 
 
+@pytest.mark.unit
 def test_diff_of_equal_manifests_is_empty(project: Path) -> None:
     m = build_manifest(project, ["out/"])
     assert diff_manifests(m, build_manifest(project, ["out/"])) == []
 
 
+@pytest.mark.unit
 def test_diff_names_each_kind_of_change(project: Path) -> None:
     expected = build_manifest(project, ["out/"])
     (project / "out/a.txt").write_bytes(b"changed, and longer\n")  # content
@@ -462,6 +491,7 @@ def test_diff_names_each_kind_of_change(project: Path) -> None:
     ]
 
 
+@pytest.mark.unit
 def test_diff_counts_a_missing_or_extra_folder_on_one_line(project: Path) -> None:
     expected = build_manifest(project, ["out/"])
     shutil.rmtree(project / "out/sub")
@@ -474,6 +504,7 @@ def test_diff_counts_a_missing_or_extra_folder_on_one_line(project: Path) -> Non
     ]
 
 
+@pytest.mark.unit
 def test_diff_of_a_missing_output(project: Path) -> None:
     expected = build_manifest(project, ["out/", "report.txt"])
     shutil.rmtree(project / "out")
@@ -622,6 +653,7 @@ def test_watch_refuses_an_escaping_symlink_before_printing_anything(project: Pat
     assert b"manifest.py: symlink out/leak -> /etc/passwd" in err
 
 
+@pytest.mark.unit
 def test_cache_file_is_rewritten_only_when_it_changed(project: Path, tmp_path: Path) -> None:
     mod: Any = manifest_module()
     cache = tmp_path / "cache.json"
@@ -671,6 +703,7 @@ print(json.dumps({"digest": a["digest"], "diff": m.diff_manifests(a, c),
 # ----------------------------------------------------------------- local use
 
 
+@pytest.mark.unit
 def test_module_is_loaded_once_from_remote_script() -> None:
     mod = manifest_module()
     assert mod is manifest_module()
@@ -679,6 +712,7 @@ def test_module_is_loaded_once_from_remote_script() -> None:
     assert ManifestError is mod.ManifestError
 
 
+@pytest.mark.unit
 def test_hash_cache_file_is_private_atomic_and_written_only_on_change(project: Path, tmp_path: Path) -> None:
     age(project)
     cache_file = tmp_path / "state/cache.json"
@@ -699,6 +733,7 @@ def test_hash_cache_file_is_private_atomic_and_written_only_on_change(project: P
     assert loaded.entries["out/a.txt"] == data["entries"]["out/a.txt"]
 
 
+@pytest.mark.unit
 def test_bad_entries_of_a_hash_cache_file_are_dropped(tmp_path: Path) -> None:
     f = tmp_path / "cache.json"
     good = [4, OLD_NS, OLD_NS, 12, 2049, "a" * 64]
@@ -719,6 +754,7 @@ def test_bad_entries_of_a_hash_cache_file_are_dropped(tmp_path: Path) -> None:
     assert not HashCache.load(f).changed
 
 
+@pytest.mark.unit
 def test_an_unreadable_tree_is_a_manifest_error(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def vanished(path: Any, *args: Any, **kwargs: Any) -> str:
         raise FileNotFoundError(2, "No such file or directory", os.fsdecode(path))
@@ -729,6 +765,7 @@ def test_an_unreadable_tree_is_a_manifest_error(project: Path, monkeypatch: pyte
 
 
 @pytest.mark.parametrize("content", [b"", b"{not json", b"[1, 2]", b'{"version": 99, "entries": {}}'])
+@pytest.mark.unit
 def test_unreadable_hash_cache_loads_empty(tmp_path: Path, content: bytes) -> None:
     f = tmp_path / "cache.json"
     f.write_bytes(content)
@@ -739,6 +776,7 @@ def test_unreadable_hash_cache_loads_empty(tmp_path: Path, content: bytes) -> No
     assert json.loads(f.read_text()) == {"version": 2, "entries": {}}
 
 
+@pytest.mark.unit
 def test_verify_outputs_reports_differences(project: Path, tmp_path: Path) -> None:
     cache_file = tmp_path / "cache.json"
     expected = build_manifest(project, ["out/", "report.txt"])
@@ -751,6 +789,7 @@ def test_verify_outputs_reports_differences(project: Path, tmp_path: Path) -> No
     assert "missing: report.txt (file)" in problems
 
 
+@pytest.mark.unit
 def test_verify_outputs_refuses_an_escape_and_a_never_produced_output(project: Path, tmp_path: Path) -> None:
     cache_file = tmp_path / "cache.json"
     expected = build_manifest(project, ["out/", "never/"])
@@ -762,6 +801,7 @@ def test_verify_outputs_refuses_an_escape_and_a_never_produced_output(project: P
     assert problem.startswith("refused: symlink out/data -> ../data points outside its output")
 
 
+@pytest.mark.unit
 def test_verify_outputs_notices_a_damaged_digest(project: Path, tmp_path: Path) -> None:
     expected = build_manifest(project, ["out/"])
     expected["digest"] = "0" * 64
@@ -777,6 +817,7 @@ def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_racy_window")
+@pytest.mark.unit
 def test_outputs_match_of_an_untouched_tree_reads_no_file(
     project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -798,6 +839,7 @@ def test_outputs_match_of_an_untouched_tree_reads_no_file(
 @pytest.mark.parametrize(
     "tamper", ["edit", "edit_same_size", "delete", "add", "chmod", "mkdir", "relink", "remove_output"]
 )
+@pytest.mark.unit
 def test_outputs_match_notices_tampering(project: Path, tmp_path: Path, tamper: str) -> None:
     cache_file = tmp_path / "cache.json"
     outputs = ["out/", "report.txt"]
@@ -826,6 +868,7 @@ def test_outputs_match_notices_tampering(project: Path, tmp_path: Path, tamper: 
 
 
 @pytest.mark.usefixtures("no_racy_window")
+@pytest.mark.unit
 def test_outputs_match_is_false_for_a_refused_tree(project: Path, tmp_path: Path) -> None:
     cache_file = tmp_path / "cache.json"
     digest = build_manifest(project, ["out/"])["digest"]
@@ -833,6 +876,7 @@ def test_outputs_match_is_false_for_a_refused_tree(project: Path, tmp_path: Path
     assert not outputs_match(project, ["out/"], digest, cache_file)
 
 
+@pytest.mark.unit
 @pytest.mark.usefixtures("no_racy_window")
 def test_promoted_files_match_their_staged_manifest(tmp_path: Path) -> None:
     """A rename moves a file's ctime, so hashes taken in staging are not
@@ -862,6 +906,7 @@ def change_tree(project: Path, kind: str) -> None:
         (project / "nope").mkdir()
 
 
+@pytest.mark.unit
 def test_tree_stats_equal_what_the_manifest_walk_saw_until_something_changes(project: Path) -> None:
     mod: Any = manifest_module()
     outputs = ["out/", "report.txt", "nope/", "gone/deeper/x.txt"]
@@ -878,6 +923,7 @@ def test_tree_stats_equal_what_the_manifest_walk_saw_until_something_changes(pro
         assert mod.tree_stats(project, outputs) == seen, kind
 
 
+@pytest.mark.unit
 def test_staged_entries_describe_files_still_at_their_inode_without_a_stat(project: Path) -> None:
     """`staged`: a file the listing shows at the inode that was hashed is
     taken from its entry (here one that lies, to show it is not read); a
@@ -974,6 +1020,7 @@ def test_a_settled_manifest_of_other_outputs_is_not_used(project: Path, tmp_path
 
 
 @pytest.mark.parametrize("clock", ["behind the last change", "on another file system", "unavailable"])
+@pytest.mark.unit
 def test_settle_keeps_no_record_unless_the_file_systems_clock_passed_every_change(
     project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: str
 ) -> None:
@@ -994,6 +1041,7 @@ def test_settle_keeps_no_record_unless_the_file_systems_clock_passed_every_chang
     assert set(json.loads(cache.read_text())) == {"out/a.txt", "out/run.sh", "out/sub/b.bin", "report.txt"}
 
 
+@pytest.mark.unit
 def tree_stamp(base: str, outputs: list[str]) -> tuple[str, int]:
     """The digest of one stat walk, as a step's proof takes it, and the newest ctime."""
     items: list[Any] = []

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -64,10 +65,16 @@ def test_installed_wheel_runs_its_worker(tmp_path: Path) -> None:
     assert "substrax_tasks/_sky_helper/sky_sdk.py" in names
     assert "substrax_tasks/_remote/sky_sdk.py" not in names
 
+    # A venv of its own holding the wheel, not the checkout. Its dependencies
+    # come from this venv's site-packages, through a .pth line: the lines of
+    # that folder's own .pth files (the editable install's) are not read.
+    # (Installing them again from the index would check nothing more.)
     venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", str(venv)])
+    run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     python = venv / "bin" / "python"
-    run([str(python), "-m", "pip", "install", "--quiet", str(wheel)])
+    run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", str(wheel)])
+    own_site = venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    (own_site / "substrax-test-dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
 
     project = tmp_path / "project"
     project.mkdir()

@@ -43,6 +43,7 @@ FILE_NAME = "up-to-date.json"
 # ------------------------------------------------------------ the file
 
 
+@pytest.mark.unit
 def test_proofs_of_two_processes_are_merged_private_and_atomic(tmp_path: Path) -> None:
     path = tmp_path / "state" / "cache" / FILE_NAME
     path.parent.mkdir(parents=True)
@@ -60,6 +61,7 @@ def test_proofs_of_two_processes_are_merged_private_and_atomic(tmp_path: Path) -
     assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
 
 
+@pytest.mark.unit
 def test_the_declared_part_of_a_proof_ignores_the_order_of_dicts(tmp_path: Path) -> None:
     """Equal declarations, equal proofs, whatever order a dodo builds its
     env or resources in; any other value, another proof."""
@@ -73,6 +75,7 @@ def test_the_declared_part_of_a_proof_ignores_the_order_of_dicts(tmp_path: Path)
     assert declared({"A": "1", "B": "2"}, {"cpus": 2, "memory": 8}) != first
 
 
+@pytest.mark.unit
 def test_saved_only_when_something_new(tmp_path: Path) -> None:
     path = tmp_path / FILE_NAME
     proofs = ProofFile(path)
@@ -97,6 +100,7 @@ def test_saved_only_when_something_new(tmp_path: Path) -> None:
         json.dumps({"version": VERSION, "proofs": {"a": 1}}).encode(),
     ],
 )
+@pytest.mark.unit
 def test_a_damaged_or_foreign_file_holds_nothing_and_is_rewritten(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / FILE_NAME
     path.write_bytes(content)
@@ -107,6 +111,7 @@ def test_a_damaged_or_foreign_file_holds_nothing_and_is_rewritten(tmp_path: Path
     assert json.loads(path.read_text()) == {"version": VERSION, "proofs": {"b": "2"}}
 
 
+@pytest.mark.unit
 def test_a_removed_state_folder_is_not_made_again(tmp_path: Path) -> None:
     proofs = proof_file(tmp_path / "gone" / "cache" / FILE_NAME)
     proofs.record("a", "1")
@@ -114,6 +119,7 @@ def test_a_removed_state_folder_is_not_made_again(tmp_path: Path) -> None:
     assert not (tmp_path / "gone").exists()
 
 
+@pytest.mark.unit
 def test_one_object_per_project_in_a_process(tmp_path: Path) -> None:
     assert proof_file(tmp_path / "s") is proof_file(tmp_path / "s")
     assert proof_file(tmp_path / "s") is not proof_file(tmp_path / "t")

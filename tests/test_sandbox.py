@@ -40,6 +40,7 @@ def pairs(argv: list[str], option: str) -> list[tuple[str, str]]:
     return [(argv[i + 1], argv[i + 2]) for i, arg in enumerate(argv) if arg == option]
 
 
+@pytest.mark.unit
 def test_bwrap_argv_system_read_only_own_namespaces_then_the_command(tmp_path: Path) -> None:
     argv = sandbox.bwrap_argv("/usr/bin/bwrap", job_for(tmp_path, []), "/staging")
     assert argv[:8] == ["/usr/bin/bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
@@ -50,11 +51,13 @@ def test_bwrap_argv_system_read_only_own_namespaces_then_the_command(tmp_path: P
     assert (str(tmp_path), str(tmp_path)) in pairs(argv, "--ro-bind")
 
 
+@pytest.mark.unit
 def test_bwrap_argv_network_isolation_unshares_the_network(tmp_path: Path) -> None:
     argv = sandbox.bwrap_argv("bwrap", job_for(tmp_path, [], network_isolation=True), "/staging")
     assert "--unshare-net" in argv
 
 
+@pytest.mark.unit
 def test_bwrap_argv_hides_home_yet_shows_a_project_inside_it(tmp_path: Path) -> None:
     home = tmp_path / "home"
     project = home / "work" / "project"
@@ -75,6 +78,7 @@ def test_bwrap_argv_hides_home_yet_shows_a_project_inside_it(tmp_path: Path) -> 
     assert remount > argv.index(str(python))
 
 
+@pytest.mark.unit
 def test_bwrap_argv_binds_output_folders_from_staging(tmp_path: Path) -> None:
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "old.txt").write_text("kept\n")
@@ -92,6 +96,7 @@ def test_bwrap_argv_binds_output_folders_from_staging(tmp_path: Path) -> None:
     assert not [d for d in ro if d.startswith(str(tmp_path / "out"))]  # a folder output starts empty
 
 
+@pytest.mark.unit
 def test_writable_dirs_outer_folders_first() -> None:
     outputs = [{"path": "a/b/c", "kind": "dir"}, {"path": "top.txt", "kind": "file"},
                {"path": "a/x.txt", "kind": "file"}, {"path": "z", "kind": "dir"}]

@@ -103,6 +103,7 @@ def test_a_bad_skypilot_table_is_refused_with_a_message_naming_it(
     assert fragments[0] in result.stderr
 
 
+@pytest.mark.unit
 def test_a_copy_table_alone_is_a_valid_configuration(tmp_path: Path) -> None:
     root = write(tmp_path / "p", f'{TABLE}\ninfra = "runpod"\naccelerators = "H100:1"\n{COPY}\n')
     settings = load_config(root).backend_settings("skypilot", root)
@@ -111,6 +112,7 @@ def test_a_copy_table_alone_is_a_valid_configuration(tmp_path: Path) -> None:
     assert settings.transport.lifetime_minutes == 120.0
 
 
+@pytest.mark.unit
 def test_a_steps_resources_override_the_backends(tmp_path: Path) -> None:
     settings = SkypilotSettings.model_validate(
         {"infra": "aws", "cpus": 8, "accelerators": "A100:1", "copy": {"disk_size": 40}}
@@ -119,6 +121,7 @@ def test_a_steps_resources_override_the_backends(tmp_path: Path) -> None:
     assert merged == {"infra": "aws", "cpus": 8, "accelerators": "H100:2", "memory": 64, "disk_size": 40}
 
 
+@pytest.mark.unit
 def test_every_known_job_status_maps_and_an_unknown_one_raises() -> None:
     assert {job_state(s) for s in ("FAILED", "FAILED_SETUP", "FAILED_DRIVER")} == {"failed"}
     assert job_state("SUCCEEDED") == "succeeded"
@@ -133,6 +136,7 @@ def test_every_known_job_status_maps_and_an_unknown_one_raises() -> None:
             job_state(unknown)
 
 
+@pytest.mark.unit
 def test_the_generated_task_mounts_read_only_copies_and_arms_the_timer_first(tmp_path: Path) -> None:
     root = write(
         tmp_path / "p",
@@ -169,6 +173,7 @@ def test_the_generated_task_mounts_read_only_copies_and_arms_the_timer_first(tmp
     assert job["keep_manifest_for_fetch"] is True and "manifest_copy" not in job
 
 
+@pytest.mark.unit
 def test_bucket_shapes_are_refused_only_where_buckets_cannot_be_mounted() -> None:
     for cloud in sorted(NO_BUCKET_MOUNTS):
         with pytest.raises(ValueError, match="cannot mount buckets"):
@@ -177,6 +182,7 @@ def test_bucket_shapes_are_refused_only_where_buckets_cannot_be_mounted() -> Non
     assert ok.bucket is not None and ok.bucket.outputs_bucket == "s3://b"
 
 
+@pytest.mark.unit
 def test_a_missing_skypilot_interpreter_is_an_error_naming_the_setting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,6 +21,7 @@ from substrax_tasks.spec import PathIndex, relative_path
         ("a/.hidden/..x", "a/.hidden/..x"),  # dots inside a name are a name
     ],
 )
+@pytest.mark.unit
 def test_paths_are_made_clean(tmp_path: Path, raw: str, clean: str) -> None:
     assert relative_path(raw, tmp_path, "output") == clean
 
@@ -35,15 +36,18 @@ def test_paths_are_made_clean(tmp_path: Path, raw: str, clean: str) -> None:
         ("/etc/passwd", "outside"),
     ],
 )
+@pytest.mark.unit
 def test_unclean_paths_are_refused(tmp_path: Path, raw: str, needle: str) -> None:
     with pytest.raises(SpecError, match=needle):
         relative_path(raw, tmp_path, "output")
 
 
+@pytest.mark.unit
 def test_an_absolute_path_inside_the_project_becomes_relative(tmp_path: Path) -> None:
     assert relative_path(str(tmp_path / "out") + "/", tmp_path, "output") == "out/"
 
 
+@pytest.mark.unit
 def test_the_index_finds_overlaps_with_outputs_declared_file_by_file() -> None:
     """Files added one by one in one folder (the folder is noted once) still
     make the folder, its parents and the files themselves overlap, each

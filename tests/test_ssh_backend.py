@@ -147,6 +147,7 @@ def test_changed_host_key_is_refused_even_when_trusting_new_keys(
 # ------------------------------------------------------------------ settings
 
 
+@pytest.mark.unit
 def test_host_string_is_split_into_user_host_and_port() -> None:
     settings = SshSettings.model_validate({"host": "ada@gpu-box.example:2222"})
     assert (settings.user, settings.host, settings.port) == ("ada", "gpu-box.example", 2222)
@@ -160,6 +161,7 @@ def test_host_string_is_split_into_user_host_and_port() -> None:
     assert (plain.user, plain.port, plain.copy_.network_isolation) == (None, 22, True)
 
 
+@pytest.mark.unit
 def test_relative_key_paths_are_pinned_absolute(tmp_path: Path) -> None:
     settings = SshSettings.model_validate({"host": "h", "identity_file": "keys/id", "known_hosts": "kh"})
     pinned = settings.with_absolute_paths(tmp_path)

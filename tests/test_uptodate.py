@@ -15,6 +15,8 @@ from substrax_tasks.spec import make_spec
 from substrax_tasks.store import RunStore
 from substrax_tasks.uptodate import DOIT_VALUE, Step
 
+pytestmark = pytest.mark.unit
+
 RACY = 0.05
 
 
