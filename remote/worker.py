@@ -489,9 +489,7 @@ class Worker(object):
     def hash_outputs(self, log_fd, outputs_root):
         # type: (int, str) -> None
         """Take the outputs' manifest now, while nothing else can touch them,
-        and keep its hash cache; for a fetch over ssh, keep the manifest too
-        (manifest.settle): the fetch sends it as it is and checks it with
-        one stat of each entry."""
+        and keep its hash cache: the fetched copy is verified against it."""
         run_dir = os.path.dirname(self.job["status_file"])
         try:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -499,10 +497,7 @@ class Worker(object):
 
             outputs = [o["path"] + ("/" if o["kind"] == "dir" else "") for o in self.job["outputs"]]
             cache_file = os.path.join(run_dir, "manifest-cache.json")
-            if self.job.get("keep_manifest_for_fetch"):  # kept for a fetch over ssh
-                taken = manifest.settle(outputs_root, outputs, cache_file)
-            else:
-                taken = manifest.manifest_with_cache_file(outputs_root, outputs, cache_file)
+            taken = manifest.manifest_with_cache_file(outputs_root, outputs, cache_file)
             write_json_atomic(os.path.join(run_dir, "manifest.json"), taken)
             if self.job.get("manifest_copy"):  # the bucket transport fetches it with the outputs
                 write_json_atomic(self.job["manifest_copy"], taken)

@@ -197,6 +197,10 @@ class SshConnection:
         self._sftp: paramiko.SFTPClient | None = None
         self._lock = threading.Lock()
 
+    @property
+    def host(self) -> str:
+        return self.target.host
+
     def client(self) -> paramiko.SSHClient:
         with self._lock:
             if self._client is not None and self._client.get_transport() is not None:
@@ -297,19 +301,6 @@ class SshConnection:
             raise BackendError(f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}") from None
         return RemoteResult(code, bytes(out), bytes(err))
 
-    def open_command(self, argv: list[str]) -> paramiko.Channel:
-        """Start argv on the host (quoted for its shell) and return its
-        channel, for a conversation over its stdin and stdout; the caller
-        reads, writes and closes it."""
-        command = shlex.join(argv)
-        try:
-            channel = self.client().get_transport().open_session()  # type: ignore[union-attr]
-            channel.exec_command(command)
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            self.close()
-            raise BackendError(f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}") from None
-        return channel
-
     def check(self, argv: list[str], what: str, **kwargs: float | bytes | None) -> RemoteResult:
         result = self.run(argv, **kwargs)  # type: ignore[arg-type]
         if result.returncode != 0:
@@ -318,18 +309,6 @@ class SshConnection:
                 + (result.stderr or result.stdout).decode(errors="replace").strip()[-1500:]
             )
         return result
-
-    def read_bytes(self, path: str, offset: int = 0, limit: int = 1 << 20) -> bytes | None:
-        """Part of a remote file; None when it does not exist."""
-        try:
-            with self.sftp().open(path, "rb") as f:
-                f.seek(offset)
-                return f.read(limit)
-        except FileNotFoundError:
-            return None
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            self.close()
-            raise BackendError(f"reading {path} on {self.target.host} failed: {exc}") from None
 
     def write_bytes(self, path: str, data: bytes, mode: int = 0o600) -> None:
         try:

@@ -31,7 +31,7 @@ from doit.dependency import UptodateCalculator
 from doit.exceptions import TaskError, TaskFailed
 
 from substrax_tasks import __version__, manifest_cache, stamp_prefetch
-from substrax_tasks._atomic import write_bytes_atomic, write_json_atomic
+from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import OUTPUT_LOCK, emit
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
 from substrax_tasks.proofs import proof_file
@@ -657,29 +657,20 @@ class StepRunner:
             return None
         backend = self.backend(handle)
         try:
-            # Its last check is confirmed by verify, which overlaps it.
-            fetched = self._retrying("fetch", lambda: backend.begin_fetch(handle))
+            fetched = self._retrying("fetch", lambda: backend.fetch(handle))
         except manifest_cache.ManifestError as exc:
             self._save(handle, verdict={"state": "failed", "message": str(exc)})
             return TaskFailed(f"step {self.spec.step!r}: {exc}; nothing was promoted")
-        try:
-            missing = fetched.manifest.get("missing") or []
-            if missing:
-                fetched.confirm()  # outputs that changed meanwhile are no verdict on the run
-                message = f"the run did not produce declared output(s) {', '.join(missing)}"
-                self._save(handle, verdict={"state": "failed", "message": message})
-                return TaskFailed(
-                    f"step {self.spec.step!r}: run {handle.run_id}: {message}; nothing was promoted"
-                )
-            manifest_file = self.project.store.run_dir(handle.run_id) / "manifest.json"
-            if fetched.manifest_json is not None:
-                write_bytes_atomic(manifest_file, fetched.manifest_json)
-            else:  # compact: a manifest of 20,000 files is 3 MB, 4x slower to indent
-                write_json_atomic(manifest_file, fetched.manifest, indent=None)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                fetched.confirm()  # ends the fetch; this failure is the one to report
-            raise
+        missing = fetched.manifest.get("missing") or []
+        if missing:
+            message = f"the run did not produce declared output(s) {', '.join(missing)}"
+            self._save(handle, verdict={"state": "failed", "message": message})
+            return TaskFailed(
+                f"step {self.spec.step!r}: run {handle.run_id}: {message}; nothing was promoted"
+            )
+        manifest_file = self.project.store.run_dir(handle.run_id) / "manifest.json"
+        # compact: a manifest of 20,000 files is 3 MB, 4x slower to indent
+        write_json_atomic(manifest_file, fetched.manifest, indent=None)
         self.fetched = fetched
         self._save(handle, phase="fetched", manifest_digest=fetched.manifest["digest"])
         return None
@@ -701,29 +692,15 @@ class StepRunner:
         # Staged and final files share inode and mtime after the rename, so
         # the cache filled here makes the next no-op check stat-only. The
         # hashes the fetch took as files arrived are reused while they match.
-        try:
-            problems = manifest_cache.verify_outputs(
-                self.root if fetched.in_place else fetched.root,
-                outputs,
-                fetched.manifest,
-                self.outputs_cache,
-                seed=fetched.hashes or None,
-                digest_checked=fetched.digest_checked,
-            )
-        except BaseException:
-            with contextlib.suppress(Exception):
-                fetched.confirm()  # ends the fetch; this failure is the one to report
-            raise
-        # The source's last word (did the outputs change there meanwhile?)
-        # comes before any verdict on the copy, and before any promotion.
-        fetched.confirm()
+        in_place = fetched.root.resolve() == self.root.resolve()  # nothing to promote
+        problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, self.outputs_cache)
         if problems:
             return TaskFailed(
                 f"step {self.spec.step!r}: the fetched outputs of run {handle.run_id} do not match "
                 "its manifest; nothing was promoted:\n  " + "\n  ".join(problems)
             )
         renamed = False
-        if not fetched.in_place:
+        if not in_place:
             try:
                 from substrax_tasks.promote import promote  # not on a no-op's path
 

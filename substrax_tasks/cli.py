@@ -212,17 +212,17 @@ def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Con
     base = Path(str(handle.state.get("project") or project.root))
     dest = Path(args.to).resolve() if args.to else base
     cache = project.store.run_dir(handle.run_id) / "fetch-cache.json"
-    checked = base if fetched.in_place else fetched.root
-    problems = manifest_cache.verify_outputs(checked, outputs, fetched.manifest, cache)
+    in_place = fetched.root.resolve() == base.resolve()
+    problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, cache)
     if problems:
         raise BackendError(
             f"run {handle.run_id}: the fetched outputs do not match its manifest; nothing was "
             "moved into place:\n  " + "\n  ".join(problems)
         )
-    if fetched.in_place and dest == base:
+    if in_place and dest == base:
         out.print(f"run {handle.run_id}: its outputs are in place and verified", highlight=False)
         return 0
-    if fetched.in_place:
+    if in_place:
         raise BackendError(
             f"run {handle.run_id} wrote its outputs in place (no sandbox); copy them from {base}"
         )

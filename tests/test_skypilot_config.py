@@ -165,8 +165,8 @@ def test_the_generated_task_mounts_read_only_copies_and_arms_the_timer_first(tmp
     job = json.loads(json.dumps(sky_task.worker_job(backend.settings, handle, layout, None)))  # type: ignore[arg-type]
     assert job["network_isolation"] is True
     assert not job["project"].startswith("/")  # resolved by the worker on the cluster
-    # the copy transport fetches over ssh from the worker's kept manifest (manifest.settle)
-    assert job["keep_manifest_for_fetch"] is True and "manifest_copy" not in job
+    # the copy transport reads the manifest from the run's folder: no copy in a bucket
+    assert "manifest_copy" not in job
 
 
 def test_bucket_shapes_are_refused_only_where_buckets_cannot_be_mounted() -> None:

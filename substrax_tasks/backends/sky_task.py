@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from substrax_tasks.backends._remote_run import scripts_digest
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.resolved import ENV_LOCK_FILES
-from substrax_tasks.worker_job import KEEP_MANIFEST_FOR_FETCH, WorkerPaths, build_job
+from substrax_tasks.worker_job import WorkerPaths, build_job
 
-REMOTE_SCRIPTS = ("worker.py", "manifest.py", "control.py")
 _UNSAFE = re.compile(r"[^a-z0-9]+")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
 
@@ -39,13 +38,6 @@ def cluster_name(settings: SkypilotSettings, handle: RunHandle) -> str:
     slug = _UNSAFE.sub("-", handle.step.lower()).strip("-")[:16].strip("-") or "step"
     suffix = hashlib.sha256(handle.run_id.encode()).hexdigest()[:6]
     return f"{settings.cluster_prefix}-{slug}-{suffix}"
-
-
-def scripts_digest(remote_dir: Path) -> str:
-    digest = hashlib.sha256()
-    for name in REMOTE_SCRIPTS:
-        digest.update((remote_dir / name).read_bytes())
-    return digest.hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -94,22 +86,13 @@ class ClusterLayout:
         return path if path.startswith("/") else f"~/{path}"
 
 
-def layout_for(settings: SkypilotSettings, handle: RunHandle, remote_dir: Path) -> ClusterLayout:
+def layout_for(settings: SkypilotSettings, handle: RunHandle) -> ClusterLayout:
     bucket_key = None
     if settings.bucket is not None:
         bucket_key = hashlib.sha256(settings.bucket.outputs_bucket.encode()).hexdigest()[:10]
     return ClusterLayout(
-        settings.remote_root.rstrip("/"), handle.run_id, scripts_digest(remote_dir), bucket_key
+        settings.remote_root.rstrip("/"), handle.run_id, scripts_digest(), bucket_key
     )
-
-
-def env_lock(project: Path) -> str | None:
-    return next((name for name in ENV_LOCK_FILES if (project / name).is_file()), None)
-
-
-def env_digest(project: Path, lock: str, settings: SkypilotSettings) -> str:
-    recipe = repr((settings.python, settings.pip_args)).encode()
-    return hashlib.sha256((project / lock).read_bytes() + recipe).hexdigest()[:16]
 
 
 def worker_job(
@@ -124,16 +107,11 @@ def worker_job(
         network_isolation=settings.transport.network_isolation,
         grace_seconds=settings.grace_seconds,
         hide=["."],  # the home folder: its credentials are not the task's
-        extra_ro=[env_dir] if env_dir else [],
+        env_dir=env_dir,
     )
     job["staging"] = layout.staging
-    if layout.bucket_key is not None:
+    if layout.bucket_key is not None:  # the bucket transport fetches it with the outputs
         job["manifest_copy"] = f"{layout.bucket_dir}/{handle.run_id}/manifest.json"
-    else:  # the copy transport's fetch watches the outputs over ssh (manifest.settle)
-        job[KEEP_MANIFEST_FOR_FETCH] = True
-    if env_dir:
-        job["path_prepend"] = [f"{env_dir}/bin"]
-        job["env"] = {**job["env"], "VIRTUAL_ENV": env_dir}
     return job
 
 

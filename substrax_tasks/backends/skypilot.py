@@ -24,9 +24,11 @@ import dataclasses
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,10 +39,10 @@ from substrax_tasks._output import emit
 from substrax_tasks._remote_files import remote_dir
 from substrax_tasks._sky import SkyCallError, SkyClient
 from substrax_tasks._ssh import RemoteResult, control_dir, multiplexing, stop_master
-from substrax_tasks.backends import sky_task
+from substrax_tasks.backends import _remote_run, sky_task
+from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env, project_files
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.backends.skypilot_settings import SkypilotSettings
-from substrax_tasks.backends.ssh_watch import ManifestWatch, ProcessChannel, watched_fetch
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.store import RunStore
@@ -113,23 +115,18 @@ class ClusterTarget:
                     found.append(key)
         return found
 
-    def run(self, argv: list[str], *, timeout: float | None = 120) -> RemoteResult:
-        import shlex
-
+    def run(
+        self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120
+    ) -> RemoteResult:
+        """Run argv there (quoted for its shell) and wait for it."""
         command = [*self.ssh_argv(), self.host, shlex.join(argv)]
         try:
             done = subprocess.run(
-                command, check=False, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL
+                command, check=False, capture_output=True, timeout=timeout, input=stdin or b""
             )
         except subprocess.TimeoutExpired:
             raise BackendError(f"ssh {self.host}: no answer within {timeout} s") from None
         return RemoteResult(done.returncode, done.stdout, done.stderr)
-
-    def open_command(self, argv: list[str]) -> ProcessChannel:
-        """A command left running, to talk with on its stdin and stdout."""
-        import shlex
-
-        return ProcessChannel([*self.ssh_argv(), self.host, shlex.join(argv)])
 
     def stop_master(self) -> None:
         stop_master(self.ssh_argv(), self.host, self.control_path())
@@ -153,7 +150,7 @@ class SkypilotBackend(Backend):
         return recorded if isinstance(recorded, str) else sky_task.cluster_name(self.settings, handle)
 
     def layout(self, handle: RunHandle) -> sky_task.ClusterLayout:
-        layout = sky_task.layout_for(self.settings, handle, remote_dir())
+        layout = sky_task.layout_for(self.settings, handle)
         # The scripts the launch uploaded, even if this installation's differ
         # by now (an upgrade between launch and fetch): their folder is named
         # after their digest.
@@ -196,7 +193,8 @@ class SkypilotBackend(Backend):
         except SubstraxError as exc:
             emit(f"{handle.step}: could not write the ssh config of {cluster}: {exc}", err=True)
 
-    def _ssh(self, handle: RunHandle, argv: list[str], what: str) -> RemoteResult:
+    def remote_run(self, handle: RunHandle) -> RemoteRun:
+        """The run's folder on the cluster, over the ssh config SkyPilot wrote."""
         target = self.target(handle)
         if not target.config_file.is_file() and target.host not in self._ssh_config_written:
             self._write_ssh_config(handle)  # another machine's launch, or one before an upgrade
@@ -205,21 +203,19 @@ class SkypilotBackend(Backend):
                 f"run {handle.run_id}: no ssh access to cluster {target.host} "
                 f"({target.config_file} is missing: the cluster is down, or was launched from another home)"
             )
-        result = target.run(argv)
-        if result.returncode != 0:
-            said = (result.stderr + result.stdout).decode(errors="replace").strip()
-            raise BackendError(f"{what} on {target.host} failed (exit {result.returncode}): {said[-1500:]}")
-        return result
-
-    def _script(self, handle: RunHandle, name: str, *args: str) -> list[str]:
-        return [self.settings.python, f"{self.layout(handle).bin}/{name}", *args]
+        layout = self.layout(handle)
+        return RemoteRun(target, self.settings.python, layout.bin, layout.run)
 
     # ------------------------------------------------------------- launch
     def launch(self, handle: RunHandle) -> RunHandle:
         project = Path(str(handle.state["project"]))
         layout = self.layout(handle)
-        lock = sky_task.env_lock(project)
-        env_dir = layout.env_dir(sky_task.env_digest(project, lock, self.settings)) if lock else None
+        lock = _remote_run.env_lock(project)
+        env_dir = None
+        if lock is not None:
+            env_dir = layout.env_dir(
+                _remote_run.env_digest(project, lock, self.settings.python, self.settings.pip_args)
+            )
         upload = self._run_file(handle, "upload")
         self._snapshot(handle, project, upload)
         (upload / "in").mkdir(parents=True, exist_ok=True)
@@ -257,7 +253,7 @@ class SkypilotBackend(Backend):
                 "request_file": str(self._run_file(handle, LAUNCH_REQUEST)),
                 "log_file": str(log),
                 # values read now, sent on stdin: never written to a file
-                "secrets": {n: os.environ[n] for n in handle.spec.forward_env if n in os.environ},
+                "secrets": forwarded_env(handle),
             }
             try:
                 result = self.sky().call("launch", request, timeout=None, while_waiting=relay)
@@ -296,8 +292,6 @@ class SkypilotBackend(Backend):
     def _snapshot(self, handle: RunHandle, project: Path, upload: Path) -> None:
         """The project's files, the step's inputs and nothing else, as hard
         links (copies across file systems): SkyPilot uploads this folder."""
-        from substrax_tasks.backends.ssh import project_files
-
         dest = upload / "project"
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
@@ -407,7 +401,7 @@ class SkypilotBackend(Backend):
         from substrax_tasks.worker_job import status_from_record
 
         try:
-            record = self._remote_status(handle)
+            record = self.remote_run(handle).status()
         except SubstraxError as exc:
             note = f"the worker's record is out of reach: {exc}"
             return RunStatus(status.state, message=f"{status.message} ({note})")
@@ -420,19 +414,6 @@ class SkypilotBackend(Backend):
             # on Slurm does not wait for it), which SkyPilot's verdict says.
             return RunStatus(status.state, started_at=worker.started_at, message=status.message)
         return worker
-
-    def _remote_status(self, handle: RunHandle) -> dict[str, Any]:
-        result = self._ssh(handle, self._script(handle, "control.py", "status", self.layout(handle).run),
-                           "reading the run's status")  # fmt: skip
-        try:
-            data = json.loads(result.text().strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            raise BackendError(
-                f"reading the run's status: unexpected answer {result.text()[:200]!r}"
-            ) from None
-        if not isinstance(data, dict):
-            raise BackendError(f"reading the run's status: unexpected answer {data!r}")
-        return data
 
     # ------------------------------------------------------------- cancel
     def cancel(self, handle: RunHandle) -> bool:
@@ -486,31 +467,20 @@ class SkypilotBackend(Backend):
         return True
 
     # --------------------------------------------------------------- logs
-    def _kept_log(self, handle: RunHandle) -> Path:
-        return self._run_file(handle, "run.log")
-
     def read_log(self, handle: RunHandle, offset: int) -> bytes:
-        kept = self._kept_log(handle)
-        if kept.is_file():
-            with kept.open("rb") as f:
-                f.seek(offset)
-                return f.read(1 << 20)
+        kept = _remote_run.read_kept_log(self._run_file(handle, "run.log"), offset)
+        if kept is not None:
+            return kept
         if not isinstance(handle.state.get("job_id"), int) or handle.state.get("torn_down"):
             return b""
-        log = f"{self.layout(handle).run}/run.log"
         try:
-            result = self._ssh(
-                handle, ["sh", "-c", 'tail -c +"$1" "$2" 2>/dev/null | head -c 1048576', "sh",
-                         str(offset + 1), log], "reading the log")  # fmt: skip
+            return self.remote_run(handle).read_log(offset)
         except BackendError:
             return b""
-        return result.stdout
 
     def stream_log(self, handle: RunHandle, out: IO[bytes], follow: bool = False) -> RunStatus:
         """As the base, but SkyPilot's status is read every poll_seconds (each
         read is a process that imports sky), the log over ssh in between."""
-        import time
-
         offset = 0
         status = self.poll(handle)
         next_poll = time.monotonic() + self.settings.poll_seconds
@@ -533,47 +503,20 @@ class SkypilotBackend(Backend):
 
     # -------------------------------------------------------------- fetch
     def fetch(self, handle: RunHandle) -> Fetched:
-        fetched = self.begin_fetch(handle)
-        fetched.confirm()
-        return fetched
-
-    def begin_fetch(self, handle: RunHandle) -> Fetched:
-        if self.settings.bucket is not None:
-            return self._fetch_bucket(handle)
-        return self._fetch_copy(handle)
-
-    def _fetch_copy(self, handle: RunHandle) -> Fetched:
-        """As the SSH backend fetches (ssh_watch.watched_fetch): rsync over
-        SkyPilot's ssh config while the node takes the outputs' manifest,
-        each file hashed here as it arrives, the node's last check confirmed
-        before anything is promoted."""
-        record = self._remote_status(handle)
-        root = record.get("outputs_root")
-        if not isinstance(root, str):
-            raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
-        cache = f"{self.layout(handle).run}/manifest-cache.json"
-        argv = self._script(handle, "manifest.py", root, *handle.spec.outputs, "--cache", cache, "--watch")
-        target = self.target(handle)
-        watch = ManifestWatch(target.open_command(argv), self.cluster(handle))
-        changed = (
-            f"run {handle.run_id}: the outputs on {self.cluster(handle)} changed while they were fetched; "
-            f"nothing was promoted and the cluster is kept (`doit {handle.step}` fetches them again)"
-        )
         staging = self._run_file(handle, "fetched")
-        return watched_fetch(
-            watch, RsyncTransport(target), root, list(handle.spec.outputs), staging=staging, changed=changed
-        )
-
-    def _fetch_bucket(self, handle: RunHandle) -> Fetched:
+        if self.settings.bucket is None:  # copy: as the SSH backend fetches, over SkyPilot's ssh config
+            run = self.remote_run(handle)
+            root = run.status().get("outputs_root")
+            if not isinstance(root, str):
+                raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
+            return run.fetch(RsyncTransport(self.target(handle)), root, list(handle.spec.outputs), staging)
         from substrax_tasks.transports.bucket import BucketTransport
 
-        assert self.settings.bucket is not None
         base = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
         transport = BucketTransport()
         manifest = transport.read_manifest(f"{base}/manifest.json")
-        staging = self._run_file(handle, "fetched")
         shutil.rmtree(staging, ignore_errors=True)
-        present = [o for o in handle.spec.outputs if o not in manifest.get("missing", [])]
+        present = [o for o in handle.spec.outputs if o not in manifest["missing"]]
         if present:
             transport.download(f"{base}/outputs", present, staging)
         _apply_modes(staging, manifest)
@@ -592,7 +535,7 @@ class SkypilotBackend(Backend):
         if handle.state.get("torn_down"):
             return False
         try:
-            return bool(self._remote_status(handle).get("exists"))
+            return bool(self.remote_run(handle).status().get("exists"))
         except SubstraxError:
             return False
 
@@ -610,21 +553,11 @@ class SkypilotBackend(Backend):
                 raise BackendError("; ".join(str(e) for e in group.exceptions)) from None
             return
         with contextlib.suppress(SubstraxError, OSError):
-            self._keep_log(handle)
+            self.remote_run(handle).keep_log(self._run_file(handle, "run.log"))
         failures: list[Exception] = []
         if not self._down(handle, failures):
             raise failures[0]
         self.store.update_state(handle, torn_down=True)
-
-    def _keep_log(self, handle: RunHandle) -> None:
-        kept = self._kept_log(handle)
-        partial = kept.with_name(kept.name + ".partial")
-        offset = 0
-        with partial.open("wb") as f:
-            while chunk := self.read_log(handle, offset):
-                f.write(chunk)
-                offset += len(chunk)
-        partial.replace(kept)
 
 
 def _apply_modes(root: Path, manifest: dict[str, Any]) -> None:

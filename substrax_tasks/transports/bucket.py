@@ -49,7 +49,7 @@ from typing import Any
 
 from substrax_tasks._output import emit
 from substrax_tasks.errors import BackendError
-from substrax_tasks.transports.base import TransferStats, Transport
+from substrax_tasks.transports.base import TransferStats, Transport, checked_manifest, progress
 
 MAX_WORKERS = 8  # objects copied at once: one request each, so small files do not go one by one
 INSTALL_BUCKET = "pip install 'substrax-tasks[bucket]'"
@@ -133,10 +133,6 @@ class BucketTransport(Transport):
         """The manifest at `uri` (``<outputs_bucket>/<run_id>/manifest.json``),
         checked whole: its digest must match its entries. Missing or damaged
         means the run did not finish writing its outputs: BackendError."""
-        import json
-
-        from substrax_tasks.manifest_cache import manifest_module
-
         run_folder = uri.rstrip("/").rsplit("/", 1)[0] if "/" in uri.rstrip("/") else uri
         fs, path = self.filesystem(uri)
         try:
@@ -148,33 +144,15 @@ class BucketTransport(Transport):
             ) from None
         except Exception as exc:
             raise _failure("reading", uri, exc) from exc
-        try:
-            manifest = json.loads(data)
-        except ValueError:
-            manifest = None
-        problem = _manifest_problem(manifest, manifest_module())
-        if problem is not None:
-            raise BackendError(
-                f"the manifest in the run folder {run_folder} is damaged ({problem}): the run did not "
-                f"finish writing its outputs; nothing was fetched"
-            )
-        assert isinstance(manifest, dict)
-        return manifest
+        return checked_manifest(data, f"in the run folder {run_folder}")
 
     # ------------------------------------------------------------- transfers
 
-    def download(
-        self,
-        remote_root: str,
-        rel_paths: list[str],
-        local_root: Path,
-        on_file: Callable[[str], None] | None = None,
-    ) -> TransferStats:
+    def download(self, remote_root: str, rel_paths: list[str], local_root: Path) -> TransferStats:
         """Copy ``remote_root/<rel>`` (an object, or every object under that
         prefix) to ``local_root/<rel>``. A path with nothing in the bucket
         is skipped (verification against the manifest names it); a folder
-        output arrives, empty if nothing is under it.
-        `on_file` is told each file's relative path once it stands whole."""
+        output arrives, empty if nothing is under it."""
         started = time.monotonic()
         fs, root = self.filesystem(remote_root)
         folders: list[Path] = [local_root]
@@ -210,8 +188,6 @@ class BucketTransport(Transport):
                 part.replace(final)
             finally:
                 part.unlink(missing_ok=True)
-            if on_file is not None:
-                on_file(final.relative_to(local_root).as_posix())
 
         return self._run("fetch", copies, fetch_one, lambda c: _uri(remote_root, root, c.source), started)
 
@@ -294,60 +270,43 @@ class BucketTransport(Transport):
 
 
 class _Meter:
-    """Files and bytes done, counted from many threads; a rich bar if asked."""
+    """Files and bytes done, counted from many threads; on the bar if shown."""
 
     def __init__(self, what: str, files: int, total: int, show: bool) -> None:
         self.what = what
         self.total_files = files
         self.total = total
-        self.show = show
         self.files = 0
         self.bytes = 0
         self._lock = threading.Lock()
-        self._progress: Any = None
+        self._bar = progress(what) if show else None
         self._task: Any = None
 
     def __enter__(self) -> _Meter:
-        if self.show:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
-            self._progress = Progress(
-                TextColumn(f"{self.what}{{task.fields[files]}}"), BarColumn(), DownloadColumn(),
-                TransferSpeedColumn(), TimeRemainingColumn(), transient=False, console=Console(stderr=True),
-            )  # fmt: skip
-            self._progress.start()
-            self._task = self._progress.add_task(self.what, total=self.total, files=self._files_text())
+        if self._bar is not None:
+            self._bar.start()
+            self._task = self._bar.add_task(self.what, total=self.total, files=self._files_text())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._progress is not None:
-            self._progress.stop()
+        if self._bar is not None:
+            self._bar.stop()
 
     def _files_text(self) -> str:
         return f" {self.files}/{self.total_files} files"
 
     def add_bytes(self, count: int) -> None:
-        if count == 0:
-            return
         with self._lock:
             self.bytes += count
-        if self._progress is not None:
-            self._progress.advance(self._task, count)
+        if self._bar is not None and count:
+            self._bar.advance(self._task, count)
 
     def file_done(self) -> None:
         with self._lock:
             self.files += 1
             text = self._files_text()
-        if self._progress is not None:
-            self._progress.update(self._task, files=text)
+        if self._bar is not None:
+            self._bar.update(self._task, files=text)
 
 
 def _package_for(protocol: str) -> str:
@@ -455,27 +414,3 @@ def _failure(action: str, uri: str, exc: BaseException) -> BackendError:
             "(for s3://: AWS_ENDPOINT_URL, or the transport's endpoint_url)?"
         )
     return BackendError(f"{action} {uri} failed: {type(exc).__name__}: {exc}")
-
-
-def _manifest_problem(manifest: object, mod: Any) -> str | None:
-    """Why `manifest` is not a whole manifest of remote/manifest.py, or None."""
-    if not isinstance(manifest, dict):
-        return "it is not a JSON object"
-    version, entries = manifest.get("version"), manifest.get("entries")
-    missing, digest = manifest.get("missing"), manifest.get("digest")
-    checks = [
-        (version == mod.VERSION, f"version {version!r}, expected {mod.VERSION}"),
-        (isinstance(entries, list) and all(isinstance(e, dict) and "path" in e for e in entries),
-         "its entries are not a list of entries"),
-        (isinstance(missing, list) and all(isinstance(m, str) for m in missing),
-         "its missing outputs are not a list of paths"),
-        (isinstance(digest, str), "it has no digest"),
-    ]  # fmt: skip
-    problem = next((why for ok, why in checks if not ok), None)
-    if problem is not None:
-        return problem
-    try:
-        own = str(mod.entries_digest(entries))
-    except (TypeError, ValueError) as exc:
-        return f"its entries cannot be digested: {exc}"
-    return None if own == digest else f"its digest {str(digest)[:12]} does not match its entries ({own[:12]})"
