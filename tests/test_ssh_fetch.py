@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +116,7 @@ def test_outputs_changed_as_the_copy_runs_need_no_still_host_but_a_changed_file_
     backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
     big = on_host(handle, "out/big.bin")
     copy = RsyncTransport.download
-    changes = [lambda: os.utime(big), lambda: big.write_bytes(b"y" * 3_000_000)]
+    changes: list[Callable[[], object]] = [lambda: os.utime(big), lambda: big.write_bytes(b"y" * 3_000_000)]
 
     def change_then_copy(self: RsyncTransport, *args: Any, **kwargs: Any) -> TransferStats:
         """The host's outputs change once the manifest was read, as the copy begins."""
