@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from substrax_tasks._output import emit
 from substrax_tasks._remote_files import sky_helper_script
 from substrax_tasks.errors import BackendError, ConfigError
 
@@ -140,3 +141,28 @@ def _communicate(
             continue
         while_waiting()
         return out, err
+
+
+class LogRelay:
+    """Shows what a SkyPilot request writes to its log while it is waited on."""
+
+    def __init__(self, path: Path, prefix: str) -> None:
+        self.path = path
+        self.prefix = prefix
+        self.offset = path.stat().st_size if path.exists() else 0
+        self.partial = b""
+
+    def __call__(self) -> None:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        for line in lines:
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                emit(f"{self.prefix}{text}")

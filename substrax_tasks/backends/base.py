@@ -178,24 +178,34 @@ class Backend(ABC):
             )
         return status
 
+    @property
+    def poll_seconds(self) -> float:
+        """How often the run's status is read while it is waited on (the log
+        is read more often)."""
+        return LOG_POLL_SECONDS
+
     def stream_log(self, handle: RunHandle, out: IO[bytes], follow: bool = False) -> RunStatus:
         """Copy the log to `out`; with follow, until the run has finished."""
         offset = 0
+        status = self.poll(handle)
+        next_poll = time.monotonic() + self.poll_seconds
         while True:
-            status = self.poll(handle)
             chunk = self.read_log(handle, offset)
-            while chunk:
+            if chunk:
                 out.write(chunk)
                 out.flush()
                 offset += len(chunk)
-                chunk = self.read_log(handle, offset)
-            if not follow or status.final:
+                continue
+            if not follow or status.final:  # read after the status: the log is whole
                 return status
             time.sleep(LOG_POLL_SECONDS)
+            if time.monotonic() >= next_poll:
+                status = self.poll(handle)
+                next_poll = time.monotonic() + self.poll_seconds
 
-    def wait(self, handle: RunHandle, poll_seconds: float = LOG_POLL_SECONDS) -> RunStatus:
+    def wait(self, handle: RunHandle, poll_seconds: float | None = None) -> RunStatus:
         while True:
             status = self.poll(handle)
             if status.final:
                 return status
-            time.sleep(poll_seconds)
+            time.sleep(poll_seconds or self.poll_seconds)

@@ -17,13 +17,15 @@ On the cluster, relative to the cluster user's home (`remote_root`):
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shlex
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from substrax_tasks.backends._remote_run import scripts_digest
+from substrax_tasks.backends._remote_run import project_files, scripts_digest
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.worker_job import WorkerPaths, build_job
@@ -215,3 +217,49 @@ def task_config(
         "run": run_script(settings, layout),
     }
     return config
+
+
+def snapshot(
+    settings: SkypilotSettings, handle: RunHandle, project: Path, state_dir: Path, dest: Path
+) -> None:
+    """The project's files, the step's inputs and nothing else, as hard
+    links (copies across file systems) in `dest`: SkyPilot uploads it."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    outputs = {o.rstrip("/") for o in handle.spec.outputs}
+    sources = set(settings.copy_.source_paths()) if settings.copy_ is not None else set()
+    buckets = {p.strip("/") for p in settings.bucket.buckets} if settings.bucket is not None else set()
+    skipped = outputs | sources | buckets
+    files = [f for f in project_files(project, state_dir, []) if f.rstrip("/") not in skipped]
+    files += [
+        i for i in handle.spec.inputs if i.rstrip("/") not in files and i.rstrip("/") not in skipped
+    ]
+    for rel in files:
+        source = project / rel.rstrip("/")
+        target = dest / rel.rstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir() and not source.is_symlink():
+            shutil.copytree(source, target, symlinks=True, copy_function=_link_or_copy, dirs_exist_ok=True)
+        elif source.exists() or source.is_symlink():
+            _link_or_copy(str(source), str(target))
+    # SkyPilot filters a mount through the .gitignore files in it, unless
+    # its root holds a .skyignore: an empty one, so that what was chosen
+    # above (tracked files and declared inputs) is what arrives. Written
+    # beside and renamed: the snapshot's files are links to the project's.
+    ignore = dest / ".skyignore"
+    partial = dest / ".skyignore.partial"
+    partial.write_text("# substrax-tasks: this snapshot is exactly what is uploaded\n")
+    partial.replace(ignore)
+
+
+def _link_or_copy(source: str, target: str) -> str:
+    if os.path.lexists(target):  # an input inside a folder already taken
+        return target
+    if Path(source).is_symlink():
+        Path(target).symlink_to(Path(source).readlink())
+        return target
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+    return target

@@ -21,26 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
-import os
-import shlex
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from pydantic import BaseModel
 
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import emit
 from substrax_tasks._remote_files import remote_dir
-from substrax_tasks._sky import SkyCallError, SkyClient
-from substrax_tasks._ssh import RemoteResult, control_dir, multiplexing, stop_master
+from substrax_tasks._sky import LogRelay, SkyCallError, SkyClient
+from substrax_tasks._ssh import ClusterTarget
 from substrax_tasks.backends import _remote_run, sky_task
-from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env, project_files
+from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.backends.skypilot_settings import SkypilotSettings
 from substrax_tasks.errors import BackendError, SubstraxError
@@ -78,58 +73,6 @@ def job_state(value: object) -> str:
             "refusing to read it as either running or finished"
         )
     return JOB_STATES[value]
-
-
-class ClusterTarget:
-    """ssh to a SkyPilot cluster through the config SkyPilot wrote for it."""
-
-    def __init__(self, cluster: str, config_file: Path) -> None:
-        self.host = cluster
-        self.config_file = config_file
-
-    def control_path(self) -> str:
-        digest = hashlib.sha256(f"{self.config_file}:{self.host}".encode()).hexdigest()[:16]
-        return str(control_dir() / digest)
-
-    def ssh_argv(self, multiplex: bool = True) -> list[str]:
-        argv = ["ssh", "-F", str(self.config_file), "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"]
-        argv += [arg for key in self.home_identities() for arg in ("-i", str(key))]
-        return argv + (multiplexing(self.control_path()) if multiplex else [])
-
-    def home_identities(self) -> list[Path]:
-        """The config's `IdentityFile ~/...` keys, under SkyPilot's HOME.
-
-        SkyPilot means its own HOME by `~` (it writes the key there), but
-        ssh expands `~` to the home in the password database: with HOME set
-        elsewhere (a container, CI, a test) ssh would not find the key."""
-        try:
-            text = self.config_file.read_text()
-        except OSError:
-            return []
-        found = []
-        for line in text.splitlines():
-            words = line.replace("=", " ", 1).split()
-            if len(words) == 2 and words[0].lower() == "identityfile" and words[1].startswith("~/"):
-                key = Path.home() / words[1][2:]
-                if key.is_file():
-                    found.append(key)
-        return found
-
-    def run(
-        self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120
-    ) -> RemoteResult:
-        """Run argv there (quoted for its shell) and wait for it."""
-        command = [*self.ssh_argv(), self.host, shlex.join(argv)]
-        try:
-            done = subprocess.run(
-                command, check=False, capture_output=True, timeout=timeout, input=stdin or b""
-            )
-        except subprocess.TimeoutExpired:
-            raise BackendError(f"ssh {self.host}: no answer within {timeout} s") from None
-        return RemoteResult(done.returncode, done.stdout, done.stderr)
-
-    def stop_master(self) -> None:
-        stop_master(self.ssh_argv(), self.host, self.control_path())
 
 
 class SkypilotBackend(Backend):
@@ -217,7 +160,7 @@ class SkypilotBackend(Backend):
                 _remote_run.env_digest(project, lock, self.settings.python, self.settings.pip_args)
             )
         upload = self._run_file(handle, "upload")
-        self._snapshot(handle, project, upload)
+        sky_task.snapshot(self.settings, handle, project, self.store.root, upload / "project")
         (upload / "in").mkdir(parents=True, exist_ok=True)
         write_json_atomic(
             upload / "in" / "job.json", sky_task.worker_job(self.settings, handle, layout, env_dir)
@@ -234,7 +177,7 @@ class SkypilotBackend(Backend):
         )
         self._validate(config)
         log = self._run_file(handle, "launch.log")
-        relay = _LogRelay(log, f"{handle.step}: ")
+        relay = LogRelay(log, f"{handle.step}: ")
         rid = self._request_id(handle)
         state = self._request_state(rid) if rid else None
         if rid and state in (*REQUEST_LIVE, "SUCCEEDED"):
@@ -288,43 +231,6 @@ class SkypilotBackend(Backend):
                 f"SkyPilot refused the task for this step ({exc.kind}: {exc.detail}){hint}; "
                 "check [tool.substrax.compute.backends.skypilot] and the step's resources"
             ) from None
-
-    def _snapshot(self, handle: RunHandle, project: Path, upload: Path) -> None:
-        """The project's files, the step's inputs and nothing else, as hard
-        links (copies across file systems): SkyPilot uploads this folder."""
-        dest = upload / "project"
-        shutil.rmtree(dest, ignore_errors=True)
-        dest.mkdir(parents=True)
-        outputs = {o.rstrip("/") for o in handle.spec.outputs}
-        sources = set(self.settings.copy_.source_paths()) if self.settings.copy_ is not None else set()
-        buckets = (
-            {p.strip("/") for p in self.settings.bucket.buckets}
-            if self.settings.bucket is not None
-            else set()
-        )
-        skipped = outputs | sources | buckets
-        files = [f for f in project_files(project, self.store.root, []) if f.rstrip("/") not in skipped]
-        files += [
-            i for i in handle.spec.inputs if i.rstrip("/") not in files and i.rstrip("/") not in skipped
-        ]
-        for rel in files:
-            source = project / rel.rstrip("/")
-            target = dest / rel.rstrip("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if source.is_dir() and not source.is_symlink():
-                shutil.copytree(
-                    source, target, symlinks=True, copy_function=_link_or_copy, dirs_exist_ok=True
-                )
-            elif source.exists() or source.is_symlink():
-                _link_or_copy(str(source), str(target))
-        # SkyPilot filters a mount through the .gitignore files in it, unless
-        # its root holds a .skyignore: an empty one, so that what was chosen
-        # above (tracked files and declared inputs) is what arrives. Written
-        # beside and renamed: the snapshot's files are links to the project's.
-        ignore = dest / ".skyignore"
-        partial = dest / ".skyignore.partial"
-        partial.write_text("# substrax-tasks: this snapshot is exactly what is uploaded\n")
-        partial.replace(ignore)
 
     def start(self, handle: RunHandle) -> RunHandle:
         """The launch submitted the job already (SkyPilot runs setup, then it)."""
@@ -478,28 +384,9 @@ class SkypilotBackend(Backend):
         except BackendError:
             return b""
 
-    def stream_log(self, handle: RunHandle, out: IO[bytes], follow: bool = False) -> RunStatus:
-        """As the base, but SkyPilot's status is read every poll_seconds (each
-        read is a process that imports sky), the log over ssh in between."""
-        offset = 0
-        status = self.poll(handle)
-        next_poll = time.monotonic() + self.settings.poll_seconds
-        while True:
-            chunk = self.read_log(handle, offset)
-            if chunk:
-                out.write(chunk)
-                out.flush()
-                offset += len(chunk)
-                continue
-            if not follow or status.final:
-                return status
-            time.sleep(0.5)
-            if time.monotonic() >= next_poll:
-                status = self.poll(handle)
-                next_poll = time.monotonic() + self.settings.poll_seconds
-
-    def wait(self, handle: RunHandle, poll_seconds: float | None = None) -> RunStatus:
-        return super().wait(handle, poll_seconds or self.settings.poll_seconds)
+    @property
+    def poll_seconds(self) -> float:
+        return self.settings.poll_seconds  # each read is a process that imports sky
 
     # -------------------------------------------------------------- fetch
     def fetch(self, handle: RunHandle) -> Fetched:
@@ -510,7 +397,7 @@ class SkypilotBackend(Backend):
             if not isinstance(root, str):
                 raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
             return run.fetch(RsyncTransport(self.target(handle)), root, list(handle.spec.outputs), staging)
-        from substrax_tasks.transports.bucket import BucketTransport
+        from substrax_tasks.transports.bucket import BucketTransport, apply_modes
 
         base = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
         transport = BucketTransport()
@@ -519,7 +406,7 @@ class SkypilotBackend(Backend):
         present = [o for o in handle.spec.outputs if o not in manifest["missing"]]
         if present:
             transport.download(f"{base}/outputs", present, staging)
-        _apply_modes(staging, manifest)
+        apply_modes(staging, manifest)
         return Fetched(staging, manifest)
 
     def outputs_available(self, handle: RunHandle) -> bool:
@@ -558,50 +445,3 @@ class SkypilotBackend(Backend):
         if not self._down(handle, failures):
             raise failures[0]
         self.store.update_state(handle, torn_down=True)
-
-
-def _apply_modes(root: Path, manifest: dict[str, Any]) -> None:
-    """An object store keeps no file modes: the copies take the ones the
-    worker recorded, and verification then judges contents and sizes."""
-    for entry in manifest.get("entries", []):
-        path = root / str(entry.get("path"))
-        if entry.get("type") in ("file", "dir") and isinstance(entry.get("mode"), int) and path.exists():
-            path.chmod(entry["mode"])
-
-
-def _link_or_copy(source: str, target: str) -> str:
-    if os.path.lexists(target):  # an input inside a folder already taken
-        return target
-    if Path(source).is_symlink():
-        Path(target).symlink_to(Path(source).readlink())
-        return target
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
-    return target
-
-
-class _LogRelay:
-    """Shows what a SkyPilot request writes to its log while it is waited on."""
-
-    def __init__(self, path: Path, prefix: str) -> None:
-        self.path = path
-        self.prefix = prefix
-        self.offset = path.stat().st_size if path.exists() else 0
-        self.partial = b""
-
-    def __call__(self) -> None:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return
-        self.offset += len(data)
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()
-        for line in lines:
-            text = line.decode(errors="replace").rstrip()
-            if text:
-                emit(f"{self.prefix}{text}")

@@ -142,13 +142,9 @@ class SshBackend(Backend):
     # ----------------------------------------------------------- phases
     def launch(self, handle: RunHandle) -> RunHandle:
         conn = self.conn
-        try:
-            root = conn.sftp().normalize(".") if not self.settings.remote_root.startswith("/") else "/"
-        except OSError as exc:
-            raise BackendError(f"cannot read the home folder on {self.settings.host}: {exc}") from None
-        remote_root = str(Path(root) / self.settings.remote_root)
-        run_dir = f"{remote_root}/runs/{handle.run_id}"
         home = conn.check(["sh", "-c", 'printf %s "$HOME"'], "reading $HOME").text()
+        remote_root = str(Path(home) / self.settings.remote_root)  # relative: to the home folder
+        run_dir = f"{remote_root}/runs/{handle.run_id}"
         conn.check(["mkdir", "-p", "-m", "700", f"{run_dir}/work/outputs", f"{run_dir}/project"], "mkdir")
         bin_dir = f"{remote_root}/bin-{_remote_run.scripts_digest()}"
         if conn.run(["test", "-f", f"{bin_dir}/.complete"]).returncode != 0:
