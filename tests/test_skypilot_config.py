@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import cli
 
-from substrax_tasks._sky import resolve_sky_python
+from substrax_tasks._sky import JOB_STATES, job_state, resolve_sky_python
 from substrax_tasks.backends import sky_task
-from substrax_tasks.backends.skypilot import JOB_STATES, job_state
 from substrax_tasks.backends.skypilot_settings import NO_BUCKET_MOUNTS, SkypilotSettings
 from substrax_tasks.config import load_config
 from substrax_tasks.errors import BackendError, ConfigError

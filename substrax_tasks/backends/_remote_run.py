@@ -194,12 +194,20 @@ class RemoteRun:
         self.check(["sh", "-c", save, "sh", path], "saving the outputs' manifest", stdin=taken.stdout)
         return manifest
 
-    def fetch(self, transport: Transport, outputs_root: str, outputs: list[str], staging: Path) -> Fetched:
+    def fetch(
+        self, transport: Transport, outputs: list[str], staging: Path, outputs_root: object = None
+    ) -> Fetched:
         """The manifest, then a copy of the outputs into `staging` (made
         afresh: a killed copy leaves temp files, and a file since deleted
         there would stay here). Outputs changed on the host after the
         command ended do not match the manifest, so verification refuses
-        the copy; the run's folder stays for a fetch again."""
+        the copy; the run's folder stays for a fetch again. `outputs_root`:
+        where the outputs are there, if noted when the run was seen to end;
+        otherwise its status says."""
+        if not isinstance(outputs_root, str):
+            outputs_root = self.status().get("outputs_root")
+        if not isinstance(outputs_root, str):
+            raise BackendError(f"the status of run {self.run_dir} names no outputs folder")
         manifest = self.manifest(outputs_root, outputs)
         shutil.rmtree(staging, ignore_errors=True)
         present = [o for o in outputs if o not in manifest["missing"]]

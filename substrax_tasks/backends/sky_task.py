@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from substrax_tasks.backends._remote_run import project_files, scripts_digest
+from substrax_tasks.backends._remote_run import env_digest, env_lock, project_files, scripts_digest
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.worker_job import WorkerPaths, build_job
@@ -89,12 +89,25 @@ class ClusterLayout:
 
 
 def layout_for(settings: SkypilotSettings, handle: RunHandle) -> ClusterLayout:
+    """The run's layout; the scripts are those its launch uploaded (their
+    folder is named after their digest), even if this installation's differ
+    by now (an upgrade between launch and fetch)."""
     bucket_key = None
     if settings.bucket is not None:
         bucket_key = hashlib.sha256(settings.bucket.outputs_bucket.encode()).hexdigest()[:10]
-    return ClusterLayout(
-        settings.remote_root.rstrip("/"), handle.run_id, scripts_digest(), bucket_key
-    )
+    pinned = handle.state.get("bin_digest")
+    digest = pinned if isinstance(pinned, str) else scripts_digest()
+    return ClusterLayout(settings.remote_root.rstrip("/"), handle.run_id, digest, bucket_key)
+
+
+def environment(
+    settings: SkypilotSettings, layout: ClusterLayout, project: Path
+) -> tuple[str | None, str | None]:
+    """The lock file the environment is built from, and its folder (None, None: no lock)."""
+    lock = env_lock(project)
+    if lock is None:
+        return None, None
+    return lock, layout.env_dir(env_digest(project, lock, settings.python, settings.pip_args))
 
 
 def worker_job(

@@ -8,21 +8,18 @@ SkyPilot's job status is the run's and SkyPilot's cancel reaches its tree.
 Launch also arms SkyPilot's autodown, so an idle cluster goes by itself.
 
 Every SkyPilot call is one process of sky_helper/sky_sdk.py in SkyPilot's own
-interpreter (_sky.py). Files come back by rsync over the ssh config that
-SkyPilot writes for the cluster (copy transport) or from the bucket the
-worker wrote them to (bucket transport).
+interpreter (_sky.py). Outputs come back as from an SSH host (_remote_run.py,
+over the ssh config SkyPilot writes) or from the bucket the worker wrote.
 
-State recorded in the handle: cluster, job_id, remote paths; in the run's
-folder: task.json (the intent, written before launch) and
-launch-request.json (SkyPilot's request id, written the moment it exists).
+State in the handle: cluster, job_id, remote paths; in the run's folder:
+task.json (the intent, written before launch) and launch-request.json
+(SkyPilot's request id, written the moment it exists).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,7 +29,15 @@ from pydantic import BaseModel
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import emit
 from substrax_tasks._remote_files import remote_dir
-from substrax_tasks._sky import LogRelay, SkyCallError, SkyClient
+from substrax_tasks._sky import (
+    CLUSTER_GONE,
+    NO_CLUSTER,
+    REQUEST_LIVE,
+    LogRelay,
+    SkyCallError,
+    SkyClient,
+    job_state,
+)
 from substrax_tasks._ssh import ClusterTarget
 from substrax_tasks.backends import _remote_run, sky_task
 from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env
@@ -46,33 +51,12 @@ from substrax_tasks.transports.rsync import RsyncTransport
 if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only
     from exceptiongroup import ExceptionGroup
 
-# SkyPilot's JobStatus, as substrax reads it. Any other value raises.
-JOB_STATES = {
-    "INIT": "running", "PENDING": "running", "SETTING_UP": "running", "RUNNING": "running",
-    "SUCCEEDED": "succeeded", "FAILED": "failed", "FAILED_SETUP": "failed",
-    "FAILED_DRIVER": "failed", "CANCELLED": "cancelled",
-}  # fmt: skip
-REQUEST_LIVE = ("PENDING", "WAITING", "RUNNING")
-NO_CLUSTER = "ClusterDoesNotExist"
-# The cluster is INIT, STOPPED or AUTOSTOPPING (an autodown under way): its
-# queue cannot be read, and there is nothing left to cancel in it.
-CLUSTER_GONE = (NO_CLUSTER, "ClusterNotUpError")
 LAUNCH_REQUEST = "launch-request.json"
 TASK_FILE = "task.json"
 
 
 class SkyConfigRefused(SubstraxError):
     """SkyPilot refused the generated task: a configuration error, not retried."""
-
-
-def job_state(value: object) -> str:
-    """SkyPilot's job status -> substrax's run state; unknown values raise."""
-    if not isinstance(value, str) or value not in JOB_STATES:
-        raise BackendError(
-            f"SkyPilot reported job status {value!r}, which this release does not know; "
-            "refusing to read it as either running or finished"
-        )
-    return JOB_STATES[value]
 
 
 class SkypilotBackend(Backend):
@@ -93,14 +77,7 @@ class SkypilotBackend(Backend):
         return recorded if isinstance(recorded, str) else sky_task.cluster_name(self.settings, handle)
 
     def layout(self, handle: RunHandle) -> sky_task.ClusterLayout:
-        layout = sky_task.layout_for(self.settings, handle)
-        # The scripts the launch uploaded, even if this installation's differ
-        # by now (an upgrade between launch and fetch): their folder is named
-        # after their digest.
-        pinned = handle.state.get("bin_digest")
-        if isinstance(pinned, str) and pinned != layout.bin_digest:
-            layout = dataclasses.replace(layout, bin_digest=pinned)
-        return layout
+        return sky_task.layout_for(self.settings, handle)
 
     def _run_file(self, handle: RunHandle, name: str) -> Path:
         return self.store.run_dir(handle.run_id) / name
@@ -112,13 +89,6 @@ class SkypilotBackend(Backend):
             return None
         rid = data.get("request_id") if isinstance(data, dict) else None
         return rid if isinstance(rid, str) else None
-
-    def _request_state(self, rid: str) -> str | None:
-        records = self.sky().call("request_status", {"request_ids": [rid]})
-        for record in records or []:
-            if isinstance(record, dict) and record.get("request_id") == rid:
-                return str(record.get("status"))
-        return None
 
     def target(self, handle: RunHandle) -> ClusterTarget:
         cluster = self.cluster(handle)
@@ -153,12 +123,7 @@ class SkypilotBackend(Backend):
     def launch(self, handle: RunHandle) -> RunHandle:
         project = Path(str(handle.state["project"]))
         layout = self.layout(handle)
-        lock = _remote_run.env_lock(project)
-        env_dir = None
-        if lock is not None:
-            env_dir = layout.env_dir(
-                _remote_run.env_digest(project, lock, self.settings.python, self.settings.pip_args)
-            )
+        lock, env_dir = sky_task.environment(self.settings, layout, project)
         upload = self._run_file(handle, "upload")
         sky_task.snapshot(self.settings, handle, project, self.store.root, upload / "project")
         (upload / "in").mkdir(parents=True, exist_ok=True)
@@ -179,7 +144,7 @@ class SkypilotBackend(Backend):
         log = self._run_file(handle, "launch.log")
         relay = LogRelay(log, f"{handle.step}: ")
         rid = self._request_id(handle)
-        state = self._request_state(rid) if rid else None
+        state = self.sky().request_state(rid) if rid else None
         if rid and state in (*REQUEST_LIVE, "SUCCEEDED"):
             emit(f"{handle.step}: waiting for launch request {rid} of cluster {cluster}")
             result = self.sky().call("wait_launch", {"request_id": rid, "log_file": str(log)},
@@ -215,12 +180,10 @@ class SkypilotBackend(Backend):
         return handle
 
     def _validate(self, config: dict[str, Any]) -> None:
+        # check_file_mounts: the snapshot and sources exist by now
+        request = {"task": config, "needs_storage_mounting": self.settings.bucket is not None,
+                   "check_file_mounts": True}  # fmt: skip
         try:
-            request = {
-                "task": config,
-                "needs_storage_mounting": self.settings.bucket is not None,
-                "check_file_mounts": True,  # the snapshot and sources exist by now
-            }
             self.sky().call("validate", request)
         except SkyCallError as exc:
             hint = ""
@@ -292,7 +255,7 @@ class SkypilotBackend(Backend):
         rid = self._request_id(handle)
         if rid is None:
             return RunStatus("pending")
-        state = self._request_state(rid)
+        state = self.sky().request_state(rid)
         if state in REQUEST_LIVE or state == "SUCCEEDED" or state is None:
             return RunStatus("pending", message=f"launch request {rid}: {state or 'unknown'}")
         ended = RunStatus(
@@ -337,7 +300,7 @@ class SkypilotBackend(Backend):
         rid = self._request_id(handle)
         if rid is not None:
             try:
-                if self._request_state(rid) in REQUEST_LIVE:
+                if self.sky().request_state(rid) in REQUEST_LIVE:
                     self.sky().call("api_cancel", {"request_ids": [rid]})
             except SubstraxError as exc:
                 failures.append(BackendError(f"cancelling launch request {rid}: {exc}"))
@@ -345,11 +308,9 @@ class SkypilotBackend(Backend):
         if isinstance(job_id, int):
             try:
                 self.sky().call("cancel", {"cluster_name": cluster, "job_ids": [job_id]})
-            except SkyCallError as exc:
-                if exc.kind not in CLUSTER_GONE:  # else the down below ends it all the same
+            except SubstraxError as exc:  # a cluster gone or going: the down below ends it all the same
+                if not (isinstance(exc, SkyCallError) and exc.kind in CLUSTER_GONE):
                     failures.append(BackendError(f"cancelling job {job_id} on {cluster}: {exc}"))
-            except SubstraxError as exc:
-                failures.append(BackendError(f"cancelling job {job_id} on {cluster}: {exc}"))
         gone = self._down(handle, failures)
         if gone:
             ended = RunStatus("cancelled", message="cancelled; its cluster was taken down")
@@ -362,13 +323,10 @@ class SkypilotBackend(Backend):
         cluster = self.cluster(handle)
         try:
             self.sky().call("down", {"cluster_name": cluster}, timeout=None)
-        except SkyCallError as exc:
-            if exc.kind != NO_CLUSTER:
+        except SubstraxError as exc:
+            if not (isinstance(exc, SkyCallError) and exc.kind == NO_CLUSTER):
                 failures.append(BackendError(f"taking cluster {cluster} down: {exc}"))
                 return False
-        except SubstraxError as exc:
-            failures.append(BackendError(f"taking cluster {cluster} down: {exc}"))
-            return False
         self.target(handle).stop_master()
         return True
 
@@ -392,30 +350,20 @@ class SkypilotBackend(Backend):
     def fetch(self, handle: RunHandle) -> Fetched:
         staging = self._run_file(handle, "fetched")
         if self.settings.bucket is None:  # copy: as the SSH backend fetches, over SkyPilot's ssh config
-            run = self.remote_run(handle)
-            root = run.status().get("outputs_root")
-            if not isinstance(root, str):
-                raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
-            return run.fetch(RsyncTransport(self.target(handle)), root, list(handle.spec.outputs), staging)
-        from substrax_tasks.transports.bucket import BucketTransport, apply_modes
+            transport = RsyncTransport(self.target(handle))
+            return self.remote_run(handle).fetch(transport, list(handle.spec.outputs), staging)
+        from substrax_tasks.transports.bucket import BucketTransport
 
-        base = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
-        transport = BucketTransport()
-        manifest = transport.read_manifest(f"{base}/manifest.json")
-        shutil.rmtree(staging, ignore_errors=True)
-        present = [o for o in handle.spec.outputs if o not in manifest["missing"]]
-        if present:
-            transport.download(f"{base}/outputs", present, staging)
-        apply_modes(staging, manifest)
+        run_folder = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
+        manifest = BucketTransport().fetch_run(run_folder, list(handle.spec.outputs), staging)
         return Fetched(staging, manifest)
 
     def outputs_available(self, handle: RunHandle) -> bool:
         if self.settings.bucket is not None:
             from substrax_tasks.transports.bucket import BucketTransport
 
-            base = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
             try:
-                BucketTransport().read_manifest(f"{base}/manifest.json")
+                BucketTransport().read_manifest(f"{self.settings.bucket.outputs_bucket}/{handle.run_id}/manifest.json")
             except SubstraxError:
                 return False
             return True

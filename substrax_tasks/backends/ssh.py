@@ -290,15 +290,10 @@ class SshBackend(Backend):
         return self.settings.target().master_held()
 
     def fetch(self, handle: RunHandle) -> Fetched:
-        run = self.remote_run(handle)
-        # noted when the run was seen to end, else read from its status
-        root = handle.state.get("outputs_root")
-        if not isinstance(root, str):
-            root = run.status().get("outputs_root")
-        if not isinstance(root, str):
-            raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
         staging = self.store.run_dir(handle.run_id) / "fetched"
-        return run.fetch(self.transport(), root, list(handle.spec.outputs), staging)
+        return self.remote_run(handle).fetch(
+            self.transport(), list(handle.spec.outputs), staging, handle.state.get("outputs_root")
+        )
 
     def outputs_available(self, handle: RunHandle) -> bool:
         if handle.state.get("torn_down") or "remote_run_dir" not in handle.state:
