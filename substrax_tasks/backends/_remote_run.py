@@ -211,5 +211,6 @@ class RemoteRun:
         manifest = self.manifest(outputs_root, outputs)
         shutil.rmtree(staging, ignore_errors=True)
         present = [o for o in outputs if o not in manifest["missing"]]
-        transport.download(outputs_root, present, staging)
+        if present:
+            transport.download(outputs_root, present, staging)
         return Fetched(staging, manifest)
