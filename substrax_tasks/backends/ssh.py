@@ -1,9 +1,11 @@
 """The SSH backend: the step runs on a host you can ssh to.
 
-paramiko runs the commands (host keys verified), rsync moves the files.
-On the host, everything of a run lives in `<remote_root>/runs/<run-id>/`:
+paramiko runs the commands (host keys verified), rsync moves the files;
+what it shares with the SkyPilot backend is in _remote_run.py. On the host,
+everything of a run lives in `<remote_root>/runs/<run-id>/`:
 
-    job.json status.json run.log setup.log watchdog.json
+    job.json status.json run.log watchdog.json
+    manifest.json   the outputs' manifest, written by the worker as the command ended
     project/        the project's tracked files and the inputs (read-only to the task)
     work/outputs/   what the sandboxed task writes (the outputs' folders)
 
