@@ -19,10 +19,9 @@ side in one loop (the order rotates each repeat; medians; a ratio is the
 median of the ratios of one repeat):
 
 (a) verified fetch of the 1 GiB output: what `doit` does once the run has
-    finished, i.e. the chain's `fetch` phase (SshBackend.fetch: rsync into
-    local staging, hashing each file as it arrives, while the host stamps
-    the outputs and sends their manifest; then the host's check that the
-    outputs held still) and its `verify` phase (check the staged copy
+    finished, i.e. the chain's `fetch` phase (SshBackend.fetch: read the
+    manifest the worker wrote as the command ended, then rsync into local
+    staging) and its `verify` phase (check the staged copy
     against the manifest, promote it into the project, write the record),
     driven through StepDriver.fetch()/verify(). The OpenSSH
     ControlMaster is as the chain's run phase leaves it: that phase holds
@@ -49,23 +48,22 @@ median of the ratios of one repeat):
 
 Where the time goes: the phases of each verified fetch are timed (wrappers
 around the backend's status call, the rsync download, the wait for the
-remote manifest after it and the remote check, the verification, the
+worker's manifest before it, the verification, the
 promotion and the post-promotion check when one is made; what overlaps the
 download is inside its time); a profile section times what they are made of
 (a remote command over paramiko, remote Python start-up, the remote
 manifest with and without the worker's hash cache, OpenSSH connect with and
 without a ControlMaster, rsync with and without the transport's options);
-and a "what if" row times the verified fetch with no manifest kept by the
-worker and the run folder's hash cache holding every file.
+and a "what if" row times the verified fetch of a run that left no
+manifest (the host takes one, from a hash cache holding every file).
 
-The fetch's manifest is the one the worker kept as the command ended, with
-the stats of its walk (`<run folder>/manifest-cache.json.settled`,
-`manifest.settle`), or, where it kept none, one the host takes from the hash
-cache the worker filled (`manifest-cache.json`). Before each "as is" fetch
-this script puts both files back as the worker left them (a fetch drops the
-kept manifest if it finds the outputs changed), so every repeat sees what
-the first fetch after the run sees. The "what if" rows take the kept
-manifest away and give the host a hash cache of every file instead.
+The fetch's manifest is the one the worker wrote as the command ended
+(`<run folder>/manifest.json`), or, where there is none, one the host takes
+from the hash cache the worker filled (`manifest-cache.json`) and saves
+there. Before each "as is" fetch this script puts both files back as the
+worker left them, so every repeat sees what the first fetch after the run
+sees. The "what if" rows take the manifest away and give the host a hash
+cache of every file instead.
 
 A measurement that fails (the code under test raising, say) is noted and
 taken again, up to 3 times; the failures are listed under their table. On a
@@ -109,8 +107,8 @@ from _common import cli_argv, fmt_s, load_average, marker_processes, median, rea
 import substrax_tasks.promote as promote_module
 from substrax_tasks import manifest_cache
 from substrax_tasks._ssh import SshConnection
+from substrax_tasks.backends._remote_run import RemoteRun
 from substrax_tasks.backends.ssh import SshBackend
-from substrax_tasks.backends.ssh_watch import ManifestWatch
 from substrax_tasks.driver import StepDriver
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
@@ -130,7 +128,7 @@ SMALL_DIRS = 100
 CIPHER = "aes128-gcm@openssh.com"
 BENCH_USER = "sxbench"
 WORKER_CACHE = "manifest-cache.json"
-WORKER_RECORD = WORKER_CACHE + ".settled"  # the manifest the worker kept for the fetch
+WORKER_RECORD = "manifest.json"  # the manifest the worker wrote for the fetch
 REMOTE_PYTHON = "/usr/bin/python3"
 GRACE_SECONDS = 5.0
 GOAL_BIG_SAME = 1.1  # verified fetch / (rsync -a same cipher + hashlib sha256)
@@ -310,16 +308,14 @@ class Recorder:
         self._originals.clear()
 
 
-PHASES = ("status", "rsync", "manifest wait", "check", "verify copy", "promote", "outputs_match")
+PHASES = ("status", "manifest", "rsync", "verify copy", "promote", "outputs_match")
 
 
 def phase_recorder() -> Recorder:
     recorder = Recorder()
-    recorder.wrap(SshBackend, "_remote_status", "status")
+    recorder.wrap(RemoteRun, "status", "status")
+    recorder.wrap(RemoteRun, "manifest", "manifest")
     recorder.wrap(RsyncTransport, "download", "rsync")
-    # the remote manifest is taken during the copy: what is left to wait for after it
-    recorder.wrap(ManifestWatch, "manifest", "manifest wait")
-    recorder.wrap(ManifestWatch, "check", "check")
     recorder.wrap(manifest_cache, "verify_outputs", "verify copy")
     recorder.wrap(promote_module, "promote", "promote")  # imported by name when it is called
     recorder.wrap(manifest_cache, "outputs_match", "outputs_match")
@@ -372,18 +368,12 @@ class Bed:
         return f"{self.runs[name].state['remote_run_dir']}/{WORKER_CACHE}"
 
     def read_remote(self, path: str) -> bytes | None:
-        """A whole remote file over sftp (read_bytes reads 1 MiB at most)."""
-        data = bytearray()
-        while True:
-            chunk = self.backend.conn.read_bytes(path, len(data))
-            if chunk is None:
-                return None
-            if not chunk:
-                return bytes(data)
-            data += chunk
+        """A whole remote file (None: not there)."""
+        done = self.backend.conn.run(["cat", path])
+        return done.stdout if done.returncode == 0 else None
 
     def record_path(self, name: str) -> str:
-        """The manifest the worker kept for the fetch (`manifest.settle`)."""
+        """The manifest the worker wrote for the fetch."""
         return f"{self.runs[name].state['remote_run_dir']}/{WORKER_RECORD}"
 
     def set_cache(self, name: str, data: bytes | None, record: bytes | None = None) -> None:
@@ -499,7 +489,7 @@ def make_data(bed: Bed) -> None:
             log = backend.read_log(handle, 0).decode(errors="replace")[-1500:]
             raise BackendError(f"the {name} run {status.state}: {status.message}\n{log}")
         bed.runs[name] = handle = bed.project.store.read(handle.run_id)
-        record = backend.conn.read_bytes(f"{handle.state['remote_run_dir']}/status.json")
+        record = bed.read_remote(f"{handle.state['remote_run_dir']}/status.json")
         outputs_root = json.loads(record or b"{}").get("outputs_root")
         if not isinstance(outputs_root, str):
             raise BenchError(f"the {name} run's status names no outputs folder")
@@ -510,7 +500,7 @@ def make_data(bed: Bed) -> None:
         cached = len(json.loads(worker)) if worker else 0
         progress(
             f"data: {name} made on the host in {time.perf_counter() - t0:.1f} s (sandbox {sandbox}); "
-            f"the worker's hash cache holds {cached} of its files; it kept its manifest for the fetch: "
+            f"the worker's hash cache holds {cached} of its files; it wrote its manifest for the fetch: "
             f"{'yes' if kept else 'NO (the host takes one at each fetch)'}"
         )
     time.sleep(2.1)  # past manifest.py's RACY_SECONDS: every file can be cached now

@@ -55,10 +55,10 @@ may track changes with a dict subclass.
 ``stamp_of`` digests it: while it is unchanged, so is the manifest.
 substrax_tasks builds a step's proof from it.
 
-A fetch over SSH runs ``manifest.py BASE OUTPUT... --cache FILE --watch``
-once (see ``watch``): it prints the manifest, then waits for the copy to end
-and answers whether the tree held still meanwhile (``tree_stats``), so one
-manifest crosses the network and one walk suffices before the copy ends.
+The worker takes the outputs' manifest as the command ends
+(``manifest_with_cache_file``) and writes it to ``<run dir>/manifest.json``;
+the fetched copy is verified against it. A run that left none has it taken
+on its host with this file's command line.
 """
 
 from __future__ import annotations
@@ -575,64 +575,7 @@ def _open_dir(path):
     return os.open(path, _O_DIR) if _SCANDIR_FD else -1
 
 
-_PARENTS = "parents of"  # tree_stats' key for the modes of the folders above an output
-
-
-def tree_stats(base, outputs):
-    # type: (str | os.PathLike, list) -> dict
-    """What one stat-only walk sees, by path: ``(mode, size, ctime_ns,
-    inode)`` of every entry under `outputs` (the outputs themselves
-    included; a symlink's text added; None for an output that is missing or
-    an entry that vanished under the walk), and under ``("parents of",
-    output)`` the modes of the folders above each output. Like `stat_walk`
-    it never reads a file and never raises for an odd tree, and
-    ``build_manifest(..., stats=...)`` fills the same dict from its own walk:
-    equal dicts mean nothing changed in between (ctime cannot be set back),
-    whatever the order the folders listed their entries in."""
-    base = os.fspath(base)
-    stats = {}  # type: dict
-    S_ISDIR, S_ISLNK = stat.S_ISDIR, stat.S_ISLNK
-    for rel, is_dir in _check_outputs(outputs):
-        modes = []  # type: list
-        parts = rel.split("/")[:-1]
-        for i in range(len(parts)):
-            try:
-                modes.append(os.lstat(os.path.join(base, *parts[: i + 1])).st_mode)
-            except OSError:
-                modes.append(None)
-                break
-        stats[(_PARENTS, rel)] = tuple(modes)
-        top = os.path.join(base, rel)
-        try:
-            st = None if None in modes else os.lstat(top)
-        except OSError:
-            st = None
-        stats[rel] = None if st is None else (st.st_mode, st.st_size, st.st_ctime_ns, st.st_ino)
-        if st is None or not (is_dir and S_ISDIR(st.st_mode)):
-            continue
-        stack = [(top, rel)]
-        while stack:
-            dir_abs, dir_rel = stack.pop()
-            try:
-                it = os.scandir(dir_abs)
-            except OSError:
-                stats[(dir_rel, "listing")] = None  # unreadable now: differs from any walk that read it
-                continue
-            with it:
-                for de in it:
-                    erel = dir_rel + "/" + de.name
-                    try:
-                        est = de.stat(follow_symlinks=False)
-                    except OSError:
-                        stats[erel] = None
-                        continue
-                    emode = est.st_mode
-                    stats[erel] = (emode, est.st_size, est.st_ctime_ns, est.st_ino)
-                    if S_ISDIR(emode):
-                        stack.append((de.path, erel))
-                    elif S_ISLNK(emode):
-                        stats[erel] += (_readlink_or_none(de.path),)
-    return stats
+_PARENTS = "parents of"  # build_manifest's stats key for the modes of the folders above an output
 
 
 def _readlink_or_none(path):
@@ -776,61 +719,6 @@ def manifest_with_cache_file(base, outputs, cache_file):
     return manifest
 
 
-SETTLED_SUFFIX = ".settled"  # beside the hash cache: the run's manifest, kept for `watch`
-SETTLE_WAIT_SECONDS = 0.2  # for the file system's clock to pass the command's last writes
-
-
-def settle(base, outputs, cache_file):
-    # type: (str, list, str) -> dict
-    """The run's side once its command has ended (the worker): the outputs'
-    manifest, as `manifest_with_cache_file` takes it, and, beside the cache
-    file, a record for `watch`: the manifest's line and what its walk saw of
-    each entry (`tree_stats`' form).
-
-    The record is kept only if every entry last changed before the walk
-    began, by the file system's own clock: the ctime of a file made just
-    before the walk, on the same file system (git's racy-clean rule, made
-    exact). Any later change then sets a ctime the record does not hold
-    (ctime follows the clock and cannot be set back), so a fetch that finds
-    every entry as recorded may send this manifest without a walk before the
-    copy. Entries changed in the clock's current tick (the command's last
-    writes) are waited out once, for SETTLE_WAIT_SECONDS at most, and read
-    again; should that not do, no record is kept and `watch` takes the
-    manifest itself."""
-    base = os.fspath(base)
-    record_file = cache_file + SETTLED_SUFFIX
-    _remove_quietly(record_file)  # never a record older than the manifest just taken
-    cache = _load_cache_file(cache_file)
-    for attempt in (1, 2):
-        clock = fs_clock(record_file)
-        seen = {}  # type: dict
-        manifest = build_manifest(base, outputs, cache, cache_young=True, digest=False, stats=seen)
-        newest = _newest_ctime(seen)
-        if clock is None or clock[1] != os.lstat(base).st_dev:
-            break  # no clock on this file system: no record
-        if newest < clock[0]:
-            record = {"version": VERSION, "base": base, "outputs": _check_outputs(outputs),
-                      "line": manifest_json(manifest), "stats": seen}
-            tmp = "%s.%d.tmp" % (record_file, os.getpid())
-            with open(tmp, "wb") as f:
-                marshal.dump(record, f)
-            os.replace(tmp, record_file)
-            break
-        if attempt == 1:
-            # Hashes of files changed in this tick prove nothing: forget them,
-            # wait for the clock to move on, and read those files again.
-            for rel, st in seen.items():
-                if isinstance(rel, str) and st is not None and st[2] >= clock[0] and rel in cache:
-                    del cache[rel]
-            deadline = time.time() + SETTLE_WAIT_SECONDS
-            while time.time() < deadline and (fs_clock(record_file) or (0,))[0] <= newest:
-                time.sleep(0.001)
-    if manifest["digest"] is None:
-        manifest_json(manifest)  # fills in the digest
-    _save_cache_file(cache, cache_file)
-    return manifest
-
-
 def fs_clock(near):
     # type: (str) -> tuple | None
     """``(ctime_ns, st_dev)`` of a file made now beside `near`: the file
@@ -848,12 +736,6 @@ def fs_clock(near):
         _remove_quietly(probe)
 
 
-def _newest_ctime(seen):
-    # type: (dict) -> int
-    """The newest ctime among the entries of a walk's stats."""
-    return max([v[2] for k, v in seen.items() if isinstance(k, str) and v is not None] or [0])
-
-
 def _remove_quietly(path):
     # type: (str) -> None
     try:
@@ -862,148 +744,28 @@ def _remove_quietly(path):
         pass
 
 
-def _settled_record(base, outputs, cache_file):
-    # type: (str, list, str | None) -> dict | None
-    """`settle`'s record for exactly these outputs under `base`, if any."""
-    if not cache_file:
-        return None
-    try:
-        with open(cache_file + SETTLED_SUFFIX, "rb") as f:
-            record = marshal.load(f)
-    except (OSError, ValueError, EOFError, TypeError):
-        return None  # none, or written by another Python: take the manifest anew
-    if (
-        not isinstance(record, dict)
-        or record.get("version") != VERSION
-        or record.get("base") != os.fspath(base)
-        or record.get("outputs") != _check_outputs(outputs)
-        or not isinstance(record.get("line"), bytes)
-        or not isinstance(record.get("stats"), dict)
-    ):
-        return None
-    return record
-
-
-def manifest_json(manifest):
-    # type: (dict) -> bytes
-    """canonical_json(manifest) as one line of bytes, built around the
-    entries' JSON, which is encoded once: the keys of a manifest sort as
-    digest, entries, missing, version. A manifest built with digest=False
-    gets its digest here, from that same JSON."""
-    entries = canonical_json(manifest["entries"]).encode()
-    if manifest["digest"] is None:
-        manifest["digest"] = hashlib.sha256(entries).hexdigest()
-    head = '{"digest":%s,"entries":' % json.dumps(manifest["digest"])
-    tail = ',"missing":%s,"version":%s}\n' % (
-        canonical_json(manifest["missing"]), json.dumps(manifest["version"]))
-    return head.encode() + entries + tail.encode()
-
-
-CHECK_REQUEST = b"check\n"
-
-
-def watch(base, outputs, cache_file, stdin, stdout):
-    # type: (str, list, str | None, BinaryIO, BinaryIO) -> int
-    """The remote side of a fetch, in one process (one manifest sent, one
-    interpreter started):
-
-    1. the outputs' manifest (from the hash cache), printed as one line of
-       canonical JSON, its walk noting what it saw of each entry
-       (``tree_stats``);
-    2. on the line ``check`` from `stdin` (the copy has ended),
-       ``tree_stats`` again, compared with what the manifest's walk saw and
-       answered as one JSON line: ``{"unchanged": true}``, or
-       ``{"unchanged": false, "why": "..."}``. End of input without it: exit.
-
-    Equal stats mean no entry changed between the moment the manifest's walk
-    looked at it and the end of the copy, so the manifest describes one
-    state of the tree, which also held while the copy read it (the copy is
-    hashed whole on the other side and compared with it). A ctime proves
-    nothing about changes within its own timestamp tick: if any entry
-    changed less than RACY_SECONDS before the walk, the manifest is also
-    built again (hashes cached by size, mtime and inode) and compared, as
-    two whole manifests were before."""
-    record = _settled_record(base, outputs, cache_file)
-    if record is not None:
-        return _watch_settled(base, outputs, record, cache_file, stdin, stdout)
-    started = time.time_ns()
-    cache = _load_cache_file(cache_file)
-    seen = {}  # type: dict
-    manifest = build_manifest(base, outputs, cache, cache_young=True, digest=False, stats=seen)
-    newest = max([v[2] for k, v in seen.items() if isinstance(k, str) and v is not None] or [0])
-    racy = newest >= started - RACY_SECONDS * 1000000000
-    stdout.write(manifest_json(manifest))  # digests the entries' JSON it writes
-    stdout.flush()
-    _save_cache_file(cache, cache_file)  # after the answer: the copy need not wait for it
-    request = stdin.readline()
-    if request != CHECK_REQUEST:
-        return 0
-    answer = {"unchanged": True}  # type: dict
-    if tree_stats(base, outputs) != seen:
-        answer = {"unchanged": False, "why": "what a stat of each entry says changed"}
-    elif racy and build_manifest(base, outputs, cache, cache_young=True)["digest"] != manifest["digest"]:
-        answer = {"unchanged": False, "why": "its manifest changed"}
-    stdout.write((canonical_json(answer) + "\n").encode())
-    stdout.flush()
-    return 0
-
-
-def _watch_settled(base, outputs, record, cache_file, stdin, stdout):
-    # type: (str, list, dict, str, BinaryIO, BinaryIO) -> int
-    """`watch` from `settle`'s record: its manifest is sent at once, and the
-    check is one `tree_stats` walk compared with what the run's own walk
-    saw. Equal means no entry changed from that walk to the end of the copy
-    (see `settle`), so the manifest held all along. Unequal: the record is
-    dropped, so that the next fetch takes the outputs' manifest anew."""
-    stdout.write(record["line"])
-    stdout.flush()
-    if stdin.readline() != CHECK_REQUEST:
-        return 0
-    answer = {"unchanged": True}  # type: dict
-    now = tree_stats(base, outputs)
-    if now != record["stats"]:
-        _remove_quietly(cache_file + SETTLED_SUFFIX)
-        # A changed ctime voids a cached hash even where size and mtime
-        # look the same (a rewrite that set the mtime back).
-        cache = _load_cache_file(cache_file)
-        for rel, was in record["stats"].items():
-            if isinstance(rel, str) and now.get(rel) != was and rel in cache:
-                del cache[rel]
-        _save_cache_file(cache, cache_file)
-        answer = {"unchanged": False, "why": "what a stat of each entry says changed since the run ended"}
-    stdout.write((canonical_json(answer) + "\n").encode())
-    stdout.flush()
-    return 0
-
-
 def main(argv=None):
     # type: (list | None) -> int
     args = list(sys.argv[1:] if argv is None else argv)
     cache_file = None
-    watching = "--watch" in args
-    if watching:
-        args.remove("--watch")
     if "--cache" in args:
         at = args.index("--cache")
         cache_file = args[at + 1] if at + 1 < len(args) else None
         del args[at : at + 2]
     if len(args) < 2 or args[0] in ("-h", "--help") or ("--cache" in (argv or sys.argv) and not cache_file):
-        sys.stderr.write("usage: manifest.py BASE OUTPUT [OUTPUT...] [--cache FILE] [--watch]\n")
+        sys.stderr.write("usage: manifest.py BASE OUTPUT [OUTPUT...] [--cache FILE]\n")
         return 2
     base = args[0]
     if not os.path.isdir(base):
         sys.stderr.write("manifest.py: %s is not a folder\n" % base)
         return 1
-    out = getattr(sys.stdout, "buffer", sys.stdout)
     try:
-        if watching:
-            return watch(base, args[1:], cache_file, getattr(sys.stdin, "buffer", sys.stdin), out)
         manifest = manifest_with_cache_file(base, args[1:], cache_file)
     except ManifestError as exc:
         sys.stderr.write("manifest.py: %s\n" % exc)
         return 1
-    out.write(manifest_json(manifest))
-    out.flush()
+    sys.stdout.write(canonical_json(manifest) + "\n")
+    sys.stdout.flush()
     return 0
 
 

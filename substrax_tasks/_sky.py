@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from substrax_tasks._output import emit
 from substrax_tasks._remote_files import sky_helper_script
 from substrax_tasks.errors import BackendError, ConfigError
 
@@ -25,6 +26,18 @@ SETTING = "[tool.substrax.compute.backends.skypilot] sky_python"
 # The helper's own start-up (import sky) is a few seconds; a call that
 # waits on a request (launch, down) gets no limit.
 DEFAULT_TIMEOUT = 300.0
+
+# SkyPilot's JobStatus, as substrax reads it. Any other value raises.
+JOB_STATES = {
+    "INIT": "running", "PENDING": "running", "SETTING_UP": "running", "RUNNING": "running",
+    "SUCCEEDED": "succeeded", "FAILED": "failed", "FAILED_SETUP": "failed",
+    "FAILED_DRIVER": "failed", "CANCELLED": "cancelled",
+}  # fmt: skip
+REQUEST_LIVE = ("PENDING", "WAITING", "RUNNING")
+NO_CLUSTER = "ClusterDoesNotExist"
+# The cluster is INIT, STOPPED or AUTOSTOPPING (an autodown under way): its
+# queue cannot be read, and there is nothing left to cancel in it.
+CLUSTER_GONE = (NO_CLUSTER, "ClusterNotUpError")
 
 
 class SkyCallError(BackendError):
@@ -35,6 +48,16 @@ class SkyCallError(BackendError):
         self.operation = operation
         self.kind = kind
         self.detail = message
+
+
+def job_state(value: object) -> str:
+    """SkyPilot's job status -> substrax's run state; unknown values raise."""
+    if not isinstance(value, str) or value not in JOB_STATES:
+        raise BackendError(
+            f"SkyPilot reported job status {value!r}, which this release does not know; "
+            "refusing to read it as either running or finished"
+        )
+    return JOB_STATES[value]
 
 
 def resolve_sky_python(configured: str | None) -> str:
@@ -96,6 +119,14 @@ class SkyClient:
             raise
         return self._answer(operation, argv[0], proc.returncode, stdout, stderr)
 
+    def request_state(self, rid: str) -> str | None:
+        """The status of API server request `rid` (None: not known)."""
+        records = self.call("request_status", {"request_ids": [rid]})
+        for record in records or []:
+            if isinstance(record, dict) and record.get("request_id") == rid:
+                return str(record.get("status"))
+        return None
+
     def _answer(self, operation: str, python: str, code: int, stdout: bytes, stderr: bytes) -> Any:
         lines = stdout.decode(errors="replace").strip().splitlines()
         try:
@@ -140,3 +171,28 @@ def _communicate(
             continue
         while_waiting()
         return out, err
+
+
+class LogRelay:
+    """Shows what a SkyPilot request writes to its log while it is waited on."""
+
+    def __init__(self, path: Path, prefix: str) -> None:
+        self.path = path
+        self.prefix = prefix
+        self.offset = path.stat().st_size if path.exists() else 0
+        self.partial = b""
+
+    def __call__(self) -> None:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        for line in lines:
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                emit(f"{self.prefix}{text}")

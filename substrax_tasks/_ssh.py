@@ -178,6 +178,59 @@ def stop_master(ssh_argv: list[str], host: str, control_path: str) -> None:
     )  # fmt: skip
 
 
+class ClusterTarget:
+    """ssh to a SkyPilot cluster through the config SkyPilot wrote for it
+    (OpenSSH for commands too: the config may hold what paramiko cannot)."""
+
+    def __init__(self, cluster: str, config_file: Path) -> None:
+        self.host = cluster
+        self.config_file = config_file
+
+    def control_path(self) -> str:
+        digest = hashlib.sha256(f"{self.config_file}:{self.host}".encode()).hexdigest()[:16]
+        return str(control_dir() / digest)
+
+    def ssh_argv(self, multiplex: bool = True) -> list[str]:
+        argv = ["ssh", "-F", str(self.config_file), "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"]
+        argv += [arg for key in self.home_identities() for arg in ("-i", str(key))]
+        return argv + (multiplexing(self.control_path()) if multiplex else [])
+
+    def home_identities(self) -> list[Path]:
+        """The config's `IdentityFile ~/...` keys, under SkyPilot's HOME.
+
+        SkyPilot means its own HOME by `~` (it writes the key there), but
+        ssh expands `~` to the home in the password database: with HOME set
+        elsewhere (a container, CI, a test) ssh would not find the key."""
+        try:
+            text = self.config_file.read_text()
+        except OSError:
+            return []
+        found = []
+        for line in text.splitlines():
+            words = line.replace("=", " ", 1).split()
+            if len(words) == 2 and words[0].lower() == "identityfile" and words[1].startswith("~/"):
+                key = Path.home() / words[1][2:]
+                if key.is_file():
+                    found.append(key)
+        return found
+
+    def run(
+        self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120
+    ) -> RemoteResult:
+        """Run argv there (quoted for its shell) and wait for it."""
+        command = [*self.ssh_argv(), self.host, shlex.join(argv)]
+        try:
+            done = subprocess.run(
+                command, check=False, capture_output=True, timeout=timeout, input=stdin or b""
+            )
+        except subprocess.TimeoutExpired:
+            raise BackendError(f"ssh {self.host}: no answer within {timeout} s") from None
+        return RemoteResult(done.returncode, done.stdout, done.stderr)
+
+    def stop_master(self) -> None:
+        stop_master(self.ssh_argv(), self.host, self.control_path())
+
+
 @dataclass(frozen=True)
 class RemoteResult:
     returncode: int
@@ -194,8 +247,11 @@ class SshConnection:
     def __init__(self, target: SshTarget) -> None:
         self.target = target
         self._client: paramiko.SSHClient | None = None
-        self._sftp: paramiko.SFTPClient | None = None
         self._lock = threading.Lock()
+
+    @property
+    def host(self) -> str:
+        return self.target.host
 
     def client(self) -> paramiko.SSHClient:
         with self._lock:
@@ -204,7 +260,6 @@ class SshConnection:
                 if transport is not None and transport.is_active():
                     return self._client
             self._client = self._connect()
-            self._sftp = None
             return self._client
 
     def _connect(self) -> paramiko.SSHClient:
@@ -256,13 +311,6 @@ class SshConnection:
             raise BackendError(f"cannot reach {target.address}:{target.port}: {exc}") from None
         return client
 
-    def sftp(self) -> paramiko.SFTPClient:
-        client = self.client()
-        with self._lock:
-            if self._sftp is None:
-                self._sftp = client.open_sftp()
-            return self._sftp
-
     def run(
         self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120
     ) -> RemoteResult:
@@ -297,19 +345,6 @@ class SshConnection:
             raise BackendError(f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}") from None
         return RemoteResult(code, bytes(out), bytes(err))
 
-    def open_command(self, argv: list[str]) -> paramiko.Channel:
-        """Start argv on the host (quoted for its shell) and return its
-        channel, for a conversation over its stdin and stdout; the caller
-        reads, writes and closes it."""
-        command = shlex.join(argv)
-        try:
-            channel = self.client().get_transport().open_session()  # type: ignore[union-attr]
-            channel.exec_command(command)
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            self.close()
-            raise BackendError(f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}") from None
-        return channel
-
     def check(self, argv: list[str], what: str, **kwargs: float | bytes | None) -> RemoteResult:
         result = self.run(argv, **kwargs)  # type: ignore[arg-type]
         if result.returncode != 0:
@@ -319,38 +354,17 @@ class SshConnection:
             )
         return result
 
-    def read_bytes(self, path: str, offset: int = 0, limit: int = 1 << 20) -> bytes | None:
-        """Part of a remote file; None when it does not exist."""
-        try:
-            with self.sftp().open(path, "rb") as f:
-                f.seek(offset)
-                return f.read(limit)
-        except FileNotFoundError:
-            return None
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            self.close()
-            raise BackendError(f"reading {path} on {self.target.host} failed: {exc}") from None
-
     def write_bytes(self, path: str, data: bytes, mode: int = 0o600) -> None:
-        try:
-            sftp = self.sftp()
-            with sftp.open(path + ".tmp", "wb") as f:
-                f.write(data)
-            sftp.chmod(path + ".tmp", mode)
-            sftp.posix_rename(path + ".tmp", path)
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            self.close()
-            raise BackendError(f"writing {path} on {self.target.host} failed: {exc}") from None
+        """Write a file there whole: beside it, then renamed over it."""
+        write = 'umask 077 && cat > "$1.tmp" && chmod "$2" "$1.tmp" && mv "$1.tmp" "$1"'
+        self.check(["sh", "-c", write, "sh", path, f"{mode:o}"], f"writing {path}", stdin=data)
 
     def close(self) -> None:
         with self._lock:
             with contextlib.suppress(Exception):
-                if self._sftp is not None:
-                    self._sftp.close()
-            with contextlib.suppress(Exception):
                 if self._client is not None:
                     self._client.close()
-            self._client = self._sftp = None
+            self._client = None
 
 
 _CONNECTIONS: dict[SshTarget, SshConnection] = {}

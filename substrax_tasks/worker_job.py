@@ -1,7 +1,7 @@
 """The job file `remote/worker.py` reads, and how its status file reads back.
 
-Shared by every backend that runs the worker (local, ssh): they differ only
-in where the folders are and how the files travel.
+Shared by every backend that runs the worker (local, ssh, skypilot): they
+differ only in where the folders are and how the files travel.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ JOB_FILE = "job.json"
 STATUS_FILE = "status.json"
 LOG_FILE = "run.log"
 STAGING_DIR = "work/outputs"
-# A job key: the worker keeps its manifest of the outputs for a fetch that
-# watches them over ssh (remote/manifest.py settle); absent: not kept.
-KEEP_MANIFEST_FOR_FETCH = "keep_manifest_for_fetch"
 START_LOCK = "start.lock"  # remote/worker.py's: taken to start a run, and to cancel one not started
 
 
@@ -58,8 +55,11 @@ def build_job(
     hide: list[str],
     extra_ro: list[str] | None = None,
     env: dict[str, str] | None = None,
+    env_dir: str | None = None,
 ) -> dict[str, Any]:
-    return {
+    """The job; `env_dir`: the environment built from the project's lock
+    file, first on the task's PATH and readable in the sandbox."""
+    job: dict[str, Any] = {
         "argv": list(spec.command),
         "cwd": paths.project,
         "project": paths.project,
@@ -78,6 +78,11 @@ def build_job(
         # or its stdin (remote), never from a file
         "forward_env": list(spec.forward_env),
     }
+    if env_dir is not None:
+        job["extra_ro"].append(env_dir)
+        job["path_prepend"] = [f"{env_dir}/bin"]
+        job["env"]["VIRTUAL_ENV"] = env_dir
+    return job
 
 
 def status_from_record(record: dict[str, Any] | None, worker_alive: bool) -> RunStatus:

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import cli
 
-from substrax_tasks._sky import resolve_sky_python
+from substrax_tasks._sky import JOB_STATES, job_state, resolve_sky_python
 from substrax_tasks.backends import sky_task
-from substrax_tasks.backends.skypilot import JOB_STATES, job_state
 from substrax_tasks.backends.skypilot_settings import NO_BUCKET_MOUNTS, SkypilotSettings
 from substrax_tasks.config import load_config
 from substrax_tasks.errors import BackendError, ConfigError
@@ -169,8 +168,8 @@ def test_the_generated_task_mounts_read_only_copies_and_arms_the_timer_first(tmp
     job = json.loads(json.dumps(sky_task.worker_job(backend.settings, handle, layout, None)))  # type: ignore[arg-type]
     assert job["network_isolation"] is True
     assert not job["project"].startswith("/")  # resolved by the worker on the cluster
-    # the copy transport fetches over ssh from the worker's kept manifest (manifest.settle)
-    assert job["keep_manifest_for_fetch"] is True and "manifest_copy" not in job
+    # the copy transport reads the manifest from the run's folder: no copy in a bucket
+    assert "manifest_copy" not in job
 
 
 @pytest.mark.unit

@@ -1,29 +1,27 @@
-"""The ssh backend's fetch, piece by piece, against a real sshd in a network
-namespace (tests/testbeds/sshd_host.py): rsync copies while the host takes
-the outputs' manifest (`manifest.py --watch`) and this side hashes each file
-as it arrives; `confirm()` then asks the host whether the outputs held still.
-A refused tree, a missing output and a change after the copy are each told
-apart, and no remote process is left behind.
+"""The ssh backend's fetch against a real sshd in a network namespace
+(tests/testbeds/sshd_host.py): rsync copies the outputs into staging, and the
+copy is verified here against the manifest the worker wrote on the host as the
+command ended. A copy that differs from it (outputs changed on the host
+since, even during the copy) is refused and the run stays for a refetch; a
+run that left no manifest has one taken on the host, once.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import describe, marked_pids, wait_for
 from ssh_helpers import fresh_user, make_ssh_project, needs_root, needs_sshd, remote_run_dir, ssh_host
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks import manifest_cache
+from substrax_tasks.backends._remote_run import RemoteRun
 from substrax_tasks.backends.base import Fetched
 from substrax_tasks.backends.ssh import SshBackend
-from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.manifest_cache import ManifestError
 from substrax_tasks.runs import Project
@@ -49,9 +47,7 @@ for name, data in eval(sys.argv[1]).items():
         f.write(data)
 os.symlink("plain.txt", "out/link")
 """
-
-
-MAKE_A = ["sh", "-c", "mkdir -p out && echo a > out/a.txt"]
+MAKE_A = ["sh", "-c", "mkdir -p out && echo a > out/a.txt && head -c 3000000 /dev/zero > out/big.bin"]
 
 
 @pytest.fixture(scope="module")
@@ -72,95 +68,89 @@ def finished_run(
     return backend, project.store.read(handle.run_id)
 
 
-def outputs_on_host(handle: RunHandle) -> Path:
-    return Path(str(handle.state["outputs_root"]))
+def on_host(handle: RunHandle, rel: str) -> Path:
+    return Path(str(handle.state["outputs_root"])) / rel
 
 
-def watching(handle: RunHandle) -> list[int]:
-    """The `manifest.py --watch` processes of this run on the host."""
-    found = []
-    for pid in marked_pids(str(remote_run_dir(handle.model_dump(mode="json")))):
-        try:
-            if b"--watch" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:
-            pass  # gone meanwhile
-    return found
+def worker_manifest(handle: RunHandle) -> Path:
+    return remote_run_dir(handle.model_dump(mode="json")) / "manifest.json"
 
 
-def no_watch_left(handle: RunHandle) -> None:
-    wait_for(lambda: not watching(handle), "the remote manifest.py --watch to exit")
-    assert not watching(handle), describe(watching(handle))
+def problems(fetched: Fetched, outputs: list[str], tmp_path: Path) -> list[str]:
+    return manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, tmp_path / "cache.json")
 
 
-def test_files_are_hashed_as_they_arrive_odd_names_and_a_missing_output_included(
+def test_the_copy_comes_with_the_manifest_the_worker_wrote_odd_names_and_a_missing_output_included(
     tmp_path: Path, host: SshHost
 ) -> None:
     names = {os.fsdecode(k): v for k, v in ODD_NAMES.items()}
     argv = ["python3", "-c", MAKE_ODD, repr(ODD_NAMES)]
-    backend, handle = finished_run(tmp_path, host, argv, ["out/", "absent.txt"])
-    fetched = backend.begin_fetch(handle)
-    try:
-        assert fetched.manifest["missing"] == ["absent.txt"]  # skipped by rsync, named by the manifest
-        assert fetched.manifest_json is not None and json.loads(fetched.manifest_json) == fetched.manifest
-        assert fetched.digest_checked  # on arrival, from the line itself
-        for rel, data in names.items():
-            assert (fetched.root / rel).read_bytes() == data
-            size, mtime, ino, digest, mode = fetched.hashes[rel]  # hashed here as it arrived
-            assert digest == hashlib.sha256(data).hexdigest()
-            # rsync renamed it into place done: nothing about it changed after the hash,
-            # so verification may describe it from this entry (`staged`)
-            st = (fetched.root / rel).lstat()
-            assert (size, mtime, ino, mode) == (len(data), st.st_mtime_ns, st.st_ino, st.st_mode & 0o7777)
-        assert set(fetched.hashes) == set(names)  # the link and the folders are left to verification
-        assert (fetched.root / "out/link").readlink() == Path("plain.txt")
-    finally:
-        fetched.confirm()
-    no_watch_left(handle)
-    problems = manifest_cache.verify_outputs(
-        fetched.root, ["out/", "absent.txt"], fetched.manifest, tmp_path / "cache.json",
-        seed=fetched.hashes, digest_checked=True,
-    )  # fmt: skip
-    assert problems == ["output never produced: absent.txt"]
+    outputs = ["out/", "absent.txt"]
+    backend, handle = finished_run(tmp_path, host, argv, outputs)
+    fetched = backend.fetch(handle)
+    assert fetched.manifest == json.loads(worker_manifest(handle).read_text())
+    assert fetched.manifest["missing"] == ["absent.txt"]  # skipped by rsync, named by the manifest
+    for rel, data in names.items():
+        assert (fetched.root / rel).read_bytes() == data
+    assert (fetched.root / "out/link").readlink() == Path("plain.txt")
+    assert problems(fetched, outputs, tmp_path) == ["output never produced: absent.txt"]
+
+
+def test_a_copy_that_differs_from_the_workers_manifest_is_refused_and_the_run_kept(
+    tmp_path: Path, host: SshHost
+) -> None:
+    backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    on_host(handle, "out/a.txt").write_text("changed on the host after the run\n")
+    fetched = backend.fetch(handle)  # the copy is what the host holds now ...
+    assert (fetched.root / "out/a.txt").read_text() == "changed on the host after the run\n"
+    found = problems(fetched, ["out/"], tmp_path)  # ... and not what the command made
+    assert len(found) == 1 and found[0].startswith("changed content: out/a.txt"), found
+    assert backend.outputs_available(handle)  # kept for a fetch again
+    on_host(handle, "out/a.txt").write_text("a\n")  # put back as the command left it
+    assert problems(backend.fetch(handle), ["out/"], tmp_path) == []
+
+
+def test_outputs_changed_as_the_copy_runs_need_no_still_host_but_a_changed_file_is_refused(
+    tmp_path: Path, host: SshHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    big = on_host(handle, "out/big.bin")
+    copy = RsyncTransport.download
+    changes: list[Callable[[], object]] = [lambda: os.utime(big), lambda: big.write_bytes(b"y" * 3_000_000)]
+
+    def change_then_copy(self: RsyncTransport, *args: Any, **kwargs: Any) -> TransferStats:
+        """The host's outputs change once the manifest was read, as the copy begins."""
+        changes.pop(0)()
+        return copy(self, *args, **kwargs)
+
+    monkeypatch.setattr(RsyncTransport, "download", change_then_copy)
+    # a touch: the host did not hold still, yet the contents are what the command made
+    assert problems(backend.fetch(handle), ["out/"], tmp_path) == []
+    fetched = backend.fetch(handle)  # rewritten: same size and mode, other contents
+    assert [p[:36] for p in problems(fetched, ["out/"], tmp_path)] == ["changed content: out/big.bin (300000"]
+
+
+def test_a_run_that_left_no_manifest_gets_one_taken_on_the_host_once(tmp_path: Path, host: SshHost) -> None:
+    backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    written = json.loads(worker_manifest(handle).read_text())
+    worker_manifest(handle).unlink()  # as a run of an older release left it
+    fetched = backend.fetch(handle)
+    assert fetched.manifest["digest"] == written["digest"]
+    assert json.loads(worker_manifest(handle).read_text()) == fetched.manifest  # saved beside the run
+    on_host(handle, "out/a.txt").write_text("changed since\n")
+    again = backend.fetch(handle)  # the saved one is reused, not taken anew
+    assert again.manifest == fetched.manifest
+    assert problems(again, ["out/"], tmp_path)[0].startswith("changed content: out/a.txt")
 
 
 def test_a_tree_the_manifest_refuses_is_a_manifest_error_not_a_copy_error(
     tmp_path: Path, host: SshHost
 ) -> None:
-    argv = ["sh", "-c", "mkdir -p out && head -c 50000000 /dev/zero > out/big && ln -s /etc/passwd out/leak"]
+    argv = ["sh", "-c", "mkdir -p out && echo x > out/x && ln -s /etc/passwd out/leak"]
     backend, handle = finished_run(tmp_path, host, argv, ["out/"])
+    assert not worker_manifest(handle).exists()  # the worker's manifest refused it too
     with pytest.raises(ManifestError, match=r"symlink out/leak -> /etc/passwd points outside its output"):
-        backend.begin_fetch(handle)
-    no_watch_left(handle)
-
-
-def test_outputs_changed_during_the_copy_are_caught_by_confirm(
-    tmp_path: Path, host: SshHost, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
-    # the worker kept its manifest for the fetch (manifest.settle): the host
-    # sends that one, and its check compares a stat of each entry with it
-    settled = remote_run_dir(handle.model_dump(mode="json")) / "manifest-cache.json.settled"
-    assert settled.is_file()
-    copy = RsyncTransport.download
-
-    def copy_then_change(self: RsyncTransport, *args: Any, **kwargs: Any) -> TransferStats:
-        stats = copy(self, *args, **kwargs)
-        (outputs_on_host(handle) / "out" / "late.txt").write_text("written as the copy ended\n")
-        return stats
-
-    monkeypatch.setattr(RsyncTransport, "download", copy_then_change)
-    fetched: Fetched = backend.begin_fetch(handle)
-    with pytest.raises(BackendError, match="changed while they were fetched"):
-        fetched.confirm()
-    fetched.confirm()  # once only: a second call does nothing
-    no_watch_left(handle)
-    assert not settled.exists()  # the outputs moved on since the run: the next manifest is taken anew
-    monkeypatch.setattr(RsyncTransport, "download", copy)
-    # fetched again, the tree holds still
-    again = backend.fetch(handle)
-    assert (again.root / "out" / "late.txt").read_text() == "written as the copy ended\n"
-    no_watch_left(handle)
+        backend.fetch(handle)
 
 
 def test_the_status_is_not_asked_again_once_the_run_was_seen_to_end(
@@ -169,13 +159,13 @@ def test_the_status_is_not_asked_again_once_the_run_was_seen_to_end(
     backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
     assert isinstance(handle.state.get("outputs_root"), str)
     asked: list[str] = []
-    original = backend._remote_status
+    original = RemoteRun.status
 
-    def counting(h: RunHandle) -> dict[str, object]:
-        asked.append(h.run_id)
-        return original(h)
+    def counting(run: RemoteRun) -> dict[str, Any]:
+        asked.append(run.run_dir)
+        return original(run)
 
-    monkeypatch.setattr(backend, "_remote_status", counting)
+    monkeypatch.setattr(RemoteRun, "status", counting)
     fetched = backend.fetch(handle)
     assert (fetched.root / "out" / "a.txt").read_text() == "a\n"
     assert asked == []

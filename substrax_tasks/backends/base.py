@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
@@ -65,30 +64,17 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Fetched:
-    """Outputs brought to this machine, not yet promoted.
+    """Outputs brought to this machine, not yet verified nor promoted.
 
-    root: a local folder holding the outputs at their project-relative paths;
-    manifest: what they must match, taken where the run ran;
-    in_place: the outputs already stand at their final paths (no sandbox);
-    hashes: files under `root` already hashed here as they arrived
-    (relative path -> [size, mtime_ns, inode, sha256, mode]), into a staging
-    folder nothing else writes and the copy fills by renames: verification
-    takes an entry for the file while the same inode stands at its path;
-    manifest_json: the manifest's JSON as received, if it was (saved as is);
-    digest_checked: the manifest's digest was checked against its entries;
-    confirm: from `Backend.begin_fetch`, the source's last word, which the
-    caller must call once it has verified the copy and before it promotes
-    anything: it raises BackendError if the outputs changed at the source
-    while they were copied (and ends the fetch either way).
+    root: a local folder holding the outputs at their project-relative
+    paths; the project root itself when they were written in place (no
+    sandbox), and then there is nothing to promote;
+    manifest: what they must match, the manifest the worker took where the
+    run ran when its command ended.
     """
 
     root: Path
     manifest: dict[str, Any]
-    in_place: bool = False
-    hashes: dict[str, list[Any]] = field(default_factory=dict)
-    manifest_json: bytes | None = None
-    digest_checked: bool = False
-    confirm: Callable[[], None] = field(default=lambda: None, compare=False)
 
 
 class Backend(ABC):
@@ -159,17 +145,11 @@ class Backend(ABC):
     @abstractmethod
     def fetch(self, handle: RunHandle) -> Fetched:
         """Called after the run succeeded: bring its outputs into a local
-        staging folder and return them with the manifest taken over there.
-        Must raise BackendError (and promote nothing) when the outputs
-        changed while they were copied."""
-
-    def begin_fetch(self, handle: RunHandle) -> Fetched:
-        """`fetch`, except that its last check may still be under way:
-        `Fetched.confirm()` waits for it (raising BackendError if the
-        outputs changed at the source). The chain verifies the copy
-        meanwhile, then confirms before it promotes. Default: `fetch`, whose
-        check is over when it returns."""
-        return self.fetch(handle)
+        staging folder and return them with the manifest the worker took as
+        the command ended. It does not verify them: the caller verifies
+        `root` against `manifest` and promotes nothing that differs. Raises
+        BackendError when the copy broke off, ManifestError when the run's
+        outputs are a tree no manifest accepts."""
 
     def outputs_available(self, handle: RunHandle) -> bool:
         """Whether a finished run's outputs can still be fetched again."""
@@ -198,24 +178,34 @@ class Backend(ABC):
             )
         return status
 
+    @property
+    def poll_seconds(self) -> float:
+        """How often the run's status is read while it is waited on (the log
+        is read more often)."""
+        return LOG_POLL_SECONDS
+
     def stream_log(self, handle: RunHandle, out: IO[bytes], follow: bool = False) -> RunStatus:
         """Copy the log to `out`; with follow, until the run has finished."""
         offset = 0
+        status = self.poll(handle)
+        next_poll = time.monotonic() + self.poll_seconds
         while True:
-            status = self.poll(handle)
             chunk = self.read_log(handle, offset)
-            while chunk:
+            if chunk:
                 out.write(chunk)
                 out.flush()
                 offset += len(chunk)
-                chunk = self.read_log(handle, offset)
-            if not follow or status.final:
+                continue
+            if not follow or status.final:  # read after the status: the log is whole
                 return status
             time.sleep(LOG_POLL_SECONDS)
+            if time.monotonic() >= next_poll:
+                status = self.poll(handle)
+                next_poll = time.monotonic() + self.poll_seconds
 
-    def wait(self, handle: RunHandle, poll_seconds: float = LOG_POLL_SECONDS) -> RunStatus:
+    def wait(self, handle: RunHandle, poll_seconds: float | None = None) -> RunStatus:
         while True:
             status = self.poll(handle)
             if status.final:
                 return status
-            time.sleep(poll_seconds)
+            time.sleep(poll_seconds or self.poll_seconds)

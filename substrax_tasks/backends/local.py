@@ -132,8 +132,8 @@ class LocalBackend(Backend):
             raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
         outputs = list(handle.spec.outputs)
         manifest = self._worker_manifest(handle) or manifest_cache.build_manifest(Path(root), outputs)
-        if record.get("sandbox") == "none":
-            return Fetched(Path(root), manifest, in_place=True)
+        if record.get("sandbox") == "none":  # written in place: the root is the project's own
+            return Fetched(Path(root), manifest)
         fetched = self.store.run_dir(handle.run_id) / "fetched"
         shutil.rmtree(fetched, ignore_errors=True)
         for out in outputs:

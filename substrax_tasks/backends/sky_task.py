@@ -17,17 +17,18 @@ On the cluster, relative to the cluster user's home (`remote_root`):
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shlex
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from substrax_tasks._remote_files import REMOTE_SCRIPTS
+from substrax_tasks.backends._remote_run import env_digest, env_lock, project_files, scripts_digest
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
-from substrax_tasks.config import ENV_LOCK_FILES
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.worker_job import KEEP_MANIFEST_FOR_FETCH, WorkerPaths, build_job
+from substrax_tasks.worker_job import WorkerPaths, build_job
 
 _UNSAFE = re.compile(r"[^a-z0-9]+")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
@@ -39,13 +40,6 @@ def cluster_name(settings: SkypilotSettings, handle: RunHandle) -> str:
     slug = _UNSAFE.sub("-", handle.step.lower()).strip("-")[:16].strip("-") or "step"
     suffix = hashlib.sha256(handle.run_id.encode()).hexdigest()[:6]
     return f"{settings.cluster_prefix}-{slug}-{suffix}"
-
-
-def scripts_digest(remote_dir: Path) -> str:
-    digest = hashlib.sha256()
-    for name in REMOTE_SCRIPTS:
-        digest.update((remote_dir / name).read_bytes())
-    return digest.hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -94,22 +88,26 @@ class ClusterLayout:
         return path if path.startswith("/") else f"~/{path}"
 
 
-def layout_for(settings: SkypilotSettings, handle: RunHandle, remote_dir: Path) -> ClusterLayout:
+def layout_for(settings: SkypilotSettings, handle: RunHandle) -> ClusterLayout:
+    """The run's layout; the scripts are those its launch uploaded (their
+    folder is named after their digest), even if this installation's differ
+    by now (an upgrade between launch and fetch)."""
     bucket_key = None
     if settings.bucket is not None:
         bucket_key = hashlib.sha256(settings.bucket.outputs_bucket.encode()).hexdigest()[:10]
-    return ClusterLayout(
-        settings.remote_root.rstrip("/"), handle.run_id, scripts_digest(remote_dir), bucket_key
-    )
+    pinned = handle.state.get("bin_digest")
+    digest = pinned if isinstance(pinned, str) else scripts_digest()
+    return ClusterLayout(settings.remote_root.rstrip("/"), handle.run_id, digest, bucket_key)
 
 
-def env_lock(project: Path) -> str | None:
-    return next((name for name in ENV_LOCK_FILES if (project / name).is_file()), None)
-
-
-def env_digest(project: Path, lock: str, settings: SkypilotSettings) -> str:
-    recipe = repr((settings.python, settings.pip_args)).encode()
-    return hashlib.sha256((project / lock).read_bytes() + recipe).hexdigest()[:16]
+def environment(
+    settings: SkypilotSettings, layout: ClusterLayout, project: Path
+) -> tuple[str | None, str | None]:
+    """The lock file the environment is built from, and its folder (None, None: no lock)."""
+    lock = env_lock(project)
+    if lock is None:
+        return None, None
+    return lock, layout.env_dir(env_digest(project, lock, settings.python, settings.pip_args))
 
 
 def worker_job(
@@ -124,16 +122,11 @@ def worker_job(
         network_isolation=settings.transport.network_isolation,
         grace_seconds=settings.grace_seconds,
         hide=["."],  # the home folder: its credentials are not the task's
-        extra_ro=[env_dir] if env_dir else [],
+        env_dir=env_dir,
     )
     job["staging"] = layout.staging
-    if layout.bucket_key is not None:
+    if layout.bucket_key is not None:  # the bucket transport fetches it with the outputs
         job["manifest_copy"] = f"{layout.bucket_dir}/{handle.run_id}/manifest.json"
-    else:  # the copy transport's fetch watches the outputs over ssh (manifest.settle)
-        job[KEEP_MANIFEST_FOR_FETCH] = True
-    if env_dir:
-        job["path_prepend"] = [f"{env_dir}/bin"]
-        job["env"] = {**job["env"], "VIRTUAL_ENV": env_dir}
     return job
 
 
@@ -237,3 +230,49 @@ def task_config(
         "run": run_script(settings, layout),
     }
     return config
+
+
+def snapshot(
+    settings: SkypilotSettings, handle: RunHandle, project: Path, state_dir: Path, dest: Path
+) -> None:
+    """The project's files, the step's inputs and nothing else, as hard
+    links (copies across file systems) in `dest`: SkyPilot uploads it."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    outputs = {o.rstrip("/") for o in handle.spec.outputs}
+    sources = set(settings.copy_.source_paths()) if settings.copy_ is not None else set()
+    buckets = {p.strip("/") for p in settings.bucket.buckets} if settings.bucket is not None else set()
+    skipped = outputs | sources | buckets
+    files = [f for f in project_files(project, state_dir, []) if f.rstrip("/") not in skipped]
+    files += [
+        i for i in handle.spec.inputs if i.rstrip("/") not in files and i.rstrip("/") not in skipped
+    ]
+    for rel in files:
+        source = project / rel.rstrip("/")
+        target = dest / rel.rstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir() and not source.is_symlink():
+            shutil.copytree(source, target, symlinks=True, copy_function=_link_or_copy, dirs_exist_ok=True)
+        elif source.exists() or source.is_symlink():
+            _link_or_copy(str(source), str(target))
+    # SkyPilot filters a mount through the .gitignore files in it, unless
+    # its root holds a .skyignore: an empty one, so that what was chosen
+    # above (tracked files and declared inputs) is what arrives. Written
+    # beside and renamed: the snapshot's files are links to the project's.
+    ignore = dest / ".skyignore"
+    partial = dest / ".skyignore.partial"
+    partial.write_text("# substrax-tasks: this snapshot is exactly what is uploaded\n")
+    partial.replace(ignore)
+
+
+def _link_or_copy(source: str, target: str) -> str:
+    if os.path.lexists(target):  # an input inside a folder already taken
+        return target
+    if Path(source).is_symlink():
+        Path(target).symlink_to(Path(source).readlink())
+        return target
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+    return target

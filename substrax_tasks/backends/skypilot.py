@@ -8,39 +8,41 @@ SkyPilot's job status is the run's and SkyPilot's cancel reaches its tree.
 Launch also arms SkyPilot's autodown, so an idle cluster goes by itself.
 
 Every SkyPilot call is one process of sky_helper/sky_sdk.py in SkyPilot's own
-interpreter (_sky.py). Files come back by rsync over the ssh config that
-SkyPilot writes for the cluster (copy transport) or from the bucket the
-worker wrote them to (bucket transport).
+interpreter (_sky.py). Outputs come back as from an SSH host (_remote_run.py,
+over the ssh config SkyPilot writes) or from the bucket the worker wrote.
 
-State recorded in the handle: cluster, job_id, remote paths; in the run's
-folder: task.json (the intent, written before launch) and
-launch-request.json (SkyPilot's request id, written the moment it exists).
+State in the handle: cluster, job_id, remote paths; in the run's folder:
+task.json (the intent, written before launch) and launch-request.json
+(SkyPilot's request id, written the moment it exists).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from pydantic import BaseModel
 
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import emit
 from substrax_tasks._remote_files import remote_dir
-from substrax_tasks._sky import SkyCallError, SkyClient
-from substrax_tasks._ssh import RemoteResult, control_dir, multiplexing, stop_master
-from substrax_tasks.backends import sky_task
+from substrax_tasks._sky import (
+    CLUSTER_GONE,
+    NO_CLUSTER,
+    REQUEST_LIVE,
+    LogRelay,
+    SkyCallError,
+    SkyClient,
+    job_state,
+)
+from substrax_tasks._ssh import ClusterTarget
+from substrax_tasks.backends import _remote_run, sky_task
+from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.backends.skypilot_settings import SkypilotSettings
-from substrax_tasks.backends.ssh_watch import ManifestWatch, ProcessChannel, watched_fetch
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.store import RunStore
@@ -49,90 +51,12 @@ from substrax_tasks.transports.rsync import RsyncTransport
 if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only
     from exceptiongroup import ExceptionGroup
 
-# SkyPilot's JobStatus, as substrax reads it. Any other value raises.
-JOB_STATES = {
-    "INIT": "running", "PENDING": "running", "SETTING_UP": "running", "RUNNING": "running",
-    "SUCCEEDED": "succeeded", "FAILED": "failed", "FAILED_SETUP": "failed",
-    "FAILED_DRIVER": "failed", "CANCELLED": "cancelled",
-}  # fmt: skip
-REQUEST_LIVE = ("PENDING", "WAITING", "RUNNING")
-NO_CLUSTER = "ClusterDoesNotExist"
-# The cluster is INIT, STOPPED or AUTOSTOPPING (an autodown under way): its
-# queue cannot be read, and there is nothing left to cancel in it.
-CLUSTER_GONE = (NO_CLUSTER, "ClusterNotUpError")
 LAUNCH_REQUEST = "launch-request.json"
 TASK_FILE = "task.json"
 
 
 class SkyConfigRefused(SubstraxError):
     """SkyPilot refused the generated task: a configuration error, not retried."""
-
-
-def job_state(value: object) -> str:
-    """SkyPilot's job status -> substrax's run state; unknown values raise."""
-    if not isinstance(value, str) or value not in JOB_STATES:
-        raise BackendError(
-            f"SkyPilot reported job status {value!r}, which this release does not know; "
-            "refusing to read it as either running or finished"
-        )
-    return JOB_STATES[value]
-
-
-class ClusterTarget:
-    """ssh to a SkyPilot cluster through the config SkyPilot wrote for it."""
-
-    def __init__(self, cluster: str, config_file: Path) -> None:
-        self.host = cluster
-        self.config_file = config_file
-
-    def control_path(self) -> str:
-        digest = hashlib.sha256(f"{self.config_file}:{self.host}".encode()).hexdigest()[:16]
-        return str(control_dir() / digest)
-
-    def ssh_argv(self, multiplex: bool = True) -> list[str]:
-        argv = ["ssh", "-F", str(self.config_file), "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"]
-        argv += [arg for key in self.home_identities() for arg in ("-i", str(key))]
-        return argv + (multiplexing(self.control_path()) if multiplex else [])
-
-    def home_identities(self) -> list[Path]:
-        """The config's `IdentityFile ~/...` keys, under SkyPilot's HOME.
-
-        SkyPilot means its own HOME by `~` (it writes the key there), but
-        ssh expands `~` to the home in the password database: with HOME set
-        elsewhere (a container, CI, a test) ssh would not find the key."""
-        try:
-            text = self.config_file.read_text()
-        except OSError:
-            return []
-        found = []
-        for line in text.splitlines():
-            words = line.replace("=", " ", 1).split()
-            if len(words) == 2 and words[0].lower() == "identityfile" and words[1].startswith("~/"):
-                key = Path.home() / words[1][2:]
-                if key.is_file():
-                    found.append(key)
-        return found
-
-    def run(self, argv: list[str], *, timeout: float | None = 120) -> RemoteResult:
-        import shlex
-
-        command = [*self.ssh_argv(), self.host, shlex.join(argv)]
-        try:
-            done = subprocess.run(
-                command, check=False, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL
-            )
-        except subprocess.TimeoutExpired:
-            raise BackendError(f"ssh {self.host}: no answer within {timeout} s") from None
-        return RemoteResult(done.returncode, done.stdout, done.stderr)
-
-    def open_command(self, argv: list[str]) -> ProcessChannel:
-        """A command left running, to talk with on its stdin and stdout."""
-        import shlex
-
-        return ProcessChannel([*self.ssh_argv(), self.host, shlex.join(argv)])
-
-    def stop_master(self) -> None:
-        stop_master(self.ssh_argv(), self.host, self.control_path())
 
 
 class SkypilotBackend(Backend):
@@ -153,14 +77,7 @@ class SkypilotBackend(Backend):
         return recorded if isinstance(recorded, str) else sky_task.cluster_name(self.settings, handle)
 
     def layout(self, handle: RunHandle) -> sky_task.ClusterLayout:
-        layout = sky_task.layout_for(self.settings, handle, remote_dir())
-        # The scripts the launch uploaded, even if this installation's differ
-        # by now (an upgrade between launch and fetch): their folder is named
-        # after their digest.
-        pinned = handle.state.get("bin_digest")
-        if isinstance(pinned, str) and pinned != layout.bin_digest:
-            layout = dataclasses.replace(layout, bin_digest=pinned)
-        return layout
+        return sky_task.layout_for(self.settings, handle)
 
     def _run_file(self, handle: RunHandle, name: str) -> Path:
         return self.store.run_dir(handle.run_id) / name
@@ -172,13 +89,6 @@ class SkypilotBackend(Backend):
             return None
         rid = data.get("request_id") if isinstance(data, dict) else None
         return rid if isinstance(rid, str) else None
-
-    def _request_state(self, rid: str) -> str | None:
-        records = self.sky().call("request_status", {"request_ids": [rid]})
-        for record in records or []:
-            if isinstance(record, dict) and record.get("request_id") == rid:
-                return str(record.get("status"))
-        return None
 
     def target(self, handle: RunHandle) -> ClusterTarget:
         cluster = self.cluster(handle)
@@ -196,7 +106,8 @@ class SkypilotBackend(Backend):
         except SubstraxError as exc:
             emit(f"{handle.step}: could not write the ssh config of {cluster}: {exc}", err=True)
 
-    def _ssh(self, handle: RunHandle, argv: list[str], what: str) -> RemoteResult:
+    def remote_run(self, handle: RunHandle) -> RemoteRun:
+        """The run's folder on the cluster, over the ssh config SkyPilot wrote."""
         target = self.target(handle)
         if not target.config_file.is_file() and target.host not in self._ssh_config_written:
             self._write_ssh_config(handle)  # another machine's launch, or one before an upgrade
@@ -205,23 +116,16 @@ class SkypilotBackend(Backend):
                 f"run {handle.run_id}: no ssh access to cluster {target.host} "
                 f"({target.config_file} is missing: the cluster is down, or was launched from another home)"
             )
-        result = target.run(argv)
-        if result.returncode != 0:
-            said = (result.stderr + result.stdout).decode(errors="replace").strip()
-            raise BackendError(f"{what} on {target.host} failed (exit {result.returncode}): {said[-1500:]}")
-        return result
-
-    def _script(self, handle: RunHandle, name: str, *args: str) -> list[str]:
-        return [self.settings.python, f"{self.layout(handle).bin}/{name}", *args]
+        layout = self.layout(handle)
+        return RemoteRun(target, self.settings.python, layout.bin, layout.run)
 
     # ------------------------------------------------------------- launch
     def launch(self, handle: RunHandle) -> RunHandle:
         project = Path(str(handle.state["project"]))
         layout = self.layout(handle)
-        lock = sky_task.env_lock(project)
-        env_dir = layout.env_dir(sky_task.env_digest(project, lock, self.settings)) if lock else None
+        lock, env_dir = sky_task.environment(self.settings, layout, project)
         upload = self._run_file(handle, "upload")
-        self._snapshot(handle, project, upload)
+        sky_task.snapshot(self.settings, handle, project, self.store.root, upload / "project")
         (upload / "in").mkdir(parents=True, exist_ok=True)
         write_json_atomic(
             upload / "in" / "job.json", sky_task.worker_job(self.settings, handle, layout, env_dir)
@@ -238,9 +142,9 @@ class SkypilotBackend(Backend):
         )
         self._validate(config)
         log = self._run_file(handle, "launch.log")
-        relay = _LogRelay(log, f"{handle.step}: ")
+        relay = LogRelay(log, f"{handle.step}: ")
         rid = self._request_id(handle)
-        state = self._request_state(rid) if rid else None
+        state = self.sky().request_state(rid) if rid else None
         if rid and state in (*REQUEST_LIVE, "SUCCEEDED"):
             emit(f"{handle.step}: waiting for launch request {rid} of cluster {cluster}")
             result = self.sky().call("wait_launch", {"request_id": rid, "log_file": str(log)},
@@ -257,7 +161,7 @@ class SkypilotBackend(Backend):
                 "request_file": str(self._run_file(handle, LAUNCH_REQUEST)),
                 "log_file": str(log),
                 # values read now, sent on stdin: never written to a file
-                "secrets": {n: os.environ[n] for n in handle.spec.forward_env if n in os.environ},
+                "secrets": forwarded_env(handle),
             }
             try:
                 result = self.sky().call("launch", request, timeout=None, while_waiting=relay)
@@ -276,12 +180,10 @@ class SkypilotBackend(Backend):
         return handle
 
     def _validate(self, config: dict[str, Any]) -> None:
+        # check_file_mounts: the snapshot and sources exist by now
+        request = {"task": config, "needs_storage_mounting": self.settings.bucket is not None,
+                   "check_file_mounts": True}  # fmt: skip
         try:
-            request = {
-                "task": config,
-                "needs_storage_mounting": self.settings.bucket is not None,
-                "check_file_mounts": True,  # the snapshot and sources exist by now
-            }
             self.sky().call("validate", request)
         except SkyCallError as exc:
             hint = ""
@@ -292,45 +194,6 @@ class SkypilotBackend(Backend):
                 f"SkyPilot refused the task for this step ({exc.kind}: {exc.detail}){hint}; "
                 "check [tool.substrax.compute.backends.skypilot] and the step's resources"
             ) from None
-
-    def _snapshot(self, handle: RunHandle, project: Path, upload: Path) -> None:
-        """The project's files, the step's inputs and nothing else, as hard
-        links (copies across file systems): SkyPilot uploads this folder."""
-        from substrax_tasks.backends.ssh import project_files
-
-        dest = upload / "project"
-        shutil.rmtree(dest, ignore_errors=True)
-        dest.mkdir(parents=True)
-        outputs = {o.rstrip("/") for o in handle.spec.outputs}
-        sources = set(self.settings.copy_.source_paths()) if self.settings.copy_ is not None else set()
-        buckets = (
-            {p.strip("/") for p in self.settings.bucket.buckets}
-            if self.settings.bucket is not None
-            else set()
-        )
-        skipped = outputs | sources | buckets
-        files = [f for f in project_files(project, self.store.root, []) if f.rstrip("/") not in skipped]
-        files += [
-            i for i in handle.spec.inputs if i.rstrip("/") not in files and i.rstrip("/") not in skipped
-        ]
-        for rel in files:
-            source = project / rel.rstrip("/")
-            target = dest / rel.rstrip("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if source.is_dir() and not source.is_symlink():
-                shutil.copytree(
-                    source, target, symlinks=True, copy_function=_link_or_copy, dirs_exist_ok=True
-                )
-            elif source.exists() or source.is_symlink():
-                _link_or_copy(str(source), str(target))
-        # SkyPilot filters a mount through the .gitignore files in it, unless
-        # its root holds a .skyignore: an empty one, so that what was chosen
-        # above (tracked files and declared inputs) is what arrives. Written
-        # beside and renamed: the snapshot's files are links to the project's.
-        ignore = dest / ".skyignore"
-        partial = dest / ".skyignore.partial"
-        partial.write_text("# substrax-tasks: this snapshot is exactly what is uploaded\n")
-        partial.replace(ignore)
 
     def start(self, handle: RunHandle) -> RunHandle:
         """The launch submitted the job already (SkyPilot runs setup, then it)."""
@@ -392,7 +255,7 @@ class SkypilotBackend(Backend):
         rid = self._request_id(handle)
         if rid is None:
             return RunStatus("pending")
-        state = self._request_state(rid)
+        state = self.sky().request_state(rid)
         if state in REQUEST_LIVE or state == "SUCCEEDED" or state is None:
             return RunStatus("pending", message=f"launch request {rid}: {state or 'unknown'}")
         ended = RunStatus(
@@ -407,7 +270,7 @@ class SkypilotBackend(Backend):
         from substrax_tasks.worker_job import status_from_record
 
         try:
-            record = self._remote_status(handle)
+            record = self.remote_run(handle).status()
         except SubstraxError as exc:
             note = f"the worker's record is out of reach: {exc}"
             return RunStatus(status.state, message=f"{status.message} ({note})")
@@ -420,19 +283,6 @@ class SkypilotBackend(Backend):
             # on Slurm does not wait for it), which SkyPilot's verdict says.
             return RunStatus(status.state, started_at=worker.started_at, message=status.message)
         return worker
-
-    def _remote_status(self, handle: RunHandle) -> dict[str, Any]:
-        result = self._ssh(handle, self._script(handle, "control.py", "status", self.layout(handle).run),
-                           "reading the run's status")  # fmt: skip
-        try:
-            data = json.loads(result.text().strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            raise BackendError(
-                f"reading the run's status: unexpected answer {result.text()[:200]!r}"
-            ) from None
-        if not isinstance(data, dict):
-            raise BackendError(f"reading the run's status: unexpected answer {data!r}")
-        return data
 
     # ------------------------------------------------------------- cancel
     def cancel(self, handle: RunHandle) -> bool:
@@ -450,7 +300,7 @@ class SkypilotBackend(Backend):
         rid = self._request_id(handle)
         if rid is not None:
             try:
-                if self._request_state(rid) in REQUEST_LIVE:
+                if self.sky().request_state(rid) in REQUEST_LIVE:
                     self.sky().call("api_cancel", {"request_ids": [rid]})
             except SubstraxError as exc:
                 failures.append(BackendError(f"cancelling launch request {rid}: {exc}"))
@@ -458,11 +308,9 @@ class SkypilotBackend(Backend):
         if isinstance(job_id, int):
             try:
                 self.sky().call("cancel", {"cluster_name": cluster, "job_ids": [job_id]})
-            except SkyCallError as exc:
-                if exc.kind not in CLUSTER_GONE:  # else the down below ends it all the same
+            except SubstraxError as exc:  # a cluster gone or going: the down below ends it all the same
+                if not (isinstance(exc, SkyCallError) and exc.kind in CLUSTER_GONE):
                     failures.append(BackendError(f"cancelling job {job_id} on {cluster}: {exc}"))
-            except SubstraxError as exc:
-                failures.append(BackendError(f"cancelling job {job_id} on {cluster}: {exc}"))
         gone = self._down(handle, failures)
         if gone:
             ended = RunStatus("cancelled", message="cancelled; its cluster was taken down")
@@ -475,124 +323,54 @@ class SkypilotBackend(Backend):
         cluster = self.cluster(handle)
         try:
             self.sky().call("down", {"cluster_name": cluster}, timeout=None)
-        except SkyCallError as exc:
-            if exc.kind != NO_CLUSTER:
+        except SubstraxError as exc:
+            if not (isinstance(exc, SkyCallError) and exc.kind == NO_CLUSTER):
                 failures.append(BackendError(f"taking cluster {cluster} down: {exc}"))
                 return False
-        except SubstraxError as exc:
-            failures.append(BackendError(f"taking cluster {cluster} down: {exc}"))
-            return False
         self.target(handle).stop_master()
         return True
 
     # --------------------------------------------------------------- logs
-    def _kept_log(self, handle: RunHandle) -> Path:
-        return self._run_file(handle, "run.log")
-
     def read_log(self, handle: RunHandle, offset: int) -> bytes:
-        kept = self._kept_log(handle)
-        if kept.is_file():
-            with kept.open("rb") as f:
-                f.seek(offset)
-                return f.read(1 << 20)
+        kept = _remote_run.read_kept_log(self._run_file(handle, "run.log"), offset)
+        if kept is not None:
+            return kept
         if not isinstance(handle.state.get("job_id"), int) or handle.state.get("torn_down"):
             return b""
-        log = f"{self.layout(handle).run}/run.log"
         try:
-            result = self._ssh(
-                handle, ["sh", "-c", 'tail -c +"$1" "$2" 2>/dev/null | head -c 1048576', "sh",
-                         str(offset + 1), log], "reading the log")  # fmt: skip
+            return self.remote_run(handle).read_log(offset)
         except BackendError:
             return b""
-        return result.stdout
 
-    def stream_log(self, handle: RunHandle, out: IO[bytes], follow: bool = False) -> RunStatus:
-        """As the base, but SkyPilot's status is read every poll_seconds (each
-        read is a process that imports sky), the log over ssh in between."""
-        import time
-
-        offset = 0
-        status = self.poll(handle)
-        next_poll = time.monotonic() + self.settings.poll_seconds
-        while True:
-            chunk = self.read_log(handle, offset)
-            if chunk:
-                out.write(chunk)
-                out.flush()
-                offset += len(chunk)
-                continue
-            if not follow or status.final:
-                return status
-            time.sleep(0.5)
-            if time.monotonic() >= next_poll:
-                status = self.poll(handle)
-                next_poll = time.monotonic() + self.settings.poll_seconds
-
-    def wait(self, handle: RunHandle, poll_seconds: float | None = None) -> RunStatus:
-        return super().wait(handle, poll_seconds or self.settings.poll_seconds)
+    @property
+    def poll_seconds(self) -> float:
+        return self.settings.poll_seconds  # each read is a process that imports sky
 
     # -------------------------------------------------------------- fetch
     def fetch(self, handle: RunHandle) -> Fetched:
-        fetched = self.begin_fetch(handle)
-        fetched.confirm()
-        return fetched
-
-    def begin_fetch(self, handle: RunHandle) -> Fetched:
-        if self.settings.bucket is not None:
-            return self._fetch_bucket(handle)
-        return self._fetch_copy(handle)
-
-    def _fetch_copy(self, handle: RunHandle) -> Fetched:
-        """As the SSH backend fetches (ssh_watch.watched_fetch): rsync over
-        SkyPilot's ssh config while the node takes the outputs' manifest,
-        each file hashed here as it arrives, the node's last check confirmed
-        before anything is promoted."""
-        record = self._remote_status(handle)
-        root = record.get("outputs_root")
-        if not isinstance(root, str):
-            raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
-        cache = f"{self.layout(handle).run}/manifest-cache.json"
-        argv = self._script(handle, "manifest.py", root, *handle.spec.outputs, "--cache", cache, "--watch")
-        target = self.target(handle)
-        watch = ManifestWatch(target.open_command(argv), self.cluster(handle))
-        changed = (
-            f"run {handle.run_id}: the outputs on {self.cluster(handle)} changed while they were fetched; "
-            f"nothing was promoted and the cluster is kept (`doit {handle.step}` fetches them again)"
-        )
         staging = self._run_file(handle, "fetched")
-        return watched_fetch(
-            watch, RsyncTransport(target), root, list(handle.spec.outputs), staging=staging, changed=changed
-        )
-
-    def _fetch_bucket(self, handle: RunHandle) -> Fetched:
+        if self.settings.bucket is None:  # copy: as the SSH backend fetches, over SkyPilot's ssh config
+            transport = RsyncTransport(self.target(handle))
+            return self.remote_run(handle).fetch(transport, list(handle.spec.outputs), staging)
         from substrax_tasks.transports.bucket import BucketTransport
 
-        assert self.settings.bucket is not None
-        base = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
-        transport = BucketTransport()
-        manifest = transport.read_manifest(f"{base}/manifest.json")
-        staging = self._run_file(handle, "fetched")
-        shutil.rmtree(staging, ignore_errors=True)
-        present = [o for o in handle.spec.outputs if o not in manifest.get("missing", [])]
-        if present:
-            transport.download(f"{base}/outputs", present, staging)
-        _apply_modes(staging, manifest)
+        run_folder = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
+        manifest = BucketTransport().fetch_run(run_folder, list(handle.spec.outputs), staging)
         return Fetched(staging, manifest)
 
     def outputs_available(self, handle: RunHandle) -> bool:
         if self.settings.bucket is not None:
             from substrax_tasks.transports.bucket import BucketTransport
 
-            base = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
             try:
-                BucketTransport().read_manifest(f"{base}/manifest.json")
+                BucketTransport().read_manifest(f"{self.settings.bucket.outputs_bucket}/{handle.run_id}/manifest.json")
             except SubstraxError:
                 return False
             return True
         if handle.state.get("torn_down"):
             return False
         try:
-            return bool(self._remote_status(handle).get("exists"))
+            return bool(self.remote_run(handle).status().get("exists"))
         except SubstraxError:
             return False
 
@@ -610,65 +388,8 @@ class SkypilotBackend(Backend):
                 raise BackendError("; ".join(str(e) for e in group.exceptions)) from None
             return
         with contextlib.suppress(SubstraxError, OSError):
-            self._keep_log(handle)
+            self.remote_run(handle).keep_log(self._run_file(handle, "run.log"))
         failures: list[Exception] = []
         if not self._down(handle, failures):
             raise failures[0]
         self.store.update_state(handle, torn_down=True)
-
-    def _keep_log(self, handle: RunHandle) -> None:
-        kept = self._kept_log(handle)
-        partial = kept.with_name(kept.name + ".partial")
-        offset = 0
-        with partial.open("wb") as f:
-            while chunk := self.read_log(handle, offset):
-                f.write(chunk)
-                offset += len(chunk)
-        partial.replace(kept)
-
-
-def _apply_modes(root: Path, manifest: dict[str, Any]) -> None:
-    """An object store keeps no file modes: the copies take the ones the
-    worker recorded, and verification then judges contents and sizes."""
-    for entry in manifest.get("entries", []):
-        path = root / str(entry.get("path"))
-        if entry.get("type") in ("file", "dir") and isinstance(entry.get("mode"), int) and path.exists():
-            path.chmod(entry["mode"])
-
-
-def _link_or_copy(source: str, target: str) -> str:
-    if os.path.lexists(target):  # an input inside a folder already taken
-        return target
-    if Path(source).is_symlink():
-        Path(target).symlink_to(Path(source).readlink())
-        return target
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
-    return target
-
-
-class _LogRelay:
-    """Shows what a SkyPilot request writes to its log while it is waited on."""
-
-    def __init__(self, path: Path, prefix: str) -> None:
-        self.path = path
-        self.prefix = prefix
-        self.offset = path.stat().st_size if path.exists() else 0
-        self.partial = b""
-
-    def __call__(self) -> None:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return
-        self.offset += len(data)
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()
-        for line in lines:
-            text = line.decode(errors="replace").rstrip()
-            if text:
-                emit(f"{self.prefix}{text}")

@@ -3,15 +3,23 @@
 Paths on both sides are relative to a root folder; a transport never
 decides which files matter (the backend lists them) and never promotes
 anything (the chain verifies and promotes what it brought back).
+
+Progress goes to one rich bar (`progress`) when stderr is a terminal, and
+to one summary line otherwise, whatever the transport.
 """
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from substrax_tasks.errors import BackendError
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -35,17 +43,70 @@ class Transport(ABC):
         folder with everything in it). Creates `remote_root`."""
 
     @abstractmethod
-    def download(
-        self,
-        remote_root: str,
-        rel_paths: list[str],
-        local_root: Path,
-        on_file: Callable[[str], None] | None = None,
-    ) -> TransferStats:
+    def download(self, remote_root: str, rel_paths: list[str], local_root: Path) -> TransferStats:
         """Copy `remote_root/<rel>` to `local_root/<rel>` for each path that
-        exists there. Raises BackendError if the copy broke off.
+        exists there (verification against the manifest names the others).
+        Raises BackendError if the copy broke off."""
 
-        `on_file` (optional) is told the relative path of each file as the
-        copy finishes it, from the copy's thread; the file may reach its
-        final path a moment later. A hint for work that can overlap the
-        copy (hashing), never proof that a file arrived whole."""
+
+def progress(what: str) -> Progress:
+    """The bar of a transfer: files done (a `files` field the caller sets),
+    bytes done, rate and time left, on stderr. Not started."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    return Progress(
+        TextColumn(f"{what}{{task.fields[files]}}"), BarColumn(), DownloadColumn(),
+        TransferSpeedColumn(), TimeRemainingColumn(), transient=False, console=Console(stderr=True),
+    )  # fmt: skip
+
+
+def checked_manifest(data: bytes, where: str) -> dict[str, Any]:
+    """The manifest in `data` (remote/manifest.py's JSON), checked whole: a
+    damaged one (cut short, or entries that do not give its digest) is a
+    BackendError naming `where`, never a verdict on the outputs."""
+    from substrax_tasks.manifest_cache import manifest_module
+
+    mod = manifest_module()
+    try:
+        manifest = json.loads(data)
+    except ValueError:
+        manifest = None
+    problem = _problem(manifest, mod)
+    if problem is not None:
+        raise BackendError(
+            f"the manifest {where} is damaged ({problem}): the run did not finish writing its "
+            "outputs, or it was altered since; nothing was fetched"
+        )
+    assert isinstance(manifest, dict)
+    return manifest
+
+
+def _problem(manifest: object, mod: Any) -> str | None:
+    if not isinstance(manifest, dict):
+        return "it is not a JSON object"
+    version, entries = manifest.get("version"), manifest.get("entries")
+    missing, digest = manifest.get("missing"), manifest.get("digest")
+    checks = [
+        (version == mod.VERSION, f"version {version!r}, expected {mod.VERSION}"),
+        (isinstance(entries, list) and all(isinstance(e, dict) and "path" in e for e in entries),
+         "its entries are not a list of entries"),
+        (isinstance(missing, list) and all(isinstance(m, str) for m in missing),
+         "its missing outputs are not a list of paths"),
+        (isinstance(digest, str), "it has no digest"),
+    ]  # fmt: skip
+    problem = next((why for ok, why in checks if not ok), None)
+    if problem is not None:
+        return problem
+    try:
+        own = str(mod.entries_digest(entries))
+    except (TypeError, ValueError) as exc:
+        return f"its entries cannot be digested: {exc}"
+    return None if own == digest else f"its digest {str(digest)[:12]} does not match its entries ({own[:12]})"

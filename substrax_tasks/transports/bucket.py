@@ -20,23 +20,21 @@ of its own (no fsspec instance cache), so a changed environment is honoured.
 A download never leaves a half-written file at a final path: each object is
 written to a hidden ``.<name>.<hex>.part`` beside its final path and renamed
 over it once complete and of the listed size; a failed or interrupted copy
-removes its part files. (The SkyPilot backend also stages into a fresh
-folder, and a part file orphaned by a SIGKILL shows up as an extra file in
-the verification of that folder, so it can never be promoted.)
+removes its part files (one orphaned by a SIGKILL is an extra file to the
+verification of the fresh staging folder, so it is never promoted).
 
 Object stores hold neither file modes, symlinks nor empty folders: a
-downloaded file gets the default mode (0o666 minus the umask, 0o644 under
-the usual 022), a folder output with no object under it arrives as an empty
-folder, and an upload refuses symlinks and special files.
-
-Progress goes to a rich bar (files and bytes done, rate, time left) when
-stderr is a terminal, and to one summary line otherwise, as with rsync.
+downloaded file gets the default mode (`fetch_run` then sets the one the
+manifest recorded), a folder output with no object under it arrives as an
+empty folder, and an upload refuses symlinks and special files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import shutil
 import stat
 import sys
 import threading
@@ -49,7 +47,7 @@ from typing import Any
 
 from substrax_tasks._output import emit
 from substrax_tasks.errors import BackendError
-from substrax_tasks.transports.base import TransferStats, Transport
+from substrax_tasks.transports.base import TransferStats, Transport, checked_manifest, progress
 
 MAX_WORKERS = 8  # objects copied at once: one request each, so small files do not go one by one
 INSTALL_BUCKET = "pip install 'substrax-tasks[bucket]'"
@@ -127,16 +125,10 @@ class BucketTransport(Transport):
         fs.invalidate_cache()  # listings made before (by us or anyone) may be stale
         return fs, path
 
-    # -------------------------------------------------------------- manifest
-
     def read_manifest(self, uri: str) -> dict[str, Any]:
         """The manifest at `uri` (``<outputs_bucket>/<run_id>/manifest.json``),
         checked whole: its digest must match its entries. Missing or damaged
         means the run did not finish writing its outputs: BackendError."""
-        import json
-
-        from substrax_tasks.manifest_cache import manifest_module
-
         run_folder = uri.rstrip("/").rsplit("/", 1)[0] if "/" in uri.rstrip("/") else uri
         fs, path = self.filesystem(uri)
         try:
@@ -148,33 +140,26 @@ class BucketTransport(Transport):
             ) from None
         except Exception as exc:
             raise _failure("reading", uri, exc) from exc
-        try:
-            manifest = json.loads(data)
-        except ValueError:
-            manifest = None
-        problem = _manifest_problem(manifest, manifest_module())
-        if problem is not None:
-            raise BackendError(
-                f"the manifest in the run folder {run_folder} is damaged ({problem}): the run did not "
-                f"finish writing its outputs; nothing was fetched"
-            )
-        assert isinstance(manifest, dict)
+        return checked_manifest(data, f"in the run folder {run_folder}")
+
+    def fetch_run(self, run_folder: str, outputs: list[str], staging: Path) -> dict[str, Any]:
+        """A run's outputs, as the worker left them in `run_folder`, into a
+        fresh `staging`, with the modes its manifest recorded; the manifest."""
+        manifest = self.read_manifest(f"{run_folder}/{MANIFEST_NAME}")
+        shutil.rmtree(staging, ignore_errors=True)
+        present = [o for o in outputs if o not in manifest["missing"]]
+        if present:
+            self.download(f"{run_folder}/outputs", present, staging)
+        _apply_modes(staging, manifest)
         return manifest
 
     # ------------------------------------------------------------- transfers
 
-    def download(
-        self,
-        remote_root: str,
-        rel_paths: list[str],
-        local_root: Path,
-        on_file: Callable[[str], None] | None = None,
-    ) -> TransferStats:
+    def download(self, remote_root: str, rel_paths: list[str], local_root: Path) -> TransferStats:
         """Copy ``remote_root/<rel>`` (an object, or every object under that
         prefix) to ``local_root/<rel>``. A path with nothing in the bucket
         is skipped (verification against the manifest names it); a folder
-        output arrives, empty if nothing is under it.
-        `on_file` is told each file's relative path once it stands whole."""
+        output arrives, empty if nothing is under it."""
         started = time.monotonic()
         fs, root = self.filesystem(remote_root)
         folders: list[Path] = [local_root]
@@ -210,8 +195,6 @@ class BucketTransport(Transport):
                 part.replace(final)
             finally:
                 part.unlink(missing_ok=True)
-            if on_file is not None:
-                on_file(final.relative_to(local_root).as_posix())
 
         return self._run("fetch", copies, fetch_one, lambda c: _uri(remote_root, root, c.source), started)
 
@@ -246,8 +229,19 @@ class BucketTransport(Transport):
         from fsspec.callbacks import Callback  # type: ignore[import-untyped]
 
         stop = threading.Event()
-        total = sum(c.size for c in copies)
-        with _Meter(what, len(copies), total, self.show_progress) as meter:
+        lock = threading.Lock()
+        done = [0, 0]  # files, bytes: counted from many threads
+        bar = progress(what) if self.show_progress else None
+        task = bar.add_task(what, total=sum(c.size for c in copies), files="") if bar is not None else None
+
+        def count(nbytes: int, files: int = 0) -> None:
+            with lock:
+                done[0] += files
+                done[1] += nbytes
+                if bar is not None and task is not None:
+                    bar.update(task, advance=nbytes, files=f" {done[0]}/{len(copies)} files")
+
+        with bar if bar is not None else contextlib.nullcontext():
 
             def one(copy: _Copy) -> None:
                 if stop.is_set():
@@ -257,7 +251,7 @@ class BucketTransport(Transport):
                 def hook(size: int | None, value: int, **_: object) -> None:
                     if stop.is_set():
                         raise _Stopped
-                    meter.add_bytes(value - seen[0])
+                    count(value - seen[0])
                     seen[0] = value
 
                 try:
@@ -268,8 +262,7 @@ class BucketTransport(Transport):
                     return
                 except Exception as exc:
                     raise _failure(f"{what} of", name_of(copy), exc) from exc
-                meter.add_bytes(copy.size - seen[0])
-                meter.file_done()
+                count(copy.size - seen[0], files=1)
 
             if copies:
                 pool = ThreadPoolExecutor(max_workers=min(self.max_workers, len(copies)))
@@ -284,70 +277,10 @@ class BucketTransport(Transport):
                 finally:
                     stop.set()
                     pool.shutdown(wait=True, cancel_futures=True)
-        stats = TransferStats(files=meter.files, bytes=meter.bytes, seconds=time.monotonic() - started)
+        stats = TransferStats(files=done[0], bytes=done[1], seconds=time.monotonic() - started)
         if not self.show_progress:
             emit(stats.summary(what), err=True)
         return stats
-
-
-# ------------------------------------------------------------------ helpers
-
-
-class _Meter:
-    """Files and bytes done, counted from many threads; a rich bar if asked."""
-
-    def __init__(self, what: str, files: int, total: int, show: bool) -> None:
-        self.what = what
-        self.total_files = files
-        self.total = total
-        self.show = show
-        self.files = 0
-        self.bytes = 0
-        self._lock = threading.Lock()
-        self._progress: Any = None
-        self._task: Any = None
-
-    def __enter__(self) -> _Meter:
-        if self.show:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
-            self._progress = Progress(
-                TextColumn(f"{self.what}{{task.fields[files]}}"), BarColumn(), DownloadColumn(),
-                TransferSpeedColumn(), TimeRemainingColumn(), transient=False, console=Console(stderr=True),
-            )  # fmt: skip
-            self._progress.start()
-            self._task = self._progress.add_task(self.what, total=self.total, files=self._files_text())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-
-    def _files_text(self) -> str:
-        return f" {self.files}/{self.total_files} files"
-
-    def add_bytes(self, count: int) -> None:
-        if count == 0:
-            return
-        with self._lock:
-            self.bytes += count
-        if self._progress is not None:
-            self._progress.advance(self._task, count)
-
-    def file_done(self) -> None:
-        with self._lock:
-            self.files += 1
-            text = self._files_text()
-        if self._progress is not None:
-            self._progress.update(self._task, files=text)
 
 
 def _package_for(protocol: str) -> str:
@@ -417,21 +350,21 @@ def _local_files(local_root: Path, rel: str) -> Iterator[tuple[str, int]]:
         yield rel, st.st_size
         return
     if not stat.S_ISDIR(st.st_mode):
-        raise BackendError(f"cannot upload {path}: {_kind(st.st_mode)}s cannot be put in a bucket")
+        raise _not_a_file(path, st.st_mode)
     for dirpath, dirnames, filenames in os.walk(path):
         dirnames.sort()
         for name in sorted(filenames) + [d for d in dirnames if Path(dirpath, d).is_symlink()]:
             full = Path(dirpath, name)
             st = full.lstat()
             if not stat.S_ISREG(st.st_mode):
-                raise BackendError(f"cannot upload {full}: {_kind(st.st_mode)}s cannot be put in a bucket")
+                raise _not_a_file(full, st.st_mode)
             yield full.relative_to(local_root).as_posix(), st.st_size
 
 
-def _kind(mode: int) -> str:
+def _not_a_file(path: Path, mode: int) -> BackendError:
     from substrax_tasks.manifest_cache import manifest_module
 
-    return manifest_module().kind_of(mode)
+    return BackendError(f"cannot upload {path}: {manifest_module().kind_of(mode)}s cannot be put in a bucket")
 
 
 def _uri(remote_root: str, root: str, path: str) -> str:
@@ -457,25 +390,10 @@ def _failure(action: str, uri: str, exc: BaseException) -> BackendError:
     return BackendError(f"{action} {uri} failed: {type(exc).__name__}: {exc}")
 
 
-def _manifest_problem(manifest: object, mod: Any) -> str | None:
-    """Why `manifest` is not a whole manifest of remote/manifest.py, or None."""
-    if not isinstance(manifest, dict):
-        return "it is not a JSON object"
-    version, entries = manifest.get("version"), manifest.get("entries")
-    missing, digest = manifest.get("missing"), manifest.get("digest")
-    checks = [
-        (version == mod.VERSION, f"version {version!r}, expected {mod.VERSION}"),
-        (isinstance(entries, list) and all(isinstance(e, dict) and "path" in e for e in entries),
-         "its entries are not a list of entries"),
-        (isinstance(missing, list) and all(isinstance(m, str) for m in missing),
-         "its missing outputs are not a list of paths"),
-        (isinstance(digest, str), "it has no digest"),
-    ]  # fmt: skip
-    problem = next((why for ok, why in checks if not ok), None)
-    if problem is not None:
-        return problem
-    try:
-        own = str(mod.entries_digest(entries))
-    except (TypeError, ValueError) as exc:
-        return f"its entries cannot be digested: {exc}"
-    return None if own == digest else f"its digest {str(digest)[:12]} does not match its entries ({own[:12]})"
+def _apply_modes(root: Path, manifest: dict[str, Any]) -> None:
+    """An object store keeps no file modes: the copies take the ones the
+    worker recorded, and verification then judges contents and sizes."""
+    for entry in manifest.get("entries", []):
+        path = root / str(entry.get("path"))
+        if entry.get("type") in ("file", "dir") and isinstance(entry.get("mode"), int) and path.exists():
+            path.chmod(entry["mode"])

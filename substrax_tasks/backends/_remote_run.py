@@ -1,0 +1,215 @@
+"""What the ssh and skypilot backends share: a run's folder on a machine
+reached over ssh, and the scripts, environment and files it is made of.
+
+`RemoteRun` is one run's folder there: remote/control.py's status and
+remove, its log (and the copy of it kept here once the folder goes), and
+the verified copy's fetch: the manifest the worker wrote as the command
+ended (`<run dir>/manifest.json`), then the outputs by rsync into a fresh
+local staging folder. The chain verifies the copy against that manifest;
+nothing here decides whether it matches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
+from substrax_tasks._ssh import RemoteResult
+from substrax_tasks.backends.base import Fetched
+from substrax_tasks.config import ENV_LOCK_FILES
+from substrax_tasks.errors import BackendError
+from substrax_tasks.handle import RunHandle
+from substrax_tasks.transports.base import Transport, checked_manifest
+
+ALWAYS_EXCLUDED = (".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache",
+                   ".doit.db", ".doit.db.bak", ".doit.db.dat", ".doit.db.dir")  # fmt: skip
+MANIFEST_FILE = "manifest.json"  # in the run's folder, written by the worker as the command ended
+LOG_CHUNK = 1 << 20
+
+
+class Remote(Protocol):
+    """A machine that runs commands: an SSH host or a SkyPilot cluster."""
+
+    @property
+    def host(self) -> str: ...
+
+    def run(
+        self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120
+    ) -> RemoteResult: ...
+
+
+def scripts_digest() -> str:
+    """Names the folder the remote scripts are uploaded to: a run uses the
+    scripts it was launched with, even after an upgrade here."""
+    digest = hashlib.sha256()
+    for name in REMOTE_SCRIPTS:
+        digest.update(remote_script(name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def env_lock(project: Path) -> str | None:
+    """The lock file the run's environment is built from, if any."""
+    return next((name for name in ENV_LOCK_FILES if (project / name).is_file()), None)
+
+
+def env_digest(project: Path, lock: str, python: str, pip_args: list[str]) -> str:
+    """Names an environment: reused while the lock and how it is built stay."""
+    recipe = json.dumps([python, pip_args]).encode()
+    return hashlib.sha256((project / lock).read_bytes() + recipe).hexdigest()[:16]
+
+
+def env_steps(lock: str, env_dir: str, project: str, python: str, pip_args: list[str]) -> list[list[str]]:
+    """The commands that build the environment, run from the project's
+    folder there, so relative paths in pip_args (--find-links wheels/) and
+    in the lock resolve as they do here."""
+    if lock == "uv.lock":
+        return [["env", f"UV_PROJECT_ENVIRONMENT={env_dir}", "uv", "sync", "--frozen", "--project", project]]
+    pip = [f"{env_dir}/bin/pip", "install", "--disable-pip-version-check", "-q", *pip_args, "-r", lock]
+    return [[python, "-m", "venv", env_dir], pip]
+
+
+def project_files(project: Path, state_dir: Path, excludes: list[str]) -> list[str]:
+    """The project's files to upload: git's tracked files when the project
+    is a git work tree, otherwise every file but caches and the state dir."""
+    try:
+        listed = subprocess.run(
+            ["git", "-C", str(project), "ls-files", "-z", "--cached"],
+            capture_output=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+        files = [p for p in listed.decode().split("\0") if p]
+        if files:
+            return files
+    except (OSError, subprocess.SubprocessError):
+        pass
+    skip = {*ALWAYS_EXCLUDED, *excludes}
+    with contextlib.suppress(ValueError, IndexError):  # the state dir is elsewhere
+        skip.add(state_dir.resolve().relative_to(project.resolve()).parts[0])
+    return sorted(entry.name for entry in project.iterdir() if entry.name not in skip)
+
+
+def forwarded_env(handle: RunHandle) -> dict[str, str]:
+    """The secrets named by the step, read from this process now: sent on
+    stdin, never written to a file here or there."""
+    return {name: os.environ[name] for name in handle.spec.forward_env if name in os.environ}
+
+
+def read_kept_log(kept: Path, offset: int) -> bytes | None:
+    """The log kept here once the run's folder went, from `offset`; None if none is kept."""
+    try:
+        with kept.open("rb") as f:
+            f.seek(offset)
+            return f.read(LOG_CHUNK)
+    except FileNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class RemoteRun:
+    """One run's folder on `remote`, and the scripts uploaded beside it."""
+
+    remote: Remote
+    python: str
+    bin_dir: str
+    run_dir: str
+
+    def script(self, name: str, *args: str) -> list[str]:
+        return [self.python, f"{self.bin_dir}/{name}", *args]
+
+    def check(self, argv: list[str], what: str, stdin: bytes | None = None) -> RemoteResult:
+        result = self.remote.run(argv, stdin=stdin)
+        if result.returncode != 0:
+            raise self.failure(what, result)
+        return result
+
+    def failure(self, what: str, result: RemoteResult) -> BackendError:
+        said = (result.stderr + result.stdout).decode(errors="replace").strip()[-1500:]
+        return BackendError(f"{what} on {self.remote.host} failed (exit {result.returncode}): {said}")
+
+    def control(self, operation: str, *args: str, what: str) -> dict[str, Any]:
+        """remote/control.py's answer (one JSON line) for this run."""
+        result = self.check(self.script("control.py", operation, self.run_dir, *args), what)
+        try:
+            data = json.loads(result.text().strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise BackendError(f"{what}: unexpected answer {result.text()[:200]!r}") from None
+        if not isinstance(data, dict):
+            raise BackendError(f"{what}: unexpected answer {data!r}")
+        return data
+
+    def status(self) -> dict[str, Any]:
+        return self.control("status", what="reading the run's status")
+
+    def remove(self) -> None:
+        self.control("remove", what="removing the run folder")
+
+    def read_log(self, offset: int) -> bytes:
+        """The run's log there from `offset` (b"" when there is none)."""
+        tail = 'tail -c +"$1" "$2" 2>/dev/null | head -c "$3"'
+        argv = ["sh", "-c", tail, "sh", str(offset + 1), f"{self.run_dir}/run.log", str(LOG_CHUNK)]
+        return self.check(argv, "reading the log").stdout
+
+    def keep_log(self, kept: Path) -> None:
+        """Copy the log here before the run's folder goes: teardown keeps
+        the handle and the logs."""
+        partial = kept.with_name(kept.name + ".partial")
+        offset = 0
+        with partial.open("wb") as f:
+            while chunk := self.read_log(offset):
+                f.write(chunk)
+                offset += len(chunk)
+        partial.replace(kept)
+
+    def manifest(self, outputs_root: str, outputs: list[str]) -> dict[str, Any]:
+        """The outputs' manifest the worker wrote as the command ended. A
+        run that left none (made by an older release, or its tree was
+        refused) has one taken now, once, and saved beside the run: refused
+        again, that is a ManifestError with remote/manifest.py's message."""
+        path = f"{self.run_dir}/{MANIFEST_FILE}"
+        # Exit 3 only when there is none: a broken connection must not
+        # stand in a manifest of the outputs as they are now for this one.
+        kept = self.remote.run(["sh", "-c", '[ -e "$1" ] || exit 3; exec cat "$1"', "sh", path])
+        if kept.returncode == 0:
+            return checked_manifest(kept.stdout, f"{path} on {self.remote.host}")
+        if kept.returncode != 3:
+            raise self.failure(f"reading {path}", kept)
+        taken = self.remote.run(self.script("manifest.py", outputs_root, *outputs), timeout=None)
+        said = taken.stderr.decode(errors="replace").strip()
+        if taken.returncode == 1 and said.startswith("manifest.py:"):
+            from substrax_tasks.manifest_cache import ManifestError
+
+            raise ManifestError(said)
+        if taken.returncode != 0:
+            raise self.failure("taking the outputs' manifest", taken)
+        manifest = checked_manifest(taken.stdout, f"taken on {self.remote.host}")
+        save = 'cat > "$1.partial" && mv "$1.partial" "$1"'
+        self.check(["sh", "-c", save, "sh", path], "saving the outputs' manifest", stdin=taken.stdout)
+        return manifest
+
+    def fetch(
+        self, transport: Transport, outputs: list[str], staging: Path, outputs_root: object = None
+    ) -> Fetched:
+        """The manifest, then a copy of the outputs into `staging` (made
+        afresh: a killed copy leaves temp files, and a file since deleted
+        there would stay here). Outputs changed on the host after the
+        command ended do not match the manifest, so verification refuses
+        the copy; the run's folder stays for a fetch again. `outputs_root`:
+        where the outputs are there, if noted when the run was seen to end;
+        otherwise its status says."""
+        if not isinstance(outputs_root, str):
+            outputs_root = self.status().get("outputs_root")
+        if not isinstance(outputs_root, str):
+            raise BackendError(f"the status of run {self.run_dir} names no outputs folder")
+        manifest = self.manifest(outputs_root, outputs)
+        shutil.rmtree(staging, ignore_errors=True)
+        present = [o for o in outputs if o not in manifest["missing"]]
+        if present:
+            transport.download(outputs_root, present, staging)
+        return Fetched(staging, manifest)
