@@ -335,8 +335,16 @@ def _wait_for(what: str, ready: Callable[[], bool], timeout: float, detail: Call
         time.sleep(0.2)
 
 
-def _free_port() -> int:
-    return sshd_host._free_loopback_port()
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports: every socket stays bound until
+    all are picked, so the kernel cannot hand the same port out twice."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
 def _short_hostname() -> str:
@@ -982,6 +990,7 @@ def bed_up(root: Path, *, sky_venv: Path | None = None, log: Callable[[str], Non
         raise TestbedError(f"{root} is not empty and holds no test bed: pick an empty or new folder")
     root.chmod(0o755)
     token = secrets.token_hex(4)
+    slurmctld_port, slurmd_port, api_port = _free_ports(3)
     bed = SlurmBed(
         root=root,
         token=token,
@@ -989,9 +998,9 @@ def bed_up(root: Path, *, sky_venv: Path | None = None, log: Callable[[str], Non
         cluster_alias=CLUSTER_ALIAS,
         cpus=os.cpu_count() or 1,
         real_memory_mb=max(512, _mem_total_mb() - 256),
-        slurmctld_port=_free_port(),
-        slurmd_port=_free_port(),
-        api_port=_free_port(),
+        slurmctld_port=slurmctld_port,
+        slurmd_port=slurmd_port,
+        api_port=api_port,
         user=f"sxslurm{token[:6]}",
         uid=-1,
         home=root / "home",
@@ -1007,8 +1016,6 @@ def bed_up(root: Path, *, sky_venv: Path | None = None, log: Callable[[str], Non
         state="starting",
         created_root=created_root,
     )
-    while len({bed.slurmctld_port, bed.slurmd_port, bed.api_port}) < 3:
-        bed.api_port = _free_port()
     bed.logs.mkdir()
     bed.save()
 
