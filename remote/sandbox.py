@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 from typing import Any, Callable
+
+# Own namespaces for everything bubblewrap can give one. The user namespace
+# without capabilities is what holds root in: the task is still uid 0 (or the
+# same user) for files, but cannot remount, unmount, nsenter or ptrace out.
+ISOLATION = ["--unshare-user", "--cap-drop", "ALL", "--unshare-pid", "--unshare-ipc",
+             "--unshare-uts", "--unshare-cgroup-try"]
+# Where system services keep their Unix sockets (docker, dbus, agents);
+# hidden under network_isolation, with every other socket the host has bound.
+SOCKET_DIRS = ["/run", "/var/run"]
 
 
 def bwrap_usable(bwrap: str) -> bool:
     """bubblewrap can be installed yet unusable (user namespaces disabled)."""
     try:
         probe = subprocess.run(
-            [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "true"],
+            [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", *ISOLATION, "true"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10,
         )
     except (OSError, subprocess.TimeoutExpired):
@@ -35,17 +45,52 @@ def writable_dirs(outputs: list[dict[str, str]]) -> list[str]:
     return sorted(dirs, key=lambda d: (0 if d == "." else d.count("/") + 1, d))
 
 
+def host_sockets() -> list[str]:
+    """The Unix sockets bound on this machine's file system (as its network
+    namespace's /proc/net/unix lists them)."""
+    try:
+        with open("/proc/net/unix") as table:
+            rows = [row.split(None, 7) for row in table.read().splitlines()[1:]]
+    except OSError:
+        return []
+    found = []
+    for path in sorted({row[7] for row in rows if len(row) == 8 and row[7].startswith("/")}):
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                found.append(path)
+        except OSError:  # gone since, or bound in another mount namespace
+            continue
+    return found
+
+
+def shown_from_host(path: str, argv: list[str]) -> bool:
+    """Whether the host's `path` shows through the mounts of argv: the
+    deepest one above it binds that same host folder (not a tmpfs or staging)."""
+    deepest, same = "", False
+    for i, option in enumerate(argv):
+        if option in ("--tmpfs", "--bind", "--ro-bind"):
+            dest = argv[i + 1] if option == "--tmpfs" else argv[i + 2]
+            inside = path == dest or path.startswith(dest.rstrip("/") + "/")
+            if inside and len(dest) >= len(deepest):
+                deepest, same = dest, option != "--tmpfs" and argv[i + 1] == dest
+    return same
+
+
 def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str) -> list[str]:
     """The bubblewrap prefix: system and project read-only, /tmp replaced by
     an empty private tmpfs, home (the "hide" folders) by an empty read-only
     one, each output folder bound from the run's staging folder so that the
-    task writes its outputs at their usual paths."""
+    task writes its outputs at their usual paths. Under network_isolation
+    the host's Unix sockets are hidden too."""
     project = job["project"]
+    isolated = bool(job.get("network_isolation"))
     argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     hidden = [h for h in job.get("hide", []) if os.path.isdir(h) and h != "/"]
-    for path in ["/tmp", "/var/tmp", *hidden]:
-        if os.path.isdir(path):
-            argv += ["--tmpfs", path]
+    # A symlink (/var/run -> /run) is hidden with its target.
+    emptied = [p for p in ["/tmp", "/var/tmp", *(SOCKET_DIRS if isolated else [])]
+               if os.path.isdir(p) and not os.path.islink(p)]
+    for path in [*emptied, *hidden]:
+        argv += ["--tmpfs", path]
     # Re-expose the project (and inputs outside it) after hiding: the
     # project may live under $HOME or /tmp.
     argv += ["--ro-bind", project, project]
@@ -69,9 +114,14 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str) -> list[str]:
             if entry_rel not in declared:
                 real = os.path.join(inside, entry)
                 argv += ["--ro-bind", real, real]
-    argv += ["--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session"]
-    if job.get("network_isolation"):
+    if isolated:
+        # A socket the task would still see (in the project, /srv, /var/lib)
+        # is covered by /dev/null: connecting to it fails.
+        for path in host_sockets():
+            if shown_from_host(path, argv):
+                argv += ["--ro-bind", "/dev/null", path]
         argv.append("--unshare-net")
+    argv += [*ISOLATION, "--die-with-parent", "--new-session"]
     return [*argv, "--chdir", job["cwd"], "--"]
 
 

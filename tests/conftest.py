@@ -388,3 +388,25 @@ def on_a_terminal(argv: list[str], timeout: float = 60) -> str:
     finally:
         os.close(leader)
     return shown.decode(errors="replace")
+
+
+@pytest.fixture
+def tcp_server() -> Iterator[socket.socket]:
+    """A listening TCP socket on the host's 127.0.0.1."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    yield server
+    server.close()
+
+
+def connections_made(server: socket.socket) -> int:
+    server.setblocking(False)
+    count = 0
+    while True:
+        try:
+            conn, _ = server.accept()
+        except BlockingIOError:
+            return count
+        conn.close()
+        count += 1

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import log_text, needs_bwrap, outputs_root, run_dir, submit, wait_final
+from conftest import connections_made, log_text, needs_bwrap, outputs_root, run_dir, submit, wait_final
 
 from substrax_tasks._remote_files import remote_module
 from substrax_tasks.runs import Project
@@ -224,28 +224,6 @@ echo "HOME HOLDS: $(ls -A "$HOME" | tr '\\n' ' ')"
     assert (root / "code.txt").read_text() == "original\n"
     assert not (fake_home / "planted").exists()
     assert (outputs_root(project, handle) / "out" / "result.txt").read_text() == "result\n"
-
-
-@pytest.fixture
-def tcp_server() -> Iterator[socket.socket]:
-    """A listening TCP socket on the host's 127.0.0.1."""
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    yield server
-    server.close()
-
-
-def connections_made(server: socket.socket) -> int:
-    server.setblocking(False)
-    count = 0
-    while True:
-        try:
-            conn, _ = server.accept()
-        except BlockingIOError:
-            return count
-        conn.close()
-        count += 1
 
 
 @needs_bwrap

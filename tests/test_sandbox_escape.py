@@ -1,0 +1,202 @@
+"""Escape attempts from the bubblewrap sandbox (issue 15), made by the task
+as root and as an unprivileged user: each must fail, and the host must show
+that nothing changed.
+
+The real worker (remote/worker.py under the system python3) runs the real
+bwrap; the unprivileged user is a uid with no account, reached with setpriv.
+The task prints ALLOWED/DENIED per attempt; probes that must succeed (read
+the project, write an output) keep the others from passing by accident.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import GRACE, WORKER, connections_made, needs_bwrap
+from test_sandbox import ATTEMPT, verdicts
+
+from substrax_tasks.spec import make_spec
+from substrax_tasks.worker_job import WorkerPaths, build_job
+
+pytestmark = needs_bwrap
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")  # one every uid can run
+TOOLS = ("mount", "umount", "nsenter", "unshare", "bash")
+SECRET = "substrax-undeclared-secret-value"
+
+
+def free_uid() -> int:
+    """A uid no account has: the unprivileged user of these tests."""
+    taken = {entry.pw_uid for entry in pwd.getpwall()}
+    return next(uid for uid in range(42420, 42520) if uid not in taken)
+
+
+@dataclass
+class Bed:
+    """A project, a hidden home and a run folder, owned by the user that
+    runs the worker, under a folder every uid can reach."""
+
+    base: Path
+    uid: int
+    prefix: list[str]  # what runs the worker as that user
+
+    @property
+    def project(self) -> Path:
+        return self.base / "project"
+
+    @property
+    def home(self) -> Path:
+        return self.base / "home"
+
+    def run(self, script: str, marker: str, *, network_isolation: bool) -> tuple[str, dict[str, object]]:
+        """Run `script` through the worker; its log and final status."""
+        run_dir = self.base / "runs" / marker[-8:]
+        run_dir.mkdir(parents=True)
+        spec = make_spec("escape", ["sh", "-c", script, marker], self.project,
+                         inputs=["data/in.txt"], outputs=["out/"])  # fmt: skip
+        paths = WorkerPaths(project=str(self.project), run_dir=str(run_dir))
+        job = build_job(spec, paths, sandbox="bwrap", network_isolation=network_isolation,
+                        grace_seconds=GRACE, hide=[str(self.home)])  # fmt: skip
+        Path(paths.job).write_text(json.dumps(job))
+        chown_tree(self.base, self.uid)
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.home), "SUBSTRAX_LEAK": SECRET}
+        assert SYSTEM_PYTHON is not None
+        done = subprocess.run(
+            [*self.prefix, SYSTEM_PYTHON, str(WORKER), paths.job], env=env,
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return Path(paths.log).read_text(errors="replace"), json.loads(Path(paths.status).read_text())
+
+
+def chown_tree(root: Path, uid: int) -> None:
+    for folder, dirs, files in os.walk(root):
+        for name in [folder, *(os.path.join(folder, n) for n in dirs + files)]:
+            os.lchown(name, uid, uid)
+
+
+@pytest.fixture(params=["root", "unprivileged"])
+def bed(request: pytest.FixtureRequest) -> Iterator[Bed]:
+    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+    if SYSTEM_PYTHON is None or missing:
+        pytest.skip(f"ESCAPE PROBES NOT RUN: missing {missing or 'python3 in /usr/bin'}")
+    prefix: list[str] = []  # none: the worker runs as the test's own user
+    if os.geteuid() != 0:
+        if request.param == "root":
+            pytest.skip("ROOT ESCAPE PROBES NOT RUN: the tests do not run as root (CI runs them as root)")
+        uid = os.geteuid()
+    elif request.param == "root":
+        uid = 0
+    else:
+        if shutil.which("setpriv") is None:
+            pytest.skip("UNPRIVILEGED ESCAPE PROBES NOT RUN: setpriv (util-linux) is not installed")
+        uid = free_uid()
+        prefix = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    base = Path(tempfile.mkdtemp(prefix="substrax-escape-"))
+    base.chmod(0o755)
+    made = Bed(base, uid, prefix)
+    (made.project / "data").mkdir(parents=True)
+    (made.project / "code.txt").write_text("original\n")
+    (made.project / "data" / "in.txt").write_text("input\n")
+    made.home.mkdir()
+    (made.home / "secret.txt").write_text("credentials\n")
+    yield made
+    shutil.rmtree(base)
+
+
+def test_escape_attempts_fail(bed: Bed, marker: str, tcp_server: socket.socket,
+                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("SUBSTRAX_LEAK", SECRET)  # an undeclared variable of "doit"
+    pid, port, project = os.getpid(), tcp_server.getsockname()[1], bed.project
+    host_tmp = Path(f"/tmp/{marker}")
+    Path(f"{host_tmp}-host").write_text("on the host\n")
+    script = ATTEMPT + f"""
+attempt read-project 'cat code.txt'
+attempt write-output 'echo result > out/result.txt'
+attempt remount-project 'mount -o remount,rw {project} && echo x > {project}/code.txt'
+attempt remount-root 'mount -o remount,rw / && echo x > {project}/planted.txt'
+attempt new-file-in-project 'echo x > {project}/planted.txt'
+attempt write-input 'echo x > {project}/data/in.txt'
+attempt nested-userns-remount 'unshare -rm sh -c "mount -o remount,rw {project} && echo x > code.txt"'
+attempt umount-home 'umount -l "$HOME"; cat "$HOME/secret.txt"'
+attempt see-host-tmp 'umount -l /tmp; test -e {host_tmp}-host'
+attempt write-tmp 'umount -l /tmp; echo x > {host_tmp}'
+attempt umount-proc 'umount -l /proc; test -e /proc/{pid}'
+attempt read-doit-environ 'umount -l /proc; grep -q {SECRET} /proc/{pid}/environ'
+attempt read-any-environ 'grep -qs {SECRET} /proc/[0-9]*/environ'
+attempt nsenter-net 'nsenter --net=/proc/{pid}/ns/net bash -c "exec 3<>/dev/tcp/127.0.0.1/{port}"'
+attempt nsenter-mount 'nsenter --mount=/proc/{pid}/ns/mnt sh -c "echo x > {project}/planted.txt"'
+attempt host-loopback 'bash -c "exec 3<>/dev/tcp/127.0.0.1/{port}"'
+echo "CAPS $(grep -E '^Cap(Eff|Prm)' /proc/self/status | tr -s '\\t\\n' '  ')"
+"""
+    try:
+        log, status = bed.run(script, marker, network_isolation=True)
+    finally:
+        Path(f"{host_tmp}-host").unlink()
+    assert status["state"] == "succeeded", log
+    assert status["sandbox"] == "bwrap"
+    allowed = {name for name, verdict in verdicts(log).items() if verdict == "ALLOWED"}
+    assert allowed == {"read-project", "write-output", "write-tmp"}, log  # write-tmp: into the private /tmp
+    assert "CAPS CapPrm: 0000000000000000 CapEff: 0000000000000000" in log, log
+    # The host shows it too: nothing written, nothing connected.
+    assert (project / "code.txt").read_text() == "original\n"
+    assert (project / "data" / "in.txt").read_text() == "input\n"
+    assert not (project / "planted.txt").exists()
+    assert not host_tmp.exists()
+    assert connections_made(tcp_server) == 0
+    # The task ran as the same user: its output belongs to the worker's uid.
+    result = Path(str(status["outputs_root"])) / "out" / "result.txt"
+    assert result.read_text() == "result\n"
+    assert result.stat().st_uid == bed.uid
+
+
+@pytest.fixture
+def unix_servers(bed: Bed, marker: str) -> Iterator[dict[str, socket.socket]]:
+    """Listening mode-666 Unix sockets where services keep theirs (/run),
+    elsewhere on the system (/srv), and in the project."""
+    if os.geteuid() != 0:
+        pytest.skip("UNIX SOCKET PROBES NOT RUN: making sockets in /run and /srv needs a root test run")
+    paths = {"run": Path(f"/run/{marker}.sock"), "elsewhere": Path(f"/srv/{marker}.sock"),
+             "project": bed.project / "app.sock"}  # fmt: skip
+    servers = {}
+    try:
+        for name, path in paths.items():
+            servers[name] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            servers[name].bind(str(path))
+            path.chmod(0o666)
+            servers[name].listen(8)
+        yield servers
+    finally:
+        for name, server in servers.items():
+            server.close()
+            paths[name].unlink(missing_ok=True)
+
+
+CONNECT = "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])"
+
+
+@pytest.mark.parametrize("isolated", [True, False], ids=["network_isolation", "network"])
+def test_network_isolation_hides_host_unix_sockets(
+    bed: Bed, marker: str, unix_servers: dict[str, socket.socket], isolated: bool
+) -> None:
+    script = ATTEMPT + "".join(
+        f"attempt connect-{name} '{SYSTEM_PYTHON} -c \"{CONNECT}\" {server.getsockname()}'\n"
+        for name, server in unix_servers.items()
+    )
+    script += "attempt write-output 'echo x > out/x'\n"
+    log, status = bed.run(script, marker, network_isolation=isolated)
+    assert status["state"] == "succeeded", log
+    expected = "DENIED" if isolated else "ALLOWED"
+    connects = {f"connect-{name}": expected for name in unix_servers}
+    assert verdicts(log) == {**connects, "write-output": "ALLOWED"}, log
+    for name, server in unix_servers.items():
+        assert (connections_made(server) > 0) is not isolated, name
