@@ -142,6 +142,7 @@ def test_upload_copies_files_and_nested_folders_and_creates_the_remote_root(
     rsync_bound: Bound, tmp_path: Path
 ) -> None:
     bound = rsync_bound
+    assert isinstance(bound.transport, RsyncTransport)
     local = make_tree(tmp_path / "local")
     stats = bound.transport.upload(local, ASKED, bound.remote_root)
     for rel in ASKED_FILES:
@@ -155,6 +156,7 @@ def test_upload_copies_files_and_nested_folders_and_creates_the_remote_root(
 @needs_root
 def test_upload_of_a_path_that_is_not_here_fails(rsync_bound: Bound, tmp_path: Path) -> None:
     bound = rsync_bound
+    assert isinstance(bound.transport, RsyncTransport)
     local = make_tree(tmp_path / "local")
     with pytest.raises(BackendError):
         bound.transport.upload(local, ["a.txt", "nothing-here.txt"], bound.remote_root)
