@@ -4,8 +4,9 @@ server: RsyncTransport against a throwaway sshd in a network namespace,
 BucketTransport against `rclone serve s3`.
 
 Add a transport by adding a parameter to the `bound` fixture. What only one
-transport can do (modes and symlinks through rsync; empty folders, manifests
-and endpoints of buckets) is tested in that transport's own tests.
+transport can do (uploads, modes and symlinks through rsync; empty folders,
+manifests and endpoints of buckets) is tested here with rsync alone, or in
+that transport's own tests.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from testbeds.sshd_host import SshHost
 from substrax_tasks import manifest_cache
 from substrax_tasks._ssh import SshTarget
 from substrax_tasks.errors import BackendError
-from substrax_tasks.transports.base import Transport
 from substrax_tasks.transports.bucket import BucketTransport
 from substrax_tasks.transports.rsync import RsyncTransport
 
@@ -44,7 +44,7 @@ class Bound:
     read that root behind the transport's back."""
 
     name: str
-    transport: Transport
+    transport: RsyncTransport | BucketTransport
     remote_root: str
     put: Callable[[str, bytes], None]
     get: Callable[[str], bytes | None]  # None: not there
@@ -131,9 +131,18 @@ def files_under(root: Path) -> dict[str, bytes]:
 # ------------------------------------------------------------------ upload
 
 
+@pytest.fixture
+def rsync_bound(host: SshHost, ssh_target: SshTarget) -> Bound:
+    return _rsync_bound(host, ssh_target)
+
+
+@needs_sshd
+@needs_root
 def test_upload_copies_files_and_nested_folders_and_creates_the_remote_root(
-    bound: Bound, tmp_path: Path
+    rsync_bound: Bound, tmp_path: Path
 ) -> None:
+    bound = rsync_bound
+    assert isinstance(bound.transport, RsyncTransport)
     local = make_tree(tmp_path / "local")
     stats = bound.transport.upload(local, ASKED, bound.remote_root)
     for rel in ASKED_FILES:
@@ -143,7 +152,11 @@ def test_upload_copies_files_and_nested_folders_and_creates_the_remote_root(
     assert stats.bytes == sum(len(TREE[rel]) for rel in ASKED_FILES)
 
 
-def test_upload_of_a_path_that_is_not_here_fails(bound: Bound, tmp_path: Path) -> None:
+@needs_sshd
+@needs_root
+def test_upload_of_a_path_that_is_not_here_fails(rsync_bound: Bound, tmp_path: Path) -> None:
+    bound = rsync_bound
+    assert isinstance(bound.transport, RsyncTransport)
     local = make_tree(tmp_path / "local")
     with pytest.raises(BackendError):
         bound.transport.upload(local, ["a.txt", "nothing-here.txt"], bound.remote_root)
@@ -169,11 +182,11 @@ def test_a_folder_is_the_same_with_or_without_its_trailing_slash(bound: Bound, t
     assert set(files_under(tmp_path / "plain")) == {rel for rel in ASKED_FILES if rel.startswith("data/")}
 
 
-def test_round_trip_verifies_against_the_manifest_of_the_source(bound: Bound, tmp_path: Path) -> None:
+def test_a_download_verifies_against_the_manifest_of_the_source(bound: Bound, tmp_path: Path) -> None:
     local = make_tree(tmp_path / "local")
     outputs = ["a.txt", "data/"]
     expected = manifest_cache.build_manifest(local, outputs)
-    bound.transport.upload(local, outputs, bound.remote_root)
+    put_tree(bound)
     staging = tmp_path / "staging"
     bound.transport.download(bound.remote_root, outputs, staging)
     assert manifest_cache.verify_outputs(staging, outputs, expected, tmp_path / "cache.json") == []
@@ -186,9 +199,7 @@ def test_download_replaces_a_file_already_at_the_final_path(bound: Bound, tmp_pa
     assert (staging / "a.txt").read_bytes() == TREE["a.txt"]
 
 
-def test_download_skips_a_path_that_is_not_there_and_brings_the_others(
-    bound: Bound, tmp_path: Path
-) -> None:
+def test_download_skips_a_path_that_is_not_there_and_brings_the_others(bound: Bound, tmp_path: Path) -> None:
     """The contract: each path "that exists there" (the manifest check then
     names the missing one); nothing half-made is left for it."""
     put_tree(bound)

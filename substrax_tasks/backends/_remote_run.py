@@ -27,7 +27,8 @@ from substrax_tasks.backends.base import Fetched
 from substrax_tasks.config import ENV_LOCK_FILES
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.transports.base import Transport, checked_manifest
+from substrax_tasks.transports.base import checked_manifest
+from substrax_tasks.transports.rsync import RsyncTransport
 
 ALWAYS_EXCLUDED = (".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache",
                    ".doit.db", ".doit.db.bak", ".doit.db.dat", ".doit.db.dir")  # fmt: skip
@@ -194,7 +195,7 @@ class RemoteRun:
         return manifest
 
     def fetch(
-        self, transport: Transport, outputs: list[str], staging: Path, outputs_root: object = None
+        self, transport: RsyncTransport, outputs: list[str], staging: Path, outputs_root: object = None
     ) -> Fetched:
         """The manifest, then a copy of the outputs into `staging` (made
         afresh: a killed copy leaves temp files, and a file since deleted

@@ -53,13 +53,9 @@ class Capabilities:
     interrupt_cancels: Ctrl-C in the client cancels the run (it runs on
     this machine, tied to the client); otherwise the client detaches and the
     run goes on, reachable again by a rerun or the CLI.
-    outputs_stay: a finished run's outputs stay where it ran until
-    teardown, so a failed fetch or promotion can be retried without
-    running the command again.
     """
 
     interrupt_cancels: bool = False
-    outputs_stay: bool = True
 
 
 @dataclass(frozen=True)

@@ -137,9 +137,7 @@ class LocalBackend(Backend):
         fetched = self.store.run_dir(handle.run_id) / "fetched"
         shutil.rmtree(fetched, ignore_errors=True)
         for out in outputs:
-            source = Path(root) / out.rstrip("/")
-            if source.exists() or source.is_symlink():
-                link_tree(source, fetched / out.rstrip("/"))
+            link_tree(Path(root) / out.rstrip("/"), fetched / out.rstrip("/"))
         return Fetched(fetched, manifest)
 
     def _worker_manifest(self, handle: RunHandle) -> dict[str, Any] | None:
@@ -168,16 +166,18 @@ class LocalBackend(Backend):
 
 
 def link_tree(source: Path, dest: Path) -> None:
-    """Hard-link a file or tree (symlinks copied as links); copy across
-    file systems."""
+    """Hard-link a file or tree (symlinks copied as links; copies across
+    file systems). What is already at `dest` stays."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     if source.is_dir() and not source.is_symlink():
-        shutil.copytree(source, dest, symlinks=True, copy_function=_link_or_copy)
-    else:
+        shutil.copytree(source, dest, symlinks=True, copy_function=_link_or_copy, dirs_exist_ok=True)
+    elif source.exists() or source.is_symlink():
         _link_or_copy(str(source), str(dest))
 
 
 def _link_or_copy(source: str, dest: str) -> None:
+    if os.path.lexists(dest):
+        return
     if Path(source).is_symlink():
         Path(dest).symlink_to(Path(source).readlink())
         return
@@ -192,4 +192,3 @@ def interpreter_paths() -> list[str]:
     pyenv or conda interpreter often lives there), read-only."""
     paths = {sys.prefix, sys.base_prefix, str(Path(sys.executable).resolve().parent.parent)}
     return sorted(paths)
-

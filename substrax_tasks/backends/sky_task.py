@@ -17,7 +17,6 @@ On the cluster, relative to the cluster user's home (`remote_root`):
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shlex
 import shutil
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from substrax_tasks.backends._remote_run import env_digest, env_lock, project_files, scripts_digest
+from substrax_tasks.backends.local import link_tree
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.worker_job import WorkerPaths, build_job
@@ -176,7 +176,6 @@ def _home(path: str) -> str:
     return f'"$HOME"/{shlex.quote(path)}'
 
 
-
 def run_script(settings: SkypilotSettings, layout: ClusterLayout) -> str:
     """The worker in the foreground (SkyPilot's cancel reaches its tree; its
     exit status is the job's), with the task's log copied into the job's."""
@@ -244,17 +243,9 @@ def snapshot(
     buckets = {p.strip("/") for p in settings.bucket.buckets} if settings.bucket is not None else set()
     skipped = outputs | sources | buckets
     files = [f for f in project_files(project, state_dir, []) if f.rstrip("/") not in skipped]
-    files += [
-        i for i in handle.spec.inputs if i.rstrip("/") not in files and i.rstrip("/") not in skipped
-    ]
-    for rel in files:
-        source = project / rel.rstrip("/")
-        target = dest / rel.rstrip("/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if source.is_dir() and not source.is_symlink():
-            shutil.copytree(source, target, symlinks=True, copy_function=_link_or_copy, dirs_exist_ok=True)
-        elif source.exists() or source.is_symlink():
-            _link_or_copy(str(source), str(target))
+    files += [i for i in handle.spec.inputs if i.rstrip("/") not in files and i.rstrip("/") not in skipped]
+    for rel in files:  # an input inside a folder already taken stays as taken
+        link_tree(project / rel.rstrip("/"), dest / rel.rstrip("/"))
     # SkyPilot filters a mount through the .gitignore files in it, unless
     # its root holds a .skyignore: an empty one, so that what was chosen
     # above (tracked files and declared inputs) is what arrives. Written
@@ -263,16 +254,3 @@ def snapshot(
     partial = dest / ".skyignore.partial"
     partial.write_text("# substrax-tasks: this snapshot is exactly what is uploaded\n")
     partial.replace(ignore)
-
-
-def _link_or_copy(source: str, target: str) -> str:
-    if os.path.lexists(target):  # an input inside a folder already taken
-        return target
-    if Path(source).is_symlink():
-        Path(target).symlink_to(Path(source).readlink())
-        return target
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
-    return target

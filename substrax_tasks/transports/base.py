@@ -1,8 +1,12 @@
-"""The transport contract: put files there, bring outputs back.
+"""What the transports share (rsync.py, bucket.py): their figures, their
+progress bar and the check of a manifest they bring back.
 
 Paths on both sides are relative to a root folder; a transport never
 decides which files matter (the backend lists them) and never promotes
-anything (the chain verifies and promotes what it brought back).
+anything (the chain verifies and promotes what it brought back). Its
+`download(remote_root, rel_paths, local_root)` copies each path that exists
+there (verification against the manifest names the others) and raises
+BackendError if the copy broke off.
 
 Progress goes to one rich bar (`progress`) when stderr is a terminal, and
 to one summary line otherwise, whatever the transport.
@@ -11,10 +15,8 @@ to one summary line otherwise, whatever the transport.
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from substrax_tasks.errors import BackendError
 
@@ -32,21 +34,6 @@ class TransferStats:
         rate = self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
         size = f"{self.bytes / 1e6:.1f} MB"
         return f"{what}: {self.files} files, {size} in {self.seconds:.1f} s ({rate:.1f} MB/s)"
-
-
-class Transport(ABC):
-    name: ClassVar[str]
-
-    @abstractmethod
-    def upload(self, local_root: Path, rel_paths: list[str], remote_root: str) -> TransferStats:
-        """Copy `local_root/<rel>` to `remote_root/<rel>` for each path (a
-        folder with everything in it). Creates `remote_root`."""
-
-    @abstractmethod
-    def download(self, remote_root: str, rel_paths: list[str], local_root: Path) -> TransferStats:
-        """Copy `remote_root/<rel>` to `local_root/<rel>` for each path that
-        exists there (verification against the manifest names the others).
-        Raises BackendError if the copy broke off."""
 
 
 def progress(what: str) -> Progress:

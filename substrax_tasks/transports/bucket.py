@@ -1,4 +1,4 @@
-"""The bucket transport: outputs (and, rarely, inputs) through an object store.
+"""The bucket transport: a run's outputs back from an object store.
 
 A run's worker writes the step's outputs under
 ``<outputs_bucket>/<run_id>/outputs/<output path>`` and, last, their manifest
@@ -25,21 +25,20 @@ verification of the fresh staging folder, so it is never promoted).
 
 Object stores hold neither file modes, symlinks nor empty folders: a
 downloaded file gets the default mode (`fetch_run` then sets the one the
-manifest recorded), a folder output with no object under it arrives as an
-empty folder, and an upload refuses symlinks and special files.
+manifest recorded), and a folder output with no object under it arrives as
+an empty folder. Nothing is uploaded through it: the cluster mounts the
+buckets it reads and writes (SkyPilot's MOUNT file mounts).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import shutil
-import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -47,7 +46,7 @@ from typing import Any
 
 from substrax_tasks._output import emit
 from substrax_tasks.errors import BackendError
-from substrax_tasks.transports.base import TransferStats, Transport, checked_manifest, progress
+from substrax_tasks.transports.base import TransferStats, checked_manifest, progress
 
 MAX_WORKERS = 8  # objects copied at once: one request each, so small files do not go one by one
 INSTALL_BUCKET = "pip install 'substrax-tasks[bucket]'"
@@ -56,7 +55,7 @@ MANIFEST_NAME = "manifest.json"
 
 @dataclass(frozen=True)
 class _Copy:
-    source: str  # a local path (upload) or a file system path (download)
+    source: str  # a file system path
     dest: str
     size: int
 
@@ -65,9 +64,7 @@ class _Stopped(Exception):
     """Raised inside a copy's progress hook to abort it: another copy failed."""
 
 
-class BucketTransport(Transport):
-    name = "bucket"
-
+class BucketTransport:
     def __init__(
         self,
         endpoint_url: str | None = None,
@@ -179,50 +176,10 @@ class BucketTransport(Transport):
         except OSError as exc:
             raise BackendError(f"cannot make the folders of the fetch in {local_root}: {exc}") from exc
 
-        def fetch_one(copy: _Copy, callback: Any) -> None:
-            final = Path(copy.dest)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            # beside the final path (same file system: the rename is atomic); short enough for NAME_MAX
-            part = final.with_name(f".{final.name[:200]}.{secrets.token_hex(4)}.part")
-            try:
-                fs.get_file(copy.source, str(part), callback=callback)
-                got = part.stat().st_size
-                if got != copy.size:
-                    raise BackendError(
-                        f"{_uri(remote_root, root, copy.source)} changed while it was fetched "
-                        f"({copy.size} bytes listed, {got} received)"
-                    )
-                part.replace(final)
-            finally:
-                part.unlink(missing_ok=True)
+        return self._copy_all(fs, copies, lambda c: _uri(remote_root, root, c.source), started)
 
-        return self._run("fetch", copies, fetch_one, lambda c: _uri(remote_root, root, c.source), started)
-
-    def upload(self, local_root: Path, rel_paths: list[str], remote_root: str) -> TransferStats:
-        """Copy ``local_root/<rel>`` (a file, or every file under a folder) to
-        ``remote_root/<rel>``. The bucket must exist; a prefix needs no making.
-        Objects appear whole or not at all."""
-        started = time.monotonic()
-        fs, root = self.filesystem(remote_root)
-        copies: list[_Copy] = []
-        for rel in rel_paths:
-            clean = _relative(rel, str(local_root))
-            for sub, size in _local_files(local_root, clean):
-                copies.append(_Copy(str(local_root / sub), f"{root}/{sub}", size))
-
-        def put_one(copy: _Copy, callback: Any) -> None:
-            fs.put_file(copy.source, copy.dest, callback=callback)
-
-        return self._run("upload", copies, put_one, lambda c: _uri(remote_root, root, c.dest), started)
-
-    def _run(
-        self,
-        what: str,
-        copies: list[_Copy],
-        copy_one: Callable[[_Copy, Any], None],
-        name_of: Callable[[_Copy], str],
-        started: float,
-    ) -> TransferStats:
+    def _copy_all(self, fs: Any, copies: list[_Copy], name_of: Callable[[_Copy], str],
+                  started: float) -> TransferStats:  # fmt: skip
         """Run the copies, `max_workers` at a time, with progress. On the
         first failure (or an interrupt) the others are aborted at their next
         chunk and nothing more starts; the first failure is raised."""
@@ -231,8 +188,8 @@ class BucketTransport(Transport):
         stop = threading.Event()
         lock = threading.Lock()
         done = [0, 0]  # files, bytes: counted from many threads
-        bar = progress(what) if self.show_progress else None
-        task = bar.add_task(what, total=sum(c.size for c in copies), files="") if bar is not None else None
+        bar = progress("fetch") if self.show_progress else None
+        task = bar.add_task("fetch", total=sum(c.size for c in copies), files="") if bar is not None else None
 
         def count(nbytes: int, files: int = 0) -> None:
             with lock:
@@ -241,29 +198,28 @@ class BucketTransport(Transport):
                 if bar is not None and task is not None:
                     bar.update(task, advance=nbytes, files=f" {done[0]}/{len(copies)} files")
 
-        with bar if bar is not None else contextlib.nullcontext():
+        def one(copy: _Copy) -> None:
+            if stop.is_set():
+                return
+            seen = [0]
 
-            def one(copy: _Copy) -> None:
+            def hook(size: int | None, value: int, **_: object) -> None:
                 if stop.is_set():
-                    return
-                seen = [0]
+                    raise _Stopped
+                count(value - seen[0])
+                seen[0] = value
 
-                def hook(size: int | None, value: int, **_: object) -> None:
-                    if stop.is_set():
-                        raise _Stopped
-                    count(value - seen[0])
-                    seen[0] = value
+            try:
+                _get_whole(fs, copy, name_of(copy), Callback(hooks={"meter": hook}))
+            except BackendError:
+                raise
+            except _Stopped:
+                return
+            except Exception as exc:
+                raise _failure("fetch of", name_of(copy), exc) from exc
+            count(copy.size - seen[0], files=1)
 
-                try:
-                    copy_one(copy, Callback(hooks={"meter": hook}))
-                except BackendError:
-                    raise
-                except _Stopped:
-                    return
-                except Exception as exc:
-                    raise _failure(f"{what} of", name_of(copy), exc) from exc
-                count(copy.size - seen[0], files=1)
-
+        with bar if bar is not None else contextlib.nullcontext():
             if copies:
                 pool = ThreadPoolExecutor(max_workers=min(self.max_workers, len(copies)))
                 futures: list[Future[None]] = []
@@ -279,8 +235,26 @@ class BucketTransport(Transport):
                     pool.shutdown(wait=True, cancel_futures=True)
         stats = TransferStats(files=done[0], bytes=done[1], seconds=time.monotonic() - started)
         if not self.show_progress:
-            emit(stats.summary(what), err=True)
+            emit(stats.summary("fetch"), err=True)
         return stats
+
+
+def _get_whole(fs: Any, copy: _Copy, name: str, callback: Any) -> None:
+    """One object to its final path, whole and of its listed size, or not at all."""
+    final = Path(copy.dest)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # beside the final path (same file system: the rename is atomic); short enough for NAME_MAX
+    part = final.with_name(f".{final.name[:200]}.{secrets.token_hex(4)}.part")
+    try:
+        fs.get_file(copy.source, str(part), callback=callback)
+        got = part.stat().st_size
+        if got != copy.size:
+            raise BackendError(
+                f"{name} changed while it was fetched ({copy.size} bytes listed, {got} received)"
+            )
+        part.replace(final)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def _package_for(protocol: str) -> str:
@@ -335,36 +309,6 @@ def _relative(rel: str, where: str) -> str:
             f"{rel!r} under {where} is not a plain relative path (no leading '/', '.', '..' or '//'): refused"
         )
     return str(PurePosixPath(*parts))
-
-
-def _local_files(local_root: Path, rel: str) -> Iterator[tuple[str, int]]:
-    """(relative path, size) of every file of the upload `rel`: itself, or
-    every file under it. Symlinks and special files are refused (an object
-    store cannot hold them), and so is a path that does not exist."""
-    path = local_root / rel
-    try:
-        st = path.lstat()
-    except OSError as exc:
-        raise BackendError(f"cannot upload {path}: {exc.strerror or exc}") from None
-    if stat.S_ISREG(st.st_mode):
-        yield rel, st.st_size
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        raise _not_a_file(path, st.st_mode)
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames.sort()
-        for name in sorted(filenames) + [d for d in dirnames if Path(dirpath, d).is_symlink()]:
-            full = Path(dirpath, name)
-            st = full.lstat()
-            if not stat.S_ISREG(st.st_mode):
-                raise _not_a_file(full, st.st_mode)
-            yield full.relative_to(local_root).as_posix(), st.st_size
-
-
-def _not_a_file(path: Path, mode: int) -> BackendError:
-    from substrax_tasks.manifest_cache import manifest_module
-
-    return BackendError(f"cannot upload {path}: {manifest_module().kind_of(mode)}s cannot be put in a bucket")
 
 
 def _uri(remote_root: str, root: str, path: str) -> str:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 from substrax_tasks._output import emit
 from substrax_tasks.errors import BackendError
-from substrax_tasks.transports.base import TransferStats, Transport, progress
+from substrax_tasks.transports.base import TransferStats, progress
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -40,9 +40,7 @@ class SshEndpoint(Protocol):
     def ssh_argv(self) -> list[str]: ...
 
 
-class RsyncTransport(Transport):
-    name = "copy"
-
+class RsyncTransport:
     def __init__(
         self, target: SshEndpoint, excludes: list[str] | None = None, show_progress: bool | None = None
     ) -> None:
