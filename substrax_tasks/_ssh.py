@@ -13,6 +13,7 @@ import getpass
 import hashlib
 import os
 import select
+import selectors
 import shlex
 import subprocess
 import tempfile
@@ -21,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import paramiko
 
@@ -34,6 +36,11 @@ CONTROL_PERSIST_SECONDS = 30
 # within about a minute and exits, rather than holding its clients stalled.
 SERVER_ALIVE = ("-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4")
 HOLD_RELEASE_SECONDS = 5.0
+# The most a host may answer to one command, on stdout or stderr. A host we
+# do not control (a rented box, someone else's root) could otherwise send
+# without end and exhaust this machine's memory; the biggest real answer,
+# a manifest, stays far below it (about 300,000 entries).
+MAX_ANSWER_BYTES = 64 << 20
 
 
 class HostKeyError(SubstraxError):
@@ -219,16 +226,64 @@ class ClusterTarget:
     ) -> RemoteResult:
         """Run argv there (quoted for its shell) and wait for it."""
         command = [*self.ssh_argv(), self.host, shlex.join(argv)]
-        try:
-            done = subprocess.run(
-                command, check=False, capture_output=True, timeout=timeout, input=stdin or b""
-            )
-        except subprocess.TimeoutExpired:
-            raise BackendError(f"ssh {self.host}: no answer within {timeout} s") from None
-        return RemoteResult(done.returncode, done.stdout, done.stderr)
+        with subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        ) as proc:
+            try:
+                out, err = _bounded_answer(proc, stdin or b"", timeout, self.host)
+            except BaseException:
+                proc.kill()
+                raise
+            return RemoteResult(proc.wait(), out, err)
 
     def stop_master(self) -> None:
         stop_master(self.ssh_argv(), self.host, self.control_path())
+
+
+def _bounded_answer(
+    proc: subprocess.Popen[bytes], stdin: bytes, timeout: float | None, host: str
+) -> tuple[bytes, bytes]:
+    """What `communicate` does, with each stream held to MAX_ANSWER_BYTES."""
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    answers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        for fd in answers:
+            selector.register(fd, selectors.EVENT_READ)
+        if stdin:
+            selector.register(proc.stdin, selectors.EVENT_WRITE)
+        else:
+            proc.stdin.close()
+        sent = 0
+        while selector.get_map():
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                raise BackendError(f"ssh {host}: no answer within {timeout} s")
+            for key, _ in selector.select(wait):
+                if key.fileobj is proc.stdin:
+                    try:
+                        sent += os.write(proc.stdin.fileno(), stdin[sent : sent + (1 << 16)])
+                    except BrokenPipeError:
+                        sent = len(stdin)
+                    if sent == len(stdin):
+                        selector.unregister(proc.stdin)
+                        proc.stdin.close()
+                    continue
+                fd = cast(int, key.fileobj)
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    selector.unregister(fd)
+                answers[fd] += chunk
+                if len(answers[fd]) > MAX_ANSWER_BYTES:
+                    raise answer_too_big(host)
+    return bytes(answers[proc.stdout.fileno()]), bytes(answers[proc.stderr.fileno()])
+
+
+def answer_too_big(host: str) -> BackendError:
+    return BackendError(
+        f"{host} answered with more than {MAX_ANSWER_BYTES >> 20} MiB to one command: refused, "
+        "nothing of it was kept (a host that sends without end is broken or hostile)"
+    )
 
 
 @dataclass(frozen=True)
@@ -326,6 +381,9 @@ class SshConnection:
             out, err = bytearray(), bytearray()
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
+                if len(out) > MAX_ANSWER_BYTES or len(err) > MAX_ANSWER_BYTES:
+                    channel.close()
+                    raise answer_too_big(self.host)
                 if channel.recv_ready():
                     out += channel.recv(1 << 16)
                 elif channel.recv_stderr_ready():

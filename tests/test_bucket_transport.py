@@ -22,6 +22,7 @@ from s3_server import S3Server
 
 from substrax_tasks import manifest_cache
 from substrax_tasks.errors import BackendError
+from substrax_tasks.transports.base import MAX_MANIFEST_BYTES
 from substrax_tasks.transports.bucket import BucketTransport
 
 ROOT = os.geteuid() == 0
@@ -185,6 +186,14 @@ def test_a_damaged_manifest_names_the_run_folder(
     message = str(caught.value)
     assert f"the manifest in the run folder {run} is damaged" in message and why in message, message
     assert "did not finish writing its outputs" in message
+
+
+def test_an_oversized_manifest_is_refused_unread(s3_env: S3Server, tmp_path: Path) -> None:
+    run, _ = finished_run(s3_env, tmp_path)
+    uri = f"{run}/manifest.json"
+    write_object(s3_env, uri, b" " * (MAX_MANIFEST_BYTES + 1))
+    with pytest.raises(BackendError, match=r"is larger than 64 MiB: refused unread, nothing was fetched"):
+        BucketTransport().read_manifest(uri)
 
 
 # ------------------------------------------------------------------ errors

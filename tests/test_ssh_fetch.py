@@ -8,8 +8,13 @@ run that left no manifest has one taken on the host, once.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import socket
+import stat
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +24,11 @@ from ssh_helpers import fresh_user, make_ssh_project, needs_root, needs_sshd, re
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks import manifest_cache
+from substrax_tasks.backends import _remote_run, base
 from substrax_tasks.backends._remote_run import RemoteRun
 from substrax_tasks.backends.base import Fetched
 from substrax_tasks.backends.ssh import SshBackend
+from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.manifest_cache import ManifestError
 from substrax_tasks.runs import Project
@@ -169,3 +176,126 @@ def test_the_status_is_not_asked_again_once_the_run_was_seen_to_end(
     fetched = backend.fetch(handle)
     assert (fetched.root / "out" / "a.txt").read_text() == "a\n"
     assert asked == []
+
+
+# ------------------------------------------------ a hostile host (issue 15)
+def as_host_user(path: Path, like: Path) -> None:
+    """Give a file made here (as root) to the login user of the host."""
+    owner = like.stat()
+    os.chown(path, owner.st_uid, owner.st_gid, follow_symlinks=False)
+
+
+def plant_specials(folder: Path) -> None:
+    """A fifo, a listening Unix socket's file and a world-writable char
+    device (the null device's numbers), as a host could put them."""
+    os.mkfifo(folder / "pipe")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(folder / "sock"))
+    os.mknod(folder / "node", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+
+
+def specials_under(root: Path) -> list[str]:
+    found = []
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            mode = os.lstat(os.path.join(folder, name)).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+                found.append(os.path.relpath(os.path.join(folder, name), root))
+    return found
+
+
+def test_fifos_sockets_and_devices_put_in_on_the_host_are_never_made_here(
+    tmp_path: Path, host: SshHost
+) -> None:
+    backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    plant_specials(on_host(handle, "out"))
+    staging = backend.store.run_dir(handle.run_id) / "fetched"
+    with pytest.raises(BackendError, match=r"hold out/node, out/pipe, out/sock, which are not a file"):
+        backend.fetch(handle)
+    assert (staging / "out" / "a.txt").read_text() == "a\n"  # the copy went, without them
+    assert specials_under(backend.store.root) == []
+
+
+def test_a_manifest_that_lists_a_device_is_refused_before_anything_is_copied(
+    tmp_path: Path, host: SshHost
+) -> None:
+    backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    plant_specials(on_host(handle, "out"))
+    manifest = json.loads(worker_manifest(handle).read_text())
+    node = {
+        "path": "out/node",
+        "type": "char device",
+        "size": 0,
+        "mode": 0o666,
+        "sha256": None,
+        "target": None,
+    }
+    manifest["entries"] = sorted([*manifest["entries"], node], key=lambda e: e["path"])
+    manifest["digest"] = manifest_cache.manifest_module().entries_digest(manifest["entries"])
+    worker_manifest(handle).write_text(json.dumps(manifest))
+    with pytest.raises(
+        BackendError, match=r"lists 'out/node' as a 'char device': outputs are files, folders"
+    ):
+        backend.fetch(handle)
+    assert not (backend.store.run_dir(handle.run_id) / "fetched").exists()
+
+
+def peak_memory_of_a_fetch(root: Path, run_id: str) -> tuple[int, str]:
+    """A fetch in a process of its own: its peak resident memory (bytes)
+    and what it said."""
+    script = (
+        "import sys\nfrom substrax_tasks.runs import Project\n"
+        "project = Project.open(sys.argv[1]); handle = project.store.read(sys.argv[2])\n"
+        "try:\n    project.backend_for(handle).fetch(handle)\nexcept Exception as exc:\n    print(exc)\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script, str(root), run_id], stdout=subprocess.PIPE, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        said = proc.stdout.read()
+        _, code, usage = os.wait4(proc.pid, 0)  # reaped here, for its rusage
+        proc.returncode = os.waitstatus_to_exitcode(code)
+    assert proc.returncode == 0, said
+    return usage.ru_maxrss * 1024, said
+
+
+def test_an_endless_manifest_is_refused_with_the_clients_memory_bounded(
+    tmp_path: Path, host: SshHost
+) -> None:
+    _, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    path = worker_manifest(handle)
+    with path.open("r+b") as f:  # 1 GiB in one line (sparse: costs the host no disk)
+        f.truncate(1 << 30)
+    peak, said = peak_memory_of_a_fetch(tmp_path / "proj", handle.run_id)
+    assert "answered with more than 64 MiB to one command: refused" in said, said
+    assert peak < 400 << 20, f"peak {peak >> 20} MiB"  # holding the answer whole would take over 1 GiB
+
+
+def test_a_log_that_is_not_a_regular_file_is_not_read(tmp_path: Path, host: SshHost) -> None:
+    backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    log = remote_run_dir(handle.model_dump(mode="json")) / "run.log"
+    log.unlink()
+    log.symlink_to("/dev/zero")
+    out = io.BytesIO()
+    assert backend.stream_log(handle, out, follow=True).state == "succeeded"
+    assert out.getvalue() == f"[substrax: {log} is not a regular file: not read]\n".encode()
+
+
+def test_a_log_past_the_cap_is_cut_with_a_note_shown_and_kept(
+    tmp_path: Path, host: SshHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cap = 3 << 20  # 256 MiB in use: the test would copy half a GiB
+    monkeypatch.setattr(base, "MAX_LOG_BYTES", cap)
+    monkeypatch.setattr(_remote_run, "MAX_LOG_BYTES", cap)
+    backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    log = remote_run_dir(handle.model_dump(mode="json")) / "run.log"
+    with log.open("r+b") as f:  # a regular file longer than the cap (sparse)
+        f.truncate(cap + (2 << 20))
+    out = io.BytesIO()
+    assert backend.stream_log(handle, out).state == "succeeded"
+    note = b"\n[substrax: the log is cut at 3 MiB here; the rest is in run.log in the run's folder]\n"
+    assert out.getvalue() == bytes(cap) + note
+    kept = tmp_path / "kept.log"
+    backend.remote_run(handle).keep_log(kept)
+    note = f"\n[substrax: the log is cut at 3 MiB here; the rest was not kept from {host.address}]\n"
+    assert kept.read_bytes() == bytes(cap) + note.encode()

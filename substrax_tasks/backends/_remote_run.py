@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
 from substrax_tasks._ssh import RemoteResult
-from substrax_tasks.backends.base import Fetched
+from substrax_tasks.backends.base import MAX_LOG_BYTES, Fetched, log_cut_note
 from substrax_tasks.config import ENV_LOCK_FILES
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
@@ -153,7 +153,13 @@ class RemoteRun:
 
     def read_log(self, offset: int) -> bytes:
         """The run's log there from `offset` (b"" when there is none)."""
-        tail = 'tail -c +"$1" "$2" 2>/dev/null | head -c "$3"'
+        # Only a regular file: a log replaced by a link or a device
+        # (/dev/zero) would be read without end.
+        tail = (
+            'if [ -L "$2" ] || { [ -e "$2" ] && [ ! -f "$2" ]; }; then [ "$1" = 1 ] && '
+            'echo "[substrax: $2 is not a regular file: not read]"; exit 0; fi; '
+            'tail -c +"$1" "$2" 2>/dev/null | head -c "$3"'
+        )
         argv = ["sh", "-c", tail, "sh", str(offset + 1), f"{self.run_dir}/run.log", str(LOG_CHUNK)]
         return self.check(argv, "reading the log").stdout
 
@@ -163,9 +169,11 @@ class RemoteRun:
         partial = kept.with_name(kept.name + ".partial")
         offset = 0
         with partial.open("wb") as f:
-            while chunk := self.read_log(offset):
+            while chunk := self.read_log(offset)[: MAX_LOG_BYTES - offset]:
                 f.write(chunk)
                 offset += len(chunk)
+            if offset >= MAX_LOG_BYTES:
+                f.write(log_cut_note(f"the rest was not kept from {self.remote.host}"))
         partial.replace(kept)
 
     def manifest(self, outputs_root: str, outputs: list[str]) -> dict[str, Any]:

@@ -23,6 +23,14 @@ from substrax_tasks.store import RunStore
 
 FINAL_STATES = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost"})
 LOG_POLL_SECONDS = 0.2
+# The most of one run's log shown or kept here: a host that streams without
+# end (a run.log replaced by /dev/zero) cannot fill this machine's disk or
+# hold `logs` forever. The whole log stays in the run's folder there.
+MAX_LOG_BYTES = 256 << 20
+
+
+def log_cut_note(rest: str) -> bytes:
+    return f"\n[substrax: the log is cut at {MAX_LOG_BYTES >> 20} MiB here; {rest}]\n".encode()
 
 
 @dataclass(frozen=True)
@@ -185,8 +193,12 @@ class Backend(ABC):
         offset = 0
         status = self.poll(handle)
         next_poll = time.monotonic() + self.poll_seconds
+        cut = False  # past MAX_LOG_BYTES: noted once, then only the status is followed
         while True:
-            chunk = self.read_log(handle, offset)
+            chunk = b"" if cut else self.read_log(handle, offset)[: MAX_LOG_BYTES - offset]
+            if offset + len(chunk) >= MAX_LOG_BYTES and not cut:
+                chunk += log_cut_note("the rest is in run.log in the run's folder")
+                cut = True
             if chunk:
                 out.write(chunk)
                 out.flush()

@@ -23,6 +23,11 @@ from substrax_tasks.errors import BackendError
 if TYPE_CHECKING:
     from rich.progress import Progress
 
+# The largest manifest read from a host or a bucket (about 300,000 entries):
+# one that sends more is refused before it is parsed, so a hostile host
+# cannot exhaust this machine's memory with it.
+MAX_MANIFEST_BYTES = 64 << 20
+
 
 @dataclass(frozen=True)
 class TransferStats:
@@ -61,6 +66,12 @@ def checked_manifest(data: bytes, where: str) -> dict[str, Any]:
     BackendError naming `where`, never a verdict on the outputs."""
     from substrax_tasks.manifest_cache import manifest_module
 
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise BackendError(
+            f"the manifest {where} is larger than {MAX_MANIFEST_BYTES >> 20} MiB: refused unread, "
+            "nothing was fetched (outputs of more than about 300,000 entries: declare fewer, larger "
+            "files, an archive for example; otherwise the host is broken or hostile)"
+        )
     mod = manifest_module()
     try:
         manifest = json.loads(data)
@@ -92,6 +103,10 @@ def _problem(manifest: object, mod: Any) -> str | None:
     problem = next((why for ok, why in checks if not ok), None)
     if problem is not None:
         return problem
+    assert isinstance(entries, list)  # checked above
+    odd = next((e for e in entries if e.get("type") not in ("file", "dir", "symlink")), None)
+    if odd is not None:  # a device, fifo or socket is never an output
+        return f"it lists {odd['path']!r} as a {odd.get('type')!r}: outputs are files, folders and symlinks"
     try:
         own = str(mod.entries_digest(entries))
     except (TypeError, ValueError) as exc:

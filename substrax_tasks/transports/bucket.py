@@ -46,7 +46,7 @@ from typing import Any
 
 from substrax_tasks._output import emit
 from substrax_tasks.errors import BackendError
-from substrax_tasks.transports.base import TransferStats, checked_manifest, progress
+from substrax_tasks.transports.base import MAX_MANIFEST_BYTES, TransferStats, checked_manifest, progress
 
 MAX_WORKERS = 8  # objects copied at once: one request each, so small files do not go one by one
 INSTALL_BUCKET = "pip install 'substrax-tasks[bucket]'"
@@ -129,7 +129,7 @@ class BucketTransport:
         run_folder = uri.rstrip("/").rsplit("/", 1)[0] if "/" in uri.rstrip("/") else uri
         fs, path = self.filesystem(uri)
         try:
-            data = fs.cat_file(path)
+            data = fs.cat_file(path, start=0, end=MAX_MANIFEST_BYTES + 1)  # one byte more: too big
         except FileNotFoundError:
             raise BackendError(
                 f"the run folder {run_folder} holds no {MANIFEST_NAME}: the run did not finish "

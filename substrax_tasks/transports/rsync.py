@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 _PROGRESS = re.compile(r"^\s*([\d,]+)\s+(\d+)%\s+\S+\s+\S+(?:\s+\(xfr#(\d+), (?:to|ir)-chk=(\d+)/(\d+)\))?")
 _STAT_FILES = re.compile(r"Number of regular files transferred: ([\d,]+)")
 _STAT_BYTES = re.compile(r"Total transferred file size: ([\d,]+)")
+_SKIPPED = re.compile(r'^skipping non-regular file "(.*)"$', re.MULTILINE)
 READ_BLOCK = 1 << 16
 
 
@@ -66,18 +67,29 @@ class RsyncTransport:
     def upload(self, local_root: Path, rel_paths: list[str], remote_root: str) -> TransferStats:
         dest = f"{self.target.host}:{remote_root.rstrip('/')}/"
         # remote_root exists (made at launch): no --mkpath, which needs rsync 3.2.3+
-        return self._rsync(self._argv(f"{local_root}/", dest), rel_paths, "upload")
+        return self._rsync(self._argv(f"{local_root}/", dest), rel_paths, "upload")[0]
 
     def download(self, remote_root: str, rel_paths: list[str], local_root: Path) -> TransferStats:
         local_root.mkdir(parents=True, exist_ok=True)
         source = f"{self.target.host}:{remote_root.rstrip('/')}/"
         # An output the run did not make is skipped (its manifest says so).
-        # Outputs hold only files, folders and symlinks: a device or fifo
-        # there is refused by the manifest, so it is never made here either.
+        # Outputs hold only files, folders and symlinks (the worker's
+        # manifest refuses anything else): a device, fifo or socket there now
+        # was put in after the run, and is never made here (after --archive,
+        # which would turn them back on), and the copy is refused.
         extra = ("--ignore-missing-args", "--no-devices", "--no-specials")
-        return self._rsync(self._argv(source, f"{local_root}/", *extra), rel_paths, "fetch")
+        stats, said = self._rsync(self._argv(source, f"{local_root}/", *extra), rel_paths, "fetch")
+        skipped = _SKIPPED.findall(said)
+        if skipped:
+            raise BackendError(
+                f"the outputs on {self.target.host} hold {', '.join(skipped[:5])}, which "
+                f"{'is' if len(skipped) == 1 else 'are'} not a file, folder or symlink: the copy is "
+                "refused (they were not copied here); the run's outputs were changed on the host"
+            )
+        return stats
 
-    def _rsync(self, argv: list[str], rel_paths: list[str], what: str) -> TransferStats:
+    def _rsync(self, argv: list[str], rel_paths: list[str], what: str) -> tuple[TransferStats, str]:
+        """rsync's figures and what it said on stdout."""
         listing = b"".join(p.rstrip("/").encode() + b"\0" for p in rel_paths)
         started = time.monotonic()
         output = bytearray()
@@ -123,7 +135,7 @@ class RsyncTransport:
         )
         if not self.show_progress:
             emit(stats.summary(what), err=True)
-        return stats
+        return stats, text
 
 
 def _show(bar: Progress, task: TaskID, line: bytes) -> None:
