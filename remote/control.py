@@ -139,6 +139,11 @@ def cancel(run_dir: str, wait: float) -> dict[str, Any]:
     if alive(record.get("pid"), record.get("start_ticks")):
         with contextlib.suppress(OSError):
             os.killpg(record["pid"], signal.SIGKILL)
+    cgroup = record.get("cgroup")
+    if isinstance(cgroup, str) and os.path.basename(cgroup).startswith("substrax-"):  # what is left in it
+        with contextlib.suppress(OSError):
+            with open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
+                f.write("1")
     # No worker is left to record the end: record it here, so the run
     # reads as cancelled rather than lost.
     write_json_atomic(os.path.join(run_dir, STATUS_FILE), dict(

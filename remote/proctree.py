@@ -45,9 +45,10 @@ def process_table() -> dict[int, tuple[int, str]]:
     return table
 
 
-def live_descendants(root_pid: int) -> list[int]:
+def live_descendants(root_pid: int, table: dict[int, tuple[int, str]] | None = None) -> list[int]:
     """Every live (non-zombie) descendant of root_pid, parents first."""
-    table = process_table()
+    if table is None:
+        table = process_table()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _state) in table.items():
         children.setdefault(ppid, []).append(pid)
@@ -93,23 +94,100 @@ def code_of(pid: int, reaped: list[tuple[int, int]]) -> int | None:
     return None
 
 
-def kill_all(seconds: float, sleep: Sleep) -> list[tuple[int, int]]:
+def make_cgroup(name: str) -> str | None:
+    """A cgroup v2 of its own for the command, below the worker's: ended
+    whole with `cgroup.kill`, which no fork can outrun. None where none can
+    be made (no cgroup v2, a kernel before 5.14, no right to make one: an
+    unprivileged user without a delegated subtree, most containers)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+        with open("/proc/self/cgroup") as f:
+            own = [line.strip()[3:] for line in f if line.startswith("0::")]
+    except OSError:
+        return None
+    # mountinfo: "id parent dev root mount-point options ... - fstype source"
+    roots = [m[4] for m in mounts if "-" in m and m[m.index("-") + 1 :][:1] == ["cgroup2"]]
+    root = roots[0] if roots else None
+    if root is None or not own:
+        return None
+    path = os.path.join(root, own[0].lstrip("/"), name)
+    try:
+        os.mkdir(path, 0o755)
+    except OSError:
+        return None
+    if not os.path.exists(os.path.join(path, "cgroup.kill")):
+        remove_cgroup(path)
+        return None
+    return path
+
+
+def join_cgroup(path: str) -> None:
+    """Move the calling process into `path` (the command, before exec)."""
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write("0")
+
+
+def cgroup_pids(path: str) -> list[int]:
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            return [int(line) for line in f if line.strip()]
+    except OSError:
+        return []
+
+
+def remove_cgroup(path: str) -> None:
+    with contextlib.suppress(OSError):  # gone, or not empty yet: left to the system
+        os.rmdir(path)
+
+
+def kill_all(seconds: float, sleep: Sleep, group: int | None = None, cgroup: str | None = None
+             ) -> list[tuple[int, int]]:
     """SIGKILL every descendant of this process until none is left (or
-    `seconds` pass); reap them all."""
+    `seconds` pass); reap them all.
+
+    A process that keeps forking and exiting (each child forks again before
+    its parent's SIGKILL lands) stays one step ahead of a kill loop that
+    reads /proc. So: the command's cgroup, where there is one, is killed as
+    a whole; the command's process group (`group`, its pid: it was started
+    in a session of its own) gets SIGKILL as a group, which no fork in it
+    escapes. Descendants that left that group are stopped first (SIGSTOP
+    cannot be caught, and a stopped process cannot fork) until a look finds
+    none running that was not stopped already, then killed."""
     reaped: list[tuple[int, int]] = []
     deadline = time.monotonic() + seconds
+    stopped: set[int] = set()
+    if cgroup is not None:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
+                f.write("1")
     while True:
-        alive = live_descendants(os.getpid())
+        if group is not None:
+            # Our group's id cannot name another group while any process of
+            # ours is in it (the kernel does not reuse it); once it is empty
+            # this finds no one, unless the pid went round in the few
+            # seconds this loop lasts.
+            with contextlib.suppress(OSError):
+                os.killpg(group, signal.SIGKILL)
+        table = process_table()
+        alive = live_descendants(os.getpid(), table)
+        running = [pid for pid in alive if table[pid][1] not in ("T", "t") and pid not in stopped]
+        if running and time.monotonic() < deadline:
+            signal_pids(running, signal.SIGSTOP)
+            stopped.update(running)
+            continue
         signal_pids(alive, signal.SIGKILL)
         reaped.extend(reap_children())
-        if not alive or time.monotonic() >= deadline:
+        left = alive or (cgroup is not None and cgroup_pids(cgroup))
+        if not left or time.monotonic() >= deadline:
             break
         sleep(0.01)
     reaped.extend(reap_children())
     return reaped
 
 
-def stop_tree(child_pid: int, grace: float, spared: set[int], sleep: Sleep) -> int | None:
+def stop_tree(child_pid: int, grace: float, spared: set[int], sleep: Sleep, cgroup: str | None = None
+              ) -> int | None:
     """SIGTERM every descendant but `spared`, wait up to `grace` for them to
     go, then SIGKILL and reap what is left. The command's exit code if it
     was reaped."""
@@ -120,10 +198,10 @@ def stop_tree(child_pid: int, grace: float, spared: set[int], sleep: Sleep) -> i
     while time.monotonic() < deadline:
         found = code_of(child_pid, reap_children())
         code = code if found is None else found
-        if code is not None and not live_descendants(me):
+        if code is not None and not live_descendants(me) and not (cgroup and cgroup_pids(cgroup)):
             return code
         sleep(0.02)
-    found = code_of(child_pid, kill_all(REAP_SECONDS, sleep))
+    found = code_of(child_pid, kill_all(REAP_SECONDS, sleep, child_pid, cgroup))
     return code if found is None else found
 
 

@@ -11,7 +11,7 @@ import os
 import shutil
 import stat
 import subprocess
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 # Own namespaces for everything bubblewrap can give one. The user namespace
 # without capabilities is what holds root in: the task is still uid 0 (or the
@@ -21,6 +21,19 @@ ISOLATION = ["--unshare-user", "--cap-drop", "ALL", "--unshare-pid", "--unshare-
 # Where system services keep their Unix sockets (docker, dbus, agents);
 # hidden under network_isolation, with every other socket the host has bound.
 SOCKET_DIRS = ["/run", "/var/run"]
+# What the task inherits from the worker's environment: the system's plain
+# settings and the accelerator stacks', never credentials. Anything else
+# reaches it only as the step's env or as a named secret.
+PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ", "TERM", "USER", "LOGNAME",
+              "SHELL", "HOME", "TMPDIR")
+PASSED_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "OMP_", "MKL_")
+
+
+def plain_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The part of `environ` any task may see. The local backend starts the
+    worker with only this (and the step's secrets), so that no process the
+    task can read holds more."""
+    return {k: v for k, v in environ.items() if k in PASSED_ENV or k.startswith(PASSED_ENV_PREFIXES)}
 
 
 def bwrap_usable(bwrap: str) -> bool:

@@ -42,12 +42,6 @@ import sandbox  # noqa: E402
 POLL_SECONDS = 0.5  # only an upper bound: SIGCHLD and signals wake the loop
 SETTLE_SECONDS = 0.2  # how long a finished command's exiting helpers may take
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# What the task inherits from the worker's environment: the system's plain
-# settings and the accelerator stacks', never credentials. Anything else
-# reaches it only as the step's env or as a named secret.
-PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ", "TERM", "USER", "LOGNAME",
-              "SHELL", "HOME", "TMPDIR")
-PASSED_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "OMP_", "MKL_")
 PATH_FIELDS = ("cwd", "project", "staging", "status_file", "log_file", "manifest_copy")
 PATH_LIST_FIELDS = ("hide", "extra_ro", "path_prepend")
 
@@ -56,7 +50,7 @@ def task_environment(job: dict[str, Any], inherited: dict[str, str], secrets: di
                      ) -> dict[str, str]:
     """The command's environment: plain settings passed through, the step's
     env, its named secrets, and the environment's bin folder first on PATH."""
-    env = {k: v for k, v in inherited.items() if k in PASSED_ENV or k.startswith(PASSED_ENV_PREFIXES)}
+    env = sandbox.plain_settings(inherited)
     for name in job.get("forward_env", []):
         value = secrets.get(name, inherited.get(name))
         if value is not None:
@@ -75,6 +69,7 @@ class Worker:
         self.job = job
         self.run_dir = os.path.dirname(job["status_file"])
         self.secrets = secrets or {}  # values only in memory, never written
+        self.cgroup: str | None = None  # the command's own cgroup v2, where one could be made
         self.stop_reason: str | None = None
         self.stop_signal = "signal"
         self.wake_r, self.wake_w = os.pipe()
@@ -152,10 +147,14 @@ class Worker:
             argv, sandbox_name, outputs_root = sandbox.sandboxed_command(job, self.note)
             # Kept on self: a Popen object dropped while its process has
             # exited reaps it, and the poll loop would never see its end.
+            self.cgroup = proctree.make_cgroup("substrax-%d" % os.getpid())
+            cgroup = self.cgroup
             self.child = subprocess.Popen(
                 argv, cwd=job["cwd"], env=task_environment(job, dict(os.environ), self.secrets),
                 stdin=subprocess.DEVNULL, stdout=self.log_fd, stderr=self.log_fd,
                 start_new_session=True, close_fds=True,
+                # before exec, so that nothing the command starts is outside it
+                preexec_fn=None if cgroup is None else lambda: proctree.join_cgroup(cgroup),
             )
         except Exception as exc:  # any start failure is the run's failure
             self.note("could not start the command: %s" % exc)
@@ -164,7 +163,8 @@ class Worker:
             return False
         pid = self.child.pid
         self.write_status(state="running", pid=pid, start_ticks=control.start_ticks(pid),
-                          started_at=control.now_iso(), sandbox=sandbox_name, outputs_root=outputs_root)
+                          started_at=control.now_iso(), sandbox=sandbox_name, outputs_root=outputs_root,
+                          cgroup=self.cgroup)
         return True
 
     def watch(self, child_pid: int, outputs_root: str) -> None:
@@ -188,17 +188,23 @@ class Worker:
             # namespace at once, with SIGKILL and no grace for the task.
             spared = proctree.with_children(child_pid) if self.status["sandbox"] == "bwrap" else set()
             grace = float(self.job.get("grace_seconds", 5.0))
-            returncode = proctree.stop_tree(child_pid, grace, spared, self.sleep)
+            returncode = proctree.stop_tree(child_pid, grace, spared, self.sleep, self.cgroup)
             state = self.stop_reason
         else:
             # The command is done; anything it left behind dies now.
-            leftovers = proctree.settle(SETTLE_SECONDS, self.sleep)
+            leftovers = len(proctree.settle(SETTLE_SECONDS, self.sleep))
+            if self.cgroup:
+                leftovers = max(leftovers, len(proctree.cgroup_pids(self.cgroup)))
             if leftovers:
-                self.note("killing %d process(es) the command left running" % len(leftovers))
-                proctree.kill_all(0.5, self.sleep)
+                self.note("killing %d process(es) the command left running" % leftovers)
             state = "succeeded" if returncode == 0 else "failed"
-            if state == "succeeded":
-                self.write_manifest(outputs_root)
+        # Always: a process forking too fast to be seen in /proc is not among
+        # the leftovers found, but it is in the command's group or cgroup.
+        proctree.kill_all(proctree.REAP_SECONDS, self.sleep, child_pid, self.cgroup)
+        if self.cgroup:
+            proctree.remove_cgroup(self.cgroup)
+        if state == "succeeded":
+            self.write_manifest(outputs_root)
         signame = signal.Signals(-returncode).name if returncode is not None and returncode < 0 else None
         self.write_status(state=state, exit_code=returncode, signal=signame, ended_at=control.now_iso())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -785,3 +786,29 @@ def task_step():
     done = doit(root, "step", "c=true")  # succeeds without writing res.txt
     assert done.returncode != 0, show(done)
     assert "res.txt" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("sandbox", ["none", "bwrap"])
+def test_no_process_the_command_can_read_holds_an_undeclared_variable(tmp_path: Path, sandbox: str) -> None:
+    """Without a sandbox the command can read the environ of its worker (its
+    parent, the same user): the worker was started with the filtered
+    environment, so only the declared secret is there."""
+    if sandbox == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("BUBBLEWRAP NOT INSTALLED: the sandboxed half of this test did not run")
+    body = """
+def task_step():
+    yield from remote_step(
+        "step",
+        shell=(
+            'e=$(tr "\\\\0" "\\\\n" < /proc/$PPID/environ); echo "$e" | grep -c UNDECLARED_VALUE > seen.txt; '
+            'echo "$e" | grep -c DECLARED_VALUE_9 >> seen.txt; true'
+        ),
+        outputs=["seen.txt"],
+        secrets=["API_TOKEN"],
+    )
+"""
+    root = make_project(tmp_path, body, ["step"], sandbox=sandbox)
+    done = doit_ok(root, env={"API_TOKEN": "DECLARED_VALUE_9", "AWS_SECRET_ACCESS_KEY": "UNDECLARED_VALUE"})
+    # Under bubblewrap the parent is bubblewrap's, started by the worker with
+    # the task's environment. The declared secret is there, the other not.
+    assert (root / "seen.txt").read_text() == "0\n1\n", show(done)

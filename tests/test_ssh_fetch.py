@@ -297,5 +297,5 @@ def test_a_log_past_the_cap_is_cut_with_a_note_shown_and_kept(
     assert out.getvalue() == bytes(cap) + note
     kept = tmp_path / "kept.log"
     backend.remote_run(handle).keep_log(kept)
-    note = f"\n[substrax: the log is cut at 3 MiB here; the rest was not kept from {host.address}]\n"
-    assert kept.read_bytes() == bytes(cap) + note.encode()
+    kept_note = f"\n[substrax: the log is cut at 3 MiB here; the rest was not kept from {host.address}]\n"
+    assert kept.read_bytes() == bytes(cap) + kept_note.encode()

@@ -4,10 +4,12 @@ and under Python 3.8 (the oldest a remote host may have)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -189,6 +191,87 @@ def test_worker_timeout_kills_tree(tmp_path: Path, worker_python: str, marker: s
     assert status["ended_at"]
     assert not marked_pids(marker), describe(marked_pids(marker))
     assert "timeout of 1.0s" in job.log()
+
+
+# Forks and exits at once, again and again: a "pid hopper" whose live
+# process is always one its killer has not seen yet. Each generation lives
+# for microseconds (too short to be found by its argv), so each one adds a
+# byte to out/beats: while that file grows, a hopper is alive.
+# It stops once the file named by its argument exists: the test's own way
+# to end one that outlived its run.
+HOPPER = """
+import os, sys
+os.makedirs("out", exist_ok=True)
+beats = os.open("out/beats", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+while not os.path.exists(sys.argv[1]):
+    os.write(beats, b".")
+    if os.fork():
+        os._exit(0)
+"""
+
+
+def beats(job: Job) -> int:
+    try:
+        return (job.outputs_root() / "out" / "beats").stat().st_size
+    except (OSError, ValueError, KeyError, TypeError):  # no status, or no outputs_root yet
+        return 0
+
+
+# The worker where it can make no cgroup: every cgroup mount covered by an
+# empty tmpfs, in a mount namespace of its own.
+NO_CGROUP = ["unshare", "--mount", "--propagation", "private",
+             "sh", "-c", 'mount -t tmpfs none /sys/fs/cgroup && exec "$@"', "sh"]  # fmt: skip
+
+
+def run_hopper(tmp_path: Path, sandbox: str, cgroup: bool, ending: str, hopper: str = HOPPER) -> None:
+    """Run the hopper under the worker, end the run as `ending` says and
+    check that no hopper is left a second later."""
+    if os.geteuid() != 0:
+        pytest.skip("PID HOPPER NOT TESTED: the worker makes cgroups, and the test hides them, as root (CI)")
+    after = "sleep 0.3" if ending == "left-behind" else "exec sleep 60"
+    script = f'"$0" -c "$1" "$2" & {after}'
+    stop = tmp_path / "project" / "stop-hopping"
+    job = Job(tmp_path, ["sh", "-c", script, sys.executable, hopper, str(stop)], sandbox=sandbox,
+              outputs=["out/"], timeout=1.0 if ending == "timed-out" else None)  # fmt: skip
+    prefix = [] if cgroup else NO_CGROUP
+    proc = subprocess.Popen([*prefix, sys.executable, str(WORKER), str(job.path)], stdin=subprocess.DEVNULL)
+    try:
+        if ending == "cancelled":
+            wait_for(lambda: job.started() and beats(job) > 0, "the hopper to start")
+            proc.send_signal(signal.SIGTERM)
+        assert finish(proc) == 0
+        expected = {"left-behind": "succeeded", "cancelled": "cancelled", "timed-out": "timed_out"}[ending]
+        assert job.status()["state"] == expected, job.log()
+        time.sleep(1.0)  # a survivor would still be beating now
+        counted = beats(job)
+        assert counted > 0  # it did run
+        time.sleep(0.3)
+        assert beats(job) == counted, "a hopper outlived its run"
+        assert (job.status()["cgroup"] is not None) is cgroup, job.status()
+    finally:
+        stop.touch()  # a survivor ends itself
+
+        def held_still() -> bool:
+            before = beats(job)
+            time.sleep(0.1)
+            return beats(job) == before
+
+        wait_for(held_still, "a surviving hopper to stop")
+
+
+@pytest.mark.parametrize("ending", ["left-behind", "cancelled", "timed-out"])
+@pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "no-cgroup"])
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_a_process_that_keeps_forking_and_exiting_dies_with_the_run(
+    tmp_path: Path, sandbox: str, cgroup: bool, ending: str
+) -> None:
+    run_hopper(tmp_path, sandbox, cgroup, ending)
+
+
+def test_a_hopper_that_leaves_the_session_each_time_dies_with_its_cgroup(tmp_path: Path) -> None:
+    """Out of the command's process group too: only the cgroup holds it."""
+    own_session = HOPPER.replace("os._exit(0)", "os._exit(0)\n    os.setsid()")
+    run_hopper(tmp_path, "none", True, "left-behind", own_session)
 
 
 def test_worker_detach_returns_once_the_command_started(

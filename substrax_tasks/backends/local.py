@@ -18,7 +18,7 @@ from typing import Any
 
 from substrax_tasks import manifest_cache
 from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks._remote_files import control, remote_script
+from substrax_tasks._remote_files import control, remote_module, remote_script
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
@@ -68,6 +68,14 @@ class LocalBackend(Backend):
     def start(self, handle: RunHandle) -> RunHandle:
         paths = self.paths(handle)
         argv = [sys.executable, str(remote_script("worker.py")), paths.job, "--detach"]
+        # The worker holds only what its task may see (the task can read its
+        # /proc/<pid>/environ without a sandbox): the plain settings, the
+        # step's secrets, and substrax's own SUBSTRAX_* settings.
+        env = {
+            **remote_module("sandbox").plain_settings(os.environ),
+            **{name: value for name, value in os.environ.items() if name.startswith("SUBSTRAX_")},
+            **{name: os.environ[name] for name in handle.spec.forward_env if name in os.environ},
+        }
         try:
             # The worker forks and returns once its command has started.
             done = subprocess.run(
@@ -76,6 +84,7 @@ class LocalBackend(Backend):
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                env=env,
                 timeout=START_TIMEOUT_SECONDS,
                 check=False,
             )
