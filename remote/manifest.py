@@ -51,9 +51,9 @@ from ``SUBSTRAX_RACY_SECONDS`` (default 2) so that tests need not wait it
 out. The cache is changed only by item assignment and ``del``, so a caller
 may track changes with a dict subclass.
 
-``stat_walk`` appends what one stat-only walk sees (no file is read) and
-``stamp_of`` digests it: while it is unchanged, so is the manifest.
-substrax_tasks builds a step's proof from it.
+substrax_tasks builds on it (``check_outputs``, ``build_manifest``) the
+stat-only walk of each step's proof and the diff of two manifests, which
+run only on the client (substrax_tasks/tree.py).
 
 The worker takes the outputs' manifest as the command ends
 (``manifest_with_cache_file``) and writes it to ``<run dir>/manifest.json``;
@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import marshal
 import os
 import stat
 import sys
@@ -79,9 +78,6 @@ MAX_LINK_HOPS = 40  # like the kernel's ELOOP limit
 _LOOP = "too many levels of symbolic links"
 
 _O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK
-_O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
-_O_DIR |= getattr(os, "O_CLOEXEC", 0)
-_SCANDIR_FD = os.scandir in getattr(os, "supports_fd", set())
 
 
 class ManifestError(Exception):
@@ -208,7 +204,7 @@ def kind_of(mode):
     return "special file"
 
 
-def _check_outputs(outputs):
+def check_outputs(outputs):
     # type: (list) -> list
     """[(relative path without trailing slash, is folder output)], refusing
     absolute paths, empty, "." and ".." components, and overlaps."""
@@ -237,23 +233,18 @@ def _check_outputs(outputs):
     return checked
 
 
-def _check_parents(base, rel, modes=None):
-    # type: (str, str, list | None) -> bool
+def _check_parents(base, rel):
+    # type: (str, str) -> bool
     """True if every folder above the output exists as a real folder; False
     if one is missing. A link or a file on the way is refused (the output
-    would not be where it is declared). `modes` gets each one's st_mode
-    (None for the missing one), as `tree_stats` lists them."""
+    would not be where it is declared)."""
     parts = rel.split("/")[:-1]
     for i in range(len(parts)):
         sub = "/".join(parts[: i + 1])
         try:
             st = os.lstat(os.path.join(base, sub))
         except FileNotFoundError:
-            if modes is not None:
-                modes.append(None)
             return False
-        if modes is not None:
-            modes.append(st.st_mode)
         if stat.S_ISLNK(st.st_mode):
             raise ManifestError(
                 "output %s lies under %s, a symlink: refused, never followed" % (rel, sub)
@@ -263,8 +254,8 @@ def _check_parents(base, rel, modes=None):
     return True
 
 
-def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, stats=None, staged=None):
-    # type: (str | os.PathLike, list, dict | None, bool, bool, dict | None, dict | None) -> dict
+def build_manifest(base, outputs, cache=None, cache_young=False):
+    # type: (str | os.PathLike, list, dict | None, bool) -> dict
     """The manifest of `outputs` (project-relative POSIX paths, a trailing
     "/" marking a folder) under the folder `base`. Missing outputs are listed
     in "missing"; anything that cannot be described safely raises
@@ -272,45 +263,28 @@ def build_manifest(base, outputs, cache=None, cache_young=False, digest=True, st
     the walk. `cache` (rel path -> [size, mtime_ns, ctime_ns, ino, dev, sha256]) is
     read and updated in place. `cache_young` caches files younger than RACY_SECONDS
     too: only for a cache whose every hit is checked again later (the run's
-    side of a fetch, whose copy is hashed whole here). `digest=False`
-    leaves "digest" None, for a caller that compares entries directly.
-    `stats`, a dict, gets what the walk saw, as `tree_stats` describes it: a
-    later `tree_stats` equal to it means the tree has not changed since.
-
-    `staged` (rel path -> [size, mtime_ns, ino, sha256, mode]) describes
-    files hashed whole after they were renamed into a folder that nothing
-    else writes, and never in place (a fetch's staging folder, filled by
-    rsync): a file the folder's listing shows as a regular file with the
-    same inode is the file that was hashed, and is described from its entry
-    without a stat. Anything else is looked at as usual."""
-    if staged and stats is not None:
-        raise ValueError("files described from `staged` are not stat'ed: no stats to give")
+    side of a fetch, whose copy is hashed whole here)."""
     base = os.fspath(base)
-    checked = _check_outputs(outputs)
+    checked = check_outputs(outputs)
     try:
-        manifest = _build(base, checked, cache, cache_young, stats, staged)
+        manifest = _build(base, checked, cache, cache_young)
     except OSError as exc:
         where = exc.filename if exc.filename is not None else base
         raise ManifestError(
             "cannot read %s: %s (did it change while the manifest was taken?)"
             % (where, exc.strerror or exc)
         ) from exc
-    if digest:
-        manifest["digest"] = entries_digest(manifest["entries"])
+    manifest["digest"] = entries_digest(manifest["entries"])
     return manifest
 
 
-def _build(base, checked, cache, cache_young=False, stats=None, staged=None):
-    # type: (str, list, dict | None, bool, dict | None, dict | None) -> dict
+def _build(base, checked, cache, cache_young=False):
+    # type: (str, list, dict | None, bool) -> dict
     entries = []  # type: list
-    # what the walk saw, for a later tree_stats to compare (a throwaway dict
-    # when nobody asked: cheaper than testing for None at every entry)
-    seen_stats = {} if stats is None else stats  # type: dict
     missing = []  # type: list
     hasher = None  # type: _Hasher | None
     racy_ns = (time.time_ns() + 1) if cache_young else time.time_ns() - int(RACY_SECONDS * 1e9)
     cache_get = cache.get if cache is not None else None
-    staged_get = staged.get if staged else None
     seen = set() if cache is not None else None  # type: set | None
     add = entries.append
     S_ISDIR, S_ISREG, S_ISLNK = stat.S_ISDIR, stat.S_ISREG, stat.S_ISLNK
@@ -357,13 +331,10 @@ def _build(base, checked, cache, cache_young=False, stats=None, staged=None):
 
     for rel, is_dir in checked:
         top = os.path.join(base, rel)
-        modes = []  # type: list
         try:
-            st = os.lstat(top) if _check_parents(base, rel, modes) else None
+            st = os.lstat(top) if _check_parents(base, rel) else None
         except (FileNotFoundError, NotADirectoryError):
             st = None
-        seen_stats[(_PARENTS, rel)] = tuple(modes)
-        seen_stats[rel] = None if st is None else (st.st_mode, st.st_size, st.st_ctime_ns, st.st_ino)
         if st is None:
             missing.append(rel + "/" if is_dir else rel)
             continue
@@ -403,19 +374,9 @@ def _build(base, checked, cache, cache_young=False, stats=None, staged=None):
                 for de in it:
                     name = de.name
                     erel = dir_rel + "/" + name
-                    if staged_get is not None:
-                        # the listing's inode and type: no stat (see `staged`)
-                        hit = staged_get(erel)
-                        if hit is not None and hit[2] == de.inode() and de.is_file(follow_symlinks=False):
-                            if seen is not None:
-                                seen.add(erel)
-                            add({"path": erel, "type": "file", "size": hit[0], "mode": hit[4],
-                                 "sha256": hit[3], "target": None})
-                            continue
                     path = de.path
                     est = de.stat(follow_symlinks=False)
                     emode = est.st_mode
-                    seen_stats[erel] = (emode, est.st_size, est.st_ctime_ns, est.st_ino)
                     if S_ISREG(emode):
                         add(file_entry(path, erel, est))
                     elif S_ISDIR(emode):
@@ -423,9 +384,7 @@ def _build(base, checked, cache, cache_young=False, stats=None, staged=None):
                              "sha256": None, "target": None})
                         stack.append((path, erel, dir_parts + [name]))
                     elif S_ISLNK(emode):
-                        entry = link_entry(path, erel, out_parts, dir_parts + [name])
-                        seen_stats[erel] += (entry["target"],)
-                        add(entry)
+                        add(link_entry(path, erel, out_parts, dir_parts + [name]))
                     else:
                         raise ManifestError(
                             "%s is a %s: outputs may hold only files, folders and symlinks"
@@ -464,199 +423,6 @@ def entries_digest(entries):
 def canonical_json(value):
     # type: (object) -> str
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-# ----------------------------------------------------------------- stamps
-
-
-def stamp_of(items):
-    # type: (list) -> str
-    """The digest of what `stat_walk` (or several) appended to `items`."""
-    # marshal format 2 has no back-references, so equal lists give equal bytes
-    return hashlib.sha256(marshal.dumps(items, 2)).hexdigest()
-
-
-def stat_walk(base, outputs, items, any_folder=False):
-    # type: (str | os.PathLike, list, list, bool) -> int
-    """Append to `items` what ``lstat`` says about every entry under
-    `outputs` (name, type and mode, size, ctime_ns, inode; the link text of
-    symlinks; missing outputs and the folders above each output), and return
-    the newest ctime_ns seen. Not mtime: every change to a file's content,
-    size, mode or mtime also sets its ctime, to the clock, and nothing short
-    of moving the clock back sets ctime back. It never reads a file and
-    never raises for an odd tree (it only describes it). With `any_folder`,
-    a path declared without its trailing "/" is walked too when it is a
-    folder (inputs are declared either way); outputs are walked only where
-    they are declared folders.
-    A caller checking several trees in one go (a step's inputs and outputs)
-    hashes them once, with `stamp_of`."""
-    base = os.fspath(base)
-    checked = _check_outputs(outputs)
-    add = items.append
-    newest = 0
-    S_ISDIR, S_ISLNK = stat.S_ISDIR, stat.S_ISLNK
-    prefix = base + "/" if base and not base.endswith("/") else base
-    # the mode of each folder above an output, by path: outputs declared
-    # file by file share their folders (100 files in one: 1 lstat, not 100)
-    folder_modes = {}  # type: dict
-    for rel, is_dir in checked:
-        add(rel)
-        add(is_dir)
-        at = rel.find("/")
-        while at != -1:
-            folder = rel[:at]
-            mode = folder_modes.get(folder)
-            if mode is None:
-                try:
-                    mode = os.lstat(prefix + folder).st_mode
-                except OSError:
-                    mode = -1
-                folder_modes[folder] = mode
-            add(mode)
-            at = rel.find("/", at + 1)
-        top = prefix + rel
-        try:
-            st = os.lstat(top)
-        except OSError:
-            add(None)
-            continue
-        mode = st.st_mode
-        add((mode, st.st_size, st.st_ctime_ns, st.st_ino, st.st_dev))
-        if st.st_ctime_ns > newest:
-            newest = st.st_ctime_ns
-        if S_ISLNK(mode):
-            add(_readlink_or_none(top))
-        if not ((is_dir or any_folder) and S_ISDIR(mode)):
-            continue
-        stack = [(top, rel)]
-        while stack:
-            dir_abs, dir_rel = stack.pop()
-            add(dir_rel)
-            try:
-                fd = _open_dir(dir_abs)
-            except OSError:
-                add(None)
-                continue
-            try:
-                # Listed through the folder's descriptor, each entry's lstat
-                # is an fstatat() of its bare name: the kernel does not walk
-                # the whole path again for every file (~20% of the walk).
-                with os.scandir(fd if fd >= 0 else dir_abs) as it:
-                    for de in it:
-                        try:
-                            est = de.stat(follow_symlinks=False)
-                        except OSError:
-                            add((de.name, None))  # vanished under the walk
-                            continue
-                        emode = est.st_mode
-                        ctime = est.st_ctime_ns
-                        if ctime > newest:
-                            newest = ctime
-                        add((de.name, emode, est.st_size, ctime, est.st_ino))
-                        # the kind by mask, not S_ISDIR()/S_ISLNK() calls: this
-                        # line runs for every file of every no-op check
-                        kind = emode & 0o170000
-                        if kind == 0o040000:
-                            stack.append((os.path.join(dir_abs, de.name), dir_rel + "/" + de.name))
-                        elif kind == 0o120000:
-                            add(_readlink_or_none(os.path.join(dir_abs, de.name)))
-            except OSError:
-                add(None)
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-    return newest
-
-
-def _open_dir(path):
-    # type: (str) -> int
-    """A descriptor of the folder `path` (never through a symlink), or -1
-    where os.scandir cannot list a descriptor: then the path is listed."""
-    return os.open(path, _O_DIR) if _SCANDIR_FD else -1
-
-
-_PARENTS = "parents of"  # build_manifest's stats key for the modes of the folders above an output
-
-
-def _readlink_or_none(path):
-    # type: (str) -> str | None
-    try:
-        return os.readlink(path)
-    except OSError:
-        return None
-
-
-# ----------------------------------------------------------------- comparing
-
-
-def _under(path, folders):
-    # type: (str, list) -> str | None
-    """The folder of `folders` (a stack of ancestors-so-far) holding `path`."""
-    while folders and not path.startswith(folders[-1] + "/"):
-        folders.pop()
-    return folders[-1] if folders else None
-
-
-def _collapsed(paths, by_path, label):
-    # type: (list, dict, str) -> list
-    """[(path, 'missing: path ...')], one per topmost path: a folder's
-    contents are counted on its line rather than listed."""
-    lines = []  # type: list
-    folders = []  # type: list
-    counts = {}  # type: dict
-    for path in paths:  # sorted, so a folder comes right before its contents
-        top = _under(path, folders)
-        if top is not None:
-            counts[top] += 1
-            continue
-        lines.append(path)
-        if by_path[path]["type"] == "dir":
-            folders.append(path)
-            counts[path] = 0
-    out = []
-    for path in lines:
-        kind = by_path[path]["type"]
-        n = counts.get(path, 0)
-        more = " (and the %d entries inside it)" % n if n else ""
-        out.append((path, "%s: %s (%s)%s" % (label, path + ("/" if kind == "dir" else ""), kind, more)))
-    return out
-
-
-def _short(digest):
-    # type: (str | None) -> str
-    return (digest or "-")[:12]
-
-
-def diff_manifests(expected, actual):
-    # type: (dict, dict) -> list
-    """Human-readable differences between two manifests, each naming its
-    path: missing, extra, changed type, changed content (file hash or size,
-    link target) and changed mode. Empty when the entries are equal. A folder
-    missing (or extra) as a whole is one line that counts what it held."""
-    exp = {e["path"]: e for e in expected["entries"]}
-    act = {e["path"]: e for e in actual["entries"]}
-    sorted_exp = sorted(exp)
-    gone = [p for p in sorted_exp if p not in act]
-    new = [p for p in sorted(act) if p not in exp]
-    lines = _collapsed(gone, exp, "missing") + _collapsed(new, act, "extra")
-    for path in sorted_exp:
-        a = act.get(path)
-        if a is None:
-            continue
-        e = exp[path]
-        if e["type"] != a["type"]:
-            lines.append((path, "changed type: %s (%s -> %s)" % (path, e["type"], a["type"])))
-            continue
-        if e["type"] == "file" and (e["sha256"] != a["sha256"] or e["size"] != a["size"]):
-            lines.append((path, "changed content: %s (%d bytes, sha256 %s -> %d bytes, sha256 %s)"
-                          % (path, e["size"], _short(e["sha256"]), a["size"], _short(a["sha256"]))))
-        elif e["type"] == "symlink" and e["target"] != a["target"]:
-            lines.append((path, "changed content: %s (symlink -> %s, now -> %s)"
-                          % (path, e["target"], a["target"])))
-        if e["mode"] != a["mode"]:
-            lines.append((path, "changed mode: %s (%04o -> %04o)" % (path, e["mode"], a["mode"])))
-    lines.sort(key=lambda pair: pair[0])
-    return [line for _, line in lines]
 
 
 # ----------------------------------------------------------------- CLI
@@ -717,31 +483,6 @@ def manifest_with_cache_file(base, outputs, cache_file):
     manifest = build_manifest(base, outputs, cache, cache_young=True)
     _save_cache_file(cache, cache_file)
     return manifest
-
-
-def fs_clock(near):
-    # type: (str) -> tuple | None
-    """``(ctime_ns, st_dev)`` of a file made now beside `near`: the file
-    system's clock as its timestamps see it. None if it cannot be made."""
-    probe = "%s.%d.clock" % (near, os.getpid())
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        return st.st_ctime_ns, st.st_dev
-    finally:
-        os.close(fd)
-        _remove_quietly(probe)
-
-
-def _remove_quietly(path):
-    # type: (str) -> None
-    try:
-        os.remove(path)
-    except OSError:
-        pass
 
 
 def main(argv=None):

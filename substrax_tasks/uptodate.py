@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from substrax_tasks import __version__, manifest_cache
+from substrax_tasks import __version__, manifest_cache, tree
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks.config import ENV_LOCK_FILES
 from substrax_tasks.errors import SubstraxError
@@ -194,13 +194,13 @@ def proof(step: Step) -> tuple[str, int] | None:
     items: list[Any] = [step.declared, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
     root = str(step.root)
     try:
-        newest = mod.stat_walk(root, [*step.spec.inputs, *step.tracked], items, True)
-        newest = max(newest, mod.stat_walk(root, list(step.spec.outputs), items))
+        newest = tree.stat_walk(root, [*step.spec.inputs, *step.tracked], items, True)
+        newest = max(newest, tree.stat_walk(root, list(step.spec.outputs), items))
         # every candidate lock file, present or not: one appearing is a change
-        newest = max(newest, mod.stat_walk(root, list(ENV_LOCK_FILES), items))
+        newest = max(newest, tree.stat_walk(root, list(ENV_LOCK_FILES), items))
     except mod.ManifestError:
         return None
-    return mod.stamp_of(items), max(newest, st.st_ctime_ns)
+    return tree.stamp_of(items), max(newest, st.st_ctime_ns)
 
 
 def up_to_date(step: Step, values: dict[str, Any] | None) -> bool:
