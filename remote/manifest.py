@@ -91,13 +91,11 @@ class ManifestError(Exception):
 class _Hasher(object):
     """sha256 of files read with one reusable buffer (readinto + memoryview)."""
 
-    def __init__(self):
-        # type: () -> None
+    def __init__(self) -> None:
         self.buf = bytearray(BUFFER_SIZE)
         self.view = memoryview(self.buf)
 
-    def file(self, path, st):
-        # type: (str, os.stat_result) -> str
+    def file(self, path: str, st: os.stat_result) -> str:
         """The sha256 of the regular file `path`, which `st` (its lstat)
         describes. Opened without following links; refused if it is no
         longer the file `st` describes or if its size changes while read."""
@@ -130,8 +128,7 @@ class _Hasher(object):
 # ----------------------------------------------------------------- symlinks
 
 
-def _resolve(base, dir_parts, target, budget):
-    # type: (str, list, str, list) -> tuple
+def _resolve(base: str, dir_parts: list, target: str, budget: list) -> tuple:
     """Where a link in the folder `dir_parts` (components relative to
     `base`) with text `target` leads, as ``(parts, None)``, or ``(None,
     why)`` if that cannot be told without leaving `base`.
@@ -171,8 +168,7 @@ def _resolve(base, dir_parts, target, budget):
     return parts, None
 
 
-def _link_escape(base, out_parts, link_parts, target):
-    # type: (str, list, list, str) -> str | None
+def _link_escape(base: str, out_parts: list, link_parts: list, target: str) -> str | None:
     """Why the link at `link_parts` (relative to `base`), with text
     `target`, leads outside the output `out_parts`; None if it stays in."""
     resolved, why = _resolve(base, link_parts[:-1], target, [MAX_LINK_HOPS])
@@ -186,8 +182,7 @@ def _link_escape(base, out_parts, link_parts, target):
 # ----------------------------------------------------------------- building
 
 
-def kind_of(mode):
-    # type: (int) -> str
+def kind_of(mode: int) -> str:
     """What a file mode is, in words (also for messages on this side)."""
     if stat.S_ISDIR(mode):
         return "folder"
@@ -204,8 +199,7 @@ def kind_of(mode):
     return "special file"
 
 
-def check_outputs(outputs):
-    # type: (list) -> list
+def check_outputs(outputs: list) -> list:
     """[(relative path without trailing slash, is folder output)], refusing
     absolute paths, empty, "." and ".." components, and overlaps."""
     if isinstance(outputs, str):
@@ -233,8 +227,7 @@ def check_outputs(outputs):
     return checked
 
 
-def _check_parents(base, rel):
-    # type: (str, str) -> bool
+def _check_parents(base: str, rel: str) -> bool:
     """True if every folder above the output exists as a real folder; False
     if one is missing. A link or a file on the way is refused (the output
     would not be where it is declared)."""
@@ -254,8 +247,9 @@ def _check_parents(base, rel):
     return True
 
 
-def build_manifest(base, outputs, cache=None, cache_young=False):
-    # type: (str | os.PathLike, list, dict | None, bool) -> dict
+def build_manifest(
+    base: str | os.PathLike, outputs: list, cache: dict | None = None, cache_young: bool = False
+) -> dict:
     """The manifest of `outputs` (project-relative POSIX paths, a trailing
     "/" marking a folder) under the folder `base`. Missing outputs are listed
     in "missing"; anything that cannot be described safely raises
@@ -278,19 +272,17 @@ def build_manifest(base, outputs, cache=None, cache_young=False):
     return manifest
 
 
-def _build(base, checked, cache, cache_young=False):
-    # type: (str, list, dict | None, bool) -> dict
-    entries = []  # type: list
-    missing = []  # type: list
-    hasher = None  # type: _Hasher | None
+def _build(base: str, checked: list, cache: dict | None, cache_young: bool = False) -> dict:
+    entries: list = []
+    missing: list = []
+    hasher: _Hasher | None = None
     racy_ns = (time.time_ns() + 1) if cache_young else time.time_ns() - int(RACY_SECONDS * 1e9)
     cache_get = cache.get if cache is not None else None
-    seen = set() if cache is not None else None  # type: set | None
+    seen: set | None = set() if cache is not None else None
     add = entries.append
     S_ISDIR, S_ISREG, S_ISLNK = stat.S_ISDIR, stat.S_ISREG, stat.S_ISLNK
 
-    def file_entry(path, rel, st):
-        # type: (str, str, os.stat_result) -> dict
+    def file_entry(path: str, rel: str, st: os.stat_result) -> dict:
         nonlocal hasher
         size = st.st_size
         key = [size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
@@ -313,8 +305,7 @@ def _build(base, checked, cache, cache_young=False):
         return {"path": rel, "type": "file", "size": size, "mode": st.st_mode & 0o7777,
                 "sha256": digest, "target": None}
 
-    def link_entry(path, rel, out_parts, parts):
-        # type: (str, str, list, list) -> dict
+    def link_entry(path: str, rel: str, out_parts: list, parts: list) -> dict:
         target = os.readlink(path)
         why = _link_escape(base, out_parts, parts, target)
         if why == _LOOP:
@@ -363,7 +354,7 @@ def _build(base, checked, cache, cache_young=False):
 
         add({"path": rel, "type": "dir", "size": 0, "mode": mode & 0o7777, "sha256": None, "target": None})
         out_parts = rel.split("/")
-        stack = [(top, rel, out_parts)]  # type: list
+        stack: list = [(top, rel, out_parts)]
         while stack:
             dir_abs, dir_rel, dir_parts = stack.pop()
             try:
@@ -397,13 +388,11 @@ def _build(base, checked, cache, cache_young=False):
     return {"version": VERSION, "entries": entries, "missing": missing, "digest": None}
 
 
-def _path_key(entry):
-    # type: (dict) -> str
+def _path_key(entry: dict) -> str:
     return entry["path"]
 
 
-def _prune(cache, checked, seen):
-    # type: (dict, list, set) -> None
+def _prune(cache: dict, checked: list, seen: set) -> None:
     """Forget cached files under these outputs that are no longer there."""
     if len(cache) == len(seen):
         return  # every key is a file just seen: nothing stale
@@ -414,14 +403,12 @@ def _prune(cache, checked, seen):
         del cache[k]
 
 
-def entries_digest(entries):
-    # type: (list) -> str
+def entries_digest(entries: list) -> str:
     """sha256 of the canonical JSON of a manifest's entries."""
     return hashlib.sha256(canonical_json(entries).encode()).hexdigest()
 
 
-def canonical_json(value):
-    # type: (object) -> str
+def canonical_json(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
@@ -434,19 +421,16 @@ class _ChangeNotingDict(dict):
 
     changed = False
 
-    def __setitem__(self, key, value):
-        # type: (str, list) -> None
+    def __setitem__(self, key: str, value: list) -> None:
         self.changed = True
         dict.__setitem__(self, key, value)
 
-    def __delitem__(self, key):
-        # type: (str) -> None
+    def __delitem__(self, key: str) -> None:
         self.changed = True
         dict.__delitem__(self, key)
 
 
-def _load_cache_file(cache_file):
-    # type: (str | None) -> _ChangeNotingDict
+def _load_cache_file(cache_file: str | None) -> _ChangeNotingDict:
     cache = _ChangeNotingDict()
     if cache_file:
         try:
@@ -460,8 +444,7 @@ def _load_cache_file(cache_file):
     return cache
 
 
-def _save_cache_file(cache, cache_file):
-    # type: (_ChangeNotingDict, str | None) -> None
+def _save_cache_file(cache: _ChangeNotingDict, cache_file: str | None) -> None:
     if not cache_file or not cache.changed:
         return
     tmp = "%s.%d.tmp" % (cache_file, os.getpid())
@@ -471,8 +454,7 @@ def _save_cache_file(cache, cache_file):
     cache.changed = False
 
 
-def manifest_with_cache_file(base, outputs, cache_file):
-    # type: (str, list, str | None) -> dict
+def manifest_with_cache_file(base: str, outputs: list, cache_file: str | None) -> dict:
     """build_manifest with its hash cache kept in a JSON file (the worker
     fills it at the end of a run, so a fetch's manifest costs stats only).
     Used only where the run ran: the fetched copy is hashed whole on this
@@ -485,8 +467,7 @@ def manifest_with_cache_file(base, outputs, cache_file):
     return manifest
 
 
-def main(argv=None):
-    # type: (list | None) -> int
+def main(argv: list | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     cache_file = None
     if "--cache" in args:
