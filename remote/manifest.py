@@ -11,24 +11,10 @@ prints the manifest of the outputs (paths relative to BASE; a trailing "/"
 marks a folder output) as JSON on stdout, or a message on stderr and exit
 status 1 when the tree is refused (see ``ManifestError``).
 
-A manifest is ``{"version": 1, "entries": [...], "missing": [...],
-"digest": hex}``. ``entries`` are sorted by path, one per file, folder and
-symlink under each output (the output itself included)::
-
-    {"path": "out/a.txt", "type": "file", "size": 4, "mode": 0o644,
-     "sha256": "...", "target": null}
-
-``size`` is 0 for a folder and the length of the link text for a symlink;
-``mode`` is ``st_mode & 0o7777``, always 0o777 for a symlink (Linux ignores
-a link's own permissions and rsync cannot carry them); ``sha256`` is set for
-files only, ``target`` (the link text) for symlinks only. ``digest`` is the
-sha256 of the canonical JSON of ``entries`` alone, so equal trees give equal
-digests whatever cache was used.
-
-Outputs are relative POSIX paths without ``.``, ``..`` or empty components;
-overlapping outputs, an output under a symlinked folder, a folder output
-that is not a folder and a file output that is a folder or a symlink are
-refused. A missing output is listed in ``missing``.
+The format (``version``, ``entries``, ``missing``, ``digest``) and what is
+refused are described in docs/manifests.md; ``digest`` is the sha256 of the
+canonical JSON of ``entries`` alone, so equal trees give equal digests
+whatever cache was used.
 
 Symlinks are recorded as links and never followed. A symlink whose target
 leads outside the output it lives in is refused: any absolute target (a tree
