@@ -434,11 +434,12 @@ def connection(target: SshTarget) -> SshConnection:
     with _CONNECTIONS_LOCK:
         conn = _CONNECTIONS.get(target)
         if conn is None:
+            if not _CONNECTIONS:  # the first: only a process that connects closes at exit
+                atexit.register(_close_all)
             conn = _CONNECTIONS[target] = SshConnection(target)
         return conn
 
 
-@atexit.register
 def _close_all() -> None:
     for conn in list(_CONNECTIONS.values()):
         conn.close()

@@ -91,3 +91,26 @@ def test_installed_wheel_runs_its_worker(tmp_path: Path) -> None:
 
     cli_help = run([str(venv / "bin" / "substrax-compute"), "--help"], cwd=tmp_path, env=env)
     assert "status" in cli_help.stdout
+
+
+def test_importing_every_module_registers_no_exit_hook_and_no_signal_handler() -> None:
+    """A plain import (a dodo file that imports substrax_tasks, `why`
+    loading it) changes nothing in the process: hooks and handlers are
+    installed only once something runs."""
+    code = """
+import atexit, importlib, pkgutil, signal
+import doit, paramiko, pydantic, rich  # their own hooks (paramiko has two) are not ours
+import substrax_tasks
+hooks = atexit._ncallbacks()
+before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+names = [m.name for m in pkgutil.walk_packages(substrax_tasks.__path__, "substrax_tasks.")]
+for name in names:
+    importlib.import_module(name)
+after = {s: signal.getsignal(s) for s in before}
+print(len(names), atexit._ncallbacks() - hooks, before == after)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    modules, hooks, same_handlers = done.stdout.split()
+    assert int(modules) > 20
+    assert (hooks, same_handlers) == ("0", "True"), done.stdout
