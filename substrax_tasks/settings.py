@@ -19,7 +19,7 @@ from substrax_tasks.config import BACKEND_ENV, TABLE
 from substrax_tasks.errors import ConfigError
 
 if TYPE_CHECKING:
-    from substrax_tasks._ssh import SshTarget
+    from substrax_tasks._openssh import SshTarget
 
 # Fields some backends keep in a sub-table (a transport), so shared as types.
 NetworkIsolation = Annotated[bool, Field(description="Run the command with no network.")]
@@ -141,7 +141,7 @@ class SshSettings(RemoteSettings):
         )
 
     def target(self) -> SshTarget:
-        from substrax_tasks._ssh import SshTarget  # paramiko: not to read a configuration
+        from substrax_tasks._openssh import SshTarget  # paramiko: not to read a configuration
 
         return SshTarget(
             host=self.host,

@@ -37,7 +37,7 @@ from ssh_helpers import (
 )
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks._ssh import SshTarget
+from substrax_tasks._openssh import SshTarget
 from substrax_tasks.runs import Project
 from substrax_tasks.settings import SshSettings
 from substrax_tasks.spec import make_spec
@@ -235,7 +235,7 @@ def test_cancel_after_the_worker_was_killed_stops_the_orphaned_tree(
 PROGRESS_SCRIPT = """
 import json, sys
 from pathlib import Path
-from substrax_tasks._ssh import SshTarget
+from substrax_tasks._openssh import SshTarget
 from substrax_tasks.transports.rsync import RsyncTransport
 target = SshTarget(**json.loads(sys.argv[1]))
 try:
@@ -264,7 +264,7 @@ def test_fetch_on_a_terminal_shows_a_progress_bar_not_the_summary_line(tmp_path:
 
 HOLD_SCRIPT = """
 import json, sys
-from substrax_tasks._ssh import SshTarget
+from substrax_tasks._openssh import SshTarget
 target = SshTarget(**json.loads(sys.argv[1]))
 with target.master_held():
     print("held", flush=True)

@@ -22,7 +22,7 @@ from ssh_helpers import fresh_user, needs_root, needs_sshd, ssh_host
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks import manifest_cache
-from substrax_tasks._ssh import SshTarget
+from substrax_tasks._openssh import SshTarget
 from substrax_tasks.errors import BackendError
 from substrax_tasks.transports.bucket import BucketTransport
 from substrax_tasks.transports.rsync import RsyncTransport

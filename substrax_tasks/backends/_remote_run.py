@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from substrax_tasks._openssh import RemoteResult
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
-from substrax_tasks._ssh import RemoteResult
 from substrax_tasks.backends.base import MAX_LOG_BYTES, Fetched, log_cut_note
 from substrax_tasks.config import ENV_LOCK_FILES
 from substrax_tasks.errors import BackendError

@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._openssh import ClusterTarget
 from substrax_tasks._output import emit
 from substrax_tasks._remote_files import remote_dir
 from substrax_tasks._sky import (
@@ -38,7 +39,6 @@ from substrax_tasks._sky import (
     SkyClient,
     job_state,
 )
-from substrax_tasks._ssh import ClusterTarget
 from substrax_tasks.backends import _remote_run, sky_task
 from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
