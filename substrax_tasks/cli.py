@@ -336,9 +336,10 @@ def open_project(path: str) -> tuple[Project, ConfigError | None]:
 
 def console(stream: TextIO) -> Console:
     """Messages are never broken inside a path; away from a terminal (a pipe,
-    a file) nothing is cut or wrapped to 80 columns either."""
+    a file) nothing is cut or wrapped to 80 columns either. No emoji codes:
+    a step "fit:b" followed by ":" would print as an emoji."""
     width = None if stream.isatty() else 10_000
-    return Console(file=stream, soft_wrap=True, width=width)
+    return Console(file=stream, soft_wrap=True, width=width, emoji=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -111,6 +111,12 @@ def make_spec(
     """Check a step's declaration and turn it into a StepSpec."""
     if not step or not step.strip():
         raise SpecError("a step needs a non-empty name")
+    group, colon, member = step.partition(":")
+    if colon and not (group.strip() and member.strip()):
+        raise SpecError(
+            f"step {step!r}: a name with ':' is GROUP:MEMBER (doit's sub-task MEMBER of GROUP), "
+            "both non-empty, for example 'ridge:alpha-0.1'"
+        )
     if isinstance(command, (str, bytes)) or not command:
         raise SpecError(
             f"step {step!r}: command must be a non-empty list of arguments, "

@@ -154,7 +154,7 @@ def step_tasks(
     # the first that fails): a task per phase cost 0.25 ms each on every
     # no-op, four times over, for nothing a user can call.
     yield {
-        "basename": hidden,
+        **doit_name(hidden),
         "actions": [driver.launch, driver.setup, driver.sync, driver.run, driver.fetch],
         "teardown": [driver.teardown],
         "uptodate": [StepCheck(step), *user_uptodate],
@@ -163,7 +163,7 @@ def step_tasks(
     }
     input_files = [i for i in spec.inputs if not i.endswith("/") and not (step.root / i).is_dir()]
     public: dict[str, Any] = {
-        "basename": spec.step,
+        **doit_name(spec.step),
         "actions": [driver.verify],
         "file_dep": input_files + step.tracked,
         "targets": [o.rstrip("/") for o in spec.outputs],
@@ -178,6 +178,14 @@ def step_tasks(
         task_keys["clean"] = [functools.partial(clean_outputs, step)]
     public.update(task_keys)
     yield public
+
+
+def doit_name(name: str) -> dict[str, str]:
+    """How doit names a task: "group:member" is the sub-task `member` of
+    the group `group` (doit makes the group task, which runs them all);
+    any other name is a task of its own."""
+    group, colon, member = name.partition(":")
+    return {"basename": group, "name": member} if colon else {"basename": name}
 
 
 class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped

@@ -1,0 +1,96 @@
+"""Sweeps as doit groups: a step named "group:member" is doit's sub-task
+`member` of `group`, so `doit group` runs the sweep, `doit list` shows one
+row for it, `doit group:member` runs one member and `task_dep: ["group"]`
+waits for all. Run with the real doit, serially and with threads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dodo_helpers import (
+    compute,
+    compute_status,
+    doit,
+    doit_ok,
+    make_project,
+    run_count,
+    runs_of,
+    show,
+    step_ran,
+    step_skipped,
+)
+
+MEMBERS = ["a", "b", "c", "d", "e", "f", "g", "h"]
+SWEEP = """
+MEMBERS = {members!r}
+
+def task_fit():
+    for m in MEMBERS:
+        yield from remote_step(f"fit:{{m}}", shell=f"echo {{m}} > fit-{{m}}.txt", outputs=[f"fit-{{m}}.txt"])
+
+def task_report():
+    return {{
+        "actions": ["cat " + " ".join(f"fit-{{m}}.txt" for m in MEMBERS) + " > report.txt"],
+        "task_dep": ["fit"],
+        "targets": ["report.txt"],
+    }}
+"""
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return make_project(tmp_path, SWEEP.format(members=MEMBERS))
+
+
+def listed(root: Path, *args: str) -> list[str]:
+    return [line.split()[0] for line in doit_ok(root, "list", *args).stdout.splitlines() if line.strip()]
+
+
+def test_doit_list_shows_the_group_once_and_its_members_with_all(root: Path) -> None:
+    assert listed(root) == ["fit", "report"]
+    assert listed(root, "--all") == ["fit", *(f"fit:{m}" for m in MEMBERS), "report"]
+    assert not any(name.startswith("_") for name in listed(root, "--all"))  # the phase tasks stay hidden
+
+
+def test_the_group_runs_the_whole_sweep_and_a_member_runs_alone(root: Path) -> None:
+    done = doit_ok(root, "fit")
+    assert all(step_ran(done, f"fit:{m}") for m in MEMBERS), show(done)
+    for m in MEMBERS:
+        assert (root / f"fit-{m}.txt").read_text() == f"{m}\n"
+    assert not (root / "report.txt").exists()
+    (root / "fit-c.txt").write_text("edited\n")
+    again = doit_ok(root, "fit:c")
+    assert step_ran(again, "fit:c") and not step_ran(again, "fit:a"), show(again)
+    assert (root / "fit-c.txt").read_text() == "c\n"
+    assert [len(runs_of(root, f"fit:{m}")) for m in MEMBERS] == [1, 1, 2, 1, 1, 1, 1, 1]
+    noop = doit_ok(root, "fit")
+    assert all(step_skipped(noop, f"fit:{m}") for m in MEMBERS), show(noop)
+
+
+@pytest.mark.parametrize("threads", [None, "4"], ids=["serial", "threads"])
+def test_a_task_dep_on_the_group_waits_for_every_member(root: Path, threads: str | None) -> None:
+    args = ["-n", threads, "-P", "thread"] if threads else []
+    done = doit_ok(root, *args, "report")
+    assert (root / "report.txt").read_text() == "".join(f"{m}\n" for m in MEMBERS), show(done)
+    assert run_count(root) == len(MEMBERS)
+    assert all(step_skipped(doit_ok(root, *args, "report"), f"fit:{m}") for m in MEMBERS)
+
+
+@pytest.mark.parametrize("name", ["fit:", ":a"])
+def test_a_group_or_member_left_empty_is_refused_before_anything_runs(tmp_path: Path, name: str) -> None:
+    body = f'def task_bad():\n    yield from remote_step({name!r}, shell="true", outputs=["x.txt"])\n'
+    root = make_project(tmp_path, body, ["bad"])
+    done = doit(root)
+    assert done.returncode == 1, show(done)
+    assert "a name with ':' is GROUP:MEMBER" in done.stderr, show(done)
+    assert run_count(root) == 0
+
+
+def test_why_and_status_name_a_member_by_its_full_name(root: Path) -> None:
+    doit_ok(root, "fit")
+    done = compute(root, "why", "fit:b")
+    assert done.returncode == 0 and done.stdout.strip() == "fit:b: up to date", show(done)
+    (root / "fit-b.txt").write_text("edited\n")
+    assert "outputs: changed content: fit-b.txt" in compute(root, "why", "fit:b").stdout
+    assert sorted({run["step"] for run in compute_status(root)}) == [f"fit:{m}" for m in MEMBERS]
