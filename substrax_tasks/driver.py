@@ -298,21 +298,34 @@ class StepDriver:
     def _manifest_file(self, handle: RunHandle) -> Path:
         return self.project.store.run_dir(handle.run_id) / "manifest.json"
 
-    def verify(self) -> Any:
-        """The public task: verify the fetched outputs, promote them, record."""
+    def promote(self) -> Any:
+        """The last phase: verify the fetched outputs, promote them, record.
+        A phase, not the public task's action: a step's outputs are home as
+        soon as its own run is fetched, whatever doit does with the other
+        tasks of the run (it stops dispatching at the first failure)."""
         try:
-            return self._action(self._verify)
+            return self._action(self._promote)
         finally:
             self._close()
 
-    def _verify(self) -> Any:
+    def recorded(self) -> Any:
+        """The public task's action: what doit saves for it is the verified
+        run (promoted by the phases just now, or earlier when the phases were
+        up to date while a user's uptodate item was not)."""
+        run_id = (uptodate.read_record(self.step).get("verified") or {}).get("run_id", "")
+        if run_id:
+            # Acknowledged only once doit holds that value (it saves its DB
+            # before the process exits): without it, a later doit that finds
+            # no value for this task trusts the record, as after a SIGKILL.
+            atexit.register(self._acknowledge, run_id)
+        return {DOIT_VALUE: run_id}
+
+    def _promote(self) -> Any:
         from substrax_tasks.promote import promote  # not on a no-op's path
 
         handle, fetched = self.handle, self.fetched
         if handle is None or fetched is None:
-            # No run driven here: the phases were up to date while a user's
-            # uptodate item was not. What doit saves stays the verified run.
-            return {DOIT_VALUE: (uptodate.read_record(self.step).get("verified") or {}).get("run_id", "")}
+            return None  # no run driven here (a rerun that found nothing to do)
         outputs = list(self.spec.outputs)
         digest = str(fetched.manifest["digest"])
         cache = self.step.files.outputs_cache
@@ -346,8 +359,7 @@ class StepDriver:
                 "manifest_file": str(self._manifest_file(handle)),
             }
         )
-        atexit.register(self._acknowledge, handle.run_id)
-        return {DOIT_VALUE: handle.run_id}
+        return None
 
     def _acknowledge(self, run_id: str) -> None:
         """At interpreter exit, after doit saved its DB (never after SIGKILL)."""

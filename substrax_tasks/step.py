@@ -4,11 +4,11 @@
         yield from remote_step("train", command=["python", "train.py"],
                                inputs=["data/"], outputs=["model/"])
 
-yields one public doit task named after the step (it verifies and promotes
-the outputs; its targets are the outputs, so other tasks depend on it with
-ordinary `file_dep`) and one hidden task `_<step>` whose actions are the
-phases before it (launch, setup, sync, run, fetch), chained as its `setup`
-so that an up-to-date step runs none of them. Both carry the step's check
+yields one public doit task named after the step (its targets are the
+outputs, so other tasks depend on it with ordinary `file_dep`) and one
+hidden task `_<step>` whose actions are the phases (launch, setup, sync,
+run, fetch, promote), chained as its `setup` so that an up-to-date step runs
+none of them. Both carry the step's check
 (`StepCheck`) and the user's own uptodate items, which doit ANDs: `doit`
 with no default_tasks selects the hidden task too, and it must then be
 skipped like the public one.
@@ -31,7 +31,7 @@ from substrax_tasks.config import ResolvedProject, config_key, config_stamp, res
 from substrax_tasks.driver import StepDriver
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.spec import ArgvItem, PathIndex, StepSpec, make_spec
-from substrax_tasks.uptodate import Step, up_to_date
+from substrax_tasks.uptodate import DOIT_VALUE, Step, up_to_date
 
 # The outputs declared in this process, per project, for cross-step checks
 # (overlapping outputs, producers of inputs).
@@ -155,16 +155,16 @@ def step_tasks(
     # no-op, four times over, for nothing a user can call.
     yield {
         **doit_name(hidden),
-        "actions": [driver.launch, driver.setup, driver.sync, driver.run, driver.fetch],
+        "actions": [driver.launch, driver.setup, driver.sync, driver.run, driver.fetch, driver.promote],
         "teardown": [driver.teardown],
         "uptodate": [StepCheck(step), *user_uptodate],
-        "doc": f"phases of step {spec.step}: launch, setup, sync, run, fetch (internal)",
+        "doc": f"phases of step {spec.step}: launch, setup, sync, run, fetch, promote (internal)",
         "verbosity": 2,
     }
     input_files = [i for i in spec.inputs if not i.endswith("/") and not (step.root / i).is_dir()]
     public: dict[str, Any] = {
         **doit_name(spec.step),
-        "actions": [driver.verify],
+        "actions": [driver.recorded],
         "file_dep": input_files + step.tracked,
         "targets": [o.rstrip("/") for o in spec.outputs],
         "task_dep": task_dep + producers,
@@ -205,12 +205,17 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
     def __call__(self, task: Any, values: dict[str, Any]) -> bool:
         map_termination_signals()  # doit is running tasks now, not just loading the dodo
         dep_manager, self._dep_manager = self._dep_manager, None  # no cycle through doit's tasks
-        if task.name != self.step.name and dep_manager is not None:
+        public = task.name == self.step.name
+        if not public and dep_manager is not None:
             values = dep_manager.get_values(self.step.name)
         try:
-            return up_to_date(self.step, values)
+            held = up_to_date(self.step, values)
         except SubstraxError:
             return False
+        # doit holds no value for the public task (its run was promoted by a
+        # doit that stopped before the task, or was killed before it saved):
+        # the phases stay skipped, and the task runs once to save it.
+        return held and (not public or bool(values and values.get(DOIT_VALUE)))
 
     def __repr__(self) -> str:
         # doit info names each false uptodate object by its str()

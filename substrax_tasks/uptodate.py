@@ -250,7 +250,10 @@ def explain(
             reasons.append(f"input changed: {path}")
     reasons += [f"input missing: {path}" for path in new["missing_inputs"]]
     reasons += _output_changes(step, verified)
-    if doit_values is not None and not doit_values.get(DOIT_VALUE):
+    # As verified_outputs_hold: no value of doit's for a run it was never
+    # told about (its doit stopped or was killed first) is no reason.
+    forgotten = verified.get("run_id") == record.get("acknowledged")
+    if doit_values is not None and not doit_values.get(DOIT_VALUE) and forgotten:
         reasons.append(
             f"doit has no record of task {step.name!r} (after `doit forget`, or a new "
             "dependency file): doit runs it again"

@@ -372,7 +372,7 @@ def task_after():
     # Folder and file names made from them are safe.
     for path in run_dirs(root) + list((root / ".substrax").rglob("*")):
         assert not any(c in path.name for c in ":, ")
-    listed = doit_ok(root, "list")
+    listed = doit_ok(root, "list", "--all")  # fit:lr0.1 is the member lr0.1 of the group fit
     for name in NAMES:
         assert name in listed.stdout
     for name in NAMES:

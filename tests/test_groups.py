@@ -94,3 +94,34 @@ def test_why_and_status_name_a_member_by_its_full_name(root: Path) -> None:
     (root / "fit-b.txt").write_text("edited\n")
     assert "outputs: changed content: fit-b.txt" in compute(root, "why", "fit:b").stdout
     assert sorted({run["step"] for run in compute_status(root)}) == [f"fit:{m}" for m in MEMBERS]
+
+
+SUBJECTS = """
+DOIT_CONFIG = doit_config()  # no default_tasks: `doit` runs every task, the hidden groups first
+
+def task_subject():
+    for s in ["s1", "s2", "s3", "s4"]:
+        command = "exit 3" if s == "s3" else f"echo {s} > out-{s}.txt"
+        yield from remote_step(f"subject:{s}", shell=command, outputs=[f"out-{s}.txt"])
+"""
+
+
+@pytest.mark.parametrize("threads", [None, "4"], ids=["serial", "threads"])
+def test_each_step_is_promoted_as_soon_as_it_is_fetched_whatever_fails_later(
+    tmp_path: Path, threads: str | None
+) -> None:
+    root = make_project(tmp_path, SUBJECTS)  # sandboxed where bubblewrap works: outputs land in staging
+    args = ["-n", threads, "-P", "thread"] if threads else []
+    failed = doit(root, *args)
+    assert failed.returncode == 1, show(failed)
+    assert "until its outputs are home" not in failed.stdout + failed.stderr, show(failed)
+    promoted = [s for s in ["s1", "s2", "s4"] if (root / f"out-{s}.txt").exists()]
+    # serially doit stops at s3; with threads s4 may have been under way
+    assert promoted[:2] == ["s1", "s2"], show(failed)
+    for s in promoted:
+        assert (root / f"out-{s}.txt").read_text() == f"{s}\n"
+        assert compute(root, "why", f"subject:{s}").stdout.strip() == f"subject:{s}: up to date"
+    runs = run_count(root)
+    again = doit(root, *args, "subject:s1", "subject:s2")
+    assert again.returncode == 0, show(again)
+    assert run_count(root) == runs  # nothing ran again: their outputs were home
