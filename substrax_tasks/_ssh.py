@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import secrets
 import select
 import shlex
 import threading
@@ -140,9 +141,12 @@ class SshConnection:
         return result
 
     def write_bytes(self, path: str, data: bytes, mode: int = 0o600) -> None:
-        """Write a file there whole: beside it, then renamed over it."""
-        write = 'umask 077 && cat > "$1.tmp" && chmod "$2" "$1.tmp" && mv "$1.tmp" "$1"'
-        self.check(["sh", "-c", write, "sh", path, f"{mode:o}"], f"writing {path}", stdin=data)
+        """Write a file there whole: beside it, then renamed over it. The
+        temp name is this write's own: threads (or clients) installing the
+        same file at once must not write into one temp file."""
+        write = 'umask 077 && cat > "$1.$3" && chmod "$2" "$1.$3" && mv "$1.$3" "$1"'
+        temp = f"{secrets.token_hex(6)}.tmp"
+        self.check(["sh", "-c", write, "sh", path, f"{mode:o}", temp], f"writing {path}", stdin=data)
 
     def close(self) -> None:
         with self._lock:

@@ -391,3 +391,25 @@ def test_outputs_changed_on_the_cluster_after_the_run_keep_it_until_put_back(sky
     assert (root / "out" / "big.bin").stat().st_size == BIG
     assert (root / "out" / "s.txt").read_text() == "s\n"
     assert sky.clusters() == []
+
+
+SWEEP = """
+def task_fit():
+    for m in range(8):
+        yield from remote_step(f"fit:m{m}", shell=f"echo m{m} > fit-{m}.txt", outputs=[f"fit-{m}.txt"])
+"""
+
+
+def test_a_sweep_of_eight_steps_under_four_threads_finishes_and_leaves_no_cluster(sky: Sky) -> None:
+    sky.configure()
+    write_ssh_dodo(sky.root, SWEEP, ["fit"])
+    done = doit(sky.root, "-n", "4", "-P", "thread", env=sky.env, timeout=300)
+    assert done.returncode == 0, show(done)
+    for m in range(8):
+        assert (sky.root / f"fit-{m}.txt").read_text() == f"m{m}\n"
+    assert run_count(sky.root) == 8
+    assert sky.clusters() == []
+    asked = sky.requests()
+    again = doit_ok(sky.root, "-n", "4", "-P", "thread", env=sky.env)
+    assert all(step_skipped(again, f"fit:m{m}") for m in range(8)), show(again)
+    assert sky.requests() == asked

@@ -491,3 +491,31 @@ def test_status_logs_fetch_cancel_teardown_use_the_pinned_settings(
     torn = compute(root, "teardown", fast["run_id"])
     assert torn.returncode == 0, show(torn)
     assert not remote_run_dir(fast).is_dir()
+
+
+SWEEP = """
+def task_fit():
+    for m in range(8):
+        yield from remote_step(
+            f"fit:m{m}", shell=f"cat data/in.txt > fit-{m}.txt; echo m{m} >> fit-{m}.txt",
+            inputs=["data/in.txt"], outputs=[f"fit-{m}.txt"],
+        )
+"""
+
+
+def test_a_sweep_of_eight_steps_under_four_threads_on_one_host_finishes(
+    tmp_path: Path, host: SshHost
+) -> None:
+    """The threads share the host's connection and its ssh master: every
+    step runs, comes home and verifies, and the host is left clean."""
+    root = make_ssh_project(tmp_path, host, SWEEP, ["fit"], files={"data/in.txt": "in\n"})
+    done = doit(root, "-n", "4", "-P", "thread", timeout=300)
+    assert done.returncode == 0, show(done)
+    for m in range(8):
+        assert (root / f"fit-{m}.txt").read_text() == f"in\nm{m}\n"
+    assert run_count(root) == 8
+    assert all(h["state"].get("torn_down") for h in live_handles(root)), live_handles(root)
+    runs = host.remote_home / ".substrax-remote" / "runs"
+    assert not runs.exists() or list(runs.iterdir()) == []  # every run folder torn down
+    again = doit_ok(root, "-n", "4", "-P", "thread")
+    assert all(step_skipped(again, f"fit:m{m}") for m in range(8)), show(again)

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -198,8 +199,9 @@ class RemoteRun:
         if taken.returncode != 0:
             raise self.failure("taking the outputs' manifest", taken)
         manifest = checked_manifest(taken.stdout, f"taken on {self.remote.host}")
-        save = 'cat > "$1.partial" && mv "$1.partial" "$1"'
-        self.check(["sh", "-c", save, "sh", path], "saving the outputs' manifest", stdin=taken.stdout)
+        save = 'cat > "$1.$2" && mv "$1.$2" "$1"'  # a temp name of its own: fetches may race
+        temp = f"{secrets.token_hex(6)}.partial"
+        self.check(["sh", "-c", save, "sh", path, temp], "saving the outputs' manifest", stdin=taken.stdout)
         return manifest
 
     def fetch(
