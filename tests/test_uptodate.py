@@ -45,6 +45,7 @@ def verified(root: Path, step: Step) -> None:
     record = {"run_id": "r1", "key": uptodate.key(parts), "key_parts": parts,
               "digest": manifest["digest"], "manifest_file": str(manifest_file)}
     uptodate.write_record(step, run_id="r1", verified=record)
+    uptodate.write_record(step, acknowledged="r1")  # the doit that verified it exited normally
 
 
 @pytest.fixture
@@ -115,3 +116,6 @@ def test_explain_names_each_change(root: Path) -> None:
     assert "input changed: in.txt" in reasons
     assert any(r.startswith("outputs: missing") for r in reasons)
     assert reasons[-1].startswith("doit has no record of task 'fit'")
+    # a run doit was never told about (its doit was killed first) is no reason
+    uptodate.write_record(step, acknowledged="")
+    assert not any(r.startswith("doit has no record") for r in uptodate.explain(changed, {}, lambda run_id: None))
