@@ -12,21 +12,44 @@ if TYPE_CHECKING:
     from substrax_tasks.handle import RunHandle
 
 
+# Set by a signal that came while steps ran in doit's worker threads
+# (`-n N -P thread`): each thread then stops its own step as a serial run
+# would (detach or cancel) and returns a failure to doit, whose main thread,
+# waiting on its queue, is never interrupted (that ended in a traceback).
+INTERRUPTED = threading.Event()
+_threaded = [False]  # a phase has run in a worker thread of this process
+
+
 def _interrupt(signum: int, _frame: object) -> None:
+    if _threaded[0] and not INTERRUPTED.is_set():
+        INTERRUPTED.set()
+        return
+    # Serially, or a second signal under threads: now, in the main thread.
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
 def map_termination_signals() -> None:
     """SIGTERM/SIGHUP become KeyboardInterrupt, so doit saves its DB and runs
-    teardown (it does neither when killed by a signal it does not catch).
-    Called as doit starts running tasks (the first check, or the first phase
-    under `-a`), never when a dodo is merely loaded; a handler the program
-    set itself is left alone."""
+    teardown (it does neither when killed by a signal it does not catch);
+    SIGINT too, to be handled as above under threads. Called as doit starts
+    running tasks (the first check, or the first phase under `-a`), never
+    when a dodo is merely loaded; a handler the program set itself is left
+    alone."""
     if threading.current_thread() is not threading.main_thread():
+        _threaded[0] = True
         return
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
             signal.signal(sig, _interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)
+
+
+def check_interrupted() -> None:
+    """In a worker thread: KeyboardInterrupt once a signal asked the threads
+    to stop (see INTERRUPTED). Called where a step waits."""
+    if INTERRUPTED.is_set() and threading.current_thread() is not threading.main_thread():
+        raise KeyboardInterrupt("interrupted while steps ran in threads")
 
 
 def started_holding_signals(backend: Backend, handle: RunHandle) -> RunHandle:

@@ -20,6 +20,7 @@ from typing import Any
 
 from substrax_tasks._output import emit
 from substrax_tasks._remote_files import sky_helper_script
+from substrax_tasks._signals import check_interrupted
 from substrax_tasks.errors import BackendError, ConfigError
 
 SETTING = "[tool.substrax.compute.backends.skypilot] sky_python"
@@ -165,6 +166,7 @@ def _communicate(
             out, err = proc.communicate(sent, timeout=0.5)
         except subprocess.TimeoutExpired:  # retried without input: nothing is lost
             sent = None
+            check_interrupted()  # a launch under threads gives up as it would serially
             while_waiting()
             if timeout is not None and time.monotonic() - started > timeout:
                 raise BackendError(f"SkyPilot did not answer within {timeout:g} s") from None

@@ -29,7 +29,7 @@ from doit.exceptions import TaskError, TaskFailed
 from substrax_tasks import manifest_cache, uptodate
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import TextSink, emit
-from substrax_tasks._signals import map_termination_signals, started_holding_signals
+from substrax_tasks._signals import check_interrupted, map_termination_signals, started_holding_signals
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
 from substrax_tasks.spec import check_inputs_exist, check_outputs_inside
 from substrax_tasks.uptodate import DOIT_VALUE, Step
@@ -106,11 +106,20 @@ class StepDriver:
             )
         map_termination_signals()  # under `doit -a` no check ran first
         try:
+            check_interrupted()  # a phase doit dispatches after a signal under threads does nothing
             result = body()
         except BackendError as exc:
             result = TaskError(self._named(exc))
         except SubstraxError as exc:
             result = TaskFailed(self._named(exc))
+        except KeyboardInterrupt:
+            # The chain stays open (or INTERRUPTED, from the run phase): the
+            # teardown that doit runs next detaches from a run that goes on,
+            # or cancels it, as the backend's capabilities say.
+            if threading.current_thread() is threading.main_thread():
+                raise
+            # doit's worker threads cannot pass an interrupt on: a failure can
+            result = TaskError(f"step {self.spec.step!r}: interrupted")
         except BaseException:
             self._close()
             raise

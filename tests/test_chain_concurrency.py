@@ -285,7 +285,10 @@ def test_signal_to_doit_cancels_the_local_run(tmp_path: Path, marker: str, sig: 
     assert (root / "out" / "res.txt").read_text() == "started\ndone\n"
 
 
-def test_sigterm_under_the_thread_pool_cancels_every_local_run(tmp_path: Path, marker: str) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_under_the_thread_pool_cancels_every_local_run(
+    tmp_path: Path, marker: str, sig: signal.Signals
+) -> None:
     log = tmp_path / "teardowns.log"
     root = make_project(tmp_path, TWO_STEPS.format(log=str(log), marker=marker), ["one", "two"])
     (root / "gate").mkdir()
@@ -293,11 +296,14 @@ def test_sigterm_under_the_thread_pool_cancels_every_local_run(tmp_path: Path, m
     try:
         wait_for(lambda: sum(r.get("state") == "running" for r in status_records(root)) == 2,
                  "both runs to be going at once")
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         code = proc.wait(timeout=30)
     finally:
         stop(proc)
-    assert code != 0, popen_output(root)
+    said = popen_output(root)
+    assert code != 0, said
+    assert "Traceback" not in said, said
+    assert said.count("cancelling local run") == 2, said
     wait_for(lambda: not pids_with(marker), "the runs' processes to be gone", timeout=10)
     assert not worker_pids(root)
     assert sorted(r["state"] for r in compute_status(root)) == ["cancelled", "cancelled"]

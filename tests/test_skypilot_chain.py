@@ -40,7 +40,16 @@ from dodo_helpers import (
 )
 from fakesky_cleanup import cleanup, fakesky_env, leftovers
 from s3_server import S3Server, running_s3_server
-from ssh_helpers import SANDBOX, needs_root, needs_sshd, only_handle, ssh_host, toml_value, write_ssh_dodo
+from ssh_helpers import (
+    SANDBOX,
+    live_handles,
+    needs_root,
+    needs_sshd,
+    only_handle,
+    ssh_host,
+    toml_value,
+    write_ssh_dodo,
+)
 from testbeds.sshd_host import SshHost
 
 pytestmark = [needs_sshd, needs_root]
@@ -413,3 +422,44 @@ def test_a_sweep_of_eight_steps_under_four_threads_finishes_and_leaves_no_cluste
     again = doit_ok(sky.root, "-n", "4", "-P", "thread", env=sky.env)
     assert all(step_skipped(again, f"fit:m{m}") for m in range(8)), show(again)
     assert sky.requests() == asked
+
+
+GATED_SWEEP = """
+def task_fit():
+    for m in range(4):
+        yield from remote_step(
+            f"fit:m{{m}}", outputs=[f"fit-{{m}}.txt"],
+            command=["/bin/sh", "-c", "while [ ! -e {gate} ]; do sleep 0.05; done; "
+                     "echo " + str(m) + " > fit-" + str(m) + ".txt", {marker!r}],
+        )
+"""
+
+
+def test_ctrl_c_under_four_threads_detaches_every_run_and_the_rerun_reattaches(sky: Sky, marker: str) -> None:
+    # Unsandboxed: the sandbox's private /tmp would hide the gate from the jobs.
+    gate = sky.base / f"gate-{marker}"
+    sky.configure(sandbox="none")
+    write_ssh_dodo(sky.root, GATED_SWEEP.format(gate=str(gate), marker=marker), ["fit"])
+    proc = popen_doit(sky.root, "-n", "4", "-P", "thread", env=sky.env)
+    try:
+        wait_for(lambda: len(marked_pids(marker)) >= 4, "the four jobs to be running", timeout=120)
+        # and each step's client in its run phase, following the log
+        wait_for(lambda: [h["state"].get("phase") for h in live_handles(sky.root)] == ["started"] * 4,
+                 "the four steps to follow their runs")
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    said = popen_output(sky.root)
+    assert code != 0, said
+    assert "Traceback" not in said, said
+    assert said.count("detached from run fit-m") == 4, said
+    assert len(sky.clusters()) == 4, "the clusters must stay up for the runs that go on"
+    gate.touch()
+    done = doit(sky.root, "-n", "4", "-P", "thread", env=sky.env, timeout=300)
+    assert done.returncode == 0, show(done)
+    assert "new run" not in done.stdout, show(done)  # reattached to the same four runs
+    for m in range(4):
+        assert (sky.root / f"fit-{m}.txt").read_text() == f"{m}\n"
+    assert run_count(sky.root) == 4
+    assert sky.clusters() == []

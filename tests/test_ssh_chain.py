@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -521,3 +522,46 @@ def test_a_sweep_of_eight_steps_under_four_threads_on_one_host_finishes(
     again = doit_ok(root, "-n", "4", "-P", "thread")
     assert all(step_skipped(again, f"fit:m{m}") for m in range(8)), show(again)
 
+
+GATED_SWEEP = """
+def task_fit():
+    for m in range(4):
+        yield from remote_step(
+            f"fit:m{{m}}", outputs=[f"fit-{{m}}.txt"],
+            command=["/bin/sh", "-c", "echo started; while [ ! -e {gate} ]; do sleep 0.05; done; "
+                     "echo " + str(m) + " > fit-" + str(m) + ".txt", {marker!r}],
+        )
+"""
+
+
+def test_ctrl_c_under_four_threads_detaches_every_run_and_the_rerun_reattaches(
+    tmp_path: Path, host: SshHost, marker: str
+) -> None:
+    # On the host, where the runs go on while doit is gone; unsandboxed, as
+    # the sandbox's private /tmp would hide the gate from the commands.
+    gate = host.scratch / f"gate-{marker}"
+    sweep = GATED_SWEEP.format(gate=str(gate), marker=marker)
+    root = make_ssh_project(tmp_path, host, sweep, ["fit"], sandbox="none")
+    proc = popen_doit(root, "-n", "4", "-P", "thread")
+    try:
+        wait_for(lambda: len(marked_pids(marker)) >= 4, "the four runs to be going on the host", timeout=60)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    assert code != 0, said
+    assert "Traceback" not in said, said
+    assert said.count("detached from run fit-m") == 4, said
+    assert len(marked_pids(marker)) >= 4, "the runs did not go on after doit detached"
+    gate.touch()
+    done = doit(root, "-n", "4", "-P", "thread", timeout=120)
+    assert done.returncode == 0, show(done)
+    assert "new run" not in done.stdout, show(done)  # reattached to the same four runs
+    for m in range(4):
+        assert (root / f"fit-{m}.txt").read_text() == f"{m}\n"
+    assert run_count(root) == 4
+    wait_for(lambda: not marked_pids(marker), "the runs to end on the host")
+    assert took < 30  # bounded by the wait above; it detaches within seconds

@@ -17,6 +17,7 @@ from typing import IO, Any, ClassVar
 
 from pydantic import BaseModel, ValidationError
 
+from substrax_tasks._signals import check_interrupted
 from substrax_tasks.errors import HandleError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.store import RunStore
@@ -206,6 +207,7 @@ class Backend(ABC):
                 continue
             if not follow or status.final:  # read after the status: the log is whole
                 return status
+            check_interrupted()
             time.sleep(LOG_POLL_SECONDS)
             if time.monotonic() >= next_poll:
                 status = self.poll(handle)
@@ -216,4 +218,5 @@ class Backend(ABC):
             status = self.poll(handle)
             if status.final:
                 return status
+            check_interrupted()
             time.sleep(poll_seconds or self.poll_seconds)
