@@ -208,12 +208,20 @@ def test_fifos_sockets_and_devices_put_in_on_the_host_are_never_made_here(
     tmp_path: Path, host: SshHost
 ) -> None:
     backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
-    plant_specials(on_host(handle, "out"))
+    planted = on_host(handle, "out")
+    plant_specials(planted)
     staging = backend.store.run_dir(handle.run_id) / "fetched"
     with pytest.raises(BackendError, match=r"hold out/node, out/pipe, out/sock, which are not a file"):
         backend.fetch(handle)
-    assert (staging / "out" / "a.txt").read_text() == "a\n"  # the copy went, without them
     assert specials_under(backend.store.root) == []
+    assert not staging.exists()  # nothing of the refused copy stays, its files neither
+    assert backend.outputs_available(handle)  # the run stays for a fetch again
+    for name in ("node", "pipe", "sock"):  # the host is mended
+        (planted / name).unlink()
+    assert problems(backend.fetch(handle), ["out/"], tmp_path) == []
+    backend.teardown(handle)
+    assert not staging.exists()  # teardown leaves no fetched copy in the store
+    assert specials_under(tmp_path) == []  # the client: project, store and all
 
 
 def test_a_manifest_that_lists_a_device_is_refused_before_anything_is_copied(
