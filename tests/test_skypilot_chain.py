@@ -41,6 +41,7 @@ from dodo_helpers import (
 from fakesky_cleanup import cleanup, fakesky_env, leftovers
 from s3_server import S3Server, running_s3_server
 from ssh_helpers import SANDBOX, needs_root, needs_sshd, only_handle, ssh_host, toml_value, write_ssh_dodo
+from test_ssh_fetch import plant_specials, specials_under
 from testbeds.sshd_host import SshHost
 
 pytestmark = [needs_sshd, needs_root]
@@ -391,6 +392,51 @@ def test_outputs_changed_on_the_cluster_after_the_run_keep_it_until_put_back(sky
     assert (root / "out" / "big.bin").stat().st_size == BIG
     assert (root / "out" / "s.txt").read_text() == "s\n"
     assert sky.clusters() == []
+
+
+def test_fifos_sockets_and_devices_put_in_on_the_cluster_are_refused_and_leave_nothing_here(sky: Sky) -> None:
+    """The copy transport fetches as the ssh backend does: rsync makes no
+    special file, the fetch that meets one is refused with nothing of it
+    kept, and the cluster stays for a fetch once the host is mended."""
+    sky.env["FAKESKY_MINUTE_SECONDS"] = "60"  # the idle cluster waits a minute for the rerun
+    root = sky.project(BIG_STEP, "mkdir -p out && echo a > out/a.txt")
+    stop_looking = threading.Event()
+    planted: list[Path] = []
+
+    def plant_once_succeeded() -> None:
+        """Once the worker wrote its manifest and then its final status."""
+        while not stop_looking.is_set():
+            done = [p for p in (sky.remote / "runs").glob("*/status.json") if '"succeeded"' in p.read_text()]
+            if done:
+                planted.append(done[0].parent / "work" / "outputs" / "out")
+                plant_specials(planted[0])
+                return
+            time.sleep(0.005)
+
+    planter = threading.Thread(target=plant_once_succeeded, daemon=True)
+    planter.start()
+    try:
+        first = doit(root, env=sky.env)
+    finally:
+        stop_looking.set()
+        planter.join(timeout=30)
+    assert planted, "nothing was planted: the test proves nothing"
+    assert first.returncode != 0, show(first)
+    said = first.stdout + first.stderr
+    assert "hold out/node, out/pipe, out/sock, which are not a file, folder or symlink" in said, show(first)
+    assert specials_under(root) == []  # the project and its store
+    run = sky.run_file(only_handle(root), "")
+    assert not (run / "fetched").exists(), "the refused copy stayed in the store"
+    assert len(sky.clusters()) == 1, "the cluster must stay up for the next fetch"
+    for name in ("node", "pipe", "sock"):  # the host is mended
+        (planted[0] / name).unlink()
+
+    second = doit_ok(root, env=sky.env)
+    assert "fetching its outputs again" in second.stdout, show(second)
+    assert run_count(root) == 1  # the command did not run again
+    assert (root / "out" / "a.txt").read_text() == "a\n"
+    assert sky.clusters() == []
+    assert not (run / "fetched").exists()  # torn down: no copy left in the store
 
 
 SWEEP = """

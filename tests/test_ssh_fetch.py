@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -185,13 +184,20 @@ def as_host_user(path: Path, like: Path) -> None:
     os.chown(path, owner.st_uid, owner.st_gid, follow_symlinks=False)
 
 
+PLANT = """
+import os, socket, stat
+os.mkfifo("pipe")
+with socket.socket(socket.AF_UNIX) as sock:
+    sock.bind("sock")
+os.mknod("node", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+"""
+
+
 def plant_specials(folder: Path) -> None:
-    """A fifo, a listening Unix socket's file and a world-writable char
-    device (the null device's numbers), as a host could put them."""
-    os.mkfifo(folder / "pipe")
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.bind(str(folder / "sock"))
-    os.mknod(folder / "node", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    """A fifo, a Unix socket's file and a world-writable char device (the
+    null device's numbers), as a host could put them. Made from inside the
+    folder: a socket's path is limited to 107 bytes, a run's folder is not."""
+    subprocess.run([sys.executable, "-c", PLANT], cwd=folder, check=True, timeout=30)
 
 
 def specials_under(root: Path) -> list[str]:
