@@ -18,7 +18,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -343,41 +343,48 @@ def task_step():
 """
 
 
+def doit_with_a_hostile_host(sky: Sky, root: Path, tamper: Callable[[Path, threading.Event], None]) -> Any:
+    """`doit`, while a thread waits for the run to succeed on the cluster
+    (the worker writes its manifest, then its final status) and then calls
+    `tamper(the run's outputs folder there, an event set once doit ended)`."""
+    ended = threading.Event()
+
+    def watch() -> None:
+        while not ended.is_set():
+            done = [p for p in (sky.remote / "runs").glob("*/status.json") if '"succeeded"' in p.read_text()]
+            if done:
+                tamper(done[0].parent / "work" / "outputs", ended)
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        return doit(root, env=sky.env)
+    finally:
+        ended.set()
+        watcher.join(timeout=30)
+
+
 def test_outputs_changed_on_the_cluster_after_the_run_keep_it_until_put_back(sky: Sky) -> None:
     """As over SSH: the copy is verified against the worker's manifest of
     the command's end, so outputs grown since are refused, the cluster kept."""
     sky.env["FAKESKY_MINUTE_SECONDS"] = "60"  # the idle cluster waits a minute for the rerun
     command = f"mkdir -p out && head -c {BIG} /dev/zero > out/big.bin && echo s > out/s.txt"
     root = sky.project(BIG_STEP, command)
-    run_folder = sky.remote / "runs"
-    stop_writing = threading.Event()
     writes = [0]
     grown: list[Path] = []
 
-    def keep_appending() -> None:
-        """Once the run has succeeded, keep growing its output on the cluster."""
-        while not stop_writing.is_set():
-            done = [p for p in run_folder.glob("*/status.json") if '"succeeded"' in p.read_text()]
-            if done:
-                break
-            time.sleep(0.005)
-        else:
-            return
-        big = done[0].parent / "work" / "outputs" / "out" / "big.bin"
+    def keep_appending(outputs: Path, ended: threading.Event) -> None:
+        big = outputs / "out" / "big.bin"
         grown.append(big)
-        while not stop_writing.is_set():
+        while not ended.is_set():
             with big.open("ab") as f:
                 f.write(b"x" * 4096)
             writes[0] += 1
             time.sleep(0.002)
 
-    writer = threading.Thread(target=keep_appending, daemon=True)
-    writer.start()
-    try:
-        first = doit(root, env=sky.env)
-    finally:
-        stop_writing.set()
-        writer.join(timeout=30)
+    first = doit_with_a_hostile_host(sky, root, keep_appending)
     assert writes[0] > 0, "the output was never changed: the test proves nothing"
     assert first.returncode != 0, show(first)
     assert "changed content: out/big.bin" in first.stdout + first.stderr, show(first)
@@ -400,26 +407,13 @@ def test_fifos_sockets_and_devices_put_in_on_the_cluster_are_refused_and_leave_n
     kept, and the cluster stays for a fetch once the host is mended."""
     sky.env["FAKESKY_MINUTE_SECONDS"] = "60"  # the idle cluster waits a minute for the rerun
     root = sky.project(BIG_STEP, "mkdir -p out && echo a > out/a.txt")
-    stop_looking = threading.Event()
     planted: list[Path] = []
 
-    def plant_once_succeeded() -> None:
-        """Once the worker wrote its manifest and then its final status."""
-        while not stop_looking.is_set():
-            done = [p for p in (sky.remote / "runs").glob("*/status.json") if '"succeeded"' in p.read_text()]
-            if done:
-                planted.append(done[0].parent / "work" / "outputs" / "out")
-                plant_specials(planted[0])
-                return
-            time.sleep(0.005)
+    def plant(outputs: Path, _: threading.Event) -> None:
+        planted.append(outputs / "out")
+        plant_specials(planted[0])
 
-    planter = threading.Thread(target=plant_once_succeeded, daemon=True)
-    planter.start()
-    try:
-        first = doit(root, env=sky.env)
-    finally:
-        stop_looking.set()
-        planter.join(timeout=30)
+    first = doit_with_a_hostile_host(sky, root, plant)
     assert planted, "nothing was planted: the test proves nothing"
     assert first.returncode != 0, show(first)
     said = first.stdout + first.stderr
