@@ -196,6 +196,24 @@ def test_an_oversized_manifest_is_refused_unread(s3_env: S3Server, tmp_path: Pat
         BucketTransport().read_manifest(uri)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "socket", "char device"])
+def test_a_manifest_that_lists_a_special_file_is_refused_before_anything_is_fetched(
+    s3_env: S3Server, tmp_path: Path, kind: str
+) -> None:
+    """An object store holds no fifo or device, but its manifest could name
+    one (a hostile cluster writes both): refused as over ssh, nothing made."""
+    run, manifest = finished_run(s3_env, tmp_path)
+    odd = {"path": "reports/odd", "type": kind, "size": 0, "mode": 0o666, "sha256": None, "target": None}
+    manifest["entries"] = sorted([*manifest["entries"], odd], key=lambda e: e["path"])
+    manifest["digest"] = manifest_cache.manifest_module().entries_digest(manifest["entries"])
+    write_object(s3_env, f"{run}/outputs/reports/odd", b"")
+    write_object(s3_env, f"{run}/manifest.json", json.dumps(manifest).encode())
+    staging = tmp_path / "fetched"
+    with pytest.raises(BackendError, match=rf"lists 'reports/odd' as a '{kind}': outputs are files"):
+        BucketTransport().fetch_run(run, OUTPUTS, staging)
+    assert not staging.exists()
+
+
 # ------------------------------------------------------------------ errors
 
 

@@ -1,6 +1,7 @@
 """Escape attempts from the bubblewrap sandbox (issue 15), made by the task
 as root and as an unprivileged user: each must fail, and the host must show
-that nothing changed.
+that nothing changed. The one difference between the two: root's task reads
+root's own closed files (its uid, as outside), never another user's.
 
 The real worker (remote/worker.py under the system python3) runs the real
 bwrap; the unprivileged user is a uid with no account, reached with setpriv.
@@ -23,7 +24,9 @@ from pathlib import Path
 
 import pytest
 from conftest import GRACE, WORKER, connections_made, needs_bwrap
+from ssh_helpers import ssh_host
 from test_sandbox import ATTEMPT, verdicts
+from testbeds.sshd_host import SshHost
 
 from substrax_tasks.spec import make_spec
 from substrax_tasks.worker_job import WorkerPaths, build_job
@@ -113,7 +116,32 @@ def bed(request: pytest.FixtureRequest) -> Iterator[Bed]:
     shutil.rmtree(base)
 
 
-def test_escape_attempts_fail(bed: Bed, marker: str, tcp_server: socket.socket,
+@pytest.fixture
+def closed_files(marker: str) -> Iterator[dict[str, Path]]:
+    """Mode-600 files outside the project: one of root's, one of another
+    user's. What a task may read of the system is what its uid may read,
+    with no capability to pass over a mode: root reads root's files, not
+    another user's."""
+    if os.geteuid() != 0:
+        yield {}  # only root can make a file of root's and of another uid
+        return
+    # Not under /tmp or /var/tmp: the sandbox empties those.
+    folder = Path(tempfile.mkdtemp(prefix=f"substrax-closed-{marker[-8:]}-", dir="/srv"))
+    folder.chmod(0o755)
+    other = free_uid() + 1
+    files = {"root": folder / "root-only", "other": folder / "other-only"}
+    try:
+        for owner, path in files.items():
+            path.write_text("closed\n")
+            path.chmod(0o600)
+            uid = 0 if owner == "root" else other
+            os.chown(path, uid, uid)
+        yield files
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_escape_attempts_fail(bed: Bed, marker: str, tcp_server: socket.socket, closed_files: dict[str, Path],
                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setenv("SUBSTRAX_LEAK", SECRET)  # an undeclared variable of "doit"
     pid, port, project = os.getpid(), tcp_server.getsockname()[1], bed.project
@@ -128,6 +156,7 @@ attempt new-file-in-project 'echo x > {project}/planted.txt'
 attempt write-input 'echo x > {project}/data/in.txt'
 attempt nested-userns-remount 'unshare -rm sh -c "mount -o remount,rw {project} && echo x > code.txt"'
 attempt umount-home 'umount -l "$HOME"; cat "$HOME/secret.txt"'
+attempt umount-project 'umount -l {project}; echo x > {project}/planted.txt'
 attempt see-host-tmp 'umount -l /tmp; test -e {host_tmp}-host'
 attempt write-tmp 'umount -l /tmp; echo x > {host_tmp}'
 attempt umount-proc 'umount -l /proc; test -e /proc/{pid}'
@@ -138,6 +167,7 @@ attempt nsenter-mount 'nsenter --mount=/proc/{pid}/ns/mnt sh -c "echo x > {proje
 attempt host-loopback 'bash -c "exec 3<>/dev/tcp/127.0.0.1/{port}"'
 echo "CAPS $(grep -E '^Cap(Eff|Prm)' /proc/self/status | tr -s '\\t\\n' '  ')"
 """
+    script += "".join(f"attempt read-{owner}-file 'cat {path}'\n" for owner, path in closed_files.items())
     try:
         log, status = bed.run(script, marker, network_isolation=True)
     finally:
@@ -145,7 +175,11 @@ echo "CAPS $(grep -E '^Cap(Eff|Prm)' /proc/self/status | tr -s '\\t\\n' '  ')"
     assert status["state"] == "succeeded", log
     assert status["sandbox"] == "bwrap"
     allowed = {name for name, verdict in verdicts(log).items() if verdict == "ALLOWED"}
-    assert allowed == {"read-project", "write-output", "write-tmp"}, log  # write-tmp: into the private /tmp
+    expected = {"read-project", "write-output", "write-tmp"}  # write-tmp: into the private /tmp
+    if closed_files and bed.uid == 0:
+        expected.add("read-root-file")  # root's own: its uid reads it, as outside
+    assert allowed == expected, log
+    assert len(verdicts(log)) == 17 + len(closed_files), log  # every attempt was made
     assert "CAPS CapPrm: 0000000000000000 CapEff: 0000000000000000" in log, log
     # The host shows it too: nothing written, nothing connected.
     assert (project / "code.txt").read_text() == "original\n"
@@ -200,3 +234,24 @@ def test_network_isolation_hides_host_unix_sockets(
     assert verdicts(log) == {**connects, "write-output": "ALLOWED"}, log
     for name, server in unix_servers.items():
         assert (connections_made(server) > 0) is not isolated, name
+
+
+@pytest.fixture(scope="module")
+def namespace_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
+    """A host with an address of its own (as root: sshd in a network
+    namespace this fixture makes, reached over a veth pair)."""
+    with ssh_host(tmp_path_factory.mktemp("escape-netns"), None) as started:
+        yield started
+
+
+@pytest.mark.parametrize("isolated", [True, False], ids=["network_isolation", "network"])
+def test_network_isolation_leaves_no_way_to_a_namespace_host(
+    bed: Bed, marker: str, namespace_host: SshHost, isolated: bool
+) -> None:
+    address, port = namespace_host.address, namespace_host.port
+    with socket.create_connection((address, port), timeout=10) as probe:  # reachable from here
+        assert probe.recv(4).startswith(b"SSH-")
+    script = ATTEMPT + f"attempt connect-namespace-host 'bash -c \"exec 3<>/dev/tcp/{address}/{port}\"'\n"
+    log, status = bed.run(script, marker, network_isolation=isolated)
+    assert status["state"] == "succeeded", log
+    assert verdicts(log) == {"connect-namespace-host": "DENIED" if isolated else "ALLOWED"}, log

@@ -18,7 +18,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from ssh_helpers import (
     toml_value,
     write_ssh_dodo,
 )
+from test_ssh_fetch import plant_specials, specials_under
 from testbeds.sshd_host import SshHost
 
 pytestmark = [needs_sshd, needs_root]
@@ -351,41 +352,48 @@ def task_step():
 """
 
 
+def doit_with_a_hostile_host(sky: Sky, root: Path, tamper: Callable[[Path, threading.Event], None]) -> Any:
+    """`doit`, while a thread waits for the run to succeed on the cluster
+    (the worker writes its manifest, then its final status) and then calls
+    `tamper(the run's outputs folder there, an event set once doit ended)`."""
+    ended = threading.Event()
+
+    def watch() -> None:
+        while not ended.is_set():
+            done = [p for p in (sky.remote / "runs").glob("*/status.json") if '"succeeded"' in p.read_text()]
+            if done:
+                tamper(done[0].parent / "work" / "outputs", ended)
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        return doit(root, env=sky.env)
+    finally:
+        ended.set()
+        watcher.join(timeout=30)
+
+
 def test_outputs_changed_on_the_cluster_after_the_run_keep_it_until_put_back(sky: Sky) -> None:
     """As over SSH: the copy is verified against the worker's manifest of
     the command's end, so outputs grown since are refused, the cluster kept."""
     sky.env["FAKESKY_MINUTE_SECONDS"] = "60"  # the idle cluster waits a minute for the rerun
     command = f"mkdir -p out && head -c {BIG} /dev/zero > out/big.bin && echo s > out/s.txt"
     root = sky.project(BIG_STEP, command)
-    run_folder = sky.remote / "runs"
-    stop_writing = threading.Event()
     writes = [0]
     grown: list[Path] = []
 
-    def keep_appending() -> None:
-        """Once the run has succeeded, keep growing its output on the cluster."""
-        while not stop_writing.is_set():
-            done = [p for p in run_folder.glob("*/status.json") if '"succeeded"' in p.read_text()]
-            if done:
-                break
-            time.sleep(0.005)
-        else:
-            return
-        big = done[0].parent / "work" / "outputs" / "out" / "big.bin"
+    def keep_appending(outputs: Path, ended: threading.Event) -> None:
+        big = outputs / "out" / "big.bin"
         grown.append(big)
-        while not stop_writing.is_set():
+        while not ended.is_set():
             with big.open("ab") as f:
                 f.write(b"x" * 4096)
             writes[0] += 1
             time.sleep(0.002)
 
-    writer = threading.Thread(target=keep_appending, daemon=True)
-    writer.start()
-    try:
-        first = doit(root, env=sky.env)
-    finally:
-        stop_writing.set()
-        writer.join(timeout=30)
+    first = doit_with_a_hostile_host(sky, root, keep_appending)
     assert writes[0] > 0, "the output was never changed: the test proves nothing"
     assert first.returncode != 0, show(first)
     assert "changed content: out/big.bin" in first.stdout + first.stderr, show(first)
@@ -400,6 +408,38 @@ def test_outputs_changed_on_the_cluster_after_the_run_keep_it_until_put_back(sky
     assert (root / "out" / "big.bin").stat().st_size == BIG
     assert (root / "out" / "s.txt").read_text() == "s\n"
     assert sky.clusters() == []
+
+
+def test_fifos_sockets_and_devices_put_in_on_the_cluster_are_refused_and_leave_nothing_here(sky: Sky) -> None:
+    """The copy transport fetches as the ssh backend does: rsync makes no
+    special file, the fetch that meets one is refused with nothing of it
+    kept, and the cluster stays for a fetch once the host is mended."""
+    sky.env["FAKESKY_MINUTE_SECONDS"] = "60"  # the idle cluster waits a minute for the rerun
+    root = sky.project(BIG_STEP, "mkdir -p out && echo a > out/a.txt")
+    planted: list[Path] = []
+
+    def plant(outputs: Path, _: threading.Event) -> None:
+        planted.append(outputs / "out")
+        plant_specials(planted[0])
+
+    first = doit_with_a_hostile_host(sky, root, plant)
+    assert planted, "nothing was planted: the test proves nothing"
+    assert first.returncode != 0, show(first)
+    said = first.stdout + first.stderr
+    assert "hold out/node, out/pipe, out/sock, which are not a file, folder or symlink" in said, show(first)
+    assert specials_under(root) == []  # the project and its store
+    run = sky.run_file(only_handle(root), "")
+    assert not (run / "fetched").exists(), "the refused copy stayed in the store"
+    assert len(sky.clusters()) == 1, "the cluster must stay up for the next fetch"
+    for name in ("node", "pipe", "sock"):  # the host is mended
+        (planted[0] / name).unlink()
+
+    second = doit_ok(root, env=sky.env)
+    assert "fetching its outputs again" in second.stdout, show(second)
+    assert run_count(root) == 1  # the command did not run again
+    assert (root / "out" / "a.txt").read_text() == "a\n"
+    assert sky.clusters() == []
+    assert not (run / "fetched").exists()  # torn down: no copy left in the store
 
 
 SWEEP = """

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -185,13 +184,20 @@ def as_host_user(path: Path, like: Path) -> None:
     os.chown(path, owner.st_uid, owner.st_gid, follow_symlinks=False)
 
 
+PLANT = """
+import os, socket, stat
+os.mkfifo("pipe")
+with socket.socket(socket.AF_UNIX) as sock:
+    sock.bind("sock")
+os.mknod("node", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+"""
+
+
 def plant_specials(folder: Path) -> None:
-    """A fifo, a listening Unix socket's file and a world-writable char
-    device (the null device's numbers), as a host could put them."""
-    os.mkfifo(folder / "pipe")
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.bind(str(folder / "sock"))
-    os.mknod(folder / "node", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    """A fifo, a Unix socket's file and a world-writable char device (the
+    null device's numbers), as a host could put them. Made from inside the
+    folder: a socket's path is limited to 107 bytes, a run's folder is not."""
+    subprocess.run([sys.executable, "-c", PLANT], cwd=folder, check=True, timeout=30)
 
 
 def specials_under(root: Path) -> list[str]:
@@ -208,12 +214,20 @@ def test_fifos_sockets_and_devices_put_in_on_the_host_are_never_made_here(
     tmp_path: Path, host: SshHost
 ) -> None:
     backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
-    plant_specials(on_host(handle, "out"))
+    planted = on_host(handle, "out")
+    plant_specials(planted)
     staging = backend.store.run_dir(handle.run_id) / "fetched"
     with pytest.raises(BackendError, match=r"hold out/node, out/pipe, out/sock, which are not a file"):
         backend.fetch(handle)
-    assert (staging / "out" / "a.txt").read_text() == "a\n"  # the copy went, without them
     assert specials_under(backend.store.root) == []
+    assert not staging.exists()  # nothing of the refused copy stays, its files neither
+    assert backend.outputs_available(handle)  # the run stays for a fetch again
+    for name in ("node", "pipe", "sock"):  # the host is mended
+        (planted / name).unlink()
+    assert problems(backend.fetch(handle), ["out/"], tmp_path) == []
+    backend.teardown(handle)
+    assert not staging.exists()  # teardown leaves no fetched copy in the store
+    assert specials_under(tmp_path) == []  # the client: project, store and all
 
 
 def test_a_manifest_that_lists_a_device_is_refused_before_anything_is_copied(

@@ -222,5 +222,11 @@ class RemoteRun:
         shutil.rmtree(staging, ignore_errors=True)
         present = [o for o in outputs if o not in manifest["missing"]]
         if present:
-            transport.download(outputs_root, present, staging)
+            try:
+                transport.download(outputs_root, present, staging)
+            except BaseException:
+                # A refused or broken copy leaves nothing behind: what it
+                # brought is never verified, so it has no use here.
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
         return Fetched(staging, manifest)

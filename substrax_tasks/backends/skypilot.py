@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -377,6 +378,7 @@ class SkypilotBackend(Backend):
     # ----------------------------------------------------------- teardown
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         """Take the cluster down (keeping the handle and a copy of the log)."""
+        shutil.rmtree(self._run_file(handle, "fetched"), ignore_errors=True)  # as the ssh backend
         if handle.state.get("torn_down"):
             return
         if "cluster" not in handle.state:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from pathlib import Path
 
 from substrax_tasks._output import emit
@@ -227,6 +228,9 @@ class SshBackend(Backend):
             return False
 
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
+        # What a fetch left here (a copy refused, or the folders a promotion
+        # emptied) is of no use once the run is given up or home.
+        shutil.rmtree(self.store.run_dir(handle.run_id) / "fetched", ignore_errors=True)
         if "remote_run_dir" not in handle.state or handle.state.get("torn_down"):
             self.settings.target().stop_master()
             return
