@@ -44,22 +44,28 @@ def test_group_of_splits_at_the_first_colon() -> None:
     assert group_of("fit") is None
 
 
+@pytest.fixture
+def sweep(store: RunStore, tmp_path: Path) -> tuple[RunHandle, RunHandle, RunHandle]:
+    """fit:a, then fit:b, then fit:a again."""
+    return (
+        add_run(store, tmp_path, "fit:a", 1),
+        add_run(store, tmp_path, "fit:b", 2),
+        add_run(store, tmp_path, "fit:a", 3),
+    )
+
+
 def test_latest_per_step_keeps_the_newest_run_of_each_step_in_creation_order(
-    store: RunStore, tmp_path: Path
+    store: RunStore, sweep: tuple[RunHandle, RunHandle, RunHandle]
 ) -> None:
-    old_a = add_run(store, tmp_path, "fit:a", 1)
-    b = add_run(store, tmp_path, "fit:b", 2)
-    new_a = add_run(store, tmp_path, "fit:a", 3)
+    old_a, b, new_a = sweep
     assert ids(latest_per_step([new_a, old_a, b])) == [b.run_id, new_a.run_id]
     assert old_a.run_id not in ids(latest_per_step(store.read_all()[0]))
 
 
 def test_a_step_name_means_its_latest_run_and_a_group_the_latest_of_each_member(
-    store: RunStore, tmp_path: Path
+    store: RunStore, sweep: tuple[RunHandle, RunHandle, RunHandle]
 ) -> None:
-    old_a = add_run(store, tmp_path, "fit:a", 1)
-    b = add_run(store, tmp_path, "fit:b", 2)
-    new_a = add_run(store, tmp_path, "fit:a", 3)
+    old_a, b, new_a = sweep
     step = select(store, "fit:a")
     assert (step.kind, step.name, ids(step.runs)) == ("step", "fit:a", [old_a.run_id, new_a.run_id])
     assert ids(step.latest()) == [new_a.run_id]
