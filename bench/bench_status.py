@@ -19,9 +19,10 @@ Timed, as subprocesses, interleaved, `--repeats` times each (medians):
 * `python -c pass` (the venv's interpreter): the floor of any Python CLI;
 * `substrax-compute --version`: start-up plus the CLI's imports;
 * `substrax-compute --project EMPTY status`: a project with no runs;
-* `substrax-compute --project DIR status` (a rich table; stdout is a pipe,
-  so no colours and rich's default width of 80 columns);
-* `substrax-compute --project DIR status --json`.
+* `substrax-compute --project DIR status`: the latest run of each step;
+* `substrax-compute --project DIR status --all` (every run; a table, stdout
+  is a pipe, so no colours and rich's default width of 80 columns);
+* `substrax-compute --project DIR status --all --json`.
 
 Goal: status with 1,000 runs < 0.5 s. Each run's output is checked (exit 0,
 every run listed, nothing unreadable). The project is removed at the end.
@@ -226,12 +227,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"made {args.runs} runs with the store's API in {time.perf_counter() - started:.1f} s; "
               f"{args.repeats} timed runs of each command, interleaved")
         cli = cli_argv()
+        status = [*cli, "--project", str(full)]
         cases = [
             Case("python -c pass", [sys.executable, "-c", "pass"]),
             Case("substrax-compute --version", [*cli, "--version"]),
             Case("status, 0 runs", [*cli, "--project", str(empty), "status"]),
-            Case(f"status, {args.runs} runs", [*cli, "--project", str(full), "status"], args.runs),
-            Case(f"status --json, {args.runs} runs", [*cli, "--project", str(full), "status", "--json"],
+            Case(f"status (latest of each), {args.runs} runs", [*status, "status"], min(STEPS, args.runs)),
+            Case(f"status --all, {args.runs} runs", [*status, "status", "--all"], args.runs),
+            Case(f"status --all --json, {args.runs} runs", [*status, "status", "--all", "--json"],
                  args.runs, json_output=True),
         ]
         for case in cases:  # warm the page cache and the .pyc files

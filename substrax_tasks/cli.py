@@ -8,23 +8,24 @@ current pyproject.toml.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from substrax_tasks import __version__
+from substrax_tasks._status_view import print_status_table, run_record
 from substrax_tasks.backends.base import RunStatus
-from substrax_tasks.config import read_pyproject_table
+from substrax_tasks.config import find_project, read_pyproject_table
 from substrax_tasks.errors import BackendError, ConfigError, HandleError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.runs import Project
+from substrax_tasks.selection import latest_per_step, select, shortened
 from substrax_tasks.settings import ComputeConfig
 from substrax_tasks.store import RunStore, Unreadable
 
@@ -32,6 +33,13 @@ if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only
     from exceptiongroup import ExceptionGroup
 
 EPILOG = "Exit codes: 0 ok, 1 failure, 2 usage error."
+WORD_HELP = (
+    "RUN is, first match wins: a run id, a step (its latest run), a group (the latest run of each "
+    "of its steps GROUP:MEMBER), or a unique prefix of a run id."
+)
+# Cancels of a group's runs at once: each mostly waits (for a grace period,
+# a host), so a sweep stops in about the time of one cancel.
+CANCEL_THREADS = 8
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,26 +50,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument(
-        "--project", default=".", metavar="DIR", help="the project folder (default: the current folder)"
+        "--project",
+        metavar="DIR",
+        help="the project folder (default: the nearest folder, the current one or above it, "
+        "holding a dodo.py or a pyproject.toml with a [tool.substrax] table)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     status = commands.add_parser(
         "status",
-        help="list runs and their states",
-        description="List runs (or one run) and their states. "
-        "Records that cannot be read are named with the reason, and the exit code is then 1.",
+        help="list the latest run of each step and its state",
+        description="List the latest run of each step and its state (--all: every run). "
+        f"{WORD_HELP} Records that cannot be read are named with the reason (when no RUN or "
+        "--step filters), and the exit code is then 1.",
     )
-    status.add_argument("run", nargs="?", help="a run id (or a unique prefix of one)")
+    status.add_argument("run", nargs="?", metavar="RUN", help="a run id, step, group or run-id prefix")
+    status.add_argument("--step", metavar="NAME", help="only the runs of this step, or of this group's steps")
+    status.add_argument("--all", action="store_true", help="every run, not only the latest of each step")
     status.add_argument("--json", action="store_true", help='print {"runs": [...], "unreadable": [...]}')
-    status.set_defaults(func=cmd_status)
+    status.set_defaults(func=cmd_status, parser=status)
 
     logs = commands.add_parser(
         "logs",
         help="print a run's log",
-        description="Print a run's log (stdout and stderr of its command, and the worker's notes).",
+        description="Print a run's log (stdout and stderr of its command, and the worker's notes). "
+        f"{WORD_HELP} For a group, the log of each member's latest run under a header "
+        "(==> STEP (RUN) <==); --follow needs one run.",
     )
-    logs.add_argument("run", help="a run id (or a unique prefix of one)")
+    logs.add_argument("run", metavar="RUN", help="a run id, step, group or run-id prefix")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")
     logs.set_defaults(func=cmd_logs)
 
@@ -69,9 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
         "cancel",
         help="stop a run and its whole process tree",
         description="Stop a run: its whole process tree is terminated (SIGTERM, a grace period, "
-        "SIGKILL). A run that has already finished is left alone.",
+        f"SIGKILL). A run that has already finished is left alone. {WORD_HELP} For a group, the "
+        "latest run of every member is cancelled, all at once; failures are reported together.",
     )
-    cancel.add_argument("run", help="a run id (or a unique prefix of one)")
+    cancel.add_argument("run", metavar="RUN", help="a run id, step, group or run-id prefix")
     cancel.set_defaults(func=cmd_cancel)
 
     fetch = commands.add_parser(
@@ -115,12 +132,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
-    if args.run:
-        handles, unreadable = [project.store.read(args.run)], list[Unreadable]()
+    if args.run and args.step:
+        args.parser.error("give RUN or --step NAME, not both")
+    every, unreadable = project.store.read_all()
+    latest = {h.run_id for h in latest_per_step(every)}
+    if args.run or args.step:
+        word = args.step or args.run
+        selected = select(project.store, word, steps_only=bool(args.step), handles=lambda: every)
+        # A filtered listing is about those runs only, as `status RUN` always was.
+        handles, unreadable = list(selected.runs), []
+        named_a_run = selected.kind == "run"
     else:
-        handles, unreadable = project.store.read_all()
+        handles, named_a_run = every, False
+    shown = handles if args.all or named_a_run else [h for h in handles if h.run_id in latest]
     rows: list[tuple[RunHandle, RunStatus]] = []
-    for handle in handles:
+    for handle in shown:
         try:
             rows.append((handle, project.backend_for(handle).status(handle)))
         except HandleError as exc:  # settings this release cannot use
@@ -128,68 +154,94 @@ def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Co
         except BackendError as exc:  # e.g. its host is unreachable now
             rows.append((handle, RunStatus("unknown", message=str(exc))))
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "runs": [run_record(h, s) for h, s in rows],
-                    "unreadable": [{"path": str(u.path), "reason": u.reason} for u in unreadable],
-                },
-                indent=1,
-            )
-        )
-    elif not out.is_terminal or len(rows) > RICH_TABLE_MAX_ROWS:
-        # Plain columns: what a pipe wants, and 50x faster than rich for a
-        # store of a thousand runs.
-        cells = [
-            [h.run_id, h.step, h.backend, s.state, short_time(s.started_at), duration(s)] for h, s in rows
-        ]
-        print(plain_table(list(STATUS_COLUMNS), cells) if rows else "no runs yet")
-        for record in unreadable:
-            print(f"unreadable {record.path}: {record.reason}", file=sys.stderr)
-    else:
-        table = Table(title=None if rows else "no runs yet", show_edge=False)
-        for column in STATUS_COLUMNS:
-            # A narrow terminal folds a run id rather than cut it: it is what one copies.
-            table.add_column(
-                column,
-                no_wrap=column in ("backend", "state", "duration"),
-                overflow="fold" if column == "run" else "ellipsis",
-            )
-        for handle, status in rows:
-            table.add_row(
-                handle.run_id,
-                handle.step,
-                handle.backend,
-                status.state,
-                short_time(status.started_at),
-                duration(status),
-            )
-        out.print(table)
-        for record in unreadable:
-            message = f"[bold red]unreadable[/] {escape(str(record.path))}: {escape(record.reason)}"
-            err.print(message, highlight=False)
+        runs = [run_record(h, s, latest=h.run_id in latest) for h, s in rows]
+        failed = [{"path": str(u.path), "reason": u.reason} for u in unreadable]
+        print(json.dumps({"runs": runs, "unreadable": failed}, indent=1))
+        return 1 if unreadable else 0
+    print_status_table(rows, out)
+    for record in unreadable:
+        message = f"[bold red]unreadable[/] {escape(str(record.path))}: {escape(record.reason)}"
+        err.print(message, highlight=False)
+    if len(shown) < len(handles):
+        hidden = len(handles) - len(shown)
+        err.print(f"({hidden} older run(s) not shown; --all lists every run)", highlight=False)
     return 1 if unreadable else 0
 
 
 def cmd_logs(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
-    handle = project.store.read(args.run)
-    status = project.backend_for(handle).stream_log(handle, sys.stdout.buffer, follow=args.follow)
-    if args.follow and status.state != "succeeded":
-        err.print(f"run {handle.run_id} ended: {status.state}", highlight=False)
+    selected = select(project.store, args.run)
+    if selected.kind != "group":
+        handle = selected.latest()[0]
+        status = project.backend_for(handle).stream_log(handle, sys.stdout.buffer, follow=args.follow)
+        if args.follow and status.state != "succeeded":
+            err.print(f"run {handle.run_id} ended: {status.state}", highlight=False)
+        return 0
+    members = selected.latest()
+    if args.follow:
+        raise SubstraxError(
+            f"{selected.name} is a group of {len(members)} steps ({shortened(selected.steps)}); "
+            f"--follow follows one run: substrax-compute logs --follow {members[0].step}"
+        )
+    # One after the other, each under a header as `tail` prints several
+    # files: a member whose log cannot be read does not hide the others.
+    failures: list[Exception] = []
+    for number, handle in enumerate(members):
+        header = f"==> {handle.step} ({handle.run_id}) <==\n"
+        sys.stdout.write(header if number == 0 else "\n" + header)
+        sys.stdout.flush()  # the header before the log's bytes, written below it
+        try:
+            project.backend_for(handle).stream_log(handle, sys.stdout.buffer, follow=False)
+        except SubstraxError as exc:
+            failures.append(member_failure(handle, exc))
+        sys.stdout.buffer.flush()
+    if failures:
+        message = f"{len(failures)} of {len(members)} logs of {selected.name} could not be read"
+        raise ExceptionGroup(message, failures)
     return 0
 
 
 def cmd_cancel(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
-    handle = project.store.read(args.run)
-    backend = project.backend_for(handle)
-    if not backend.cancel(handle):
-        state = backend.status(project.store.read(handle.run_id)).state
-        out.print(f"run {handle.run_id} had already finished ({state}); nothing to cancel", highlight=False)
-        return 0
-    # The handle as cancel left it: it recorded how the run ended.
-    ended = backend.status(project.store.read(handle.run_id))
-    out.print(f"run {handle.run_id}: {ended.state}", highlight=False)
+    selected = select(project.store, args.run)
+    runs = selected.latest()
+    if selected.kind == "group":
+        note = f"{selected.name}: cancelling the latest run of each of its {len(runs)} steps"
+        out.print(escape(note), highlight=False)
+    if len(runs) == 1:  # in this thread, as always: Ctrl-C reaches it
+        outcomes = [cancel_one(project, runs[0])]
+    else:  # every run is attempted, whatever happens to the others
+        with ThreadPoolExecutor(max_workers=min(CANCEL_THREADS, len(runs))) as pool:
+            outcomes = list(pool.map(lambda handle: cancel_one(project, handle), runs))
+    for line in (o for o in outcomes if isinstance(o, str)):
+        out.print(line, highlight=False)
+    failures = [(h, o) for h, o in zip(runs, outcomes, strict=True) if isinstance(o, Exception)]
+    if len(runs) == 1 and failures:
+        raise failures[0][1]  # as a cancel of one run always reported it
+    if failures:
+        message = f"{len(failures)} of {len(runs)} runs of {selected.name} were not cancelled"
+        raise ExceptionGroup(message, [member_failure(h, exc) for h, exc in failures])
     return 0
+
+
+def cancel_one(project: Project, handle: RunHandle) -> str | Exception:
+    """Cancel one run: what to print, or why it failed."""
+    try:
+        backend = project.backend_for(handle)
+        if not backend.cancel(handle):
+            state = backend.status(project.store.read(handle.run_id)).state
+            return f"run {handle.run_id} had already finished ({state}); nothing to cancel"
+        # The handle as cancel left it: it recorded how the run ended.
+        ended = backend.status(project.store.read(handle.run_id))
+        return f"run {handle.run_id}: {ended.state}"
+    except (SubstraxError, ExceptionGroup, OSError) as exc:
+        return exc
+
+
+def member_failure(handle: RunHandle, exc: Exception) -> SubstraxError:
+    """One run's failure, among a group's, as one line naming its step."""
+    text = str(exc)
+    if isinstance(exc, ExceptionGroup):  # a skypilot cancel's several failures
+        text = f"{exc.message}: " + "; ".join(str(e) for e in exc.exceptions)
+    return SubstraxError(f"{handle.step} ({handle.run_id}): {text}")
 
 
 def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -266,67 +318,16 @@ def cmd_why(project: Project, args: argparse.Namespace, out: Console, err: Conso
 
 # ------------------------------------------------------------------ helpers
 
-STATUS_COLUMNS = ("run", "step", "backend", "state", "started", "duration")
-RICH_TABLE_MAX_ROWS = 200
-
-
-def plain_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)]
-    lines = [
-        "  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in [headers, *rows]
-    ]
-    return "\n".join(lines)
-
-
-def run_record(handle: RunHandle, status: RunStatus) -> dict[str, Any]:
-    return {
-        "run_id": handle.run_id,
-        "step": handle.step,
-        "backend": handle.backend,
-        "state": status.state,
-        "created_at": handle.created_at,
-        "started_at": status.started_at,
-        "ended_at": status.ended_at,
-        "exit_code": status.exit_code,
-        "message": status.message,
-    }
-
-
-def parse_time(value: str | None) -> datetime.datetime | None:
-    if not value:
-        return None
+def open_project(path: str | None) -> tuple[Project, ConfigError | None]:
+    """The project (`path`, or found upward from the current folder); when
+    its configuration is invalid, a project whose store is still found
+    (through `state_dir`) and the error. Every command acts on runs through
+    their handles' pinned settings, so a pyproject.toml edited since must
+    not stop a cancel. Unreadable TOML stays an error."""
+    root = Path(path).resolve() if path is not None else find_project(Path.cwd())
     try:
-        return datetime.datetime.fromisoformat(value)
-    except ValueError:
-        return None
-
-
-def short_time(value: str | None) -> str:
-    moment = parse_time(value)
-    return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S") if moment else "-"
-
-
-def duration(status: RunStatus) -> str:
-    start = parse_time(status.started_at)
-    if start is None:
-        return "-"
-    end = parse_time(status.ended_at) or datetime.datetime.now(datetime.timezone.utc)
-    seconds = max(0, int((end - start).total_seconds()))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
-def open_project(path: str) -> tuple[Project, ConfigError | None]:
-    """The project; when its configuration is invalid, a project whose store
-    is still found (through `state_dir`) and the error. Every command acts
-    on runs through their handles' pinned settings, so a pyproject.toml
-    edited since must not stop a cancel. Unreadable TOML stays an error."""
-    try:
-        return Project.open(path), None
+        return Project.open(root), None
     except ConfigError as exc:
-        root = Path(path).resolve()
         state_dir = read_pyproject_table(root).get("state_dir", ComputeConfig().state_dir)
         if not isinstance(state_dir, str):
             raise

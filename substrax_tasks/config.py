@@ -38,8 +38,8 @@ CONFIG_ENV = "SUBSTRAX_CONFIG"
 ENV_LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")
 
 
-def read_table(path: Path) -> dict[str, Any]:
-    """`[tool.substrax.compute]` of one TOML file ({} when absent)."""
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file's contents ({} when absent)."""
     # here, not at the top: a no-op doit reads the cache below, not TOML
     if sys.version_info >= (3, 11):
         import tomllib
@@ -49,10 +49,15 @@ def read_table(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML ({exc}); fix the file and run again") from None
-    table: Any = data
+    return data
+
+
+def read_table(path: Path) -> dict[str, Any]:
+    """`[tool.substrax.compute]` of one TOML file ({} when absent)."""
+    table: Any = read_toml(path)
     for part in TABLE.split("."):
         table = table.get(part, {}) if isinstance(table, dict) else {}
     if not isinstance(table, dict):
@@ -81,6 +86,28 @@ def read_pyproject_table(project: Path) -> dict[str, Any]:
             raise ConfigError(f"{CONFIG_ENV}={overlay}: no such file; point it at a TOML file or unset it")
         table = merged(table, read_table(extra))
     return table
+
+
+def find_project(start: Path) -> Path:
+    """The project `start` is in: the nearest folder, `start` or above it,
+    that holds a dodo.py or a pyproject.toml with a [tool.substrax] table;
+    `start` itself when none does, up to the filesystem root. As git finds
+    its repository from a subfolder (doit itself looks only in the current
+    folder). A pyproject.toml without that table is passed over: a package
+    inside the project may have one of its own."""
+    start = start.resolve()
+    for folder in (start, *start.parents):
+        if (folder / "dodo.py").is_file():
+            return folder
+        pyproject = folder / "pyproject.toml"
+        if pyproject.is_file():
+            try:
+                tool = read_toml(pyproject).get("tool")
+            except ConfigError as exc:
+                raise ConfigError(f"{exc}, or name the project with --project DIR") from None
+            if isinstance(tool, dict) and "substrax" in tool:
+                return folder
+    return start
 
 
 def load_config(project: Path) -> ComputeConfig:

@@ -19,5 +19,9 @@ class HandleError(SubstraxError):
     """A run's handle cannot be read or used."""
 
 
+class NoSuchRun(HandleError):
+    """No run has this id, nor an id that starts with it."""
+
+
 class BackendError(SubstraxError):
     """The backend could not do what was asked (start, reach, cancel a run)."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks.errors import HandleError
+from substrax_tasks.errors import HandleError, NoSuchRun
 from substrax_tasks.spec import StepSpec, canonical_digest, safe_name
 
 if TYPE_CHECKING:
@@ -119,17 +119,21 @@ class RunStore:
     def read(self, run_ref: str) -> RunHandle:
         return _read(self.handle_path(self.resolve(run_ref)))
 
+    def exists(self, run_id: str) -> bool:
+        """There is a run with exactly this id."""
+        return _id_shaped(run_id) and self.run_dir(run_id).is_dir()
+
     def resolve(self, run_ref: str) -> str:
         """A run id from the id itself or a unique prefix of it."""
-        if "/" in run_ref or run_ref in ("", ".", ".."):
-            raise HandleError(f"{run_ref!r} is not a run id; see `substrax-compute status`")
+        if not _id_shaped(run_ref):
+            raise NoSuchRun(f"{run_ref!r} is not a run id; see `substrax-compute status`")
         if self.run_dir(run_ref).is_dir():
             return run_ref
         matches = sorted(p.name for p in self._run_dirs() if p.name.startswith(run_ref))
         if len(matches) == 1:
             return matches[0]
         if not matches:
-            raise HandleError(
+            raise NoSuchRun(
                 f"no run {run_ref!r} in {self.runs_dir}; `substrax-compute status` lists the runs"
             )
         raise HandleError(f"{run_ref!r} matches several runs ({', '.join(matches)}); give more of the id")
@@ -155,6 +159,11 @@ class RunStore:
         handles.sort(key=lambda h: (h.created_at, h.run_id))
         unreadable.sort(key=lambda u: str(u.path))
         return handles, unreadable
+
+
+def _id_shaped(run_ref: str) -> bool:
+    """Could name a folder under runs/ (and nothing outside it)."""
+    return "/" not in run_ref and run_ref not in ("", ".", "..")
 
 
 def _read(path: Path) -> RunHandle:

@@ -214,7 +214,8 @@ def status_records(root: Path) -> list[dict[str, Any]]:
 
 
 def compute_status(root: Path) -> list[dict[str, Any]]:
-    done = compute(root, "status", "--json")
+    """Every run of the project, oldest first (`status --all --json`)."""
+    done = compute(root, "status", "--all", "--json")
     assert done.returncode == 0, show(done)
     runs: list[dict[str, Any]] = json.loads(done.stdout)["runs"]
     return runs

@@ -38,6 +38,8 @@ SUBCOMMANDS = ("status", "logs", "cancel", "fetch", "teardown")
         ["fetch"],
         ["status", "--bogus"],
         ["status", "a", "b"],
+        ["status", "--step"],
+        ["status", "a", "--step", "b"],
     ],
     ids=lambda args: " ".join(args) or "no-command",
 )
@@ -58,7 +60,10 @@ def test_help_documents_every_subcommand() -> None:
         sub = cli(None, name, "--help")
         assert sub.returncode == 0
         assert f"usage: substrax-compute {name}" in sub.stdout
-    assert "--json" in cli(None, "status", "--help").stdout
+    status_help = cli(None, "status", "--help").stdout
+    for option in ("--json", "--all", "--step"):
+        assert option in status_help
+    assert "first match wins" in status_help  # what RUN may be, and in which order
     assert "--follow" in cli(None, "logs", "--help").stdout
 
 
@@ -94,7 +99,8 @@ def test_status_of_one_run_and_of_an_unknown_run(project: Project) -> None:
     assert first.run_id in table.stdout and second.run_id in table.stdout
     unknown = cli(project.root, "status", "no-such-run")
     assert unknown.returncode == 1
-    assert "no run 'no-such-run'" in unknown.stderr
+    assert "no run, step or group named 'no-such-run'" in unknown.stderr
+    assert "steps with runs: first, second" in unknown.stderr  # what there is to name
     assert "Traceback" not in unknown.stderr
 
 
