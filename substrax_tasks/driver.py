@@ -30,7 +30,7 @@ from substrax_tasks import manifest_cache, uptodate
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import TextSink, emit
 from substrax_tasks._signals import check_interrupted, map_termination_signals, started_holding_signals
-from substrax_tasks.errors import BackendError, HandleError, SubstraxError
+from substrax_tasks.errors import BackendError, HandleError, HostRefused, SubstraxError
 from substrax_tasks.spec import check_inputs_exist, check_outputs_inside
 from substrax_tasks.uptodate import DOIT_VALUE, Step
 
@@ -251,6 +251,12 @@ class StepDriver:
                 handle = self._save(handle, phase="started")
             with backend.ready_for_fetch(handle):  # the fetch's connection is kept up meanwhile
                 status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)
+        except HostRefused as exc:  # as a refused manifest: the run failed, its machine goes
+            self._save(handle, verdict={"state": "failed", "message": str(exc)})
+            with contextlib.suppress(BackendError):  # else its lifetime timer ends it
+                if not backend.poll(handle).final:
+                    backend.cancel(handle)
+            return TaskFailed(f"step {self.spec.step!r}: run {handle.run_id}: {exc}")
         except KeyboardInterrupt:
             self._set(RunState.INTERRUPTED)
             self._on_interrupt(backend, handle)

@@ -25,3 +25,9 @@ class NoSuchRun(HandleError):
 
 class BackendError(SubstraxError):
     """The backend could not do what was asked (start, reach, cancel a run)."""
+
+
+class HostRefused(SubstraxError):
+    """What a host sent is refused (a run log that is no regular file): the
+    run is recorded as failed and nothing it sent is used. Not a
+    BackendError: no retry or "host unreachable" path may swallow it."""

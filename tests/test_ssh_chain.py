@@ -565,3 +565,41 @@ def test_ctrl_c_under_four_threads_detaches_every_run_and_the_rerun_reattaches(
     assert run_count(root) == 4
     wait_for(lambda: not marked_pids(marker), "the runs to end on the host")
     assert took < 30  # bounded by the wait above; it detaches within seconds
+
+
+LOG_SWAPPED = """
+def task_step():
+    yield from remote_step(
+        "step", outputs=["out.txt"],
+        command=["/bin/sh", "-c", "echo started; while :; do sleep 0.05; done", {marker!r}],
+    )
+"""
+
+
+def test_a_run_whose_log_a_host_swaps_for_a_device_fails_with_a_message_and_goes(
+    tmp_path: Path, host: SshHost, marker: str
+) -> None:
+    """A hostile host links the log to /dev/zero mid-run: the client reads
+    none of it, the run fails naming the log, and nothing of it is left."""
+    root = make_ssh_project(tmp_path, host, LOG_SWAPPED.format(marker=marker), ["step"], sandbox="none")
+    proc = popen_doit(root)
+    try:
+
+        def logging() -> bool:
+            runs = [h for h in live_handles(root) if "remote_run_dir" in h["state"]]
+            log = remote_run_dir(runs[0]) / "run.log" if runs else None
+            return log is not None and log.exists() and "started" in log.read_text()
+
+        wait_for(logging, "the run to log")
+        log = remote_run_dir(only_handle(root)) / "run.log"
+        log.unlink()
+        log.symlink_to("/dev/zero")
+        code = proc.wait(timeout=60)
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    assert code == 1, said
+    assert f"{log} on {host.address} is not a regular file" in said, said
+    assert [r["state"] for r in compute_status(root)] == ["failed"]
+    wait_for(lambda: not marked_pids(marker), "the run's processes to be gone")
+    assert not remote_run_dir(only_handle(root)).exists()

@@ -27,7 +27,7 @@ from substrax_tasks.backends import _remote_run, base
 from substrax_tasks.backends._remote_run import RemoteRun
 from substrax_tasks.backends.base import Fetched
 from substrax_tasks.backends.ssh import SshBackend
-from substrax_tasks.errors import BackendError
+from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.manifest_cache import ManifestError
 from substrax_tasks.runs import Project
@@ -285,14 +285,18 @@ def test_an_endless_manifest_is_refused_with_the_clients_memory_bounded(
     assert peak < 400 << 20, f"peak {peak >> 20} MiB"  # holding the answer whole would take over 1 GiB
 
 
-def test_a_log_that_is_not_a_regular_file_is_not_read(tmp_path: Path, host: SshHost) -> None:
+def test_a_log_that_is_not_a_regular_file_is_refused_unread(tmp_path: Path, host: SshHost) -> None:
     backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
     log = remote_run_dir(handle.model_dump(mode="json")) / "run.log"
     log.unlink()
     log.symlink_to("/dev/zero")
     out = io.BytesIO()
-    assert backend.stream_log(handle, out, follow=True).state == "succeeded"
-    assert out.getvalue() == f"[substrax: {log} is not a regular file: not read]\n".encode()
+    with pytest.raises(HostRefused, match="is not a regular file"):
+        backend.stream_log(handle, out, follow=True)
+    assert out.getvalue() == b""
+    kept = tmp_path / "kept.log"  # teardown keeps the reason, not the device's bytes
+    backend.remote_run(handle).keep_log(kept)
+    assert f"{log} on {host.address} is not a regular file" in kept.read_text()
 
 
 def test_a_log_past_the_cap_is_cut_with_a_note_shown_and_kept(

@@ -26,7 +26,7 @@ from substrax_tasks._openssh import RemoteResult
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
 from substrax_tasks.backends.base import MAX_LOG_BYTES, Fetched, log_cut_note
 from substrax_tasks.config import ENV_LOCK_FILES
-from substrax_tasks.errors import BackendError
+from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.transports.base import checked_manifest
 from substrax_tasks.transports.rsync import RsyncTransport
@@ -155,14 +155,22 @@ class RemoteRun:
     def read_log(self, offset: int) -> bytes:
         """The run's log there from `offset` (b"" when there is none)."""
         # Only a regular file: a log replaced by a link or a device
-        # (/dev/zero) would be read without end.
+        # (/dev/zero) would be read without end. The worker writes a
+        # regular file, so anything else was put there behind its back.
         tail = (
-            'if [ -L "$2" ] || { [ -e "$2" ] && [ ! -f "$2" ]; }; then [ "$1" = 1 ] && '
-            'echo "[substrax: $2 is not a regular file: not read]"; exit 0; fi; '
+            'if [ -L "$2" ] || { [ -e "$2" ] && [ ! -f "$2" ]; }; then exit 3; fi; '
             'tail -c +"$1" "$2" 2>/dev/null | head -c "$3"'
         )
-        argv = ["sh", "-c", tail, "sh", str(offset + 1), f"{self.run_dir}/run.log", str(LOG_CHUNK)]
-        return self.check(argv, "reading the log").stdout
+        log = f"{self.run_dir}/run.log"
+        result = self.remote.run(["sh", "-c", tail, "sh", str(offset + 1), log, str(LOG_CHUNK)])
+        if result.returncode == 3:
+            raise HostRefused(
+                f"the run's log {log} on {self.remote.host} is not a regular file (a link or a "
+                "device, not what the worker writes): refused unread, and the run with it"
+            )
+        if result.returncode != 0:
+            raise self.failure("reading the log", result)
+        return result.stdout
 
     def keep_log(self, kept: Path) -> None:
         """Copy the log here before the run's folder goes: teardown keeps
@@ -170,9 +178,12 @@ class RemoteRun:
         partial = kept.with_name(kept.name + ".partial")
         offset = 0
         with partial.open("wb") as f:
-            while chunk := self.read_log(offset)[: MAX_LOG_BYTES - offset]:
-                f.write(chunk)
-                offset += len(chunk)
+            try:
+                while chunk := self.read_log(offset)[: MAX_LOG_BYTES - offset]:
+                    f.write(chunk)
+                    offset += len(chunk)
+            except HostRefused as exc:  # the run is going: keep what says why
+                f.write(f"[substrax: {exc}]\n".encode())
             if offset >= MAX_LOG_BYTES:
                 f.write(log_cut_note(f"the rest was not kept from {self.remote.host}"))
         partial.replace(kept)
