@@ -117,51 +117,36 @@ def _literal(value: object) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _items(step: str, name: str, value: object, *, of: str, lone: tuple[type, ...],
+           item_types: tuple[type, ...], example: str, each: str) -> list[Any]:
+    """`value`, a list argument, as a list; a lone item (which iterating
+    would take letter by letter) or another type is a SpecError that shows
+    how to write it."""
+    if isinstance(value, lone):
+        fix = _literal(os.fspath(value) if isinstance(value, os.PathLike) else value)
+    elif isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
+        fix = example
+    else:
+        items = list(value)
+        for item in items:
+            if not isinstance(item, item_types):
+                raise SpecError(
+                    f"step {step!r}: {name} must be a list of {of}, but it holds {shown(item)}: {each}"
+                )
+        return items
+    raise SpecError(f"step {step!r}: {name} must be a list of {of}, got {shown(value)}: write {name}=[{fix}]")
+
+
 def path_list(step: str, name: str, value: object) -> list[str | os.PathLike[str]]:
-    """`value`, an argument that holds paths, as a list; a lone path or any
-    other type is a SpecError that shows how to write it (iterating a lone
-    string would declare each of its characters)."""
-    if isinstance(value, (str, os.PathLike)):
-        raise SpecError(
-            f"step {step!r}: {name} must be a list of paths, got {shown(value)}: "
-            f"write {name}=[{_literal(os.fspath(value))}]"
-        )
-    if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
-        raise SpecError(
-            f"step {step!r}: {name} must be a list of paths, got {shown(value)}: "
-            f'write {name}=["data/in.csv", "models/"] (a trailing "/" names a folder)'
-        )
-    items = list(value)
-    for item in items:
-        if not isinstance(item, (str, os.PathLike)):
-            raise SpecError(
-                f"step {step!r}: {name} must be a list of paths, but it holds {shown(item)}: "
-                "give each path as a str or a pathlib.Path"
-            )
-    return items
+    """`value`, an argument that holds paths (inputs, outputs, file_dep)."""
+    return _items(step, name, value, of="paths", lone=(str, os.PathLike), item_types=(str, os.PathLike),
+                  example='"data/in.csv", "models/"', each="give each path as a str or a pathlib.Path")
 
 
 def name_list(step: str, name: str, value: object, example: str) -> list[str]:
-    """`value`, an argument that holds names (secrets, task_dep), as a list,
-    or a SpecError that shows how to write it."""
-    if isinstance(value, str):
-        raise SpecError(
-            f"step {step!r}: {name} must be a list of names, got {shown(value)}: "
-            f"write {name}=[{_literal(value)}]"
-        )
-    if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
-        raise SpecError(
-            f"step {step!r}: {name} must be a list of names, got {shown(value)}: "
-            f"write {name}=[{_literal(example)}]"
-        )
-    items = list(value)
-    for item in items:
-        if not isinstance(item, str):
-            raise SpecError(
-                f"step {step!r}: {name} must be a list of names, but it holds {shown(item)}: "
-                "give each name as a string"
-            )
-    return items
+    """`value`, an argument that holds names (secrets, task_dep)."""
+    return _items(step, name, value, of="names", lone=(str,), item_types=(str,),
+                  example=_literal(example), each="give each name as a string")
 
 
 def _argv_of(step: str, command: object) -> list[object]:
