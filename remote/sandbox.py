@@ -8,6 +8,7 @@ without running bubblewrap.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -27,6 +28,17 @@ SOCKET_DIRS = ["/run", "/var/run"]
 PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ", "TERM", "USER", "LOGNAME",
               "SHELL", "HOME", "TMPDIR")
 PASSED_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "OMP_", "MKL_")
+# The GPU device nodes a task needs, named as the drivers make them in /dev:
+# NVIDIA's per-GPU and control nodes (CUDA opens nvidiactl, nvidiaN and
+# nvidia-uvm; nvidia-smi and MIG use the others), AMD's kfd (ROCm compute);
+# and every node in the folders of NVIDIA's MIG capabilities and of DRM
+# (dri/card*, dri/renderD*). `--dev /dev` shows none of them.
+GPU_NODES = re.compile(r"nvidia[0-9]+|nvidiactl|nvidia-uvm|nvidia-uvm-tools|nvidia-modeset|kfd")
+GPU_NODE_DIRS = ("nvidia-caps", "dri")
+# What the NVIDIA driver tells its tools (nvidia-smi reads gpus/*/information);
+# the fresh /proc shows it too, bound read-only here because some of its
+# files (suspend) are root-writable and a root task keeps uid 0.
+NVIDIA_PROC = "/proc/driver/nvidia"
 
 
 def plain_settings(environ: Mapping[str, str]) -> dict[str, str]:
@@ -76,6 +88,41 @@ def host_sockets() -> list[str]:
     return found
 
 
+def gpu_devices(dev: str = "/dev") -> list[str]:
+    """The GPU device nodes under `dev`, relative to it, sorted. Only
+    character devices count: the links in dri/by-path are not nodes."""
+    try:
+        names = os.listdir(dev)
+    except OSError:
+        return []
+    found = [name for name in names if GPU_NODES.fullmatch(name)]
+    for folder in GPU_NODE_DIRS:
+        try:
+            found += [folder + "/" + name for name in os.listdir(os.path.join(dev, folder))]
+        except OSError:  # no such folder: no such GPU
+            continue
+    nodes = []
+    for rel in sorted(found):
+        try:
+            if stat.S_ISCHR(os.lstat(os.path.join(dev, rel)).st_mode):
+                nodes.append(rel)
+        except OSError:  # gone since the listing
+            continue
+    return nodes
+
+
+def gpu_argv(dev: str = "/dev", driver_info: str = NVIDIA_PROC) -> list[str]:
+    """bubblewrap options showing the GPUs of this machine (none without):
+    each node bound with device access (a plain bind is nodev, where opening
+    a device fails with EACCES), and the NVIDIA driver's /proc folder."""
+    argv = []
+    for rel in gpu_devices(dev):
+        argv += ["--dev-bind", os.path.join(dev, rel), "/dev/" + rel]
+    if os.path.isdir(driver_info):
+        argv += ["--ro-bind", driver_info, driver_info]
+    return argv
+
+
 def shown_from_host(path: str, argv: list[str]) -> bool:
     """Whether the host's `path` shows through the mounts of argv: the
     deepest one above it binds that same host folder (not a tmpfs or staging)."""
@@ -89,12 +136,13 @@ def shown_from_host(path: str, argv: list[str]) -> bool:
     return same
 
 
-def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str) -> list[str]:
+def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev") -> list[str]:
     """The bubblewrap prefix: system and project read-only, /tmp replaced by
     an empty private tmpfs, home (the "hide" folders) by an empty read-only
     one, each output folder bound from the run's staging folder so that the
-    task writes its outputs at their usual paths. Under network_isolation
-    the host's Unix sockets are hidden too."""
+    task writes its outputs at their usual paths, and the GPU nodes under
+    `dev` bound into the minimal /dev. Under network_isolation the host's
+    Unix sockets are hidden too."""
     project = job["project"]
     isolated = bool(job.get("network_isolation"))
     argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
@@ -127,6 +175,9 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str) -> list[str]:
             if entry_rel not in declared:
                 real = os.path.join(inside, entry)
                 argv += ["--ro-bind", real, real]
+    # After every mount above, so the tests' view of their order holds on
+    # a GPU machine too; /dev and /proc/driver are touched by nothing else.
+    argv += gpu_argv(dev)
     if isolated:
         # A socket the task would still see (in the project, /srv, /var/lib)
         # is covered by /dev/null: connecting to it fails.

@@ -151,6 +151,39 @@ def test_bad_declaration_is_refused(tmp_path: Path, kwargs: dict[str, object], n
     assert_refused(root, needle)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"command": ["true"], "outputs": "out/result.txt"},
+         "outputs must be a list of paths, got the string 'out/result.txt': "
+         'write outputs=["out/result.txt"]'),
+        ({"command": ["true"], "inputs": "work.py", "outputs": ["o"]},
+         '''inputs must be a list of paths, got the string 'work.py': write inputs=["work.py"]'''),
+        ({"command": ["true"], "outputs": ["o"], "timeout": "60"},
+         "timeout must be a number of seconds, got the string '60': write timeout=60"),
+        ({"command": "python3 train.py", "outputs": ["o"]}, 'write command=["python3", "train.py"]'),
+        ({"command": ["true"], "outputs": ["o"], "env": ["A=1"]}, 'write env={"A": "1"}'),
+        ({"command": ["true"], "outputs": ["o"], "secrets": "TOKEN"}, 'write secrets=["TOKEN"]'),
+        ({"command": ["true"], "outputs": ["o"], "retries": "2"}, "retries must be a whole number, got the "
+                                                                  "string '2': write retries=2"),
+        ({"command": ["true"], "outputs": ["o"], "task_dep": "prep"}, 'write task_dep=["prep"]'),
+        ({"command": ["true"], "outputs": ["o"], "file_dep": "cfg.yaml"}, 'write file_dep=["cfg.yaml"]'),
+        ({"command": ["true"], "outputs": ["o"], "uptodate": True}, "write uptodate=[True]"),
+        ({"command": ["true"], "outputs": ["o"], "backend": 1}, 'got the int 1: write backend="local"'),
+        ({"shell": ["echo", "x"], "outputs": ["o"]}, "shell must be one command line (a string), got a list"),
+    ],
+    ids=["outputs", "inputs", "timeout", "command", "env", "secrets", "retries", "task_dep", "file_dep",
+         "uptodate", "backend", "shell"],
+)
+def test_argument_of_the_wrong_type_is_refused_with_the_fix(
+    tmp_path: Path, kwargs: dict[str, object], message: str
+) -> None:
+    """Through the real doit: exit 1, one line naming the step, the type
+    expected and what to write; no traceback, nothing launched."""
+    root = make_project(tmp_path, one_step(**kwargs), ["step"])
+    assert_refused(root, "substrax: error: step 'step': ", message)
+
+
 # --------------------------------------------------------- failed runs
 
 

@@ -7,8 +7,10 @@ attempt; the test reads that from the log and checks the host's files too.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,50 @@ def test_bwrap_argv_binds_output_folders_from_staging(tmp_path: Path) -> None:
     assert str(tmp_path / "results" / "old.txt") in ro  # beside a file output: visible, read-only
     assert str(tmp_path / "results" / "metrics.json") not in ro  # an earlier version of an output
     assert not [d for d in ro if d.startswith(str(tmp_path / "out"))]  # a folder output starts empty
+
+
+def fake_dev(root: Path, nodes: Sequence[str]) -> Path:
+    """A folder standing for /dev, holding character devices at `nodes`
+    (making one needs root: the test is skipped otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("GPU DISCOVERY NOT UNIT-TESTED: making a device node needs root (CI runs as root)")
+    dev = root / "dev"
+    for rel in nodes:
+        (dev / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.mknod(dev / rel, stat.S_IFCHR | 0o666, os.makedev(195, 0))
+    return dev
+
+
+@pytest.mark.unit
+def test_gpu_devices_finds_nvidia_and_amd_nodes(tmp_path: Path) -> None:
+    gpus = ["nvidia0", "nvidia12", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset",
+            "nvidia-caps/nvidia-cap1", "kfd", "dri/card0", "dri/renderD128"]  # fmt: skip
+    dev = fake_dev(tmp_path, [*gpus, "null", "nvidia-foo", "nvidiactl2", "kfd0", "sda"])
+    (dev / "nvidia7").write_text("a file, not a node\n")
+    (dev / "dri" / "by-path").mkdir()
+    (dev / "dri" / "by-path" / "pci-0000:00:04.0-render").symlink_to("../renderD128")
+    (dev / "nvidia3").symlink_to("nvidia0")
+    assert sandbox.gpu_devices(str(dev)) == sorted(gpus)
+    assert sandbox.gpu_devices(str(tmp_path / "none")) == []
+
+
+@pytest.mark.unit
+def test_gpu_argv_binds_each_node_with_device_access(tmp_path: Path) -> None:
+    dev = fake_dev(tmp_path, ["nvidia0", "dri/renderD128"])
+    driver_info = tmp_path / "proc-driver-nvidia"
+    assert sandbox.gpu_argv(str(dev), str(driver_info)) == [
+        "--dev-bind", str(dev / "dri" / "renderD128"), "/dev/dri/renderD128",
+        "--dev-bind", str(dev / "nvidia0"), "/dev/nvidia0",
+    ]  # fmt: skip
+    driver_info.mkdir()
+    shown = sandbox.gpu_argv(str(dev), str(driver_info))
+    assert shown[-3:] == ["--ro-bind", str(driver_info), str(driver_info)]
+    # In the whole argv: after the minimal /dev it lands in, before the command.
+    argv = sandbox.bwrap_argv("bwrap", job_for(tmp_path, []), "/staging", dev=str(dev))
+    assert argv.index("--dev-bind") > argv.index("--dev")
+    assert pairs(argv, "--dev-bind") == [(str(dev / "dri" / "renderD128"), "/dev/dri/renderD128"),
+                                         (str(dev / "nvidia0"), "/dev/nvidia0")]  # fmt: skip
+    assert argv[-3:] == ["--chdir", str(tmp_path), "--"]
 
 
 @pytest.mark.unit
