@@ -242,3 +242,17 @@ def build_wheel(folder: Path, name: str, version: str, module_text: str) -> Path
             zf.writestr(path, data)
         zf.writestr(f"{info}/RECORD", record)
     return wheel
+
+
+# Four steps of one group whose commands wait for the file {gate} (then
+# write their output); {marker} names their processes. Filled in with
+# str.format, hence the doubled braces.
+GATED_SWEEP = """
+def task_fit():
+    for m in range(4):
+        yield from remote_step(
+            f"fit:m{{m}}", outputs=[f"fit-{{m}}.txt"],
+            command=["/bin/sh", "-c", "echo started; while [ ! -e {gate} ]; do sleep 0.05; done; "
+                     "echo " + str(m) + " > fit-" + str(m) + ".txt", {marker!r}],
+        )
+"""

@@ -41,6 +41,7 @@ from dodo_helpers import (
 from fakesky_cleanup import cleanup, fakesky_env, leftovers
 from s3_server import S3Server, running_s3_server
 from ssh_helpers import (
+    GATED_SWEEP,
     SANDBOX,
     live_handles,
     needs_root,
@@ -462,17 +463,6 @@ def test_a_sweep_of_eight_steps_under_four_threads_finishes_and_leaves_no_cluste
     again = doit_ok(sky.root, "-n", "4", "-P", "thread", env=sky.env)
     assert all(step_skipped(again, f"fit:m{m}") for m in range(8)), show(again)
     assert sky.requests() == asked
-
-
-GATED_SWEEP = """
-def task_fit():
-    for m in range(4):
-        yield from remote_step(
-            f"fit:m{{m}}", outputs=[f"fit-{{m}}.txt"],
-            command=["/bin/sh", "-c", "while [ ! -e {gate} ]; do sleep 0.05; done; "
-                     "echo " + str(m) + " > fit-" + str(m) + ".txt", {marker!r}],
-        )
-"""
 
 
 def test_ctrl_c_under_four_threads_detaches_every_run_and_the_rerun_reattaches(sky: Sky, marker: str) -> None:

@@ -37,6 +37,7 @@ from dodo_helpers import (
     wait_for,
 )
 from ssh_helpers import (
+    GATED_SWEEP,
     SANDBOX,
     build_wheel,
     fresh_user,
@@ -521,17 +522,6 @@ def test_a_sweep_of_eight_steps_under_four_threads_on_one_host_finishes(
     assert not [h["run_id"] for h in live_handles(root) if remote_run_dir(h).exists()]
     again = doit_ok(root, "-n", "4", "-P", "thread")
     assert all(step_skipped(again, f"fit:m{m}") for m in range(8)), show(again)
-
-
-GATED_SWEEP = """
-def task_fit():
-    for m in range(4):
-        yield from remote_step(
-            f"fit:m{{m}}", outputs=[f"fit-{{m}}.txt"],
-            command=["/bin/sh", "-c", "echo started; while [ ! -e {gate} ]; do sleep 0.05; done; "
-                     "echo " + str(m) + " > fit-" + str(m) + ".txt", {marker!r}],
-        )
-"""
 
 
 def test_ctrl_c_under_four_threads_detaches_every_run_and_the_rerun_reattaches(
