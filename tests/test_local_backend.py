@@ -110,6 +110,18 @@ def test_local_run_is_detached_from_the_client(project: Project, marker: str) ->
     assert project.backend_for(handle).cancel(handle)
 
 
+def test_pause_wakes_when_the_worker_exits(project: Project, marker: str) -> None:
+    """A wait on a local run wakes as its worker exits, not at a later poll:
+    pause() times out while the worker lives, and says the run may have
+    ended as soon as it has (here a minute would be a hang, not a wait)."""
+    handle = submit(project, ["sh", "-c", "while :; do sleep 1; done", marker])
+    backend = project.backend_for(handle)
+    assert backend.pause(handle, 0.01) is False
+    assert backend.cancel(handle)
+    assert backend.pause(handle, 60.0) is True
+    assert backend.wait(handle).state == "cancelled"
+
+
 # ------------------------------------------------------------------ stopping
 
 

@@ -183,6 +183,13 @@ class Backend(ABC):
             )
         return status
 
+    def pause(self, handle: RunHandle, seconds: float) -> bool:
+        """Wait up to `seconds` while the run is waited on. True when it
+        returned early because the run may have ended: the caller reads the
+        status now instead of at its next poll. Default: sleep."""
+        time.sleep(seconds)
+        return False
+
     @property
     def poll_seconds(self) -> float:
         """How often the run's status is read while it is waited on (the log
@@ -208,8 +215,7 @@ class Backend(ABC):
             if not follow or status.final:  # read after the status: the log is whole
                 return status
             check_interrupted()
-            time.sleep(LOG_POLL_SECONDS)
-            if time.monotonic() >= next_poll:
+            if self.pause(handle, LOG_POLL_SECONDS) or time.monotonic() >= next_poll:
                 status = self.poll(handle)
                 next_poll = time.monotonic() + self.poll_seconds
 
@@ -219,4 +225,4 @@ class Backend(ABC):
             if status.final:
                 return status
             check_interrupted()
-            time.sleep(poll_seconds or self.poll_seconds)
+            self.pause(handle, poll_seconds or self.poll_seconds)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +111,32 @@ class LocalBackend(Backend):
         if record.get("state") is None:
             return RunStatus("pending")
         return status_from_record(record, worker_alive=bool(record.get("worker_alive")))
+
+    def pause(self, handle: RunHandle, seconds: float) -> bool:
+        """Sleep until the run's worker exits (it writes the final status
+        first), or `seconds` pass: a short step is seen to end at once, not
+        at the next poll. The worker is detached, so it is not our child to
+        wait for: a pidfd (Linux 5.3) is, and it stays bound to that process
+        whatever pid is reused; the start ticks checked after opening it
+        prove it is the run's worker."""
+        record = self._record(handle) or {}
+        pid = record.get("worker_pid")
+        if not isinstance(pid, int):  # no worker yet
+            time.sleep(seconds)
+            return False
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # it has exited: its end is there to read
+            return True
+        except OSError:  # no pidfd on this kernel
+            time.sleep(seconds)
+            return False
+        try:
+            if not control().alive(pid, record.get("worker_start_ticks")):
+                return True
+            return bool(select.select([fd], [], [], seconds)[0])
+        finally:
+            os.close(fd)
 
     def cancel(self, handle: RunHandle) -> bool:
         status = self.poll(handle)
