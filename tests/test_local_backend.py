@@ -30,6 +30,7 @@ from conftest import (
 )
 
 from substrax_tasks._remote_files import control
+from substrax_tasks.backends import local as local_backend
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.runs import Project
@@ -120,6 +121,46 @@ def test_pause_wakes_when_the_worker_exits(project: Project, marker: str) -> Non
     assert backend.cancel(handle)
     assert backend.pause(handle, 60.0) is True
     assert backend.wait(handle).state == "cancelled"
+
+
+def test_the_worker_outlives_the_spawner_that_started_it(project: Project, marker: str) -> None:
+    """Workers are forked by one spawner per client process (no interpreter
+    per run), yet each leaves it: when the spawner ends with its client, the
+    run goes on."""
+    handle = submit(project, ["sh", "-c", "while :; do sleep 1; done", marker])
+    worker = status_record(project, handle)["worker_pid"]
+    spawner = local_backend._SPAWNER._proc
+    assert spawner is not None
+    with pytest.raises(ChildProcessError):  # not the spawner's child either: reparented
+        os.waitpid(worker, os.WNOHANG)
+    local_backend._SPAWNER.close()
+    assert spawner.returncode is not None
+    backend = project.backend_for(handle)
+    assert backend.poll(handle).state == "running"
+    assert backend.cancel(handle)
+
+
+def test_a_dead_spawner_is_replaced_and_each_run_gets_its_own_environment(
+    project: Project, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spawner outlives one run, not the environment: each worker gets
+    the client's environment as it is when that run starts (its secrets
+    included), and a spawner that died is replaced by the next start."""
+    first = submit(project, ["true"])
+    assert wait_final(project, first) == "succeeded"
+    spawner = local_backend._SPAWNER._proc
+    assert spawner is not None
+    kill_pid(spawner.pid)
+    spawner.wait()
+    monkeypatch.setenv("SUBSTRAX_TEST_SECRET", "later value")
+    spec = make_spec(
+        "secret", ["sh", "-c", 'echo "secret: $SUBSTRAX_TEST_SECRET"'], project.root,
+        forward_env=["SUBSTRAX_TEST_SECRET"],
+    )
+    handle = project.submit(spec, settings={"sandbox": "none"})
+    assert wait_final(project, handle) == "succeeded"
+    assert "secret: later value" in log_text(project, handle)
+    assert local_backend._SPAWNER._proc is not spawner
 
 
 # ------------------------------------------------------------------ stopping

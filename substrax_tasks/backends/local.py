@@ -8,19 +8,23 @@ backend, called here in this process.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from substrax_tasks import manifest_cache
 from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks._remote_files import control, remote_module, remote_script
+from substrax_tasks._remote_files import control, remote_dir, remote_module
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
@@ -29,6 +33,7 @@ from substrax_tasks.worker_job import STAGING_DIR, WorkerPaths, build_job, statu
 
 START_TIMEOUT_SECONDS = 30.0  # worker start-up; bubblewrap probe included
 CANCEL_MARGIN_SECONDS = 10.0  # beyond the grace period, for the SIGKILL and reap
+SPAWNER_EXIT_SECONDS = 1.0  # it exits as its stdin closes
 
 
 class LocalBackend(Backend):
@@ -69,37 +74,18 @@ class LocalBackend(Backend):
 
     def start(self, handle: RunHandle) -> RunHandle:
         paths = self.paths(handle)
-        argv = [sys.executable, str(remote_script("worker.py")), paths.job, "--detach"]
         # The worker holds only what its task may see (the task can read its
-        # /proc/<pid>/environ without a sandbox): the plain settings, the
-        # step's secrets, and substrax's own SUBSTRAX_* settings.
-        env = {
-            **remote_module("sandbox").plain_settings(os.environ),
-            **{name: value for name, value in os.environ.items() if name.startswith("SUBSTRAX_")},
-            **{name: os.environ[name] for name in handle.spec.forward_env if name in os.environ},
-        }
-        try:
-            # The worker forks and returns once its command has started.
-            done = subprocess.run(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                env=env,
-                timeout=START_TIMEOUT_SECONDS,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            raise BackendError(
-                f"run {handle.run_id}: the worker did not start within {START_TIMEOUT_SECONDS:.0f} s"
-            ) from None
+        # /proc/<pid>/environ without a sandbox): the plain settings and
+        # substrax's own SUBSTRAX_* settings; the step's secrets only in memory.
+        secrets = {name: os.environ[name] for name in handle.spec.forward_env if name in os.environ}
+        # Returns once the worker has started the command (or failed to).
+        request = {"job": paths.job, "log": paths.log, "env": worker_environment(), "secrets": secrets}
+        code, problem = _SPAWNER.start(request)
         status = self.poll(handle)
-        if done.returncode != 0 or status.state == "pending":
+        if code != 0 or status.state == "pending":
             tail = self.read_log(handle, 0)[-2000:].decode(errors="replace")
             raise BackendError(
-                f"run {handle.run_id}: the worker failed to start "
-                f"(exit {done.returncode}): {done.stderr.decode(errors='replace')}{tail}"
+                f"run {handle.run_id}: the worker failed to start ({problem or f'exit {code}'}): {tail}"
             )
         return self.store.update_state(handle, phase="started")
 
@@ -200,6 +186,80 @@ class LocalBackend(Backend):
         shutil.rmtree(self.store.run_dir(handle.run_id) / "fetched", ignore_errors=True)
         if work.exists():
             raise BackendError(f"run {handle.run_id}: could not remove {work}")
+
+
+class Spawner:
+    """The client's end of `_spawner.py`: one per process, started at its
+    first local run, and asked in turn (a lock) by the threads of `doit -n N
+    -P thread`. It ends when this process closes its stdin: at exit, or
+    killed with it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, request: dict[str, Any]) -> tuple[int, str]:
+        """(the worker's `--detach` exit code, what went wrong if nothing answered)."""
+        with self._lock:
+            proc = self._running()
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                proc.stdin.write(json.dumps(request).encode() + b"\n")
+                proc.stdin.flush()
+                answered = select.select([proc.stdout], [], [], START_TIMEOUT_SECONDS)[0]
+                line = proc.stdout.readline() if answered else b""
+            except OSError as exc:  # it died: the next start makes a new one
+                self._stop()
+                return -1, f"the worker spawner stopped ({exc})"
+            if not line:
+                self._stop()
+                if answered:
+                    return -1, "the worker spawner stopped"
+                return -1, f"the worker did not start within {START_TIMEOUT_SECONDS:.0f} s"
+            return int(line), ""
+
+    def _running(self) -> subprocess.Popen[bytes]:
+        if self._proc is not None and self._proc.poll() is not None:
+            self.close()  # it died (killed with its session?): its pipes go with it
+        if self._proc is None:
+            self._proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("_spawner.py")), str(remote_dir())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,  # each run's failure goes to its own log
+                start_new_session=True,  # no Ctrl-C from the terminal: its client decides
+                env=worker_environment(),
+            )
+        return self._proc
+
+    def _stop(self) -> None:
+        """Kill it, and a start stuck in it (its group; the workers left it)."""
+        if self._proc is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self.close()
+
+    def close(self) -> None:
+        if self._proc is not None:
+            proc, self._proc = self._proc, None
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=SPAWNER_EXIT_SECONDS)
+
+
+_SPAWNER = Spawner()
+atexit.register(_SPAWNER.close)
+
+
+def worker_environment() -> dict[str, str]:
+    """This process's environment as a worker may hold it."""
+    return {
+        **remote_module("sandbox").plain_settings(os.environ),
+        **{name: value for name, value in os.environ.items() if name.startswith("SUBSTRAX_")},
+    }
 
 
 def link_tree(source: Path, dest: Path) -> None:
