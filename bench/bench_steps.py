@@ -6,7 +6,8 @@ on the local backend costs over the same command as a plain doit task.
         [--jobs 1,2] [--sandbox auto|bwrap|none] [--keep]
 
 It measures and prints; it asserts nothing. It makes two projects on tmpfs
-(/dev/shm when present):
+(/dev/shm when present; `--dir` elsewhere, e.g. on a disk, where the
+handles' fsyncs cost what they cost a user):
 
 * remote: `--steps` steps declared with `remote_step()` on the local
   backend, each `command=["/bin/sh", "-c", "echo x > out/N.txt"]` with the
@@ -209,16 +210,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sandbox", choices=("auto", "bwrap", "none"), default="auto")
     parser.add_argument("--code", action="append", type=Path, default=[],
                         help="also time the remote project with the package of this checkout (repeatable)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="make the projects under this folder (default: tmpfs, /dev/shm, when present)")
     parser.add_argument("--keep", action="store_true", help="keep the generated projects")
     args = parser.parse_args(argv)
     jobs = [int(j) for j in args.jobs.split(",") if j.strip()]
     if args.steps < 1 or args.repeats < 1 or not jobs or min(jobs) < 1:
         parser.error("--steps, --repeats and each --jobs value must be at least 1")
 
-    parent = scratch_parent()
+    parent = str(args.dir) if args.dir else scratch_parent()
     scratch = Path(tempfile.mkdtemp(prefix="bench-steps-", dir=parent))
     print(f"bench_steps: {platform.python_implementation()} {platform.python_version()}, "
-          f"{os.cpu_count()} CPUs, files in {scratch} ({'tmpfs' if parent else 'NOT tmpfs'}); "
+          f"{os.cpu_count()} CPUs, files in {scratch}; "
           f"{args.steps} steps, sandbox {args.sandbox!r}, {args.repeats} full runs per case, interleaved")
     print(f"at the start: {load_average()}")
     remote = write_project(scratch / "remote", REMOTE_DODO, args.steps, args.sandbox)
