@@ -145,10 +145,15 @@ class Worker:
         job = self.job
         try:
             argv, sandbox_name, outputs_root = sandbox.sandboxed_command(job, self.note)
+            # Under bubblewrap the command's pid namespace already holds
+            # every process it starts and dies whole with it: a cgroup adds
+            # nothing there, and joining one makes each start wait for the
+            # kernel (an RCU grace period).
+            if sandbox_name != "bwrap":
+                self.cgroup = proctree.make_cgroup("substrax-%d" % os.getpid())
+            cgroup = self.cgroup
             # Kept on self: a Popen object dropped while its process has
             # exited reaps it, and the poll loop would never see its end.
-            self.cgroup = proctree.make_cgroup("substrax-%d" % os.getpid())
-            cgroup = self.cgroup
             self.child = subprocess.Popen(
                 argv, cwd=job["cwd"], env=task_environment(job, dict(os.environ), self.secrets),
                 stdin=subprocess.DEVNULL, stdout=self.log_fd, stderr=self.log_fd,
