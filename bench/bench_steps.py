@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -144,11 +145,17 @@ def full_doit(root: Path, jobs: int, steps: int, code: Path | None = None) -> fl
     log = root.parent / f"{root.name}.log"
     with log.open("wb") as sink:  # a file, not a pipe: see bench_chain.py on threaded doit and pipes
         started = time.perf_counter()
-        done = subprocess.run(
+        done = subprocess.Popen(
             [*doit_argv(), *extra], cwd=root, env=env, stdin=subprocess.DEVNULL,
-            stdout=sink, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_SECONDS, check=False,
+            stdout=sink, stderr=subprocess.STDOUT,
         )
+        # wait() with a timeout polls with sleeps of up to 50 ms, which would
+        # round every figure to them: wait without one, and kill on a timer.
+        timer = threading.Timer(RUN_TIMEOUT_SECONDS, done.kill)
+        timer.start()
+        done.wait()
         elapsed = time.perf_counter() - started
+        timer.cancel()
     made = len(list((root / "out").glob("*.txt")))
     if done.returncode != 0 or made != steps:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
