@@ -7,6 +7,7 @@ without running bubblewrap.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -48,8 +49,11 @@ def plain_settings(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k in PASSED_ENV or k.startswith(PASSED_ENV_PREFIXES)}
 
 
+@functools.lru_cache(maxsize=None)
 def bwrap_usable(bwrap: str) -> bool:
-    """bubblewrap can be installed yet unusable (user namespaces disabled)."""
+    """bubblewrap can be installed yet unusable (user namespaces disabled).
+    Asked once per process: the local backend's spawner asks before it
+    forks the workers, which then know."""
     try:
         probe = subprocess.run(
             [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", *ISOLATION, "true"],

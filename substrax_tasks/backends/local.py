@@ -79,7 +79,10 @@ class LocalBackend(Backend):
         # substrax's own SUBSTRAX_* settings; the step's secrets only in memory.
         secrets = {name: os.environ[name] for name in handle.spec.forward_env if name in os.environ}
         # Returns once the worker has started the command (or failed to).
-        request = {"job": paths.job, "log": paths.log, "env": worker_environment(), "secrets": secrets}
+        request = {
+            "job": paths.job, "log": paths.log, "env": worker_environment(), "secrets": secrets,
+            "sandbox": self.settings.sandbox,
+        }
         code, problem = _SPAWNER.start(request)
         status = self.poll(handle)
         if code != 0 or status.state == "pending":
