@@ -214,6 +214,9 @@ class Spawner:
             except OSError as exc:  # it died: the next start makes a new one
                 self._stop()
                 return -1, f"the worker spawner stopped ({exc})"
+            except BaseException:  # an answer left unread would be taken for the next run's
+                self._stop()
+                raise
             if not line:
                 self._stop()
                 if answered:
