@@ -50,6 +50,12 @@ def cli_argv() -> list[str]:
     return [found] if found else [sys.executable, "-m", "substrax_tasks.cli"]
 
 
+def doit_argv() -> list[str]:
+    """The venv's doit (beside this interpreter)."""
+    beside = Path(sys.executable).with_name("doit")
+    return [str(beside)] if beside.is_file() else [sys.executable, "-m", "doit"]
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

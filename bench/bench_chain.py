@@ -69,7 +69,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _common import median, scratch_parent
+from _common import doit_argv, median, scratch_parent
 
 import substrax_tasks
 from substrax_tasks._remote_files import remote_script
@@ -175,15 +175,6 @@ sandbox = "{sandbox}"
 
 
 PYCACHE = Path(tempfile.gettempdir()) / f"substrax-bench-pycache-{os.getuid()}"
-
-
-def doit_argv() -> list[str]:
-    """The venv's doit (beside this interpreter)."""
-    beside = Path(sys.executable).with_name("doit")
-    if beside.is_file():
-        return [str(beside)]
-    return [sys.executable, "-m", "doit"]
-
 
 
 def parse_steps(text: str) -> list[int]:

@@ -48,7 +48,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from _common import load_average, median, scratch_parent
+from _common import doit_argv, load_average, median, scratch_parent
 
 GOAL_SECONDS = 0.1
 RUN_TIMEOUT_SECONDS = 600.0
@@ -97,11 +97,6 @@ default_backend = "local"
 [tool.substrax.compute.backends.local]
 sandbox = "{sandbox}"
 """
-
-
-def doit_argv() -> list[str]:
-    beside = Path(sys.executable).with_name("doit")
-    return [str(beside)] if beside.is_file() else [sys.executable, "-m", "doit"]
 
 
 def write_project(root: Path, template: str, steps: int, sandbox: str) -> Path:
