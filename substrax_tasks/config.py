@@ -15,13 +15,13 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks import __version__
 from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._private import private_dir, private_path, trusted_file
 from substrax_tasks.errors import ConfigError
 from substrax_tasks.store import RunStore
 
@@ -36,6 +36,7 @@ CONFIG_ENV = "SUBSTRAX_CONFIG"
 # The lock files a backend builds the run's environment from, first found
 # wins; part of every step's key, so known without importing a backend.
 ENV_LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")
+CACHE_FOLDER = "substrax"  # the private folder of the cached resolutions
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -147,7 +148,9 @@ def config_stamp(root: Path, key: tuple[Any, ...] | None = None) -> list[Any]:
 
 def cache_file(root: Path) -> Path:
     # Outside the project: its state_dir is itself part of what is cached.
-    folder = Path(tempfile.gettempdir()) / f"substrax-{os.getuid()}"
+    # A private folder (_private.py): a cache someone else could write would
+    # let them choose where our run records go.
+    folder = private_path(CACHE_FOLDER)
     return folder / f"config-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}.json"
 
 
@@ -195,9 +198,9 @@ class ResolvedProject:
 def resolve(root: Path, stamp: list[Any] | None = None) -> ResolvedProject:
     """The project's configuration, from the cache when it is current."""
     stamp = config_stamp(root) if stamp is None else stamp
-    path = cache_file(root)
+    path = private_dir(CACHE_FOLDER) / cache_file(root).name
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(trusted_file(path) or b"null")  # not ours alone: validate again
         if data.get("stamp") == stamp:
             return ResolvedProject(
                 root, Path(data["state_dir"]), str(data["default_backend"]), dict(data["settings"])
@@ -209,7 +212,6 @@ def resolve(root: Path, stamp: list[Any] | None = None) -> ResolvedProject:
     settings = {name: config.pinned(name, root) for name in names}
     resolved = ResolvedProject(root, config.state_path(root), config.default_backend, settings, config)
     try:
-        path.parent.mkdir(mode=0o700, exist_ok=True)
         record = {"stamp": stamp, "state_dir": str(resolved.state_dir), "settings": settings}
         write_json_atomic(path, {**record, "default_backend": config.default_backend})
     except OSError:
