@@ -11,6 +11,7 @@ unchanged. This module therefore imports settings.py only where it validates.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -22,13 +23,14 @@ from typing import TYPE_CHECKING, Any
 from substrax_tasks import __version__
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._private import private_dir, private_path, trusted_file
-from substrax_tasks.errors import ConfigError
+from substrax_tasks.errors import ConfigError, not_valid_toml
 from substrax_tasks.store import RunStore
 
 if TYPE_CHECKING:
     from substrax_tasks.settings import ComputeConfig
 
 TABLE = "tool.substrax.compute"
+SUBSTRAX_TABLES = ("compute",)  # what [tool.substrax] may hold
 BACKEND_ENV = "SUBSTRAX_BACKEND"  # names the default backend
 # A TOML file whose [tool.substrax.compute] is laid over the project's: for
 # machine-specific settings (hosts, keys) kept out of the repository.
@@ -52,18 +54,45 @@ def read_toml(path: Path) -> dict[str, Any]:
     try:
         data: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML ({exc}); fix the file and run again") from None
+        raise ConfigError(not_valid_toml(path, exc)) from None
     return data
 
 
 def read_table(path: Path) -> dict[str, Any]:
-    """`[tool.substrax.compute]` of one TOML file ({} when absent)."""
-    table: Any = read_toml(path)
-    for part in TABLE.split("."):
-        table = table.get(part, {}) if isinstance(table, dict) else {}
+    """`[tool.substrax.compute]` of one TOML file ({} when absent). What
+    else is under [tool.substrax], or a [tool.*] table spelled close to it,
+    is refused: a mistyped table would otherwise be ignored without a word."""
+    tool = read_toml(path).get("tool", {})
+    if not isinstance(tool, dict):
+        return {}
+    if "substrax" not in tool:
+        near = difflib.get_close_matches("substrax", list(tool), n=1, cutoff=0.75)
+        if near:
+            raise ConfigError(
+                f"{path}: [tool.{near[0]}] is not a table substrax reads; did you mean [tool.substrax]?"
+            )
+        return {}
+    ours = tool["substrax"]
+    if not isinstance(ours, dict):
+        raise ConfigError(f"{path}: tool.substrax must be a table, as [{TABLE}]")
+    unknown = sorted(set(ours) - set(SUBSTRAX_TABLES))
+    if unknown:  # each named: fixing one should not reveal the next
+        problems = [_unknown_under_substrax(name, ours[name]) for name in unknown]
+        raise ConfigError(f"{path}: " + "; ".join(problems))
+    table = ours.get(TABLE.rsplit(".", 1)[1], {})
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [{TABLE}] must be a table")
     return table
+
+
+def _unknown_under_substrax(name: str, value: Any) -> str:
+    """What to say of `name` under [tool.substrax], which holds tables only."""
+    tables = ", ".join(f"[tool.substrax.{t}]" for t in SUBSTRAX_TABLES)
+    if isinstance(value, dict):
+        near = difflib.get_close_matches(name, SUBSTRAX_TABLES, n=1, cutoff=0.6)
+        guess = f"did you mean [tool.substrax.{near[0]}]? " if near else ""
+        return f"[tool.substrax.{name}] is not a table substrax reads; {guess}its tables: {tables}"
+    return f"{name} directly under [tool.substrax] is not read; did you mean {name} under [{TABLE}]?"
 
 
 def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -52,7 +52,7 @@ def temp_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def short_base() -> Iterator[Path]:
     """A temp folder short enough for ssh's control sockets (pytest's own
     tmp_path is too long, and the control folder would go to /tmp)."""
-    base = Path(tempfile.mkdtemp(prefix="sx-", dir="/tmp"))  # noqa: S108 - a folder of the test's own
+    base = Path(tempfile.mkdtemp(prefix="sx-", dir="/tmp"))
     yield base
     shutil.rmtree(base, ignore_errors=True)
 
@@ -143,7 +143,7 @@ def test_the_control_folder_falls_back_to_tmp_when_the_temp_folder_is_long(
     long_base = tmp_path / ("x" * 80)
     monkeypatch.setattr(tempfile, "tempdir", str(long_base))
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-    assert _private.private_path("substrax-ssh", CONTROL_DIR_MAX) == Path(f"/tmp/substrax-ssh-{UID}")  # noqa: S108
+    assert _private.private_path("substrax-ssh", CONTROL_DIR_MAX) == Path(f"/tmp/substrax-ssh-{UID}")
 
 
 # --------------------------------------------------- the cached configuration
@@ -151,7 +151,9 @@ def test_the_control_folder_falls_back_to_tmp_when_the_temp_folder_is_long(
 
 @pytest.mark.unit
 @pytest.mark.parametrize("how", ["group-writable", pytest.param("foreign", marks=needs_root_to_chown)])
-def test_a_cached_configuration_not_ours_alone_is_not_trusted(temp_base: Path, tmp_path: Path, how: str) -> None:
+def test_a_cached_configuration_not_ours_alone_is_not_trusted(
+    temp_base: Path, tmp_path: Path, how: str
+) -> None:
     """A cache with the right stamp naming another state_dir, as someone
     could leave it: validated again, the configured state_dir stands."""
     root = tmp_path / "proj"
