@@ -200,18 +200,17 @@ def test_doit_keeps_its_cache_in_a_private_runtime_dir(tmp_path: Path) -> None:
     assert cached.name.startswith("config-") and stat.S_IMODE(cached.stat().st_mode) == 0o600
 
 
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    with ssh_host(tmp_path_factory.mktemp("sshd-private"), fresh_user()) as started:
-        yield started
-
-
 @needs_sshd
 @needs_root
 @pytest.mark.parametrize("how", ["symlink", "world-writable"])
 def test_an_ssh_step_refuses_a_planted_control_folder_then_runs_once_it_is_gone(
-    tmp_path: Path, short_base: Path, host: SshHost, how: str
+    tmp_path: Path, short_base: Path, how: str
 ) -> None:
+    with ssh_host(tmp_path, fresh_user()) as host:
+        ssh_step_refuses_then_runs(tmp_path, short_base, host, how)
+
+
+def ssh_step_refuses_then_runs(tmp_path: Path, short_base: Path, host: SshHost, how: str) -> None:
     planted = plant(short_base, f"substrax-ssh-{UID}", how)
     root = make_ssh_project(tmp_path, host, STEP)
     done = doit(root, env={"TMPDIR": str(short_base)})
