@@ -99,16 +99,71 @@ def read_status(run_dir: str) -> dict[str, Any] | None:
 
 
 def status(run_dir: str) -> dict[str, Any]:
-    """The worker's status, plus whether its worker is alive right now."""
+    """The worker's status, plus whether its worker is alive right now. A
+    status file that is there but damaged is said so (`damaged`), with the
+    workers of the run still going (`worker_pids`)."""
+    path = os.path.join(run_dir, STATUS_FILE)
     record = read_status(run_dir)
-    if record is None:
+    if record is None and not os.path.lexists(path):
         return {"state": None, "exists": os.path.isdir(run_dir)}
+    damage = damage_of(record)
+    if damage is not None:
+        return {"state": None, "exists": True, "damaged": "%s %s" % (path, damage),
+                "worker_pids": workers_of(run_dir)}
+    assert record is not None
     worker_alive = alive(record.get("worker_pid"), record.get("worker_start_ticks"))
     if not worker_alive:
         record = read_status(run_dir) or record  # it may have just ended
     record["worker_alive"] = worker_alive
     record["exists"] = True
     return record
+
+
+# What the worker writes in each field (remote/worker.py); the times and
+# the message are str or None, these are int or None.
+STATES = ("starting", "running") + FINAL_STATES
+INT_FIELDS = ("worker_pid", "worker_start_ticks", "pid", "start_ticks", "exit_code")
+TEXT_FIELDS = ("started_at", "ended_at", "message")
+
+
+def damage_of(record: dict[str, Any] | None) -> str | None:
+    """What is wrong with a status record the worker cannot have written,
+    or None. The file is written whole (by rename): damage is from outside."""
+    if record is None:
+        return "is not a JSON object"
+    if record.get("state") not in STATES:
+        return "names no state the worker writes (state %r)" % (record.get("state"),)
+    for key in INT_FIELDS:
+        value = record.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            return "has %s = %r, not a whole number" % (key, value)
+    for key in TEXT_FIELDS:
+        if not isinstance(record.get(key), (str, type(None))):
+            return "has %s = %r, not a string" % (key, record.get(key))
+    if record["state"] in ("starting", "running") and record.get("worker_pid") is None:
+        return "names no worker for a run that is %s" % record["state"]
+    return None
+
+
+def workers_of(run_dir: str) -> list[int]:
+    """The live workers of the run in `run_dir`: the processes started as
+    `worker.py RUN_DIR/job.json` (a damaged status file names none)."""
+    job = os.path.realpath(os.path.join(run_dir, "job.json"))
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % name, "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
+            cwd = os.readlink("/proc/%s/cwd" % name) if any(not a.startswith("/") for a in argv) else "/"
+        except OSError:
+            continue  # gone meanwhile, or another user's
+        scripts = [a for a in argv[:2] if os.path.basename(a) == "worker.py"]
+        if scripts and any(os.path.realpath(os.path.join(cwd, a)) == job for a in argv[2:3]):
+            if start_ticks(int(name)) is not None:  # not a zombie
+                found.append(int(name))
+    return found
 
 
 def cancel(run_dir: str, wait: float) -> dict[str, Any]:

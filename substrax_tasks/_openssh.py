@@ -17,7 +17,6 @@ import os
 import selectors
 import shlex
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+from substrax_tasks._private import UnsafeFolder, private_dir
 from substrax_tasks.errors import BackendError
 
 # Preference list: OpenSSH picks the first cipher both ends support;
@@ -40,18 +40,19 @@ HOLD_RELEASE_SECONDS = 5.0
 # without end and exhaust this machine's memory; the biggest real answer,
 # a manifest, stays far below it (about 300,000 entries).
 MAX_ANSWER_BYTES = 64 << 20
+# The longest control folder: a socket's path is at most 107 bytes (108 with
+# its NUL), below it go "/" and a 16-character digest, and ssh adds a
+# 17-character suffix to that name while it binds.
+CONTROL_DIR_MAX = 107 - 1 - 16 - 17
 
 
 def control_dir() -> Path:
     """A private folder for ssh's multiplexing sockets. Unix socket paths
     are short (108 bytes, and ssh adds a 17-character suffix while it binds):
-    under TMPDIR when that is short, else under /tmp."""
-    base = Path(tempfile.gettempdir())
-    if len(str(base)) > 40:
-        base = Path("/tmp")  # noqa: S108 - a 0700 folder of our own
-    folder = base / f"substrax-ssh-{os.getuid()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    return folder
+    under $XDG_RUNTIME_DIR or TMPDIR when that is short, else under /tmp.
+    Private and checked (_private.py): a socket planted there by someone
+    else would be a master that ssh hands our commands to."""
+    return private_dir("substrax-ssh", max_length=CONTROL_DIR_MAX)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ class SshTarget:
         return argv + (multiplexing(self.control_path()) if multiplex else [])
 
     def stop_master(self) -> None:
-        stop_master(self.ssh_argv(), self.host, self.control_path())
+        with contextlib.suppress(UnsafeFolder):  # a folder refused holds no master of ours
+            stop_master(self.ssh_argv(), self.host, self.control_path())
 
     @contextlib.contextmanager
     def master_held(self) -> Iterator[None]:
@@ -232,7 +234,8 @@ class ClusterTarget:
             return RemoteResult(proc.wait(), out, err)
 
     def stop_master(self) -> None:
-        stop_master(self.ssh_argv(), self.host, self.control_path())
+        with contextlib.suppress(UnsafeFolder):  # a folder refused holds no master of ours
+            stop_master(self.ssh_argv(), self.host, self.control_path())
 
 
 def _bounded_answer(

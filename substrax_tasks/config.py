@@ -11,24 +11,26 @@ unchanged. This module therefore imports settings.py only where it validates.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks import __version__
 from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks.errors import ConfigError
+from substrax_tasks._private import private_dir, private_path, trusted_file
+from substrax_tasks.errors import ConfigError, not_valid_toml
 from substrax_tasks.store import RunStore
 
 if TYPE_CHECKING:
     from substrax_tasks.settings import ComputeConfig
 
 TABLE = "tool.substrax.compute"
+SUBSTRAX_TABLES = ("compute",)  # what [tool.substrax] may hold
 BACKEND_ENV = "SUBSTRAX_BACKEND"  # names the default backend
 # A TOML file whose [tool.substrax.compute] is laid over the project's: for
 # machine-specific settings (hosts, keys) kept out of the repository.
@@ -36,6 +38,7 @@ CONFIG_ENV = "SUBSTRAX_CONFIG"
 # The lock files a backend builds the run's environment from, first found
 # wins; part of every step's key, so known without importing a backend.
 ENV_LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")
+CACHE_FOLDER = "substrax"  # the private folder of the cached resolutions
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -51,18 +54,45 @@ def read_toml(path: Path) -> dict[str, Any]:
     try:
         data: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML ({exc}); fix the file and run again") from None
+        raise ConfigError(not_valid_toml(path, exc)) from None
     return data
 
 
 def read_table(path: Path) -> dict[str, Any]:
-    """`[tool.substrax.compute]` of one TOML file ({} when absent)."""
-    table: Any = read_toml(path)
-    for part in TABLE.split("."):
-        table = table.get(part, {}) if isinstance(table, dict) else {}
+    """`[tool.substrax.compute]` of one TOML file ({} when absent). What
+    else is under [tool.substrax], or a [tool.*] table spelled close to it,
+    is refused: a mistyped table would otherwise be ignored without a word."""
+    tool = read_toml(path).get("tool", {})
+    if not isinstance(tool, dict):
+        return {}
+    if "substrax" not in tool:
+        near = difflib.get_close_matches("substrax", list(tool), n=1, cutoff=0.75)
+        if near:
+            raise ConfigError(
+                f"{path}: [tool.{near[0]}] is not a table substrax reads; did you mean [tool.substrax]?"
+            )
+        return {}
+    ours = tool["substrax"]
+    if not isinstance(ours, dict):
+        raise ConfigError(f"{path}: tool.substrax must be a table, as [{TABLE}]")
+    unknown = sorted(set(ours) - set(SUBSTRAX_TABLES))
+    if unknown:  # each named: fixing one should not reveal the next
+        problems = [_unknown_under_substrax(name, ours[name]) for name in unknown]
+        raise ConfigError(f"{path}: " + "; ".join(problems))
+    table = ours.get(TABLE.rsplit(".", 1)[1], {})
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [{TABLE}] must be a table")
     return table
+
+
+def _unknown_under_substrax(name: str, value: Any) -> str:
+    """What to say of `name` under [tool.substrax], which holds tables only."""
+    tables = ", ".join(f"[tool.substrax.{t}]" for t in SUBSTRAX_TABLES)
+    if isinstance(value, dict):
+        near = difflib.get_close_matches(name, SUBSTRAX_TABLES, n=1, cutoff=0.6)
+        guess = f"did you mean [tool.substrax.{near[0]}]? " if near else ""
+        return f"[tool.substrax.{name}] is not a table substrax reads; {guess}its tables: {tables}"
+    return f"{name} directly under [tool.substrax] is not read; did you mean {name} under [{TABLE}]?"
 
 
 def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +177,9 @@ def config_stamp(root: Path, key: tuple[Any, ...] | None = None) -> list[Any]:
 
 def cache_file(root: Path) -> Path:
     # Outside the project: its state_dir is itself part of what is cached.
-    folder = Path(tempfile.gettempdir()) / f"substrax-{os.getuid()}"
+    # A private folder (_private.py): a cache someone else could write would
+    # let them choose where our run records go.
+    folder = private_path(CACHE_FOLDER)
     return folder / f"config-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}.json"
 
 
@@ -195,9 +227,9 @@ class ResolvedProject:
 def resolve(root: Path, stamp: list[Any] | None = None) -> ResolvedProject:
     """The project's configuration, from the cache when it is current."""
     stamp = config_stamp(root) if stamp is None else stamp
-    path = cache_file(root)
+    path = private_dir(CACHE_FOLDER) / cache_file(root).name
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(trusted_file(path) or b"null")  # not ours alone: validate again
         if data.get("stamp") == stamp:
             return ResolvedProject(
                 root, Path(data["state_dir"]), str(data["default_backend"]), dict(data["settings"])
@@ -209,7 +241,6 @@ def resolve(root: Path, stamp: list[Any] | None = None) -> ResolvedProject:
     settings = {name: config.pinned(name, root) for name in names}
     resolved = ResolvedProject(root, config.state_path(root), config.default_backend, settings, config)
     try:
-        path.parent.mkdir(mode=0o700, exist_ok=True)
         record = {"stamp": stamp, "state_dir": str(resolved.state_dir), "settings": settings}
         write_json_atomic(path, {**record, "default_backend": config.default_backend})
     except OSError:

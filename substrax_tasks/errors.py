@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def not_valid_toml(path: object, exc: BaseException) -> str:
+    """What a TOML file that does not parse is told with, by the CLI and under doit."""
+    return f"{path}: not valid TOML ({exc}); fix the file and run again"
+
+
 class SubstraxError(Exception):
     """A failure the user can act on: the CLI prints it and exits 1."""
 

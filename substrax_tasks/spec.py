@@ -24,6 +24,13 @@ from substrax_tasks.errors import SpecError
 ArgvItem = Union[str, int, os.PathLike]  # type: ignore[type-arg]  # noqa: UP007 - a runtime alias
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 RESOURCE_KEYS = ("accelerators", "cpus", "memory", "disk_size")
+# The longest step name: a name that is already safe is used as it is in
+# file names (safe_name), and the longest the store makes of it is the temp
+# file of its outputs cache (store.py, _atomic.py): "." + name +
+# ".outputs.json." + mkstemp's 8 characters + ".tmp", where a file name is at
+# most 255 bytes (NAME_MAX; safe names are ASCII). The run id, name + 23,
+# is shorter; other names are shortened with a hash and always fit.
+MAX_STEP_NAME = 255 - len(".") - len(".outputs.json.") - 8 - len(".tmp")
 
 
 @dataclass(frozen=True)
@@ -249,6 +256,23 @@ def _resources_of(step: str, resources: object) -> dict[str, str | int | float]:
     return values
 
 
+def check_name(step: str) -> None:
+    """A SpecError unless `step` is a name a step can have."""
+    if not isinstance(step, str) or not step.strip():
+        raise SpecError(f"a step needs a non-empty name (a string), got {shown(step)}")
+    group, colon, member = step.partition(":")
+    if colon and not (group.strip() and member.strip()):
+        raise SpecError(
+            f"step {step!r}: a name with ':' is GROUP:MEMBER (doit's sub-task MEMBER of GROUP), "
+            "both non-empty, for example 'ridge:alpha-0.1'"
+        )
+    if len(safe_name(step)) > MAX_STEP_NAME:
+        raise SpecError(
+            f"step {step[:40] + '...'!r}: the name is {len(step)} characters; at most {MAX_STEP_NAME} "
+            "fit in the file names made from it (255 bytes a name); give the step a shorter name"
+        )
+
+
 def make_spec(
     step: str,
     command: Sequence[ArgvItem],
@@ -264,14 +288,7 @@ def make_spec(
     """Check a step's declaration and turn it into a StepSpec. Each
     argument of a wrong type is named with what was expected and how to
     write it, before any path in it is looked at."""
-    if not isinstance(step, str) or not step.strip():
-        raise SpecError(f"a step needs a non-empty name (a string), got {shown(step)}")
-    group, colon, member = step.partition(":")
-    if colon and not (group.strip() and member.strip()):
-        raise SpecError(
-            f"step {step!r}: a name with ':' is GROUP:MEMBER (doit's sub-task MEMBER of GROUP), "
-            "both non-empty, for example 'ridge:alpha-0.1'"
-        )
+    check_name(step)
     argv: list[str] = []
     for item in _argv_of(step, command):
         if isinstance(item, bool) or not isinstance(item, (str, int, os.PathLike)):

@@ -16,7 +16,6 @@ skipped like the public one.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
@@ -207,7 +206,7 @@ def step_tasks(
     }
     if task_keys.get("clean") is True:
         # doit's clean=True leaves a non-empty folder output: remove outputs whole
-        task_keys["clean"] = [functools.partial(clean_outputs, step)]
+        task_keys["clean"] = [CleanOutputs(step)]
     public.update(task_keys)
     yield public
 
@@ -269,6 +268,21 @@ def clean_outputs(step: Step, dryrun: bool = False) -> None:
             emit(f"{step.name} - {'would remove' if dryrun else 'removing'} {out}")
             if not dryrun:
                 remove_path(path)
+
+
+class CleanOutputs:
+    """clean_outputs of one step as doit's clean action. doit names an
+    action by `str(callable)` without its first character (the "<" of
+    "<function ..."), cut at " at " (the address): this says what it does."""
+
+    def __init__(self, step: Step) -> None:
+        self.step = step
+
+    def __call__(self, dryrun: bool = False) -> None:  # `dryrun`: doit passes it under `clean -n`
+        clean_outputs(self.step, dryrun)
+
+    def __str__(self) -> str:
+        return f"<remove the outputs of step {self.step.name}: {', '.join(self.step.spec.outputs)}"
 
 
 _PROJECTS: dict[tuple[Path, tuple[Any, ...]], ResolvedProject] = {}

@@ -232,12 +232,16 @@ def explain(
         return ["no verified run yet: the step has never completed (or its record was removed)"]
     old: dict[str, Any] = verified.get("key_parts") or {}
     new = key_parts(step)
-    reasons = [
+    # Another backend first, in one line: its settings are another table's,
+    # and a key-by-key diff of the two would only bury that line.
+    moved = old.get("backend") != new.get("backend")
+    reasons = [f"backend changed: {old.get('backend')} -> {new.get('backend')}"] if moved else []
+    reasons += [
         f"{field} changed: was {old.get(field)!r}, now {new.get(field)!r}"
         for field in KEY_FIELDS
-        if old.get(field) != new.get(field)
+        if field != "backend" and old.get(field) != new.get(field)
     ]
-    if old.get("settings") != new.get("settings"):
+    if not moved and old.get("settings") != new.get("settings"):
         reasons.append(_settings_change(step, pinned_settings(str(verified.get("run_id")))))
     old_inputs: dict[str, Any] = old.get("inputs") or {}
     new_inputs: dict[str, Any] = new["inputs"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from substrax_tasks.errors import HandleError
 from substrax_tasks.spec import StepSpec
 
 if TYPE_CHECKING:
@@ -83,6 +84,25 @@ def build_job(
         job["path_prepend"] = [f"{env_dir}/bin"]
         job["env"]["VIRTUAL_ENV"] = env_dir
     return job
+
+
+def damaged_status(record: dict[str, Any], host: str | None = None) -> RunStatus:
+    """A run whose status file is damaged (control.py's `status` said so):
+    lost when no worker of it is going, so its step is launched again;
+    while one is, a HandleError naming it, since the run's state cannot be
+    known and a second run must not start beside it."""
+    from substrax_tasks.backends.base import RunStatus
+
+    damage = record.get("damaged")
+    pids = record.get("worker_pids") or []
+    if not pids:
+        return RunStatus("lost", message=f"its status file {damage}, and no worker of it is going")
+    on = f" on {host}" if host else ""
+    raise HandleError(
+        f"its status file {damage}, and its worker (pid {', '.join(map(str, pids))}{on}) is still going: "
+        f"its state cannot be known. Stop that worker (kill {' '.join(map(str, pids))}{on}) and run "
+        "again: the run then reads as lost, and its step is launched again"
+    )
 
 
 def status_from_record(record: dict[str, Any] | None, worker_alive: bool) -> RunStatus:

@@ -313,6 +313,9 @@ def test_clean_dry_run_removes_nothing(tmp_path: Path) -> None:
     doit_ok(root)
     done = doit_ok(root, "clean", "--dry-run", "step")
     assert outputs_of(root) == expected_outputs(), show(done)
+    # the action named by what it does, not by its Python object
+    assert "step - executing 'Python: remove the outputs of step step: " in done.stdout, show(done)
+    assert "would remove out/" in done.stdout and "functools" not in done.stdout, show(done)
 
 
 def test_list_shows_public_tasks_and_info_works(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import cli, wait_final
+from dodo_helpers import doit, make_project, show
 
 from substrax_tasks.backends import BACKEND_NAMES, backend_class, settings_model
 from substrax_tasks.config import load_config
@@ -16,6 +17,10 @@ from substrax_tasks.errors import ConfigError
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
 
+STEP = """
+def task_step():
+    yield from remote_step("step", command=["sh", "-c", "echo ok > out.txt"], outputs=["out.txt"])
+"""
 # (id, pyproject.toml text, fragments the message must hold: key path, value, valid choices)
 BAD_CONFIGS = [
     (
@@ -86,6 +91,27 @@ BAD_CONFIGS = [
             "unknown backend table [tool.substrax.compute.backends.aws]",
             "valid backends: local, ssh, skypilot",
         ],
+    ),
+    (
+        "misspelled-table",
+        '[tool.substrax.compte]\ndefault_backend = "local"\n',
+        [
+            "[tool.substrax.compte] is not a table substrax reads",
+            "did you mean [tool.substrax.compute]?",
+        ],
+    ),
+    (
+        "key-under-substrax",
+        '[tool.substrax]\nstate_dir = "runs"\n',
+        [
+            "state_dir directly under [tool.substrax] is not read",
+            "did you mean state_dir under [tool.substrax.compute]?",
+        ],
+    ),
+    (
+        "misspelled-tool-table",
+        '[tool.substrx.compute]\ndefault_backend = "local"\n',
+        ["[tool.substrx] is not a table substrax reads; did you mean [tool.substrax]?"],
     ),
     (
         "invalid-toml",
@@ -208,3 +234,50 @@ def test_an_unchanged_configuration_is_resolved_without_pydantic(project_dir: Pa
     refused = resolved()
     assert refused.returncode != 0
     assert "tool.substrax.compute.backends.local.grace_seconds = -1" in refused.stderr
+
+
+DOIT_MISTAKES = [
+    pytest.param(
+        '[tool.substrax.compte]\ndefault_backend = "local"\n',
+        "[tool.substrax.compte] is not a table substrax reads; did you mean [tool.substrax.compute]?",
+        id="misspelled-table",
+    ),
+    pytest.param(
+        '[tool.substrax]\ndefault_backend = "local"\n',
+        "default_backend directly under [tool.substrax] is not read; "
+        "did you mean default_backend under [tool.substrax.compute]?",
+        id="key-under-substrax",
+    ),
+    pytest.param(
+        "[tool.substrax.compute\ndefault_backend = 'local'\n",
+        "pyproject.toml: not valid TOML (Expected ']' at the end of a table declaration (at line 1, "
+        "column 23)); fix the file and run again",
+        id="invalid-toml",  # doit itself reads pyproject.toml before the dodo file
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), DOIT_MISTAKES)
+def test_doit_names_a_config_mistake_in_one_line(tmp_path: Path, text: str, message: str) -> None:
+    root = make_project(tmp_path, STEP, default_tasks=["step"])
+    (root / "pyproject.toml").write_text(text)
+    done = doit(root)
+    assert done.returncode == 1, show(done)
+    assert done.stderr.startswith(f"substrax: error: {root / 'pyproject.toml'}: "), show(done)
+    assert message in done.stderr and "Traceback" not in done.stderr, show(done)
+    assert not (root / ".substrax").exists()
+    (root / "pyproject.toml").write_text("[tool.substrax.compute]\n")  # fixed: it runs
+    assert doit(root).returncode == 0
+
+
+def test_other_uncaught_errors_keep_their_traceback(tmp_path: Path) -> None:
+    """The interpreter hook that tells doit's TOML error in one line
+    (substrax_tasks/_doit_errors.py) leaves every other error as it was,
+    a TOML error outside doit included."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import tomllib; tomllib.loads('[x')"],
+        capture_output=True, text=True, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.startswith("Traceback (most recent call last):"), done.stderr
+    assert "tomllib.TOMLDecodeError" in done.stderr

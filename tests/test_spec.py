@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dodo_helpers import doit, make_project, run_count, show, write_dodo
 
 from substrax_tasks.errors import SpecError
-from substrax_tasks.spec import PathIndex, make_spec, relative_path
+from substrax_tasks.spec import MAX_STEP_NAME, PathIndex, make_spec, relative_path
 
 
 @pytest.mark.parametrize(
@@ -140,3 +141,38 @@ def test_arguments_of_the_documented_types_pass_unchanged(tmp_path: Path) -> Non
     numpy_like: dict[str, Any] = {"timeout": Fraction(3, 2)}  # a number, not an int or float
     assert make_spec("t", ["true"], tmp_path, **numpy_like).timeout == 1.5
     assert make_spec("t", ["true"], tmp_path, timeout=2.5).timeout == 2.5
+
+
+LONG_STEP = """
+def task_long():
+    yield from remote_step({name!r}, command=["sh", "-c", "echo ok > out.txt"], outputs=["out.txt"])
+"""
+
+
+@pytest.mark.unit
+def test_a_step_name_is_refused_one_character_over_the_limit(tmp_path: Path) -> None:
+    assert MAX_STEP_NAME == 228
+    make_spec("a" * MAX_STEP_NAME, ["true"], tmp_path)
+    make_spec("a b" * 200, ["true"], tmp_path)  # not safe as it is: shortened with a hash, fits
+    with pytest.raises(SpecError) as caught:
+        make_spec("a" * (MAX_STEP_NAME + 1), ["true"], tmp_path)
+    assert str(caught.value) == (
+        f"step '{'a' * 40}...': the name is 229 characters; at most 228 fit in the file names "
+        "made from it (255 bytes a name); give the step a shorter name"
+    )
+
+
+def test_the_longest_step_name_runs_and_one_more_is_refused_at_load(tmp_path: Path) -> None:
+    """The limit is exact: a step of the longest name goes through the whole
+    chain (its longest file name is made), one character more is refused
+    before anything is made."""
+    longest = "a" * MAX_STEP_NAME
+    root = make_project(tmp_path, LONG_STEP.format(name=longest), default_tasks=[longest])
+    done = doit(root)
+    assert done.returncode == 0, show(done)
+    assert (root / "out.txt").read_text() == "ok\n"
+    write_dodo(root, LONG_STEP.format(name="b" * (MAX_STEP_NAME + 1)))
+    refused = doit(root)
+    assert refused.returncode == 1, show(refused)
+    assert "the name is 229 characters; at most 228" in refused.stderr
+    assert "Traceback" not in refused.stderr and run_count(root) == 1

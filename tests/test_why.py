@@ -122,6 +122,20 @@ def test_backend_settings_changed(root: Path) -> None:
     assert "grace_seconds was 0.5, now 2.5" in line
 
 
+def test_backend_changed_is_said_first_in_one_line(root: Path) -> None:
+    """Not a diff of the local backend's settings against the ssh one's."""
+    pyproject = root / "pyproject.toml"
+    pyproject.write_text(
+        '[tool.substrax.compute]\ndefault_backend = "ssh"\n\n'
+        + pyproject.read_text()
+        + '\n[tool.substrax.compute.backends.ssh]\nhost = "gpu-box"\n'
+    )
+    assert reasons(root) == ["backend changed: local -> ssh"]
+    declare(root, env={"MODE": "slow"})
+    lines = reasons(root)
+    assert lines[0] == "backend changed: local -> ssh" and lines[1].startswith("env changed:"), lines
+
+
 @pytest.mark.parametrize(
     ("tamper", "path"),
     [

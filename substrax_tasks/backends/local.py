@@ -29,7 +29,7 @@ from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStat
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.settings import LocalSettings
-from substrax_tasks.worker_job import STAGING_DIR, WorkerPaths, build_job, status_from_record
+from substrax_tasks.worker_job import STAGING_DIR, WorkerPaths, build_job, damaged_status, status_from_record
 
 START_TIMEOUT_SECONDS = 30.0  # worker start-up; bubblewrap probe included
 CANCEL_MARGIN_SECONDS = 10.0  # beyond the grace period, for the SIGKILL and reap
@@ -97,6 +97,8 @@ class LocalBackend(Backend):
 
     def poll(self, handle: RunHandle) -> RunStatus:
         record = control().status(str(self.store.run_dir(handle.run_id)))
+        if record.get("damaged"):
+            return damaged_status(record)
         if record.get("state") is None:
             return RunStatus("pending")
         return status_from_record(record, worker_alive=bool(record.get("worker_alive")))

@@ -31,7 +31,7 @@ from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.settings import SshSettings
 from substrax_tasks.transports.rsync import RsyncTransport
-from substrax_tasks.worker_job import WorkerPaths, build_job, status_from_record
+from substrax_tasks.worker_job import WorkerPaths, build_job, damaged_status, status_from_record
 
 
 class SetupFailed(SubstraxError):
@@ -158,6 +158,8 @@ class SshBackend(Backend):
         if "remote_run_dir" not in handle.state:
             return RunStatus("pending")
         record = self.remote_run(handle).status()
+        if record.get("damaged"):
+            return damaged_status(record, self.settings.host)
         if record.get("state") is None:
             if not record.get("exists"):
                 gone = "its remote folder is gone (torn down, or the lifetime ran out)"
