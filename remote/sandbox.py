@@ -271,8 +271,8 @@ def refused_writes(text: str, cwd: str) -> list[str] | None:
     for line in lines:
         found = [next(g for g in m.groups() if g) for m in QUOTED.finditer(line)]
         found = [f for f in found if f != EROFS_TEXT]
-        if not found:
-            found = UNQUOTED.findall(line)
+        if not found:  # unquoted: only what looks like a file ("Error: ..." does not)
+            found = [f for f in UNQUOTED.findall(line) if "/" in f or "." in f]
         for path in found:
             path = os.path.normpath(os.path.join(cwd, path))
             if path not in paths:
