@@ -215,12 +215,14 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev",
 
 def task_home(job: dict[str, Any], environ: Mapping[str, str]) -> str:
     """Where the task's home is in the sandbox: at the path its $HOME names
-    (the real home's, so that `~`, the user's passwd entry and paths written
-    under the home agree), or, where that names no folder to mount on
-    (unset, relative, "/", missing), at the run's home folder itself."""
-    home = environ.get("HOME", "")
-    if os.path.isabs(home) and os.path.normpath(home) != "/" and os.path.isdir(home):
-        return os.path.normpath(home)
+    when that is a folder the job hides (the real home: then `~`, the
+    user's passwd entry and paths written under the home agree), else at
+    the run's home folder itself (no $HOME, "/", a home not hidden, whose
+    files the task may need, as an interpreter installed there)."""
+    home = os.path.normpath(environ.get("HOME") or ".")
+    hidden = {os.path.normpath(h) for h in job.get("hide", []) if h}
+    if os.path.isabs(home) and home != "/" and home in hidden and os.path.isdir(home):
+        return home
     return str(job["home_dir"])
 
 

@@ -70,9 +70,9 @@ def test_bwrap_argv_binds_the_runs_home_over_the_real_one_then_the_kept_folders(
 
 @pytest.mark.unit
 def test_home_settings_point_the_tools_into_the_runs_home(tmp_path: Path) -> None:
-    job = job_for(tmp_path, [])
     home = tmp_path / "home"
     home.mkdir()
+    job = job_for(tmp_path, [], hide=[str(home)])
     assert sandbox.home_settings(job, {"HOME": str(home)}) == {
         "HOME": str(home),
         "XDG_CACHE_HOME": f"{home}/.cache",
@@ -81,8 +81,8 @@ def test_home_settings_point_the_tools_into_the_runs_home(tmp_path: Path) -> Non
         "XDG_STATE_HOME": f"{home}/.local/state",
         "MPLCONFIGDIR": f"{home}/.config/matplotlib",
     }
-    # no home to mount on: the run's home folder is the home, at its own path
-    for environ in ({}, {"HOME": "/"}, {"HOME": "relative"}, {"HOME": str(tmp_path / "missing")}):
+    # no hidden home to mount on: the run's home folder is the home, at its own path
+    for environ in ({}, {"HOME": "/"}, {"HOME": "relative"}, {"HOME": str(tmp_path)}):
         assert sandbox.task_home(job, environ) == job["home_dir"]
 
 
