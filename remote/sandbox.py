@@ -40,6 +40,22 @@ GPU_NODE_DIRS = ("nvidia-caps", "dri")
 # the fresh /proc shows it too, bound read-only here because some of its
 # files (suspend) are root-writable and a root task keeps uid 0.
 NVIDIA_PROC = "/proc/driver/nvidia"
+# Where tools keep their files under the home, pointed into the run's home
+# (the step's env can still change them): tools that read these variables
+# first then agree with those that only know `~`, and matplotlib finds a
+# writable config folder instead of warning on every run.
+HOME_VARS = (("XDG_CACHE_HOME", ".cache"), ("XDG_CONFIG_HOME", ".config"),
+             ("XDG_DATA_HOME", ".local/share"), ("XDG_STATE_HOME", ".local/state"),
+             ("MPLCONFIGDIR", ".config/matplotlib"))
+# How much of the end of a failed run's log is read for the cause of a write
+# refused by the read-only sandbox: the error that ended a command is last.
+EROFS_TAIL_BYTES = 64 * 1024
+EROFS_TEXT = "Read-only file system"
+# The path in a line naming EROFS: quoted ('p', "p", `p', and coreutils'
+# curly quotes) or, unquoted, the field before ": Read-only file system"
+# (sh: "cannot create p: ...", bash: "p: ...").
+QUOTED = re.compile("'([^']+)'|\"([^\"]+)\"|`([^'`]+)'|\u2018([^\u2019]+)\u2019")
+UNQUOTED = re.compile(r"(?:^|:\s|\s)(/?[^\s:'\"]+):\s+" + EROFS_TEXT)
 
 
 def plain_settings(environ: Mapping[str, str]) -> dict[str, str]:
@@ -140,22 +156,30 @@ def shown_from_host(path: str, argv: list[str]) -> bool:
     return same
 
 
-def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev") -> list[str]:
+def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev",
+               home: str | None = None) -> list[str]:
     """The bubblewrap prefix: system and project read-only, /tmp replaced by
     an empty private tmpfs, home (the "hide" folders) by an empty read-only
     one, each output folder bound from the run's staging folder so that the
     task writes its outputs at their usual paths, and the GPU nodes under
     `dev` bound into the minimal /dev. Under network_isolation the host's
-    Unix sockets are hidden too."""
+    Unix sockets are hidden too. `home`: where the run's own home folder
+    (`home_dir`, writable) appears, with the kept `cache_dirs` in it."""
     project = job["project"]
     isolated = bool(job.get("network_isolation"))
     argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    hidden = [h for h in job.get("hide", []) if os.path.isdir(h) and h != "/"]
+    hidden = [h for h in job.get("hide", []) if os.path.isdir(h) and h != "/" and h != home]
     # A symlink (/var/run -> /run) is hidden with its target.
     emptied = [p for p in ["/tmp", "/var/tmp", *(SOCKET_DIRS if isolated else [])]
                if os.path.isdir(p) and not os.path.islink(p)]
     for path in [*emptied, *hidden]:
         argv += ["--tmpfs", path]
+    if home is not None:
+        # The run's home replaces the real one (a bind onto its path hides
+        # it as a tmpfs would), then each kept cache folder goes in it.
+        argv += ["--bind", job["home_dir"], home]
+        for kept in job.get("cache_dirs", []):
+            argv += ["--bind", kept["kept"], os.path.join(home, kept["path"])]
     # Re-expose the project (and inputs outside it) after hiding: the
     # project may live under $HOME or /tmp.
     argv += ["--ro-bind", project, project]
@@ -163,7 +187,7 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev")
         if os.path.exists(path):
             argv += ["--ro-bind", path, path]
     # Only now (the binds above made their mount points in the tmpfs): a
-    # write to the hidden home fails instead of landing in a scratch tmpfs.
+    # write to a hidden folder fails instead of landing in a scratch tmpfs.
     for path in hidden:
         argv += ["--remount-ro", path]
     declared = {out["path"].rstrip("/") for out in job["outputs"]}
@@ -193,9 +217,105 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev")
     return [*argv, "--chdir", job["cwd"], "--"]
 
 
-def sandboxed_command(job: dict[str, Any], note: Callable[[str], None]) -> tuple[list[str], str, str]:
+def task_home(job: dict[str, Any], environ: Mapping[str, str]) -> str:
+    """Where the task's home is in the sandbox: at the path its $HOME names
+    when that is a folder the job hides (the real home: then `~`, the
+    user's passwd entry and paths written under the home agree), else at
+    the run's home folder itself (no $HOME, "/", a home not hidden, whose
+    files the task may need, as an interpreter installed there)."""
+    home = os.path.normpath(environ.get("HOME") or ".")
+    hidden = {os.path.normpath(h) for h in job.get("hide", []) if h}
+    if os.path.isabs(home) and home != "/" and home in hidden and os.path.isdir(home):
+        return home
+    return str(job["home_dir"])
+
+
+def home_settings(job: dict[str, Any], environ: Mapping[str, str]) -> dict[str, str]:
+    """$HOME and the variables of HOME_VARS, for a task in the sandbox."""
+    home = task_home(job, environ)
+    settings = {"HOME": home}
+    settings.update((name, home + "/" + rel) for name, rel in HOME_VARS)
+    return settings
+
+
+def make_home(job: dict[str, Any]) -> None:
+    """The run's empty home folder, and the kept cache folders (made on
+    their first run, then reused)."""
+    remove_home(job)  # never a leftover: the home starts empty
+    os.makedirs(job["home_dir"], mode=0o700)
+    for kept in job.get("cache_dirs", []):
+        os.makedirs(kept["kept"], mode=0o700, exist_ok=True)
+
+
+def remove_home(job: dict[str, Any]) -> None:
+    """Remove the run's home folder once nothing runs in it, also what the
+    task made unwritable: its folders are made writable first (links are
+    never followed, and the kept cache folders are not in it on the host:
+    their binds were the sandbox's own)."""
+    path = job.get("home_dir")
+    if not path or not os.path.isdir(path):
+        return
+    for top, dirs, _files in os.walk(path):
+        for name in dirs:
+            folder = os.path.join(top, name)
+            if not os.path.islink(folder):
+                try:
+                    os.chmod(folder, 0o700)
+                except OSError:  # rmtree below says nothing either; what stays, teardown retries
+                    continue
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def refused_writes(text: str, cwd: str) -> list[str] | None:
+    """The paths that lines of `text` say a write was refused on with EROFS,
+    relative ones resolved against `cwd`, each once, in order; None when no
+    line names EROFS, [] when lines do but name no path."""
+    lines = [line for line in text.splitlines() if EROFS_TEXT in line]
+    if not lines:
+        return None
+    paths: list[str] = []
+    for line in lines:
+        found = [next(g for g in m.groups() if g) for m in QUOTED.finditer(line)]
+        found = [f for f in found if f != EROFS_TEXT]
+        if not found:  # unquoted: only what looks like a file ("Error: ..." does not)
+            found = [f for f in UNQUOTED.findall(line) if "/" in f or "." in f]
+        for path in found:
+            path = os.path.normpath(os.path.join(cwd, path))
+            if path not in paths:
+                paths.append(path)
+    return paths
+
+
+def erofs_hint(job: dict[str, Any]) -> str | None:
+    """For a failed sandboxed run: what the end of its log says the sandbox
+    refused to write, and the fix; None when the log names no EROFS."""
+    try:
+        with open(job["log_file"], "rb") as log:
+            log.seek(max(0, os.fstat(log.fileno()).st_size - EROFS_TAIL_BYTES))
+            tail = log.read().decode(errors="replace")
+    except OSError:
+        return None
+    paths = refused_writes(tail, job["cwd"])
+    if paths is None:
+        return None
+    project = job["project"].rstrip("/") + "/"
+    # Project paths as the dodo names them (over ssh the project is a copy).
+    shown = [p[len(project):] if p.startswith(project) else p for p in paths][-3:]
+    in_project = any(p.startswith(project) for p in paths)
+    what = "a write to " + ", ".join(shown) if shown else "a write"
+    message = ("the sandbox refused %s (Read-only file system): only the declared outputs, "
+               "$HOME and $TMPDIR are writable there" % what)
+    if in_project or not shown:
+        them = "them as outputs" if len(shown) > 1 else "it as an output"
+        return message + "; declare %s, or write under $TMPDIR" % them
+    return message + "; write under $TMPDIR"
+
+
+def sandboxed_command(job: dict[str, Any], note: Callable[[str], None],
+                      environ: Mapping[str, str]) -> tuple[list[str], str, str]:
     """(argv, sandbox name, folder the outputs end up in) for the job's
-    `sandbox` setting; a setting this machine cannot honour raises."""
+    `sandbox` setting; a setting this machine cannot honour raises. The
+    sandbox's home is made here; remove_home removes it."""
     wanted = job.get("sandbox", "auto")
     command = [str(part) for part in job["argv"]]
     if wanted == "none" and job.get("network_isolation"):
@@ -212,7 +332,9 @@ def sandboxed_command(job: dict[str, Any], note: Callable[[str], None]) -> tuple
             for rel in writable_dirs(job["outputs"]):
                 os.makedirs(os.path.join(staging, rel), exist_ok=True)
                 os.makedirs(os.path.join(job["project"], rel), exist_ok=True)
-            return bwrap_argv(bwrap, job, staging) + command, "bwrap", staging
+            make_home(job)
+            argv = bwrap_argv(bwrap, job, staging, home=task_home(job, environ))
+            return argv + command, "bwrap", staging
         problem = "not installed" if bwrap is None else "not usable (user namespaces off?)"
         if wanted == "bwrap":
             raise RuntimeError(

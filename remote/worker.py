@@ -42,15 +42,17 @@ import sandbox  # noqa: E402
 POLL_SECONDS = 0.5  # only an upper bound: SIGCHLD and signals wake the loop
 SETTLE_SECONDS = 0.2  # how long a finished command's exiting helpers may take
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-PATH_FIELDS = ("cwd", "project", "staging", "status_file", "log_file", "manifest_copy")
+PATH_FIELDS = ("cwd", "project", "staging", "home_dir", "status_file", "log_file", "manifest_copy")
 PATH_LIST_FIELDS = ("hide", "extra_ro", "path_prepend")
 
 
-def task_environment(job: dict[str, Any], inherited: dict[str, str], secrets: dict[str, str]
-                     ) -> dict[str, str]:
-    """The command's environment: plain settings passed through, the step's
-    env, its named secrets, and the environment's bin folder first on PATH."""
+def task_environment(job: dict[str, Any], inherited: dict[str, str], secrets: dict[str, str],
+                     home: dict[str, str] | None = None) -> dict[str, str]:
+    """The command's environment: plain settings passed through, the
+    sandbox's `home` settings, the step's env, its named secrets, and the
+    environment's bin folder first on PATH."""
     env = sandbox.plain_settings(inherited)
+    env.update(home or {})
     for name in job.get("forward_env", []):
         value = secrets.get(name, inherited.get(name))
         if value is not None:
@@ -144,7 +146,8 @@ class Worker:
         that cannot start is recorded as the run's failure."""
         job = self.job
         try:
-            argv, sandbox_name, outputs_root = sandbox.sandboxed_command(job, self.note)
+            argv, sandbox_name, outputs_root = sandbox.sandboxed_command(job, self.note, os.environ)
+            home = sandbox.home_settings(job, os.environ) if sandbox_name == "bwrap" else None
             # Under bubblewrap the command's pid namespace already holds
             # every process it starts and dies whole with it: a cgroup adds
             # nothing there, and joining one makes each start wait for the
@@ -155,7 +158,7 @@ class Worker:
             # Kept on self: a Popen object dropped while its process has
             # exited reaps it, and the poll loop would never see its end.
             self.child = subprocess.Popen(
-                argv, cwd=job["cwd"], env=task_environment(job, dict(os.environ), self.secrets),
+                argv, cwd=job["cwd"], env=task_environment(job, dict(os.environ), self.secrets, home),
                 stdin=subprocess.DEVNULL, stdout=self.log_fd, stderr=self.log_fd,
                 start_new_session=True, close_fds=True,
                 # before exec, so that nothing the command starts is outside it
@@ -163,6 +166,7 @@ class Worker:
             )
         except Exception as exc:  # any start failure is the run's failure
             self.note("could not start the command: %s" % exc)
+            sandbox.remove_home(job)
             now = control.now_iso()
             self.write_status(state="failed", message=str(exc), started_at=now, ended_at=now)
             return False
@@ -208,10 +212,18 @@ class Worker:
         proctree.kill_all(proctree.REAP_SECONDS, self.sleep, child_pid, self.cgroup)
         if self.cgroup:
             proctree.remove_cgroup(self.cgroup)
+        # Nothing runs in the sandbox's home any more; it goes before the
+        # end is recorded, so an ended run never leaves one behind.
+        sandbox.remove_home(self.job)
+        message = None
         if state == "succeeded":
             self.write_manifest(outputs_root)
+        elif state == "failed" and self.status["sandbox"] == "bwrap":
+            # Said in the status, so every backend's failure shows it.
+            message = sandbox.erofs_hint(self.job)
         signame = signal.Signals(-returncode).name if returncode is not None and returncode < 0 else None
-        self.write_status(state=state, exit_code=returncode, signal=signame, ended_at=control.now_iso())
+        self.write_status(state=state, exit_code=returncode, signal=signame, ended_at=control.now_iso(),
+                          message=message)
 
     def write_manifest(self, outputs_root: str) -> None:
         """The outputs' manifest, taken now that nothing can touch them: the
@@ -240,6 +252,9 @@ def absolute_paths(job: dict[str, Any], base: str) -> dict[str, Any]:
     for key in PATH_LIST_FIELDS:
         if job.get(key):
             job[key] = [os.path.normpath(os.path.join(base, p)) if p else p for p in job[key]]
+    if job.get("cache_dirs"):
+        job["cache_dirs"] = [{**kept, "kept": os.path.normpath(os.path.join(base, kept["kept"]))}
+                             for kept in job["cache_dirs"]]
     return job
 
 

@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from substrax_tasks.backends import BACKEND_NAMES, settings_model
 from substrax_tasks.config import BACKEND_ENV, TABLE
@@ -43,6 +43,16 @@ class BackendSettings(Strict):
     grace_seconds: float = Field(
         5.0, gt=0, description="Time between SIGTERM and SIGKILL when a run is stopped."
     )
+    cache_dirs: list[str] = Field(
+        default_factory=list,
+        description="Folders of the sandbox's home kept across runs of the project, "
+        'as "~/.cache/huggingface".',
+    )
+
+    @field_validator("cache_dirs")
+    @classmethod
+    def _cache_dirs_in_home(cls, folders: list[str]) -> list[str]:
+        return check_cache_dirs(folders)
 
     @property
     def network_isolated(self) -> bool:
@@ -58,6 +68,35 @@ class BackendSettings(Strict):
                 'set sandbox = "auto" or "bwrap", or network_isolation = false'
             )
         return self
+
+
+def check_cache_dirs(folders: list[str]) -> list[str]:
+    """Each folder is "~/" and a plain relative path (no ".", "..", empty
+    part), none twice or inside another. Returned as given, without a
+    trailing "/"."""
+    kept: list[str] = []
+    for folder in folders:
+        parts = folder.rstrip("/").split("/")
+        if parts == ["~"]:
+            raise ValueError(
+                "'~' is the whole home, which each run starts empty; name folders in it "
+                '(as "~/.cache/huggingface")'
+            )
+        if parts[0] != "~":
+            raise ValueError(
+                f"{folder!r} is not under ~: give it as \"~/\" and a path "
+                '(as "~/.cache/huggingface"); ~ is the home the task sees in the sandbox'
+            )
+        if any(part in ("", ".", "..") for part in parts[1:]):
+            raise ValueError(
+                f'{folder!r}: write the path without "", "." or ".." parts (as "~/.cache/huggingface")'
+            )
+        name = "/".join(parts)
+        for other in kept:
+            if name == other or name.startswith(other + "/") or other.startswith(name + "/"):
+                raise ValueError(f"{folder!r} overlaps {other!r}: keep one of them")
+        kept.append(name)
+    return kept
 
 
 class RemoteSettings(BackendSettings):

@@ -67,6 +67,17 @@ def canonical_digest(data: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+# Backend settings that cannot change a step's outputs: left out of the
+# up-to-date key and of a run's digest, so adding or changing them reruns
+# nothing (the kept folders' contents are never read for the key either).
+NOT_IN_KEY = ("cache_dirs",)
+
+
+def settings_in_key(settings: dict[str, Any]) -> dict[str, Any]:
+    """The backend settings that decide a step's outputs."""
+    return {k: v for k, v in settings.items() if k not in NOT_IN_KEY}
+
+
 def safe_name(name: str) -> str:
     """A form of a step name fit for folders, files and cluster names.
     Names that had to change get a short hash so two never collide."""

@@ -7,6 +7,7 @@
     cache/<step>.outputs.json     hash caches of a step's outputs and of its inputs
     cache/<step>.inputs.json
     cache/up-to-date.json         the project's proofs
+    cache/home/<path>             the local backend's kept `cache_dirs` (~/<path> in the sandbox)
     locks/<step>.lock             one driver per step (steplock.py)
 
 where <step> is `spec.safe_name(step)`. Every module asks here for these
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks.errors import HandleError, NoSuchRun
-from substrax_tasks.spec import StepSpec, canonical_digest, safe_name
+from substrax_tasks.spec import StepSpec, canonical_digest, safe_name, settings_in_key
 
 if TYPE_CHECKING:
     from substrax_tasks.handle import RunHandle
@@ -44,7 +45,7 @@ class Unreadable:
 def run_digest(spec: StepSpec, backend: str, settings: dict[str, Any]) -> str:
     """What decides a run's result: the spec plus the backend and its settings."""
     return canonical_digest(
-        {"spec": spec.model_dump(mode="json"), "backend": backend, "settings": settings}
+        {"spec": spec.model_dump(mode="json"), "backend": backend, "settings": settings_in_key(settings)}
     )
 
 
@@ -65,6 +66,11 @@ class RunStore:
 
     def outputs_cache(self, step: str) -> Path:
         return self.root / "cache" / f"{safe_name(step)}.outputs.json"
+
+    @property
+    def home_cache(self) -> Path:
+        """Where the local backend keeps the `cache_dirs` of the sandbox's home."""
+        return self.root / "cache" / "home"
 
     def inputs_cache(self, step: str) -> Path:
         return self.root / "cache" / f"{safe_name(step)}.inputs.json"

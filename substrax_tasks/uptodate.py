@@ -34,7 +34,7 @@ from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks.config import ENV_LOCK_FILES
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.proofs import proof_file
-from substrax_tasks.spec import StepSpec, canonical_digest, safe_name
+from substrax_tasks.spec import StepSpec, canonical_digest, safe_name, settings_in_key
 
 if TYPE_CHECKING:
     from substrax_tasks.store import RunStore
@@ -127,7 +127,7 @@ def key_parts(step: Step) -> dict[str, Any]:
         "resources": spec.resources,
         "secrets": spec.forward_env,
         "backend": step.backend,
-        "settings": canonical_digest(step.settings),
+        "settings": canonical_digest(settings_in_key(step.settings)),
         "inputs": files,
         "missing_inputs": manifest["missing"],
         "environment": environment_lock(step.root),
@@ -288,7 +288,7 @@ def _settings_change(step: Step, pinned: dict[str, Any] | None) -> str:
     table = f"[tool.substrax.compute.backends.{step.backend}]"
     if pinned is None:
         return f"settings changed: the backend settings {table} differ from the verified run's"
-    now = step.settings
+    pinned, now = settings_in_key(pinned), settings_in_key(step.settings)
     keys = sorted(k for k in set(pinned) | set(now) if pinned.get(k) != now.get(k))
     changes = ", ".join(f"{k} was {pinned.get(k)!r}, now {now.get(k)!r}" for k in keys)
     return f"settings changed in {table}: {changes or 'the backend changed'}"

@@ -6,7 +6,11 @@ differ only in where the folders are and how the files travel.
 
 from __future__ import annotations
 
+import hashlib
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks.errors import HandleError
@@ -19,6 +23,7 @@ JOB_FILE = "job.json"
 STATUS_FILE = "status.json"
 LOG_FILE = "run.log"
 STAGING_DIR = "work/outputs"
+HOME_DIR = "work/home"  # the sandbox's home for one run; the worker removes it as the run ends
 START_LOCK = "start.lock"  # remote/worker.py's: taken to start a run, and to cancel one not started
 
 
@@ -45,6 +50,17 @@ class WorkerPaths:
     def staging(self) -> str:
         return f"{self.run_dir}/{STAGING_DIR}"
 
+    @property
+    def home(self) -> str:
+        return f"{self.run_dir}/{HOME_DIR}"
+
+
+def project_key(project: str) -> str:
+    """A folder name for one client's project on a shared machine: its name
+    to read, a digest of its path to tell two projects of that name apart."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", PurePosixPath(project).name).strip("-.")[:40] or "project"
+    return f"{name}-{hashlib.sha256(project.encode()).hexdigest()[:12]}"
+
 
 def build_job(
     spec: StepSpec,
@@ -57,9 +73,13 @@ def build_job(
     extra_ro: list[str] | None = None,
     env: dict[str, str] | None = None,
     env_dir: str | None = None,
+    cache_dirs: Sequence[str] = (),
+    cache_root: str | None = None,
 ) -> dict[str, Any]:
     """The job; `env_dir`: the environment built from the project's lock
-    file, first on the task's PATH and readable in the sandbox."""
+    file, first on the task's PATH and readable in the sandbox;
+    `cache_dirs` (validated "~/..." folders of the sandbox's home) are kept
+    across runs under `cache_root`, at the same paths below it."""
     job: dict[str, Any] = {
         "argv": list(spec.command),
         "cwd": paths.project,
@@ -78,7 +98,14 @@ def build_job(
         # names only: the values come from the worker's environment (local)
         # or its stdin (remote), never from a file
         "forward_env": list(spec.forward_env),
+        "home_dir": paths.home,
+        "cache_dirs": [],
     }
+    for folder in cache_dirs:
+        if cache_root is None:
+            raise ValueError("cache_dirs need a cache_root")
+        rel = folder[2:].rstrip("/")  # validated: "~/" and a clean relative path
+        job["cache_dirs"].append({"path": rel, "kept": f"{cache_root}/{rel}"})
     if env_dir is not None:
         job["extra_ro"].append(env_dir)
         job["path_prepend"] = [f"{env_dir}/bin"]

@@ -36,7 +36,7 @@ BAD_CONFIGS = [
         '[tool.substrax.compute.backends.local]\nsandbx = "none"\n',
         [
             "unknown key 'sandbx' in [tool.substrax.compute.backends.local]",
-            "valid keys: grace_seconds, network_isolation, sandbox",
+            "valid keys: cache_dirs, grace_seconds, network_isolation, sandbox",
         ],
     ),
     (
@@ -153,16 +153,18 @@ def test_defaults_need_no_configuration(project_dir: Path) -> None:
     assert project.store.root == project_dir / ".substrax"
     name, settings = project.settings_for()
     assert name == "local"
-    assert settings == {"sandbox": "auto", "network_isolation": False, "grace_seconds": 5.0}
+    assert settings == {"sandbox": "auto", "network_isolation": False, "grace_seconds": 5.0, "cache_dirs": []}
 
 
 def test_configured_values_are_used(project_dir: Path) -> None:
     (project_dir / "pyproject.toml").write_text(
         '[tool.substrax.compute]\ndefault_backend = "local"\nstate_dir = "var/runs-state"\n\n'
         '[tool.substrax.compute.backends.local]\nsandbox = "none"\ngrace_seconds = 0.5\n'
+        'cache_dirs = ["~/.cache/huggingface"]\n'
     )
     project = Project.open(project_dir)
-    configured = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5}
+    configured = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5,
+                  "cache_dirs": ["~/.cache/huggingface"]}  # fmt: skip
     assert project.settings_for() == ("local", configured)
     handle = project.submit(make_spec("configured", ["true"], project_dir))
     assert handle.settings == configured

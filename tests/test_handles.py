@@ -47,7 +47,7 @@ def test_settings_stay_pinned_when_the_pyproject_changes(project_dir: Path, mark
     project = Project.open(project_dir)
     spec = make_spec("pinned", stubborn_tree(marker, "child"), project_dir, outputs=["out/"])
     handle = project.submit(spec)  # no override: the settings come from pyproject.toml
-    pinned = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5}
+    pinned = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5, "cache_dirs": []}
     assert handle.settings == pinned
     task_ready, child_ready = ready_files(outputs_root(project, handle), "child")
     wait_for(lambda: task_ready.exists() and child_ready.exists(), "the task tree to start")
@@ -98,7 +98,9 @@ def test_handle_records_spec_settings_and_digest(project: Project) -> None:
     assert data["run_id"] == handle.run_id
     assert data["step"] == "record"
     assert data["backend"] == "local"
-    assert data["settings"] == {"sandbox": "none", "network_isolation": False, "grace_seconds": 5.0}
+    assert data["settings"] == {
+        "sandbox": "none", "network_isolation": False, "grace_seconds": 5.0, "cache_dirs": []
+    }
     assert data["spec"]["command"] == ["sh", "-c", "true"]
     assert data["spec"]["outputs"] == ["out/"]
     assert data["spec"]["env"] == {"A": "1"}

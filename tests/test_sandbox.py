@@ -216,7 +216,7 @@ attempt write-private-tmp 'echo x > {scratch}'
         "new-file-in-project": "DENIED",
         "write-input": "DENIED",
         "write-beside-output": "DENIED",
-        "write-home": "DENIED",
+        "write-home": "ALLOWED",  # the run's own home, not the real one
         "read-home": "DENIED",
         "see-earlier-file-output": "DENIED",
         "see-earlier-folder-output": "DENIED",
@@ -230,6 +230,7 @@ attempt write-private-tmp 'echo x > {scratch}'
     assert (root / "data" / "in.txt").read_text() == "input\n"
     assert (root / "results" / "old.txt").read_text() == "kept\n"
     assert not (fake_home / "planted").exists()
+    assert not (run_dir(project, handle) / "work" / "home").exists()  # gone with the run
     assert not Path(scratch).exists()
     # The outputs landed at their relative paths in the run's staging folder.
     staging = outputs_root(project, handle)
@@ -263,10 +264,10 @@ echo "HOME HOLDS: $(ls -A "$HOME" | tr '\\n' ' ')"
         "read-project": "ALLOWED",
         "write-project": "DENIED",
         "read-home": "DENIED",
-        "write-home": "DENIED",
+        "write-home": "ALLOWED",
         "write-output": "ALLOWED",
     }
-    assert "HOME HOLDS: work \n" in log  # only the way to the project
+    assert "HOME HOLDS: planted work \n" in log  # what it wrote, and the way to the project
     assert (root / "code.txt").read_text() == "original\n"
     assert not (fake_home / "planted").exists()
     assert (outputs_root(project, handle) / "out" / "result.txt").read_text() == "result\n"

@@ -68,6 +68,8 @@ class LocalBackend(Backend):
             grace_seconds=self.settings.grace_seconds,
             hide=[str(Path.home())],
             extra_ro=interpreter_paths(),
+            cache_dirs=self.settings.cache_dirs,
+            cache_root=str(self.store.home_cache),
         )
         write_json_atomic(Path(paths.job), job)
         return self.store.update_state(handle, phase="launched")

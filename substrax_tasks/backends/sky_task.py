@@ -28,7 +28,7 @@ from substrax_tasks.backends._remote_run import env_digest, env_lock, project_fi
 from substrax_tasks.backends.local import link_tree
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.worker_job import WorkerPaths, build_job
+from substrax_tasks.worker_job import WorkerPaths, build_job, project_key
 
 _UNSAFE = re.compile(r"[^a-z0-9]+")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
@@ -123,6 +123,8 @@ def worker_job(
         grace_seconds=settings.grace_seconds,
         hide=["."],  # the home folder: its credentials are not the task's
         env_dir=env_dir,
+        cache_dirs=settings.cache_dirs,
+        cache_root=f"{layout.root}/cache/{project_key(str(handle.state['project']))}",
     )
     job["staging"] = layout.staging
     if layout.bucket_key is not None:  # the bucket transport fetches it with the outputs

@@ -31,7 +31,7 @@ from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.settings import SshSettings
 from substrax_tasks.transports.rsync import RsyncTransport
-from substrax_tasks.worker_job import WorkerPaths, build_job, damaged_status, status_from_record
+from substrax_tasks.worker_job import WorkerPaths, build_job, damaged_status, project_key, status_from_record
 
 
 class SetupFailed(SubstraxError):
@@ -131,6 +131,7 @@ class SshBackend(Backend):
         run = self.remote_run(handle)
         paths = WorkerPaths(project=f"{run.run_dir}/project", run_dir=run.run_dir)
         env_dir = handle.state.get("env_dir")
+        cache_root = f"{self._state(handle, 'remote_root')}/cache/{project_key(str(handle.state['project']))}"
         job = build_job(
             handle.spec,
             paths,
@@ -139,6 +140,8 @@ class SshBackend(Backend):
             grace_seconds=self.settings.grace_seconds,
             hide=[str(handle.state.get("remote_home") or "")],
             env_dir=env_dir if isinstance(env_dir, str) else None,
+            cache_dirs=self.settings.cache_dirs,
+            cache_root=cache_root,
         )
         self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())
         secrets = forwarded_env(handle)
