@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -492,4 +493,45 @@ def test_ctrl_c_under_four_threads_detaches_every_run_and_the_rerun_reattaches(s
     for m in range(4):
         assert (sky.root / f"fit-{m}.txt").read_text() == f"{m}\n"
     assert run_count(sky.root) == 4
+    assert sky.clusters() == []
+
+
+def test_a_cluster_gone_under_a_killed_client_loses_the_run_and_the_rerun_launches_anew(
+    sky: Sky, marker: str
+) -> None:
+    # Unsandboxed: the sandbox's private /tmp would hide the gate from the job.
+    gate = sky.base / f"gate-{marker}"
+    sky.configure(sandbox="none")
+    body = f"""
+def task_step():
+    yield from remote_step(
+        "step", outputs=["out.txt"], resources={{"cpus": 1}},
+        command=["/bin/sh", "-c", "echo started; while [ ! -e {gate} ]; do sleep 0.05; done; "
+                 "echo made > out.txt", {marker!r}],
+    )
+"""
+    write_ssh_dodo(sky.root, body, ["step"])
+    proc = popen_doit(sky.root, env=sky.env)
+    try:
+        wait_for(lambda: marked_pids(marker), "the job to be running", timeout=120)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    (cluster,) = sky.clusters()
+    # Deleted by hand (as a preemption would): SkyPilot's own down, from outside.
+    down = f"import sky; sky.get(sky.down({cluster!r}))"
+    gone = subprocess.run([sys.executable, "-c", down], env=clean_env(sky.env), capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert gone.returncode == 0 and sky.clusters() == [], gone.stderr
+    first = only_handle(sky.root)
+    gate.touch()
+    done = doit(sky.root, env=sky.env, timeout=300)
+    assert done.returncode == 0, show(done)
+    said = f"run {first['run_id']} was lost (its cluster {cluster} is gone"
+    assert said in done.stdout and "launching a new run" in done.stdout, show(done)
+    assert (sky.root / "out.txt").read_text() == "made\n"
+    assert run_count(sky.root) == 2
+    lost = sky.compute("status", first["run_id"], "--json")
+    assert json.loads(lost.stdout)["runs"][0]["state"] == "lost", lost.stdout
     assert sky.clusters() == []
