@@ -15,9 +15,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import describe, marked_pids, on_a_terminal, wait_for
@@ -369,3 +371,40 @@ def test_steps_on_one_host_share_one_held_session(host: SshHost) -> None:
         target.stop_master()
     master = Path(target.control_path()).name
     wait_for(lambda: not marked_pids(master), "the master to exit")
+
+
+def test_a_copy_whose_master_dies_under_it_is_tried_once_more_on_a_new_master(
+    tmp_path: Path, host: SshHost, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from substrax_tasks.transports.rsync import RsyncTransport
+
+    target = SshSettings.model_validate(ssh_settings(host)).target()
+    started = subprocess.run([*target.ssh_argv(), target.host, "true"], capture_output=True, check=False)
+    assert started.returncode == 0, started.stderr
+    (master,) = [pid for pid in marked_pids(Path(target.control_path()).name)
+                 if b"[mux]" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
+    source = host.scratch / "dead-master"
+    source.mkdir()
+    (source / "a.txt").write_text("payload\n")
+    # sshd runs ~/.ssh/rc before each session's command: it holds the copy's
+    # session on the host until the hold file goes.
+    rc = host.remote_home / ".ssh" / "rc"
+    rc.parent.mkdir(exist_ok=True)
+    hold = host.remote_home / "hold"
+    rc.write_text(f"while [ -e {hold} ]; do sleep 0.05; done\n")
+    hold.touch()
+    done: list[Any] = []
+    transport = RsyncTransport(target, show_progress=False)
+    got = tmp_path / "got"
+    copy = threading.Thread(target=lambda: done.append(transport.download(str(source), ["a.txt"], got)))
+    copy.start()
+    try:
+        wait_for(lambda: marked_pids(".ssh/rc"), "the copy's session to be held on the host")
+        os.kill(master, signal.SIGKILL)  # the master dies mid-copy (its timeout, a network gone)
+    finally:
+        hold.unlink()
+        copy.join(timeout=60)
+        rc.unlink()
+    assert done and (got / "a.txt").read_text() == "payload\n"
+    assert "had died; again on a new one" in capsys.readouterr().err
+    target.stop_master()

@@ -208,18 +208,25 @@ class SshBackend(Backend):
         """With follow, one follower on the host (control.py follow) streams
         the log over one channel until the run ends, instead of a status and
         a log read started there every fraction of a second; the base then
-        reads what is left and the final status."""
+        is read only when the follower did not see the end (it reads the log
+        after the status that says so: what it sent is the whole log)."""
         status = self.poll(handle)
-        while follow and not status.final and "remote_run_dir" in handle.state:
-            offset = self._follow(handle, out, offset)
+        if not follow or status.final or "remote_run_dir" not in handle.state:
+            return super().stream_log(handle, out, follow=follow, offset=offset)
+        while True:
+            offset, whole = self._follow(handle, out, offset)
             status = self.poll(handle)
-            if not status.final:  # it ended early (the run not yet started): again, not at once
-                check_interrupted()
-                time.sleep(LOG_POLL_SECONDS)
-        return super().stream_log(handle, out, follow=follow, offset=offset)
+            if status.final:
+                if whole and offset < MAX_LOG_BYTES:
+                    return status
+                return super().stream_log(handle, out, offset=offset)  # the rest, or the cut noted
+            check_interrupted()  # it ended early (its channel broke): again, not at once
+            time.sleep(LOG_POLL_SECONDS)
 
-    def _follow(self, handle: RunHandle, out: IO[bytes], offset: int) -> int:
-        """Run the follower until it exits; the log's new offset."""
+    def _follow(self, handle: RunHandle, out: IO[bytes], offset: int) -> tuple[int, bool]:
+        """Run the follower until it exits: the log's new offset, and whether
+        it saw the run end (exit 0: then it sent the log to its end, or to
+        MAX_LOG_BYTES)."""
         run = self.remote_run(handle)
         sent = 0
 
@@ -239,7 +246,7 @@ class SshBackend(Backend):
             )
         if result.returncode != 0 and self.poll(handle).state != "lost":
             raise run.failure("following the run's log", result)
-        return offset + sent
+        return offset + sent, result.returncode == 0
 
     def read_log(self, handle: RunHandle, offset: int) -> bytes:
         kept = _remote_run.read_kept_log(self.store.run_dir(handle.run_id) / "run.log", offset)

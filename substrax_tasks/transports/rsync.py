@@ -44,6 +44,8 @@ class SshEndpoint(Protocol):
 
     def ssh_argv(self) -> list[str]: ...
 
+    def control_path(self) -> str: ...
+
     def drop_master(self) -> None: ...
 
 
@@ -98,11 +100,16 @@ class RsyncTransport:
         """rsync's figures and what it said on stdout. A copy that failed
         because ssh's multiplexing master had died under it (its connection
         gone without a reset: the network dropped, the host restarted) is
-        tried once more on a new master."""
+        tried once more on a new master (the master's own timeout, or a
+        network gone for longer than it, ends a copy on it that way)."""
+        shared = Path(self.target.control_path()).exists()
         try:
             return self._rsync_once(argv, rel_paths, what)
         except BackendError as exc:
-            if not any(sign in str(exc) for sign in DEAD_MASTER_SIGNS):
+            # 255: ssh's own failure, which a master dying mid-copy leaves
+            # without a word of its own (only rsync's "connection
+            # unexpectedly closed").
+            if not shared or not (" (exit 255)" in str(exc) or any(s in str(exc) for s in DEAD_MASTER_SIGNS)):
                 raise
         emit(f"{what}: ssh's shared connection to {self.target.host} had died; again on a new one", err=True)
         self.target.drop_master()
