@@ -42,8 +42,10 @@ from dodo_helpers import (
 from fakesky_cleanup import cleanup, fakesky_env, leftovers
 from s3_server import S3Server, running_s3_server
 from ssh_helpers import (
+    GATED_STEP,
     GATED_SWEEP,
     SANDBOX,
+    doit_killed_mid_run,
     live_handles,
     needs_root,
     needs_sshd,
@@ -502,22 +504,9 @@ def test_a_cluster_gone_under_a_killed_client_loses_the_run_and_the_rerun_launch
     # Unsandboxed: the sandbox's private /tmp would hide the gate from the job.
     gate = sky.base / f"gate-{marker}"
     sky.configure(sandbox="none")
-    body = f"""
-def task_step():
-    yield from remote_step(
-        "step", outputs=["out.txt"], resources={{"cpus": 1}},
-        command=["/bin/sh", "-c", "echo started; while [ ! -e {gate} ]; do sleep 0.05; done; "
-                 "echo made > out.txt", {marker!r}],
-    )
-"""
+    body = GATED_STEP.format(gate=str(gate), marker=marker, resources={"cpus": 1})
     write_ssh_dodo(sky.root, body, ["step"])
-    proc = popen_doit(sky.root, env=sky.env)
-    try:
-        wait_for(lambda: marked_pids(marker), "the job to be running", timeout=120)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        stop(proc)
+    doit_killed_mid_run(sky.root, marker, env=sky.env)
     (cluster,) = sky.clusters()
     # Deleted by hand (as a preemption would): SkyPilot's own down, from outside.
     down = f"import sky; sky.get(sky.down({cluster!r}))"

@@ -38,9 +38,11 @@ from dodo_helpers import (
     wait_for,
 )
 from ssh_helpers import (
+    GATED_STEP,
     GATED_SWEEP,
     SANDBOX,
     build_wheel,
+    doit_killed_mid_run,
     fresh_user,
     launched_status,
     live_handles,
@@ -598,16 +600,6 @@ def test_a_run_whose_log_a_host_swaps_for_a_device_fails_with_a_message_and_goes
 
 # ------------------------------------------------- the host restarted
 
-GATED_STEP = """
-def task_step():
-    yield from remote_step(
-        "step", outputs=["out.txt"],
-        command=["/bin/sh", "-c", "echo started; while [ ! -e {gate} ]; do sleep 0.05; done; "
-                 "echo made > out.txt", {marker!r}],
-    )
-"""
-
-
 def test_a_host_restarted_under_a_killed_client_loses_the_run_and_the_rerun_launches_anew(
     tmp_path: Path, host: SshHost, marker: str
 ) -> None:
@@ -615,15 +607,9 @@ def test_a_host_restarted_under_a_killed_client_loses_the_run_and_the_rerun_laun
     # unsandboxed, as the sandbox would hide it.
     assert host.user_dir is not None
     gate = host.user_dir / f"gate-{marker}"
-    body = GATED_STEP.format(gate=str(gate), marker=marker)
+    body = GATED_STEP.format(gate=str(gate), marker=marker, resources={})
     root = make_ssh_project(tmp_path, host, body, sandbox="none", remote_root=str(host.scratch / "remote"))
-    proc = popen_doit(root)
-    try:
-        wait_for(lambda: marked_pids(marker), "the run to be going on the host", timeout=60)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        stop(proc)
+    doit_killed_mid_run(root, marker)
     first = only_handle(root)
     try:
         reboot(host)  # its processes, network and scratch disk gone; back with the same key
