@@ -207,9 +207,10 @@ class SshBackend(Backend):
     ) -> RunStatus:
         """With follow, one follower on the host (control.py follow) streams
         the log over one channel until the run ends, instead of a status and
-        a log read started there every fraction of a second; the base then
-        is read only when the follower did not see the end (it reads the log
-        after the status that says so: what it sent is the whole log)."""
+        a log read started there every fraction of a second. The base reads
+        the log again only when the follower did not see the end: when it
+        did, what it sent is the whole log (it reads the log after the
+        status that says the run ended)."""
         status = self.poll(handle)
         if not follow or status.final or "remote_run_dir" not in handle.state:
             return super().stream_log(handle, out, follow=follow, offset=offset)
@@ -220,7 +221,9 @@ class SshBackend(Backend):
                 if whole and offset < MAX_LOG_BYTES:
                     return status
                 return super().stream_log(handle, out, offset=offset)  # the rest, or the cut noted
-            check_interrupted()  # it ended early (its channel broke): again, not at once
+            # Not expected (the follower ends on the record this reads), but
+            # never a busy loop if it happens.
+            check_interrupted()
             time.sleep(LOG_POLL_SECONDS)
 
     def _follow(self, handle: RunHandle, out: IO[bytes], offset: int) -> tuple[int, bool]:
