@@ -21,6 +21,16 @@ from substrax_tasks._openssh import MAX_ANSWER_BYTES, RemoteResult, SshTarget, a
 from substrax_tasks.errors import BackendError, SubstraxError
 
 STREAM_TICK = 0.2  # seconds between a streaming command's checks (Ctrl-C in a doit thread)
+# Long-lived commands (followers) at once on one connection: sshd lets one
+# connection hold MaxSessions (10 by default) sessions, and the short
+# commands of the other threads need some of them.
+MAX_STREAMS = 6
+
+
+class NoSession(BackendError):
+    """No session for one more long-lived command on the connection
+    (MAX_STREAMS, or sshd's MaxSessions, reached): the connection itself is
+    fine."""
 
 
 class HostKeyError(SubstraxError):
@@ -34,6 +44,7 @@ class SshConnection:
         self.target = target
         self._client: paramiko.SSHClient | None = None
         self._lock = threading.Lock()
+        self._streams = threading.BoundedSemaphore(MAX_STREAMS)
 
     @property
     def host(self) -> str:
@@ -142,9 +153,14 @@ class SshConnection:
         open meanwhile: a command there can take its close for the client's
         end. The result's stdout is empty (it went to `out`)."""
         command = shlex.join(argv)
+        if not self._streams.acquire(blocking=False):
+            raise NoSession(f"{MAX_STREAMS} long-lived commands run on {self.host} already")
         channel = None
         try:
-            channel = self.client().get_transport().open_session()  # type: ignore[union-attr]
+            try:
+                channel = self.client().get_transport().open_session()  # type: ignore[union-attr]
+            except paramiko.ChannelException as exc:  # the connection stays: other threads use it
+                raise NoSession(f"{self.host} opened no session for `{command[:80]}`: {exc}") from None
             channel.exec_command(command)
             err = bytearray()
             while True:
@@ -166,6 +182,7 @@ class SshConnection:
         finally:
             if channel is not None:
                 channel.close()
+            self._streams.release()
 
     def check(self, argv: list[str], what: str, **kwargs: float | bytes | None) -> RemoteResult:
         result = self.run(argv, **kwargs)  # type: ignore[arg-type]

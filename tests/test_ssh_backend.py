@@ -8,6 +8,7 @@ never starts it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -35,6 +36,7 @@ from ssh_helpers import (
     remote_run_dir,
     ssh_host,
     ssh_settings,
+    user_pids,
     write_ssh_pyproject,
 )
 from testbeds.sshd_host import SshHost
@@ -408,3 +410,46 @@ def test_a_copy_whose_master_dies_under_it_is_tried_once_more_on_a_new_master(
     assert done and (got / "a.txt").read_text() == "payload\n"
     assert "had died; again on a new one" in capsys.readouterr().err
     target.stop_master()
+
+
+def cats(uid: int) -> list[int]:
+    """The user's `cat` processes on the host."""
+    found = []
+    for pid in user_pids(uid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == b"cat\0":
+                found.append(pid)
+    return found
+
+
+def test_followers_beyond_the_sessions_one_connection_may_hold_are_refused_and_the_connection_stays(
+    host: SshHost,
+) -> None:
+    from substrax_tasks._ssh import MAX_STREAMS, NoSession, connection
+
+    conn = connection(SshSettings.model_validate(ssh_settings(host)).target())
+    release = threading.Event()
+
+    def tick() -> None:
+        if release.is_set():
+            raise KeyboardInterrupt  # as Ctrl-C in a doit thread: the channel closes
+
+    def held() -> None:
+        with contextlib.suppress(KeyboardInterrupt):
+            conn.stream(["cat"], lambda chunk: None, tick)  # stdin stays open: cat waits
+
+    streams = [threading.Thread(target=held) for _ in range(MAX_STREAMS)]
+    for thread in streams:
+        thread.start()
+    try:
+        wait_for(lambda: len(cats(host.uid)) >= MAX_STREAMS, "the long-lived commands to hold their sessions")
+        with pytest.raises(NoSession):
+            conn.stream(["true"], lambda chunk: None, lambda: None)
+        assert conn.run(["echo", "still here"]).text() == "still here\n"  # short commands go on
+    finally:
+        release.set()
+        for thread in streams:
+            thread.join(timeout=30)
+    done = bytearray()
+    assert conn.stream(["echo", "again"], done.extend, lambda: None).returncode == 0
+    assert bytes(done) == b"again\n"

@@ -26,7 +26,7 @@ from typing import IO
 from substrax_tasks._output import emit
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
 from substrax_tasks._signals import check_interrupted
-from substrax_tasks._ssh import SshConnection, connection
+from substrax_tasks._ssh import NoSession, SshConnection, connection
 from substrax_tasks.backends import _remote_run
 from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env, project_files
 from substrax_tasks.backends.base import LOG_POLL_SECONDS, MAX_LOG_BYTES, Backend, Fetched, RunStatus
@@ -215,7 +215,12 @@ class SshBackend(Backend):
         if not follow or status.final or "remote_run_dir" not in handle.state:
             return super().stream_log(handle, out, follow=follow, offset=offset)
         while True:
-            offset, whole = self._follow(handle, out, offset)
+            try:
+                offset, whole = self._follow(handle, out, offset)
+            except NoSession:
+                # More steps follow runs on this host at once than sshd lets
+                # one connection hold sessions: this one polls, as before.
+                return super().stream_log(handle, out, follow=True, offset=offset)
             status = self.poll(handle)
             if status.final:
                 if whole and offset < MAX_LOG_BYTES:
