@@ -6,11 +6,19 @@ process; over SSH it runs beside worker.py, one command per operation, each
 printing one JSON line:
 
     python3 control.py status RUN_DIR
+    python3 control.py follow RUN_DIR OFFSET LIMIT
     python3 control.py cancel RUN_DIR [--wait SECONDS]
     python3 control.py watchdog RUN_DIR SECONDS [--detach] [--poweroff]
     python3 control.py remove RUN_DIR
 
 It imports no sibling, so loading it shadows no module of the user's.
+`follow` is the exception: it streams the run's log (raw bytes on stdout,
+from OFFSET, at most LIMIT of them) until the run has ended, and prints
+nothing else. One follower per wait replaces a status command every fraction
+of a second. It exits when its stdin closes (the client went: its channel
+closed or its connection broke), so it never outlives the client by more
+than a poll.
+
 Closing an SSH channel kills nothing (fabric's lesson): a remote tree is
 stopped by signalling its worker by pid, checked against its start time.
 """
@@ -22,8 +30,10 @@ import datetime
 import fcntl
 import json
 import os
+import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -33,6 +43,8 @@ FINAL_STATES = ("succeeded", "failed", "timed_out", "cancelled")
 STATUS_FILE = "status.json"
 START_LOCK = "start.lock"  # the worker takes it to start, a cancel of a run not started to end it
 WATCHDOG_POLL_SECONDS = 5.0
+FOLLOW_POLL_SECONDS = 0.2  # how soon a follower sends new log lines and sees the end
+FOLLOW_CHUNK = 1 << 16
 CANCEL_WAIT_SECONDS = 30.0
 
 
@@ -166,6 +178,69 @@ def workers_of(run_dir: str) -> list[int]:
     return found
 
 
+def ended(record: dict[str, Any]) -> bool:
+    """Whether a status() says the run is over: finished, its worker gone
+    without an end (lost), or its folder gone."""
+    state = record.get("state")
+    if record.get("damaged"):  # the client says so; over once no worker of it goes
+        return not record.get("worker_pids")
+    if state is None:
+        return not record.get("exists")
+    return state in FINAL_STATES or not record.get("worker_alive")
+
+
+class LogRefused(Exception):
+    """The log is not a regular file: a link or a device put in its place."""
+
+
+def send_log(run_dir: str, offset: int, limit: int) -> int:
+    """Write the log from `offset` (up to `limit` bytes in all) to stdout;
+    the new offset. Only a regular file is read: a log replaced by a link or
+    a device (/dev/zero) would be read without end."""
+    path = os.path.join(run_dir, "run.log")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return offset
+    except OSError:  # ELOOP: a symlink
+        raise LogRefused(path) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LogRefused(path)
+        while offset < limit:
+            chunk = os.pread(fd, min(FOLLOW_CHUNK, limit - offset), offset)
+            if not chunk:
+                break
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(1, view):]
+            offset += len(chunk)
+    finally:
+        os.close(fd)
+    return offset
+
+
+def follow(run_dir: str, offset: int, limit: int) -> int:
+    """Stream the log until the run has ended (then the log is whole: it is
+    read after the status that says so) or stdin closes. Exit 3: the log is
+    not a regular file."""
+    poller = select.poll()
+    poller.register(0, select.POLLIN)
+    try:
+        while True:
+            over = ended(status(run_dir))
+            offset = send_log(run_dir, offset, limit)
+            if over:
+                return 0
+            if poller.poll(FOLLOW_POLL_SECONDS * 1000) and not os.read(0, 4096):
+                return 0  # the client went
+    except LogRefused as exc:
+        sys.stderr.write("the run's log %s is not a regular file\n" % exc)
+        return 3
+    except BrokenPipeError:
+        return 0  # the client went while we wrote
+
+
 def cancel(run_dir: str, wait: float) -> dict[str, Any]:
     """SIGTERM the worker (which stops the whole tree) and wait for its end.
     A worker that is gone already: kill what is left of the task's group."""
@@ -286,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(__doc__ or "")
         return 2
     command, run_dir = args[0], args[1]
+    if command == "follow" and len(args) >= 4:
+        return follow(run_dir, int(args[2]), int(args[3]))
     if command == "status":
         result = status(run_dir)
     elif command == "cancel":

@@ -102,6 +102,9 @@ class SshTarget:
         with contextlib.suppress(UnsafeFolder):  # a folder refused holds no master of ours
             stop_master(self.ssh_argv(), self.host, self.control_path())
 
+    def drop_master(self) -> None:
+        drop_master(self.ssh_argv(), self.host, self.control_path())
+
     @contextlib.contextmanager
     def master_held(self) -> Iterator[None]:
         """Keep the multiplexing master up while the block runs: the next
@@ -182,6 +185,16 @@ def stop_master(ssh_argv: list[str], host: str, control_path: str) -> None:
     )  # fmt: skip
 
 
+def drop_master(ssh_argv: list[str], host: str, control_path: str) -> None:
+    """Give up a master whose connection died: asked to exit (it answers on
+    its socket even with its connection gone), and its socket removed if it
+    could not be, so the next ssh starts a new master there."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        stop_master(ssh_argv, host, control_path)
+    with contextlib.suppress(FileNotFoundError):
+        Path(control_path).unlink()
+
+
 class ClusterTarget:
     """ssh to a SkyPilot cluster through the config SkyPilot wrote for it
     (OpenSSH for commands too: the config may hold what paramiko cannot)."""
@@ -236,6 +249,9 @@ class ClusterTarget:
     def stop_master(self) -> None:
         with contextlib.suppress(UnsafeFolder):  # a folder refused holds no master of ours
             stop_master(self.ssh_argv(), self.host, self.control_path())
+
+    def drop_master(self) -> None:
+        drop_master(self.ssh_argv(), self.host, self.control_path())
 
 
 def _bounded_answer(

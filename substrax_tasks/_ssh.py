@@ -12,12 +12,25 @@ import select
 import shlex
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import paramiko
 
 from substrax_tasks._openssh import MAX_ANSWER_BYTES, RemoteResult, SshTarget, answer_too_big
 from substrax_tasks.errors import BackendError, SubstraxError
+
+STREAM_TICK = 0.2  # seconds between a streaming command's checks (Ctrl-C in a doit thread)
+# Long-lived commands (followers) at once on one connection: sshd lets one
+# connection hold MaxSessions (10 by default) sessions, and the short
+# commands of the other threads need some of them.
+MAX_STREAMS = 6
+
+
+class NoSession(BackendError):
+    """No session for one more long-lived command on the connection
+    (MAX_STREAMS, or sshd's MaxSessions, reached): the connection itself is
+    fine."""
 
 
 class HostKeyError(SubstraxError):
@@ -31,6 +44,7 @@ class SshConnection:
         self.target = target
         self._client: paramiko.SSHClient | None = None
         self._lock = threading.Lock()
+        self._streams = threading.BoundedSemaphore(MAX_STREAMS)
 
     @property
     def host(self) -> str:
@@ -130,6 +144,45 @@ class SshConnection:
             self.close()
             raise BackendError(f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}") from None
         return RemoteResult(code, bytes(out), bytes(err))
+
+    def stream(self, argv: list[str], out: Callable[[bytes], None], tick: Callable[[], None]) -> RemoteResult:
+        """Run argv on the host for as long as it goes, handing its stdout to
+        `out` as it comes and calling `tick` at least every STREAM_TICK
+        seconds (it may raise, e.g. KeyboardInterrupt: the channel is then
+        closed, which closes the command's stdin there). Its stdin stays
+        open meanwhile: a command there can take its close for the client's
+        end. The result's stdout is empty (it went to `out`)."""
+        command = shlex.join(argv)
+        if not self._streams.acquire(blocking=False):
+            raise NoSession(f"{MAX_STREAMS} long-lived commands run on {self.host} already")
+        channel = None
+        try:
+            try:
+                channel = self.client().get_transport().open_session()  # type: ignore[union-attr]
+            except paramiko.ChannelException as exc:  # the connection stays: other threads use it
+                raise NoSession(f"{self.host} opened no session for `{command[:80]}`: {exc}") from None
+            channel.exec_command(command)
+            err = bytearray()
+            while True:
+                tick()
+                if channel.recv_ready():
+                    out(channel.recv(1 << 16))
+                elif channel.recv_stderr_ready():
+                    if len(err) > MAX_ANSWER_BYTES:
+                        raise answer_too_big(self.host)
+                    err += channel.recv_stderr(1 << 16)
+                elif channel.closed or (channel.eof_received and channel.exit_status_ready()):
+                    break
+                else:
+                    select.select([channel], [], [], STREAM_TICK)
+            return RemoteResult(channel.recv_exit_status(), b"", bytes(err))
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            self.close()
+            raise BackendError(f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}") from None
+        finally:
+            if channel is not None:
+                channel.close()
+            self._streams.release()
 
     def check(self, argv: list[str], what: str, **kwargs: float | bytes | None) -> RemoteResult:
         result = self.run(argv, **kwargs)  # type: ignore[arg-type]

@@ -213,6 +213,10 @@ class StepDriver:
             emit(f"{self.spec.step}: reattaching to run {handle.run_id} ({status.state})")
             return handle
         if status.state != "succeeded":
+            if status.state == "lost":  # recorded: status and later reruns read it as given up
+                said = status.message or "its worker or machine is gone"
+                self._save(handle, verdict={"state": "lost", "message": said})
+                emit(f"{self.spec.step}: run {handle.run_id} was lost ({said}); launching a new run")
             return None
         if handle.state.get("phase") != "promoted":
             emit(f"{self.spec.step}: run {handle.run_id} finished; fetching its outputs again")

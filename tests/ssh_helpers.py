@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import textwrap
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -24,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dodo_helpers import BWRAP, HEADER, handles
+from conftest import marked_pids
+from dodo_helpers import BWRAP, HEADER, handles, popen_doit, stop, wait_for
 from testbeds.sshd_host import SshHost, missing_tools, running_host
 
 ROOT = os.geteuid() == 0
@@ -256,3 +258,27 @@ def task_fit():
                      "echo " + str(m) + " > fit-" + str(m) + ".txt", {marker!r}],
         )
 """
+
+
+# One step whose command waits for the file {gate}, then writes out.txt;
+# {marker} names its processes, {resources} its resources. Filled in with
+# str.format.
+GATED_STEP = """
+def task_step():
+    yield from remote_step(
+        "step", outputs=["out.txt"], resources={resources},
+        command=["/bin/sh", "-c", "echo started; while [ ! -e {gate} ]; do sleep 0.05; done; "
+                 "echo made > out.txt", {marker!r}],
+    )
+"""
+
+
+def doit_killed_mid_run(root: Path, marker: str, env: Mapping[str, str] | None = None) -> None:
+    """`doit` in `root`, SIGKILLed once the processes marked `marker` run."""
+    proc = popen_doit(root, env=env)
+    try:
+        wait_for(lambda: marked_pids(marker), "the run to be going", timeout=120)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)

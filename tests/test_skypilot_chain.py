@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -41,8 +42,10 @@ from dodo_helpers import (
 from fakesky_cleanup import cleanup, fakesky_env, leftovers
 from s3_server import S3Server, running_s3_server
 from ssh_helpers import (
+    GATED_STEP,
     GATED_SWEEP,
     SANDBOX,
+    doit_killed_mid_run,
     live_handles,
     needs_root,
     needs_sshd,
@@ -492,4 +495,32 @@ def test_ctrl_c_under_four_threads_detaches_every_run_and_the_rerun_reattaches(s
     for m in range(4):
         assert (sky.root / f"fit-{m}.txt").read_text() == f"{m}\n"
     assert run_count(sky.root) == 4
+    assert sky.clusters() == []
+
+
+def test_a_cluster_gone_under_a_killed_client_loses_the_run_and_the_rerun_launches_anew(
+    sky: Sky, marker: str
+) -> None:
+    # Unsandboxed: the sandbox's private /tmp would hide the gate from the job.
+    gate = sky.base / f"gate-{marker}"
+    sky.configure(sandbox="none")
+    body = GATED_STEP.format(gate=str(gate), marker=marker, resources={"cpus": 1})
+    write_ssh_dodo(sky.root, body, ["step"])
+    doit_killed_mid_run(sky.root, marker, env=sky.env)
+    (cluster,) = sky.clusters()
+    # Deleted by hand (as a preemption would): SkyPilot's own down, from outside.
+    down = f"import sky; sky.get(sky.down({cluster!r}))"
+    gone = subprocess.run([sys.executable, "-c", down], env=clean_env(sky.env), capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert gone.returncode == 0 and sky.clusters() == [], gone.stderr
+    first = only_handle(sky.root)
+    gate.touch()
+    done = doit(sky.root, env=sky.env, timeout=300)
+    assert done.returncode == 0, show(done)
+    said = f"run {first['run_id']} was lost (its cluster {cluster} is gone"
+    assert said in done.stdout and "launching a new run" in done.stdout, show(done)
+    assert (sky.root / "out.txt").read_text() == "made\n"
+    assert run_count(sky.root) == 2
+    lost = sky.compute("status", first["run_id"], "--json")
+    assert json.loads(lost.stdout)["runs"][0]["state"] == "lost", lost.stdout
     assert sky.clusters() == []

@@ -8,6 +8,7 @@ never starts it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,9 +16,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import describe, marked_pids, on_a_terminal, wait_for
@@ -33,6 +36,7 @@ from ssh_helpers import (
     remote_run_dir,
     ssh_host,
     ssh_settings,
+    user_pids,
     write_ssh_pyproject,
 )
 from testbeds.sshd_host import SshHost
@@ -369,3 +373,83 @@ def test_steps_on_one_host_share_one_held_session(host: SshHost) -> None:
         target.stop_master()
     master = Path(target.control_path()).name
     wait_for(lambda: not marked_pids(master), "the master to exit")
+
+
+def test_a_copy_whose_master_dies_under_it_is_tried_once_more_on_a_new_master(
+    tmp_path: Path, host: SshHost, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from substrax_tasks.transports.rsync import RsyncTransport
+
+    target = SshSettings.model_validate(ssh_settings(host)).target()
+    started = subprocess.run([*target.ssh_argv(), target.host, "true"], capture_output=True, check=False)
+    assert started.returncode == 0, started.stderr
+    (master,) = [pid for pid in marked_pids(Path(target.control_path()).name)
+                 if b"[mux]" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
+    source = host.scratch / "dead-master"
+    source.mkdir()
+    (source / "a.txt").write_text("payload\n")
+    # sshd runs ~/.ssh/rc before each session's command: it holds the copy's
+    # session on the host until the hold file goes.
+    rc = host.remote_home / ".ssh" / "rc"
+    rc.parent.mkdir(exist_ok=True)
+    hold = host.remote_home / "hold"
+    rc.write_text(f"while [ -e {hold} ]; do sleep 0.05; done\n")
+    hold.touch()
+    done: list[Any] = []
+    transport = RsyncTransport(target, show_progress=False)
+    got = tmp_path / "got"
+    copy = threading.Thread(target=lambda: done.append(transport.download(str(source), ["a.txt"], got)))
+    copy.start()
+    try:
+        wait_for(lambda: marked_pids(".ssh/rc"), "the copy's session to be held on the host")
+        os.kill(master, signal.SIGKILL)  # the master dies mid-copy (its timeout, a network gone)
+    finally:
+        hold.unlink()
+        copy.join(timeout=60)
+        rc.unlink()
+    assert done and (got / "a.txt").read_text() == "payload\n"
+    assert "had died; again on a new one" in capsys.readouterr().err
+    target.stop_master()
+
+
+def cats(uid: int) -> list[int]:
+    """The user's `cat` processes on the host."""
+    found = []
+    for pid in user_pids(uid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == b"cat\0":
+                found.append(pid)
+    return found
+
+
+def test_followers_beyond_the_sessions_one_connection_may_hold_are_refused_and_the_connection_stays(
+    host: SshHost,
+) -> None:
+    from substrax_tasks._ssh import MAX_STREAMS, NoSession, connection
+
+    conn = connection(SshSettings.model_validate(ssh_settings(host)).target())
+    release = threading.Event()
+
+    def tick() -> None:
+        if release.is_set():
+            raise KeyboardInterrupt  # as Ctrl-C in a doit thread: the channel closes
+
+    def held() -> None:
+        with contextlib.suppress(KeyboardInterrupt):
+            conn.stream(["cat"], lambda chunk: None, tick)  # stdin stays open: cat waits
+
+    streams = [threading.Thread(target=held) for _ in range(MAX_STREAMS)]
+    for thread in streams:
+        thread.start()
+    try:
+        wait_for(lambda: len(cats(host.uid)) >= MAX_STREAMS, "the long-lived commands to hold their sessions")
+        with pytest.raises(NoSession):
+            conn.stream(["true"], lambda chunk: None, lambda: None)
+        assert conn.run(["echo", "still here"]).text() == "still here\n"  # short commands go on
+    finally:
+        release.set()
+        for thread in streams:
+            thread.join(timeout=30)
+    done = bytearray()
+    assert conn.stream(["echo", "again"], done.extend, lambda: None).returncode == 0
+    assert bytes(done) == b"again\n"

@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import describe, marked_pids, stubborn_tree
+from conftest import describe, kill_pid, marked_pids, stubborn_tree
 from dodo_helpers import (
     compute,
     compute_status,
@@ -37,9 +38,11 @@ from dodo_helpers import (
     wait_for,
 )
 from ssh_helpers import (
+    GATED_STEP,
     GATED_SWEEP,
     SANDBOX,
     build_wheel,
+    doit_killed_mid_run,
     fresh_user,
     launched_status,
     live_handles,
@@ -55,7 +58,7 @@ from ssh_helpers import (
     ssh_settings,
     write_ssh_pyproject,
 )
-from testbeds.sshd_host import SshHost, is_alive, kill_sshd, restart_sshd
+from testbeds.sshd_host import SshHost, descendants, is_alive, kill_sshd, reboot, restart_sshd
 
 from substrax_tasks.runs import Project
 from substrax_tasks.settings import SshSettings
@@ -593,3 +596,70 @@ def test_a_run_whose_log_a_host_swaps_for_a_device_fails_with_a_message_and_goes
     assert [r["state"] for r in compute_status(root)] == ["failed"]
     wait_for(lambda: not marked_pids(marker), "the run's processes to be gone")
     assert not remote_run_dir(only_handle(root)).exists()
+
+
+# ------------------------------------------------- the host restarted
+
+def test_a_host_restarted_under_a_killed_client_loses_the_run_and_the_rerun_launches_anew(
+    tmp_path: Path, host: SshHost, marker: str
+) -> None:
+    # The gate outside the scratch folder, which the restart empties;
+    # unsandboxed, as the sandbox would hide it.
+    assert host.user_dir is not None
+    gate = host.user_dir / f"gate-{marker}"
+    body = GATED_STEP.format(gate=str(gate), marker=marker, resources={})
+    root = make_ssh_project(tmp_path, host, body, sandbox="none", remote_root=str(host.scratch / "remote"))
+    doit_killed_mid_run(root, marker)
+    first = only_handle(root)
+    try:
+        reboot(host)  # its processes, network and scratch disk gone; back with the same key
+        assert not marked_pids(marker) and not remote_run_dir(first).exists()
+        gate.touch()
+        done = doit(root, timeout=120)
+        assert done.returncode == 0, show(done)
+        said = f"run {first['run_id']} was lost (its remote folder is gone"
+        assert said in done.stdout and "launching a new run" in done.stdout, show(done)
+        assert "new run" in done.stdout and "reattaching" not in done.stdout, show(done)
+        assert (root / "out.txt").read_text() == "made\n"
+        assert run_count(root) == 2
+        lost, second = compute_status(root)
+        assert lost["run_id"] == first["run_id"] and lost["state"] == "lost", lost
+        assert second["state"] == "succeeded", second
+    finally:
+        gate.unlink(missing_ok=True)
+        for pid in control_master_pids(first):  # the killed client's, if its master outlived it
+            kill_pid(pid)
+
+
+def test_a_master_whose_connection_died_is_replaced_and_the_next_doit_works(
+    tmp_path: Path, host: SshHost
+) -> None:
+    root = make_ssh_project(tmp_path, host, one_step(shell="echo made > out.txt", outputs=["out.txt"]),
+                            sandbox="none")  # fmt: skip
+    target = SshSettings.model_validate(ssh_settings(host)).target()
+    # A master as a killed client leaves it (ControlPersist: it outlives its client).
+    argv = [*target.ssh_argv(), target.host, "true"]
+    started = subprocess.run(argv, capture_output=True, timeout=30, check=False)
+    assert started.returncode == 0, started.stderr
+    masters = marked_pids(Path(target.control_path()).name)
+    assert masters, "no master"
+    link = ["ip", "-n", str(host.netns), "link", "set", "eth0"]
+    subprocess.run([*link, "down"], check=True)
+    try:
+        # The host forgets the connection while no packet can say so: the
+        # master's connection is dead, and the master does not know it.
+        sessions = descendants(host.pid)
+        for pid in sessions:
+            kill_pid(pid)
+        subprocess.run(["ip", "netns", "exec", str(host.netns), "ss", "-K", "dst", str(host.peer_address)],
+                       capture_output=True, check=True)  # fmt: skip
+    finally:
+        subprocess.run([*link, "up"], check=True)
+    try:
+        done = doit(root, timeout=120)
+        assert done.returncode == 0, show(done)
+        assert (root / "out.txt").read_text() == "made\n"
+        assert not control_master_pids(only_handle(root)), describe(control_master_pids(only_handle(root)))
+    finally:
+        for pid in marked_pids(Path(target.control_path()).name):
+            kill_pid(pid)

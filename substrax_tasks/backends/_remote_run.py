@@ -138,6 +138,9 @@ class RemoteRun:
     def control(self, operation: str, *args: str, what: str) -> dict[str, Any]:
         """remote/control.py's answer (one JSON line) for this run."""
         result = self.check(self.script("control.py", operation, self.run_dir, *args), what)
+        return self.answer(result, what)
+
+    def answer(self, result: RemoteResult, what: str) -> dict[str, Any]:
         try:
             data = json.loads(result.text().strip().splitlines()[-1])
         except (ValueError, IndexError):
@@ -147,7 +150,22 @@ class RemoteRun:
         return data
 
     def status(self) -> dict[str, Any]:
-        return self.control("status", what="reading the run's status")
+        """The run's status record; `exists` False once its folder is gone,
+        even with the scripts gone too (the host restarted with an empty
+        scratch disk, or its whole remote root was removed)."""
+        what = "reading the run's status"
+        result = self.remote.run(self.script("control.py", "status", self.run_dir))
+        if result.returncode != 0:
+            # Asked only now: a lost folder is rare, a status read is not.
+            if self.remote.run(["test", "-e", self.run_dir]).returncode == 1:
+                return {"state": None, "exists": False}
+            raise self.failure(what, result)
+        return self.answer(result, what)
+
+    def follow_argv(self, offset: int, limit: int) -> list[str]:
+        """remote/control.py's follower: the log from `offset` until the run
+        ends (see there)."""
+        return self.script("control.py", "follow", self.run_dir, str(offset), str(limit))
 
     def remove(self) -> None:
         self.control("remove", what="removing the run folder")

@@ -196,12 +196,14 @@ class Backend(ABC):
         is read more often)."""
         return LOG_POLL_SECONDS
 
-    def stream_log(self, handle: RunHandle, out: IO[bytes], follow: bool = False) -> RunStatus:
-        """Copy the log to `out`; with follow, until the run has finished."""
-        offset = 0
+    def stream_log(
+        self, handle: RunHandle, out: IO[bytes], follow: bool = False, offset: int = 0
+    ) -> RunStatus:
+        """Copy the log from `offset` to `out`; with follow, until the run
+        has finished."""
         status = self.poll(handle)
         next_poll = time.monotonic() + self.poll_seconds
-        cut = False  # past MAX_LOG_BYTES: noted once, then only the status is followed
+        cut = offset > MAX_LOG_BYTES  # past it: noted once, then only the status is followed
         while True:
             chunk = b"" if cut else self.read_log(handle, offset)[: MAX_LOG_BYTES - offset]
             if offset + len(chunk) >= MAX_LOG_BYTES and not cut:

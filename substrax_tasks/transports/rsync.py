@@ -27,6 +27,10 @@ _STAT_BYTES = re.compile(r"Total transferred file size: ([\d,]+)")
 _SKIPPED = re.compile(r'^skipping non-regular file "(.*)"$', re.MULTILINE)
 READ_BLOCK = 1 << 16
 
+# What OpenSSH's multiplexing client says when the master it reached has
+# died under it; a new master then works where the old one cannot.
+DEAD_MASTER_SIGNS = ("read from master failed", "mux_client_request_session", "Control socket connect")
+
 
 def _number(text: str) -> int:
     return int(text.replace(",", ""))
@@ -39,6 +43,10 @@ class SshEndpoint(Protocol):
     def host(self) -> str: ...
 
     def ssh_argv(self) -> list[str]: ...
+
+    def control_path(self) -> str: ...
+
+    def drop_master(self) -> None: ...
 
 
 class RsyncTransport:
@@ -89,7 +97,25 @@ class RsyncTransport:
         return stats
 
     def _rsync(self, argv: list[str], rel_paths: list[str], what: str) -> tuple[TransferStats, str]:
-        """rsync's figures and what it said on stdout."""
+        """rsync's figures and what it said on stdout. A copy that failed
+        because ssh's multiplexing master had died under it (its connection
+        gone without a reset: the network dropped, the host restarted) is
+        tried once more on a new master (the master's own timeout, or a
+        network gone for longer than it, ends a copy on it that way)."""
+        shared = Path(self.target.control_path()).exists()
+        try:
+            return self._rsync_once(argv, rel_paths, what)
+        except BackendError as exc:
+            # 255: ssh's own failure, which a master dying mid-copy leaves
+            # without a word of its own (only rsync's "connection
+            # unexpectedly closed").
+            if not shared or not (" (exit 255)" in str(exc) or any(s in str(exc) for s in DEAD_MASTER_SIGNS)):
+                raise
+        emit(f"{what}: ssh's shared connection to {self.target.host} had died; again on a new one", err=True)
+        self.target.drop_master()
+        return self._rsync_once(argv, rel_paths, what)
+
+    def _rsync_once(self, argv: list[str], rel_paths: list[str], what: str) -> tuple[TransferStats, str]:
         listing = b"".join(p.rstrip("/").encode() + b"\0" for p in rel_paths)
         started = time.monotonic()
         output = bytearray()

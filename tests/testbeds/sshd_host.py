@@ -27,7 +27,9 @@ every process still in the namespace or still seeing the private /run (so a
 double-forked `setsid` escapee goes too), then the veth pair, the namespace,
 the user it created and the files it made. `kill_sshd` / `restart_sshd`
 simulate an sshd crash (listener and live connections) and bring it back on
-the same address, port and keys.
+the same address, port and keys; `reboot` a whole restart of the host (its
+network down, every process of it killed, its scratch folder emptied, then
+sshd back with the same key at the same address).
 
 Limits: the private /run also hides this machine's /run (its sockets) from
 remote sessions. Two hosts sharing one created user is not supported: the
@@ -747,6 +749,39 @@ def restart_sshd(host: SshHost) -> None:
     """Start sshd again with the same address, port, keys and config (after
     `kill_sshd`, or killing it first). Updates host.pid and host.json."""
     kill_sshd(host)
+    _launch_sshd(host)
+    if (host.root_dir / RECORD_NAME).exists():
+        host.save()
+
+
+def reboot(host: SshHost, wipe: Iterable[Path] = ()) -> None:
+    """Simulate the host restarting: its network goes first (the namespace's
+    link down, so no connection of it sends a reset), then every process of
+    it is SIGKILLed by pid, its scratch folder (a tmpfs on a real host) and
+    the folders in `wipe` are emptied, and the network and sshd come back on
+    the same address, port and host key. On loopback there is no link to
+    take down. Updates host.pid and host.json."""
+    link = ["ip", "-n", host.netns, "link", "set", "eth0"] if host.netns is not None else None
+    if link is not None:
+        _run([*link, "down"])
+    try:
+        first = {pid: t for pid in host_processes(host) if (t := start_ticks(pid)) is not None}
+        left = _kill_until_gone(
+            lambda: host_processes(host) | {p for p, t in first.items() if is_alive(p, t)}, STOP_TIMEOUT
+        )
+        if left:
+            raise TestbedError(f"processes of {host.name} survived SIGKILL: {sorted(left)}")
+        _wait_spawned(host.pid)
+        _reap()
+        for folder in (host.scratch, *wipe):
+            for entry in list(folder.iterdir()) if folder.is_dir() else []:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+    finally:
+        if link is not None:
+            _run([*link, "up"])
     _launch_sshd(host)
     if (host.root_dir / RECORD_NAME).exists():
         host.save()
