@@ -161,6 +161,7 @@ def workers_of(run_dir: str) -> list[int]:
     """The live workers of the run in `run_dir`: the processes started as
     `worker.py RUN_DIR/job.json` (a damaged status file names none)."""
     job = os.path.realpath(os.path.join(run_dir, "job.json"))
+    log = os.path.realpath(os.path.join(run_dir, "run.log"))
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -171,11 +172,27 @@ def workers_of(run_dir: str) -> list[int]:
             cwd = os.readlink("/proc/%s/cwd" % name) if any(not a.startswith("/") for a in argv) else "/"
         except OSError:
             continue  # gone meanwhile, or another user's
-        scripts = [a for a in argv[:2] if os.path.basename(a) == "worker.py"]
-        if scripts and any(os.path.realpath(os.path.join(cwd, a)) == job for a in argv[2:3]):
-            if start_ticks(int(name)) is not None:  # not a zombie
-                found.append(int(name))
+        scripts = [os.path.basename(a) for a in argv[:2] if os.path.basename(a) in WORKER_SCRIPTS]
+        if not scripts:
+            continue
+        # `worker.py JOB`, or a worker the local backend's spawner forked
+        # (its command line is the spawner's): the one holding the run's log.
+        ours = any(os.path.realpath(os.path.join(cwd, a)) == job for a in argv[2:3])
+        if (ours or holds(int(name), log)) and start_ticks(int(name)) is not None:  # not a zombie
+            found.append(int(name))
     return found
+
+
+WORKER_SCRIPTS = ("worker.py", "_spawner.py")
+
+
+def holds(pid: int, path: str) -> bool:
+    """Whether process `pid` has `path` open."""
+    folder = "/proc/%d/fd" % pid
+    try:
+        return any(os.readlink(os.path.join(folder, fd)) == path for fd in os.listdir(folder))
+    except OSError:
+        return False
 
 
 def ended(record: dict[str, Any]) -> bool:
