@@ -204,6 +204,7 @@ class Spawner:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._closed_at_exit = False
 
     def start(self, request: dict[str, Any]) -> tuple[int, str]:
         """(the worker's `--detach` exit code, what went wrong if nothing answered)."""
@@ -232,6 +233,9 @@ class Spawner:
         if self._proc is not None and self._proc.poll() is not None:
             self.close()  # it died (killed with its session?): its pipes go with it
         if self._proc is None:
+            if not self._closed_at_exit:  # registered on first use: a plain import adds no exit hook
+                atexit.register(self.close)
+                self._closed_at_exit = True
             self._proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).with_name("_spawner.py")), str(remote_dir())],
                 stdin=subprocess.PIPE,
@@ -261,7 +265,6 @@ class Spawner:
 
 
 _SPAWNER = Spawner()
-atexit.register(_SPAWNER.close)
 
 
 def worker_environment() -> dict[str, str]:
