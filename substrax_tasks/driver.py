@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a 
     from substrax_tasks.config import ResolvedProject
     from substrax_tasks.handle import RunHandle
     from substrax_tasks.runs import Project
+    from substrax_tasks.slots import Slot
     from substrax_tasks.steplock import StepLock
 
 PHASES = ("created", "launched", "set_up", "synced", "started", "fetched", "promoted")
@@ -72,6 +73,8 @@ class StepDriver:
         self.fetched: Fetched | None = None
         self._lock = threading.Lock()
         self._step_lock: StepLock | None = None
+        self._slot: Slot | None = None  # of the backend's max_parallel pool, from launch to the chain's end
+        self._slot_shared = False
         self.pid = os.getpid()
 
     @property
@@ -89,10 +92,39 @@ class StepDriver:
             self.state = state
 
     def _close(self) -> None:
-        """The chain ended here (an interrupted one stays INTERRUPTED)."""
+        """The chain ended here (an interrupted one stays INTERRUPTED). Its slot
+        goes to the next step now, not as doit ends (when doit tears down):
+        a run with a machine of its own is torn down first; a shared one
+        stays for the next run (see sky_pool.py)."""
         with self._lock:
             if self.state is RunState.OPEN:
                 self.state = RunState.CLOSED
+        if self._slot is not None:
+            try:
+                if not self._slot_shared:
+                    self.teardown()
+            except SubstraxError as exc:
+                emit(f"{self.spec.step}: teardown failed: {exc}", err=True)
+            finally:
+                self._release_slot()
+
+    def _take_slot(self, backend: Backend, handle: RunHandle) -> RunHandle:
+        from substrax_tasks.slots import take_in_pool
+
+        pool = backend.slot_pool(handle)
+        if pool is None or self._slot is not None:
+            return handle
+        self._slot = take_in_pool(self.project.store.slots_dir(pool.name), pool, self.spec.step)
+        self._slot_shared = pool.shared
+        if not pool.shared:
+            return handle
+        return self._save(handle, slot={"pool": pool.name, "index": self._slot.index})
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            slot, self._slot = self._slot, None
+        if slot is not None:
+            slot.release()
 
     # ------------------------------------------------------------ doit glue
     def _action(self, body: Callable[[], Any]) -> Any:
@@ -182,6 +214,7 @@ class StepDriver:
         self.handle = handle
         if phase_index(handle.state.get("phase")) < phase_index("launched"):
             backend = self.backend(handle)
+            handle = self._take_slot(backend, handle)
             self._save(self._retrying("launch", lambda: backend.launch(handle)), phase="launched")
 
     def _last_run(self) -> RunHandle | None:
@@ -405,6 +438,7 @@ class StepDriver:
             if self.handle is not None:
                 self._tear_down(was)
         finally:
+            self._release_slot()
             if self._step_lock is not None:
                 self._step_lock.release()
 

@@ -26,6 +26,7 @@ NetworkIsolation = Annotated[bool, Field(description="Run the command with no ne
 LifetimeMinutes = Annotated[
     float, Field(gt=0, description="No run (or cluster) outlives this: it is stopped and removed.")
 ]
+MAX_PARALLEL_HELP = "At most this many steps run at once (across every doit of the project); more wait."
 
 
 class Strict(BaseModel):
@@ -48,6 +49,7 @@ class BackendSettings(Strict):
         description="Folders of the sandbox's home kept across runs of the project, "
         'as "~/.cache/huggingface".',
     )
+    max_parallel: int | None = Field(None, ge=1, description=MAX_PARALLEL_HELP + " Default: no limit.")
 
     @field_validator("cache_dirs")
     @classmethod
@@ -137,6 +139,7 @@ class SshSettings(RemoteSettings):
     known_hosts: str = Field("~/.ssh/known_hosts", description="Where host keys are checked.")
     trust_new_host_key: bool = Field(False, description="Accept and save an unknown host key (first use).")
     lifetime_minutes: LifetimeMinutes = 120.0
+    max_parallel: int | None = Field(4, ge=1, description=MAX_PARALLEL_HELP + " Counted per host.")
     keep_remote: bool = Field(False, description="Keep the remote run folder after teardown.")
     connect_timeout: float = Field(15.0, gt=0)
     copy_: SshCopySettings = Field(default_factory=SshCopySettings, alias="copy")

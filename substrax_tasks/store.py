@@ -9,6 +9,7 @@
     cache/up-to-date.json         the project's proofs
     cache/home/<path>             the local backend's kept `cache_dirs` (~/<path> in the sandbox)
     locks/<step>.lock             one driver per step (steplock.py)
+    slots/<pool>/<i>.lock         the max_parallel slots of a backend's pool (slots.py)
 
 where <step> is `spec.safe_name(step)`. Every module asks here for these
 paths. A no-op doit asks too, so pydantic (handle.py) is imported only by
@@ -81,6 +82,9 @@ class RunStore:
 
     def step_lock(self, step: str) -> Path:
         return self.root / "locks" / f"{safe_name(step)}.lock"
+
+    def slots_dir(self, pool: str) -> Path:
+        return self.root / "slots" / safe_name(pool)
 
     # -- handles
     def new_run(self, spec: StepSpec, backend: str, settings: dict[str, Any]) -> RunHandle:

@@ -82,6 +82,24 @@ class Fetched:
     manifest: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Pool:
+    """The limit a new run counts against (max_parallel): at most `limit`
+    runs of pool `name` at once, across the project's doit processes.
+
+    where: said while a step waits ("waits for a free slot on <where>");
+    shared: a slot is a machine runs take turns on (a reused cluster), kept
+    when a run ends: the slot is released then, the machine torn down later;
+    prefer: the slots to try first (those holding a warm machine).
+    """
+
+    name: str
+    limit: int
+    where: str
+    shared: bool = False
+    prefer: tuple[int, ...] = ()
+
+
 class Backend(ABC):
     name: ClassVar[str]
     Settings: ClassVar[type[BaseModel]]
@@ -106,6 +124,12 @@ class Backend(ABC):
                 f"{store.run_dir(handle.run_id)} to forget it"
             ) from None
         return cls(settings, store)
+
+    def slot_pool(self, handle: RunHandle) -> Pool | None:
+        """The pool a new run of `handle` takes a slot in before its launch,
+        held until its chain ends; None: no limit."""
+        limit = getattr(self.settings, "max_parallel", None)
+        return None if limit is None else Pool(self.name, limit, "this machine")
 
     # -- the chain, in order
     @abstractmethod

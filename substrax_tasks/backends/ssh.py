@@ -29,7 +29,7 @@ from substrax_tasks._signals import check_interrupted
 from substrax_tasks._ssh import NoSession, SshConnection, connection
 from substrax_tasks.backends import _remote_run
 from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env, project_files
-from substrax_tasks.backends.base import LOG_POLL_SECONDS, MAX_LOG_BYTES, Backend, Fetched, RunStatus
+from substrax_tasks.backends.base import LOG_POLL_SECONDS, MAX_LOG_BYTES, Backend, Fetched, Pool, RunStatus
 from substrax_tasks.errors import BackendError, HostRefused, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.settings import SshSettings
@@ -65,6 +65,11 @@ class SshBackend(Backend):
             self.conn, self.settings.python, self._state(handle, "remote_bin"),
             self._state(handle, "remote_run_dir"),
         )  # fmt: skip
+
+    def slot_pool(self, handle: RunHandle) -> Pool | None:
+        """max_parallel counts the runs on one host (and port), whichever settings name it."""
+        limit, host = self.settings.max_parallel, self.settings.host
+        return None if limit is None else Pool(f"ssh-{host}-{self.settings.port}", limit, host)
 
     # ----------------------------------------------------------- phases
     def launch(self, handle: RunHandle) -> RunHandle:
