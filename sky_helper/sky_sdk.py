@@ -90,6 +90,17 @@ def op_launch(request):
     return _job_of(_wait(request, request_id))
 
 
+def op_exec(request):
+    # type: (dict) -> object
+    """Queue a job on a cluster that is up: no setup, no file mounts synced
+    (the client rsyncs the run's files first)."""
+    secrets = request.get("secrets") or {}
+    task = sky.Task.from_yaml_config(request["task"], secrets_overrides=list(secrets.items()) or None)
+    request_id = sky.exec(task, cluster_name=request["cluster_name"])
+    _record_request(request, request_id, "exec")
+    return _job_of(_wait(request, request_id))
+
+
 def _job_of(result):
     # type: (object) -> dict
     job_id = None
@@ -229,6 +240,7 @@ def op_validate(request):
 
 OPERATIONS = {
     "launch": op_launch,
+    "exec": op_exec,
     "wait_launch": op_wait_launch,
     "request_status": op_request_status,
     "api_cancel": op_api_cancel,

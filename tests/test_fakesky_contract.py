@@ -141,6 +141,8 @@ import sky
 task = sky.Task.from_yaml_config({"name": "contract", "run": "true"})
 job_id, _ = sky.get(sky.launch(task, cluster_name="contract"))
 assert job_id == 1, job_id
+queued, _ = sky.get(sky.exec(sky.Task.from_yaml_config({"name": "again", "run": "true"}), "contract"))
+assert queued == 2, queued
 records = {
     "status": sky.get(sky.status(["contract"])),
     "queue": sky.get(sky.queue("contract")),
@@ -196,7 +198,7 @@ def _mismatches(fake: dict[str, Any], real: dict[str, Any], kind: str) -> list[s
 def test_the_fake_has_a_public_api_to_compare(dumps: tuple[dict[str, Any], dict[str, Any]]) -> None:
     fake, _ = dumps
     names = set(fake["api"])
-    for key in ("sky:launch", "sky:get", "sky:stream_and_get", "sky:api_cancel", "sky:api_status",
+    for key in ("sky:launch", "sky:exec", "sky:get", "sky:stream_and_get", "sky:api_cancel", "sky:api_status",
                 "sky:job_status", "sky:queue", "sky:cancel", "sky:down", "sky:status", "sky:autostop",
                 "sky:tail_logs", "sky:Task", "sky:JobStatus", "sky.exceptions:ClusterDoesNotExist",
                 "sky.exceptions:RequestCancelled", "sky.exceptions:NotSupportedError",

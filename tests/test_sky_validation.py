@@ -30,7 +30,8 @@ from sky_real import (
 )
 
 from substrax_tasks._sky import SkyClient
-from substrax_tasks.backends.skypilot import SkyConfigRefused, SkypilotBackend
+from substrax_tasks.backends.sky_task import SkyConfigRefused, validate
+from substrax_tasks.backends.skypilot import SkypilotBackend
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, NO_BUCKET_MOUNTS, TABLE
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.runs import Project
@@ -189,10 +190,14 @@ class _Captured(Exception):
 
 
 class _CapturingBackend(SkypilotBackend):
-    """The real launch, stopped where it hands the task to SkyPilot."""
+    """The real launch, stopped where it hands the task to SkyPilot (its
+    first call: validate)."""
 
-    def _validate(self, config: dict[str, Any]) -> None:
-        raise _Captured(config)
+    def sky(self) -> Any:
+        return self
+
+    def call(self, operation: str, request: dict[str, Any], **_: Any) -> None:
+        raise _Captured(request["task"])
 
 
 def _pyproject(case: Case, sky_python: Path) -> str:
@@ -413,7 +418,7 @@ def test_the_backend_refuses_a_task_skypilot_refuses(
     generated: dict[str, Generated],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """SkypilotBackend._validate (SkyClient with this process's environment)
+    """sky_task.validate (SkyClient with this process's environment)
     turns SkyPilot's refusal into SkyConfigRefused naming the problem."""
     home, _, _ = sky_home
     monkeypatch.setenv("HOME", str(home))
@@ -423,7 +428,7 @@ def test_the_backend_refuses_a_task_skypilot_refuses(
     backend = SkypilotBackend.from_handle(g.handle, g.project.store)
     assert isinstance(backend, SkypilotBackend)
     with pytest.raises(SkyConfigRefused) as refused:
-        backend._validate(g.config)
+        validate(backend.sky(), backend.settings, g.config)
     message = str(refused.value)
     assert "nosuchcloud" in message
     assert "InvalidSkyPilotConfigError" in message

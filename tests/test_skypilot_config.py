@@ -46,6 +46,21 @@ BAD = [
         ["inside the project"],
     ),
     (
+        "reuse-with-bucket",
+        f'{TABLE}\nreuse = true\n{BUCKET}\noutputs_bucket = "s3://b"\n',
+        ["reuse = true needs the copy transport", COPY, "set reuse = false"],
+    ),
+    (
+        "reuse-without-autodown",
+        f'{TABLE}\ninfra = "hyperbolic"\nreuse = true\n{COPY}\n',
+        ["reuse = true needs", "down when idle", "hyperbolic"],
+    ),
+    (
+        "max-parallel-zero",
+        f"{TABLE}\nmax_parallel = 0\n{COPY}\n",
+        ["skypilot.max_parallel = 0", "greater than or equal to 1"],
+    ),
+    (
         "bucket-on-runpod",
         f'{TABLE}\ninfra = "runpod"\n{BUCKET}\noutputs_bucket = "s3://b"\n',
         ["infra = 'runpod' cannot mount buckets", "copy transport", COPY],

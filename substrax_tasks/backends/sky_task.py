@@ -24,11 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from substrax_tasks._sky import SkyCallError, SkyClient
 from substrax_tasks.backends._remote_run import env_digest, env_lock, project_files, scripts_digest
 from substrax_tasks.backends.local import link_tree
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
+from substrax_tasks.errors import SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.worker_job import WorkerPaths, build_job, project_key
+
+
+class SkyConfigRefused(SubstraxError):
+    """SkyPilot refused the generated task: a configuration error, not retried."""
+
 
 _UNSAFE = re.compile(r"[^a-z0-9]+")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
@@ -140,21 +147,12 @@ def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterL
                  lock: str | None, env_dir: str | None) -> str:  # fmt: skip
     """Lifetime timer first (nothing outlives lifetime_minutes even if setup
     hangs), then the setup commands, then the locked environment."""
-    transport = settings.transport
     # The run is stopped idle_minutes before the lifetime ends, so that
     # SkyPilot's autodown (armed at launch) has the cluster gone by then.
-    seconds = (transport.lifetime_minutes - settings.idle_minutes) * 60  # > 0: checked with the settings
-    watchdog = [
-        settings.python,
-        f"{layout.bin}/control.py",
-        "watchdog",
-        layout.run,
-        f"{seconds:g}",
-        "--detach",
-    ]
-    if cloud_of(settings.infra) in NO_AUTODOWN:
-        watchdog.append("--poweroff")
-    lines = ["set -e", 'cd "$HOME"', _sh(["mkdir", "-p", layout.run]), _sh(watchdog)]
+    seconds = (
+        settings.transport.lifetime_minutes - settings.idle_minutes
+    ) * 60  # > 0: checked with the settings
+    lines = ["set -e", 'cd "$HOME"', watchdog_line(settings, layout, seconds)]
     lines += settings.setup_commands
     if lock and env_dir:
         env = _home(env_dir)
@@ -169,6 +167,21 @@ def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterL
         project = _home(layout.project)
         lines.append(f"if [ ! -f {ready} ]; then (cd {project} && {build}) && touch {ready}; fi")
     return "\n".join(lines) + "\n"
+
+
+def watchdog_line(settings: SkypilotSettings, layout: ClusterLayout, seconds: float) -> str:
+    """Make the run's folder and arm its lifetime timer: `seconds` from now."""
+    watchdog = [
+        settings.python,
+        f"{layout.bin}/control.py",
+        "watchdog",
+        layout.run,
+        f"{seconds:g}",
+        "--detach",
+    ]
+    if cloud_of(settings.infra) in NO_AUTODOWN:
+        watchdog.append("--poweroff")
+    return f'cd "$HOME" && {_sh(["mkdir", "-p", layout.run])} && {_sh(watchdog)}'
 
 
 def _home(path: str) -> str:
@@ -256,3 +269,24 @@ def snapshot(
     partial = dest / ".skyignore.partial"
     partial.write_text("# substrax-tasks: this snapshot is exactly what is uploaded\n")
     partial.replace(ignore)
+
+
+def validate(sky: SkyClient, settings: SkypilotSettings, config: dict[str, Any]) -> None:
+    """SkyPilot reads the task as it would launch it, or SkyConfigRefused."""
+    # check_file_mounts: the snapshot and sources exist by now
+    request = {
+        "task": config,
+        "needs_storage_mounting": settings.bucket is not None,
+        "check_file_mounts": True,
+    }
+    try:
+        sky.call("validate", request)
+    except SkyCallError as exc:
+        hint = ""
+        if exc.kind == "NotSupportedError" and settings.bucket is not None:
+            hint = ("; this provider cannot mount buckets: use the copy transport "
+                    "([tool.substrax.compute.backends.skypilot.copy])")  # fmt: skip
+        raise SkyConfigRefused(
+            f"SkyPilot refused the task for this step ({exc.kind}: {exc.detail}){hint}; "
+            "check [tool.substrax.compute.backends.skypilot] and the step's resources"
+        ) from None

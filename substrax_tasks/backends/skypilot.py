@@ -1,6 +1,7 @@
 """The SkyPilot backend: the step runs on a cluster SkyPilot launches for it.
 
-One cluster per run, launched with one SkyPilot task (sky_task.py): COPY
+One cluster per run (with `reuse = true`, clusters the steps of one shape
+take turns on: sky_pool.py), launched with one SkyPilot task (sky_task.py): COPY
 file mounts bring the remote scripts, the job file and a snapshot of the
 project; the task's setup arms the lifetime timer, runs setup_commands and
 builds the locked environment; its run is the worker, in the foreground, so
@@ -23,7 +24,6 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -40,9 +40,9 @@ from substrax_tasks._sky import (
     SkyClient,
     job_state,
 )
-from substrax_tasks.backends import _remote_run, sky_task
+from substrax_tasks.backends import _remote_run, sky_pool, sky_task
 from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env
-from substrax_tasks.backends.base import Backend, Fetched, RunStatus
+from substrax_tasks.backends.base import Backend, Fetched, Pool, RunStatus
 from substrax_tasks.backends.skypilot_settings import SkypilotSettings
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
@@ -56,8 +56,8 @@ LAUNCH_REQUEST = "launch-request.json"
 TASK_FILE = "task.json"
 
 
-class SkyConfigRefused(SubstraxError):
-    """SkyPilot refused the generated task: a configuration error, not retried."""
+def cluster_target(cluster: str) -> ClusterTarget:
+    return ClusterTarget(cluster, Path.home() / ".sky" / "generated" / "ssh" / cluster)
 
 
 class SkypilotBackend(Backend):
@@ -80,20 +80,19 @@ class SkypilotBackend(Backend):
     def layout(self, handle: RunHandle) -> sky_task.ClusterLayout:
         return sky_task.layout_for(self.settings, handle)
 
-    def _run_file(self, handle: RunHandle, name: str) -> Path:
+    def run_file(self, handle: RunHandle, name: str) -> Path:
         return self.store.run_dir(handle.run_id) / name
 
     def _request_id(self, handle: RunHandle) -> str | None:
         try:
-            data = json.loads(self._run_file(handle, LAUNCH_REQUEST).read_text())
+            data = json.loads(self.run_file(handle, LAUNCH_REQUEST).read_text())
         except (OSError, ValueError):
             return None
         rid = data.get("request_id") if isinstance(data, dict) else None
         return rid if isinstance(rid, str) else None
 
     def target(self, handle: RunHandle) -> ClusterTarget:
-        cluster = self.cluster(handle)
-        return ClusterTarget(cluster, Path.home() / ".sky" / "generated" / "ssh" / cluster)
+        return cluster_target(self.cluster(handle))
 
     def _write_ssh_config(self, handle: RunHandle) -> None:
         """Have SkyPilot (re)write the cluster's ssh config here, as its
@@ -120,12 +119,22 @@ class SkypilotBackend(Backend):
         layout = self.layout(handle)
         return RemoteRun(target, self.settings.python, layout.bin, layout.run)
 
+    def slot_pool(self, handle: RunHandle) -> Pool | None:
+        """max_parallel clusters per shape; with reuse, a slot is a cluster runs take turns on."""
+        if self.settings.max_parallel is None:
+            return None
+        name, limit = f"skypilot-{sky_pool.shape(self, handle)}", self.settings.max_parallel
+        resources = self.settings.resources(dict(handle.spec.resources))
+        where = "SkyPilot (" + ", ".join(f"{k}={v}" for k, v in sorted(resources.items())) + ")"
+        warm = sky_pool.warm_slots(self.store.slots_dir(name), limit) if self.settings.reuse else ()
+        return Pool(name, limit, where, shared=self.settings.reuse, prefer=warm)
+
     # ------------------------------------------------------------- launch
     def launch(self, handle: RunHandle) -> RunHandle:
         project = Path(str(handle.state["project"]))
         layout = self.layout(handle)
         lock, env_dir = sky_task.environment(self.settings, layout, project)
-        upload = self._run_file(handle, "upload")
+        upload = self.run_file(handle, "upload")
         sky_task.snapshot(self.settings, handle, project, self.store.root, upload / "project")
         (upload / "in").mkdir(parents=True, exist_ok=True)
         write_json_atomic(
@@ -137,33 +146,32 @@ class SkypilotBackend(Backend):
         )  # fmt: skip
         cluster = self.cluster(handle)
         # The intent, before any paid call: what would be launched, and where.
-        write_json_atomic(self._run_file(handle, TASK_FILE), config)
+        write_json_atomic(self.run_file(handle, TASK_FILE), config)
         handle = self.store.update_state(
             handle, cluster=cluster, remote_run=layout.run, bin_digest=layout.bin_digest
         )
-        self._validate(config)
-        log = self._run_file(handle, "launch.log")
+        log = self.run_file(handle, "launch.log")
         relay = LogRelay(log, f"{handle.step}: ")
         rid = self._request_id(handle)
         state = self.sky().request_state(rid) if rid else None
+        warm = sky_pool.warm_cluster(self, handle, env_dir) if self.settings.reuse and not rid else None
         if rid and state in (*REQUEST_LIVE, "SUCCEEDED"):
             emit(f"{handle.step}: waiting for launch request {rid} of cluster {cluster}")
             result = self.sky().call("wait_launch", {"request_id": rid, "log_file": str(log)},
                                      timeout=None, while_waiting=relay)  # fmt: skip
-        else:
+        elif not (warm and (result := sky_pool.exec_on(self, handle, warm, config, upload)) is not None):
+            sky_task.validate(self.sky(), self.settings, config)  # a warm cluster ran this shape already
+            handle = self.store.update_state(handle, cluster=cluster)  # not the warm one it tried
+            sky_pool.record_launch(self, handle, cluster, env_dir)
             emit(f"{handle.step}: launching cluster {cluster} (SkyPilot; `substrax-compute cancel "
                  f"{handle.run_id}` stops it)")  # fmt: skip
+            request_file = self.run_file(handle, LAUNCH_REQUEST)
             request = {
-                "task": config,
-                "cluster_name": cluster,
-                "idle_minutes_to_autostop": self.settings.idle_minutes,
-                "down": True,
+                "task": config, "cluster_name": cluster, "down": True, "log_file": str(log),
+                "idle_minutes_to_autostop": self.settings.idle_minutes, "request_file": str(request_file),
                 "retry_until_up": self.settings.retry_until_up,
-                "request_file": str(self._run_file(handle, LAUNCH_REQUEST)),
-                "log_file": str(log),
-                # values read now, sent on stdin: never written to a file
-                "secrets": forwarded_env(handle),
-            }
+                "secrets": forwarded_env(handle),  # values read now, sent on stdin: never written to a file
+            }  # fmt: skip
             try:
                 result = self.sky().call("launch", request, timeout=None, while_waiting=relay)
             except KeyboardInterrupt:
@@ -177,24 +185,9 @@ class SkypilotBackend(Backend):
         if not isinstance(job_id, int):
             raise BackendError(f"run {handle.run_id}: SkyPilot launched {cluster} but submitted no job")
         handle = self.store.update_state(handle, job_id=job_id)
-        self._write_ssh_config(handle)
+        if not warm:
+            self._write_ssh_config(handle)
         return handle
-
-    def _validate(self, config: dict[str, Any]) -> None:
-        # check_file_mounts: the snapshot and sources exist by now
-        request = {"task": config, "needs_storage_mounting": self.settings.bucket is not None,
-                   "check_file_mounts": True}  # fmt: skip
-        try:
-            self.sky().call("validate", request)
-        except SkyCallError as exc:
-            hint = ""
-            if exc.kind == "NotSupportedError" and self.settings.bucket is not None:
-                hint = ("; this provider cannot mount buckets: use the copy transport "
-                        "([tool.substrax.compute.backends.skypilot.copy])")  # fmt: skip
-            raise SkyConfigRefused(
-                f"SkyPilot refused the task for this step ({exc.kind}: {exc.detail}){hint}; "
-                "check [tool.substrax.compute.backends.skypilot] and the step's resources"
-            ) from None
 
     def start(self, handle: RunHandle) -> RunHandle:
         """The launch submitted the job already (SkyPilot runs setup, then it)."""
@@ -228,6 +221,9 @@ class SkypilotBackend(Backend):
         if state == "running":
             return RunStatus("running", message=str(value))
         status = self._final_from_worker(handle, RunStatus(state, message=f"SkyPilot job {value}"))
+        if "slot" in handle.state:  # kept now: another run's teardown may take the shared cluster down
+            with contextlib.suppress(SubstraxError, OSError):
+                self.remote_run(handle).keep_log(self.run_file(handle, "run.log"))
         self.store.update_state(handle, final_status=status.__dict__)
         return status
 
@@ -312,8 +308,11 @@ class SkypilotBackend(Backend):
             except SubstraxError as exc:  # a cluster gone or going: the down below ends it all the same
                 if not (isinstance(exc, SkyCallError) and exc.kind in CLUSTER_GONE):
                     failures.append(BackendError(f"cancelling job {job_id} on {cluster}: {exc}"))
-        gone = self._down(handle, failures)
-        if gone:
+        shared = "slot" in handle.state and isinstance(job_id, int)  # a reused cluster: the job only
+        if shared and not failures:
+            ended = RunStatus("cancelled", message=f"job cancelled; cluster {cluster} stays for other runs")
+            self.store.update_state(handle, final_status=ended.__dict__)
+        elif not shared and self._down(handle, failures):
             ended = RunStatus("cancelled", message="cancelled; its cluster was taken down")
             self.store.update_state(handle, final_status=ended.__dict__, torn_down=True)
         if failures:
@@ -321,19 +320,21 @@ class SkypilotBackend(Backend):
         return True
 
     def _down(self, handle: RunHandle, failures: list[Exception]) -> bool:
-        cluster = self.cluster(handle)
+        return self.down_cluster(self.cluster(handle), failures)
+
+    def down_cluster(self, cluster: str, failures: list[Exception]) -> bool:
         try:
             self.sky().call("down", {"cluster_name": cluster}, timeout=None)
         except SubstraxError as exc:
             if not (isinstance(exc, SkyCallError) and exc.kind == NO_CLUSTER):
                 failures.append(BackendError(f"taking cluster {cluster} down: {exc}"))
                 return False
-        self.target(handle).stop_master()
+        cluster_target(cluster).stop_master()
         return True
 
     # --------------------------------------------------------------- logs
     def read_log(self, handle: RunHandle, offset: int) -> bytes:
-        kept = _remote_run.read_kept_log(self._run_file(handle, "run.log"), offset)
+        kept = _remote_run.read_kept_log(self.run_file(handle, "run.log"), offset)
         if kept is not None:
             return kept
         if not isinstance(handle.state.get("job_id"), int) or handle.state.get("torn_down"):
@@ -349,7 +350,7 @@ class SkypilotBackend(Backend):
 
     # -------------------------------------------------------------- fetch
     def fetch(self, handle: RunHandle) -> Fetched:
-        staging = self._run_file(handle, "fetched")
+        staging = self.run_file(handle, "fetched")
         if self.settings.bucket is None:  # copy: as the SSH backend fetches, over SkyPilot's ssh config
             transport = RsyncTransport(self.target(handle))
             return self.remote_run(handle).fetch(transport, list(handle.spec.outputs), staging)
@@ -378,7 +379,7 @@ class SkypilotBackend(Backend):
     # ----------------------------------------------------------- teardown
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         """Take the cluster down (keeping the handle and a copy of the log)."""
-        shutil.rmtree(self._run_file(handle, "fetched"), ignore_errors=True)  # as the ssh backend
+        shutil.rmtree(self.run_file(handle, "fetched"), ignore_errors=True)  # as the ssh backend
         if handle.state.get("torn_down"):
             return
         if "cluster" not in handle.state:
@@ -390,8 +391,10 @@ class SkypilotBackend(Backend):
                 raise BackendError("; ".join(str(e) for e in group.exceptions)) from None
             return
         with contextlib.suppress(SubstraxError, OSError):
-            self.remote_run(handle).keep_log(self._run_file(handle, "run.log"))
+            self.remote_run(handle).keep_log(self.run_file(handle, "run.log"))
         failures: list[Exception] = []
-        if not self._down(handle, failures):
+        if "slot" in handle.state and not force:
+            sky_pool.leave(self, handle)
+        elif not self._down(handle, failures):
             raise failures[0]
         self.store.update_state(handle, torn_down=True)

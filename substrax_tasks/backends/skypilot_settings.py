@@ -134,6 +134,14 @@ class SkypilotSettings(RemoteSettings):
     )
     retry_until_up: bool = False
     poll_seconds: float = Field(5.0, gt=0, description="How often the job's status is read while it runs.")
+    max_parallel: int | None = Field(
+        4, ge=1, description="At most this many clusters of one shape (settings and resources) at once; "
+        "more steps wait, across every doit of the project."
+    )
+    reuse: bool = Field(
+        False, description="Steps of one shape take turns on up to max_parallel clusters (sky exec) "
+        "instead of a cluster each."
+    )
     copy_: SkyCopySettings | None = Field(None, alias="copy")
     bucket: SkyBucketSettings | None = None
 
@@ -158,6 +166,11 @@ class SkypilotSettings(RemoteSettings):
             )
         if self.copy_ is not None and self.copy_.disk_size and self.disk_size:
             raise ValueError(f"disk_size is set in [{TABLE}] and in {copy_key}; give one")
+        if self.reuse and (self.bucket is not None or cloud_of(self.infra) in NO_AUTODOWN):
+            raise ValueError(
+                f"reuse = true needs the copy transport ({copy_key}) and a provider SkyPilot can take "
+                f"down when idle (not {', '.join(sorted(NO_AUTODOWN))}); set reuse = false"
+            )
         if self.transport.lifetime_minutes <= self.idle_minutes:
             raise ValueError(
                 f"lifetime_minutes = {self.transport.lifetime_minutes:g} must be more than idle_minutes = "

@@ -27,6 +27,7 @@ from sky._client import (
     autostop,
     cancel,
     down,
+    exec,
     get,
     job_status,
     launch,
@@ -72,6 +73,6 @@ __all__ = [
     "Hyperbolic", "JobStatus", "Kubernetes", "Lambda", "Mithril", "Nebius", "OptimizeTarget",
     "Paperspace", "PrimeIntellect", "Resources", "RunPod", "Seeweb", "Shadeform", "Slurm",
     "StatusRefreshMode", "Task", "Vast", "Verda", "Vsphere", "Yotta", "_fake_cleanup", "api_cancel",
-    "api_status", "autostop", "cancel", "clouds", "down", "exceptions", "get", "job_status", "launch",
+    "api_status", "autostop", "cancel", "clouds", "down", "exceptions", "exec", "get", "job_status", "launch",
     "queue", "status", "stream_and_get", "tail_logs",
 ]  # fmt: skip

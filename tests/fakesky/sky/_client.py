@@ -86,6 +86,17 @@ def launch(  # noqa: PLR0917 - SkyPilot's signature
     return _request("launch", args, cluster_name)
 
 
+def exec(  # SkyPilot's name, a builtin's too
+    task: Task, cluster_name: str | None = None, dryrun: bool = False, down: bool = False, backend: Any = None
+) -> RequestId:
+    """RequestId of the exec; its result is (job_id, None) once the job is
+    queued on the UP cluster: workdir synced, no setup, no file mounts."""
+    if cluster_name is None:
+        raise ValueError("cluster_name must be specified.")
+    args = {"task_config": task.to_yaml_config(), "cluster_name": cluster_name, "dryrun": dryrun}
+    return _request("exec", args, cluster_name)
+
+
 def job_status(cluster_name: str, job_ids: list[int] | None = None) -> RequestId:
     return _request("job_status", {"cluster_name": cluster_name, "job_ids": job_ids}, cluster_name)
 

@@ -163,6 +163,20 @@ def launch(state: Path, task_config: dict[str, Any], cluster_name: str, *,
     return [job_id, None]
 
 
+def exec_task(
+    state: Path, task_config: dict[str, Any], cluster_name: str, *, dryrun: bool = False
+) -> list[Any]:
+    """sky.exec: a job on a cluster that is UP; its setup and file mounts are not run again."""
+    task = Task.from_yaml_config(task_config)
+    task.validate(skip_file_mounts=True)
+    record = require(state, cluster_name, "executing task")
+    if dryrun:
+        return [None, None]
+    if isinstance(task.workdir, str):
+        _copy(Path(task.workdir), remote_path(state, cluster_name, "~/sky_workdir"))
+    return [_submit(state, record, task, no_setup=True), None]
+
+
 def require_record(state: Path, name: str, cluster_id: str) -> dict[str, Any]:
     record = load(state, name)
     if record is None or record["id"] != cluster_id:

@@ -79,6 +79,7 @@ def _api_cancel(state: Path, request_ids: list[str] | None, exclude: str) -> lis
 
 OPERATIONS: dict[str, Callable[..., Any]] = {
     "launch": _cluster.launch,
+    "exec": _cluster.exec_task,
     "job_status": _cluster.job_statuses,
     "queue": _cluster.queue,
     "cancel": _cluster.cancel,

@@ -1,0 +1,169 @@
+"""SkyPilot clusters reused across steps (`reuse = true`).
+
+Steps whose backend settings and resources are the same (one *shape*) share
+a pool of at most `max_parallel` clusters: slot i of the pool (slots.py) is
+cluster i, and a step holds the slot while its run goes, so one run at a
+time uses a cluster. Its record, `<slot>.json` beside the slot's lock, names
+the cluster and the time its lifetime ends. The first step in a slot launches
+the cluster; the next ones find it warm and queue their job with `sky.exec`
+(setup done already: the scripts and the environment are there), after
+rsync brought their inputs and project snapshot over the ssh config
+SkyPilot wrote.
+
+Who takes a shared cluster down: the teardown of a run (as doit ends, or
+`substrax-compute teardown`) when no step holds the cluster's slot; else
+SkyPilot's autodown, `idle_minutes` after its last job (armed at launch);
+and no job on it outlives its lifetime, each arming the watchdog with the
+time left. `cancel` of a run cancels its job only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._output import emit
+from substrax_tasks._sky import CLUSTER_GONE, LogRelay, SkyCallError
+from substrax_tasks.backends import sky_task
+from substrax_tasks.backends._remote_run import forwarded_env
+from substrax_tasks.errors import SubstraxError
+from substrax_tasks.handle import RunHandle
+from substrax_tasks.spec import canonical_digest, settings_in_key
+from substrax_tasks.transports.rsync import RsyncTransport
+
+if TYPE_CHECKING:
+    from substrax_tasks.backends.skypilot import SkypilotBackend
+
+# A job is queued on a warm cluster only if, beyond its timeout, this much of
+# the cluster's lifetime is left: for the sync before it and the fetch after.
+MARGIN_SECONDS = 120.0
+
+
+def shape(backend: SkypilotBackend, handle: RunHandle) -> str:
+    """Steps of one shape may share a cluster: same settings, same resources."""
+    resources = backend.settings.resources(dict(handle.spec.resources))
+    return canonical_digest({"settings": settings_in_key(handle.settings), "resources": resources})[:12]
+
+
+def record_path(backend: SkypilotBackend, handle: RunHandle) -> Path | None:
+    slot = handle.state.get("slot")
+    if not isinstance(slot, dict):
+        return None
+    return backend.store.slots_dir(str(slot["pool"])) / f"{slot['index']}.json"
+
+
+def read_record(path: Path | None) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def warm_slots(folder: Path, limit: int) -> tuple[int, ...]:
+    """The slots that hold a cluster: tried first, so a step waits for a warm one."""
+    return tuple(i for i in range(limit) if (folder / f"{i}.json").is_file())
+
+
+def record_launch(backend: SkypilotBackend, handle: RunHandle, cluster: str, env_dir: str | None) -> None:
+    """Written before the launch: its deadline is counted from now."""
+    path = record_path(backend, handle)
+    if path is None:
+        return
+    transport = backend.settings.transport
+    deadline = time.time() + (transport.lifetime_minutes - backend.settings.idle_minutes) * 60
+    bin_digest = handle.state.get("bin_digest")
+    write_json_atomic(path, {"cluster": cluster, "deadline": deadline, "bin_digest": bin_digest,
+                             "env_dir": env_dir})  # fmt: skip
+
+
+def warm_cluster(backend: SkypilotBackend, handle: RunHandle, env_dir: str | None) -> dict[str, Any] | None:
+    """The slot's cluster if this run may be queued on it; a cluster it may
+    not use is taken down (the slot is held: no other run uses it)."""
+    path = record_path(backend, handle)
+    record = read_record(path)
+    if path is None or record is None:
+        return None
+    timeout = handle.spec.timeout
+    left = float(record.get("deadline", 0)) - time.time()
+    reason = None
+    if record.get("bin_digest") != handle.state.get("bin_digest") or record.get("env_dir") != env_dir:
+        reason = "its scripts or environment are not this run's"
+    elif timeout is None:
+        reason = "the step has no timeout, so no lifetime left is known to be enough"
+    elif left < timeout + MARGIN_SECONDS:
+        reason = f"{max(left, 0) / 60:.0f} min of its lifetime left, too few for the step's timeout"
+    if reason is None:
+        return record
+    emit(f"{handle.step}: not reusing cluster {record['cluster']} ({reason}); launching a new one")
+    for failure in retire(backend, str(record["cluster"]), path):
+        emit(f"{handle.step}: {failure}", err=True)
+    return None
+
+
+def retire(backend: SkypilotBackend, cluster: str, path: Path) -> list[Exception]:
+    """Take the slot's cluster down and forget it (the slot is held)."""
+    failures: list[Exception] = []
+    backend.down_cluster(cluster, failures)
+    path.unlink(missing_ok=True)
+    return failures
+
+
+def exec_on(backend: SkypilotBackend, handle: RunHandle, record: dict[str, Any],
+            config: dict[str, Any], upload: Path) -> dict[str, Any] | None:  # fmt: skip
+    """Queue the run's job on the warm cluster; None if the cluster is gone."""
+    cluster = str(record["cluster"])
+    handle = backend.store.update_state(handle, cluster=cluster)
+    layout = backend.layout(handle)
+    emit(f"{handle.step}: queued on warm cluster {cluster} (SkyPilot exec; `substrax-compute cancel "
+         f"{handle.run_id}` cancels this job only)")  # fmt: skip
+    try:
+        transport = RsyncTransport(backend.target(handle))
+        transport.upload(upload, ["in", "project"], layout.run)
+        sources = backend.settings.copy_.source_paths() if backend.settings.copy_ is not None else []
+        if sources:
+            transport.upload(Path(str(handle.state["project"])), sources, layout.project)
+    except SubstraxError as exc:  # a cluster gone between two runs reads as unreachable
+        emit(f"{handle.step}: cluster {cluster} is out of reach ({exc}); launching a new one")
+        return None
+    seconds = max(float(record["deadline"]) - time.time(), 1.0)
+    task = {key: config[key] for key in ("name", "num_nodes", "resources")}
+    task["run"] = sky_task.watchdog_line(backend.settings, layout, seconds) + "\n" + config["run"]
+    log = backend.run_file(handle, "launch.log")
+    request = {"task": task, "cluster_name": cluster, "log_file": str(log), "secrets": forwarded_env(handle),
+               "request_file": str(backend.run_file(handle, "launch-request.json"))}  # fmt: skip
+    try:
+        result = backend.sky().call(
+            "exec", request, timeout=None, while_waiting=LogRelay(log, f"{handle.step}: ")
+        )
+    except SkyCallError as exc:
+        if exc.kind not in CLUSTER_GONE:
+            raise
+        emit(f"{handle.step}: cluster {cluster} is gone ({exc.kind}); launching a new one")
+        return None
+    return result if isinstance(result, dict) else {}
+
+
+def leave(backend: SkypilotBackend, handle: RunHandle) -> None:
+    """A finished run's teardown: its cluster goes if no step holds its slot
+    (the last user takes it down); else it stays for the step that does."""
+    from substrax_tasks.slots import try_take
+
+    path = record_path(backend, handle)
+    assert path is not None
+    slot = try_take(path.parent, int(handle.state["slot"]["index"]))
+    if slot is None:
+        emit(f"{handle.step}: cluster {backend.cluster(handle)} stays for the step using it "
+             f"(SkyPilot takes it down {backend.settings.idle_minutes} min after its last job)")  # fmt: skip
+        return
+    try:
+        record = read_record(path)
+        if record is not None and record.get("cluster") == backend.cluster(handle):
+            failures = retire(backend, backend.cluster(handle), path)
+            if failures:
+                raise failures[0]
+    finally:
+        slot.release()

@@ -1,0 +1,66 @@
+"""SkyPilot clusters reused across steps (`reuse = true`), through the real
+`doit` and helper against the fake SkyPilot (its `exec` queues a job on an
+UP cluster without setup or file mounts, as the SDK's does), with the
+clusters' ssh served by a real sshd in a network namespace."""
+
+from __future__ import annotations
+
+import json
+
+from dodo_helpers import doit, doit_ok, run_count, show, step_skipped
+from ssh_helpers import needs_root, needs_sshd, write_ssh_dodo
+from test_skypilot_chain import Sky, host, sky  # noqa: F401 - host, sky: fixtures
+
+pytestmark = [needs_sshd, needs_root]
+
+SWEEP = """
+def task_fit():
+    for m in range({steps}):
+        yield from remote_step(
+            f"fit:m{{m}}", inputs=["data/in.txt"], outputs=[f"fit-{{m}}.txt"], timeout={timeout},
+            shell=f"cat data/in.txt > fit-{{m}}.txt; echo m{{m}} >> fit-{{m}}.txt", resources={{"cpus": 1}},
+        )
+"""
+
+
+def sweep(project: Sky, steps: int, timeout: float, max_parallel: int) -> None:
+    project.configure(reuse=True, max_parallel=max_parallel)
+    write_ssh_dodo(project.root, SWEEP.format(steps=steps, timeout=timeout), ["fit"])
+    (project.root / "data").mkdir()
+    (project.root / "data" / "in.txt").write_text("hello\n")
+
+
+def clusters_used(project: Sky) -> list[str]:
+    runs = project.root / ".substrax" / "runs"
+    return [json.loads(p.read_text())["state"]["cluster"] for p in sorted(runs.glob("*/handle.json"))]
+
+
+def test_a_threaded_sweep_takes_turns_on_at_most_max_parallel_clusters_and_leaves_none(sky: Sky) -> None:  # noqa: F811
+    sweep(sky, steps=6, timeout=60, max_parallel=2)
+    done = doit(sky.root, "-n", "4", "-P", "thread", env=sky.env, timeout=300)
+    assert done.returncode == 0, show(done)
+    for m in range(6):
+        assert (sky.root / f"fit-{m}.txt").read_text() == f"hello\nm{m}\n"
+    used = clusters_used(sky)
+    assert len(used) == 6 and len(set(used)) == 2, used  # two launched, four queued on them
+    assert done.stdout.count("launching cluster") == 2, show(done)
+    assert done.stdout.count("queued on warm cluster") == 4, show(done)
+    assert "waits for a free slot on SkyPilot (cpus=1) (2 running)" in done.stdout, show(done)
+    assert sky.clusters() == []  # the last user took each down as doit ended
+    status = sky.compute("status", "--all", "--json")
+    assert {r["state"] for r in json.loads(status.stdout)["runs"]} == {"succeeded"}, status.stdout
+    asked = sky.requests()
+    again = doit_ok(sky.root, "-n", "4", "-P", "thread", env=sky.env)
+    assert all(step_skipped(again, f"fit:m{m}") for m in range(6)), show(again)
+    assert sky.requests() == asked and run_count(sky.root) == 6
+
+
+def test_a_cluster_without_lifetime_left_for_the_timeout_is_replaced_not_reused(sky: Sky) -> None:  # noqa: F811
+    # 9 minutes of lifetime (10 less idle_minutes): a timeout of 8 leaves less than the margin.
+    sweep(sky, steps=2, timeout=480, max_parallel=1)
+    done = doit(sky.root, env=sky.env, timeout=300)
+    assert done.returncode == 0, show(done)
+    first, second = clusters_used(sky)
+    assert first != second, show(done)
+    assert f"not reusing cluster {first} (" in done.stdout and "too few for the step's timeout" in done.stdout
+    assert sky.clusters() == []
