@@ -7,8 +7,19 @@ from __future__ import annotations
 
 import json
 
-from dodo_helpers import doit, doit_ok, run_count, show, step_skipped
-from ssh_helpers import needs_root, needs_sshd, write_ssh_dodo
+from conftest import marked_pids
+from dodo_helpers import (
+    doit,
+    doit_ok,
+    popen_doit,
+    popen_output,
+    run_count,
+    show,
+    step_skipped,
+    stop,
+    wait_for,
+)
+from ssh_helpers import live_handles, needs_root, needs_sshd, write_ssh_dodo
 from test_skypilot_chain import Sky, host, sky  # noqa: F401 - host, sky: fixtures
 
 pytestmark = [needs_sshd, needs_root]
@@ -63,4 +74,41 @@ def test_a_cluster_without_lifetime_left_for_the_timeout_is_replaced_not_reused(
     first, second = clusters_used(sky)
     assert first != second, show(done)
     assert f"not reusing cluster {first} (" in done.stdout and "too few for the step's timeout" in done.stdout
+    assert sky.clusters() == []
+
+
+# Two steps of one shape: m0 waits for the gate (its processes carry the
+# marker), m1 is quick. Filled in with str.format.
+GATED_PAIR = """
+def task_fit():
+    yield from remote_step(
+        "fit:m0", outputs=["fit-0.txt"], timeout=60, resources={{"cpus": 1}},
+        command=["/bin/sh", "-c", "while [ ! -e {gate} ]; do sleep 0.05; done; echo 0 > fit-0.txt",
+                 {marker!r}],
+    )
+    yield from remote_step("fit:m1", outputs=["fit-1.txt"], timeout=60, resources={{"cpus": 1}},
+                           shell="echo 1 > fit-1.txt")
+"""
+
+
+def test_cancel_of_a_run_on_a_shared_cluster_cancels_its_job_only(sky: Sky, marker: str) -> None:  # noqa: F811
+    # Unsandboxed: the sandbox's private /tmp would hide the gate from the job.
+    sky.configure(reuse=True, max_parallel=1, sandbox="none")
+    write_ssh_dodo(sky.root, GATED_PAIR.format(gate=str(sky.base / "gate"), marker=marker), ["fit"])
+    proc = popen_doit(sky.root, "--continue", env=sky.env)  # serially: m0, then m1
+    try:
+        wait_for(lambda: marked_pids(marker), "m0's job to run", timeout=120)
+        (first,) = [h for h in live_handles(sky.root) if h["step"] == "fit:m0"]
+        cancelled = sky.compute("cancel", first["run_id"])
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert proc.wait(timeout=300) != 0  # m0 was cancelled
+    finally:
+        stop(proc)
+    said = popen_output(sky.root)
+    assert "queued on warm cluster" in said, said
+    assert len(set(clusters_used(sky))) == 1, said  # m1 ran on m0's cluster, which the cancel left up
+    assert (sky.root / "fit-1.txt").read_text() == "1\n"
+    status = json.loads(sky.compute("status", first["run_id"], "--json").stdout)
+    assert status["runs"][0]["state"] == "cancelled", status
+    assert marked_pids(marker) == []
     assert sky.clusters() == []
