@@ -153,16 +153,19 @@ def leave(backend: SkypilotBackend, handle: RunHandle) -> None:
     from substrax_tasks.slots import try_take
 
     path = record_path(backend, handle)
-    assert path is not None
+    cluster = backend.cluster(handle)
+    record = read_record(path)
+    if path is None or record is None or record.get("cluster") != cluster:
+        return  # the step that replaced it in the slot took it down
     slot = try_take(path.parent, int(handle.state["slot"]["index"]))
     if slot is None:
-        emit(f"{handle.step}: cluster {backend.cluster(handle)} stays for the step using it "
-             f"(SkyPilot takes it down {backend.settings.idle_minutes} min after its last job)")  # fmt: skip
+        emit(f"{handle.step}: cluster {cluster} is left to the step holding its slot (SkyPilot takes "
+             f"it down {backend.settings.idle_minutes} min after its last job)")  # fmt: skip
         return
     try:
-        record = read_record(path)
-        if record is not None and record.get("cluster") == backend.cluster(handle):
-            failures = retire(backend, backend.cluster(handle), path)
+        record = read_record(path)  # again, now that no one else can change it
+        if record is not None and record.get("cluster") == cluster:
+            failures = retire(backend, cluster, path)
             if failures:
                 raise failures[0]
     finally:
