@@ -1,0 +1,74 @@
+"""A sweep on the real one-node Slurm cluster of the test bed, with
+`reuse = true` and `max_parallel = 2`: four steps under `doit -n 4 -P
+thread` take turns on at most two clusters (SkyPilot's `exec` on the warm
+one), every output is verified here, and nothing is left on the cluster.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+import time
+from collections.abc import Callable
+
+import pytest
+from dodo_helpers import DOIT, HEADER, run_count, show, step_skipped
+
+from e2e.conftest import SlurmBedInfo
+from e2e.test_skypilot_e2e import (  # noqa: F401 - project_factory: a fixture
+    LAUNCH_TIMEOUT,
+    SkyProject,
+    api_requests,
+    jobs_named,
+    project_factory,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(1800)  # two launches, four jobs, two downs; the bed's set-up first
+
+SWEEP = """
+def task_fit():
+    for m in range(4):
+        yield from remote_step(
+            f"fit:m{m}", inputs=["data/in.txt"], outputs=[f"fit-{m}.txt"], timeout=120,
+            shell=f"cat data/in.txt > fit-{m}.txt; echo m{m} >> fit-{m}.txt",
+        )
+"""
+
+
+def test_a_sweep_with_reuse_takes_turns_on_two_clusters_and_leaves_nothing(
+    slurm_bed: SlurmBedInfo,
+    project_factory: Callable[[str], SkyProject],  # noqa: F811
+) -> None:
+    project = project_factory("sxe-sw")
+    # 30 minutes of lifetime: a first launch on a fresh bed (its runtime install) takes several
+    project.configure(reuse=True, max_parallel=2, lifetime_minutes=30)
+    config = 'DOIT_CONFIG = doit_config(default_tasks=["fit"])\n'
+    (project.root / "dodo.py").write_text(HEADER + config + textwrap.dedent(SWEEP))
+    (project.root / "data").mkdir()
+    (project.root / "data" / "in.txt").write_text("hello\n")
+    with (project.root.parent / "doit.out").open("w") as out:
+        proc = subprocess.Popen(
+            [str(DOIT), "-n", "4", "-P", "thread"], cwd=project.root, env=project.env,
+            stdout=out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    project.procs.append(proc)
+    most = 0  # the most clusters (Slurm jobs of this project's prefix) seen at once
+    started = time.monotonic()
+    while proc.poll() is None and time.monotonic() - started < LAUNCH_TIMEOUT:
+        most = max(most, len(jobs_named(slurm_bed, project.prefix)))
+        time.sleep(2)
+    said = project.output()
+    assert proc.wait(timeout=60) == 0, said
+    assert most <= 2, f"{most} clusters at once\n{said}"
+    for m in range(4):
+        assert (project.root / f"fit-{m}.txt").read_text() == f"hello\nm{m}\n"
+    assert said.count("launching cluster") <= 2 and said.count("queued on warm cluster") >= 2, said
+    # The last user took each cluster down as doit ended: none left, nor a Slurm job.
+    assert project.clusters() == [], said
+    wait_for(lambda: jobs_named(slurm_bed, project.prefix) == [], "the clusters' Slurm jobs to end", 60)
+    asked = api_requests(slurm_bed)
+    again = project.doit("-n", "4", "-P", "thread")
+    assert again.returncode == 0, show(again)
+    assert all(step_skipped(again, f"fit:m{m}") for m in range(4)), show(again)
+    assert api_requests(slurm_bed) == asked and run_count(project.root) == 4
