@@ -1,0 +1,165 @@
+"""A SkyPilot sweep with `reuse = true` against one cluster per step, on the
+Slurm test bed (tests/testbeds/slurm_cluster.py; as root, about 15 min).
+
+Each variant is one serial `doit` of STEPS steps that each `sleep SECONDS`,
+on a project of its own (copy transport, bubblewrap), timed from start to
+exit (the last teardown included), the two variants interleaved over the
+repeats:
+
+    per-step   reuse = false: each step launches, sets up and downs a cluster
+    reuse      reuse = true, max_parallel = 1: one cluster, the steps queued on it
+
+and, for `reuse`, the time from a step's launch (its handle is written as
+`doit` reaches it) to its command running on the warm cluster (the worker's
+start time), median over the warm steps.
+
+    .venv/bin/python bench/bench_reuse.py [--bed /tmp/sxt-bench-reuse] [--repeats 1]
+
+The bed is brought up in --bed (or the one up there is used) and taken down
+at the end unless --keep-bed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import cli_argv, doit_argv, median
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from testbeds.slurm_cluster import DEFAULT_SKY_VENV, SlurmBed, bed_down, bed_up  # noqa: E402
+
+from substrax_tasks._sky import SkyClient  # noqa: E402
+
+DODO = """
+from substrax_tasks import doit_config, remote_step
+
+DOIT_CONFIG = doit_config(default_tasks=["s"])
+
+def task_s():
+    for m in range({steps}):
+        yield from remote_step(f"s:m{{m}}", shell=f"sleep {seconds}; echo {{m}} > out-{{m}}.txt",
+                               outputs=[f"out-{{m}}.txt"], timeout=300)
+"""
+
+
+def project(base: Path, bed: SlurmBed, prefix: str, reuse: bool, *, steps: int, seconds: float) -> Path:
+    root = base / prefix
+    root.mkdir(parents=True)
+    settings: dict[str, Any] = {
+        "infra": bed.infra, "cpus": 1, "sky_python": str(bed.sky_python), "cluster_prefix": prefix,
+        "sandbox": "bwrap", "idle_minutes": 2, "poll_seconds": 2, "reuse": reuse, "max_parallel": 1,
+    }  # fmt: skip
+    lines = ["[tool.substrax.compute]", 'default_backend = "skypilot"', "",
+             "[tool.substrax.compute.backends.skypilot]"]  # fmt: skip
+    lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+    lines += ["", "[tool.substrax.compute.backends.skypilot.copy]", "lifetime_minutes = 30"]
+    (root / "pyproject.toml").write_text("\n".join(lines) + "\n")
+    (root / "dodo.py").write_text(textwrap.dedent(DODO.format(steps=steps, seconds=seconds)))
+    return root
+
+
+def env_for(bed: SlurmBed) -> dict[str, str]:
+    env = bed.sky_env()
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    return env
+
+
+def parse(stamp: str) -> float:
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def warm_starts(root: Path, env: dict[str, str]) -> list[float]:
+    """Seconds from each warm run's handle to its command's start."""
+    done = subprocess.run([*cli_argv(), "--project", str(root), "status", "--all", "--json"], env=env,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    started = {r["run_id"]: r.get("started_at") for r in json.loads(done.stdout)["runs"]}
+    figures = []
+    for path in sorted((root / ".substrax" / "runs").glob("*/handle.json")):
+        handle = json.loads(path.read_text())
+        warm = handle["state"].get("cluster") != _own_cluster(handle)  # queued on another run's cluster
+        if warm and started.get(handle["run_id"]):
+            figures.append(parse(str(started[handle["run_id"]])) - parse(handle["created_at"]))
+    return figures
+
+
+def _own_cluster(handle: dict[str, Any]) -> str:
+    from substrax_tasks.backends.sky_task import cluster_name
+    from substrax_tasks.backends.skypilot_settings import SkypilotSettings
+    from substrax_tasks.handle import RunHandle
+
+    settings = SkypilotSettings.model_validate(handle["settings"])
+    return cluster_name(settings, RunHandle.model_validate(handle))
+
+
+def run(base: Path, bed: SlurmBed, reuse: bool, *, steps: int, seconds: float) -> tuple[float, list[float]]:
+    prefix = f"sxb{'r' if reuse else 'p'}{secrets.token_hex(2)}"
+    root = project(base, bed, prefix, reuse, steps=steps, seconds=seconds)
+    env = env_for(bed)
+    started = time.monotonic()
+    done = subprocess.run(doit_argv(), cwd=root, env=env, capture_output=True, text=True, check=False)
+    wall = time.monotonic() - started
+    sky = SkyClient(str(bed.sky_python), env=bed.sky_env())
+    left = [r["name"] for r in sky.call("cluster_status", {}) if str(r["name"]).startswith(prefix)]
+    for cluster in left:  # not expected: reported, and taken down
+        sky.call("down", {"cluster_name": cluster}, timeout=None)
+    if done.returncode != 0 or left:
+        said = done.stdout + done.stderr
+        raise SystemExit(f"{prefix}: doit exit {done.returncode}, clusters left {left}\n{said}")
+    return wall, warm_starts(root, env) if reuse else []
+
+
+def main() -> int:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    parser.add_argument("--bed", type=Path, default=Path("/tmp/sxt-bench-reuse/bed"))
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--keep-bed", action="store_true")
+    args = parser.parse_args()
+    if os.geteuid() != 0 or not (DEFAULT_SKY_VENV / "bin" / "sky").exists():
+        print("bench_reuse.py: skipped: the Slurm test bed needs root, and SkyPilot in .sky-venv")
+        return 0
+    args.bed.parent.mkdir(parents=True, exist_ok=True)
+    args.bed.parent.chmod(0o755)  # the cluster user lives under it
+    bed = bed_up(args.bed, sky_venv=DEFAULT_SKY_VENV, log=lambda line: print(f"[bed] {line}", flush=True))
+    walls: dict[bool, list[float]] = {False: [], True: []}
+    warm: list[float] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-reuse-") as base:
+            for repeat in range(args.repeats):
+                for reuse in (False, True) if repeat % 2 == 0 else (True, False):
+                    wall, starts = run(Path(base), bed, reuse, steps=args.steps, seconds=args.seconds)
+                    walls[reuse].append(wall)
+                    warm += starts
+                    name = "reuse" if reuse else "per-step"
+                    extra = f", warm starts {[round(s, 1) for s in starts]}" if reuse else ""
+                    print(f"repeat {repeat + 1}: {name} {wall:.1f} s{extra}", flush=True)
+    finally:
+        if not args.keep_bed:
+            bed_down(args.bed)
+    per_step, reused = median(walls[False]), median(walls[True])
+    print(f"\n{args.steps} steps of sleep {args.seconds:g}, serial, {args.repeats} repeat(s), medians")
+    print("| figure | value | goal |\n| --- | --- | --- |")
+    print(f"| wall, one cluster per step | {per_step:.1f} s | |")
+    print(f"| wall, reuse = true, max_parallel = 1 | {reused:.1f} s | |")
+    print(f"| ratio reuse / per-step | {reused / per_step:.2f}x | <= 0.5x |")
+    print(f"| launch to running, warm cluster (median of {len(warm)}) | {median(warm):.1f} s | <= 10 s |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
