@@ -29,7 +29,14 @@ READ_BLOCK = 1 << 16
 
 # What OpenSSH's multiplexing client says when the master it reached has
 # died under it; a new master then works where the old one cannot.
-DEAD_MASTER_SIGNS = ("read from master failed", "mux_client_request_session", "Control socket connect")
+# What rsync says when the master died under it: ssh's own words, or only
+# rsync's (exit 12 or 255, by which side noticed first).
+DEAD_MASTER_SIGNS = (
+    "read from master failed",
+    "mux_client_request_session",
+    "Control socket connect",
+    "connection unexpectedly closed",
+)
 
 
 def _number(text: str) -> int:
@@ -106,9 +113,8 @@ class RsyncTransport:
         try:
             return self._rsync_once(argv, rel_paths, what)
         except BackendError as exc:
-            # 255: ssh's own failure, which a master dying mid-copy leaves
-            # without a word of its own (only rsync's "connection
-            # unexpectedly closed").
+            # 255: ssh's own failure. Another cause of the same words (rsync
+            # missing on the host) fails the second try the same way.
             if not shared or not (" (exit 255)" in str(exc) or any(s in str(exc) for s in DEAD_MASTER_SIGNS)):
                 raise
         emit(f"{what}: ssh's shared connection to {self.target.host} had died; again on a new one", err=True)
