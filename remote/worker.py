@@ -115,10 +115,16 @@ class Worker:
 
     def claim_start(self) -> bool:
         """Under the run's start lock: refuse a run already ended (cancelled
-        before its worker got here), else record `starting` with our pid so
+        before its worker got here) or claimed by another live worker (a
+        client that restarted it), else record `starting` with our pid so
         that a cancel from now on signals us."""
         with control.start_lock(self.run_dir):
-            if (control.read_json(self.job["status_file"]) or {}).get("state") in control.FINAL_STATES:
+            record = control.read_json(self.job["status_file"]) or {}
+            if record.get("state") in control.FINAL_STATES:
+                self.note("the run was cancelled before it started; not starting it")
+                return False
+            if control.alive(record.get("worker_pid"), record.get("worker_start_ticks")):
+                self.note("worker %s already starts this run; not starting it twice" % record["worker_pid"])
                 return False
             self.write_status(state="starting")
             return True
@@ -130,8 +136,6 @@ class Worker:
         self.install_handlers()
         proctree.become_subreaper()
         claimed = self.claim_start()
-        if not claimed:
-            self.note("the run was cancelled before it started; not starting it")
         started = claimed and self.start_command()
         if ready_fd is not None:  # the detached parent may return now
             os.write(ready_fd, b"started")
@@ -188,6 +192,10 @@ class Worker:
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 self.stop_reason = "timed_out"
+                break
+            if not os.path.isdir(self.run_dir):  # deleted by hand: no one can follow the run
+                self.stop_reason = "cancelled"
+                self.stop_signal = "its run folder was deleted"
                 break
             self.sleep(POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic()))
         if self.stop_reason is not None:
