@@ -265,8 +265,6 @@ class StepDriver:
             self._set(RunState.INTERRUPTED)
             self._on_interrupt(backend, handle)
             raise
-        # What the backend noted as the run ended (its final status, where its outputs are).
-        self.handle = handle = self.project.store.read(handle.run_id)
         if status.state != "succeeded":
             tail = backend.read_log(handle, 0)[-1500:].decode(errors="replace")
             return TaskFailed(
@@ -275,6 +273,8 @@ class StepDriver:
                 + (f": {status.message}" if status.message else "")
                 + f"\nlast lines of its log (substrax-compute logs {handle.run_id}):\n{tail}"
             )
+        # What the backend noted as the run ended (its final status, where its outputs are).
+        self.handle = self.project.store.read(handle.run_id)
         return None
 
     def _on_interrupt(self, backend: Backend, handle: RunHandle) -> None:
@@ -409,7 +409,11 @@ class StepDriver:
                 self._step_lock.release()
 
     def _tear_down(self, was: RunState) -> None:
-        handle = self.project.store.read(cast("RunHandle", self.handle).run_id)
+        try:
+            handle = self.project.store.read(cast("RunHandle", self.handle).run_id)
+        except HandleError as exc:  # its record was deleted or damaged: nothing to act on
+            emit(f"{self.spec.step}: not torn down: {exc}", err=True)
+            return
         backend = self.backend(handle)
         status = backend.status(handle)
         interrupted = was is RunState.INTERRUPTED
