@@ -40,7 +40,11 @@ def test_deleting_the_store_mid_run_ends_doit_with_the_run_lost(tmp_path: Path, 
         wait_for(lambda: pids_with(marker) and started(root), "the run to be followed")
         store = root / ".substrax"
         # as `rm -rf` would, again while doit writes in it meanwhile
-        wait_for(lambda: shutil.rmtree(store, ignore_errors=True) or not store.exists(), "the store to go")
+        def removed() -> bool:
+            shutil.rmtree(store, ignore_errors=True)
+            return not store.exists()
+
+        wait_for(removed, "the store to go")
         code = client.wait(timeout=60)  # before the fix: no end (the run read as pending)
     finally:
         stop(client)
