@@ -246,7 +246,7 @@ def member_failure(handle: RunHandle, exc: Exception) -> SubstraxError:
 
 def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
     from substrax_tasks import manifest_cache
-    from substrax_tasks.promote import promote
+    from substrax_tasks.promote import JOURNAL, promote
 
     handle = project.store.read(args.run)
     backend = project.backend_for(handle)
@@ -279,7 +279,7 @@ def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Con
         raise BackendError(
             f"run {handle.run_id} wrote its outputs in place (no sandbox); copy them from {base}"
         )
-    promote(fetched.root, dest, outputs)
+    promote(fetched.root, dest, outputs, project.store.run_dir(handle.run_id) / JOURNAL)
     out.print(
         f"run {handle.run_id}: {len(outputs)} output(s) fetched into {dest}, verified against its manifest",
         highlight=False,

@@ -164,6 +164,7 @@ class StepDriver:
         self._step_lock.acquire()
         check_inputs_exist(self.spec, self.root)
         check_outputs_inside(self.spec.outputs, self.root)
+        self._recover_promotion()
         unset = [name for name in self.spec.forward_env if name not in os.environ]
         if unset:
             raise SubstraxError(
@@ -314,6 +315,20 @@ class StepDriver:
         self._save(handle, phase="fetched", manifest_digest=fetched.manifest["digest"])
         return None
 
+    def _journal(self, run_id: str) -> Path:
+        from substrax_tasks.promote import JOURNAL
+
+        return self.project.store.run_dir(run_id) / JOURNAL
+
+    def _recover_promotion(self) -> None:
+        """A promotion of the step's last run that a kill interrupted is
+        finished first: nothing reads the outputs half old, half new."""
+        from substrax_tasks.promote import recover
+
+        run_id = uptodate.read_record(self.step).get("run_id")
+        if run_id and recover(self._journal(str(run_id))):
+            emit(f"{self.spec.step}: finished the promotion of run {run_id}, which was interrupted")
+
     def _manifest_file(self, handle: RunHandle) -> Path:
         return self.project.store.run_dir(handle.run_id) / "manifest.json"
 
@@ -357,7 +372,7 @@ class StepDriver:
         renamed = False
         if fetched.root.resolve() != self.root.resolve():
             try:
-                renamed = promote(fetched.root, self.root, outputs)
+                renamed = promote(fetched.root, self.root, outputs, self._journal(handle.run_id))
             except OSError as exc:
                 return TaskFailed(
                     f"step {self.spec.step!r}: could not move the outputs of run {handle.run_id} into "
