@@ -186,13 +186,22 @@ class StepDriver:
             self._save(self._retrying("launch", lambda: backend.launch(handle)), phase="launched")
 
     def _last_run(self) -> RunHandle | None:
-        run_id = uptodate.read_record(self.step).get("run_id")
+        """The step's last run; an error if its record or handle is damaged
+        (its run may be going on: a second must not start beside it)."""
+        run_id = uptodate.read_record(self.step, strict=True).get("run_id")
         if not run_id:
             return None
+        store = self.project.store
+        if not store.handle_path(str(run_id)).exists():
+            return None  # its folder was removed: nothing runs there any more
         try:
-            return self.project.store.read(str(run_id))
-        except HandleError:
-            return None
+            return store.read(str(run_id))
+        except HandleError as exc:
+            raise HandleError(
+                f"the handle of its last run is damaged ({exc}), and that run may still be going. "
+                f"Stop it if it is (its worker's pid is in {store.run_dir(str(run_id))}/status.json), "
+                "then remove that folder and run again"
+            ) from None
 
     def _retire_unlaunched(self) -> None:
         """The step's previous run, if its launch never succeeded, would read
