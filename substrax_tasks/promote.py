@@ -16,7 +16,6 @@ rename (a copy from another file system leaves them for teardown).
 from __future__ import annotations
 
 import errno
-import glob
 import json
 import secrets
 import shutil
@@ -83,7 +82,8 @@ def promote(staging_root: Path, project: Path, outputs: list[str], journal: Path
     """Move each output from `staging_root/<out>` to `project/<out>`. True
     if every one was moved by renames alone, so the project holds the very
     files that were staged (and verified there)."""
-    write_json_atomic(journal, {"staging_root": str(staging_root), "project": str(project), "outputs": outputs})
+    write_json_atomic(journal, {"staging_root": str(staging_root), "project": str(project),
+                                "outputs": outputs})
     renamed = True
     for out in outputs:
         rel = out.rstrip("/")
@@ -107,7 +107,9 @@ def recover(journal: Path) -> bool:
         staged, final = staging_root / rel, project / rel
         if staged.exists() or staged.is_symlink():
             promote_one(staged, final)
-        for left in glob.glob(glob.escape(str(final.parent / f".{final.name}.substrax-")) + "*"):
-            remove_path(Path(left))
+        beside = f".{final.name}.substrax-"  # moved aside ("old") or copied half ("in")
+        for left in final.parent.iterdir() if final.parent.is_dir() else []:
+            if left.name.startswith(beside):
+                remove_path(left)
     journal.unlink()
     return True

@@ -58,14 +58,15 @@ def test_a_teardown_in_another_process_leaves_a_fetch_on_the_shared_master_alone
     hold.touch()
     rc.write_text(f"while [ -e {hold} ]; do sleep 0.05; done\n")
     fetch = subprocess.Popen(
-        [sys.executable, "-c", FETCH, json.dumps(dataclasses.asdict(target)), str(source), str(tmp_path / "got")],
+        [sys.executable, "-c", FETCH, json.dumps(dataclasses.asdict(target)), str(source),
+         str(tmp_path / "got")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         wait_for(lambda: marked_pids(".ssh/rc"), "the fetch's session to be held on the host")
         target.stop_master()  # the other doit's teardown, while this fetch goes on
         hold.unlink()
-        out, err = fetch.communicate(timeout=60)
+        err = fetch.communicate(timeout=60)[1]
     finally:
         hold.unlink(missing_ok=True)
         if fetch.poll() is None:
