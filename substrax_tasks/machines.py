@@ -63,23 +63,29 @@ def cluster_leaks(backend: SkypilotBackend, handles: list[RunHandle]) -> list[Le
     ]
 
 
-def _backends(project: Project, handles: list[RunHandle]) -> Iterator[Backend]:
-    """One backend per place runs may be: each distinct pinned settings of a
-    handle, and the project's configuration (its runs' handles may be gone)."""
-    from substrax_tasks.backends import backend_class
-
-    seen: set[tuple[str, str]] = set()
+def _places(project: Project, handles: list[RunHandle]) -> Iterator[tuple[str, Callable[[], Backend]]]:
+    """One backend per place runs may be: each distinct pinned settings of
+    a run not torn down, and the project's configuration (the handles of its
+    runs may be gone). Made when asked, so a handle this release cannot use
+    is one problem among the places, not the end of the listing."""
+    config = project.config
+    seen: set[str] = set()
     for handle in handles:
-        key = (handle.backend, repr(sorted(handle.settings.items())))
+        key = repr((handle.backend, sorted(handle.settings.items())))
+        if key not in seen and not handle.state.get("torn_down"):
+            seen.add(key)
+            yield handle.backend, functools.partial(project.backend_for, handle)
+    for name in config.backends:
+        key = repr((name, sorted(config.pinned(name, project.root).items())))
         if key not in seen:
             seen.add(key)
-            yield project.backend_for(handle)
-    for name in project.config.backends:
-        settings = project.config.backend_settings(name, project.root)
-        pinned = project.config.pinned(name, project.root)
-        if (name, repr(sorted(pinned.items()))) not in seen:
-            seen.add((name, repr(sorted(pinned.items()))))
-            yield backend_class(name)(settings, project.store)
+            yield name, functools.partial(_configured, project, name)
+
+
+def _configured(project: Project, name: str) -> Backend:
+    from substrax_tasks.backends import backend_class
+
+    return backend_class(name)(project.config.backend_settings(name, project.root), project.store)
 
 
 def find_leaks(project: Project, handles: list[RunHandle]) -> tuple[list[Leak], list[str]]:
@@ -87,11 +93,11 @@ def find_leaks(project: Project, handles: list[RunHandle]) -> tuple[list[Leak], 
     place that could not be asked, why."""
     found: set[Leak] = set()
     problems: list[str] = []
-    for backend in _backends(project, handles):
+    for name, backend in _places(project, handles):
         try:
-            found.update(backend.leaks(str(project.root), handles))
+            found.update(backend().leaks(str(project.root), handles))
         except SubstraxError as exc:
-            problems.append(f"{backend.name}: {exc}")
+            problems.append(f"{name}: {exc}")
     return sorted(found, key=lambda leak: (leak.backend, leak.where, leak.name)), problems
 
 
