@@ -25,6 +25,7 @@ The worker:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import select
@@ -41,6 +42,9 @@ import sandbox  # noqa: E402
 
 POLL_SECONDS = 0.5  # only an upper bound: SIGCHLD and signals wake the loop
 SETTLE_SECONDS = 0.2  # how long a finished command's exiting helpers may take
+# Room kept on the run's disk for the final status, should the command fill it.
+RESERVE_BYTES = 1 << 16
+RESERVE_FILE = "status.reserve"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PATH_FIELDS = ("cwd", "project", "staging", "home_dir", "status_file", "log_file", "manifest_copy")
 PATH_LIST_FIELDS = ("hide", "extra_ro", "path_prepend")
@@ -85,12 +89,27 @@ class Worker:
         }
 
     def note(self, message: str) -> None:
-        """The worker's own notes go into the run's log, marked as ours."""
-        os.write(self.log_fd, ("[substrax-worker %s] %s\n" % (control.now_iso(), message)).encode())
+        """The worker's own notes go into the run's log, marked as ours (a
+        full disk loses them, never the run's end)."""
+        with contextlib.suppress(OSError):
+            os.write(self.log_fd, ("[substrax-worker %s] %s\n" % (control.now_iso(), message)).encode())
 
     def write_status(self, **changes: Any) -> None:
+        """On a disk the command filled, the room kept (keep_room) is given
+        back for it: the run's end is always recorded."""
         self.status.update(changes)
-        control.write_json_atomic(self.job["status_file"], self.status)
+        try:
+            control.write_json_atomic(self.job["status_file"], self.status)
+        except OSError as exc:
+            room = os.path.join(self.run_dir, RESERVE_FILE)
+            if exc.errno != errno.ENOSPC or not os.path.exists(room):
+                raise
+            os.unlink(room)
+            control.write_json_atomic(self.job["status_file"], self.status)
+
+    def keep_room(self) -> None:
+        with contextlib.suppress(OSError), open(os.path.join(self.run_dir, RESERVE_FILE), "wb") as f:
+            f.write(b"\0" * RESERVE_BYTES)
 
     # -- signals: recorded here, acted on by the poll loop
     def install_handlers(self) -> None:
@@ -115,12 +134,19 @@ class Worker:
 
     def claim_start(self) -> bool:
         """Under the run's start lock: refuse a run already ended (cancelled
-        before its worker got here), else record `starting` with our pid so
+        before its worker got here) or claimed by another live worker (a
+        client that restarted it), else record `starting` with our pid so
         that a cancel from now on signals us."""
         with control.start_lock(self.run_dir):
-            if (control.read_json(self.job["status_file"]) or {}).get("state") in control.FINAL_STATES:
+            record = control.read_json(self.job["status_file"]) or {}
+            if record.get("state") in control.FINAL_STATES:
+                self.note("the run was cancelled before it started; not starting it")
+                return False
+            if control.alive(record.get("worker_pid"), record.get("worker_start_ticks")):
+                self.note("worker %s already starts this run; not starting it twice" % record["worker_pid"])
                 return False
             self.write_status(state="starting")
+            self.keep_room()
             return True
 
     # -- the run
@@ -130,14 +156,14 @@ class Worker:
         self.install_handlers()
         proctree.become_subreaper()
         claimed = self.claim_start()
-        if not claimed:
-            self.note("the run was cancelled before it started; not starting it")
         started = claimed and self.start_command()
         if ready_fd is not None:  # the detached parent may return now
             os.write(ready_fd, b"started")
             os.close(ready_fd)
         if started:
             self.watch(self.status["pid"], self.status["outputs_root"])
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.run_dir, RESERVE_FILE))
         os.close(self.log_fd)
         return 0 if started or not claimed else 1
 
@@ -189,6 +215,10 @@ class Worker:
             if deadline is not None and time.monotonic() >= deadline:
                 self.stop_reason = "timed_out"
                 break
+            if not os.path.isdir(self.run_dir):  # deleted by hand: no one can follow the run
+                self.stop_reason = "cancelled"
+                self.stop_signal = "its run folder was deleted"
+                break
             self.sleep(POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic()))
         if self.stop_reason is not None:
             self.note("stopping the task tree (%s)" % (
@@ -221,6 +251,9 @@ class Worker:
         elif state == "failed" and self.status["sandbox"] == "bwrap":
             # Said in the status, so every backend's failure shows it.
             message = sandbox.erofs_hint(self.job)
+        if state == "failed" and disk_full(outputs_root):
+            message = ("no space left on device where its outputs go (%s): the command filled the disk; "
+                       "free space (or make the outputs smaller) and run again" % outputs_root)
         signame = signal.Signals(-returncode).name if returncode is not None and returncode < 0 else None
         self.write_status(state=state, exit_code=returncode, signal=signame, ended_at=control.now_iso(),
                           message=message)
@@ -240,6 +273,14 @@ class Worker:
                 control.write_json_atomic(self.job["manifest_copy"], taken)
         except Exception as exc:  # the fetch then takes its own and says what is wrong
             self.note("could not take the outputs' manifest: %s" % exc)
+
+
+def disk_full(path: str) -> bool:
+    try:
+        found = os.statvfs(path)
+    except OSError:
+        return False
+    return found.f_bavail * found.f_frsize < RESERVE_BYTES
 
 
 def absolute_paths(job: dict[str, Any], base: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from substrax_tasks.backends.base import RunStatus
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.machines import Leak, lifetime_left
 from substrax_tasks.selection import group_of
 
 STATUS_COLUMNS = ("run", "step", "backend", "state", "started", "duration")
@@ -41,7 +42,24 @@ def run_record(handle: RunHandle, status: RunStatus, *, latest: bool) -> dict[st
         "message": status.message,
         "group": group_of(handle.step),
         "latest": latest,
+        "lifetime_left_seconds": lifetime_left(handle),
     }
+
+
+def machine_lines(handles: list[RunHandle], leaks: list[Leak]) -> list[str]:
+    """What may still hold a machine: runs and their time left, then leaks."""
+    lines = []
+    for handle in handles:
+        left = lifetime_left(handle)
+        if left is not None:
+            when = f"in {clock(left)}" if left > 0 else f"{clock(-left)} ago (overdue)"
+            lines.append(f"run {handle.run_id} may still hold a machine: its lifetime timer ends it {when}")
+    for leak in leaks:
+        fix = ("`substrax-compute gc --machines` removes it" if leak.ours else
+               "no handle of this project names it: another project's, or leaked before")
+        kind = "cluster" if leak.where == "SkyPilot" else "run folder"
+        lines.append(f"leaked {kind} {leak.name} on {leak.where}: no live handle accounts for it; {fix}")
+    return lines
 
 
 def parse_time(value: str | None) -> datetime.datetime | None:
@@ -63,8 +81,12 @@ def duration(status: RunStatus) -> str:
     if start is None:
         return "-"
     end = parse_time(status.ended_at) or datetime.datetime.now(datetime.timezone.utc)
-    seconds = max(0, int((end - start).total_seconds()))
-    hours, rest = divmod(seconds, 3600)
+    return clock((end - start).total_seconds())
+
+
+def clock(seconds: float) -> str:
+    """[h:]mm:ss"""
+    hours, rest = divmod(max(0, int(seconds)), 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 

@@ -146,8 +146,8 @@ def status_from_record(record: dict[str, Any] | None, worker_alive: bool) -> Run
             started_at=record.get("started_at"),
             message="the worker stopped without recording an end (killed, or the machine restarted)",
         )
-    if state == "starting":
-        state = "pending"
+    if state == "starting":  # its worker is alive and will start it: never a second one
+        state = "running"
     return RunStatus(
         state,
         exit_code=record.get("exit_code"),

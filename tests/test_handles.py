@@ -165,7 +165,7 @@ def test_status_lists_good_runs_and_names_unreadable_ones(project: Project) -> N
 
     code, data, _ = status_json(project.root)
     assert code == 1
-    assert set(data) == {"runs", "unreadable"}
+    assert set(data) == {"runs", "unreadable", "leaked"}
     assert [r["run_id"] for r in data["runs"]] == [h.run_id for h in good]
     for record in data["runs"]:
         assert {"run_id", "step", "backend", "state", "created_at"} <= set(record)

@@ -102,6 +102,8 @@ class LocalBackend(Backend):
         if record.get("damaged"):
             return damaged_status(record)
         if record.get("state") is None:
+            if not record.get("exists"):  # deleted by hand: nothing can record its end
+                return RunStatus("lost", message=deleted(self.store.run_dir(handle.run_id)))
             return RunStatus("pending")
         return status_from_record(record, worker_alive=bool(record.get("worker_alive")))
 
@@ -265,6 +267,11 @@ class Spawner:
 
 
 _SPAWNER = Spawner()
+
+
+def deleted(run_dir: Path) -> str:
+    return (f"its run folder {run_dir} was deleted while it went on (its worker stops the command "
+            "when it sees that)")
 
 
 def worker_environment() -> dict[str, str]:
