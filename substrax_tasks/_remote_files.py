@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 _PACKAGE = Path(__file__).resolve().parent
 # What a host needs in its bin folder to run the worker (and what its digest covers).
-REMOTE_SCRIPTS = ("worker.py", "control.py", "proctree.py", "sandbox.py", "manifest.py")
+REMOTE_SCRIPTS = ("worker.py", "control.py", "proctree.py", "sandbox.py", "manifest.py", "gpus.py")
 
 
 def _folder(packed: str, checkout: str, marker: str) -> Path:

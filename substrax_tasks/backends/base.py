@@ -40,7 +40,8 @@ class RunStatus:
 
     state: pending (handle written, command not started), running,
     succeeded, failed, timed_out, cancelled, or lost (its worker vanished
-    without writing a final status).
+    without writing a final status). gpus: the ids of the GPUs the run was
+    given (held while it runs), on a backend that hands them out.
     """
 
     state: str
@@ -48,6 +49,7 @@ class RunStatus:
     started_at: str | None = None
     ended_at: str | None = None
     message: str | None = None
+    gpus: list[str] | None = None
 
     @property
     def final(self) -> bool:
@@ -180,6 +182,7 @@ class Backend(ABC):
                 started_at=status.started_at,
                 ended_at=status.ended_at,
                 message=str(verdict.get("message", "")) or status.message,
+                gpus=status.gpus,
             )
         return status
 

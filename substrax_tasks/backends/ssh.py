@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from substrax_tasks import _gpus
 from substrax_tasks._output import emit
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
 from substrax_tasks._signals import check_interrupted
@@ -79,8 +80,15 @@ class SshBackend(Backend):
             for name in REMOTE_SCRIPTS:
                 conn.write_bytes(f"{bin_dir}/{name}", remote_script(name).read_bytes(), mode=0o700)
             conn.write_bytes(f"{bin_dir}/.complete", b"")
+        run = RemoteRun(conn, self.settings.python, bin_dir, run_dir)
+        gpus = _gpus.job_gpus(
+            handle.spec, self.settings.hide_gpus_when_unasked,
+            lambda: run.answer(run.check(run.script("gpus.py"), "listing the GPUs"), "listing the GPUs"),
+            f"{remote_root}/gpus", self.settings.host,
+        )  # fmt: skip
         return self.store.update_state(
-            handle, remote_root=remote_root, remote_run_dir=run_dir, remote_bin=bin_dir, remote_home=home
+            handle, remote_root=remote_root, remote_run_dir=run_dir, remote_bin=bin_dir, remote_home=home,
+            gpus=gpus,
         )
 
     def setup(self, handle: RunHandle) -> RunHandle:
@@ -145,11 +153,14 @@ class SshBackend(Backend):
             env_dir=env_dir if isinstance(env_dir, str) else None,
             cache_dirs=self.settings.cache_dirs,
             cache_root=cache_root,
+            gpus=handle.state.get("gpus"),
         )
         self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())
         secrets = forwarded_env(handle)
         argv = run.script("worker.py", paths.job, "--detach", *(["--env-stdin"] if secrets else []))
         result = self.conn.run(argv, stdin=json.dumps(secrets).encode() if secrets else None)
+        if result.returncode == _gpus.WORKER_BUSY:
+            raise _gpus.busy(job["gpus"], self.settings.host)
         if result.returncode != 0:
             raise BackendError(
                 f"run {handle.run_id}: the worker did not start on {self.settings.host}: "
