@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -69,7 +69,7 @@ def fake_gpu_host(base: Path) -> dict[str, str]:
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(home)}
 
 
-def gpu_project(tmp_path: Path, marker: str, steps: dict[str, object]) -> Path:
+def gpu_project(tmp_path: Path, marker: str, steps: Mapping[str, object]) -> Path:
     body = "".join(STEP.format(name=name, marker=marker, resources=res) for name, res in steps.items())
     root = make_project(tmp_path, body, list(steps))
     (root / "gate").mkdir()

@@ -24,6 +24,7 @@ from typing import Any
 
 from substrax_tasks import _gpus, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._program import resolve_program
 from substrax_tasks._remote_files import control, remote_dir, remote_module
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
 from substrax_tasks.errors import BackendError
@@ -76,6 +77,8 @@ class LocalBackend(Backend):
                 str(Path.home() / ".substrax-remote" / "gpus"), "this machine",
             ),
         )
+        if self.settings.sandbox != "none":  # without one, the worker finds what doit would
+            resolve_program(job, {**os.environ, **handle.spec.env})
         write_json_atomic(Path(paths.job), job)
         return self.store.update_state(handle, phase="launched")
 
