@@ -19,6 +19,7 @@ from dodo_helpers import (
     compute,
     doit,
     doit_ok,
+    handles,
     make_project,
     popen_doit,
     popen_output,
@@ -30,6 +31,7 @@ from dodo_helpers import (
     write_pyproject,
 )
 from ssh_helpers import SANDBOX, make_ssh_project, needs_root, needs_sshd, ssh_host
+from test_sandbox_gpu import CUDA_QUERY, nvidia_smi_gpus
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks._remote_files import remote_module
@@ -161,6 +163,32 @@ def test_the_gpus_of_a_killed_clients_runs_are_free_once_those_runs_end(
     assert given(root, "c") in ("[0] PCI_BUS_ID", "[1] PCI_BUS_ID")
 
 
+@pytest.mark.parametrize("threads", [[], ["-n", "2", "-P", "thread"]], ids=["serial", "threads"])
+def test_ctrl_c_while_waiting_for_gpus_stops_the_wait_and_the_run_never_starts(
+    tmp_path: Path, marker: str, env: dict[str, str], threads: list[str]
+) -> None:
+    steps = {name: {"accelerators": "A100:1"} for name in ("a", "b", "c")}
+    root = gpu_project(tmp_path, marker, steps)
+    first = popen_doit(root, "-n", "2", "-P", "thread", "a", "b", env=env)
+    try:
+        wait_for(lambda: running(root, 2), "a and b to hold both GPUs")
+        waiting = popen_doit(root, *threads, "c", env=env)
+        try:
+            wait_for(lambda: "waiting" in popen_output(root), "c to say it waits")
+            waiting.send_signal(signal.SIGINT)
+            assert waiting.wait(timeout=30) != 0, popen_output(root)
+        finally:
+            stop(waiting)
+        (c_run,) = [h for h in handles(root) if h["step"] == "c"]
+        status = json.loads((root / ".substrax" / "runs" / c_run["run_id"] / "status.json").read_text())
+        assert status["state"] == "cancelled" and status["started_at"] is None, status
+        (root / "gate" / "go").write_text("")
+        assert first.wait(timeout=60) == 0
+    finally:
+        stop(first)
+    assert not (root / "out_c").exists()
+
+
 @pytest.mark.parametrize("hide", [True, False], ids=["hidden", "unchanged"])
 def test_a_step_asking_no_gpu_sees_none_only_when_the_setting_says(
     tmp_path: Path, marker: str, env: dict[str, str], hide: bool
@@ -245,3 +273,16 @@ def test_over_ssh_the_hosts_gpus_are_listed_there_and_held_apart(
     finally:
         stop(proc)
     assert {given(root, "a"), given(root, "b")} == {"[0] PCI_BUS_ID", "[1] PCI_BUS_ID"}
+
+
+def test_on_a_real_gpu_a_step_asking_for_one_sees_exactly_one(tmp_path: Path) -> None:
+    if nvidia_smi_gpus() is None:
+        pytest.skip("REAL GPU NOT TESTED: no working nvidia-smi on this machine (runs on a GPU host)")
+    body = """
+def task_query():
+    yield from remote_step("query", command=["python3", "cuda_query.py"], outputs=["out/"],
+                           resources={"accelerators": "1"})
+"""
+    root = make_project(tmp_path, body, ["query"], sandbox="bwrap", files={"cuda_query.py": CUDA_QUERY})
+    done = doit_ok(root)
+    assert "CUDA 0 0 1" in done.stdout + done.stderr, show(done)
