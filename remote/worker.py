@@ -11,7 +11,6 @@ The worker:
 * takes the GPUs the job asks for (gpus.py) before anything else, and
   holds them while it lives; when too few are free it exits with BUSY,
   having written nothing, and the client tries again later;
-
 * sends stdout and stderr of the command straight to the log file (no pipe
   it holds, so a descendant keeping them open can never make it wait);
 * starts the command in its own session and, under bubblewrap, its own pid

@@ -29,8 +29,13 @@ from doit.exceptions import TaskError, TaskFailed
 from substrax_tasks import manifest_cache, uptodate
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import TextSink, emit
-from substrax_tasks._signals import check_interrupted, map_termination_signals, started_holding_signals
-from substrax_tasks.errors import BackendError, HandleError, HostRefused, StartLater, SubstraxError
+from substrax_tasks._signals import (
+    check_interrupted,
+    map_termination_signals,
+    start_when_free,
+    started_holding_signals,
+)
+from substrax_tasks.errors import BackendError, HandleError, HostRefused, SubstraxError
 from substrax_tasks.spec import check_inputs_exist, check_outputs_inside
 from substrax_tasks.uptodate import DOIT_VALUE, Step
 
@@ -43,7 +48,6 @@ if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a 
 
 PHASES = ("created", "launched", "set_up", "synced", "started", "fetched", "promoted")
 RETRY_BACKOFF_SECONDS = 2.0
-START_LATER_SECONDS = 1.0  # how often a run waiting for its GPUs tries to start again
 _T = TypeVar("_T")
 
 
@@ -251,7 +255,11 @@ class StepDriver:
         try:
             if phase_index(handle.state.get("phase")) < phase_index("started"):
                 if backend.poll(handle).state == "pending":
-                    handle = self._start(backend, handle)
+                    pending = handle
+                    handle = start_when_free(
+                        lambda: self._retrying("start", lambda: started_holding_signals(backend, pending)),
+                        lambda said: emit(f"{self.spec.step}: {said}; waiting"),
+                    )
                 handle = self._save(handle, phase="started")
             with backend.ready_for_fetch(handle):  # the fetch's connection is kept up meanwhile
                 status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)
@@ -276,20 +284,6 @@ class StepDriver:
                 + f"\nlast lines of its log (substrax-compute logs {handle.run_id}):\n{tail}"
             )
         return None
-
-    def _start(self, backend: Backend, handle: RunHandle) -> RunHandle:
-        """Start the run; while the backend says it must wait (its GPUs are
-        held by other runs), say so once and try again, Ctrl-C stopping it."""
-        said = False
-        while True:
-            try:
-                return self._retrying("start", lambda: started_holding_signals(backend, handle))
-            except StartLater as exc:
-                if not said:
-                    emit(f"{self.spec.step}: {exc}; waiting")
-                    said = True
-            check_interrupted()
-            time.sleep(START_LATER_SECONDS)
 
     def _on_interrupt(self, backend: Backend, handle: RunHandle) -> None:
         if backend.capabilities.interrupt_cancels:
