@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 from dodo_helpers import (
+    DOIT,
+    clean_env,
     compute,
     doit,
     doit_ok,
@@ -31,7 +35,7 @@ from dodo_helpers import (
     write_pyproject,
 )
 from ssh_helpers import SANDBOX, make_ssh_project, needs_root, needs_sshd, ssh_host
-from test_sandbox_gpu import CUDA_QUERY, nvidia_smi_gpus
+from test_sandbox_gpu import CUDA_QUERY, free_gid, make_dev_script, nvidia_smi_gpus
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks._remote_files import remote_module
@@ -161,6 +165,49 @@ def test_the_gpus_of_a_killed_clients_runs_are_free_once_those_runs_end(
     out = popen_output(root)
     assert out.count("other runs hold them; waiting") == 1, out
     assert given(root, "c") in ("[0] PCI_BUS_ID", "[1] PCI_BUS_ID")
+
+
+NODES_STEP = """
+def task_{name}():
+    yield from remote_step(
+        {name!r},
+        command=["/bin/sh", "-c",
+                 'stat -c "%F %t:%T" /dev/nvidia0 /dev/nvidia1 > out_{name}/nodes.txt; '
+                 'echo "[$CUDA_VISIBLE_DEVICES]" > out_{name}/gpus.txt; '
+                 "while [ ! -e gate/go ]; do sleep 0.05; done", {marker!r}],
+        outputs=["out_{name}/"],
+        resources={{"accelerators": "A100:1"}},
+    )
+"""
+
+
+def test_with_gpu_device_nodes_both_steps_see_every_node_and_use_their_own_gpu(
+    tmp_path: Path, marker: str, env: dict[str, str]
+) -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("GPU NODES WITH GPU SLOTS NOT TESTED: making device nodes needs root and unshare")
+    body = "".join(NODES_STEP.format(name=name, marker=marker) for name in ("a", "b"))
+    root = make_project(tmp_path, body, ["a", "b"], sandbox="bwrap")
+    (root / "gate").mkdir()
+    # doit, its spawner and their workers in a mount namespace of the test's
+    # own, whose /dev holds the nodes the NVIDIA driver makes; the host's
+    # /dev is never touched, and the namespace ends with its processes.
+    in_namespace = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    make_dev_script(free_gid()), "make-gpu-dev"]  # fmt: skip
+    log = tmp_path / "doit.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen([*in_namespace, str(DOIT), "-n", "2", "-P", "thread"], cwd=root,
+                                env=clean_env(env), stdout=sink, stderr=sink, text=True)  # fmt: skip
+    try:
+        wait_for(lambda: running(root, 2), "both steps to run at once")
+        (root / "gate" / "go").write_text("")
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        stop(proc)
+    for name in ("a", "b"):
+        nodes = (root / f"out_{name}" / "nodes.txt").read_text().splitlines()
+        assert nodes == ["character special file c3:0", "character special file c3:1"], nodes
+    assert {given(root, "a"), given(root, "b")} == {"[0]", "[1]"}
 
 
 @pytest.mark.parametrize("threads", [[], ["-n", "2", "-P", "thread"]], ids=["serial", "threads"])
