@@ -12,6 +12,7 @@ the argv runs on a machine whose PATH this process does not know.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -59,21 +60,29 @@ def _ask_python(program: str, job: dict[str, Any], environ: dict[str, str]) -> l
     """[executable, prefix, base prefix] of the interpreter `program` runs,
     run as the step would be here (a pyenv shim reads its version from the
     environment and the project's .python-version)."""
-    try:
-        done = subprocess.run(
-            [program, "-c", ASK_PYTHON], cwd=job["cwd"], env=environ, stdin=subprocess.DEVNULL,
-            capture_output=True, text=True, timeout=ASK_SECONDS, check=False,
-        )  # fmt: skip
-        said, lines = done.stderr.strip()[-500:], done.stdout.splitlines() if done.returncode == 0 else []
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        said, lines = str(exc), []
+    said, lines = _asked(program, job["cwd"], tuple(sorted(environ.items())))
     if len(lines) != 3:
         raise SubstraxError(
             f"the step's program {job['argv'][0]!r} is {program} here, under a folder the sandbox "
             f"hides, and asking it which Python it runs failed ({said}); name the interpreter by "
             "its path in the argv"
         )
-    return lines
+    return list(lines)
+
+
+# Asked once per process for each program, folder and environment: a pyenv
+# shim takes 0.4 s to answer (bench/README.md, bench_steps.py --python), and
+# a sweep's steps all ask the same.
+@functools.lru_cache(maxsize=64)
+def _asked(program: str, cwd: str, environ: tuple[tuple[str, str], ...]) -> tuple[str, tuple[str, ...]]:
+    try:
+        done = subprocess.run(
+            [program, "-c", ASK_PYTHON], cwd=cwd, env=dict(environ), stdin=subprocess.DEVNULL,
+            capture_output=True, text=True, timeout=ASK_SECONDS, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc), ()
+    return done.stderr.strip()[-500:], tuple(done.stdout.splitlines()) if done.returncode == 0 else ()
 
 
 def resolve_program(job: dict[str, Any], environ: dict[str, str]) -> None:
