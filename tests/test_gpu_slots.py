@@ -305,6 +305,7 @@ def test_over_ssh_the_hosts_gpus_are_listed_there_and_held_apart(
     assert big.returncode == 1, show(big)
     said = big.stdout + big.stderr
     assert f"asks for 3 GPU(s), but {host.address} has 2: GPU 0: NVIDIA A100-SXM4-80GB" in said, show(big)
+    assert not list((there / "remote" / "runs").glob("*")), "a run folder was left on the host"
     proc = popen_doit(root, "-n", "2", "-P", "thread", "a", "b")
     runs = there / "remote" / "runs"
 

@@ -73,7 +73,6 @@ class SshBackend(Backend):
         home = conn.check(["sh", "-c", 'printf %s "$HOME"'], "reading $HOME").text()
         remote_root = str(Path(home) / self.settings.remote_root)  # relative: to the home folder
         run_dir = f"{remote_root}/runs/{handle.run_id}"
-        conn.check(["mkdir", "-p", "-m", "700", f"{run_dir}/work/outputs", f"{run_dir}/project"], "mkdir")
         bin_dir = f"{remote_root}/bin-{_remote_run.scripts_digest()}"
         if conn.run(["test", "-f", f"{bin_dir}/.complete"]).returncode != 0:
             conn.check(["mkdir", "-p", "-m", "700", bin_dir], "mkdir")
@@ -86,6 +85,8 @@ class SshBackend(Backend):
             lambda: run.answer(run.check(run.script("gpus.py"), "listing the GPUs"), "listing the GPUs"),
             f"{remote_root}/gpus", self.settings.host,
         )  # fmt: skip
+        # Only now: a step refused above leaves no folder on the host.
+        conn.check(["mkdir", "-p", "-m", "700", f"{run_dir}/work/outputs", f"{run_dir}/project"], "mkdir")
         return self.store.update_state(
             handle, remote_root=remote_root, remote_run_dir=run_dir, remote_bin=bin_dir, remote_home=home,
             gpus=gpus,
