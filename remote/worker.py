@@ -8,6 +8,9 @@ Python 3.8+. The job file names the command, its folders and files.
 
 The worker:
 
+* takes the GPUs the job asks for (gpus.py) before anything else, and
+  holds them while it lives; when too few are free it exits with BUSY,
+  having written nothing, and the client tries again later;
 * sends stdout and stderr of the command straight to the log file (no pipe
   it holds, so a descendant keeping them open can never make it wait);
 * starts the command in its own session and, under bubblewrap, its own pid
@@ -37,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # even under PYTHONSAFEPATH
 import control  # noqa: E402
+import gpus  # noqa: E402
 import proctree  # noqa: E402
 import sandbox  # noqa: E402
 
@@ -46,17 +50,18 @@ SETTLE_SECONDS = 0.2  # how long a finished command's exiting helpers may take
 RESERVE_BYTES = 1 << 16
 RESERVE_FILE = "status.reserve"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+BUSY = 75  # EX_TEMPFAIL: the GPUs the job asks for are held by other runs
 PATH_FIELDS = ("cwd", "project", "staging", "home_dir", "status_file", "log_file", "manifest_copy")
 PATH_LIST_FIELDS = ("hide", "extra_ro", "path_prepend")
 
 
 def task_environment(job: dict[str, Any], inherited: dict[str, str], secrets: dict[str, str],
-                     home: dict[str, str] | None = None) -> dict[str, str]:
-    """The command's environment: plain settings passed through, the
-    sandbox's `home` settings, the step's env, its named secrets, and the
-    environment's bin folder first on PATH."""
+                     ours: dict[str, str] | None = None) -> dict[str, str]:
+    """The command's environment: plain settings passed through, `ours`
+    (the sandbox's home, the GPUs the run holds), the step's env, its named
+    secrets, and the environment's bin folder first on PATH."""
     env = sandbox.plain_settings(inherited)
-    env.update(home or {})
+    env.update(ours or {})
     for name in job.get("forward_env", []):
         value = secrets.get(name, inherited.get(name))
         if value is not None:
@@ -81,6 +86,8 @@ class Worker:
         self.wake_r, self.wake_w = os.pipe()
         self.log_fd = -1
         self.child: subprocess.Popen[bytes] | None = None
+        self.gpu_locks: list[int] = []  # open while the run lasts: they hold its GPUs
+        self.gpu_env: dict[str, str] = {}
         self.status: dict[str, Any] = {
             "state": "starting", "worker_pid": os.getpid(),
             "worker_start_ticks": control.start_ticks(os.getpid()),
@@ -149,8 +156,30 @@ class Worker:
             self.keep_room()
             return True
 
+    def claim_gpus(self) -> bool:
+        """Take the GPUs the job asks for (job["gpus"]: the host's ids, the
+        count, the lock folder); False when too few are free. A count of 0
+        hides every GPU from the task."""
+        wanted = self.job.get("gpus")
+        if not wanted:
+            return True
+        held: list[str] = []
+        if wanted["count"]:
+            claimed = gpus.claim(wanted["lock_dir"], wanted["ids"], wanted["count"])
+            if claimed is None:
+                return False
+            held, self.gpu_locks = claimed
+            self.status["gpus"] = held
+        self.gpu_env = gpus.visible_env(wanted.get("kind"), held)
+        return True
+
     # -- the run
     def run(self, ready_fd: int | None = None) -> int:
+        if not self.claim_gpus():  # before the log and the status: this try leaves no trace
+            if ready_fd is not None:
+                os.write(ready_fd, b"busy")
+                os.close(ready_fd)
+            return BUSY
         self.log_fd = os.open(self.job["log_file"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(self.log_fd, 2)  # our own stderr (tracebacks included) goes to the log as well
         self.install_handlers()
@@ -173,7 +202,7 @@ class Worker:
         job = self.job
         try:
             argv, sandbox_name, outputs_root = sandbox.sandboxed_command(job, self.note, os.environ)
-            home = sandbox.home_settings(job, os.environ) if sandbox_name == "bwrap" else None
+            home = sandbox.home_settings(job, os.environ) if sandbox_name == "bwrap" else {}
             # Under bubblewrap the command's pid namespace already holds
             # every process it starts and dies whole with it: a cgroup adds
             # nothing there, and joining one makes each start wait for the
@@ -183,8 +212,9 @@ class Worker:
             cgroup = self.cgroup
             # Kept on self: a Popen object dropped while its process has
             # exited reaps it, and the poll loop would never see its end.
+            env = task_environment(job, dict(os.environ), self.secrets, {**home, **self.gpu_env})
             self.child = subprocess.Popen(
-                argv, cwd=job["cwd"], env=task_environment(job, dict(os.environ), self.secrets, home),
+                argv, cwd=job["cwd"], env=env,
                 stdin=subprocess.DEVNULL, stdout=self.log_fd, stderr=self.log_fd,
                 start_new_session=True, close_fds=True,
                 # before exec, so that nothing the command starts is outside it
@@ -308,7 +338,7 @@ def detach(job: dict[str, Any], secrets: dict[str, str]) -> int:
         os.close(ready_w)
         answer = os.read(ready_r, 64)  # one write of a few bytes, or the end if the child died
         os.waitpid(pid, os.WNOHANG)
-        return 0 if answer == b"started" else 1
+        return {b"started": 0, b"busy": BUSY}.get(answer, 1)
     os.close(ready_r)
     if os.getpid() != os.getsid(0):
         os.setsid()

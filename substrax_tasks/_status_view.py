@@ -43,6 +43,7 @@ def run_record(handle: RunHandle, status: RunStatus, *, latest: bool) -> dict[st
         "group": group_of(handle.step),
         "latest": latest,
         "lifetime_left_seconds": lifetime_left(handle),
+        "gpus": status.gpus,
     }
 
 
@@ -92,29 +93,27 @@ def clock(seconds: float) -> str:
 
 
 def print_status_table(rows: list[tuple[RunHandle, RunStatus]], out: Console) -> None:
+    # The GPUs each run was given, in a column shown only when a run has any.
+    with_gpus = any(s.gpus for _h, s in rows)
+    columns = [*STATUS_COLUMNS, *(["gpus"] if with_gpus else [])]
+    cells = [
+        [h.run_id, h.step, h.backend, s.state, short_time(s.started_at), duration(s)]
+        + ([",".join(s.gpus or []) or "-"] if with_gpus else [])
+        for h, s in rows
+    ]
     if not out.is_terminal or len(rows) > RICH_TABLE_MAX_ROWS:
         # Plain columns: what a pipe wants, and 50x faster than rich for a
         # store of a thousand runs.
-        cells = [
-            [h.run_id, h.step, h.backend, s.state, short_time(s.started_at), duration(s)] for h, s in rows
-        ]
-        print(plain_table(list(STATUS_COLUMNS), cells) if rows else "no runs yet")
+        print(plain_table(columns, cells) if rows else "no runs yet")
         return
     table = Table(title=None if rows else "no runs yet", show_edge=False)
-    for column in STATUS_COLUMNS:
+    for column in columns:
         # A narrow terminal folds a run id rather than cut it: it is what one copies.
         table.add_column(
             column,
             no_wrap=column in ("backend", "state", "duration"),
             overflow="fold" if column == "run" else "ellipsis",
         )
-    for handle, status in rows:
-        table.add_row(
-            handle.run_id,
-            handle.step,
-            handle.backend,
-            status.state,
-            short_time(status.started_at),
-            duration(status),
-        )
+    for row in cells:
+        table.add_row(*row)
     out.print(table)

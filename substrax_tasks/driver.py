@@ -29,7 +29,12 @@ from doit.exceptions import TaskError, TaskFailed
 from substrax_tasks import manifest_cache, uptodate
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import TextSink, emit
-from substrax_tasks._signals import check_interrupted, map_termination_signals, started_holding_signals
+from substrax_tasks._signals import (
+    check_interrupted,
+    map_termination_signals,
+    start_when_free,
+    started_holding_signals,
+)
 from substrax_tasks.errors import BackendError, HandleError, HostRefused, SubstraxError
 from substrax_tasks.spec import check_inputs_exist, check_outputs_inside
 from substrax_tasks.uptodate import DOIT_VALUE, Step
@@ -261,7 +266,10 @@ class StepDriver:
             if phase_index(handle.state.get("phase")) < phase_index("started"):
                 if backend.poll(handle).state == "pending":
                     pending = handle
-                    handle = self._retrying("start", lambda: started_holding_signals(backend, pending))
+                    handle = start_when_free(
+                        lambda: self._retrying("start", lambda: started_holding_signals(backend, pending)),
+                        lambda said: emit(f"{self.spec.step}: {said}; waiting"),
+                    )
                 handle = self._save(handle, phase="started")
             with backend.ready_for_fetch(handle):  # the fetch's connection is kept up meanwhile
                 status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)

@@ -43,7 +43,8 @@ class RunStatus:
 
     state: pending (handle written, command not started), running,
     succeeded, failed, timed_out, cancelled, or lost (its worker vanished
-    without writing a final status).
+    without writing a final status). gpus: the ids of the GPUs the run was
+    given (held while it runs), on a backend that hands them out.
     """
 
     state: str
@@ -51,6 +52,7 @@ class RunStatus:
     started_at: str | None = None
     ended_at: str | None = None
     message: str | None = None
+    gpus: list[str] | None = None
 
     @property
     def final(self) -> bool:
@@ -189,6 +191,7 @@ class Backend(ABC):
                 started_at=status.started_at,
                 ended_at=status.ended_at,
                 message=str(verdict.get("message", "")) or status.message,
+                gpus=status.gpus,
             )
         return status
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from substrax_tasks import _gpus
 from substrax_tasks._output import emit
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
 from substrax_tasks._signals import check_interrupted
@@ -84,18 +85,26 @@ class SshBackend(Backend):
         home = conn.check(["sh", "-c", 'printf %s "$HOME"'], "reading $HOME").text()
         remote_root = str(Path(home) / self.settings.remote_root)  # relative: to the home folder
         run_dir = f"{remote_root}/runs/{handle.run_id}"
-        # `from-<project>` marks the folder as this project's (machines.py).
-        mark = f"{run_dir}/{OWNER_MARK}{project_key(str(handle.state.get('project')))}"
-        folders = [f"{run_dir}/work/outputs", f"{run_dir}/project", mark]
-        conn.check(["mkdir", "-p", "-m", "700", *folders], "mkdir")
         bin_dir = f"{remote_root}/bin-{_remote_run.scripts_digest()}"
         if conn.run(["test", "-f", f"{bin_dir}/.complete"]).returncode != 0:
             conn.check(["mkdir", "-p", "-m", "700", bin_dir], "mkdir")
             for name in REMOTE_SCRIPTS:
                 conn.write_bytes(f"{bin_dir}/{name}", remote_script(name).read_bytes(), mode=0o700)
             conn.write_bytes(f"{bin_dir}/.complete", b"")
+        run = RemoteRun(conn, self.settings.python, bin_dir, run_dir)
+        gpus = _gpus.job_gpus(
+            handle.spec, self.settings.hide_gpus_when_unasked,
+            lambda: run.answer(run.check(run.script("gpus.py"), "listing the GPUs"), "listing the GPUs"),
+            f"{remote_root}/gpus", self.settings.host,
+        )  # fmt: skip
+        # Only now: a step refused above leaves no folder on the host.
+        # `from-<project>` marks the folder as this project's (machines.py).
+        mark = f"{run_dir}/{OWNER_MARK}{project_key(str(handle.state.get('project')))}"
+        folders = [f"{run_dir}/work/outputs", f"{run_dir}/project", mark]
+        conn.check(["mkdir", "-p", "-m", "700", *folders], "mkdir")
         return self.store.update_state(
-            handle, remote_root=remote_root, remote_run_dir=run_dir, remote_bin=bin_dir, remote_home=home
+            handle, remote_root=remote_root, remote_run_dir=run_dir, remote_bin=bin_dir, remote_home=home,
+            gpus=gpus,
         )
 
     def setup(self, handle: RunHandle) -> RunHandle:
@@ -160,11 +169,14 @@ class SshBackend(Backend):
             env_dir=env_dir if isinstance(env_dir, str) else None,
             cache_dirs=self.settings.cache_dirs,
             cache_root=cache_root,
+            gpus=handle.state.get("gpus"),
         )
         self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())
         secrets = forwarded_env(handle)
         argv = run.script("worker.py", paths.job, "--detach", *(["--env-stdin"] if secrets else []))
         result = self.conn.run(argv, stdin=json.dumps(secrets).encode() if secrets else None)
+        if result.returncode == _gpus.WORKER_BUSY:
+            raise _gpus.busy(job["gpus"], self.settings.host)
         if result.returncode != 0:
             raise BackendError(
                 f"run {handle.run_id}: the worker did not start on {self.settings.host}: "
