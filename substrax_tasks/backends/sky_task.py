@@ -2,9 +2,10 @@
 
 Pure functions of the handle and the settings, so the generated config can
 be written to disk as the run's intent before anything is launched, and
-validated by the real SkyPilot in tests for every shape.
+validated by the real SkyPilot in tests for every shape. One is not:
+`at_job_home`, where those paths are once the job runs.
 
-On the cluster, relative to the cluster user's home (`remote_root`):
+On the cluster, relative to the home the job runs in (`remote_root`):
 
     bin-<digest>/            the remote/ scripts (COPY mount)
     runs/<run-id>/in/        job.json (COPY mount)
@@ -35,7 +36,7 @@ from substrax_tasks.store import RunStore
 from substrax_tasks.worker_job import WorkerPaths, build_job, project_key
 
 # The job prints its home to its log (the setup's first line): a shell that
-# ssh starts may be elsewhere (see SkypilotBackend.job_home).
+# ssh starts may be elsewhere (see at_job_home).
 HOME_MARK = re.compile(r"substrax-job-home:(/.*?):end")
 _UNSAFE = re.compile(r"[^a-z0-9]+")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
