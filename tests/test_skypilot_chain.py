@@ -194,6 +194,24 @@ def test_full_chain_then_a_noop_rerun_that_asks_skypilot_nothing(sky: Sky) -> No
     assert run_count(root) == 1 and sky.requests() == asked
 
 
+def test_a_cluster_whose_ssh_starts_outside_the_jobs_home_is_reached_where_the_job_ran(sky: Sky) -> None:
+    """The default, relative remote_root. The fake's job runs in its cluster's
+    home, while a shell over ssh starts in the login user's own, as on a Slurm
+    site whose sshd or ~/.bashrc keeps SkyPilot's ~/.sky_ssh_rc from moving
+    it (the Slurm tier has such a site): the run is found where its job
+    printed its home, and its outputs come home."""
+    root = sky.project()
+    sky.configure(remote_root=".substrax-remote")
+    done = doit_ok(root, env=sky.env)
+    assert (root / "res.txt").read_text() == "done\n", show(done)
+    assert (root / "out" / "copy.txt").read_text() == "hello\n"
+    handle = only_handle(root)
+    cluster_home = sky.home / ".fakesky" / "clusters" / handle["state"]["cluster"] / "home"
+    assert handle["state"]["job_home"] == str(cluster_home.resolve())
+    assert handle["state"]["torn_down"] is True and sky.clusters() == []
+    assert "hello from the cluster" in sky.compute("logs", handle["run_id"]).stdout
+
+
 def test_a_failing_command_reads_as_failed_with_its_log_and_the_cluster_goes(sky: Sky) -> None:
     root = sky.project(command="echo about to fail; exit 7")
     done = doit(root, env=sky.env)

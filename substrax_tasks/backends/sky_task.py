@@ -2,9 +2,10 @@
 
 Pure functions of the handle and the settings, so the generated config can
 be written to disk as the run's intent before anything is launched, and
-validated by the real SkyPilot in tests for every shape.
+validated by the real SkyPilot in tests for every shape. One is not:
+`at_job_home`, where those paths are once the job runs.
 
-On the cluster, relative to the cluster user's home (`remote_root`):
+On the cluster, relative to the home the job runs in (`remote_root`):
 
     bin-<digest>/            the remote/ scripts (COPY mount)
     runs/<run-id>/in/        job.json (COPY mount)
@@ -16,21 +17,28 @@ On the cluster, relative to the cluster user's home (`remote_root`):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import shlex
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from substrax_tasks._sky import SkyClient
 from substrax_tasks.backends._remote_run import env_digest, env_lock, project_files, scripts_digest
 from substrax_tasks.backends.local import link_tree
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
+from substrax_tasks.errors import SubstraxError
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.store import RunStore
 from substrax_tasks.worker_job import WorkerPaths, build_job, project_key
 
+# The job prints its home to its log (the setup's first line): a shell that
+# ssh starts may be elsewhere (see at_job_home).
+HOME_MARK = re.compile(r"substrax-job-home:(/.*?):end")
 _UNSAFE = re.compile(r"[^a-z0-9]+")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
 
@@ -161,7 +169,8 @@ def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterL
     ]
     if cloud_of(settings.infra) in NO_AUTODOWN:
         watchdog.append("--poweroff")
-    lines = ["set -e", 'cd "$HOME"', _sh(["mkdir", "-p", layout.run]), _sh(watchdog)]
+    lines = ["set -e", 'cd "$HOME"', "printf 'substrax-job-home:%s:end\\n' \"$(pwd -P)\"",
+             _sh(["mkdir", "-p", layout.run]), _sh(watchdog)]  # fmt: skip
     lines += settings.setup_commands
     if lock and env_dir:
         env = _home(env_dir)
@@ -176,6 +185,35 @@ def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterL
         project = _home(layout.project)
         lines.append(f"if [ ! -f {ready} ]; then (cd {project} && {build}) && touch {ready}; fi")
     return "\n".join(lines) + "\n"
+
+
+def at_job_home(
+    layout: ClusterLayout, sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str
+) -> ClusterLayout:
+    """The layout at the home the job runs in, as its setup printed it to
+    the job's log (asked once, then kept in the handle); as it is until the
+    setup has printed it. A shell ssh starts may be elsewhere: on Slurm,
+    SkyPilot's ~/.sky_ssh_rc moves it into the cluster's folder only when
+    the sshd accepts SKY_CLUSTER_NAME and the login's ~/.bashrc gets as far
+    as that line, which a stock one does not for a command."""
+    with contextlib.suppress(SubstraxError):
+        handle = store.read(handle.run_id)  # a caller's copy may predate it
+    home, job_id = handle.state.get("job_home"), handle.state.get("job_id")
+    if not isinstance(home, str) and isinstance(job_id, int) and not handle.state.get("torn_down"):
+        log = store.run_dir(handle.run_id) / "job-home.log"
+        log.unlink(missing_ok=True)  # the helper appends
+        try:
+            sky.call("tail_logs", {"cluster_name": cluster, "job_id": job_id, "follow": False,
+                                   "output_file": str(log)})  # fmt: skip
+            found = HOME_MARK.findall(log.read_text(errors="replace"))
+        except (SubstraxError, OSError):
+            found = []
+        finally:
+            log.unlink(missing_ok=True)
+        home = found[-1] if found else None
+        if home is not None:
+            store.update_state(handle, job_home=home)
+    return replace(layout, root=f"{home}/{layout.root}") if isinstance(home, str) else layout
 
 
 def _home(path: str) -> str:

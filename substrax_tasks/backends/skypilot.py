@@ -118,6 +118,8 @@ class SkypilotBackend(Backend):
                 f"({target.config_file} is missing: the cluster is down, or was launched from another home)"
             )
         layout = self.layout(handle)
+        if not layout.root.startswith("/"):  # where the job runs, not where a shell over ssh starts
+            layout = sky_task.at_job_home(layout, self.sky(), self.store, handle, self.cluster(handle))
         return RemoteRun(target, self.settings.python, layout.bin, layout.run)
 
     # ------------------------------------------------------------- launch
