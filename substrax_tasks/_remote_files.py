@@ -1,7 +1,7 @@
 """Where the scripts run outside this process are.
 
 * `remote/`: the stdlib-only scripts (worker, control, proctree, sandbox,
-  manifest) shipped to the machines a run uses, Python 3.8+; the local
+  manifest, gpus) shipped to the machines a run uses, Python 3.8+; the local
   backend loads control.py into this process (`remote_module`).
 * `sky_helper/`: `sky_sdk.py`, run here in SkyPilot's own interpreter (it
   imports `sky`, so it is neither stdlib-only nor shipped to a host).
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 _PACKAGE = Path(__file__).resolve().parent
 # What a host needs in its bin folder to run the worker (and what its digest covers).
-REMOTE_SCRIPTS = ("worker.py", "control.py", "proctree.py", "sandbox.py", "manifest.py")
+REMOTE_SCRIPTS = ("worker.py", "control.py", "proctree.py", "sandbox.py", "manifest.py", "gpus.py")
 
 
 def _folder(packed: str, checkout: str, marker: str) -> Path:
@@ -51,7 +51,7 @@ _load_lock = threading.Lock()
 def remote_module(name: str) -> ModuleType:
     """`remote/<name>.py` loaded into this process once, as the module
     `substrax_remote_<name>`: the very file that runs over there. Only for
-    the scripts that import no sibling (control, sandbox, manifest)."""
+    the scripts that import no sibling (control, sandbox, manifest, gpus)."""
     module_name = f"substrax_remote_{name}"
     with _load_lock:
         module = sys.modules.get(module_name)

@@ -75,11 +75,13 @@ def build_job(
     env_dir: str | None = None,
     cache_dirs: Sequence[str] = (),
     cache_root: str | None = None,
+    gpus: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The job; `env_dir`: the environment built from the project's lock
     file, first on the task's PATH and readable in the sandbox;
     `cache_dirs` (validated "~/..." folders of the sandbox's home) are kept
-    across runs under `cache_root`, at the same paths below it."""
+    across runs under `cache_root`, at the same paths below it; `gpus`:
+    what the worker takes and shows the task (_gpus.job_gpus)."""
     job: dict[str, Any] = {
         "argv": list(spec.command),
         "cwd": paths.project,
@@ -101,6 +103,8 @@ def build_job(
         "home_dir": paths.home,
         "cache_dirs": [],
     }
+    if gpus is not None:
+        job["gpus"] = gpus
     for folder in cache_dirs:
         if cache_root is None:
             raise ValueError("cache_dirs need a cache_root")
@@ -146,12 +150,13 @@ def status_from_record(record: dict[str, Any] | None, worker_alive: bool) -> Run
             started_at=record.get("started_at"),
             message="the worker stopped without recording an end (killed, or the machine restarted)",
         )
-    if state == "starting":
-        state = "pending"
+    if state == "starting":  # its worker is alive and will start it: never a second one
+        state = "running"
     return RunStatus(
         state,
         exit_code=record.get("exit_code"),
         started_at=record.get("started_at"),
         ended_at=record.get("ended_at"),
         message=record.get("message"),
+        gpus=record.get("gpus"),
     )

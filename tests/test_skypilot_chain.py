@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -191,6 +192,24 @@ def test_full_chain_then_a_noop_rerun_that_asks_skypilot_nothing(sky: Sky) -> No
     again = doit_ok(root, env=sky.env)
     assert step_skipped(again, "step"), show(again)
     assert run_count(root) == 1 and sky.requests() == asked
+
+
+def test_a_cluster_whose_ssh_starts_outside_the_jobs_home_is_reached_where_the_job_ran(sky: Sky) -> None:
+    """The default, relative remote_root. The fake's job runs in its cluster's
+    home, while a shell over ssh starts in the login user's own, as on a Slurm
+    site whose sshd or ~/.bashrc keeps SkyPilot's ~/.sky_ssh_rc from moving
+    it (the Slurm tier has such a site): the run is found where its job
+    printed its home, and its outputs come home."""
+    root = sky.project()
+    sky.configure(remote_root=".substrax-remote")
+    done = doit_ok(root, env=sky.env)
+    assert (root / "res.txt").read_text() == "done\n", show(done)
+    assert (root / "out" / "copy.txt").read_text() == "hello\n"
+    handle = only_handle(root)
+    cluster_home = sky.home / ".fakesky" / "clusters" / handle["state"]["cluster"] / "home"
+    assert handle["state"]["job_home"] == str(cluster_home.resolve())
+    assert handle["state"]["torn_down"] is True and sky.clusters() == []
+    assert "hello from the cluster" in sky.compute("logs", handle["run_id"]).stdout
 
 
 def test_a_failing_command_reads_as_failed_with_its_log_and_the_cluster_goes(sky: Sky) -> None:
@@ -524,3 +543,25 @@ def test_a_cluster_gone_under_a_killed_client_loses_the_run_and_the_rerun_launch
     lost = sky.compute("status", first["run_id"], "--json")
     assert json.loads(lost.stdout)["runs"][0]["state"] == "lost", lost.stdout
     assert sky.clusters() == []
+
+
+def test_status_shows_the_lifetime_left_and_a_cluster_no_handle_names_which_gc_leaves_alone(
+    sky: Sky, marker: str
+) -> None:
+    gate = sky.base / f"gate-{marker}"
+    sky.configure(sandbox="none")
+    body = GATED_STEP.format(gate=str(gate), marker=marker, resources={"cpus": 1})
+    write_ssh_dodo(sky.root, body, ["step"])
+    doit_killed_mid_run(sky.root, marker, env=sky.env)
+    (cluster,) = sky.clusters()
+    listed = json.loads(sky.compute("status", "--json").stdout)
+    (run,) = listed["runs"]
+    assert 0 < run["lifetime_left_seconds"] <= (10 - 1) * 60, run  # lifetime_minutes - idle_minutes
+    assert listed["leaked"] == []
+    shutil.rmtree(sky.root / ".substrax")  # no handle names the cluster: another project's, for all we know
+    listed = json.loads(sky.compute("status", "--json").stdout)
+    assert listed["leaked"] == [{"backend": "skypilot", "where": "SkyPilot", "name": cluster, "ours": False}]
+    done = sky.compute("gc", "--machines")
+    assert done.returncode == 0 and done.stdout == "", show(done)
+    assert sky.clusters() == [cluster]
+    gate.touch()  # the run ends; the fixture takes what is left down

@@ -112,3 +112,28 @@ def test_cancel_of_a_run_on_a_shared_cluster_cancels_its_job_only(sky: Sky, mark
     assert status["runs"][0]["state"] == "cancelled", status
     assert marked_pids(marker) == []
     assert sky.clusters() == []
+
+
+def test_steps_queued_on_a_warm_cluster_reach_the_home_its_jobs_run_in(sky: Sky) -> None:  # noqa: F811
+    """The default, relative remote_root, on a cluster whose ssh starts
+    outside the jobs' home (see test_skypilot_chain): a queued job runs no
+    setup, so never prints its home; its files go, and its outputs are
+    fetched, where the launching run's job printed it. Each warm run records
+    the lifetime its job armed: the cluster's, counted from its launch."""
+    sweep(sky, steps=3, timeout=60, max_parallel=1)
+    sky.configure(reuse=True, max_parallel=1, remote_root=".substrax-remote")
+    done = doit(sky.root, env=sky.env, timeout=300)
+    assert done.returncode == 0, show(done)
+    for m in range(3):
+        assert (sky.root / f"fit-{m}.txt").read_text() == f"hello\nm{m}\n"
+    assert done.stdout.count("queued on warm cluster") == 2, show(done)
+    runs = sky.root / ".substrax" / "runs"
+    handles = [json.loads(p.read_text()) for p in sorted(runs.glob("*/handle.json"))]
+    (cluster,) = {h["state"]["cluster"] for h in handles}
+    home = sky.home / ".fakesky" / "clusters" / cluster / "home"
+    assert {h["state"]["job_home"] for h in handles} == {str(home.resolve())}, show(done)
+    launched = next(h for h in handles if h["step"] == "fit:m0")["state"]["watchdog"]
+    for h in handles:
+        timer = h["state"]["watchdog"]
+        assert timer["armed_at"] + timer["seconds"] <= launched["armed_at"] + launched["seconds"]
+    assert sky.clusters() == []

@@ -4,11 +4,13 @@ Steps whose backend settings and resources are the same (one *shape*) share
 a pool of at most `max_parallel` clusters: slot i of the pool (slots.py) is
 cluster i, and a step holds the slot while its run goes, so one run at a
 time uses a cluster. Its record, `<slot>.json` beside the slot's lock, names
-the cluster and the time its lifetime ends. The first step in a slot launches
-the cluster; the next ones find it warm and queue their job with `sky.exec`
-(setup done already: the scripts and the environment are there), after
-rsync brought their inputs and project snapshot over the ssh config
-SkyPilot wrote.
+the cluster, the time its lifetime ends and the run that launched it. The
+first step in a slot launches the cluster; the next ones find it warm and
+queue their job with `sky.exec` (setup done already: the scripts and the
+environment are there), after rsync brought their inputs and project
+snapshot over the ssh config SkyPilot wrote, to the home the cluster's jobs
+run in: a queued job runs no setup, so never prints it (sky_task.job_home);
+the launching run's job did, and the record keeps it once asked.
 
 Who takes a shared cluster down: the teardown of a run (as doit ends, or
 `substrax-compute teardown`) when no step holds the cluster's slot; else
@@ -19,6 +21,7 @@ time left. `cancel` of a run cancels its job only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -77,7 +80,7 @@ def record_launch(backend: SkypilotBackend, handle: RunHandle, cluster: str, env
     deadline = time.time() + (transport.lifetime_minutes - backend.settings.idle_minutes) * 60
     bin_digest = handle.state.get("bin_digest")
     write_json_atomic(path, {"cluster": cluster, "deadline": deadline, "bin_digest": bin_digest,
-                             "env_dir": env_dir})  # fmt: skip
+                             "env_dir": env_dir, "run_id": handle.run_id})  # fmt: skip
 
 
 def warm_cluster(backend: SkypilotBackend, handle: RunHandle, env_dir: str | None) -> dict[str, Any] | None:
@@ -96,12 +99,28 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle, env_dir: str | Non
         reason = "the step has no timeout, so no lifetime left is known to be enough"
     elif left < timeout + MARGIN_SECONDS:
         reason = f"{max(left, 0) / 60:.0f} min of its lifetime left, too few for the step's timeout"
+    elif not backend.layout(handle).root.startswith("/") and cluster_home(backend, path, record) is None:
+        reason = "the home its jobs run in is not known"
     if reason is None:
         return record
     emit(f"{handle.step}: not reusing cluster {record['cluster']} ({reason}); launching a new one")
     for failure in retire(backend, str(record["cluster"]), path):
         emit(f"{handle.step}: {failure}", err=True)
     return None
+
+
+def cluster_home(backend: SkypilotBackend, path: Path, record: dict[str, Any]) -> str | None:
+    """The home the cluster's jobs run in, as the run that launched it
+    learnt it; kept in the slot's record (the slot is held)."""
+    if "job_home" not in record:
+        with contextlib.suppress(SubstraxError, KeyError):  # a record of no known run: relaunch
+            launcher = backend.store.read(str(record["run_id"]))
+            home = sky_task.job_home(backend.sky(), backend.store, launcher, str(record["cluster"]))
+            if home is not None:
+                record["job_home"] = home
+                write_json_atomic(path, record)
+    home = record.get("job_home")
+    return home if isinstance(home, str) else None
 
 
 def retire(backend: SkypilotBackend, cluster: str, path: Path) -> list[Exception]:
@@ -115,21 +134,23 @@ def retire(backend: SkypilotBackend, cluster: str, path: Path) -> list[Exception
 def exec_on(backend: SkypilotBackend, handle: RunHandle, record: dict[str, Any],
             config: dict[str, Any], upload: Path) -> dict[str, Any] | None:  # fmt: skip
     """Queue the run's job on the warm cluster; None if the cluster is gone."""
-    cluster = str(record["cluster"])
-    handle = backend.store.update_state(handle, cluster=cluster)
+    cluster, seconds = str(record["cluster"]), max(float(record["deadline"]) - time.time(), 1.0)
+    timer = {"armed_at": time.time(), "seconds": seconds}  # what this job arms: the cluster's time left
+    home = {"job_home": record["job_home"]} if "job_home" in record else {}
+    handle = backend.store.update_state(handle, cluster=cluster, watchdog=timer, **home)
     layout = backend.layout(handle)
+    there = sky_task.at_job_home(layout, backend.sky(), backend.store, handle, cluster)
     emit(f"{handle.step}: queued on warm cluster {cluster} (SkyPilot exec; `substrax-compute cancel "
          f"{handle.run_id}` cancels this job only)")  # fmt: skip
     try:
         transport = RsyncTransport(backend.target(handle))
-        transport.upload(upload, ["in", "project"], layout.run)
+        transport.upload(upload, ["in", "project"], there.run)
         sources = backend.settings.copy_.source_paths() if backend.settings.copy_ is not None else []
         if sources:
-            transport.upload(Path(str(handle.state["project"])), sources, layout.project)
+            transport.upload(Path(str(handle.state["project"])), sources, there.project)
     except SubstraxError as exc:  # a cluster gone between two runs reads as unreachable
         emit(f"{handle.step}: cluster {cluster} is out of reach ({exc}); launching a new one")
         return None
-    seconds = max(float(record["deadline"]) - time.time(), 1.0)
     task = {key: config[key] for key in ("name", "num_nodes", "resources")}
     task["run"] = sky_task.watchdog_line(backend.settings, layout, seconds) + "\n" + config["run"]
     log = backend.run_file(handle, "launch.log")

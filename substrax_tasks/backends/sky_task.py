@@ -2,9 +2,11 @@
 
 Pure functions of the handle and the settings, so the generated config can
 be written to disk as the run's intent before anything is launched, and
-validated by the real SkyPilot in tests for every shape.
+validated by the real SkyPilot in tests for every shape. Three are not:
+`validate` (SkyPilot reads the task), and `job_home` and `at_job_home`,
+where those paths are once the job runs.
 
-On the cluster, relative to the cluster user's home (`remote_root`):
+On the cluster, relative to the home the job runs in (`remote_root`):
 
     bin-<digest>/            the remote/ scripts (COPY mount)
     runs/<run-id>/in/        job.json (COPY mount)
@@ -16,11 +18,13 @@ On the cluster, relative to the cluster user's home (`remote_root`):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import shlex
 import shutil
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,7 @@ from substrax_tasks.backends.local import link_tree
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.store import RunStore
 from substrax_tasks.worker_job import WorkerPaths, build_job, project_key
 
 
@@ -37,6 +42,9 @@ class SkyConfigRefused(SubstraxError):
     """SkyPilot refused the generated task: a configuration error, not retried."""
 
 
+# The job prints its home to its log (the setup's first line): a shell that
+# ssh starts may be elsewhere (see at_job_home).
+HOME_MARK = re.compile(r"substrax-job-home:(/.*?):end")
 _UNSAFE = re.compile(r"[^a-z0-9]+")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
 
@@ -143,16 +151,22 @@ def _sh(argv: list[str]) -> str:
     return shlex.join(argv)
 
 
+def lifetime_timer(settings: SkypilotSettings) -> dict[str, float]:
+    """The lifetime timer as the handle records it (as the ssh backend's):
+    armed now, ending in `seconds`. The run is stopped idle_minutes before
+    the lifetime ends, so that SkyPilot's autodown (armed at launch) has the
+    cluster gone by then."""
+    seconds = (settings.transport.lifetime_minutes - settings.idle_minutes) * 60  # > 0: checked
+    return {"armed_at": time.time(), "seconds": seconds}
+
+
 def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterLayout,
                  lock: str | None, env_dir: str | None) -> str:  # fmt: skip
     """Lifetime timer first (nothing outlives lifetime_minutes even if setup
     hangs), then the setup commands, then the locked environment."""
-    # The run is stopped idle_minutes before the lifetime ends, so that
-    # SkyPilot's autodown (armed at launch) has the cluster gone by then.
-    seconds = (
-        settings.transport.lifetime_minutes - settings.idle_minutes
-    ) * 60  # > 0: checked with the settings
-    lines = ["set -e", 'cd "$HOME"', watchdog_line(settings, layout, seconds)]
+    seconds = lifetime_timer(settings)["seconds"]
+    lines = ["set -e", 'cd "$HOME"', "printf 'substrax-job-home:%s:end\\n' \"$(pwd -P)\"",
+             watchdog_line(settings, layout, seconds)]  # fmt: skip
     lines += settings.setup_commands
     if lock and env_dir:
         env = _home(env_dir)
@@ -182,6 +196,43 @@ def watchdog_line(settings: SkypilotSettings, layout: ClusterLayout, seconds: fl
     if cloud_of(settings.infra) in NO_AUTODOWN:
         watchdog.append("--poweroff")
     return f'cd "$HOME" && {_sh(["mkdir", "-p", layout.run])} && {_sh(watchdog)}'
+
+
+def at_job_home(
+    layout: ClusterLayout, sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str
+) -> ClusterLayout:
+    """The layout at the home the job runs in (job_home); as it is until
+    the setup has printed it."""
+    home = job_home(sky, store, handle, cluster)
+    return replace(layout, root=f"{home}/{layout.root}") if home is not None else layout
+
+
+def job_home(sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str) -> str | None:
+    """The home the run's job runs in, as its setup printed it to the job's
+    log (asked once, then kept in the handle). A shell ssh starts may be
+    elsewhere: on Slurm, SkyPilot's ~/.sky_ssh_rc moves it into the
+    cluster's folder only when the sshd accepts SKY_CLUSTER_NAME and the
+    login's ~/.bashrc gets as far as that line, which a stock one does not
+    for a command."""
+    with contextlib.suppress(SubstraxError):
+        handle = store.read(handle.run_id)  # a caller's copy may predate it
+    home, job_id = handle.state.get("job_home"), handle.state.get("job_id")
+    if isinstance(home, str) or not isinstance(job_id, int) or handle.state.get("torn_down"):
+        return home if isinstance(home, str) else None
+    log = store.run_dir(handle.run_id) / "job-home.log"
+    log.unlink(missing_ok=True)  # the helper appends
+    try:
+        sky.call("tail_logs", {"cluster_name": cluster, "job_id": job_id, "follow": False,
+                               "output_file": str(log)})  # fmt: skip
+        found: list[str] = HOME_MARK.findall(log.read_text(errors="replace"))
+    except (SubstraxError, OSError):
+        found = []
+    finally:
+        log.unlink(missing_ok=True)
+    if not found:
+        return None
+    store.update_state(handle, job_home=found[-1])
+    return found[-1]
 
 
 def _home(path: str) -> str:

@@ -33,19 +33,18 @@ from substrax_tasks._output import emit
 from substrax_tasks._remote_files import remote_dir
 from substrax_tasks._sky import (
     CLUSTER_GONE,
-    NO_CLUSTER,
     REQUEST_LIVE,
     LogRelay,
     SkyCallError,
     SkyClient,
-    job_state,
 )
-from substrax_tasks.backends import _remote_run, sky_pool, sky_task
+from substrax_tasks.backends import _remote_run, sky_pool, sky_status, sky_task
 from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env
 from substrax_tasks.backends.base import Backend, Fetched, Pool, RunStatus
 from substrax_tasks.backends.skypilot_settings import SkypilotSettings
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.machines import Leak, cluster_leaks
 from substrax_tasks.store import RunStore
 from substrax_tasks.transports.rsync import RsyncTransport
 
@@ -83,7 +82,7 @@ class SkypilotBackend(Backend):
     def run_file(self, handle: RunHandle, name: str) -> Path:
         return self.store.run_dir(handle.run_id) / name
 
-    def _request_id(self, handle: RunHandle) -> str | None:
+    def request_id(self, handle: RunHandle) -> str | None:
         try:
             data = json.loads(self.run_file(handle, LAUNCH_REQUEST).read_text())
         except (OSError, ValueError):
@@ -117,6 +116,8 @@ class SkypilotBackend(Backend):
                 f"({target.config_file} is missing: the cluster is down, or was launched from another home)"
             )
         layout = self.layout(handle)
+        if not layout.root.startswith("/"):  # where the job runs, not where a shell over ssh starts
+            layout = sky_task.at_job_home(layout, self.sky(), self.store, handle, self.cluster(handle))
         return RemoteRun(target, self.settings.python, layout.bin, layout.run)
 
     def slot_pool(self, handle: RunHandle) -> Pool | None:
@@ -152,7 +153,7 @@ class SkypilotBackend(Backend):
         )
         log = self.run_file(handle, "launch.log")
         relay = LogRelay(log, f"{handle.step}: ")
-        rid = self._request_id(handle)
+        rid = self.request_id(handle)
         state = self.sky().request_state(rid) if rid else None
         warm = sky_pool.warm_cluster(self, handle, env_dir) if self.settings.reuse and not rid else None
         if rid and state in (*REQUEST_LIVE, "SUCCEEDED"):
@@ -161,7 +162,8 @@ class SkypilotBackend(Backend):
                                      timeout=None, while_waiting=relay)  # fmt: skip
         elif not (warm and (result := sky_pool.exec_on(self, handle, warm, config, upload)) is not None):
             sky_task.validate(self.sky(), self.settings, config)  # a warm cluster ran this shape already
-            handle = self.store.update_state(handle, cluster=cluster)  # not the warm one it tried
+            handle = self.store.update_state(handle, cluster=cluster, job_home=None)  # not the warm one tried
+            warm = None
             sky_pool.record_launch(self, handle, cluster, env_dir)
             emit(f"{handle.step}: launching cluster {cluster} (SkyPilot; `substrax-compute cancel "
                  f"{handle.run_id}` stops it)")  # fmt: skip
@@ -175,7 +177,7 @@ class SkypilotBackend(Backend):
             try:
                 result = self.sky().call("launch", request, timeout=None, while_waiting=relay)
             except KeyboardInterrupt:
-                rid = self._request_id(handle)
+                rid = self.request_id(handle)
                 if rid:
                     emit(f"\n{handle.step}: launch request {rid} goes on in SkyPilot's API server; "
                          f"`doit {handle.step}` waits for it again, `substrax-compute cancel "
@@ -186,6 +188,8 @@ class SkypilotBackend(Backend):
             raise BackendError(f"run {handle.run_id}: SkyPilot launched {cluster} but submitted no job")
         handle = self.store.update_state(handle, job_id=job_id)
         if not warm:
+            timer = sky_task.lifetime_timer(self.settings)  # armed by the task's setup, before this
+            handle = self.store.update_state(handle, watchdog=timer)
             self._write_ssh_config(handle)
         return handle
 
@@ -197,89 +201,7 @@ class SkypilotBackend(Backend):
 
     # ------------------------------------------------------------- status
     def poll(self, handle: RunHandle) -> RunStatus:
-        cached = handle.state.get("final_status")
-        if not isinstance(cached, dict):
-            # A caller's copy of the handle may predate the end: once the
-            # cluster is down, the store's record is all that tells it.
-            with contextlib.suppress(SubstraxError):
-                cached = self.store.read(handle.run_id).state.get("final_status")
-        if isinstance(cached, dict):
-            return RunStatus(**cached)
-        job_id = handle.state.get("job_id")
-        if not isinstance(job_id, int):
-            return self._launch_status(handle)
-        try:
-            answer = self.sky().call(
-                "job_status", {"cluster_name": self.cluster(handle), "job_ids": [job_id]}
-            )
-        except SkyCallError as exc:
-            return self._status_after_error(handle, exc)
-        value = (answer or {}).get(str(job_id))
-        if value is None:
-            return RunStatus("lost", message=f"job {job_id} is not in the queue of {self.cluster(handle)}")
-        state = job_state(value)
-        if state == "running":
-            return RunStatus("running", message=str(value))
-        status = self._final_from_worker(handle, RunStatus(state, message=f"SkyPilot job {value}"))
-        if "slot" in handle.state:  # kept now: another run's teardown may take the shared cluster down
-            with contextlib.suppress(SubstraxError, OSError):
-                self.remote_run(handle).keep_log(self.run_file(handle, "run.log"))
-        self.store.update_state(handle, final_status=status.__dict__)
-        return status
-
-    def _status_after_error(self, handle: RunHandle, exc: SkyCallError) -> RunStatus:
-        """SkyPilot could not read the job's status. While another process
-        cancels the run, its cluster is going: SkyPilot then fails in ways
-        of its own (on Slurm, a CommandError once the cluster's runtime is
-        removed), which say nothing about the run; the canceller's record
-        tells the end."""
-        with contextlib.suppress(SubstraxError):
-            handle = self.store.read(handle.run_id)
-        final = handle.state.get("final_status")
-        if isinstance(final, dict):
-            return RunStatus(**final)
-        cluster = self.cluster(handle)
-        if handle.state.get("cancel_requested"):
-            if exc.kind in CLUSTER_GONE:
-                return RunStatus("cancelled", message=f"cancelled; its cluster {cluster} was taken down")
-            return RunStatus("running", message=f"being cancelled (SkyPilot: {exc.kind})")
-        if exc.kind in CLUSTER_GONE:
-            return RunStatus("lost", message=f"its cluster {cluster} is gone or going (torn down, "
-                             f"or its lifetime ran out): {exc.kind}")  # fmt: skip
-        raise exc
-
-    def _launch_status(self, handle: RunHandle) -> RunStatus:
-        rid = self._request_id(handle)
-        if rid is None:
-            return RunStatus("pending")
-        state = self.sky().request_state(rid)
-        if state in REQUEST_LIVE or state == "SUCCEEDED" or state is None:
-            return RunStatus("pending", message=f"launch request {rid}: {state or 'unknown'}")
-        ended = RunStatus(
-            "cancelled" if state == "CANCELLED" else "failed", message=f"launch request {rid}: {state}"
-        )
-        self.store.update_state(handle, final_status=ended.__dict__)
-        return ended
-
-    def _final_from_worker(self, handle: RunHandle, status: RunStatus) -> RunStatus:
-        """The worker's own record says more (timed out, exit code, times);
-        it must agree with SkyPilot's verdict, or SkyPilot's stands."""
-        from substrax_tasks.worker_job import status_from_record
-
-        try:
-            record = self.remote_run(handle).status()
-        except SubstraxError as exc:
-            note = f"the worker's record is out of reach: {exc}"
-            return RunStatus(status.state, message=f"{status.message} ({note})")
-        worker = status_from_record(record if record.get("state") else None, worker_alive=False)
-        agrees = (worker.state == "succeeded") == (status.state == "succeeded")
-        if not worker.final or not agrees:
-            return status
-        if worker.state == "lost":
-            # No end in its record: the worker was killed (SkyPilot's cancel
-            # on Slurm does not wait for it), which SkyPilot's verdict says.
-            return RunStatus(status.state, started_at=worker.started_at, message=status.message)
-        return worker
+        return sky_status.poll(self, handle)
 
     # ------------------------------------------------------------- cancel
     def cancel(self, handle: RunHandle) -> bool:
@@ -294,7 +216,7 @@ class SkypilotBackend(Backend):
         handle = self.store.update_state(handle, cancel_requested=True)
         cluster = self.cluster(handle)
         failures: list[Exception] = []
-        rid = self._request_id(handle)
+        rid = self.request_id(handle)
         if rid is not None:
             try:
                 if self.sky().request_state(rid) in REQUEST_LIVE:
@@ -324,13 +246,15 @@ class SkypilotBackend(Backend):
 
     def down_cluster(self, cluster: str, failures: list[Exception]) -> bool:
         try:
-            self.sky().call("down", {"cluster_name": cluster}, timeout=None)
+            self.sky().down(cluster)
         except SubstraxError as exc:
-            if not (isinstance(exc, SkyCallError) and exc.kind == NO_CLUSTER):
-                failures.append(BackendError(f"taking cluster {cluster} down: {exc}"))
-                return False
+            failures.append(BackendError(f"taking cluster {cluster} down: {exc}"))
+            return False
         cluster_target(cluster).stop_master()
         return True
+
+    def leaks(self, project: str, handles: list[RunHandle]) -> list[Leak]:
+        return cluster_leaks(self, handles)
 
     # --------------------------------------------------------------- logs
     def read_log(self, handle: RunHandle, offset: int) -> bytes:
@@ -365,7 +289,9 @@ class SkypilotBackend(Backend):
             from substrax_tasks.transports.bucket import BucketTransport
 
             try:
-                BucketTransport().read_manifest(f"{self.settings.bucket.outputs_bucket}/{handle.run_id}/manifest.json")
+                BucketTransport().read_manifest(
+                    f"{self.settings.bucket.outputs_bucket}/{handle.run_id}/manifest.json"
+                )
             except SubstraxError:
                 return False
             return True

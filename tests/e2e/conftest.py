@@ -62,6 +62,7 @@ class SlurmBedInfo:
     env: dict[str, str]  # run SkyPilot (its python, `sky`, sky_helper/sky_sdk.py) with this
     sky_python: Path
     infra: str  # a task's resources.infra: "slurm/<alias>"
+    stock_infra: str  # the same cluster through a login sshd with a stock AcceptEnv, SkyPilot's tmpdir set
     slurm_conf: Path  # SLURM_CONF for squeue/sinfo/scancel as root
     user: ClusterUser
     bed: SlurmBed
@@ -94,6 +95,7 @@ def _info(bed: SlurmBed, up_seconds: float) -> SlurmBedInfo:
         env=bed.sky_env(),
         sky_python=bed.sky_python,
         infra=bed.infra,
+        stock_infra=bed.stock_infra,
         slurm_conf=bed.slurm_conf,
         user=ClusterUser(
             name=bed.user,

@@ -532,3 +532,41 @@ def test_the_lifetime_takes_the_cluster_down_with_no_client_present(
     assert project.status(handle["run_id"])["state"] == "lost"  # its cluster went by itself
     report(request, "lifetime", {"launch": killed - started, "run_stopped_after_kill": stopped,
                                  "gone_after_kill": stopped + gone})  # fmt: skip
+
+
+def test_a_site_whose_sshd_drops_skypilots_env_runs_the_step_in_the_jobs_home(
+    project_factory: Callable[[str], SkyProject], request: pytest.FixtureRequest
+) -> None:
+    """The bed's stock login (`substrax-e2e-stock`): its sshd accepts only
+    LANG and LC_*, SkyPilot's runtime lives in the site's `tmpdir`, and the
+    login's ~/.bashrc returns early for a command (Debian's stock shape), so
+    SkyPilot's ~/.sky_ssh_rc never moves a shell over ssh into the cluster's
+    home. The job runs in that home all the same; the backend finds the
+    run's folder where the job printed it, fetches, verifies, promotes, and
+    leaves nothing behind."""
+    project = project_factory("sxe-stock")
+    project.one_step(
+        "mkdir -p out && cp data/in.txt out/copy.txt && echo made > out/made.txt && echo home: $HOME",
+        infra=project.bed.stock_infra,
+    )
+    started = time.monotonic()
+    done = project.doit()
+    seconds = time.monotonic() - started
+    assert done.returncode == 0, show(done)
+    assert step_ran(done, "step"), show(done)
+    handle = project.handle()
+    cluster = handle["state"]["cluster"]
+    job_home = handle["state"]["job_home"]
+    assert job_home.startswith(f"{project.bed.user.home}/.sky_clusters/{cluster}-"), job_home
+    manifest = json.loads(project.run_file(handle, "manifest.json").read_text())
+    files = {e["path"]: e["sha256"] for e in manifest["entries"] if e["type"] == "file"}
+    assert sorted(files) == ["out/copy.txt", "out/made.txt"], manifest
+    for path, digest in files.items():
+        assert sha256(project.root / path) == digest, path
+    assert (project.root / "out" / "copy.txt").read_text() == "hello\n"
+    assert handle["state"]["phase"] == "promoted" and handle["state"]["torn_down"] is True
+    project.assert_gone(cluster)
+    project.assert_nothing_runs()
+    logs = project.compute("logs", handle["run_id"])  # the sandbox's home is bound at the job's
+    assert logs.returncode == 0 and f"home: {job_home}\n" in logs.stdout, show(logs)
+    report(request, "stock-login", {"doit": seconds})

@@ -12,9 +12,14 @@ each as a child it tracks by pid and start time:
   `SelectType=select/cons_tres`, CPUs from nproc;
 * a throwaway cluster user (`sxslurm<hex>`, home root/home) and an sshd on
   127.0.0.1 that lets only that user in (tests/testbeds/sshd_host.py);
+  and a second such sshd with a stock environment policy (`AcceptEnv LANG
+  LC_*`, which drops SkyPilot's SetEnv SKY_CLUSTER_NAME);
 * a SkyPilot client HOME (root/client) with `~/.slurm/config` naming the
-  cluster, and a local API server on a port of its own (root/logs/api-server.log).
-  `sky check slurm` must then enable Slurm.
+  cluster twice: `substrax-e2e` through the first sshd, `substrax-e2e-stock`
+  through the second, whose `slurm.cluster_configs.<name>.tmpdir` in
+  ~/.sky/config.yaml puts SkyPilot's runtime in root/nodetmp; and a local API
+  server on a port of its own (root/logs/api-server.log). `sky check slurm`
+  must then enable both.
 
 The cluster user's ~/.bashrc (bash reads it for every command sshd runs:
 SkyPilot's `bash --login -c` commands, through ~/.bash_profile, and its
@@ -29,6 +34,9 @@ under root/tools with the binary copied and its RPATH set with patchelf,
 since /root is mode 700); SSL_CERT_FILE and UV_NATIVE_TLS=1 so uv trusts
 this machine's certificates. It also sets SLURM_CONF: there is no
 /etc/slurm/slurm.conf, and the slurm commands find the private cluster by it.
+Then, as Debian's stock ~/.bashrc, it returns for a shell that is not
+interactive, so the `source ~/.sky_ssh_rc` SkyPilot appends (which moves
+$HOME into the cluster's folder) never runs for a command over ssh.
 
 `bed_down(root)` stops it all and is safe to run twice, or after a half-made
 `up`: cancels the user's Slurm jobs, `sky api stop`, then SIGTERM and SIGKILL,
@@ -90,6 +98,11 @@ DEFAULT_SKY_VENV = REPO / ".sky-venv"
 RECORD_NAME = "testbed.json"
 MARKER_VAR = "SUBSTRAX_SLURM_BED"
 CLUSTER_ALIAS = "substrax-e2e"  # the Host in ~/.slurm/config: SkyPilot's infra "slurm/substrax-e2e"
+# The same cluster through a second login sshd with Debian's stock environment
+# policy (SkyPilot's SetEnv SKY_CLUSTER_NAME is dropped there) and a
+# SkyPilot `tmpdir` of its own: a site SkyPilot's defaults were not made for.
+STOCK_ALIAS = f"{CLUSTER_ALIAS}-stock"
+STOCK_ACCEPT_ENV = "LANG LC_*"
 UV_REQUIREMENT = os.environ.get("SUBSTRAX_TESTBED_UV", "uv==0.13.9")
 UV_INSTALL_URLS = ("https://astral.sh/uv/install.sh",)  # what SkyPilot 0.14 fetches (SKY_UV_INSTALL_CMD)
 PYTHON310_CANDIDATES = ("/root/.pyenv/versions/3.10.13",)
@@ -162,6 +175,7 @@ class SlurmBed:
     timings: dict[str, float]
     state: str  # "starting" or "up"
     created_root: bool
+    stock_ssh_port: int = 0  # the stock login sshd (STOCK_ALIAS)
 
     # ------------------------------------------------------------- paths
 
@@ -210,9 +224,23 @@ class SlurmBed:
         return self.sshd_dir / "client_ed25519"
 
     @property
+    def stock_sshd_dir(self) -> Path:
+        return self.root / "sshd-stock"
+
+    @property
+    def node_tmpdir(self) -> Path:
+        """STOCK_ALIAS's `slurm.cluster_configs.<name>.tmpdir` (SkyPilot's runtime folders)."""
+        return self.root / "nodetmp"
+
+    @property
     def infra(self) -> str:
         """The `infra` of a SkyPilot task that runs here."""
         return f"slurm/{self.cluster_alias}"
+
+    @property
+    def stock_infra(self) -> str:
+        """The same, through the stock login sshd and with SkyPilot's `tmpdir` set."""
+        return f"slurm/{STOCK_ALIAS}"
 
     @property
     def sky_python(self) -> Path:
@@ -549,6 +577,11 @@ def _profile_text(bed: SlurmBed) -> str:
     for name in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
         if name in os.environ:
             lines.append(f"export {name}={shlex.quote(os.environ[name])}")
+    # Debian's stock ~/.bashrc returns here for a shell that is not
+    # interactive, and so does this one: what SkyPilot appends below (its
+    # `source ~/.sky_ssh_rc`, which moves $HOME into the cluster's folder)
+    # never runs for a command over ssh, as on such a site.
+    lines += ["# If not running interactively, don't do anything", "case $- in *i*) ;; *) return;; esac"]
     return "\n".join(lines) + "\n"
 
 
@@ -821,6 +854,9 @@ def _start_sshd(bed: SlurmBed) -> None:
     host = sshd_host.start_host(bed.sshd_dir, netns=False, user=bed.user)
     bed.ssh_port = host.port
     bed.save()
+    stock = sshd_host.start_host(bed.stock_sshd_dir, netns=False, user=bed.user, accept_env=STOCK_ACCEPT_ENV)
+    bed.stock_ssh_port = stock.port
+    bed.save()
 
 
 def _load_sshd(bed: SlurmBed) -> sshd_host.SshHost | None:
@@ -862,14 +898,22 @@ def _check_cluster_user(bed: SlurmBed) -> None:
 def _write_client_home(bed: SlurmBed) -> None:
     slurm = bed.client_home / ".slurm"
     slurm.mkdir(parents=True, mode=0o700)
-    (slurm / "config").write_text(
-        f"# substrax Slurm test bed: the login node is this machine's sshd for {bed.user}.\n"
-        f"Host {bed.cluster_alias}\n"
-        f"  HostName 127.0.0.1\n"
-        f"  Port {bed.ssh_port}\n"
-        f"  User {bed.user}\n"
-        f"  IdentityFile {bed.client_key}\n"
-        f"  IdentitiesOnly yes\n"
+    logins = [(bed.cluster_alias, bed.ssh_port, bed.client_key),
+              (STOCK_ALIAS, bed.stock_ssh_port, bed.stock_sshd_dir / "client_ed25519")]  # fmt: skip
+    text = f"# substrax Slurm test bed: the login nodes are this machine's sshds for {bed.user}.\n"
+    for alias, port, key in logins:
+        text += f"Host {alias}\n  HostName 127.0.0.1\n  Port {port}\n  User {bed.user}\n"
+        text += f"  IdentityFile {key}\n  IdentitiesOnly yes\n"
+    (slurm / "config").write_text(text)
+    # Node-local scratch for SkyPilot's runtime on STOCK_ALIAS: any user may
+    # make a folder in it, as in /tmp.
+    bed.node_tmpdir.mkdir(mode=0o1777, exist_ok=True)
+    bed.node_tmpdir.chmod(0o1777)
+    sky = bed.client_home / ".sky"
+    sky.mkdir(exist_ok=True)
+    (sky / "config.yaml").write_text(
+        f"# substrax Slurm test bed\nslurm:\n  cluster_configs:\n    {STOCK_ALIAS}:\n"
+        f"      tmpdir: {json.dumps(str(bed.node_tmpdir))}\n"
     )
     bed.tmpdir.mkdir(mode=0o700, exist_ok=True)
 
@@ -904,8 +948,10 @@ def _sky_check(bed: SlurmBed) -> str:
     )
     output = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr)
     (bed.logs / "sky-check.out").write_text(output)
-    enabled = re.search(rf"\b{re.escape(bed.cluster_alias)}\b.*\benabled\b", output) and not re.search(
-        rf"\b{re.escape(bed.cluster_alias)}\b.*\bdisabled\b", output
+    enabled = all(
+        re.search(rf"\b{re.escape(alias)}(?![\w-]).*\benabled\b", output)
+        and not re.search(rf"\b{re.escape(alias)}(?![\w-]).*\bdisabled\b", output)
+        for alias in (bed.cluster_alias, STOCK_ALIAS)
     )
     if done.returncode != 0 or not enabled:
         raise TestbedError(f"`sky check slurm` did not enable Slurm ({done.returncode}):\n{output[-3000:]}")
@@ -1096,9 +1142,11 @@ def _kill_bed(bed: SlurmBed, before: dict[int, int]) -> None:
 
 
 def _stop_sshd(bed: SlurmBed) -> None:
-    host = _load_sshd(bed)
-    if host is not None:
-        sshd_host.stop_host(host)
+    for folder in (bed.sshd_dir, bed.stock_sshd_dir):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            host = sshd_host.load_host(folder)
+            if host is not None:
+                sshd_host.stop_host(host)
 
 
 def _remove_user(bed: SlurmBed) -> None:

@@ -454,7 +454,7 @@ def _remove_netns(host: SshHost) -> None:
 # ---------------------------------------------------------------------- sshd
 
 
-def _sshd_config(host: SshHost, authorized_keys: Path) -> str:
+def _sshd_config(host: SshHost, authorized_keys: Path, accept_env: str | None = None) -> str:
     lines = [
         f"Port {host.port}",
         f"ListenAddress {host.address}",
@@ -477,6 +477,8 @@ def _sshd_config(host: SshHost, authorized_keys: Path) -> str:
         "MaxStartups 64",
         "MaxSessions 64",
     ]
+    if accept_env is not None:  # e.g. Debian's stock "LANG LC_*"; none at all otherwise
+        lines.append(f"AcceptEnv {accept_env}")
     return "\n".join(lines) + "\n"
 
 
@@ -653,13 +655,16 @@ def _prepare_user(host: SshHost, token: str) -> Path:
     return user_dir / "authorized_keys"  # root-owned, world-readable: sshd reads it as the user
 
 
-def start_host(root_dir: Path, *, netns: bool | None = None, user: str | None = None) -> SshHost:
+def start_host(
+    root_dir: Path, *, netns: bool | None = None, user: str | None = None, accept_env: str | None = None
+) -> SshHost:
     """Start a throwaway SSH host whose files live in `root_dir`.
 
     netns: None = a network namespace when root, loopback otherwise; True
     requires root. user: the login user (default: whoever runs this); as
-    root another name is created when missing. Raises TestbedError, with
-    nothing left behind, when the host cannot be started.
+    root another name is created when missing. accept_env: sshd's AcceptEnv
+    (none by default). Raises TestbedError, with nothing left behind, when
+    the host cannot be started.
     """
     root = os.geteuid() == 0
     use_netns = root if netns is None else netns
@@ -715,7 +720,7 @@ def start_host(root_dir: Path, *, netns: bool | None = None, user: str | None = 
         else:
             host.port = _free_loopback_port()
         host.known_hosts.write_text(f"{host.known_hosts_name} {host.host_pubkey_line}\n")
-        host.config.write_text(_sshd_config(host, authorized_keys))
+        host.config.write_text(_sshd_config(host, authorized_keys, accept_env))
         _launch_sshd(host)
         host.save()
         _check_login(host)
