@@ -30,7 +30,7 @@ from substrax_tasks import manifest_cache, uptodate
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import TextSink, emit
 from substrax_tasks._signals import (
-    check_interrupted,
+    INTERRUPTED,
     map_termination_signals,
     start_when_free,
     started_holding_signals,
@@ -119,7 +119,13 @@ class StepDriver:
         pool = backend.slot_pool(handle)
         if pool is None or self._slot is not None:
             return handle
-        self._slot = take_in_pool(self.project.store.slots_dir(pool.name), pool, self.spec.step)
+        try:
+            self._slot = take_in_pool(self.project.store.slots_dir(pool.name), pool, self.spec.step)
+        except KeyboardInterrupt:
+            # Nothing launched, so nothing to detach or cancel: the step fails
+            # as under threads, with no traceback, and later phases do nothing.
+            INTERRUPTED.set()
+            raise
         self._slot_shared = pool.shared
         if not pool.shared:
             return handle
@@ -143,7 +149,8 @@ class StepDriver:
             )
         map_termination_signals()  # under `doit -a` no check ran first
         try:
-            check_interrupted()  # a phase doit dispatches after a signal under threads does nothing
+            if INTERRUPTED.is_set():  # a phase doit dispatches after an interrupt does nothing
+                raise KeyboardInterrupt("interrupted")
             result = body()
         except BackendError as exc:
             result = TaskError(self._named(exc))
@@ -153,7 +160,7 @@ class StepDriver:
             # The chain stays open (or INTERRUPTED, from the run phase): the
             # teardown that doit runs next detaches from a run that goes on,
             # or cancels it, as the backend's capabilities say.
-            if threading.current_thread() is threading.main_thread():
+            if threading.current_thread() is threading.main_thread() and not INTERRUPTED.is_set():
                 raise
             # doit's worker threads cannot pass an interrupt on: a failure can
             result = TaskError(f"step {self.spec.step!r}: interrupted")

@@ -126,8 +126,9 @@ def test_steps_beyond_max_parallel_wait_across_two_doit_and_a_killed_client_free
         assert (root / f"out-{name}.txt").read_text() == f"{name}\n"
 
 
+@pytest.mark.parametrize("threads", [[], ["-n", "2", "-P", "thread"]], ids=["serial", "threads"])
 def test_ctrl_c_ends_a_wait_for_a_slot_without_a_traceback(
-    tmp_path: Path, marker: str, request: pytest.FixtureRequest
+    tmp_path: Path, marker: str, request: pytest.FixtureRequest, threads: list[str]
 ) -> None:
     root, _ = project(tmp_path, marker, "local", request)
     flags = tmp_path / "flags"
@@ -135,8 +136,10 @@ def test_ctrl_c_ends_a_wait_for_a_slot_without_a_traceback(
     second = None
     try:
         wait_for(lambda: len(list(flags.iterdir())) == 2, "the first doit's two steps to start", timeout=120)
-        second = popen(root, "second", "-n", "2", "-P", "thread", "b")
-        wait_for(lambda: said(root, "second").count("waits for a free slot") == 2, "the second doit to wait")
+        second = popen(root, "second", *threads, "b")
+        waiting = 2 if threads else 1  # serially, b:m1 is not reached
+        wait_for(lambda: said(root, "second").count("waits for a free slot") == waiting,
+                 "the second doit to wait")  # fmt: skip
         second.send_signal(signal.SIGINT)
         assert second.wait(timeout=30) != 0
     finally:
@@ -145,4 +148,5 @@ def test_ctrl_c_ends_a_wait_for_a_slot_without_a_traceback(
             stop(second)
         assert first.wait(timeout=120) == 0, said(root, "first")
     assert "Traceback" not in said(root, "second"), said(root, "second")
+    assert "step 'b:m0': interrupted" in said(root, "second"), said(root, "second")
     assert sorted(p.name for p in flags.iterdir()) == ["a-0", "a-1"]  # b's steps never started
