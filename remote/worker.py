@@ -36,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # even under PYTHONSAFEPATH
 import control  # noqa: E402
+import hints  # noqa: E402
 import proctree  # noqa: E402
 import sandbox  # noqa: E402
 
@@ -218,9 +219,15 @@ class Worker:
         message = None
         if state == "succeeded":
             self.write_manifest(outputs_root)
-        elif state == "failed" and self.status["sandbox"] == "bwrap":
+        elif state == "failed":
             # Said in the status, so every backend's failure shows it.
-            message = sandbox.erofs_hint(self.job)
+            tail = hints.log_tail(self.job)
+            boxed = self.status["sandbox"] == "bwrap"
+            said = [hints.erofs_hint(self.job, tail) if boxed else None]
+            # Left out of a copy (remote), or hidden by the sandbox (local).
+            if boxed or not self.job.get("project_hidden"):
+                said.append(hints.left_out_hint(self.job, tail))
+            message = "; ".join(h for h in said if h) or None
         signame = signal.Signals(-returncode).name if returncode is not None and returncode < 0 else None
         self.write_status(state=state, exit_code=returncode, signal=signame, ended_at=control.now_iso(),
                           message=message)
