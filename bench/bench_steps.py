@@ -3,7 +3,7 @@
 on the local backend costs over the same command as a plain doit task.
 
     .venv/bin/python bench/bench_steps.py [--steps 20] [--repeats 7]
-        [--jobs 1,2] [--sandbox auto|bwrap|none] [--keep]
+        [--jobs 1,2] [--sandbox auto|bwrap|none] [--git] [--keep]
 
 It measures and prints; it asserts nothing. It makes two projects on tmpfs
 (/dev/shm when present; `--dir` elsewhere, e.g. on a disk, where the
@@ -99,10 +99,18 @@ sandbox = "{sandbox}"
 """
 
 
-def write_project(root: Path, template: str, steps: int, sandbox: str) -> Path:
+def write_project(root: Path, template: str, steps: int, sandbox: str, git: bool = False) -> Path:
+    """`git`: a git work tree tracking dodo.py and pyproject.toml, the
+    outputs and the store ignored, as most projects are: the local sandbox
+    then shows the tracked files only (git ls-files and the view's mounts
+    are in the timed span)."""
     root.mkdir(parents=True)
     (root / "dodo.py").write_text(template.format(steps=steps))
     (root / "pyproject.toml").write_text(PYPROJECT.format(sandbox=sandbox))
+    if git:
+        (root / ".gitignore").write_text("out/\n.substrax/\n.doit.db*\n")
+        subprocess.run(["git", "init", "-q", str(root)], check=True)
+        subprocess.run(["git", "-C", str(root), "add", "dodo.py", "pyproject.toml", ".gitignore"], check=True)
     return root
 
 
@@ -215,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None,
                         help="make the projects under this folder (default: tmpfs, /dev/shm, when present)")
     parser.add_argument("--keep", action="store_true", help="keep the generated projects")
+    parser.add_argument("--git", action="store_true", help="make each project a git work tree")
     args = parser.parse_args(argv)
     jobs = [int(j) for j in args.jobs.split(",") if j.strip()]
     if args.steps < 1 or args.repeats < 1 or not jobs or min(jobs) < 1:
@@ -226,8 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{os.cpu_count()} CPUs, files in {scratch}; "
           f"{args.steps} steps, sandbox {args.sandbox!r}, {args.repeats} full runs per case, interleaved")
     print(f"at the start: {load_average()}")
-    remote = write_project(scratch / "remote", REMOTE_DODO, args.steps, args.sandbox)
-    plain = write_project(scratch / "plain", PLAIN_DODO, args.steps, args.sandbox)
+    remote = write_project(scratch / "remote", REMOTE_DODO, args.steps, args.sandbox, args.git)
+    plain = write_project(scratch / "plain", PLAIN_DODO, args.steps, args.sandbox, args.git)
     cases: list[Case] = [("remote", remote, None)]
     cases += [(f"code#{i + 1}", remote, c.resolve()) for i, c in enumerate(args.code)]
     cases.append(("plain", plain, None))

@@ -62,14 +62,14 @@ def left_out_hint(job: dict[str, Any], tail: str) -> str | None:
         name = os.path.basename(rel)
         stem = name[:-3] if name.endswith(".py") else name
         words = "|".join(re.escape(w) for w in {rel, name})
-        if re.search(r"(?<![\w.-])(%s)(?![\w-])|'%s'" % (words, re.escape(stem)), tail):
+        if re.search(r"(?<![\w.-])(%s)(?![\w-]|\.\w)|'%s'" % (words, re.escape(stem)), tail):
             named.append(rel)
     if not named:
         return None
-    them = "it" if len(named) == 1 else "them"
+    one = len(named) == 1
     return ("the run saw the project's tracked files and the step's inputs only, and left out %s "
-            "(not tracked by git, not a declared input); declare %s as an input of the step, "
-            "or `git add` %s" % (", ".join(named[:5]), them, them))
+            "(not tracked by git, not a declared input); declare %s of the step, or `git add` %s"
+            % (", ".join(named[:5]), "it as an input" if one else "them as inputs", "it" if one else "them"))
 
 
 def erofs_hint(job: dict[str, Any], tail: str | None = None) -> str | None:

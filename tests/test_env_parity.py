@@ -30,6 +30,8 @@ from dodo_helpers import (
 from ssh_helpers import build_wheel, fresh_user, make_ssh_project, needs_root, needs_sshd, one_step, ssh_host
 from testbeds.sshd_host import SshHost
 
+from substrax_tasks._remote_files import remote_module
+
 WHEELS = 'pip_args = ["--no-index", "--find-links", "wheels"]\n'
 WRITE_V = "import sys, sxtiny; open('out/v.txt', 'w').write(sxtiny.VALUE + ' ' + sys.prefix)"
 USES_SXTINY = one_step(
@@ -107,6 +109,21 @@ PARITY_FILES = {
     "helper.py": "X = 'helped'\n",
     ".gitignore": ".substrax/\n",
 }
+
+
+@pytest.mark.unit
+def test_a_failure_names_the_left_out_entries_its_log_mentions_only() -> None:
+    hints = remote_module("hints")
+    job = {"left_out": ["helper.py", "data", "notes.txt", "pkg/util.py"]}
+    tail = (
+        "ModuleNotFoundError: No module named 'helper'\n"
+        "FileNotFoundError: [Errno 2] No such file or directory: 'data/raw.csv'\n"
+        "helpers and notes.txt.bak are other names\n"
+    )
+    said = hints.left_out_hint(job, tail)
+    assert said is not None and "left out helper.py, data (not tracked by git" in said
+    assert hints.left_out_hint(job, "KeyError: 'x'\n") is None
+    assert hints.left_out_hint({"left_out": []}, tail) is None
 
 
 def tracked_but_helper(root: Path) -> None:
