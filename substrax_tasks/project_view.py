@@ -31,10 +31,15 @@ class ProjectView:
 
 
 def project_view(
-    project: Path, state_dir: Path, inputs: Sequence[str], excludes: Sequence[str] = ()
+    project: Path,
+    state_dir: Path,
+    inputs: Sequence[str],
+    outputs: Sequence[str] = (),
+    excludes: Sequence[str] = (),
 ) -> ProjectView:
-    """The view of `project` for a step with `inputs` (`excludes`: rsync
-    patterns the ssh copy also leaves out, applied by it)."""
+    """The view of `project` for a step with `inputs` and `outputs` (which
+    the run makes, so never named as left out); `excludes`: rsync patterns
+    the ssh copy also leaves out, applied by it."""
     lock = next((name for name in ENV_LOCK_FILES if (project / name).is_file()), None)
     shown = [i.rstrip("/") for i in inputs] + ([lock] if lock else [])
     listing = _git_listing(project)
@@ -53,8 +58,16 @@ def project_view(
     quiet = set(ALWAYS_EXCLUDED)
     with contextlib.suppress(ValueError, IndexError):
         quiet.add(state_dir.resolve().relative_to(project.resolve()).parts[0])
-    left_out = [h for h in hidden if not quiet & set(h.split("/"))]
+    made = [o.rstrip("/") for o in outputs]
+    left_out = [
+        h for h in hidden
+        if not quiet & set(h.split("/")) and not any(_within(h, o) or _within(o, h) for o in made)
+    ]  # fmt: skip
     return ProjectView(_with(tracked, shown), sorted(hidden), left_out)
+
+
+def _within(rel: str, folder: str) -> bool:
+    return rel == folder or rel.startswith(folder + "/")
 
 
 def _with(files: list[str], shown: list[str]) -> list[str]:

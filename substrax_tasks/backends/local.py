@@ -80,7 +80,7 @@ class LocalBackend(Backend):
             raise BackendError(f"run {handle.run_id}: building the environment: {exc}") from None
         env_dir = env_dir_of(handle.step, built)
         # What ssh and skypilot would upload is all the sandbox shows.
-        view = project_view(Path(project), self.store.root, handle.spec.inputs)
+        view = project_view(Path(project), self.store.root, handle.spec.inputs, handle.spec.outputs)
         job = build_job(
             handle.spec,
             paths,

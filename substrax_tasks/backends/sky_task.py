@@ -246,7 +246,7 @@ def snapshot(
     sources = set(settings.copy_.source_paths()) if settings.copy_ is not None else set()
     buckets = {p.strip("/") for p in settings.bucket.buckets} if settings.bucket is not None else set()
     skipped = outputs | sources | buckets
-    view = project_view(project, state_dir, handle.spec.inputs)
+    view = project_view(project, state_dir, handle.spec.inputs, handle.spec.outputs)
     files = [f for f in view.files if f not in skipped]
     for rel in files:  # an input inside a folder already taken stays as taken
         link_tree(project / rel.rstrip("/"), dest / rel.rstrip("/"))

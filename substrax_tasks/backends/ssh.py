@@ -111,7 +111,9 @@ class SshBackend(Backend):
     def sync(self, handle: RunHandle) -> RunHandle:
         project = Path(str(handle.state["project"]))
         outputs = {o.rstrip("/") for o in handle.spec.outputs}
-        view = project_view(project, self.store.root, handle.spec.inputs, self.settings.copy_.excludes)
+        view = project_view(
+            project, self.store.root, handle.spec.inputs, handle.spec.outputs, self.settings.copy_.excludes
+        )
         files = [f for f in view.files if f not in outputs]  # the sandbox hides them; the run makes them anew
         stats = self.transport().upload(project, files, f"{self._state(handle, 'remote_run_dir')}/project")
         run = self.remote_run(handle)
