@@ -64,10 +64,23 @@ def test_local_builds_the_requirements_env_offline_from_a_wheel_folder_and_reuse
     assert (root / "out" / "v.txt").read_text().split() == ["from-the-wheel", prefix]
     assert [p.name for p in (root / ".substrax" / "envs").iterdir() if p.is_dir()] == [Path(prefix).name]
 
+    # two steps at once under threads: one builds, the other waits for it
+    (root / "requirements.txt").write_text("sxtiny==0.1\n# two steps\n")
+    writes_other = WRITE_V.replace("out/", "other/")
+    other = one_step("other", command=["python3", "-c", writes_other], outputs=["other/"])
+    (root / "dodo.py").write_text((root / "dodo.py").read_text() + other)
+    both = doit_ok(root, "-n", "2", "-P", "thread", "step", "other")
+    said = both.stdout
+    assert said.count("built the environment from requirements.txt") == 1, show(both)
+    assert said.count("reusing the environment for requirements.txt") == 1, show(both)
+    assert (root / "other" / "v.txt").read_text().split()[0] == "from-the-wheel"
+    prefixes = {(root / out / "v.txt").read_text().split()[1] for out in ("out", "other")}
+    assert len(prefixes) == 1, prefixes  # one environment for both
+
     # a lock that cannot be met: the step fails before running, saying why
     (root / "requirements.txt").write_text("sxtiny==9.9\n")
     missing = doit(root)
-    assert missing.returncode != 0 and run_count(root) == 3, show(missing)
+    assert missing.returncode != 0 and run_count(root) == 5, show(missing)
     said = missing.stdout + missing.stderr
     assert "building the environment" in said and "sxtiny==9.9" in said, show(missing)
 
