@@ -179,6 +179,25 @@ def test_an_untracked_input_is_seen_and_the_rest_of_its_folder_is_not(tmp_path: 
 
 
 @needs_bwrap
+def test_with_an_output_at_the_top_the_view_still_hides_what_git_does_not_track(tmp_path: Path) -> None:
+    """An output at the project's top makes the top a writable folder (bound
+    from staging, its entries bound back): untracked entries there, and in
+    folders below, stay hidden all the same."""
+    listing = (
+        "import os; seen = sorted(os.listdir('.') + os.listdir('src')); "
+        "open('report.txt', 'w').write(' '.join(seen))"
+    )
+    body = one_step(command=["python3", "-c", listing], outputs=["report.txt"])
+    files = {"src/main.py": "", "src/scratch.py": "", "notes.txt": "", ".gitignore": ".substrax/\n"}
+    root = make_project(tmp_path, body, ["step"], sandbox="bwrap", files=files)
+    git(root, "init", "-q")
+    git(root, "add", "dodo.py", "pyproject.toml", ".gitignore", "src/main.py")
+    doit_ok(root)
+    seen = (root / "report.txt").read_text().split()
+    assert seen == [".gitignore", "dodo.py", "main.py", "pyproject.toml", "src"]  # no .git, notes, scratch
+
+
+@needs_bwrap
 def test_a_project_that_is_not_a_git_work_tree_is_seen_whole(tmp_path: Path) -> None:
     root = make_project(tmp_path, IMPORTS_HELPER, ["step"], sandbox="bwrap", files=PARITY_FILES)
     doit_ok(root)
