@@ -3,7 +3,7 @@
 on the local backend costs over the same command as a plain doit task.
 
     .venv/bin/python bench/bench_steps.py [--steps 20] [--repeats 7]
-        [--jobs 1,2] [--sandbox auto|bwrap|none] [--git] [--keep]
+        [--jobs 1,2] [--sandbox auto|bwrap|none] [--python NAME] [--git] [--keep]
 
 It measures and prints; it asserts nothing. It makes two projects on tmpfs
 (/dev/shm when present; `--dir` elsewhere, e.g. on a disk, where the
@@ -24,6 +24,11 @@ runs its command. `doit` (serial) and `doit -n 2 -P thread` (each `--jobs`
 value) are run in both projects, interleaved and alternating which goes
 first, `--repeats` times. The table shows the medians and the per-step
 overhead, (remote - plain) / steps (goal <= 0.1 s, serial and -n 2).
+
+`--python NAME` makes every command (in both projects) `NAME -c "open(...)
+.write('x')"` instead: a Python found on PATH, as a user names it
+(`python3`, a pyenv shim under the home the sandbox hides, which the local
+backend resolves at launch by asking it for its interpreter).
 
 `--code DIR` (repeatable) times the remote project once per checkout DIR of
 this repository as well (`PYTHONPATH=DIR`, so its `substrax_tasks` and
@@ -65,7 +70,7 @@ def task_steps():
     for name in NAMES:
         yield from remote_step(
             name,
-            command=["/bin/sh", "-c", "echo x > out/%s.txt" % name],
+            command={argv},
             outputs=["out/%s.txt" % name],
         )
 '''
@@ -81,7 +86,7 @@ def task_steps():
     for name in NAMES:
         yield {{
             "basename": name,
-            "actions": [["/bin/sh", "-c", "echo x > out/%s.txt" % name]],
+            "actions": [{argv}],
             "targets": ["out/%s.txt" % name],
         }}
 '''
@@ -99,13 +104,19 @@ sandbox = "{sandbox}"
 """
 
 
-def write_project(root: Path, template: str, steps: int, sandbox: str, git: bool = False) -> Path:
+SHELL_ARGV = '["/bin/sh", "-c", "echo x > out/%s.txt" % name]'
+PYTHON_ARGV = '[{python!r}, "-c", "open(\'out/%s.txt\', \'w\').write(\'x\')" % name]'
+
+
+def write_project(root: Path, template: str, steps: int, sandbox: str, python: str | None, *,
+                  git: bool = False) -> Path:
     """`git`: a git work tree tracking dodo.py and pyproject.toml, the
     outputs and the store ignored, as most projects are: the local sandbox
     then shows the tracked files only (git ls-files and the view's mounts
     are in the timed span)."""
     root.mkdir(parents=True)
-    (root / "dodo.py").write_text(template.format(steps=steps))
+    argv = SHELL_ARGV if python is None else PYTHON_ARGV.format(python=python)
+    (root / "dodo.py").write_text(template.format(steps=steps, argv=argv))
     (root / "pyproject.toml").write_text(PYPROJECT.format(sandbox=sandbox))
     if git:
         (root / ".gitignore").write_text("out/\n.substrax/\n.doit.db*\n")
@@ -222,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also time the remote project with the package of this checkout (repeatable)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="make the projects under this folder (default: tmpfs, /dev/shm, when present)")
+    parser.add_argument("--python", default=None, metavar="NAME",
+                        help="commands run NAME -c ... (a Python on PATH) instead of /bin/sh")
     parser.add_argument("--keep", action="store_true", help="keep the generated projects")
     parser.add_argument("--git", action="store_true", help="make each project a git work tree")
     args = parser.parse_args(argv)
@@ -233,10 +246,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench-steps-", dir=parent))
     print(f"bench_steps: {platform.python_implementation()} {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, files in {scratch}; "
-          f"{args.steps} steps, sandbox {args.sandbox!r}, {args.repeats} full runs per case, interleaved")
+          f"{args.steps} steps, sandbox {args.sandbox!r}, {args.repeats} full runs per case, interleaved, "
+          f"commands: {args.python or '/bin/sh'}")
     print(f"at the start: {load_average()}")
-    remote = write_project(scratch / "remote", REMOTE_DODO, args.steps, args.sandbox, args.git)
-    plain = write_project(scratch / "plain", PLAIN_DODO, args.steps, args.sandbox, args.git)
+    remote = write_project(scratch / "remote", REMOTE_DODO, args.steps, args.sandbox, args.python, git=args.git)
+    plain = write_project(scratch / "plain", PLAIN_DODO, args.steps, args.sandbox, args.python, git=args.git)
     cases: list[Case] = [("remote", remote, None)]
     cases += [(f"code#{i + 1}", remote, c.resolve()) for i, c in enumerate(args.code)]
     cases.append(("plain", plain, None))

@@ -8,6 +8,9 @@ Python 3.8+. The job file names the command, its folders and files.
 
 The worker:
 
+* takes the GPUs the job asks for (gpus.py) before anything else, and
+  holds them while it lives; when too few are free it exits with BUSY,
+  having written nothing, and the client tries again later;
 * sends stdout and stderr of the command straight to the log file (no pipe
   it holds, so a descendant keeping them open can never make it wait);
 * starts the command in its own session and, under bubblewrap, its own pid
@@ -25,6 +28,7 @@ The worker:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import select
@@ -36,24 +40,29 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # even under PYTHONSAFEPATH
 import control  # noqa: E402
+import gpus  # noqa: E402
 import hints  # noqa: E402
 import proctree  # noqa: E402
 import sandbox  # noqa: E402
 
 POLL_SECONDS = 0.5  # only an upper bound: SIGCHLD and signals wake the loop
 SETTLE_SECONDS = 0.2  # how long a finished command's exiting helpers may take
+# Room kept on the run's disk for the final status, should the command fill it.
+RESERVE_BYTES = 1 << 16
+RESERVE_FILE = "status.reserve"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+BUSY = 75  # EX_TEMPFAIL: the GPUs the job asks for are held by other runs
 PATH_FIELDS = ("cwd", "project", "staging", "home_dir", "status_file", "log_file", "manifest_copy")
 PATH_LIST_FIELDS = ("hide", "extra_ro", "path_prepend")
 
 
 def task_environment(job: dict[str, Any], inherited: dict[str, str], secrets: dict[str, str],
-                     home: dict[str, str] | None = None) -> dict[str, str]:
-    """The command's environment: plain settings passed through, the
-    sandbox's `home` settings, the step's env, its named secrets, and the
-    environment's bin folder first on PATH."""
+                     ours: dict[str, str] | None = None) -> dict[str, str]:
+    """The command's environment: plain settings passed through, `ours`
+    (the sandbox's home, the GPUs the run holds), the step's env, its named
+    secrets, and the environment's bin folder first on PATH."""
     env = sandbox.plain_settings(inherited)
-    env.update(home or {})
+    env.update(ours or {})
     for name in job.get("forward_env", []):
         value = secrets.get(name, inherited.get(name))
         if value is not None:
@@ -78,6 +87,8 @@ class Worker:
         self.wake_r, self.wake_w = os.pipe()
         self.log_fd = -1
         self.child: subprocess.Popen[bytes] | None = None
+        self.gpu_locks: list[int] = []  # open while the run lasts: they hold its GPUs
+        self.gpu_env: dict[str, str] = {}
         self.status: dict[str, Any] = {
             "state": "starting", "worker_pid": os.getpid(),
             "worker_start_ticks": control.start_ticks(os.getpid()),
@@ -86,12 +97,27 @@ class Worker:
         }
 
     def note(self, message: str) -> None:
-        """The worker's own notes go into the run's log, marked as ours."""
-        os.write(self.log_fd, ("[substrax-worker %s] %s\n" % (control.now_iso(), message)).encode())
+        """The worker's own notes go into the run's log, marked as ours (a
+        full disk loses them, never the run's end)."""
+        with contextlib.suppress(OSError):
+            os.write(self.log_fd, ("[substrax-worker %s] %s\n" % (control.now_iso(), message)).encode())
 
     def write_status(self, **changes: Any) -> None:
+        """On a disk the command filled, the room kept (keep_room) is given
+        back for it: the run's end is always recorded."""
         self.status.update(changes)
-        control.write_json_atomic(self.job["status_file"], self.status)
+        try:
+            control.write_json_atomic(self.job["status_file"], self.status)
+        except OSError as exc:
+            room = os.path.join(self.run_dir, RESERVE_FILE)
+            if exc.errno != errno.ENOSPC or not os.path.exists(room):
+                raise
+            os.unlink(room)
+            control.write_json_atomic(self.job["status_file"], self.status)
+
+    def keep_room(self) -> None:
+        with contextlib.suppress(OSError), open(os.path.join(self.run_dir, RESERVE_FILE), "wb") as f:
+            f.write(b"\0" * RESERVE_BYTES)
 
     # -- signals: recorded here, acted on by the poll loop
     def install_handlers(self) -> None:
@@ -116,29 +142,58 @@ class Worker:
 
     def claim_start(self) -> bool:
         """Under the run's start lock: refuse a run already ended (cancelled
-        before its worker got here), else record `starting` with our pid so
+        before its worker got here) or claimed by another live worker (a
+        client that restarted it), else record `starting` with our pid so
         that a cancel from now on signals us."""
         with control.start_lock(self.run_dir):
-            if (control.read_json(self.job["status_file"]) or {}).get("state") in control.FINAL_STATES:
+            record = control.read_json(self.job["status_file"]) or {}
+            if record.get("state") in control.FINAL_STATES:
+                self.note("the run was cancelled before it started; not starting it")
+                return False
+            if control.alive(record.get("worker_pid"), record.get("worker_start_ticks")):
+                self.note("worker %s already starts this run; not starting it twice" % record["worker_pid"])
                 return False
             self.write_status(state="starting")
+            self.keep_room()
             return True
+
+    def claim_gpus(self) -> bool:
+        """Take the GPUs the job asks for (job["gpus"]: the host's ids, the
+        count, the lock folder); False when too few are free. A count of 0
+        hides every GPU from the task."""
+        wanted = self.job.get("gpus")
+        if not wanted:
+            return True
+        held: list[str] = []
+        if wanted["count"]:
+            claimed = gpus.claim(wanted["lock_dir"], wanted["ids"], wanted["count"])
+            if claimed is None:
+                return False
+            held, self.gpu_locks = claimed
+            self.status["gpus"] = held
+        self.gpu_env = gpus.visible_env(wanted.get("kind"), held)
+        return True
 
     # -- the run
     def run(self, ready_fd: int | None = None) -> int:
+        if not self.claim_gpus():  # before the log and the status: this try leaves no trace
+            if ready_fd is not None:
+                os.write(ready_fd, b"busy")
+                os.close(ready_fd)
+            return BUSY
         self.log_fd = os.open(self.job["log_file"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(self.log_fd, 2)  # our own stderr (tracebacks included) goes to the log as well
         self.install_handlers()
         proctree.become_subreaper()
         claimed = self.claim_start()
-        if not claimed:
-            self.note("the run was cancelled before it started; not starting it")
         started = claimed and self.start_command()
         if ready_fd is not None:  # the detached parent may return now
             os.write(ready_fd, b"started")
             os.close(ready_fd)
         if started:
             self.watch(self.status["pid"], self.status["outputs_root"])
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.run_dir, RESERVE_FILE))
         os.close(self.log_fd)
         return 0 if started or not claimed else 1
 
@@ -148,7 +203,7 @@ class Worker:
         job = self.job
         try:
             argv, sandbox_name, outputs_root = sandbox.sandboxed_command(job, self.note, os.environ)
-            home = sandbox.home_settings(job, os.environ) if sandbox_name == "bwrap" else None
+            home = sandbox.home_settings(job, os.environ) if sandbox_name == "bwrap" else {}
             # Under bubblewrap the command's pid namespace already holds
             # every process it starts and dies whole with it: a cgroup adds
             # nothing there, and joining one makes each start wait for the
@@ -158,8 +213,9 @@ class Worker:
             cgroup = self.cgroup
             # Kept on self: a Popen object dropped while its process has
             # exited reaps it, and the poll loop would never see its end.
+            env = task_environment(job, dict(os.environ), self.secrets, {**home, **self.gpu_env})
             self.child = subprocess.Popen(
-                argv, cwd=job["cwd"], env=task_environment(job, dict(os.environ), self.secrets, home),
+                argv, cwd=job["cwd"], env=env,
                 stdin=subprocess.DEVNULL, stdout=self.log_fd, stderr=self.log_fd,
                 start_new_session=True, close_fds=True,
                 # before exec, so that nothing the command starts is outside it
@@ -189,6 +245,10 @@ class Worker:
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 self.stop_reason = "timed_out"
+                break
+            if not os.path.isdir(self.run_dir):  # deleted by hand: no one can follow the run
+                self.stop_reason = "cancelled"
+                self.stop_signal = "its run folder was deleted"
                 break
             self.sleep(POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic()))
         if self.stop_reason is not None:
@@ -228,6 +288,9 @@ class Worker:
             if boxed or not self.job.get("project_hidden"):
                 said.append(hints.left_out_hint(self.job, tail))
             message = "; ".join(h for h in said if h) or None
+        if state == "failed" and disk_full(outputs_root):
+            message = ("no space left on device where its outputs go (%s): the command filled the disk; "
+                       "free space (or make the outputs smaller) and run again" % outputs_root)
         signame = signal.Signals(-returncode).name if returncode is not None and returncode < 0 else None
         self.write_status(state=state, exit_code=returncode, signal=signame, ended_at=control.now_iso(),
                           message=message)
@@ -247,6 +310,14 @@ class Worker:
                 control.write_json_atomic(self.job["manifest_copy"], taken)
         except Exception as exc:  # the fetch then takes its own and says what is wrong
             self.note("could not take the outputs' manifest: %s" % exc)
+
+
+def disk_full(path: str) -> bool:
+    try:
+        found = os.statvfs(path)
+    except OSError:
+        return False
+    return found.f_bavail * found.f_frsize < RESERVE_BYTES
 
 
 def absolute_paths(job: dict[str, Any], base: str) -> dict[str, Any]:
@@ -274,7 +345,7 @@ def detach(job: dict[str, Any], secrets: dict[str, str]) -> int:
         os.close(ready_w)
         answer = os.read(ready_r, 64)  # one write of a few bytes, or the end if the child died
         os.waitpid(pid, os.WNOHANG)
-        return 0 if answer == b"started" else 1
+        return {b"started": 0, b"busy": BUSY}.get(answer, 1)
     os.close(ready_r)
     if os.getpid() != os.getsid(0):
         os.setsid()

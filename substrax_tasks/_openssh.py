@@ -11,6 +11,7 @@ trusting a new host on first use; a changed key is always refused.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import getpass
 import hashlib
 import os
@@ -122,23 +123,24 @@ class SshTarget:
         held session: each is one of sshd's MaxSessions (10 by default) on
         the master, which the rsyncs of those steps need too."""
         key = self.control_path()
-        with _held_lock:
-            proc, holders = _held.get(key, (None, 0))
-            if proc is None:
-                proc = subprocess.Popen(
-                    [*self.ssh_argv(), self.host, "cat"],
-                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                )  # fmt: skip
-            _held[key] = (proc, holders + 1)
-        try:
-            yield
-        finally:
+        with master_in_use(key):
             with _held_lock:
-                proc, holders = _held.pop(key)
-                if holders > 1:
-                    _held[key] = (proc, holders - 1)
-                else:
-                    release_session(proc)
+                proc, holders = _held.get(key, (None, 0))
+                if proc is None:
+                    proc = subprocess.Popen(
+                        [*self.ssh_argv(), self.host, "cat"],
+                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    )  # fmt: skip
+                _held[key] = (proc, holders + 1)
+            try:
+                yield
+            finally:
+                with _held_lock:
+                    proc, holders = _held.pop(key)
+                    if holders > 1:
+                        _held[key] = (proc, holders - 1)
+                    else:
+                        release_session(proc)
 
 
 # Held sessions by control path: (the ssh process, how many hold it).
@@ -174,10 +176,39 @@ def release_session(proc: subprocess.Popen[bytes]) -> None:
     threading.Thread(target=reap, name="ssh-session-reaper", daemon=True).start()
 
 
+@contextlib.contextmanager
+def master_in_use(control_path: str) -> Iterator[None]:
+    """A shared lock on the master's `.users` file while a copy or a held
+    session uses it. Every process (and thread) on one host shares one
+    master; a teardown ends it only if it can take that lock alone, so one
+    doit's teardown never cuts another's fetch. A killed user's lock goes
+    with it."""
+    fd = os.open(control_path + ".users", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
 def stop_master(ssh_argv: list[str], host: str, control_path: str) -> None:
-    """Stop the multiplexing master, so no local ssh outlives the run."""
+    """Stop the multiplexing master, so no local ssh outlives the run;
+    left up while another uses it (its last user, or ControlPersist, ends it)."""
     if not Path(control_path).exists():
         return
+    fd = os.open(control_path + ".users", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return
+    try:  # held while it exits: no new user starts on a master going away
+        exit_master(ssh_argv, host)
+    finally:
+        os.close(fd)
+
+
+def exit_master(ssh_argv: list[str], host: str) -> None:
     subprocess.run(
         [*ssh_argv, "-O", "exit", host],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -190,7 +221,7 @@ def drop_master(ssh_argv: list[str], host: str, control_path: str) -> None:
     its socket even with its connection gone), and its socket removed if it
     could not be, so the next ssh starts a new master there."""
     with contextlib.suppress(subprocess.TimeoutExpired):
-        stop_master(ssh_argv, host, control_path)
+        exit_master(ssh_argv, host)  # even while in use: it serves no one any more
     with contextlib.suppress(FileNotFoundError):
         Path(control_path).unlink()
 

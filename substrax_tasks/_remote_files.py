@@ -1,8 +1,9 @@
 """Where the scripts run outside this process are.
 
 * `remote/`: the stdlib-only scripts (worker, control, proctree, sandbox,
-  hints, manifest, env) shipped to the machines a run uses, Python 3.8+; the local
-  backend loads control.py and env.py into this process (`remote_module`).
+  hints, manifest, gpus, env) shipped to the machines a run uses, Python
+  3.8+; the local backend loads control.py and env.py into this process
+  (`remote_module`).
 * `sky_helper/`: `sky_sdk.py`, run here in SkyPilot's own interpreter (it
   imports `sky`, so it is neither stdlib-only nor shipped to a host).
 
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 
 _PACKAGE = Path(__file__).resolve().parent
 # What a host needs in its bin folder to run the worker (and what its digest covers).
-REMOTE_SCRIPTS = ("worker.py", "control.py", "proctree.py", "sandbox.py", "manifest.py", "env.py", "hints.py")
+REMOTE_SCRIPTS = ("worker.py", "control.py", "proctree.py", "sandbox.py", "manifest.py", "gpus.py", "env.py",
+                  "hints.py")  # fmt: skip
 
 
 def _folder(packed: str, checkout: str, marker: str) -> Path:
@@ -54,7 +56,7 @@ _load_lock = threading.Lock()
 def remote_module(name: str) -> ModuleType:
     """`remote/<name>.py` loaded into this process once, as the module
     `substrax_remote_<name>`: the very file that runs over there. Only for
-    the scripts that import no sibling (control, sandbox, manifest)."""
+    the scripts that import no sibling (control, sandbox, manifest, gpus)."""
     module_name = f"substrax_remote_{name}"
     with _load_lock:
         module = sys.modules.get(module_name)

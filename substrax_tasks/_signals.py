@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+from substrax_tasks.errors import StartLater
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import Backend
     from substrax_tasks.handle import RunHandle
 
+_T = TypeVar("_T")
+START_LATER_SECONDS = 1.0  # how often a run that must wait (its GPUs are held) tries to start again
 
 # Set by a signal that came while steps ran in doit's worker threads
 # (`-n N -P thread`): each thread then stops its own step as a serial run
@@ -71,3 +77,19 @@ def started_holding_signals(backend: Backend, handle: RunHandle) -> RunHandle:
             signal.signal(sig, handler)
         if caught:
             raise KeyboardInterrupt(f"signal {signal.Signals(caught[0]).name}")
+
+
+def start_when_free(start: Callable[[], _T], say: Callable[[str], None]) -> _T:
+    """start(), tried again every START_LATER_SECONDS while it raises
+    StartLater (what the run needs is held by other runs: its GPUs), which
+    is said once; Ctrl-C, or a signal under threads, stops the wait."""
+    said = False
+    while True:
+        try:
+            return start()
+        except StartLater as exc:
+            if not said:
+                say(str(exc))
+                said = True
+        check_interrupted()
+        time.sleep(START_LATER_SECONDS)

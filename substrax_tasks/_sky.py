@@ -120,6 +120,19 @@ class SkyClient:
             raise
         return self._answer(operation, argv[0], proc.returncode, stdout, stderr)
 
+    def down(self, cluster: str) -> None:
+        """Take `cluster` down; one already gone is no error."""
+        try:
+            self.call("down", {"cluster_name": cluster}, timeout=None)
+        except SkyCallError as exc:
+            if exc.kind != NO_CLUSTER:
+                raise
+
+    def cluster_names(self) -> list[str]:
+        """Every cluster of this user's that SkyPilot knows."""
+        records = self.call("cluster_status", {})
+        return [r["name"] for r in records or [] if isinstance(r, dict) and isinstance(r.get("name"), str)]
+
     def request_state(self, rid: str) -> str | None:
         """The status of API server request `rid` (None: not known)."""
         records = self.call("request_status", {"request_ids": [rid]})

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from substrax_tasks.backends.base import RunStatus
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.machines import Leak, lifetime_left
 from substrax_tasks.selection import group_of
 
 STATUS_COLUMNS = ("run", "step", "backend", "state", "started", "duration")
@@ -41,7 +42,25 @@ def run_record(handle: RunHandle, status: RunStatus, *, latest: bool) -> dict[st
         "message": status.message,
         "group": group_of(handle.step),
         "latest": latest,
+        "lifetime_left_seconds": lifetime_left(handle),
+        "gpus": status.gpus,
     }
+
+
+def machine_lines(handles: list[RunHandle], leaks: list[Leak]) -> list[str]:
+    """What may still hold a machine: runs and their time left, then leaks."""
+    lines = []
+    for handle in handles:
+        left = lifetime_left(handle)
+        if left is not None:
+            when = f"in {clock(left)}" if left > 0 else f"{clock(-left)} ago (overdue)"
+            lines.append(f"run {handle.run_id} may still hold a machine: its lifetime timer ends it {when}")
+    for leak in leaks:
+        fix = ("`substrax-compute gc --machines` removes it" if leak.ours else
+               "no handle of this project names it: another project's, or leaked before")
+        kind = "cluster" if leak.where == "SkyPilot" else "run folder"
+        lines.append(f"leaked {kind} {leak.name} on {leak.where}: no live handle accounts for it; {fix}")
+    return lines
 
 
 def parse_time(value: str | None) -> datetime.datetime | None:
@@ -63,36 +82,38 @@ def duration(status: RunStatus) -> str:
     if start is None:
         return "-"
     end = parse_time(status.ended_at) or datetime.datetime.now(datetime.timezone.utc)
-    seconds = max(0, int((end - start).total_seconds()))
-    hours, rest = divmod(seconds, 3600)
+    return clock((end - start).total_seconds())
+
+
+def clock(seconds: float) -> str:
+    """[h:]mm:ss"""
+    hours, rest = divmod(max(0, int(seconds)), 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def print_status_table(rows: list[tuple[RunHandle, RunStatus]], out: Console) -> None:
+    # The GPUs each run was given, in a column shown only when a run has any.
+    with_gpus = any(s.gpus for _h, s in rows)
+    columns = [*STATUS_COLUMNS, *(["gpus"] if with_gpus else [])]
+    cells = [
+        [h.run_id, h.step, h.backend, s.state, short_time(s.started_at), duration(s)]
+        + ([",".join(s.gpus or []) or "-"] if with_gpus else [])
+        for h, s in rows
+    ]
     if not out.is_terminal or len(rows) > RICH_TABLE_MAX_ROWS:
         # Plain columns: what a pipe wants, and 50x faster than rich for a
         # store of a thousand runs.
-        cells = [
-            [h.run_id, h.step, h.backend, s.state, short_time(s.started_at), duration(s)] for h, s in rows
-        ]
-        print(plain_table(list(STATUS_COLUMNS), cells) if rows else "no runs yet")
+        print(plain_table(columns, cells) if rows else "no runs yet")
         return
     table = Table(title=None if rows else "no runs yet", show_edge=False)
-    for column in STATUS_COLUMNS:
+    for column in columns:
         # A narrow terminal folds a run id rather than cut it: it is what one copies.
         table.add_column(
             column,
             no_wrap=column in ("backend", "state", "duration"),
             overflow="fold" if column == "run" else "ellipsis",
         )
-    for handle, status in rows:
-        table.add_row(
-            handle.run_id,
-            handle.step,
-            handle.backend,
-            status.state,
-            short_time(status.started_at),
-            duration(status),
-        )
+    for row in cells:
+        table.add_row(*row)
     out.print(table)

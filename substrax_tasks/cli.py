@@ -19,11 +19,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from substrax_tasks import __version__
-from substrax_tasks._status_view import print_status_table, run_record
+from substrax_tasks._status_view import machine_lines, print_status_table, run_record
 from substrax_tasks.backends.base import RunStatus
 from substrax_tasks.config import find_project, read_pyproject_table
 from substrax_tasks.errors import BackendError, ConfigError, HandleError, SubstraxError
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.machines import find_leaks, remove_leaks
 from substrax_tasks.runs import Project
 from substrax_tasks.selection import latest_per_step, select, shortened
 from substrax_tasks.settings import ComputeConfig
@@ -125,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     why.add_argument("step", help="the step's name, as given to remote_step()")
     why.add_argument("--dodo", metavar="FILE", help="the dodo file (default: dodo.py in the project)")
     why.set_defaults(func=cmd_why)
+
+    gc = commands.add_parser(
+        "gc", help="remove leaked machines (--machines)",
+        description="--machines: remove the remote run folders and clusters of this project that "
+        "no live handle accounts for (leaked; `status` lists them), stopping what runs there.",
+    )  # fmt: skip
+    gc.add_argument("--machines", action="store_true", help="remove leaked run folders and clusters")
+    gc.set_defaults(func=cmd_gc, parser=gc)
     return parser
 
 
@@ -153,12 +162,17 @@ def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Co
             unreadable.append(Unreadable(project.store.handle_path(handle.run_id), str(exc)))
         except BackendError as exc:  # e.g. its host is unreachable now
             rows.append((handle, RunStatus("unknown", message=str(exc))))
+    # The whole view (no RUN or --step) also asks where runs go for leaks.
+    leaks, problems = ([], []) if args.run or args.step else find_leaks(project, every)
     if args.json:
         runs = [run_record(h, s, latest=h.run_id in latest) for h, s in rows]
         failed = [{"path": str(u.path), "reason": u.reason} for u in unreadable]
-        print(json.dumps({"runs": runs, "unreadable": failed}, indent=1))
+        leaked = [{"backend": k.backend, "where": k.where, "name": k.name, "ours": k.ours} for k in leaks]
+        print(json.dumps({"runs": runs, "unreadable": failed, "leaked": leaked}, indent=1))
         return 1 if unreadable else 0
     print_status_table(rows, out)
+    for line in machine_lines(handles, leaks) + [f"could not look for leaks: {p}" for p in problems]:
+        err.print(escape(line), highlight=False)
     for record in unreadable:
         message = f"[bold red]unreadable[/] {escape(str(record.path))}: {escape(record.reason)}"
         err.print(message, highlight=False)
@@ -246,7 +260,7 @@ def member_failure(handle: RunHandle, exc: Exception) -> SubstraxError:
 
 def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
     from substrax_tasks import manifest_cache
-    from substrax_tasks.promote import promote
+    from substrax_tasks.promote import JOURNAL, promote
 
     handle = project.store.read(args.run)
     backend = project.backend_for(handle)
@@ -279,12 +293,23 @@ def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Con
         raise BackendError(
             f"run {handle.run_id} wrote its outputs in place (no sandbox); copy them from {base}"
         )
-    promote(fetched.root, dest, outputs)
+    promote(fetched.root, dest, outputs, project.store.run_dir(handle.run_id) / JOURNAL)
     out.print(
         f"run {handle.run_id}: {len(outputs)} output(s) fetched into {dest}, verified against its manifest",
         highlight=False,
     )
     return 0
+
+
+def cmd_gc(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
+    if not args.machines:
+        args.parser.error("say what to collect: --machines")
+    removed, problems = remove_leaks(project, project.store.read_all()[0])
+    for leak in removed:
+        out.print(escape(f"removed {leak.name} on {leak.where}"), highlight=False)
+    for problem in problems:
+        err.print(f"[bold red]error:[/] {escape(problem)}", highlight=False)
+    return 1 if problems else 0
 
 
 def cmd_teardown(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:

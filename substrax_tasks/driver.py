@@ -29,7 +29,12 @@ from doit.exceptions import TaskError, TaskFailed
 from substrax_tasks import manifest_cache, uptodate
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import TextSink, emit
-from substrax_tasks._signals import check_interrupted, map_termination_signals, started_holding_signals
+from substrax_tasks._signals import (
+    check_interrupted,
+    map_termination_signals,
+    start_when_free,
+    started_holding_signals,
+)
 from substrax_tasks.errors import BackendError, HandleError, HostRefused, SubstraxError
 from substrax_tasks.spec import check_inputs_exist, check_outputs_inside
 from substrax_tasks.uptodate import DOIT_VALUE, Step
@@ -164,6 +169,7 @@ class StepDriver:
         self._step_lock.acquire()
         check_inputs_exist(self.spec, self.root)
         check_outputs_inside(self.spec.outputs, self.root)
+        self._recover_promotion()
         unset = [name for name in self.spec.forward_env if name not in os.environ]
         if unset:
             raise SubstraxError(
@@ -185,13 +191,22 @@ class StepDriver:
             self._save(self._retrying("launch", lambda: backend.launch(handle)), phase="launched")
 
     def _last_run(self) -> RunHandle | None:
-        run_id = uptodate.read_record(self.step).get("run_id")
+        """The step's last run; an error if its record or handle is damaged
+        (its run may be going on: a second must not start beside it)."""
+        run_id = uptodate.read_record(self.step, strict=True).get("run_id")
         if not run_id:
             return None
+        store = self.project.store
+        if not store.handle_path(str(run_id)).exists():
+            return None  # its folder was removed: nothing runs there any more
         try:
-            return self.project.store.read(str(run_id))
-        except HandleError:
-            return None
+            return store.read(str(run_id))
+        except HandleError as exc:
+            raise HandleError(
+                f"the handle of its last run is damaged ({exc}), and that run may still be going. "
+                f"Stop it if it is (its worker's pid is in {store.run_dir(str(run_id))}/status.json), "
+                "then remove that folder and run again"
+            ) from None
 
     def _retire_unlaunched(self) -> None:
         """The step's previous run, if its launch never succeeded, would read
@@ -251,7 +266,10 @@ class StepDriver:
             if phase_index(handle.state.get("phase")) < phase_index("started"):
                 if backend.poll(handle).state == "pending":
                     pending = handle
-                    handle = self._retrying("start", lambda: started_holding_signals(backend, pending))
+                    handle = start_when_free(
+                        lambda: self._retrying("start", lambda: started_holding_signals(backend, pending)),
+                        lambda said: emit(f"{self.spec.step}: {said}; waiting"),
+                    )
                 handle = self._save(handle, phase="started")
             with backend.ready_for_fetch(handle):  # the fetch's connection is kept up meanwhile
                 status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)
@@ -265,8 +283,6 @@ class StepDriver:
             self._set(RunState.INTERRUPTED)
             self._on_interrupt(backend, handle)
             raise
-        # What the backend noted as the run ended (its final status, where its outputs are).
-        self.handle = handle = self.project.store.read(handle.run_id)
         if status.state != "succeeded":
             tail = backend.read_log(handle, 0)[-1500:].decode(errors="replace")
             return TaskFailed(
@@ -275,6 +291,8 @@ class StepDriver:
                 + (f": {status.message}" if status.message else "")
                 + f"\nlast lines of its log (substrax-compute logs {handle.run_id}):\n{tail}"
             )
+        # What the backend noted as the run ended (its final status, where its outputs are).
+        self.handle = self.project.store.read(handle.run_id)
         return None
 
     def _on_interrupt(self, backend: Backend, handle: RunHandle) -> None:
@@ -313,6 +331,20 @@ class StepDriver:
         self.fetched = fetched
         self._save(handle, phase="fetched", manifest_digest=fetched.manifest["digest"])
         return None
+
+    def _journal(self, run_id: str) -> Path:
+        from substrax_tasks.promote import JOURNAL
+
+        return self.project.store.run_dir(run_id) / JOURNAL
+
+    def _recover_promotion(self) -> None:
+        """A promotion of the step's last run that a kill interrupted is
+        finished first: nothing reads the outputs half old, half new."""
+        from substrax_tasks.promote import recover
+
+        run_id = uptodate.read_record(self.step).get("run_id")
+        if run_id and recover(self._journal(str(run_id))):
+            emit(f"{self.spec.step}: finished the promotion of run {run_id}, which was interrupted")
 
     def _manifest_file(self, handle: RunHandle) -> Path:
         return self.project.store.run_dir(handle.run_id) / "manifest.json"
@@ -357,7 +389,7 @@ class StepDriver:
         renamed = False
         if fetched.root.resolve() != self.root.resolve():
             try:
-                renamed = promote(fetched.root, self.root, outputs)
+                renamed = promote(fetched.root, self.root, outputs, self._journal(handle.run_id))
             except OSError as exc:
                 return TaskFailed(
                     f"step {self.spec.step!r}: could not move the outputs of run {handle.run_id} into "
@@ -409,7 +441,11 @@ class StepDriver:
                 self._step_lock.release()
 
     def _tear_down(self, was: RunState) -> None:
-        handle = self.project.store.read(cast("RunHandle", self.handle).run_id)
+        try:
+            handle = self.project.store.read(cast("RunHandle", self.handle).run_id)
+        except HandleError as exc:  # its record was deleted or damaged: nothing to act on
+            emit(f"{self.spec.step}: not torn down: {exc}", err=True)
+            return
         backend = self.backend(handle)
         status = backend.status(handle)
         interrupted = was is RunState.INTERRUPTED

@@ -36,3 +36,8 @@ class HostRefused(SubstraxError):
     """What a host sent is refused (a run log that is no regular file): the
     run is recorded as failed and nothing it sent is used. Not a
     BackendError: no retry or "host unreachable" path may swallow it."""
+
+
+class StartLater(SubstraxError):
+    """The run cannot start yet (the GPUs it asks for are held by other
+    runs): nothing was started, and starting it again later may succeed."""

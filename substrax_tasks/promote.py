@@ -4,14 +4,26 @@ A half-written output never stands at its final path: each output is moved
 into place by a single rename (the previous version moved aside first, then
 dropped). When the staging folder is on another file system, the output is
 first copied next to its final path and renamed from there.
+
+A promotion is journaled in the run's folder before its first rename, and
+the journal goes once the last is done. A kill in between leaves outputs
+half old, half new, and folders moved aside or copied half: `recover`
+(the step's next launch, under its lock, before anything reads them)
+finishes the promotion from the staged files, which stay until the last
+rename (a copy from another file system leaves them for teardown).
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import secrets
 import shutil
 from pathlib import Path
+
+from substrax_tasks._atomic import write_json_atomic
+
+JOURNAL = "promotion.json"
 
 
 def remove_path(path: Path) -> None:
@@ -48,7 +60,8 @@ def promote_one(staged: Path, final: Path) -> bool:
         finally:
             if beside.exists() or beside.is_symlink():
                 remove_path(beside)
-        remove_path(staged)
+        # `staged` stays (teardown removes it): a tree removed half, after a
+        # kill, would be promoted again by `recover` over the whole copy.
         return False
 
 
@@ -65,12 +78,38 @@ def _swap_dir(staged: Path, final: Path) -> None:
     remove_path(aside)
 
 
-def promote(staging_root: Path, project: Path, outputs: list[str]) -> bool:
+def promote(staging_root: Path, project: Path, outputs: list[str], journal: Path) -> bool:
     """Move each output from `staging_root/<out>` to `project/<out>`. True
     if every one was moved by renames alone, so the project holds the very
     files that were staged (and verified there)."""
+    write_json_atomic(journal, {"staging_root": str(staging_root), "project": str(project),
+                                "outputs": outputs})
     renamed = True
     for out in outputs:
         rel = out.rstrip("/")
         renamed = promote_one(staging_root / rel, project / rel) and renamed
+    journal.unlink()
     return renamed
+
+
+def recover(journal: Path) -> bool:
+    """Finish the promotion `journal` records, if a kill interrupted it:
+    each output still staged is promoted, and what the kill left beside the
+    outputs (an old version moved aside, a copy made half) is removed.
+    True if there was one to finish."""
+    try:
+        data = json.loads(journal.read_text())
+        staging_root, project, outputs = Path(data["staging_root"]), Path(data["project"]), data["outputs"]
+    except FileNotFoundError:
+        return False
+    for out in outputs:
+        rel = str(out).rstrip("/")
+        staged, final = staging_root / rel, project / rel
+        if staged.exists() or staged.is_symlink():
+            promote_one(staged, final)
+        beside = f".{final.name}.substrax-"  # moved aside ("old") or copied half ("in")
+        for left in final.parent.iterdir() if final.parent.is_dir() else []:
+            if left.name.startswith(beside):
+                remove_path(left)
+    journal.unlink()
+    return True

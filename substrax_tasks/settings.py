@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 
 # Fields some backends keep in a sub-table (a transport), so shared as types.
 NetworkIsolation = Annotated[bool, Field(description="Run the command with no network.")]
+# Local and ssh only: on SkyPilot a run's cluster and its GPUs are its own.
+HideGpus = Annotated[
+    bool,
+    Field(description='Steps that ask for no accelerators see no GPU (CUDA_VISIBLE_DEVICES="").'),
+]
 LifetimeMinutes = Annotated[
     float, Field(gt=0, description="No run (or cluster) outlives this: it is stopped and removed.")
 ]
@@ -118,6 +123,7 @@ class LocalSettings(BackendSettings):
     """`[tool.substrax.compute.backends.local]`"""
 
     network_isolation: NetworkIsolation = False
+    hide_gpus_when_unasked: HideGpus = False
 
     @property
     def network_isolated(self) -> bool:
@@ -142,6 +148,7 @@ class SshSettings(RemoteSettings):
     trust_new_host_key: bool = Field(False, description="Accept and save an unknown host key (first use).")
     lifetime_minutes: LifetimeMinutes = 120.0
     keep_remote: bool = Field(False, description="Keep the remote run folder after teardown.")
+    hide_gpus_when_unasked: HideGpus = False
     connect_timeout: float = Field(15.0, gt=0)
     copy_: SshCopySettings = Field(default_factory=SshCopySettings, alias="copy")
 

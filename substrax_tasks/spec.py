@@ -69,8 +69,9 @@ def canonical_digest(data: Any) -> str:
 
 # Backend settings that cannot change a step's outputs: left out of the
 # up-to-date key and of a run's digest, so adding or changing them reruns
-# nothing (the kept folders' contents are never read for the key either).
-NOT_IN_KEY = ("cache_dirs",)
+# nothing (the kept folders' contents are never read for the key either;
+# which GPUs a step sees is where it runs, as which host is).
+NOT_IN_KEY = ("cache_dirs", "hide_gpus_when_unasked")
 
 
 def settings_in_key(settings: dict[str, Any]) -> dict[str, Any]:

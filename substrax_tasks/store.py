@@ -113,13 +113,22 @@ class RunStore:
         from filelock import FileLock
 
         path = self.handle_path(handle.run_id)
-        with FileLock(path.with_name("handle.lock"), mode=0o600):
-            try:
-                current = _read(path).state
-            except HandleError:
-                current = {}
-            updated = handle.model_copy(update={"state": {**handle.state, **current, **changes}})
-            write_json_atomic(path, updated.model_dump(mode="json"))
+        gone = HandleError(
+            f"run {handle.run_id}: its folder {path.parent} was deleted; the run is lost "
+            f"(`doit {handle.step}` launches it again)"
+        )
+        if not path.parent.is_dir():  # the lock would wait for a folder that is gone
+            raise gone
+        try:
+            with FileLock(path.with_name("handle.lock"), mode=0o600):
+                try:
+                    current = _read(path).state
+                except HandleError:
+                    current = {}
+                updated = handle.model_copy(update={"state": {**handle.state, **current, **changes}})
+                write_json_atomic(path, updated.model_dump(mode="json"))
+        except FileNotFoundError:  # deleted meanwhile
+            raise gone from None
         return updated
 
     def read(self, run_ref: str) -> RunHandle:

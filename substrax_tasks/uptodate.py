@@ -93,12 +93,24 @@ class Step:
         return marshal.dumps(items, 2)
 
 
-def read_record(step: Step) -> dict[str, Any]:
+def read_record(step: Step, strict: bool = False) -> dict[str, Any]:
+    """The step's record ({} if none). `strict` (a launch): a damaged one
+    is an error, since the run it names may still be going."""
     try:
         data = json.loads(step.files.record.read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
-    return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        data = None
+    if isinstance(data, dict):
+        return data
+    if strict:
+        raise SubstraxError(
+            f"step {step.name!r}: its record {step.files.record} is damaged, so its last run is unknown "
+            "and may still be going. Stop any run of it still going (`substrax-compute status`, then "
+            f"`substrax-compute cancel RUN`), then remove {step.files.record} and run again"
+        )
+    return {}
 
 
 def write_record(step: Step, **changes: Any) -> None:

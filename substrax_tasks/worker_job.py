@@ -78,6 +78,7 @@ def build_job(
     cache_root: str | None = None,
     project_hidden: Sequence[str] = (),
     left_out: Sequence[str] = (),
+    gpus: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The job; `env_dir`: the environment built from the project's lock
     file, first on the task's PATH and readable in the sandbox;
@@ -85,7 +86,8 @@ def build_job(
     what a remote one gets, see project_view.py), `left_out`: those a
     failure names when its log mentions them;
     `cache_dirs` (validated "~/..." folders of the sandbox's home) are kept
-    across runs under `cache_root`, at the same paths below it."""
+    across runs under `cache_root`, at the same paths below it; `gpus`:
+    what the worker takes and shows the task (_gpus.job_gpus)."""
     job: dict[str, Any] = {
         "argv": list(spec.command),
         "cwd": paths.project,
@@ -109,6 +111,8 @@ def build_job(
         "project_hidden": list(project_hidden),
         "left_out": list(left_out),
     }
+    if gpus is not None:
+        job["gpus"] = gpus
     for folder in cache_dirs:
         if cache_root is None:
             raise ValueError("cache_dirs need a cache_root")
@@ -164,12 +168,13 @@ def status_from_record(record: dict[str, Any] | None, worker_alive: bool) -> Run
             started_at=record.get("started_at"),
             message="the worker stopped without recording an end (killed, or the machine restarted)",
         )
-    if state == "starting":
-        state = "pending"
+    if state == "starting":  # its worker is alive and will start it: never a second one
+        state = "running"
     return RunStatus(
         state,
         exit_code=record.get("exit_code"),
         started_at=record.get("started_at"),
         ended_at=record.get("ended_at"),
         message=record.get("message"),
+        gpus=record.get("gpus"),
     )

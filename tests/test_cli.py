@@ -107,7 +107,7 @@ def test_status_of_one_run_and_of_an_unknown_run(project: Project) -> None:
 def test_status_with_no_runs(project_dir: Path) -> None:
     done = cli(project_dir, "status", "--json")
     assert done.returncode == 0
-    assert json.loads(done.stdout) == {"runs": [], "unreadable": []}
+    assert json.loads(done.stdout) == {"runs": [], "unreadable": [], "leaked": []}
 
 
 def test_cancel_of_a_finished_run_says_so(project: Project) -> None:

@@ -36,7 +36,7 @@ BAD_CONFIGS = [
         '[tool.substrax.compute.backends.local]\nsandbx = "none"\n',
         [
             "unknown key 'sandbx' in [tool.substrax.compute.backends.local]",
-            "valid keys: cache_dirs, grace_seconds, network_isolation, sandbox",
+            "valid keys: cache_dirs, grace_seconds, hide_gpus_when_unasked, network_isolation, sandbox",
         ],
     ),
     (
@@ -153,7 +153,8 @@ def test_defaults_need_no_configuration(project_dir: Path) -> None:
     assert project.store.root == project_dir / ".substrax"
     name, settings = project.settings_for()
     assert name == "local"
-    assert settings == {"sandbox": "auto", "network_isolation": False, "grace_seconds": 5.0, "cache_dirs": []}
+    assert settings == {"sandbox": "auto", "network_isolation": False, "grace_seconds": 5.0, "cache_dirs": [],
+                        "hide_gpus_when_unasked": False}  # fmt: skip
 
 
 def test_configured_values_are_used(project_dir: Path) -> None:
@@ -164,7 +165,7 @@ def test_configured_values_are_used(project_dir: Path) -> None:
     )
     project = Project.open(project_dir)
     configured = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5,
-                  "cache_dirs": ["~/.cache/huggingface"]}  # fmt: skip
+                  "cache_dirs": ["~/.cache/huggingface"], "hide_gpus_when_unasked": False}  # fmt: skip
     assert project.settings_for() == ("local", configured)
     handle = project.submit(make_spec("configured", ["true"], project_dir))
     assert handle.settings == configured

@@ -47,7 +47,8 @@ def test_settings_stay_pinned_when_the_pyproject_changes(project_dir: Path, mark
     project = Project.open(project_dir)
     spec = make_spec("pinned", stubborn_tree(marker, "child"), project_dir, outputs=["out/"])
     handle = project.submit(spec)  # no override: the settings come from pyproject.toml
-    pinned = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5, "cache_dirs": []}
+    pinned = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5, "cache_dirs": [],
+              "hide_gpus_when_unasked": False}  # fmt: skip
     assert handle.settings == pinned
     task_ready, child_ready = ready_files(outputs_root(project, handle), "child")
     wait_for(lambda: task_ready.exists() and child_ready.exists(), "the task tree to start")
@@ -99,7 +100,8 @@ def test_handle_records_spec_settings_and_digest(project: Project) -> None:
     assert data["step"] == "record"
     assert data["backend"] == "local"
     assert data["settings"] == {
-        "sandbox": "none", "network_isolation": False, "grace_seconds": 5.0, "cache_dirs": []
+        "sandbox": "none", "network_isolation": False, "grace_seconds": 5.0, "cache_dirs": [],
+        "hide_gpus_when_unasked": False,
     }
     assert data["spec"]["command"] == ["sh", "-c", "true"]
     assert data["spec"]["outputs"] == ["out/"]
@@ -165,7 +167,7 @@ def test_status_lists_good_runs_and_names_unreadable_ones(project: Project) -> N
 
     code, data, _ = status_json(project.root)
     assert code == 1
-    assert set(data) == {"runs", "unreadable"}
+    assert set(data) == {"runs", "unreadable", "leaked"}
     assert [r["run_id"] for r in data["runs"]] == [h.run_id for h in good]
     for record in data["runs"]:
         assert {"run_id", "step", "backend", "state", "created_at"} <= set(record)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -524,3 +525,25 @@ def test_a_cluster_gone_under_a_killed_client_loses_the_run_and_the_rerun_launch
     lost = sky.compute("status", first["run_id"], "--json")
     assert json.loads(lost.stdout)["runs"][0]["state"] == "lost", lost.stdout
     assert sky.clusters() == []
+
+
+def test_status_shows_the_lifetime_left_and_a_cluster_no_handle_names_which_gc_leaves_alone(
+    sky: Sky, marker: str
+) -> None:
+    gate = sky.base / f"gate-{marker}"
+    sky.configure(sandbox="none")
+    body = GATED_STEP.format(gate=str(gate), marker=marker, resources={"cpus": 1})
+    write_ssh_dodo(sky.root, body, ["step"])
+    doit_killed_mid_run(sky.root, marker, env=sky.env)
+    (cluster,) = sky.clusters()
+    listed = json.loads(sky.compute("status", "--json").stdout)
+    (run,) = listed["runs"]
+    assert 0 < run["lifetime_left_seconds"] <= (10 - 1) * 60, run  # lifetime_minutes - idle_minutes
+    assert listed["leaked"] == []
+    shutil.rmtree(sky.root / ".substrax")  # no handle names the cluster: another project's, for all we know
+    listed = json.loads(sky.compute("status", "--json").stdout)
+    assert listed["leaked"] == [{"backend": "skypilot", "where": "SkyPilot", "name": cluster, "ours": False}]
+    done = sky.compute("gc", "--machines")
+    assert done.returncode == 0 and done.stdout == "", show(done)
+    assert sky.clusters() == [cluster]
+    gate.touch()  # the run ends; the fixture takes what is left down

@@ -13,7 +13,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, ClassVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -21,6 +21,9 @@ from substrax_tasks._signals import check_interrupted
 from substrax_tasks.errors import HandleError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.store import RunStore
+
+if TYPE_CHECKING:
+    from substrax_tasks.machines import Leak
 
 FINAL_STATES = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost"})
 LOG_POLL_SECONDS = 0.2
@@ -40,7 +43,8 @@ class RunStatus:
 
     state: pending (handle written, command not started), running,
     succeeded, failed, timed_out, cancelled, or lost (its worker vanished
-    without writing a final status).
+    without writing a final status). gpus: the ids of the GPUs the run was
+    given (held while it runs), on a backend that hands them out.
     """
 
     state: str
@@ -48,6 +52,7 @@ class RunStatus:
     started_at: str | None = None
     ended_at: str | None = None
     message: str | None = None
+    gpus: list[str] | None = None
 
     @property
     def final(self) -> bool:
@@ -106,6 +111,12 @@ class Backend(ABC):
                 f"{store.run_dir(handle.run_id)} to forget it"
             ) from None
         return cls(settings, store)
+
+    def leaks(self, project: str, handles: list[RunHandle]) -> list[Leak]:
+        """The run folders or clusters where this backend runs that no live
+        handle among `handles` accounts for (machines.py). Default: none,
+        nothing is left anywhere but here."""
+        return []
 
     # -- the chain, in order
     @abstractmethod
@@ -180,6 +191,7 @@ class Backend(ABC):
                 started_at=status.started_at,
                 ended_at=status.ended_at,
                 message=str(verdict.get("message", "")) or status.message,
+                gpus=status.gpus,
             )
         return status
 

@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from substrax_tasks import manifest_cache
+from substrax_tasks import _gpus, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._program import resolve_program
 from substrax_tasks._remote_files import control, env, remote_dir, remote_module
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
 from substrax_tasks.errors import BackendError
@@ -94,7 +95,14 @@ class LocalBackend(Backend):
             cache_root=str(self.store.home_cache),
             project_hidden=view.hidden,
             left_out=view.left_out,
+            gpus=_gpus.job_gpus(
+                handle.spec, self.settings.hide_gpus_when_unasked, remote_module("gpus").host_gpus,
+                # where ssh runs keep theirs by default: one holder per GPU of this machine
+                str(Path.home() / ".substrax-remote" / "gpus"), "this machine",
+            ),
         )
+        if self.settings.sandbox != "none":  # without one, the worker finds what doit would
+            resolve_program(job, {**os.environ, **handle.spec.env})
         write_json_atomic(Path(paths.job), job)
         return self.store.update_state(handle, phase="launched")
 
@@ -110,6 +118,8 @@ class LocalBackend(Backend):
             "sandbox": self.settings.sandbox,
         }
         code, problem = _SPAWNER.start(request)
+        if code == _gpus.WORKER_BUSY:
+            raise _gpus.busy(json.loads(Path(paths.job).read_text())["gpus"], "this machine")
         status = self.poll(handle)
         if code != 0 or status.state == "pending":
             tail = self.read_log(handle, 0)[-2000:].decode(errors="replace")
@@ -126,6 +136,8 @@ class LocalBackend(Backend):
         if record.get("damaged"):
             return damaged_status(record)
         if record.get("state") is None:
+            if not record.get("exists"):  # deleted by hand: nothing can record its end
+                return RunStatus("lost", message=deleted(self.store.run_dir(handle.run_id)))
             return RunStatus("pending")
         return status_from_record(record, worker_alive=bool(record.get("worker_alive")))
 
@@ -289,6 +301,11 @@ class Spawner:
 
 
 _SPAWNER = Spawner()
+
+
+def deleted(run_dir: Path) -> str:
+    return (f"its run folder {run_dir} was deleted while it went on (its worker stops the command "
+            "when it sees that)")
 
 
 def worker_environment() -> dict[str, str]:

@@ -20,6 +20,7 @@ import hashlib
 import re
 import shlex
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,14 +145,20 @@ def _sh(argv: list[str]) -> str:
     return shlex.join(argv)
 
 
+def lifetime_timer(settings: SkypilotSettings) -> dict[str, float]:
+    """The lifetime timer as the handle records it (as the ssh backend's):
+    armed now, ending in `seconds`. The run is stopped idle_minutes before
+    the lifetime ends, so that SkyPilot's autodown (armed at launch) has the
+    cluster gone by then."""
+    seconds = (settings.transport.lifetime_minutes - settings.idle_minutes) * 60  # > 0: checked
+    return {"armed_at": time.time(), "seconds": seconds}
+
+
 def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterLayout,
                  lock: str | None, env_dir: str | None) -> str:  # fmt: skip
     """Lifetime timer first (nothing outlives lifetime_minutes even if setup
     hangs), then the setup commands, then the locked environment."""
-    transport = settings.transport
-    # The run is stopped idle_minutes before the lifetime ends, so that
-    # SkyPilot's autodown (armed at launch) has the cluster gone by then.
-    seconds = (transport.lifetime_minutes - settings.idle_minutes) * 60  # > 0: checked with the settings
+    seconds = lifetime_timer(settings)["seconds"]
     watchdog = [
         settings.python,
         f"{layout.bin}/control.py",

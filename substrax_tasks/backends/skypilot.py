@@ -33,7 +33,6 @@ from substrax_tasks._output import emit
 from substrax_tasks._remote_files import remote_dir
 from substrax_tasks._sky import (
     CLUSTER_GONE,
-    NO_CLUSTER,
     REQUEST_LIVE,
     LogRelay,
     SkyCallError,
@@ -46,6 +45,7 @@ from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.backends.skypilot_settings import SkypilotSettings
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.machines import Leak, cluster_leaks
 from substrax_tasks.store import RunStore
 from substrax_tasks.transports.rsync import RsyncTransport
 
@@ -175,7 +175,8 @@ class SkypilotBackend(Backend):
         job_id = result.get("job_id") if isinstance(result, dict) else None
         if not isinstance(job_id, int):
             raise BackendError(f"run {handle.run_id}: SkyPilot launched {cluster} but submitted no job")
-        handle = self.store.update_state(handle, job_id=job_id)
+        timer = sky_task.lifetime_timer(self.settings)  # armed by the task's setup, before this
+        handle = self.store.update_state(handle, job_id=job_id, watchdog=timer)
         self._write_ssh_config(handle)
         return handle
 
@@ -258,9 +259,8 @@ class SkypilotBackend(Backend):
         state = self.sky().request_state(rid)
         if state in REQUEST_LIVE or state == "SUCCEEDED" or state is None:
             return RunStatus("pending", message=f"launch request {rid}: {state or 'unknown'}")
-        ended = RunStatus(
-            "cancelled" if state == "CANCELLED" else "failed", message=f"launch request {rid}: {state}"
-        )
+        verdict = "cancelled" if state == "CANCELLED" else "failed"
+        ended = RunStatus(verdict, message=f"launch request {rid}: {state}")
         self.store.update_state(handle, final_status=ended.__dict__)
         return ended
 
@@ -322,13 +322,15 @@ class SkypilotBackend(Backend):
     def _down(self, handle: RunHandle, failures: list[Exception]) -> bool:
         cluster = self.cluster(handle)
         try:
-            self.sky().call("down", {"cluster_name": cluster}, timeout=None)
+            self.sky().down(cluster)
         except SubstraxError as exc:
-            if not (isinstance(exc, SkyCallError) and exc.kind == NO_CLUSTER):
-                failures.append(BackendError(f"taking cluster {cluster} down: {exc}"))
-                return False
+            failures.append(BackendError(f"taking cluster {cluster} down: {exc}"))
+            return False
         self.target(handle).stop_master()
         return True
+
+    def leaks(self, project: str, handles: list[RunHandle]) -> list[Leak]:
+        return cluster_leaks(self, handles)
 
     # --------------------------------------------------------------- logs
     def read_log(self, handle: RunHandle, offset: int) -> bytes:

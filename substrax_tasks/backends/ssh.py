@@ -5,6 +5,7 @@ what it shares with the SkyPilot backend is in _remote_run.py. On the host,
 everything of a run lives in `<remote_root>/runs/<run-id>/`:
 
     job.json status.json run.log watchdog.json
+    from-<project>/ marks the folder as made for that project (gc --machines)
     manifest.json   the outputs' manifest, written by the worker as the command ended
     project/        the project's tracked files and the inputs (read-only to the task)
     work/outputs/   what the sandboxed task writes (the outputs' folders)
@@ -21,8 +22,9 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
+from substrax_tasks import _gpus
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
 from substrax_tasks._signals import check_interrupted
 from substrax_tasks._ssh import NoSession, SshConnection, connection
@@ -43,6 +45,17 @@ from substrax_tasks.worker_job import (
     status_from_record,
 )
 
+if TYPE_CHECKING:
+    from substrax_tasks.machines import Leak
+
+OWNER_MARK = "from-"
+# The absolute runs folder, then each run folder: "+name" marked as the
+# project's ($2), "-name" not. Nothing when there is no runs folder.
+LIST_RUNS = (
+    'cd && cd "$1" 2>/dev/null || exit 0; pwd; '
+    'for d in */; do [ -d "$d" ] || continue; d=${d%/}; '
+    'if [ -e "$d/$2" ]; then echo "+$d"; else echo "-$d"; fi; done'
+)
 
 class SetupFailed(SubstraxError):
     """A setup command failed: the step fails with its output (not retried)."""
@@ -79,15 +92,26 @@ class SshBackend(Backend):
         home = conn.check(["sh", "-c", 'printf %s "$HOME"'], "reading $HOME").text()
         remote_root = str(Path(home) / self.settings.remote_root)  # relative: to the home folder
         run_dir = f"{remote_root}/runs/{handle.run_id}"
-        conn.check(["mkdir", "-p", "-m", "700", f"{run_dir}/work/outputs", f"{run_dir}/project"], "mkdir")
         bin_dir = f"{remote_root}/bin-{_remote_run.scripts_digest()}"
         if conn.run(["test", "-f", f"{bin_dir}/.complete"]).returncode != 0:
             conn.check(["mkdir", "-p", "-m", "700", bin_dir], "mkdir")
             for name in REMOTE_SCRIPTS:
                 conn.write_bytes(f"{bin_dir}/{name}", remote_script(name).read_bytes(), mode=0o700)
             conn.write_bytes(f"{bin_dir}/.complete", b"")
+        run = RemoteRun(conn, self.settings.python, bin_dir, run_dir)
+        gpus = _gpus.job_gpus(
+            handle.spec, self.settings.hide_gpus_when_unasked,
+            lambda: run.answer(run.check(run.script("gpus.py"), "listing the GPUs"), "listing the GPUs"),
+            f"{remote_root}/gpus", self.settings.host,
+        )  # fmt: skip
+        # Only now: a step refused above leaves no folder on the host.
+        # `from-<project>` marks the folder as this project's (machines.py).
+        mark = f"{run_dir}/{OWNER_MARK}{project_key(str(handle.state.get('project')))}"
+        folders = [f"{run_dir}/work/outputs", f"{run_dir}/project", mark]
+        conn.check(["mkdir", "-p", "-m", "700", *folders], "mkdir")
         return self.store.update_state(
-            handle, remote_root=remote_root, remote_run_dir=run_dir, remote_bin=bin_dir, remote_home=home
+            handle, remote_root=remote_root, remote_run_dir=run_dir, remote_bin=bin_dir, remote_home=home,
+            gpus=gpus,
         )
 
     def setup(self, handle: RunHandle) -> RunHandle:
@@ -141,11 +165,14 @@ class SshBackend(Backend):
             cache_dirs=self.settings.cache_dirs,
             cache_root=cache_root,
             left_out=[str(p) for p in handle.state.get("left_out") or []],
+            gpus=handle.state.get("gpus"),
         )
         self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())
         secrets = forwarded_env(handle)
         argv = run.script("worker.py", paths.job, "--detach", *(["--env-stdin"] if secrets else []))
         result = self.conn.run(argv, stdin=json.dumps(secrets).encode() if secrets else None)
+        if result.returncode == _gpus.WORKER_BUSY:
+            raise _gpus.busy(job["gpus"], self.settings.host)
         if result.returncode != 0:
             raise BackendError(
                 f"run {handle.run_id}: the worker did not start on {self.settings.host}: "
@@ -284,6 +311,27 @@ class SshBackend(Backend):
             return bool(self.remote_run(handle).status().get("exists"))
         except BackendError:
             return False
+
+    def leaks(self, project: str, handles: list[RunHandle]) -> list[Leak]:
+        """Run folders under remote_root marked as this project's, or named
+        by one of its handles, that no live handle accounts for."""
+        from substrax_tasks.machines import Leak
+
+        live = {h.run_id for h in handles if not h.state.get("torn_down")}
+        known = {h.run_id for h in handles}
+        runs = f"{self.settings.remote_root}/runs"
+        listed = self.conn.check(["sh", "-c", LIST_RUNS, "sh", runs, OWNER_MARK + project_key(project)],
+                                 f"listing the run folders on {self.settings.host}").text().splitlines()
+        where = listed[0] if listed else ""  # absolute: remote_root may be relative to the home
+        bin_dir = f"{where.rsplit('/', 1)[0]}/bin-{_remote_run.scripts_digest()}"
+        leaks = []
+        for line in listed[1:]:
+            name, marked = line[1:], line.startswith("+")
+            if name not in live and (marked or name in known):
+                path = f"{where}/{name}"
+                run = RemoteRun(self.conn, self.settings.python, bin_dir, path)
+                leaks.append(Leak(self.name, self.settings.host, path, True, run.remove))  # as teardown
+        return leaks
 
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         # What a fetch left here (a copy refused, or the folders a promotion

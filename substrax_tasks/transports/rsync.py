@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
+from substrax_tasks._openssh import master_in_use
 from substrax_tasks._output import emit
 from substrax_tasks.errors import BackendError
 from substrax_tasks.transports.base import TransferStats, progress
@@ -29,7 +30,14 @@ READ_BLOCK = 1 << 16
 
 # What OpenSSH's multiplexing client says when the master it reached has
 # died under it; a new master then works where the old one cannot.
-DEAD_MASTER_SIGNS = ("read from master failed", "mux_client_request_session", "Control socket connect")
+# What rsync says when the master died under it: ssh's own words, or only
+# rsync's (exit 12 or 255, by which side noticed first).
+DEAD_MASTER_SIGNS = (
+    "read from master failed",
+    "mux_client_request_session",
+    "Control socket connect",
+    "connection unexpectedly closed",
+)
 
 
 def _number(text: str) -> int:
@@ -103,17 +111,19 @@ class RsyncTransport:
         tried once more on a new master (the master's own timeout, or a
         network gone for longer than it, ends a copy on it that way)."""
         shared = Path(self.target.control_path()).exists()
-        try:
+        with master_in_use(self.target.control_path()):  # no other teardown ends it meanwhile
+            try:
+                return self._rsync_once(argv, rel_paths, what)
+            except BackendError as exc:
+                # 255: ssh's own failure. Another cause of the same words
+                # (rsync missing on the host) fails the second try the same way.
+                said = str(exc)
+                if not shared or not (" (exit 255)" in said or any(s in said for s in DEAD_MASTER_SIGNS)):
+                    raise
+            emit(f"{what}: ssh's shared connection to {self.target.host} had died; again on a new one",
+                 err=True)
+            self.target.drop_master()
             return self._rsync_once(argv, rel_paths, what)
-        except BackendError as exc:
-            # 255: ssh's own failure, which a master dying mid-copy leaves
-            # without a word of its own (only rsync's "connection
-            # unexpectedly closed").
-            if not shared or not (" (exit 255)" in str(exc) or any(s in str(exc) for s in DEAD_MASTER_SIGNS)):
-                raise
-        emit(f"{what}: ssh's shared connection to {self.target.host} had died; again on a new one", err=True)
-        self.target.drop_master()
-        return self._rsync_once(argv, rel_paths, what)
 
     def _rsync_once(self, argv: list[str], rel_paths: list[str], what: str) -> tuple[TransferStats, str]:
         listing = b"".join(p.rstrip("/").encode() + b"\0" for p in rel_paths)

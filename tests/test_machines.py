@@ -1,0 +1,75 @@
+"""What may still hold a machine (issue 18, item 7): `status` shows the
+lifetime left of a run that holds one and the run folders no handle
+accounts for (leaked); `gc --machines` removes those, stopping what runs
+there, and leaves alone what is not provably this project's.
+
+A real sshd in a network namespace as a test user; real doit, killed (-9)
+mid-run; the store deleted by hand, as a leak happens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dodo_helpers import compute, pids_with, show, wait_for
+from ssh_helpers import (
+    GATED_STEP,
+    doit_killed_mid_run,
+    fresh_user,
+    make_ssh_project,
+    needs_root,
+    needs_sshd,
+    only_handle,
+    remote_run_dir,
+    ssh_host,
+)
+from testbeds.sshd_host import SshHost
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
+    with ssh_host(tmp_path_factory.mktemp("sshd-machines"), fresh_user()) as started:
+        yield started
+
+
+@needs_sshd
+@needs_root
+def test_status_shows_the_lifetime_left_and_the_leaked_folders_that_gc_machines_removes(
+    tmp_path: Path, host: SshHost, marker: str
+) -> None:
+    gate = host.scratch / f"gate-{tmp_path.name}"  # never made: the run goes on until stopped
+    body = GATED_STEP.format(gate=gate, marker=marker, resources="{}")
+    root = make_ssh_project(tmp_path, host, body, lifetime_minutes=10.0)
+    doit_killed_mid_run(root, marker)
+    run_dir = remote_run_dir(only_handle(root))
+
+    listed = compute(root, "status", "--json")
+    assert listed.returncode == 0, show(listed)
+    (run,) = json.loads(listed.stdout)["runs"]
+    assert 0 < run["lifetime_left_seconds"] <= 600, run
+    told = compute(root, "status")
+    holding = f"run {run['run_id']} may still hold a machine: its lifetime timer ends it in "
+    assert holding in told.stderr, show(told)
+
+    other = run_dir.parent / "another-projects-run"  # not marked as this project's
+    other.mkdir()
+    shutil.rmtree(root / ".substrax")  # the handle is gone; the run goes on there: leaked
+    leaked = compute(root, "status")
+    said = f"leaked run folder {run_dir} on {host.address}: no live handle accounts for it"
+    assert said in leaked.stderr and "another-projects-run" not in leaked.stderr, show(leaked)
+    assert json.loads(compute(root, "status", "--json").stdout)["leaked"] == [
+        {"backend": "ssh", "where": host.address, "name": str(run_dir), "ours": True}
+    ]
+
+    usage = compute(root, "gc")
+    assert usage.returncode == 2 and "--machines" in usage.stderr, show(usage)
+    removed = compute(root, "gc", "--machines")
+    assert removed.returncode == 0, show(removed)
+    assert f"removed {run_dir} on {host.address}" in removed.stdout
+    assert not run_dir.exists() and other.is_dir()
+    wait_for(lambda: not pids_with(marker), "the leaked run's command to be stopped")
+    assert "leaked" not in compute(root, "status").stderr

@@ -1,0 +1,59 @@
+"""`.substrax` deleted while a local run goes on (issue 18, item 8): doit
+does not wait for ever; the run is found lost, said so, and the next doit
+launches it anew. Real doit, real worker.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from dodo_helpers import (
+    doit,
+    handles,
+    make_project,
+    pids_with,
+    popen_doit,
+    popen_output,
+    show,
+    stop,
+    wait_for,
+)
+
+BODY = """
+def task_step():
+    yield from remote_step(
+        "step", outputs=["out.txt"],
+        command=["sh", "-c", "if [ -e slow ]; then sleep 60; fi; echo ok > out.txt", {marker!r}],
+    )
+"""
+
+
+def started(root: Path) -> bool:
+    return any(h["state"].get("phase") == "started" for h in handles(root))
+
+
+def test_deleting_the_store_mid_run_ends_doit_with_the_run_lost(tmp_path: Path, marker: str) -> None:
+    root = make_project(tmp_path, BODY.format(marker=marker), default_tasks=["step"], files={"slow": ""})
+    client = popen_doit(root)
+    try:
+        wait_for(lambda: pids_with(marker) and started(root), "the run to be followed")
+        store = root / ".substrax"
+        # as `rm -rf` would, again while doit writes in it meanwhile
+        def removed() -> bool:
+            shutil.rmtree(store, ignore_errors=True)
+            return not store.exists()
+
+        wait_for(removed, "the store to go")
+        code = client.wait(timeout=60)  # before the fix: no end (the run read as pending)
+    finally:
+        stop(client)
+    said = popen_output(root)
+    assert code == 1, said
+    assert "was deleted" in said and "Traceback" not in said, said
+    wait_for(lambda: not pids_with(marker), "the lost run's command to be stopped")
+
+    (root / "slow").unlink()
+    again = doit(root)
+    assert again.returncode == 0, show(again)
+    assert (root / "out.txt").read_text() == "ok\n"
