@@ -249,8 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.steps} steps, sandbox {args.sandbox!r}, {args.repeats} full runs per case, interleaved, "
           f"commands: {args.python or '/bin/sh'}")
     print(f"at the start: {load_average()}")
-    remote = write_project(scratch / "remote", REMOTE_DODO, args.steps, args.sandbox, args.python, git=args.git)
-    plain = write_project(scratch / "plain", PLAIN_DODO, args.steps, args.sandbox, args.python, git=args.git)
+    shape = (args.steps, args.sandbox, args.python)
+    remote = write_project(scratch / "remote", REMOTE_DODO, *shape, git=args.git)
+    plain = write_project(scratch / "plain", PLAIN_DODO, *shape, git=args.git)
     cases: list[Case] = [("remote", remote, None)]
     cases += [(f"code#{i + 1}", remote, c.resolve()) for i, c in enumerate(args.code)]
     cases.append(("plain", plain, None))
