@@ -198,6 +198,21 @@ def test_with_an_output_at_the_top_the_view_still_hides_what_git_does_not_track(
 
 
 @needs_bwrap
+def test_the_program_doit_would_run_from_a_hidden_project_venv_is_shown(tmp_path: Path) -> None:
+    """An activated .venv of the project (ignored by git, so hidden): the
+    program found on doit's PATH there is bound back, as from the home."""
+    body = one_step(command=["sxtool"], outputs=["out/"])
+    tool = "#!/bin/sh\necho from-the-venv > out/t.txt\n"
+    files = {".gitignore": ".venv/\n.substrax/\n", ".venv/bin/sxtool": tool}
+    root = make_project(tmp_path, body, ["step"], sandbox="bwrap", files=files)
+    (root / ".venv" / "bin" / "sxtool").chmod(0o755)
+    git(root, "init", "-q")
+    git(root, "add", "dodo.py", "pyproject.toml", ".gitignore")
+    doit_ok(root, env={"PATH": f"{root / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"})
+    assert (root / "out" / "t.txt").read_text() == "from-the-venv\n"
+
+
+@needs_bwrap
 def test_a_project_that_is_not_a_git_work_tree_is_seen_whole(tmp_path: Path) -> None:
     root = make_project(tmp_path, IMPORTS_HELPER, ["step"], sandbox="bwrap", files=PARITY_FILES)
     doit_ok(root)
