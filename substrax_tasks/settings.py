@@ -48,6 +48,11 @@ class BackendSettings(Strict):
     grace_seconds: float = Field(
         5.0, gt=0, description="Time between SIGTERM and SIGKILL when a run is stopped."
     )
+    pip_args: list[str] = Field(
+        default_factory=list,
+        description="Extra `pip install` arguments for the environment of a requirements lock, "
+        'as ["--no-index", "--find-links", "wheels/"] (relative to the project).',
+    )
     cache_dirs: list[str] = Field(
         default_factory=list,
         description="Folders of the sandbox's home kept across runs of the project, "
@@ -112,7 +117,6 @@ class RemoteSettings(BackendSettings):
     setup_commands: list[str] = Field(
         default_factory=list, description="Shell commands run before the environment is synced."
     )
-    pip_args: list[str] = Field(default_factory=list, description="Extra `pip install` arguments.")
 
 
 class LocalSettings(BackendSettings):
