@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     why.add_argument("step", help="the step's name, as given to remote_step()")
     why.add_argument("--dodo", metavar="FILE", help="the dodo file (default: dodo.py in the project)")
     why.set_defaults(func=cmd_why)
+    from substrax_tasks._cache_cli import add_commands
+
+    add_commands(commands)
     return parser
 
 
@@ -313,6 +316,13 @@ def cmd_why(project: Project, args: argparse.Namespace, out: Console, err: Conso
     out.print(f"{args.step}: not up to date", highlight=False)
     for reason in reasons:
         out.print(f"  - {escape(reason)}", highlight=False)
+    from substrax_tasks._cache_cli import run_cache
+    from substrax_tasks.uptodate import key_parts
+
+    found = run_cache(project).find(key_parts(driver.step)) if project.config.cache.enabled else None
+    if found:
+        said = f"  it would be restored from {found} (`doit {args.step} -a` runs it)"
+        out.print(escape(said), highlight=False)
     return 0
 
 

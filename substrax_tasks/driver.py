@@ -36,6 +36,7 @@ from substrax_tasks.uptodate import DOIT_VALUE, Step
 
 if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
     from substrax_tasks.backends.base import Backend, Fetched
+    from substrax_tasks.cache import Restored
     from substrax_tasks.config import ResolvedProject
     from substrax_tasks.handle import RunHandle
     from substrax_tasks.runs import Project
@@ -70,6 +71,8 @@ class StepDriver:
         self.state = RunState.IDLE
         self.handle: RunHandle | None = None
         self.fetched: Fetched | None = None
+        self.restored: Restored | None = None  # the outputs came from the run cache, not a run
+        self.parts: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._step_lock: StepLock | None = None
         self.pid = os.getpid()
@@ -170,10 +173,16 @@ class StepDriver:
                 f"secret(s) {', '.join(unset)} named in secrets=[...] are not set in this "
                 "environment; set them (their values are forwarded to the command, never stored)"
             )
-        parts = uptodate.key_parts(self.step)
+        self.parts = parts = uptodate.key_parts(self.step)
         key = uptodate.key(parts)
         handle = self._reusable_run(key)
         if handle is None:
+            from substrax_tasks._cache_driver import restore_for
+
+            self.restored = restore_for(self)
+            if self.restored is not None:  # no run: the later phases find no handle and pass
+                self.fetched = self.restored.fetched
+                return
             self._retire_unlaunched()
             handle = self.project.new_run(self.spec, self.step.backend)
             handle = self._save(handle, key=key, key_parts=parts, phase="created")
@@ -342,16 +351,17 @@ class StepDriver:
     def _promote(self) -> Any:
         from substrax_tasks.promote import promote  # not on a no-op's path
 
-        handle, fetched = self.handle, self.fetched
-        if handle is None or fetched is None:
+        handle, fetched, restored = self.handle, self.fetched, self.restored
+        if fetched is None or (handle is None and restored is None):
             return None  # no run driven here (a rerun that found nothing to do)
+        source = restored.label if restored is not None else f"run {cast('RunHandle', handle).run_id}"
         outputs = list(self.spec.outputs)
         digest = str(fetched.manifest["digest"])
         cache = self.step.files.outputs_cache
         problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, cache)
         if problems:
             return TaskFailed(
-                f"step {self.spec.step!r}: the fetched outputs of run {handle.run_id} do not match "
+                f"step {self.spec.step!r}: the fetched outputs of {source} do not match "
                 "its manifest; nothing was promoted:\n  " + "\n  ".join(problems)
             )
         renamed = False
@@ -360,24 +370,19 @@ class StepDriver:
                 renamed = promote(fetched.root, self.root, outputs)
             except OSError as exc:
                 return TaskFailed(
-                    f"step {self.spec.step!r}: could not move the outputs of run {handle.run_id} into "
-                    f"place ({exc}); the run is kept: fix that, then `doit {self.spec.step}` "
-                    "promotes them without running the command again"
+                    f"step {self.spec.step!r}: could not move the outputs of {source} into place "
+                    f"({exc}); fix that, then `doit {self.spec.step}` promotes them without running "
+                    "the command again"
                 )
         # Renames moved the very files just verified; a copy (another file
         # system) or outputs verified in place are checked where they stand.
         if not renamed and not manifest_cache.outputs_match(self.root, outputs, digest, cache):
             return TaskFailed(f"step {self.spec.step!r}: outputs changed while they were promoted")
-        self._save(handle, phase="promoted")
-        uptodate.write_record(self.step,
-            verified={
-                "run_id": handle.run_id,
-                "key": handle.state.get("key"),
-                "key_parts": handle.state.get("key_parts"),
-                "digest": digest,
-                "manifest_file": str(self._manifest_file(handle)),
-            }
-        )
+        if handle is not None:
+            self._save(handle, phase="promoted")
+        from substrax_tasks._cache_driver import record_of  # what the step record says of the outputs
+
+        uptodate.write_record(self.step, **record_of(self, digest))
         return None
 
     def _acknowledge(self, run_id: str) -> None:
@@ -404,6 +409,10 @@ class StepDriver:
         try:
             if self.handle is not None:
                 self._tear_down(was)
+            if self.restored is not None or (self.handle is not None and self.fetched is not None):
+                from substrax_tasks._cache_driver import keep_after  # a promoted run's outputs, kept
+
+                keep_after(self)
         finally:
             if self._step_lock is not None:
                 self._step_lock.release()

@@ -1,0 +1,84 @@
+"""The driver's use of the run cache (cache.py): restore before a launch,
+say in the step record where the outputs came from, keep a promoted run."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+from typing import TYPE_CHECKING, Any
+
+from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._output import emit
+from substrax_tasks.cache import Damaged, Restored, RunCache, cache_key
+from substrax_tasks.errors import BackendError
+from substrax_tasks.uptodate import key as uptodate_key
+
+if TYPE_CHECKING:
+    from substrax_tasks.driver import StepDriver
+
+
+def run_cache_of(driver: StepDriver) -> RunCache | None:
+    settings = driver.view.config().cache
+    return RunCache(settings, driver.root, driver.view.state_dir) if settings.enabled else None
+
+
+def restore_for(driver: StepDriver) -> Restored | None:
+    """The driver's step restored from the cache, unless `doit -a` asked
+    for a real run (which then replaces the entry)."""
+    run_cache = run_cache_of(driver)
+    if run_cache is None or doit_always():
+        return None
+    return run_cache.restore(driver.step, driver.parts)
+
+
+def record_of(driver: StepDriver, digest: str) -> dict[str, Any]:
+    """What the step record says of outputs just verified and promoted."""
+    handle, restored, parts = driver.handle, driver.restored, driver.parts
+    verified = {"key": uptodate_key(parts), "key_parts": parts, "digest": digest,
+                "cache_key": cache_key(parts, driver.view.config().cache.key_backend)}  # fmt: skip
+    if handle is not None:
+        manifest_file = driver.project.store.run_dir(handle.run_id) / "manifest.json"
+        return {"verified": {**verified, "run_id": handle.run_id, "manifest_file": str(manifest_file)}}
+    assert restored is not None
+    manifest_file = driver.step.files.record.with_suffix(".manifest.json")
+    manifest_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_json_atomic(manifest_file, restored.fetched.manifest, indent=None)
+    run_id = str(restored.provenance.get("run_id") or restored.key[:16])
+    verified.update(run_id=run_id, manifest_file=str(manifest_file), restored_from=restored.label,
+                    provenance=restored.provenance)
+    return {"run_id": run_id, "verified": verified}
+
+
+def keep_after(driver: StepDriver) -> None:
+    """At teardown, after the outputs are home: drop a restore's staging
+    folder, or keep a run just promoted as an entry (never delaying its
+    promotion). A failure to keep it is one line; the step is done."""
+    restored, handle = driver.restored, driver.handle
+    if restored is not None:
+        shutil.rmtree(restored.fetched.root, ignore_errors=True)
+        return
+    run_cache = run_cache_of(driver)
+    manifest = driver.fetched.manifest if driver.fetched is not None else None
+    if run_cache is None or handle is None or manifest is None or handle.state.get("phase") != "promoted":
+        return
+    host = handle.settings.get("host") or handle.state.get("cluster") or socket.gethostname()
+    provenance = {"run_id": handle.run_id, "backend": handle.backend, "host": str(host)}
+    try:
+        key = cache_key(driver.parts, run_cache.settings.key_backend)
+        run_cache.save(driver.step, key, manifest, provenance)
+    except (OSError, Damaged, BackendError) as exc:
+        emit(f"{driver.step.name}: could not keep run {handle.run_id} in the cache: {exc}", err=True)
+
+
+def doit_always() -> bool:
+    """Whether doit runs every task (`-a`): its runner, up the stack, says."""
+    from doit.runner import Runner
+
+    frame = sys._getframe(1)  # doit tells actions nothing of -a
+    while frame is not None:
+        runner = frame.f_locals.get("self")
+        if isinstance(runner, Runner):
+            return bool(runner.always_execute)
+        frame = frame.f_back  # type: ignore[assignment]
+    return False

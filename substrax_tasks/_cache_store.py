@@ -1,0 +1,223 @@
+"""Where cache entries live: a folder on this machine, or a shared store
+reached through fsspec, both laid out alike, plus the SSH signatures of
+entries.
+
+    entries/<key>.json       the entry: manifest, outputs, provenance
+    entries/<key>.json.sig   its signature (`ssh-keygen -Y sign`), if signed
+    objects/<ab>/<sha256>    file contents, by digest: shared by every entry
+
+An entry is written last, after every object it names: a store never holds
+an entry whose objects were not all written (an interrupted write leaves
+objects no entry names, which a trim removes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from substrax_tasks._atomic import write_bytes_atomic
+from substrax_tasks.errors import BackendError
+
+NAMESPACE = "substrax-cache"  # of the SSH signatures: a key's other signatures do not count
+UPLOADS = 8  # objects sent to a shared store at once: one request each
+
+
+def object_path(sha256: str) -> str:
+    return f"objects/{sha256[:2]}/{sha256}"
+
+
+def entry_path(key: str) -> str:
+    return f"entries/{key}.json"
+
+
+def copy_file(source: str, dest: str) -> None:
+    """Copy a file's bytes. copy_file_range shares the blocks where the file
+    system can (btrfs, XFS: a reflink); never a hard link, which an in-place
+    edit of an output would carry into the cache."""
+    with open(source, "rb") as src, open(dest, "wb") as dst:  # noqa: PTH123
+        left = os.fstat(src.fileno()).st_size
+        try:
+            while left > 0:
+                sent = os.copy_file_range(src.fileno(), dst.fileno(), left)
+                if sent == 0:
+                    break
+                left -= sent
+        except OSError:  # not supported here: a plain copy from where it stopped
+            shutil.copyfileobj(src, dst, 1 << 20)
+
+
+class Folder:
+    """A store on this machine (the local cache, mode 0700)."""
+
+    writable = True
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.name = str(root)
+
+    def read(self, rel: str) -> bytes | None:
+        try:
+            return (self.root / rel).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write(self, rel: str, data: bytes) -> None:
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_bytes_atomic(path, data)
+
+    def objects(self) -> set[str]:
+        found: set[str] = set()
+        for sub in _listdir(self.root / "objects"):
+            found.update(f"objects/{sub}/{name}" for name in _listdir(self.root / "objects" / sub))
+        return found
+
+    def get(self, pairs: list[tuple[str, Path, int]]) -> None:
+        """Copy objects to local paths: (object, dest, size) each."""
+        for rel, dest, _ in pairs:
+            try:
+                copy_file(str(self.root / rel), str(dest))
+            except FileNotFoundError as exc:
+                if exc.filename == str(self.root / rel):
+                    raise FileNotFoundError(f"object {rel} is missing") from None
+                raise
+
+    def put(self, pairs: list[tuple[Path, str]]) -> None:
+        """Copy local files in as objects, each whole or not at all."""
+        for source, rel in pairs:
+            final = self.root / rel
+            final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            part = final.with_name(f".{final.name}.{secrets.token_hex(4)}.part")
+            try:
+                copy_file(str(source), str(part))
+                part.replace(final)
+            finally:
+                part.unlink(missing_ok=True)
+
+    def remove(self, rel: str) -> None:
+        (self.root / rel).unlink(missing_ok=True)
+
+
+class Shared:
+    """A store any fsspec file system reaches (s3://, file://, ...); the
+    endpoint and credentials as the bucket transport takes them."""
+
+    def __init__(self, url: str, writable: bool) -> None:
+        from substrax_tasks.transports.bucket import BucketTransport
+
+        self.name = url.rstrip("/")
+        self.writable = writable
+        self.transport = BucketTransport(show_progress=False)
+        self._fs: Any = None
+        self._root = ""
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None:
+            self._fs, self._root = self.transport.filesystem(self.name)
+        return self._fs
+
+    def _path(self, rel: str) -> str:
+        self.fs  # noqa: B018 - sets _root
+        return f"{self._root}/{rel}"
+
+    def read(self, rel: str) -> bytes | None:
+        try:
+            return bytes(self.fs.cat_file(self._path(rel)))
+        except FileNotFoundError:
+            return None
+
+    def _parents(self, rels: list[str]) -> None:
+        """Folders for new objects (file://, unlike object stores, needs them)."""
+        for parent in sorted({self._path(rel).rsplit("/", 1)[0] for rel in rels}):
+            self.fs.makedirs(parent, exist_ok=True)
+
+    def write(self, rel: str, data: bytes) -> None:
+        self._parents([rel])
+        self.fs.pipe_file(self._path(rel), data)
+
+    def objects(self) -> set[str]:
+        try:
+            found = self.fs.find(self._path("objects"))
+        except FileNotFoundError:
+            return set()
+        cut = len(self._path(""))
+        return {str(name)[cut:] for name in found}
+
+    def get(self, pairs: list[tuple[str, Path, int]]) -> None:
+        from substrax_tasks.transports.bucket import _Copy  # its parallel, whole-or-nothing copies
+
+        copies = [_Copy(self._path(rel), str(dest), size) for rel, dest, size in pairs]
+        try:
+            self.transport._copy_all(self.fs, copies, lambda c: c.source, 0.0)
+        except BackendError as exc:
+            if "not found" in str(exc):
+                raise FileNotFoundError(str(exc)) from None
+            raise
+
+    def put(self, pairs: list[tuple[Path, str]]) -> None:
+        self._parents([rel for _, rel in pairs])
+        with ThreadPoolExecutor(max_workers=UPLOADS) as pool:
+            list(pool.map(lambda pair: self.fs.put_file(str(pair[0]), self._path(pair[1])), pairs))
+
+    def remove(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(rel))
+
+
+def _listdir(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)  # noqa: PTH208 - names, not paths
+    except FileNotFoundError:
+        return []
+
+
+# ------------------------------------------------------------------ signatures
+
+
+def sign(data: bytes, key_file: str) -> bytes:
+    """The SSH signature of `data` by `key_file` (the private key)."""
+    with tempfile.TemporaryDirectory(prefix="substrax-sign-") as folder:
+        path = Path(folder) / "entry"
+        path.write_bytes(data)
+        done = subprocess.run(
+            ["ssh-keygen", "-Y", "sign", "-q", "-f", key_file, "-n", NAMESPACE, str(path)],
+            capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        if done.returncode != 0:
+            said = done.stderr.strip()
+            raise BackendError(f"cannot sign cache entries with signing_key {key_file}: {said}")
+        return (Path(folder) / "entry.sig").read_bytes()
+
+
+def refused_signature(data: bytes, signature: bytes | None, allowed_signers: str) -> str | None:
+    """None if `signature` is a valid signature of `data` by a key listed in
+    `allowed_signers`; else why not, naming the signer."""
+    if signature is None:
+        return "it is not signed"
+    with tempfile.TemporaryDirectory(prefix="substrax-verify-") as folder:
+        sig = Path(folder) / "entry.sig"
+        sig.write_bytes(signature)
+
+        def keygen(*args: str) -> tuple[int, str]:
+            done = subprocess.run(["ssh-keygen", "-Y", *args], input=data, capture_output=True, check=False)
+            return done.returncode, (done.stdout + done.stderr).decode(errors="replace").strip()
+
+        code, found = keygen("find-principals", "-s", str(sig), "-f", allowed_signers)
+        principal = found.split("\n", 1)[0].strip()
+        if code != 0 or not principal:
+            code, seen = keygen("check-novalidate", "-n", NAMESPACE, "-s", str(sig))
+            key = seen.rsplit(" key ", 1)[-1] if code == 0 else f"an unreadable signature: {seen}"
+            return f"its signer ({key}) is not in allowed_signers {allowed_signers}"
+        code, said = keygen("verify", "-f", allowed_signers, "-I", principal, "-n", NAMESPACE, "-s", str(sig))
+        if code != 0:
+            return f"its signature by {principal} does not verify ({said})"
+    return None
