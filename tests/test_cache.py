@@ -10,20 +10,26 @@ import json
 import shutil
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import run_dir, submit, wait_final
 from dodo_helpers import (
     compute,
     doit_ok,
+    handles,
     make_project,
     run_count,
+    run_dirs,
     show,
     step_ran,
     tree_files,
     write_pyproject,
 )
 from s3_server import S3Server
+
+from substrax_tasks.runs import Project
 
 BODY = """
 def task_make():
@@ -132,7 +138,7 @@ def _edit_manifest(folder: Path) -> None:
     path.write_text(json.dumps(entry))
 
 
-TAMPERING = {
+TAMPERING: dict[str, Callable[[Path], object]] = {
     "object-changed": lambda f: _res_object(f).write_bytes(b"HELLO\nhello\n"),
     "object-removed": lambda f: _res_object(f).unlink(),
     "object-truncated": lambda f: _res_object(f).write_bytes(b"hello\n"),
@@ -249,3 +255,31 @@ def test_cache_forget_removes_the_entry_and_status_counts(tmp_path: Path) -> Non
     assert entries(tmp_path / "team-cache") == []
     shutil.rmtree(root / "out")
     assert not restored(doit_ok(root)) and run_count(root) == 2
+
+
+def test_gc_keeps_running_and_unfetched_runs_and_removes_what_dry_run_listed(tmp_path: Path) -> None:
+    root = project(tmp_path, "a", folder_cache(tmp_path))
+    doit_ok(root)
+    doit_ok(root, "-a", "make")  # the first run's manifest is now no step record's
+    api = Project.open(root)
+    running = submit(api, ["sh", "-c", "sleep 60"], step="slow")
+    unfetched = submit(api, ["sh", "-c", "mkdir -p res && echo x > res/f"], step="quick", outputs=["res/"])
+    wait_final(api, unfetched)
+    try:
+        kept = {d.name: sorted(p.name for p in d.iterdir()) for d in run_dirs(root)}
+        listed = compute(root, "gc", "--dry-run")
+        assert listed.returncode == 0, show(listed)
+        would = [line.removeprefix("would remove ") for line in listed.stdout.splitlines()]
+        assert would and all(running.run_id not in w and unfetched.run_id not in w for w in would), would
+        old = next(h for h in handles(root) if h["step"] == "make")["run_id"]
+        assert any(w.endswith(f"{old}/manifest.json") for w in would)
+        assert {d.name: sorted(p.name for p in d.iterdir()) for d in run_dirs(root)} == kept  # nothing went
+        done = compute(root, "gc")
+        assert [line.removeprefix("removed ") for line in done.stdout.splitlines()] == would, show(done)
+        for d in run_dirs(root):
+            assert (d / "handle.json").exists() and (d / "run.log").exists()
+        for handle in (running, unfetched):
+            assert sorted(p.name for p in run_dir(api, handle).iterdir()) == kept[handle.run_id]
+        assert "up to date" in compute(root, "why", "make").stdout
+    finally:
+        api.backend_for(running).cancel(running)
