@@ -19,6 +19,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -157,7 +158,7 @@ class Shared:
 
         copies = [_Copy(self._path(rel), str(dest), size) for rel, dest, size in pairs]
         try:
-            self.transport._copy_all(self.fs, copies, lambda c: c.source, 0.0)
+            self.transport._copy_all(self.fs, copies, lambda c: c.source, time.monotonic())
         except BackendError as exc:
             if "not found" in str(exc):
                 raise FileNotFoundError(str(exc)) from None
