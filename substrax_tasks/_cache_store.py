@@ -14,6 +14,7 @@ objects no entry names, which a trim removes).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
 import shutil
@@ -29,6 +30,13 @@ from substrax_tasks.errors import BackendError
 
 NAMESPACE = "substrax-cache"  # of the SSH signatures: a key's other signatures do not count
 UPLOADS = 8  # objects sent to a shared store at once: one request each
+BUFFER = 1 << 20  # one reused buffer per restore: no allocation per file
+
+# What a restore made of each file: its sha256 and stat, as the outputs'
+# hash cache keys it ([size, mtime_ns, ctime_ns, inode, device, sha256]).
+Made = dict[str, list[Any]]
+# Objects to restore: (object, destination, mode, size) each.
+Wanted = list[tuple[str, str, int, int]]
 
 
 def object_path(sha256: str) -> str:
@@ -53,6 +61,48 @@ def copy_file(source: str, dest: str) -> None:
                 left -= sent
         except OSError:  # not supported here: a plain copy from where it stopped
             shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def copy_hashed(source: str, dest: str, mode: int, buffer: bytearray) -> list[Any]:
+    """Copy `source` to the new file `dest` with `mode`, hashing the bytes
+    as they are written: each byte is read once, and its digest is known
+    before anything else reads the copy. The hash cache key of `dest`."""
+    sha = hashlib.sha256()
+    view = memoryview(buffer)
+    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            while size := os.readv(src, [buffer]):
+                sha.update(view[:size])
+                done = 0
+                while done < size:
+                    done += os.write(dst, view[done:size])
+            return _made(dst, mode, sha.hexdigest())
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def hash_in_place(path: str, mode: int, buffer: bytearray) -> list[Any]:
+    """The hash cache key of a file a download just wrote, with `mode`
+    (an object store keeps none)."""
+    sha = hashlib.sha256()
+    view = memoryview(buffer)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        while size := os.readv(fd, [buffer]):
+            sha.update(view[:size])
+        return _made(fd, mode, sha.hexdigest())
+    finally:
+        os.close(fd)
+
+
+def _made(fd: int, mode: int, digest: str) -> list[Any]:
+    os.fchmod(fd, mode)  # last: the stat below is the file's final one
+    st = os.fstat(fd)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, digest]
 
 
 class Folder:
@@ -81,15 +131,17 @@ class Folder:
             found.update(f"objects/{sub}/{name}" for name in _listdir(self.root / "objects" / sub))
         return found
 
-    def get(self, pairs: list[tuple[str, Path, int]]) -> None:
-        """Copy objects to local paths: (object, dest, size) each."""
-        for rel, dest, _ in pairs:
+    def get(self, wanted: Wanted) -> Made:
+        """Copy objects to new files, hashed on the way; by destination."""
+        buffer, root, made = bytearray(BUFFER), f"{self.root}/", {}
+        for rel, dest, mode, _ in wanted:
             try:
-                copy_file(str(self.root / rel), str(dest))
+                made[dest] = copy_hashed(root + rel, dest, mode, buffer)
             except FileNotFoundError as exc:
-                if exc.filename == str(self.root / rel):
+                if exc.filename == root + rel:
                     raise FileNotFoundError(f"object {rel} is missing") from None
                 raise
+        return made
 
     def put(self, pairs: list[tuple[Path, str]]) -> None:
         """Copy local files in as objects, each whole or not at all."""
@@ -153,16 +205,20 @@ class Shared:
         cut = len(self._path(""))
         return {str(name)[cut:] for name in found}
 
-    def get(self, pairs: list[tuple[str, Path, int]]) -> None:
-        from substrax_tasks.transports.bucket import _Copy  # its parallel, whole-or-nothing copies
+    def get(self, wanted: Wanted) -> Made:
+        """Download objects (the bucket transport's parallel, whole-or-nothing
+        copies), then hash each copy; by destination."""
+        from substrax_tasks.transports.bucket import _Copy
 
-        copies = [_Copy(self._path(rel), str(dest), size) for rel, dest, size in pairs]
+        copies = [_Copy(self._path(rel), dest, size) for rel, dest, _, size in wanted]
         try:
             self.transport._copy_all(self.fs, copies, lambda c: c.source, time.monotonic())
         except BackendError as exc:
             if "not found" in str(exc):
                 raise FileNotFoundError(str(exc)) from None
             raise
+        buffer = bytearray(BUFFER)
+        return {dest: hash_in_place(dest, mode, buffer) for _, dest, mode, _ in wanted}
 
     def put(self, pairs: list[tuple[Path, str]]) -> None:
         self._parents([rel for _, rel in pairs])

@@ -33,6 +33,7 @@ from substrax_tasks.backends.base import Fetched
 from substrax_tasks.spec import canonical_digest, safe_name
 
 if TYPE_CHECKING:
+    from substrax_tasks.manifest_cache import CacheEntries
     from substrax_tasks.settings import CacheSettings
     from substrax_tasks.uptodate import Step
 
@@ -147,7 +148,13 @@ class RunCache:
         try:
             entry = _parsed(data, key)
             manifest = entry["manifest"]
-            _materialize(store, manifest, staging)
+            # The copies' digests, taken as they were written, fill the
+            # outputs' hash cache: verifying them (here and at promotion)
+            # then reads no byte again, only checks each copy's stat.
+            hash_cache = manifest_cache.HashCache.load(step.files.outputs_cache)
+            for rel, cache_entry in _materialize(store, manifest, staging).items():
+                hash_cache.entries[rel] = cache_entry
+            hash_cache.save()
             problems = manifest_cache.verify_outputs(staging, list(step.spec.outputs), manifest,
                                                      step.files.outputs_cache)  # fmt: skip
             if problems:
@@ -352,28 +359,34 @@ def _files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in manifest["entries"] if e.get("type") == "file"]
 
 
-def _materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path) -> None:
+def _materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path) -> CacheEntries:
     """The manifest's tree under `staging`, contents from the store's
-    objects. Symlinks come last, so no write can go through one."""
-    from substrax_tasks.transports.bucket import _apply_modes
-
+    objects, each hashed as it is copied; the copies' hash cache entries,
+    by path. Symlinks come last, so no write can go through one, and the
+    folders' modes after the files, so none blocks a write."""
     staging.mkdir(parents=True, mode=0o700)
-    pairs: list[tuple[str, Path, int]] = []
-    links = []
+    base = f"{staging}/"
+    wanted, links, folders, made = [], [], [], {str(staging)}
     for item in manifest["entries"]:
-        path = staging / item["path"]
-        kind = item.get("type")
+        path, kind = base + item["path"], item.get("type")
+        folder = path if kind == "dir" else os.path.dirname(path)  # noqa: PTH120
+        if folder not in made:  # made once, not once per file
+            os.makedirs(folder, exist_ok=True)  # noqa: PTH103
+            made.add(folder)
         if kind == "dir":
-            path.mkdir(parents=True, exist_ok=True)
+            folders.append((path, item.get("mode")))
         elif kind == "file":
-            path.parent.mkdir(parents=True, exist_ok=True)
-            pairs.append((object_path(item["sha256"]), path, int(item.get("size") or 0)))
+            mode = item.get("mode")
+            wanted.append((object_path(item["sha256"]), path, mode if isinstance(mode, int) else 0o644,
+                           int(item.get("size") or 0)))  # fmt: skip
         elif kind == "symlink" and isinstance(item.get("target"), str):
             links.append((item["target"], path))
         else:
             raise Damaged(f"its manifest lists {item['path']} of type {kind!r}")
-    store.get(pairs)
+    copies = store.get(wanted)
     for target, path in links:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.symlink_to(target)
-    _apply_modes(staging, manifest)
+        os.symlink(target, path)  # noqa: PTH211
+    for path, mode in reversed(folders):  # the deepest first
+        if isinstance(mode, int):
+            os.chmod(path, mode)  # noqa: PTH101
+    return {dest[len(base):]: key for dest, key in copies.items()}
