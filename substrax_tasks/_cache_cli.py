@@ -44,10 +44,23 @@ def add_commands(commands: Any) -> None:
         description="Remove what finished runs no longer need from the store (staging folders, "
         "fetched copies, manifests no step record points to), keeping each run's handle, status "
         "and logs; never touches a run still going or whose outputs are not home yet. Then trim "
-        "the local cache to max_size. --dry-run lists what would go.",
+        "the local cache to max_size (and, with --older-than, drop its entries not used for that "
+        "many days). --dry-run lists what would go.",
     )
     gc.add_argument("--dry-run", "-n", action="store_true", help="list what would be removed; remove nothing")
+    gc.add_argument("--older-than", metavar="DAYS", type=_days, default=None,
+                    help="also remove local cache entries not restored or stored for DAYS days")  # fmt: skip
     gc.set_defaults(func=cmd_gc)
+
+
+def _days(text: str) -> float:
+    try:
+        days = float(text)
+    except ValueError:
+        days = -1.0
+    if not days >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of days (e.g. 30, or 0.5)")
+    return days
 
 
 def run_cache(project: Project) -> RunCache:
@@ -128,7 +141,7 @@ def cmd_gc(project: Project, args: argparse.Namespace, out: Console, err: Consol
         out.print(f"{verb} {escape(str(path))}", highlight=False)
         if not args.dry_run:
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
-    for what in run_cache(project).trim(dry_run=args.dry_run):
+    for what in run_cache(project).trim(dry_run=args.dry_run, older_than_days=args.older_than):
         out.print(f"{verb} cache {escape(what)}", highlight=False)
     return 0
 

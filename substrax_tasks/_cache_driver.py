@@ -54,11 +54,15 @@ def keep_after(driver: StepDriver) -> None:
     """At teardown, after the outputs are home: drop a restore's staging
     folder, or keep a run just promoted as an entry (never delaying its
     promotion). A failure to keep it is one line; the step is done."""
-    restored, handle = driver.restored, driver.handle
+    restored, handle, run_cache = driver.restored, driver.handle, run_cache_of(driver)
     if restored is not None:
         shutil.rmtree(restored.fetched.root, ignore_errors=True)
+        if run_cache is not None and restored.shared is not None:
+            try:
+                run_cache.adopt(driver.step, restored)
+            except (OSError, Damaged) as exc:
+                emit(f"{driver.step.name}: could not keep {restored.label} locally: {exc}", err=True)
         return
-    run_cache = run_cache_of(driver)
     manifest = driver.fetched.manifest if driver.fetched is not None else None
     if run_cache is None or handle is None or manifest is None or handle.state.get("phase") != "promoted":
         return

@@ -54,6 +54,7 @@ class Restored:
     key: str
     label: str
     provenance: dict[str, Any]
+    shared: tuple[bytes, bytes | None] | None = None  # from the shared store: the entry and its signature
 
 
 def cache_key(parts: dict[str, Any], key_backend: bool) -> str:
@@ -137,9 +138,9 @@ class RunCache:
         if marker.exists():
             emit(f"{step.name}: skipping {label}, found damaged before; the step runs")
             return None
-        signers = self.signers
-        if signers and store is self.shared:
-            why = refused_signature(data, store.read(entry_path(key) + ".sig"), signers)
+        signature = store.read(entry_path(key) + ".sig") if store is self.shared else None
+        if self.signers and store is self.shared:
+            why = refused_signature(data, signature, self.signers)
             if why:
                 emit(f"{step.name}: refused {label}: {why}; the step runs")
                 return None
@@ -173,7 +174,8 @@ class RunCache:
         prov = entry.get("provenance") or {}
         emit(f"{step.name}: restored from {label}: run {prov.get('run_id')} on {prov.get('backend')} "
              f"({prov.get('host')}, {prov.get('time')}); nothing launched")  # fmt: skip
-        return Restored(Fetched(staging, manifest), key, label, prov)
+        shared = (data, signature) if store is self.shared else None
+        return Restored(Fetched(staging, manifest), key, label, prov, shared)
 
     def _condemn(self, store: Folder | Shared, key: str, marker: Path, staging: Path, manifest: Any) -> None:
         """Skip a damaged entry from now on; a store we may write also
@@ -211,11 +213,37 @@ class RunCache:
         """Keep the promoted outputs of a run as the entry `key`: locally,
         and in the shared store in readwrite mode. Outputs changed since
         they were verified are not kept."""
+        if not self._keep_objects(step, manifest):
+            return
+        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        entry = {"version": ENTRY_VERSION, "key": key, "step": step.name, "outputs": list(step.spec.outputs),
+                 "manifest": manifest, "provenance": {**provenance, "time": stamp,
+                                                      "client": socket.gethostname(),
+                                                      "tool_version": __version__}}  # fmt: skip
+        data = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
+        self._write_local(key, data, sign(data, self.signing_key) if self.signing_key else None)
+        if self.shared is not None and self.shared.writable and self.shared.name not in _UNREACHABLE:
+            try:
+                self.push(key)
+            except Exception as exc:  # noqa: BLE001 - the outputs are home; the store can wait
+                self._unreachable(self.shared, exc)
+        self.trim()
+
+    def adopt(self, step: Step, restored: Restored) -> None:
+        """Keep a hit from the shared store in the local folder too, entry
+        and signature as they came: the next restore here reads no network."""
+        if restored.shared is not None and self._keep_objects(step, restored.fetched.manifest):
+            self._write_local(restored.key, *restored.shared)
+            self.trim()
+
+    def _keep_objects(self, step: Step, manifest: dict[str, Any]) -> bool:
+        """Copy the promoted outputs the local folder lacks in as objects;
+        False (nothing kept) if they changed since they were verified."""
         root, outputs, cache_file = step.root, list(step.spec.outputs), step.files.outputs_cache
         digest = str(manifest["digest"])
         if not manifest_cache.outputs_match(root, outputs, digest, cache_file):
             emit(f"{step.name}: outputs changed since they were verified; not kept in the cache")
-            return
+            return False
         present = self.local.objects()
         pairs = {object_path(e["sha256"]): root / e["path"] for e in _files(manifest)}
         new = [(source, rel) for rel, source in pairs.items() if rel not in present]
@@ -224,24 +252,15 @@ class RunCache:
             for _, rel in new:
                 self.local.remove(rel)
             emit(f"{step.name}: outputs changed while they were kept; not kept in the cache")
-            return
-        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        entry = {"version": ENTRY_VERSION, "key": key, "step": step.name, "outputs": outputs,
-                 "manifest": manifest, "provenance": {**provenance, "time": stamp,
-                                                      "client": socket.gethostname(),
-                                                      "tool_version": __version__}}  # fmt: skip
-        data = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
-        if self.signing_key:
-            self.local.write(entry_path(key) + ".sig", sign(data, self.signing_key))
+            return False
+        return True
+
+    def _write_local(self, key: str, data: bytes, signature: bytes | None) -> None:
+        if signature is not None:
+            self.local.write(entry_path(key) + ".sig", signature)
         else:
             self.local.remove(entry_path(key) + ".sig")
-        self.local.write(entry_path(key), data)
-        if self.shared is not None and self.shared.writable and self.shared.name not in _UNREACHABLE:
-            try:
-                self.push(key)
-            except Exception as exc:  # noqa: BLE001 - the outputs are home; the store can wait
-                self._unreachable(self.shared, exc)
-        self.trim()
+        self.local.write(entry_path(key), data)  # last: its objects are all in
 
     def push(self, key: str) -> int:
         """Upload the local entry `key` and the objects the shared store
@@ -290,12 +309,14 @@ class RunCache:
             objects[rel] = (st.st_size, st.st_mtime)
         return sorted(entries), objects
 
-    def trim(self, dry_run: bool = False) -> list[str]:
-        """Remove the oldest local entries until the objects fit in
-        max_size, and objects no entry names; what was (or would be) removed."""
+    def trim(self, dry_run: bool = False, older_than_days: float | None = None) -> list[str]:
+        """Remove the local entries last used more than `older_than_days`
+        ago, then the oldest until the objects fit in max_size, and objects
+        no entry names; what was (or would be) removed."""
         import time
 
         entries, objects = self.usage()
+        cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else 0.0
         named: dict[str, int] = {}
         for _, _, names in entries:
             for rel in names:
@@ -304,8 +325,8 @@ class RunCache:
         dropped = [rel for rel, (_, mtime) in objects.items() if rel not in named and mtime < young]
         total = sum(size for rel, (size, _) in objects.items() if rel in named)
         removed = [f"object {rel} (named by no entry)" for rel in dropped]
-        for _, key, names in entries:
-            if total <= self.settings.max_bytes:
+        for used, key, names in entries:
+            if total <= self.settings.max_bytes and used >= cutoff:
                 break
             removed.append(f"entry {key[:16]}")
             if not dry_run:

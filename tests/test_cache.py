@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -204,6 +205,14 @@ def test_two_clones_share_an_s3_store(s3_env: S3Server, tmp_path: Path) -> None:
     assert tree_files(second / "out") == tree_files(first / "out")
     status = compute(second, "cache", "status")
     assert "this project: 1 hits, 0 misses" in status.stdout, show(status)
+    # the hit filled b's local folder, entry as it came: a third clone on it
+    # restores with the store unreachable
+    came = [p.read_bytes() for p in entries(tmp_path / "cache-a")]
+    assert [p.read_bytes() for p in entries(tmp_path / "cache-b")] == came
+    third = project(tmp_path, "c", f'path = "{tmp_path}/cache-b"\nshared = "s3://{s3_env.bucket}/dead"\n')
+    done = doit_ok(third, env={"AWS_ENDPOINT_URL": _dead_endpoint(), "AWS_MAX_ATTEMPTS": "1"})
+    assert "restored from cache entry" in done.stdout and f"{tmp_path}/cache-b" in done.stdout, show(done)
+    assert tree_files(third / "out") == tree_files(first / "out")
 
 
 def _keypair(folder: Path, name: str) -> Path:
@@ -283,3 +292,22 @@ def test_gc_keeps_running_and_unfetched_runs_and_removes_what_dry_run_listed(tmp
         assert "up to date" in compute(root, "why", "make").stdout
     finally:
         api.backend_for(running).cancel(running)
+
+
+def test_gc_older_than_drops_entries_not_used_for_that_long(tmp_path: Path) -> None:
+    root = project(tmp_path, "a", folder_cache(tmp_path))
+    doit_ok(root)
+    (entry,) = entries(tmp_path / "team-cache")
+    objects = sorted((tmp_path / "team-cache" / "objects").rglob("*"))
+    kept = compute(root, "gc", "--older-than", "1")
+    assert kept.returncode == 0 and "cache entry" not in kept.stdout, show(kept)  # used just now
+    month_ago = entry.stat().st_mtime - 31 * 86400
+    os.utime(entry, (month_ago, month_ago))
+    listed = compute(root, "gc", "--older-than", "30", "--dry-run")
+    assert f"would remove cache entry {entry.stem[:16]}" in listed.stdout, show(listed)
+    assert entry.exists()
+    done = compute(root, "gc", "--older-than", "30")
+    assert f"removed cache entry {entry.stem[:16]}" in done.stdout, show(done)
+    assert not entry.exists() and not any(p.is_file() for p in objects if p.exists())
+    bad = compute(root, "gc", "--older-than", "soon")
+    assert bad.returncode == 2 and "'soon' is not a number of days" in bad.stderr, show(bad)
