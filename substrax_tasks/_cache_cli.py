@@ -12,7 +12,8 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from substrax_tasks.cache import ORPHAN_SECONDS, Damaged, RunCache
+from substrax_tasks._cache_store import Damaged
+from substrax_tasks.cache import ORPHAN_SECONDS, RunCache
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.runs import Project
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import shutil
 import socket
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._cache_store import Damaged
 from substrax_tasks._output import emit
-from substrax_tasks.cache import Damaged, Restored, RunCache, cache_key
+from substrax_tasks.cache import RunCache, cache_key
 from substrax_tasks.errors import BackendError
-from substrax_tasks.uptodate import key as uptodate_key
 
 if TYPE_CHECKING:
     from substrax_tasks.driver import StepDriver
@@ -23,31 +22,17 @@ def run_cache_of(driver: StepDriver) -> RunCache | None:
     return RunCache(settings, driver.root, driver.view.state_dir) if settings.enabled else None
 
 
-def restore_for(driver: StepDriver) -> Restored | None:
-    """The driver's step restored from the cache, unless `doit -a` asked
-    for a real run (which then replaces the entry)."""
+def restored_from_cache(driver: StepDriver) -> bool:
+    """Whether the driver's step was restored from the cache (its outputs
+    staged and verified, to be promoted), unless `doit -a` asked for a real
+    run (which then replaces the entry)."""
     run_cache = run_cache_of(driver)
     if run_cache is None or doit_always():
-        return None
-    return run_cache.restore(driver.step, driver.parts)
-
-
-def record_of(driver: StepDriver, digest: str) -> dict[str, Any]:
-    """What the step record says of outputs just verified and promoted."""
-    handle, restored, parts = driver.handle, driver.restored, driver.parts
-    verified = {"key": uptodate_key(parts), "key_parts": parts, "digest": digest,
-                "cache_key": cache_key(parts, driver.view.config().cache.key_backend)}  # fmt: skip
-    if handle is not None:
-        manifest_file = driver.project.store.run_dir(handle.run_id) / "manifest.json"
-        return {"verified": {**verified, "run_id": handle.run_id, "manifest_file": str(manifest_file)}}
-    assert restored is not None
-    manifest_file = driver.step.files.record.with_suffix(".manifest.json")
-    manifest_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    write_json_atomic(manifest_file, restored.fetched.manifest, indent=None)
-    run_id = str(restored.provenance.get("run_id") or restored.key[:16])
-    verified.update(run_id=run_id, manifest_file=str(manifest_file), restored_from=restored.label,
-                    provenance=restored.provenance)
-    return {"run_id": run_id, "verified": verified}
+        return False
+    driver.restored = run_cache.restore(driver.step, driver.parts)
+    if driver.restored is not None:
+        driver.fetched = driver.restored.fetched
+    return driver.restored is not None
 
 
 def keep_after(driver: StepDriver) -> None:

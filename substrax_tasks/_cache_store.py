@@ -23,10 +23,14 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from substrax_tasks._atomic import write_bytes_atomic
 from substrax_tasks.errors import BackendError
+
+if TYPE_CHECKING:
+    from substrax_tasks.manifest_cache import CacheEntries
+from substrax_tasks.manifest_cache import CacheEntries
 
 NAMESPACE = "substrax-cache"  # of the SSH signatures: a key's other signatures do not count
 UPLOADS = 8  # objects sent to a shared store at once: one request each
@@ -61,6 +65,43 @@ def copy_file(source: str, dest: str) -> None:
                 left -= sent
         except OSError:  # not supported here: a plain copy from where it stopped
             shutil.copyfileobj(src, dst, 1 << 20)
+
+
+class Damaged(Exception):
+    """An entry that must not be promoted; the message says why."""
+
+
+def materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path) -> CacheEntries:
+    """The manifest's tree under `staging`, contents from the store's
+    objects, each hashed as it is copied; the copies' hash cache entries,
+    by path. Symlinks come last, so no write can go through one, and the
+    folders' modes after the files, so none blocks a write."""
+    staging.mkdir(parents=True, mode=0o700)
+    base = f"{staging}/"
+    wanted, links, folders, made = [], [], [], {str(staging)}
+    for item in manifest["entries"]:
+        path, kind = base + item["path"], item.get("type")
+        folder = path if kind == "dir" else os.path.dirname(path)  # noqa: PTH120
+        if folder not in made:  # made once, not once per file
+            os.makedirs(folder, exist_ok=True)  # noqa: PTH103
+            made.add(folder)
+        if kind == "dir":
+            folders.append((path, item.get("mode")))
+        elif kind == "file":
+            mode = item.get("mode")
+            wanted.append((object_path(item["sha256"]), path, mode if isinstance(mode, int) else 0o644,
+                           int(item.get("size") or 0)))  # fmt: skip
+        elif kind == "symlink" and isinstance(item.get("target"), str):
+            links.append((item["target"], path))
+        else:
+            raise Damaged(f"its manifest lists {item['path']} of type {kind!r}")
+    copies = store.get(wanted)
+    for target, path in links:
+        os.symlink(target, path)  # noqa: PTH211
+    for path, mode in reversed(folders):  # the deepest first
+        if isinstance(mode, int):
+            os.chmod(path, mode)  # noqa: PTH101
+    return {dest[len(base):]: key for dest, key in copies.items()}
 
 
 def copy_hashed(source: str, dest: str, mode: int, buffer: bytearray) -> list[Any]:

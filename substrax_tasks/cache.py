@@ -27,13 +27,21 @@ from typing import TYPE_CHECKING, Any
 
 from substrax_tasks import __version__, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks._cache_store import Folder, Shared, entry_path, object_path, refused_signature, sign
+from substrax_tasks._cache_store import (
+    Damaged,
+    Folder,
+    Shared,
+    entry_path,
+    materialize,
+    object_path,
+    refused_signature,
+    sign,
+)
 from substrax_tasks._output import emit
 from substrax_tasks.backends.base import Fetched
 from substrax_tasks.spec import canonical_digest, safe_name
 
 if TYPE_CHECKING:
-    from substrax_tasks.manifest_cache import CacheEntries
     from substrax_tasks.settings import CacheSettings
     from substrax_tasks.uptodate import Step
 
@@ -42,10 +50,6 @@ WHERE_IT_RAN = ("backend", "settings")  # left out of the key unless key_backend
 ORPHAN_SECONDS = 3600  # objects no entry names yet may belong to a store in progress
 _UNREACHABLE: set[str] = set()  # shared stores that failed in this process: warned once
 _STATS_LOCK = threading.Lock()
-
-
-class Damaged(Exception):
-    """An entry that must not be promoted; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,7 @@ class RunCache:
             # outputs' hash cache: verifying them (here and at promotion)
             # then reads no byte again, only checks each copy's stat.
             hash_cache = manifest_cache.HashCache.load(step.files.outputs_cache)
-            for rel, cache_entry in _materialize(store, manifest, staging).items():
+            for rel, cache_entry in materialize(store, manifest, staging).items():
                 hash_cache.entries[rel] = cache_entry
             hash_cache.save()
             problems = manifest_cache.verify_outputs(staging, list(step.spec.outputs), manifest,
@@ -378,36 +382,3 @@ def _is_digest(value: object) -> bool:
 
 def _files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in manifest["entries"] if e.get("type") == "file"]
-
-
-def _materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path) -> CacheEntries:
-    """The manifest's tree under `staging`, contents from the store's
-    objects, each hashed as it is copied; the copies' hash cache entries,
-    by path. Symlinks come last, so no write can go through one, and the
-    folders' modes after the files, so none blocks a write."""
-    staging.mkdir(parents=True, mode=0o700)
-    base = f"{staging}/"
-    wanted, links, folders, made = [], [], [], {str(staging)}
-    for item in manifest["entries"]:
-        path, kind = base + item["path"], item.get("type")
-        folder = path if kind == "dir" else os.path.dirname(path)  # noqa: PTH120
-        if folder not in made:  # made once, not once per file
-            os.makedirs(folder, exist_ok=True)  # noqa: PTH103
-            made.add(folder)
-        if kind == "dir":
-            folders.append((path, item.get("mode")))
-        elif kind == "file":
-            mode = item.get("mode")
-            wanted.append((object_path(item["sha256"]), path, mode if isinstance(mode, int) else 0o644,
-                           int(item.get("size") or 0)))  # fmt: skip
-        elif kind == "symlink" and isinstance(item.get("target"), str):
-            links.append((item["target"], path))
-        else:
-            raise Damaged(f"its manifest lists {item['path']} of type {kind!r}")
-    copies = store.get(wanted)
-    for target, path in links:
-        os.symlink(target, path)  # noqa: PTH211
-    for path, mode in reversed(folders):  # the deepest first
-        if isinstance(mode, int):
-            os.chmod(path, mode)  # noqa: PTH101
-    return {dest[len(base):]: key for dest, key in copies.items()}

@@ -177,11 +177,9 @@ class StepDriver:
         key = uptodate.key(parts)
         handle = self._reusable_run(key)
         if handle is None:
-            from substrax_tasks._cache_driver import restore_for
+            from substrax_tasks._cache_driver import restored_from_cache
 
-            self.restored = restore_for(self)
-            if self.restored is not None:  # no run: the later phases find no handle and pass
-                self.fetched = self.restored.fetched
+            if restored_from_cache(self):  # no run: the later phases find no handle and pass
                 return
             self._retire_unlaunched()
             handle = self.project.new_run(self.spec, self.step.backend)
@@ -331,8 +329,10 @@ class StepDriver:
         A phase, not the public task's action: a step's outputs are home as
         soon as its own run is fetched, whatever doit does with the other
         tasks of the run (it stops dispatching at the first failure)."""
+        from substrax_tasks._promote_phase import promote_outputs  # not on a no-op's path
+
         try:
-            return self._action(self._promote)
+            return self._action(lambda: promote_outputs(self))
         finally:
             self._close()
 
@@ -345,51 +345,10 @@ class StepDriver:
             # Acknowledged only once doit holds that value (it saves its DB
             # before the process exits): without it, a later doit that finds
             # no value for this task trusts the record, as after a SIGKILL.
-            atexit.register(self._acknowledge, run_id)
+            from substrax_tasks._promote_phase import acknowledge
+
+            atexit.register(acknowledge, self.step, run_id)
         return {DOIT_VALUE: run_id}
-
-    def _promote(self) -> Any:
-        from substrax_tasks.promote import promote  # not on a no-op's path
-
-        handle, fetched, restored = self.handle, self.fetched, self.restored
-        if fetched is None or (handle is None and restored is None):
-            return None  # no run driven here (a rerun that found nothing to do)
-        source = restored.label if restored is not None else f"run {cast('RunHandle', handle).run_id}"
-        outputs = list(self.spec.outputs)
-        digest = str(fetched.manifest["digest"])
-        cache = self.step.files.outputs_cache
-        problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, cache)
-        if problems:
-            return TaskFailed(
-                f"step {self.spec.step!r}: the fetched outputs of {source} do not match "
-                "its manifest; nothing was promoted:\n  " + "\n  ".join(problems)
-            )
-        renamed = False
-        if fetched.root.resolve() != self.root.resolve():
-            try:
-                renamed = promote(fetched.root, self.root, outputs)
-            except OSError as exc:
-                return TaskFailed(
-                    f"step {self.spec.step!r}: could not move the outputs of {source} into place "
-                    f"({exc}); fix that, then `doit {self.spec.step}` promotes them without running "
-                    "the command again"
-                )
-        # Renames moved the very files just verified; a copy (another file
-        # system) or outputs verified in place are checked where they stand.
-        if not renamed and not manifest_cache.outputs_match(self.root, outputs, digest, cache):
-            return TaskFailed(f"step {self.spec.step!r}: outputs changed while they were promoted")
-        if handle is not None:
-            self._save(handle, phase="promoted")
-        from substrax_tasks._cache_driver import record_of  # what the step record says of the outputs
-
-        uptodate.write_record(self.step, **record_of(self, digest))
-        return None
-
-    def _acknowledge(self, run_id: str) -> None:
-        """At interpreter exit, after doit saved its DB (never after SIGKILL)."""
-        with contextlib.suppress(OSError):
-            if (uptodate.read_record(self.step).get("verified") or {}).get("run_id") == run_id:
-                uptodate.write_record(self.step, acknowledged=run_id)
 
     # ------------------------------------------------------------ teardown
     def teardown(self) -> None:
@@ -409,8 +368,8 @@ class StepDriver:
         try:
             if self.handle is not None:
                 self._tear_down(was)
-            if self.restored is not None or (self.handle is not None and self.fetched is not None):
-                from substrax_tasks._cache_driver import keep_after  # a promoted run's outputs, kept
+            if self.fetched is not None:  # a run's or a restore's
+                from substrax_tasks._cache_driver import keep_after
 
                 keep_after(self)
         finally:
