@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from substrax_tasks._cache_store import Damaged
-from substrax_tasks.cache import ORPHAN_SECONDS, RunCache
+from substrax_tasks.cache import ORPHAN_SECONDS, CacheOptions, RunCache
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.runs import Project
 
@@ -65,7 +65,7 @@ def _days(text: str) -> float:
 
 
 def run_cache(project: Project) -> RunCache:
-    return RunCache(project.config.cache, project.root, project.store.root)
+    return RunCache(CacheOptions(**project.config.cache.options()), project.root, project.store.root)
 
 
 def _cache_key(project: Project, step: str) -> str:
@@ -84,7 +84,7 @@ def cmd_cache(project: Project, args: argparse.Namespace, out: Console, err: Con
     if args.action == "status":
         entries, objects = cache.usage()
         size = sum(s for s, _ in objects.values())
-        settings = project.config.cache
+        settings = cache.settings
         out.print(f"local: {cache.local.name}: {len(entries)} entries, {_size(size)} of objects "
                   f"(max_size {_size(settings.max_bytes)}){'' if settings.enabled else '; disabled'}",
                   highlight=False)  # fmt: skip

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from substrax_tasks._cache_store import Damaged
 from substrax_tasks._output import emit
-from substrax_tasks.cache import RunCache, cache_key
+from substrax_tasks.cache import CacheOptions, RunCache, cache_key
 from substrax_tasks.errors import BackendError
 
 if TYPE_CHECKING:
@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 
 def run_cache_of(driver: StepDriver) -> RunCache | None:
-    settings = driver.view.config().cache
-    return RunCache(settings, driver.root, driver.view.state_dir) if settings.enabled else None
+    options = CacheOptions(**driver.view.cache_options())
+    return RunCache(options, driver.root, driver.view.state_dir) if options.enabled else None
 
 
 def restored_from_cache(driver: StepDriver) -> bool:

@@ -42,7 +42,6 @@ from substrax_tasks.backends.base import Fetched
 from substrax_tasks.spec import canonical_digest, safe_name
 
 if TYPE_CHECKING:
-    from substrax_tasks.settings import CacheSettings
     from substrax_tasks.uptodate import Step
 
 ENTRY_VERSION = 1
@@ -59,6 +58,24 @@ class Restored:
     label: str
     provenance: dict[str, Any]
     shared: tuple[bytes, bytes | None] | None = None  # from the shared store: the entry and its signature
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """`[tool.substrax.compute.cache]` as validated (settings.CacheSettings.options),
+    kept with the project's resolved configuration: a restore imports no pydantic."""
+
+    enabled: bool
+    path: str | None
+    max_bytes: int
+    shared: str | None
+    mode: str
+    allowed_signers: str | None
+    signing_key: str | None
+    key_backend: bool
+
+    def folder(self, project: Path) -> Path:
+        return (project / Path(self.path).expanduser()) if self.path else default_folder()
 
 
 def cache_key(parts: dict[str, Any], key_backend: bool) -> str:
@@ -84,7 +101,7 @@ def digest_of(path: Path) -> str:
 class RunCache:
     """The project's view of the cache: its local folder and shared store."""
 
-    def __init__(self, settings: CacheSettings, project: Path, state_dir: Path) -> None:
+    def __init__(self, settings: CacheOptions, project: Path, state_dir: Path) -> None:
         self.settings = settings
         self.local = Folder(settings.folder(project))
         self.shared = Shared(settings.shared, settings.mode == "readwrite") if settings.shared else None

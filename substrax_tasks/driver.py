@@ -195,8 +195,8 @@ class StepDriver:
         run_id = uptodate.read_record(self.step).get("run_id")
         if not run_id:
             return None
-        try:
-            return self.project.store.read(str(run_id))
+        try:  # the store needs no validated config (a restore imports no pydantic)
+            return self.view.store.read(str(run_id))
         except HandleError:
             return None
 

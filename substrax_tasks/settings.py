@@ -232,14 +232,9 @@ class CacheSettings(Strict):
         except ValueError:
             raise ValueError(f'{value!r} is not a size: write bytes, or as "500MiB", "20GiB"') from None
 
-    @property
-    def max_bytes(self) -> int:
-        return self.bytes_of(self.max_size)
-
-    def folder(self, project: Path) -> Path:
-        from substrax_tasks.cache import default_folder
-
-        return (project / Path(self.path).expanduser()) if self.path else default_folder()
+    def options(self) -> dict[str, Any]:
+        """As `cache.CacheOptions` takes them (and the resolved project keeps them)."""
+        return {**self.model_dump(exclude={"max_size"}), "max_bytes": self.bytes_of(self.max_size)}
 
 
 class ComputeConfig(Strict):

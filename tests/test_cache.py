@@ -11,12 +11,14 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import run_dir, submit, wait_final
 from dodo_helpers import (
+    clean_env,
     compute,
     doit_ok,
     handles,
@@ -102,6 +104,33 @@ def test_doit_forget_restores_and_doit_always_runs_for_real_replacing_the_entry(
     assert not restored(done) and run_count(root) == 2, show(done)
     again = json.loads(entries(tmp_path / "team-cache")[0].read_text())["provenance"]["run_id"]
     assert again != first and again == json.loads((root / ".substrax/steps/make.json").read_text())["run_id"]
+
+
+# doit in-process, to see what a restore imported
+DOIT_IMPORTS = """
+import sys
+from doit.cmd_base import DodoTaskLoader
+from doit.doit_cmd import DoitMain
+
+code = DoitMain(DodoTaskLoader()).run([])
+print("imported pydantic:", "pydantic" in sys.modules)
+sys.exit(code)
+"""
+
+
+def test_a_restore_in_a_project_already_validated_imports_no_pydantic(tmp_path: Path) -> None:
+    """The cache's options are kept with the project's validated settings:
+    a restore after outputs were deleted does not validate the config again."""
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path)))
+    second = project(tmp_path, "b", folder_cache(tmp_path))
+    assert restored(doit_ok(second))
+    shutil.rmtree(second / "out")
+    doit_ok(second, "forget", "make")
+    done = subprocess.run([sys.executable, "-c", DOIT_IMPORTS], cwd=second, env=clean_env(),
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert done.returncode == 0 and restored(done), show(done)
+    assert done.stdout.splitlines()[-1] == "imported pydantic: False", show(done)
+    assert (second / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
 
 
 def test_switching_a_git_branch_and_back_restores(tmp_path: Path) -> None:
