@@ -4,6 +4,7 @@ entries.
 
     entries/<key>.json       the entry: manifest, outputs, provenance
     entries/<key>.json.sig   its signature (`ssh-keygen -Y sign`), if signed
+    entries/<key>.json.stats the stat of its objects when last hashed (local folder only)
     objects/<ab>/<sha256>    file contents, by digest: shared by every entry
 
 An entry is written last, after every object it names: a store never holds
@@ -14,27 +15,27 @@ objects no entry names, which a trim removes).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import secrets
-import shutil
 import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from substrax_tasks._atomic import write_bytes_atomic
 from substrax_tasks.errors import BackendError
-
-if TYPE_CHECKING:
-    from substrax_tasks.manifest_cache import CacheEntries
-from substrax_tasks.manifest_cache import CacheEntries
+from substrax_tasks.manifest_cache import CacheEntries, HashCache, manifest_module
 
 NAMESPACE = "substrax-cache"  # of the SSH signatures: a key's other signatures do not count
 UPLOADS = 8  # objects sent to a shared store at once: one request each
 BUFFER = 1 << 20  # one reused buffer per restore: no allocation per file
+RACY_NS = int(manifest_module().RACY_SECONDS * 1e9)
+TRUSTED_SIZE = 1 << 20  # objects whose stat is recorded (see copy_object)
+FICLONE = 0x40049409  # linux/fs.h: make dst share src's blocks
 
 # What a restore made of each file: its sha256 and stat, as the outputs'
 # hash cache keys it ([size, mtime_ns, ctime_ns, inode, device, sha256]).
@@ -51,31 +52,56 @@ def entry_path(key: str) -> str:
     return f"entries/{key}.json"
 
 
+def stats_path(key: str) -> str:
+    """The local folder's hash cache of an entry's objects (see copy_object)."""
+    return f"entries/{key}.json.stats"
+
+
 def copy_file(source: str, dest: str) -> None:
-    """Copy a file's bytes. copy_file_range shares the blocks where the file
-    system can (btrfs, XFS: a reflink); never a hard link, which an in-place
-    edit of an output would carry into the cache."""
+    """Copy a file's bytes (never a hard link, which an in-place edit of an
+    output would carry into the cache)."""
     with open(source, "rb") as src, open(dest, "wb") as dst:  # noqa: PTH123
-        left = os.fstat(src.fileno()).st_size
-        try:
-            while left > 0:
-                sent = os.copy_file_range(src.fileno(), dst.fileno(), left)
-                if sent == 0:
-                    break
-                left -= sent
-        except OSError:  # not supported here: a plain copy from where it stopped
-            shutil.copyfileobj(src, dst, 1 << 20)
+        copy_fd(src.fileno(), dst.fileno(), os.fstat(src.fileno()).st_size)
+
+
+def copy_fd(src: int, dst: int, size: int) -> None:
+    """Copy `size` bytes from `src`'s offset to the empty `dst`: a reflink
+    where the file system shares blocks (btrfs, XFS), else copy_file_range
+    (in the kernel), else read and write from where it stopped."""
+    try:
+        fcntl.ioctl(dst, FICLONE, src)
+        return
+    except OSError:  # another file system, or none that shares blocks
+        pass
+    left = size
+    try:
+        while left > 0 and (sent := os.copy_file_range(src, dst, left)):
+            left -= sent
+    except OSError:
+        while chunk := os.read(src, BUFFER):
+            os.write(dst, chunk)
+
+
+def stat_key(st: os.stat_result) -> list[int]:
+    """A file's key in a hash cache (manifest_cache.py): any write changes it."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def drop_entry(store: Folder | Shared, key: str) -> None:
+    for rel in (entry_path(key), entry_path(key) + ".sig", stats_path(key)):
+        store.remove(rel)
 
 
 class Damaged(Exception):
     """An entry that must not be promoted; the message says why."""
 
 
-def materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path) -> CacheEntries:
-    """The manifest's tree under `staging`, contents from the store's
-    objects, each hashed as it is copied; the copies' hash cache entries,
-    by path. Symlinks come last, so no write can go through one, and the
-    folders' modes after the files, so none blocks a write."""
+def materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path, key: str) -> CacheEntries:
+    """The manifest's tree under `staging`, contents from the objects of
+    entry `key`, each hashed as it is copied unless the store vouches for
+    it (Folder.get); the copies' hash cache entries, by path.
+    Symlinks come last, so no write can go through one, and the folders'
+    modes after the files, so none blocks a write."""
     staging.mkdir(parents=True, mode=0o700)
     base = f"{staging}/"
     wanted, links, folders, made = [], [], [], {str(staging)}
@@ -95,7 +121,7 @@ def materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path)
             links.append((item["target"], path))
         else:
             raise Damaged(f"its manifest lists {item['path']} of type {kind!r}")
-    copies = store.get(wanted)
+    copies = store.get(wanted, key)
     for target, path in links:
         os.symlink(target, path)  # noqa: PTH211
     for path, mode in reversed(folders):  # the deepest first
@@ -104,26 +130,50 @@ def materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path)
     return {dest[len(base):]: key for dest, key in copies.items()}
 
 
-def copy_hashed(source: str, dest: str, mode: int, buffer: bytearray) -> list[Any]:
-    """Copy `source` to the new file `dest` with `mode`, hashing the bytes
-    as they are written: each byte is read once, and its digest is known
-    before anything else reads the copy. The hash cache key of `dest`."""
-    sha = hashlib.sha256()
-    view = memoryview(buffer)
-    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+def copy_object(  # noqa: PLR0917
+    root: str, rel: str, dest: str, mode: int, buffer: bytearray, known: CacheEntries | None
+) -> list[Any]:
+    """Copy the object `root + rel` to the new file `dest` with `mode`; the hash
+    cache key of `dest`. An object whose stat still matches its key in
+    `known` is copied as it is (a reflink where the file system can): its
+    name is its digest, and any write since it was hashed changed its stat.
+    Any other is hashed as it is copied (each byte read once), and kept in
+    `known` when it is what its name says and older than the racy window.
+    Small objects (`known` None) cost less to hash than to look up."""
+    digest = rel.rsplit("/", 1)[-1]
+    src = os.open(root + rel, os.O_RDONLY | os.O_CLOEXEC)
     try:
+        key = stat_key(os.fstat(src)) if known is not None else []
         dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            while size := os.readv(src, [buffer]):
-                sha.update(view[:size])
-                done = 0
-                while done < size:
-                    done += os.write(dst, view[done:size])
-            return _made(dst, mode, sha.hexdigest())
+            if known is not None and known.get(rel) == [*key, digest]:
+                copy_fd(src, dst, key[0])
+                made = _made(dst, mode, digest)
+                if stat_key(os.fstat(src)) == key and made[0] == key[0]:
+                    return made
+                os.lseek(src, 0, os.SEEK_SET)  # it changed under the copy: copy again, hashing
+                os.ftruncate(dst, 0)
+                os.lseek(dst, 0, os.SEEK_SET)
+            found = _copy_hashed(src, dst, buffer)
+            if known is not None and found == digest and key[2] < time.time_ns() - RACY_NS \
+                    and stat_key(os.fstat(src)) == key:  # fmt: skip
+                known[rel] = [*key, digest]  # the racy rule of manifest_cache: never a young file
+            return _made(dst, mode, found)
         finally:
             os.close(dst)
     finally:
         os.close(src)
+
+
+def _copy_hashed(src: int, dst: int, buffer: bytearray) -> str:
+    sha = hashlib.sha256()
+    view = memoryview(buffer)
+    while size := os.readv(src, [buffer]):
+        sha.update(view[:size])
+        done = 0
+        while done < size:
+            done += os.write(dst, view[done:size])
+    return sha.hexdigest()
 
 
 def hash_in_place(path: str, mode: int, buffer: bytearray) -> list[Any]:
@@ -172,16 +222,22 @@ class Folder:
             found.update(f"objects/{sub}/{name}" for name in _listdir(self.root / "objects" / sub))
         return found
 
-    def get(self, wanted: Wanted) -> Made:
-        """Copy objects to new files, hashed on the way; by destination."""
+    def get(self, wanted: Wanted, key: str) -> Made:
+        """Copy entry `key`'s objects to new files; by destination. Objects
+        here are ours: their stat, kept when they were last hashed, spares
+        reading them again (copy_object)."""
         buffer, root, made = bytearray(BUFFER), f"{self.root}/", {}
-        for rel, dest, mode, _ in wanted:
+        known = HashCache.load(self.root / stats_path(key))
+        for rel, dest, mode, size in wanted:
             try:
-                made[dest] = copy_hashed(root + rel, dest, mode, buffer)
+                made[dest] = copy_object(root, rel, dest, mode, buffer,
+                                         known.entries if size >= TRUSTED_SIZE else None)  # fmt: skip
             except FileNotFoundError as exc:
                 if exc.filename == root + rel:
                     raise FileNotFoundError(f"object {rel} is missing") from None
                 raise
+        if known.entries:
+            known.save()
         return made
 
     def put(self, pairs: list[tuple[Path, str]]) -> None:
@@ -246,7 +302,7 @@ class Shared:
         cut = len(self._path(""))
         return {str(name)[cut:] for name in found}
 
-    def get(self, wanted: Wanted) -> Made:
+    def get(self, wanted: Wanted, key: str) -> Made:
         """Download objects (the bucket transport's parallel, whole-or-nothing
         copies), then hash each copy; by destination."""
         from substrax_tasks.transports.bucket import _Copy

@@ -31,6 +31,7 @@ from substrax_tasks._cache_store import (
     Damaged,
     Folder,
     Shared,
+    drop_entry,
     entry_path,
     materialize,
     object_path,
@@ -174,7 +175,7 @@ class RunCache:
             # outputs' hash cache: verifying them (here and at promotion)
             # then reads no byte again, only checks each copy's stat.
             hash_cache = manifest_cache.HashCache.load(step.files.outputs_cache)
-            for rel, cache_entry in materialize(store, manifest, staging).items():
+            for rel, cache_entry in materialize(store, manifest, staging, key).items():
                 hash_cache.entries[rel] = cache_entry
             hash_cache.save()
             problems = manifest_cache.verify_outputs(staging, list(step.spec.outputs), manifest,
@@ -206,8 +207,7 @@ class RunCache:
         marker.write_text(key + "\n")
         if not store.writable:
             return
-        store.remove(entry_path(key))
-        store.remove(entry_path(key) + ".sig")
+        drop_entry(store, key)
         entries = manifest.get("entries") if isinstance(manifest, dict) else None
         for item in entries if isinstance(entries, list) else []:
             if isinstance(item, dict) and item.get("type") == "file" and _is_digest(item.get("sha256")):
@@ -307,8 +307,7 @@ class RunCache:
         gone = []
         for store in self._stores():
             if store.writable and store.read(entry_path(key)) is not None:
-                store.remove(entry_path(key))
-                store.remove(entry_path(key) + ".sig")
+                drop_entry(store, key)
                 gone.append(store.name)
         return gone
 
@@ -351,8 +350,7 @@ class RunCache:
                 break
             removed.append(f"entry {key[:16]}")
             if not dry_run:
-                self.local.remove(entry_path(key))
-                self.local.remove(entry_path(key) + ".sig")
+                drop_entry(self.local, key)
             for rel in names:
                 named[rel] -= 1
                 if named[rel] == 0 and rel in objects:

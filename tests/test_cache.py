@@ -195,6 +195,36 @@ def test_a_damaged_entry_is_never_promoted_and_the_step_runs(tmp_path: Path, how
     assert (third / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
 
 
+BIG = """
+def task_make():
+    yield from remote_step("make", shell="mkdir -p out && head -c 3000000 /dev/zero | tr '\\\\0' x > out/big",
+                           outputs=["out/"])
+"""
+
+
+def test_an_object_changed_after_its_stat_was_recorded_is_hashed_and_refused(tmp_path: Path) -> None:
+    """A restore records the stat of the large objects it hashed, and the
+    next one copies an object whose stat is unchanged without reading it to
+    hash; an object written since (same size, in place) is hashed again."""
+    team = tmp_path / "team-cache"
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path), body=BIG))
+    (entry,) = entries(team)
+    sha = hashlib.sha256(b"x" * 3_000_000).hexdigest()
+    for name in ("b", "c"):  # b hashes and records, c trusts the record
+        root = project(tmp_path, name, folder_cache(tmp_path), body=BIG)
+        done = doit_ok(root)
+        assert restored(done) and run_count(root) == 0, show(done)
+        assert (root / "out" / "big").read_bytes() == b"x" * 3_000_000
+        assert sha in entry.with_name(entry.name + ".stats").read_text()
+    with (team / "objects" / sha[:2] / sha).open("r+b") as obj:
+        obj.write(b"y")
+    root = project(tmp_path, "d", folder_cache(tmp_path), body=BIG)
+    done = doit_ok(root)
+    assert f"cache entry {entry.stem[:16]} in {team} is damaged" in done.stdout, show(done)
+    assert not restored(done) and run_count(root) == 1
+    assert (root / "out" / "big").read_bytes() == b"x" * 3_000_000
+
+
 def test_read_mode_never_writes_the_shared_store(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
