@@ -28,8 +28,28 @@ BAD_CONFIGS = [
         "[tool.substrax.compute]\nbogus = 1\n",
         [
             "unknown key 'bogus' in [tool.substrax.compute]",
-            "valid keys: backends, default_backend, state_dir",
+            "valid keys: backends, cache, default_backend, state_dir",
         ],
+    ),
+    (
+        "unknown-cache-key",
+        '[tool.substrax.compute.cache]\nshare = "s3://b/p"\n',
+        ["unknown key 'share' in [tool.substrax.compute.cache]", "allowed_signers", "shared"],
+    ),
+    (
+        "cache-size",
+        '[tool.substrax.compute.cache]\nmax_size = "lots"\n',
+        ["tool.substrax.compute.cache.max_size = 'lots'", '"500MiB"'],
+    ),
+    (
+        "cache-mode",
+        '[tool.substrax.compute.cache]\nmode = "write"\n',
+        ["tool.substrax.compute.cache.mode = 'write'", "'read' or 'readwrite'"],
+    ),
+    (
+        "cache-url",
+        '[tool.substrax.compute.cache]\nshared = "team-bucket"\n',
+        ["tool.substrax.compute.cache.shared = 'team-bucket'", "s3://bucket/prefix"],
     ),
     (
         "unknown-backend-key",
