@@ -345,6 +345,7 @@ class StepDriver:
         from substrax_tasks.promote import JOURNAL
 
         if run_id is None:
+            self.step.files.record.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             return self.step.files.record.with_suffix("." + JOURNAL)
         return self.view.store.run_dir(run_id) / JOURNAL
 
