@@ -3,7 +3,7 @@
 on the local backend costs over the same command as a plain doit task.
 
     .venv/bin/python bench/bench_steps.py [--steps 20] [--repeats 7]
-        [--jobs 1,2] [--sandbox auto|bwrap|none] [--python NAME] [--keep]
+        [--jobs 1,2] [--sandbox auto|bwrap|none] [--python NAME] [--git] [--keep]
 
 It measures and prints; it asserts nothing. It makes two projects on tmpfs
 (/dev/shm when present; `--dir` elsewhere, e.g. on a disk, where the
@@ -108,11 +108,20 @@ SHELL_ARGV = '["/bin/sh", "-c", "echo x > out/%s.txt" % name]'
 PYTHON_ARGV = '[{python!r}, "-c", "open(\'out/%s.txt\', \'w\').write(\'x\')" % name]'
 
 
-def write_project(root: Path, template: str, steps: int, sandbox: str, python: str | None) -> Path:
+def write_project(root: Path, template: str, steps: int, sandbox: str, python: str | None, *,
+                  git: bool = False) -> Path:
+    """`git`: a git work tree tracking dodo.py and pyproject.toml, the
+    outputs and the store ignored, as most projects are: the local sandbox
+    then shows the tracked files only (git ls-files and the view's mounts
+    are in the timed span)."""
     root.mkdir(parents=True)
     argv = SHELL_ARGV if python is None else PYTHON_ARGV.format(python=python)
     (root / "dodo.py").write_text(template.format(steps=steps, argv=argv))
     (root / "pyproject.toml").write_text(PYPROJECT.format(sandbox=sandbox))
+    if git:
+        (root / ".gitignore").write_text("out/\n.substrax/\n.doit.db*\n")
+        subprocess.run(["git", "init", "-q", str(root)], check=True)
+        subprocess.run(["git", "-C", str(root), "add", "dodo.py", "pyproject.toml", ".gitignore"], check=True)
     return root
 
 
@@ -227,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--python", default=None, metavar="NAME",
                         help="commands run NAME -c ... (a Python on PATH) instead of /bin/sh")
     parser.add_argument("--keep", action="store_true", help="keep the generated projects")
+    parser.add_argument("--git", action="store_true", help="make each project a git work tree")
     args = parser.parse_args(argv)
     jobs = [int(j) for j in args.jobs.split(",") if j.strip()]
     if args.steps < 1 or args.repeats < 1 or not jobs or min(jobs) < 1:
@@ -239,8 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.steps} steps, sandbox {args.sandbox!r}, {args.repeats} full runs per case, interleaved, "
           f"commands: {args.python or '/bin/sh'}")
     print(f"at the start: {load_average()}")
-    remote = write_project(scratch / "remote", REMOTE_DODO, args.steps, args.sandbox, args.python)
-    plain = write_project(scratch / "plain", PLAIN_DODO, args.steps, args.sandbox, args.python)
+    shape = (args.steps, args.sandbox, args.python)
+    remote = write_project(scratch / "remote", REMOTE_DODO, *shape, git=args.git)
+    plain = write_project(scratch / "plain", PLAIN_DODO, *shape, git=args.git)
     cases: list[Case] = [("remote", remote, None)]
     cases += [(f"code#{i + 1}", remote, c.resolve()) for i, c in enumerate(args.code)]
     cases.append(("plain", plain, None))

@@ -12,12 +12,10 @@ printing one JSON line:
     python3 control.py remove RUN_DIR
 
 It imports no sibling, so loading it shadows no module of the user's.
-`follow` is the exception: it streams the run's log (raw bytes on stdout,
-from OFFSET, at most LIMIT of them) until the run has ended, and prints
-nothing else. One follower per wait replaces a status command every fraction
-of a second. It exits when its stdin closes (the client went: its channel
-closed or its connection broke), so it never outlives the client by more
-than a poll.
+`follow` streams the run's log instead (raw bytes from OFFSET, at most
+LIMIT) until the run has ended: one follower per wait, not a status command
+every fraction of a second. It exits when its stdin closes (the client
+went), so it never outlives the client by more than a poll.
 
 Closing an SSH channel kills nothing (fabric's lesson): a remote tree is
 stopped by signalling its worker by pid, checked against its start time.

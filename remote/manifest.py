@@ -1,50 +1,31 @@
 #!/usr/bin/env python3
 """The manifest of a step's outputs: every file, folder and symlink, whole.
 
-This file is copied to the machine that runs the step and is also imported
-by substrax_tasks on this machine (one implementation for both sides), so it
-uses only the standard library and must run on Python 3.8+.
+Copied to the machine that runs the step and imported by substrax_tasks here
+(one implementation for both sides): standard library only, Python 3.8+.
 
-    python3 manifest.py BASE OUTPUT [OUTPUT...]
+    python3 manifest.py BASE OUTPUT [OUTPUT...] [--cache FILE]
 
 prints the manifest of the outputs (paths relative to BASE; a trailing "/"
-marks a folder output) as JSON on stdout, or a message on stderr and exit
-status 1 when the tree is refused (see ``ManifestError``).
+marks a folder output) as JSON, or a message on stderr and exit status 1
+when the tree is refused (``ManifestError``). docs/manifests.md describes
+the format (``digest`` is the sha256 of the canonical JSON of ``entries``
+alone, so equal trees give equal digests whatever cache was used) and what
+is refused.
 
-The format (``version``, ``entries``, ``missing``, ``digest``) and what is
-refused are described in docs/manifests.md; ``digest`` is the sha256 of the
-canonical JSON of ``entries`` alone, so equal trees give equal digests
-whatever cache was used.
-
-Symlinks are recorded as links and never followed. A symlink whose target
-leads outside the output it lives in is refused: any absolute target (a tree
-that is fetched, staged and promoted moves, so an absolute link would point
-back at where it came from), a relative one that lands outside the output
-(``../out/x`` from inside ``out/`` is fine), and one that escapes through
-another link of the tree: targets are resolved component by component,
-reading the text of the links on the way (``a -> .`` then ``b -> a/../x``
-leaves the output, though ``b``'s text looks harmless). Loops are refused.
+Symlinks are recorded as links and never followed; one whose target leads
+outside its output is refused, resolved component by component through the
+tree's other links (``a -> .`` then ``b -> a/../x`` escapes though ``b``
+looks harmless); loops are refused.
 
 The optional ``cache`` maps a relative path to ``[size, mtime_ns, ctime_ns,
-inode, device, sha256]``. A file whose lstat gives those same five values is
-not read: an untouched tree costs one ``lstat`` per entry. ctime is part of
-the key because nothing short of moving the clock back sets it back (a task
-that restores an mtime with ``os.utime`` still moves it). A file whose ctime
-is younger than ``RACY_SECONDS`` when the manifest is taken is hashed but not
-cached, because a second write inside the same timestamp tick would leave
-every value unchanged (git's "racily clean" problem). The window is read
-from ``SUBSTRAX_RACY_SECONDS`` (default 2) so that tests need not wait it
-out. The cache is changed only by item assignment and ``del``, so a caller
-may track changes with a dict subclass.
-
-substrax_tasks builds on it (``check_outputs``, ``build_manifest``) the
-stat-only walk of each step's proof and the diff of two manifests, which
-run only on the client (substrax_tasks/tree.py).
-
-The worker takes the outputs' manifest as the command ends
-(``manifest_with_cache_file``) and writes it to ``<run dir>/manifest.json``;
-the fetched copy is verified against it. A run that left none has it taken
-on its host with this file's command line.
+inode, device, sha256]``: a file whose lstat gives those five values is not
+read. ctime is in the key because nothing short of moving the clock back
+sets it back (``os.utime`` moves it). A file whose ctime is younger than
+``RACY_SECONDS`` is hashed but not cached: a second write in the same tick
+would leave every value unchanged (git's "racily clean" problem). The cache
+is changed only by item assignment and ``del`` (substrax_tasks/
+manifest_cache.py tracks changes that way).
 """
 
 from __future__ import annotations
@@ -401,43 +382,13 @@ def canonical_json(value: object) -> str:
 # ----------------------------------------------------------------- CLI
 
 
-class _ChangeNotingDict(dict):
-    """A dict that notes item assignment and deletion, the only ways
-    build_manifest changes a cache: an unchanged cache is not rewritten."""
-
-    changed = False
-
-    def __setitem__(self, key: str, value: list) -> None:
-        self.changed = True
-        dict.__setitem__(self, key, value)
-
-    def __delitem__(self, key: str) -> None:
-        self.changed = True
-        dict.__delitem__(self, key)
-
-
-def _load_cache_file(cache_file: str | None) -> _ChangeNotingDict:
-    cache = _ChangeNotingDict()
-    if cache_file:
-        try:
-            with open(cache_file) as f:
-                loaded = json.load(f)
-            if isinstance(loaded, dict):
-                return _ChangeNotingDict(loaded)
-        except (OSError, ValueError):
-            pass
-        cache.changed = True  # missing or unreadable: write a good one
-    return cache
-
-
-def _save_cache_file(cache: _ChangeNotingDict, cache_file: str | None) -> None:
-    if not cache_file or not cache.changed:
-        return
-    tmp = "%s.%d.tmp" % (cache_file, os.getpid())
-    with open(tmp, "w") as f:
-        json.dump(cache, f, separators=(",", ":"))
-    os.replace(tmp, cache_file)
-    cache.changed = False
+def _load_cache_file(cache_file: str | None) -> dict:
+    try:
+        with open(cache_file or "") as f:
+            loaded = json.load(f)
+        return loaded if isinstance(loaded, dict) else {}
+    except (OSError, ValueError):
+        return {}  # missing or unreadable: a good one is written
 
 
 def manifest_with_cache_file(base: str, outputs: list, cache_file: str | None) -> dict:
@@ -448,8 +399,13 @@ def manifest_with_cache_file(base: str, outputs: list, cache_file: str | None) -
     and young files are cached too. The file is rewritten only if the cache
     changed."""
     cache = _load_cache_file(cache_file)
+    before = dict(cache)
     manifest = build_manifest(base, outputs, cache, cache_young=True)
-    _save_cache_file(cache, cache_file)
+    if cache_file and (cache != before or not os.path.exists(cache_file)):
+        tmp = "%s.%d.tmp" % (cache_file, os.getpid())
+        with open(tmp, "w") as f:
+            json.dump(cache, f, separators=(",", ":"))
+        os.replace(tmp, cache_file)
     return manifest
 
 

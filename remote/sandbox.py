@@ -47,15 +47,6 @@ NVIDIA_PROC = "/proc/driver/nvidia"
 HOME_VARS = (("XDG_CACHE_HOME", ".cache"), ("XDG_CONFIG_HOME", ".config"),
              ("XDG_DATA_HOME", ".local/share"), ("XDG_STATE_HOME", ".local/state"),
              ("MPLCONFIGDIR", ".config/matplotlib"))
-# How much of the end of a failed run's log is read for the cause of a write
-# refused by the read-only sandbox: the error that ended a command is last.
-EROFS_TAIL_BYTES = 64 * 1024
-EROFS_TEXT = "Read-only file system"
-# The path in a line naming EROFS: quoted ('p', "p", `p', and coreutils'
-# curly quotes) or, unquoted, the field before ": Read-only file system"
-# (sh: "cannot create p: ...", bash: "p: ...").
-QUOTED = re.compile("'([^']+)'|\"([^\"]+)\"|`([^'`]+)'|\u2018([^\u2019]+)\u2019")
-UNQUOTED = re.compile(r"(?:^|:\s|\s)(/?[^\s:'\"]+):\s+" + EROFS_TEXT)
 
 
 def plain_settings(environ: Mapping[str, str]) -> dict[str, str]:
@@ -87,7 +78,7 @@ def writable_dirs(outputs: list[dict[str, str]]) -> list[str]:
     for out in outputs:
         path = out["path"].rstrip("/")
         dirs.add(path if out["kind"] == "dir" else os.path.dirname(path) or ".")
-    return sorted(dirs, key=lambda d: (0 if d == "." else d.count("/") + 1, d))
+    return sorted(dirs, key=outer_first)
 
 
 def host_sockets() -> list[str]:
@@ -143,6 +134,57 @@ def gpu_argv(dev: str = "/dev", driver_info: str = NVIDIA_PROC) -> list[str]:
     return argv
 
 
+def within(rel: str, paths: Any) -> bool:
+    """Whether project path `rel` is one of `paths` or inside one."""
+    return any(rel == p or rel.startswith(p + "/") for p in paths)
+
+
+def view_folders(hidden: list[str], writable: list[str],
+                 outputs: list[dict[str, str]]) -> tuple[list[str], list[str]]:
+    """The project folders holding hidden entries, outer first: those
+    mounted before the outputs' folders, and those inside an output's
+    folder, mounted after it (they are shown there from the project). A
+    hidden entry right in an output's folder is simply not shown there."""
+    declared = {out["path"].rstrip("/") for out in outputs}
+    before, after = set(), set()
+    for rel in hidden:
+        folder = os.path.dirname(rel) or "."
+        if folder in writable:
+            continue
+        holders = [w for w in writable if w == "." or folder.startswith(w + "/")]
+        if not holders:
+            before.add(folder)
+            continue
+        deepest = max(holders, key=len)
+        top = folder if deepest == "." else folder[len(deepest) + 1:]
+        shown = top.split("/")[0] if deepest == "." else deepest + "/" + top.split("/")[0]
+        if shown not in declared and not within(shown, hidden):  # else it is staging: nothing to hide
+            after.add(folder)
+    return sorted(before, key=outer_first), sorted(after, key=outer_first)
+
+
+def outer_first(rel: str) -> tuple[int, str]:
+    return (0 if rel == "." else rel.count("/") + 1, rel)
+
+
+def view_argv(project: str, folder: str, hidden: Any) -> list[str]:
+    """A project folder shown without its hidden entries: an empty tmpfs
+    with the others bound back (a link made again), so that a hidden file
+    is absent as it is from a remote copy, not an empty stand-in."""
+    real = os.path.normpath(os.path.join(project, folder))
+    argv = ["--tmpfs", real]
+    for name in sorted(os.listdir(real)):
+        rel = name if folder == "." else folder + "/" + name
+        if rel in hidden:
+            continue
+        path = os.path.join(real, name)
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+        else:
+            argv += ["--ro-bind", path, path]
+    return argv
+
+
 def shown_from_host(path: str, argv: list[str]) -> bool:
     """Whether the host's `path` shows through the mounts of argv: the
     deepest one above it binds that same host folder (not a tmpfs or staging)."""
@@ -183,6 +225,11 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev",
     # Re-expose the project (and inputs outside it) after hiding: the
     # project may live under $HOME or /tmp.
     argv += ["--ro-bind", project, project]
+    writable = writable_dirs(job["outputs"])
+    hidden_set = set(job.get("project_hidden", []))
+    before, after = view_folders(job.get("project_hidden", []), writable, job["outputs"])
+    for folder in before:
+        argv += view_argv(project, folder, hidden_set)
     for path in job.get("extra_ro", []):
         if os.path.exists(path):
             argv += ["--ro-bind", path, path]
@@ -191,7 +238,7 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev",
     for path in hidden:
         argv += ["--remount-ro", path]
     declared = {out["path"].rstrip("/") for out in job["outputs"]}
-    for rel in writable_dirs(job["outputs"]):
+    for rel in writable:
         inside = os.path.normpath(os.path.join(project, rel))
         argv += ["--bind", os.path.normpath(os.path.join(staging, rel)), inside]
         # What already stands in that folder stays visible, read-only;
@@ -200,9 +247,16 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev",
             continue
         for entry in sorted(os.listdir(inside)):
             entry_rel = entry if rel == "." else rel + "/" + entry
-            if entry_rel not in declared:
+            if entry_rel not in declared and not within(entry_rel, hidden_set):
                 real = os.path.join(inside, entry)
                 argv += ["--ro-bind", real, real]
+    # Folders in output folders are shown from the project just above:
+    # what is hidden in them goes now. Then every view folder is made
+    # read-only, once nothing more is mounted in it.
+    for folder in after:
+        argv += view_argv(project, folder, hidden_set)
+    for folder in [*before, *after]:
+        argv += ["--remount-ro", os.path.normpath(os.path.join(project, folder))]
     # After every mount above, so the tests' view of their order holds on
     # a GPU machine too; /dev and /proc/driver are touched by nothing else.
     argv += gpu_argv(dev)
@@ -264,51 +318,6 @@ def remove_home(job: dict[str, Any]) -> None:
                 except OSError:  # rmtree below says nothing either; what stays, teardown retries
                     continue
     shutil.rmtree(path, ignore_errors=True)
-
-
-def refused_writes(text: str, cwd: str) -> list[str] | None:
-    """The paths that lines of `text` say a write was refused on with EROFS,
-    relative ones resolved against `cwd`, each once, in order; None when no
-    line names EROFS, [] when lines do but name no path."""
-    lines = [line for line in text.splitlines() if EROFS_TEXT in line]
-    if not lines:
-        return None
-    paths: list[str] = []
-    for line in lines:
-        found = [next(g for g in m.groups() if g) for m in QUOTED.finditer(line)]
-        found = [f for f in found if f != EROFS_TEXT]
-        if not found:  # unquoted: only what looks like a file ("Error: ..." does not)
-            found = [f for f in UNQUOTED.findall(line) if "/" in f or "." in f]
-        for path in found:
-            path = os.path.normpath(os.path.join(cwd, path))
-            if path not in paths:
-                paths.append(path)
-    return paths
-
-
-def erofs_hint(job: dict[str, Any]) -> str | None:
-    """For a failed sandboxed run: what the end of its log says the sandbox
-    refused to write, and the fix; None when the log names no EROFS."""
-    try:
-        with open(job["log_file"], "rb") as log:
-            log.seek(max(0, os.fstat(log.fileno()).st_size - EROFS_TAIL_BYTES))
-            tail = log.read().decode(errors="replace")
-    except OSError:
-        return None
-    paths = refused_writes(tail, job["cwd"])
-    if paths is None:
-        return None
-    project = job["project"].rstrip("/") + "/"
-    # Project paths as the dodo names them (over ssh the project is a copy).
-    shown = [p[len(project):] if p.startswith(project) else p for p in paths][-3:]
-    in_project = any(p.startswith(project) for p in paths)
-    what = "a write to " + ", ".join(shown) if shown else "a write"
-    message = ("the sandbox refused %s (Read-only file system): only the declared outputs, "
-               "$HOME and $TMPDIR are writable there" % what)
-    if in_project or not shown:
-        them = "them as outputs" if len(shown) > 1 else "it as an output"
-        return message + "; declare %s, or write under $TMPDIR" % them
-    return message + "; write under $TMPDIR"
 
 
 def sandboxed_command(job: dict[str, Any], note: Callable[[str], None],

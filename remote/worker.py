@@ -41,6 +41,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # even under PYTHONSAFEPATH
 import control  # noqa: E402
 import gpus  # noqa: E402
+import hints  # noqa: E402
 import proctree  # noqa: E402
 import sandbox  # noqa: E402
 
@@ -278,9 +279,15 @@ class Worker:
         message = None
         if state == "succeeded":
             self.write_manifest(outputs_root)
-        elif state == "failed" and self.status["sandbox"] == "bwrap":
+        elif state == "failed":
             # Said in the status, so every backend's failure shows it.
-            message = sandbox.erofs_hint(self.job)
+            tail = hints.log_tail(self.job)
+            boxed = self.status["sandbox"] == "bwrap"
+            said = [hints.erofs_hint(self.job, tail) if boxed else None]
+            # Left out of a copy (remote), or hidden by the sandbox (local).
+            if boxed or not self.job.get("project_hidden"):
+                said.append(hints.left_out_hint(self.job, tail))
+            message = "; ".join(h for h in said if h) or None
         if state == "failed" and disk_full(outputs_root):
             message = ("no space left on device where its outputs go (%s): the command filled the disk; "
                        "free space (or make the outputs smaller) and run again" % outputs_root)

@@ -35,9 +35,13 @@ def _inside(path: str, folder: str) -> bool:
 
 def _shown(path: str, job: dict[str, Any]) -> bool:
     """Whether the sandbox shows `path` as it is here (remote/sandbox.py:
-    the hidden folders and /tmp go, the project and extra_ro come back)."""
-    if any(_inside(path, f) for f in [job["project"], *job.get("extra_ro", [])]):
+    the hidden folders and /tmp go, the project's view and extra_ro come
+    back)."""
+    if any(_inside(path, f) for f in job.get("extra_ro", [])):
         return True
+    if _inside(path, job["project"]):  # less what the project's view hides (project_view.py)
+        rel = os.path.relpath(path, job["project"])
+        return not any(_inside(rel, h) for h in job.get("project_hidden", []))
     return not any(_inside(path, f) for f in [*job.get("hide", []), *ALWAYS_HIDDEN] if f)
 
 

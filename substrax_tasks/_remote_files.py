@@ -1,8 +1,9 @@
 """Where the scripts run outside this process are.
 
 * `remote/`: the stdlib-only scripts (worker, control, proctree, sandbox,
-  manifest, gpus) shipped to the machines a run uses, Python 3.8+; the local
-  backend loads control.py into this process (`remote_module`).
+  hints, manifest, gpus, env) shipped to the machines a run uses, Python
+  3.8+; the local backend loads control.py and env.py into this process
+  (`remote_module`).
 * `sky_helper/`: `sky_sdk.py`, run here in SkyPilot's own interpreter (it
   imports `sky`, so it is neither stdlib-only nor shipped to a host).
 
@@ -20,9 +21,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
 _PACKAGE = Path(__file__).resolve().parent
 # What a host needs in its bin folder to run the worker (and what its digest covers).
-REMOTE_SCRIPTS = ("worker.py", "control.py", "proctree.py", "sandbox.py", "manifest.py", "gpus.py")
+REMOTE_SCRIPTS = ("worker.py", "control.py", "proctree.py", "sandbox.py", "manifest.py", "gpus.py", "env.py",
+                  "hints.py")  # fmt: skip
 
 
 def _folder(packed: str, checkout: str, marker: str) -> Path:
@@ -81,11 +86,27 @@ if TYPE_CHECKING:
         def status(self, run_dir: str) -> dict[str, Any]: ...
         def cancel(self, run_dir: str, wait: float) -> dict[str, Any]: ...
 
+    class Env(Protocol):
+        """The parts of `remote/env.py` used on this side (see there)."""
+
+        BuildFailed: type[Exception]
+
+        def lock_file(self, project: str) -> str | None: ...
+        def digest(self, project: str, lock: str, python: str, pip_args: Sequence[str]) -> str: ...
+        def ensure(
+            self, project: str, envs_dir: str, python: str, pip_args: Sequence[str]
+        ) -> dict[str, str | bool]: ...
+
 
 def control() -> Control:
     """`remote/control.py`: the one status and cancel of a run (the local
     backend calls it here, the others run it on their host)."""
     return cast("Control", remote_module("control"))
+
+
+def env() -> Env:
+    """`remote/env.py`: the one recipe of the locked environment."""
+    return cast("Env", remote_module("env"))
 
 
 def sky_helper_script() -> Path:

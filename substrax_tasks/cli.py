@@ -24,7 +24,7 @@ from substrax_tasks.backends.base import RunStatus
 from substrax_tasks.config import find_project, read_pyproject_table
 from substrax_tasks.errors import BackendError, ConfigError, HandleError, SubstraxError
 from substrax_tasks.handle import RunHandle
-from substrax_tasks.machines import find_leaks, remove_leaks
+from substrax_tasks.machines import find_leaks
 from substrax_tasks.runs import Project
 from substrax_tasks.selection import latest_per_step, select, shortened
 from substrax_tasks.settings import ComputeConfig
@@ -126,14 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     why.add_argument("step", help="the step's name, as given to remote_step()")
     why.add_argument("--dodo", metavar="FILE", help="the dodo file (default: dodo.py in the project)")
     why.set_defaults(func=cmd_why)
+    from substrax_tasks._cache_cli import add_commands
 
-    gc = commands.add_parser(
-        "gc", help="remove leaked machines (--machines)",
-        description="--machines: remove the remote run folders and clusters of this project that "
-        "no live handle accounts for (leaked; `status` lists them), stopping what runs there.",
-    )  # fmt: skip
-    gc.add_argument("--machines", action="store_true", help="remove leaked run folders and clusters")
-    gc.set_defaults(func=cmd_gc, parser=gc)
+    add_commands(commands)
     return parser
 
 
@@ -301,17 +296,6 @@ def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Con
     return 0
 
 
-def cmd_gc(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
-    if not args.machines:
-        args.parser.error("say what to collect: --machines")
-    removed, problems = remove_leaks(project, project.store.read_all()[0])
-    for leak in removed:
-        out.print(escape(f"removed {leak.name} on {leak.where}"), highlight=False)
-    for problem in problems:
-        err.print(f"[bold red]error:[/] {escape(problem)}", highlight=False)
-    return 1 if problems else 0
-
-
 def cmd_teardown(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
     handle = project.store.read(args.run)
     project.backend_for(handle).teardown(handle, force=True)
@@ -338,6 +322,13 @@ def cmd_why(project: Project, args: argparse.Namespace, out: Console, err: Conso
     out.print(f"{args.step}: not up to date", highlight=False)
     for reason in reasons:
         out.print(f"  - {escape(reason)}", highlight=False)
+    from substrax_tasks._cache_cli import run_cache
+    from substrax_tasks.uptodate import key_parts
+
+    found = run_cache(project).find(key_parts(driver.step)) if project.config.cache.enabled else None
+    if found:
+        said = f"  it would be restored from {found} (`doit {args.step} -a` runs it)"
+        out.print(escape(said), highlight=False)
     return 0
 
 

@@ -194,6 +194,8 @@ class ResolvedProject:
         default_backend: str,
         settings: dict[str, dict[str, Any]],  # backend name -> settings as pinned in handles
         config: ComputeConfig | None = None,
+        *,
+        cache: dict[str, Any] | None = None,  # the run cache's options (cache.CacheOptions)
     ) -> None:
         self.root = root
         self.root_text = str(root)
@@ -201,6 +203,7 @@ class ResolvedProject:
         self.default_backend = default_backend
         self.settings = settings
         self._config = config
+        self.cache = cache if cache is not None or config is None else config.cache.options()
         self._lock = threading.Lock()
 
     @property
@@ -217,6 +220,12 @@ class ResolvedProject:
                 self._config = load_config(self.root)
             return self._config
 
+    def cache_options(self) -> dict[str, Any]:
+        """The run cache's options, validated once with the rest (a restore imports no pydantic)."""
+        if self.cache is None:
+            self.cache = self.config().cache.options()
+        return self.cache
+
     def settings_for(self, backend: str | None = None) -> tuple[str, dict[str, Any]]:
         name = backend or self.default_backend
         if name not in self.settings:  # a backend only some step names: validate it now
@@ -232,7 +241,8 @@ def resolve(root: Path, stamp: list[Any] | None = None) -> ResolvedProject:
         data = json.loads(trusted_file(path) or b"null")  # not ours alone: validate again
         if data.get("stamp") == stamp:
             return ResolvedProject(
-                root, Path(data["state_dir"]), str(data["default_backend"]), dict(data["settings"])
+                root, Path(data["state_dir"]), str(data["default_backend"]), dict(data["settings"]),
+                cache=data.get("cache"),
             )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
@@ -241,7 +251,8 @@ def resolve(root: Path, stamp: list[Any] | None = None) -> ResolvedProject:
     settings = {name: config.pinned(name, root) for name in names}
     resolved = ResolvedProject(root, config.state_path(root), config.default_backend, settings, config)
     try:
-        record = {"stamp": stamp, "state_dir": str(resolved.state_dir), "settings": settings}
+        record = {"stamp": stamp, "state_dir": str(resolved.state_dir), "settings": settings,
+                  "cache": resolved.cache}  # fmt: skip
         write_json_atomic(path, {**record, "default_backend": config.default_backend})
     except OSError:
         pass  # a cache: the next doit validates again

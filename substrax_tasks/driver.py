@@ -41,6 +41,7 @@ from substrax_tasks.uptodate import DOIT_VALUE, Step
 
 if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
     from substrax_tasks.backends.base import Backend, Fetched
+    from substrax_tasks.cache import Restored
     from substrax_tasks.config import ResolvedProject
     from substrax_tasks.handle import RunHandle
     from substrax_tasks.runs import Project
@@ -76,6 +77,8 @@ class StepDriver:
         self.state = RunState.IDLE
         self.handle: RunHandle | None = None
         self.fetched: Fetched | None = None
+        self.restored: Restored | None = None  # the outputs came from the run cache, not a run
+        self.parts: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._step_lock: StepLock | None = None
         self._slot: Slot | None = None  # of the backend's max_parallel pool, from launch to the chain's end
@@ -215,10 +218,14 @@ class StepDriver:
                 f"secret(s) {', '.join(unset)} named in secrets=[...] are not set in this "
                 "environment; set them (their values are forwarded to the command, never stored)"
             )
-        parts = uptodate.key_parts(self.step)
+        self.parts = parts = uptodate.key_parts(self.step)
         key = uptodate.key(parts)
         handle = self._reusable_run(key)
         if handle is None:
+            from substrax_tasks._cache_driver import restored_from_cache
+
+            if restored_from_cache(self):  # no run: the later phases find no handle and pass
+                return
             self._retire_unlaunched()
             handle = self.project.new_run(self.spec, self.step.backend)
             handle = self._save(handle, key=key, key_parts=parts, phase="created")
@@ -236,7 +243,7 @@ class StepDriver:
         run_id = uptodate.read_record(self.step, strict=True).get("run_id")
         if not run_id:
             return None
-        store = self.project.store
+        store = self.view.store  # needs no validated config (a restore imports no pydantic)
         if not store.handle_path(str(run_id)).exists():
             return None  # its folder was removed: nothing runs there any more
         try:
@@ -372,19 +379,26 @@ class StepDriver:
         self._save(handle, phase="fetched", manifest_digest=fetched.manifest["digest"])
         return None
 
-    def _journal(self, run_id: str) -> Path:
+    def journal(self, run_id: str | None) -> Path:
+        """Where a promotion is journaled: the run's folder, or beside the
+        step record for a restore from the run cache (no run folder)."""
         from substrax_tasks.promote import JOURNAL
 
-        return self.project.store.run_dir(run_id) / JOURNAL
+        if run_id is None:
+            self.step.files.record.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            return self.step.files.record.with_suffix("." + JOURNAL)
+        return self.view.store.run_dir(run_id) / JOURNAL
 
     def _recover_promotion(self) -> None:
-        """A promotion of the step's last run that a kill interrupted is
-        finished first: nothing reads the outputs half old, half new."""
+        """A promotion of the step's last run (or restore) that a kill
+        interrupted is finished first: nothing reads the outputs half old."""
         from substrax_tasks.promote import recover
 
         run_id = uptodate.read_record(self.step).get("run_id")
-        if run_id and recover(self._journal(str(run_id))):
-            emit(f"{self.spec.step}: finished the promotion of run {run_id}, which was interrupted")
+        for journal in [self.journal(None)] + ([self.journal(str(run_id))] if run_id else []):
+            if recover(journal):
+                emit(f"{self.spec.step}: finished the promotion of {run_id or 'a restore'}, "
+                     "which was interrupted")  # fmt: skip
 
     def _manifest_file(self, handle: RunHandle) -> Path:
         return self.project.store.run_dir(handle.run_id) / "manifest.json"
@@ -394,8 +408,10 @@ class StepDriver:
         A phase, not the public task's action: a step's outputs are home as
         soon as its own run is fetched, whatever doit does with the other
         tasks of the run (it stops dispatching at the first failure)."""
+        from substrax_tasks._promote_phase import promote_outputs  # not on a no-op's path
+
         try:
-            return self._action(self._promote)
+            return self._action(lambda: promote_outputs(self))
         finally:
             self._close()
 
@@ -408,55 +424,10 @@ class StepDriver:
             # Acknowledged only once doit holds that value (it saves its DB
             # before the process exits): without it, a later doit that finds
             # no value for this task trusts the record, as after a SIGKILL.
-            atexit.register(self._acknowledge, run_id)
+            from substrax_tasks._promote_phase import acknowledge
+
+            atexit.register(acknowledge, self.step, run_id)
         return {DOIT_VALUE: run_id}
-
-    def _promote(self) -> Any:
-        from substrax_tasks.promote import promote  # not on a no-op's path
-
-        handle, fetched = self.handle, self.fetched
-        if handle is None or fetched is None:
-            return None  # no run driven here (a rerun that found nothing to do)
-        outputs = list(self.spec.outputs)
-        digest = str(fetched.manifest["digest"])
-        cache = self.step.files.outputs_cache
-        problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, cache)
-        if problems:
-            return TaskFailed(
-                f"step {self.spec.step!r}: the fetched outputs of run {handle.run_id} do not match "
-                "its manifest; nothing was promoted:\n  " + "\n  ".join(problems)
-            )
-        renamed = False
-        if fetched.root.resolve() != self.root.resolve():
-            try:
-                renamed = promote(fetched.root, self.root, outputs, self._journal(handle.run_id))
-            except OSError as exc:
-                return TaskFailed(
-                    f"step {self.spec.step!r}: could not move the outputs of run {handle.run_id} into "
-                    f"place ({exc}); the run is kept: fix that, then `doit {self.spec.step}` "
-                    "promotes them without running the command again"
-                )
-        # Renames moved the very files just verified; a copy (another file
-        # system) or outputs verified in place are checked where they stand.
-        if not renamed and not manifest_cache.outputs_match(self.root, outputs, digest, cache):
-            return TaskFailed(f"step {self.spec.step!r}: outputs changed while they were promoted")
-        self._save(handle, phase="promoted")
-        uptodate.write_record(self.step,
-            verified={
-                "run_id": handle.run_id,
-                "key": handle.state.get("key"),
-                "key_parts": handle.state.get("key_parts"),
-                "digest": digest,
-                "manifest_file": str(self._manifest_file(handle)),
-            }
-        )
-        return None
-
-    def _acknowledge(self, run_id: str) -> None:
-        """At interpreter exit, after doit saved its DB (never after SIGKILL)."""
-        with contextlib.suppress(OSError):
-            if (uptodate.read_record(self.step).get("verified") or {}).get("run_id") == run_id:
-                uptodate.write_record(self.step, acknowledged=run_id)
 
     # ------------------------------------------------------------ teardown
     def teardown(self) -> None:
@@ -476,6 +447,10 @@ class StepDriver:
         try:
             if self.handle is not None:
                 self._tear_down(was)
+            if self.fetched is not None:  # a run's or a restore's
+                from substrax_tasks._cache_driver import keep_after
+
+                keep_after(self)
         finally:
             self._release_slot()
             if self._step_lock is not None:

@@ -49,6 +49,11 @@ class BackendSettings(Strict):
     grace_seconds: float = Field(
         5.0, gt=0, description="Time between SIGTERM and SIGKILL when a run is stopped."
     )
+    pip_args: list[str] = Field(
+        default_factory=list,
+        description="Extra `pip install` arguments for the environment of a requirements lock, "
+        'as ["--no-index", "--find-links", "wheels/"] (relative to the project).',
+    )
     cache_dirs: list[str] = Field(
         default_factory=list,
         description="Folders of the sandbox's home kept across runs of the project, "
@@ -114,7 +119,6 @@ class RemoteSettings(BackendSettings):
     setup_commands: list[str] = Field(
         default_factory=list, description="Shell commands run before the environment is synced."
     )
-    pip_args: list[str] = Field(default_factory=list, description="Extra `pip install` arguments.")
 
 
 class LocalSettings(BackendSettings):
@@ -203,12 +207,57 @@ class SshSettings(RemoteSettings):
         )
 
 
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class CacheSettings(Strict):
+    """`[tool.substrax.compute.cache]`: the cache of verified runs (docs/cache.md)."""
+
+    enabled: bool = Field(True, description="Restore steps from the cache and keep what they make.")
+    path: str | None = Field(None, description="The local folder (default: $XDG_CACHE_HOME/substrax-tasks).")
+    max_size: int | str = Field("20GiB", description='Bytes, or "500MiB", "20GiB": oldest entries go first.')
+    shared: str | None = Field(None, description='A team\'s store: "s3://bucket/prefix", "file:///...".')
+    mode: Literal["read", "readwrite"] = Field("read", description="readwrite: runs are kept there too.")
+    allowed_signers: str | None = Field(None, description="Restore only entries of `shared` signed by these.")
+    signing_key: str | None = Field(None, description="An SSH private key that signs the entries written.")
+    key_backend: bool = Field(False, description="Make the backend and its settings part of the key.")
+
+    @field_validator("max_size")
+    @classmethod
+    def _size(cls, value: int | str) -> int | str:
+        cls.bytes_of(value)
+        return value
+
+    @field_validator("shared")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and "://" not in value:
+            raise ValueError(f"{value!r} is not a store URL: write s3://bucket/prefix or file:///folder")
+        return value
+
+    @staticmethod
+    def bytes_of(value: int | str) -> int:
+        if isinstance(value, int):
+            return value
+        text = value.strip().lower().removesuffix("b").removesuffix("i")
+        number, unit = (text[:-1], text[-1]) if text[-1:] in _SIZE_UNITS else (text, "")
+        try:
+            return int(float(number) * _SIZE_UNITS[unit])
+        except ValueError:
+            raise ValueError(f'{value!r} is not a size: write bytes, or as "500MiB", "20GiB"') from None
+
+    def options(self) -> dict[str, Any]:
+        """As `cache.CacheOptions` takes them (and the resolved project keeps them)."""
+        return {**self.model_dump(exclude={"max_size"}), "max_bytes": self.bytes_of(self.max_size)}
+
+
 class ComputeConfig(Strict):
     """The validated `[tool.substrax.compute]` table."""
 
     default_backend: str = Field("local", description="Backend of steps that name none.")
     state_dir: str = Field(".substrax", description="Folder of run handles, relative to the project.")
     backends: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
 
     def state_path(self, project: Path) -> Path:
         return (project / self.state_dir).resolve()

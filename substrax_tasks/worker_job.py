@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+from substrax_tasks._output import emit
 from substrax_tasks.errors import HandleError
 from substrax_tasks.spec import StepSpec
 
@@ -75,10 +76,15 @@ def build_job(
     env_dir: str | None = None,
     cache_dirs: Sequence[str] = (),
     cache_root: str | None = None,
+    project_hidden: Sequence[str] = (),
+    left_out: Sequence[str] = (),
     gpus: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The job; `env_dir`: the environment built from the project's lock
     file, first on the task's PATH and readable in the sandbox;
+    `project_hidden`: project paths the sandbox hides (a local run sees
+    what a remote one gets, see project_view.py), `left_out`: those a
+    failure names when its log mentions them;
     `cache_dirs` (validated "~/..." folders of the sandbox's home) are kept
     across runs under `cache_root`, at the same paths below it; `gpus`:
     what the worker takes and shows the task (_gpus.job_gpus)."""
@@ -102,6 +108,8 @@ def build_job(
         "forward_env": list(spec.forward_env),
         "home_dir": paths.home,
         "cache_dirs": [],
+        "project_hidden": list(project_hidden),
+        "left_out": list(left_out),
     }
     if gpus is not None:
         job["gpus"] = gpus
@@ -115,6 +123,16 @@ def build_job(
         job["path_prepend"] = [f"{env_dir}/bin"]
         job["env"]["VIRTUAL_ENV"] = env_dir
     return job
+
+
+def env_dir_of(step: str, answer: dict[str, Any]) -> str | None:
+    """The environment's folder from remote/env.py's answer ({}: no lock
+    file), with what was done said to the user."""
+    if not answer:
+        return None
+    verb = "reusing the environment for" if answer["reused"] else "built the environment from"
+    emit(f"{step}: {verb} {answer['lock']} ({answer['digest']})")
+    return str(answer["env_dir"])
 
 
 def damaged_status(record: dict[str, Any], host: str | None = None) -> RunStatus:

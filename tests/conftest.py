@@ -231,6 +231,13 @@ def _remove_config_caches_made_by_the_tests() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _own_run_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's doit processes keep their run cache (docs/cache.md) in
+    the test's folder, never the user's ~/.cache nor another test's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+
+
+@pytest.fixture(autouse=True)
 def _stop_workers_left_running(tmp_path: Path) -> Iterator[None]:
     """A failing test must not leave a worker behind."""
     yield

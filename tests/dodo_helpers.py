@@ -67,11 +67,18 @@ from substrax_tasks import doit_config, remote_step
 """
 
 
-def write_pyproject(root: Path, sandbox: str = DEFAULT_SANDBOX, extra: str = "") -> None:
+# The chain's tests watch runs being made and made again: the run cache
+# (test_cache.py) would restore the outputs instead of running the step.
+NO_RUN_CACHE = "[tool.substrax.compute.cache]\nenabled = false\n"
+
+
+def write_pyproject(
+    root: Path, sandbox: str = DEFAULT_SANDBOX, extra: str = "", cache: str = NO_RUN_CACHE
+) -> None:
     (root / "pyproject.toml").write_text(
         "[tool.substrax.compute.backends.local]\n"
         f'sandbox = "{sandbox}"\n'
-        f"grace_seconds = {GRACE}\n" + extra
+        f"grace_seconds = {GRACE}\n" + extra + cache
     )
 
 

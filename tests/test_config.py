@@ -28,8 +28,28 @@ BAD_CONFIGS = [
         "[tool.substrax.compute]\nbogus = 1\n",
         [
             "unknown key 'bogus' in [tool.substrax.compute]",
-            "valid keys: backends, default_backend, state_dir",
+            "valid keys: backends, cache, default_backend, state_dir",
         ],
+    ),
+    (
+        "unknown-cache-key",
+        '[tool.substrax.compute.cache]\nshare = "s3://b/p"\n',
+        ["unknown key 'share' in [tool.substrax.compute.cache]", "allowed_signers", "shared"],
+    ),
+    (
+        "cache-size",
+        '[tool.substrax.compute.cache]\nmax_size = "lots"\n',
+        ["tool.substrax.compute.cache.max_size = 'lots'", '"500MiB"'],
+    ),
+    (
+        "cache-mode",
+        '[tool.substrax.compute.cache]\nmode = "write"\n',
+        ["tool.substrax.compute.cache.mode = 'write'", "'read' or 'readwrite'"],
+    ),
+    (
+        "cache-url",
+        '[tool.substrax.compute.cache]\nshared = "team-bucket"\n',
+        ["tool.substrax.compute.cache.shared = 'team-bucket'", "s3://bucket/prefix"],
     ),
     (
         "unknown-backend-key",
@@ -37,7 +57,7 @@ BAD_CONFIGS = [
         [
             "unknown key 'sandbx' in [tool.substrax.compute.backends.local]",
             "valid keys: cache_dirs, grace_seconds, hide_gpus_when_unasked, max_parallel, network_isolation, "
-            "sandbox",
+            "pip_args, sandbox",
         ],
     ),
     (
@@ -155,7 +175,7 @@ def test_defaults_need_no_configuration(project_dir: Path) -> None:
     name, settings = project.settings_for()
     assert name == "local"
     assert settings == {"sandbox": "auto", "network_isolation": False, "grace_seconds": 5.0, "cache_dirs": [],
-                        "max_parallel": None, "hide_gpus_when_unasked": False}  # fmt: skip
+                        "max_parallel": None, "hide_gpus_when_unasked": False, "pip_args": []}  # fmt: skip
 
 
 def test_configured_values_are_used(project_dir: Path) -> None:
@@ -167,7 +187,7 @@ def test_configured_values_are_used(project_dir: Path) -> None:
     project = Project.open(project_dir)
     configured = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5,
                   "cache_dirs": ["~/.cache/huggingface"], "max_parallel": None,
-                  "hide_gpus_when_unasked": False}  # fmt: skip
+                  "hide_gpus_when_unasked": False, "pip_args": []}  # fmt: skip
     assert project.settings_for() == ("local", configured)
     handle = project.submit(make_spec("configured", ["true"], project_dir))
     assert handle.settings == configured

@@ -48,7 +48,7 @@ def test_settings_stay_pinned_when_the_pyproject_changes(project_dir: Path, mark
     spec = make_spec("pinned", stubborn_tree(marker, "child"), project_dir, outputs=["out/"])
     handle = project.submit(spec)  # no override: the settings come from pyproject.toml
     pinned = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5, "cache_dirs": [],
-              "max_parallel": None, "hide_gpus_when_unasked": False}  # fmt: skip
+              "max_parallel": None, "hide_gpus_when_unasked": False, "pip_args": []}  # fmt: skip
     assert handle.settings == pinned
     task_ready, child_ready = ready_files(outputs_root(project, handle), "child")
     wait_for(lambda: task_ready.exists() and child_ready.exists(), "the task tree to start")
@@ -101,7 +101,7 @@ def test_handle_records_spec_settings_and_digest(project: Project) -> None:
     assert data["backend"] == "local"
     assert data["settings"] == {
         "sandbox": "none", "network_isolation": False, "grace_seconds": 5.0, "cache_dirs": [],
-        "max_parallel": None, "hide_gpus_when_unasked": False,
+        "max_parallel": None, "hide_gpus_when_unasked": False, "pip_args": [],
     }
     assert data["spec"]["command"] == ["sh", "-c", "true"]
     assert data["spec"]["outputs"] == ["out/"]

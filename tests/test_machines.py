@@ -65,8 +65,9 @@ def test_status_shows_the_lifetime_left_and_the_leaked_folders_that_gc_machines_
         {"backend": "ssh", "where": host.address, "name": str(run_dir), "ours": True}
     ]
 
-    usage = compute(root, "gc")
-    assert usage.returncode == 2 and "--machines" in usage.stderr, show(usage)
+    listed = compute(root, "gc", "--machines", "--dry-run")
+    assert f"would remove {run_dir} on {host.address}" in listed.stdout, show(listed)
+    assert run_dir.is_dir() and "another-projects-run" not in listed.stdout
     removed = compute(root, "gc", "--machines")
     assert removed.returncode == 0, show(removed)
     assert f"removed {run_dir} on {host.address}" in removed.stdout

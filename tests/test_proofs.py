@@ -203,7 +203,7 @@ def _change_settings(root: Path) -> None:
 
 
 def _add_environment_lock(root: Path) -> None:
-    (root / "requirements.txt").write_text("numpy==2.0.0\n")
+    (root / "requirements.txt").write_text("# numpy==2.0.0\n")  # offline: an env with nothing in it
 
 
 def _forget(root: Path) -> None:

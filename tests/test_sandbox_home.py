@@ -40,6 +40,7 @@ from substrax_tasks.spec import canonical_digest, make_spec, settings_in_key
 from substrax_tasks.worker_job import WorkerPaths, build_job
 
 sandbox = remote_module("sandbox")
+hints = remote_module("hints")
 
 # ------------------------------------------------- without bubblewrap
 
@@ -106,9 +107,9 @@ PROJECT = "/work/proj"
     ],
 )  # fmt: skip
 def test_refused_writes_reads_the_path_of_common_erofs_messages(line: str, paths: list[str]) -> None:
-    found = sandbox.refused_writes("a line before\n" + line + "\n", PROJECT)
+    found = hints.refused_writes("a line before\n" + line + "\n", PROJECT)
     assert [p[len(PROJECT) + 1 :] if p.startswith(PROJECT + "/") else p for p in found] == paths
-    assert sandbox.refused_writes("no such error here\n", PROJECT) is None
+    assert hints.refused_writes("no such error here\n", PROJECT) is None
 
 
 @pytest.mark.unit
@@ -117,16 +118,16 @@ def test_erofs_hint_names_project_paths_as_the_dodo_does_and_the_fix(tmp_path: P
     log = Path(job["log_file"])
     log.parent.mkdir(parents=True)
     log.write_text("Traceback ...\nOSError: [Errno 30] Read-only file system: 'reports/r.h5'\n")
-    assert sandbox.erofs_hint(job) == (
+    assert hints.erofs_hint(job) == (
         "the sandbox refused a write to reports/r.h5 (Read-only file system): only the declared "
         "outputs, $HOME and $TMPDIR are writable there; declare it as an output, or write under $TMPDIR"
     )
     log.write_text("touch: cannot touch '/usr/lib/x': Read-only file system\n")
-    assert str(sandbox.erofs_hint(job)).endswith("/usr/lib/x (Read-only file system): only the declared "
+    assert str(hints.erofs_hint(job)).endswith("/usr/lib/x (Read-only file system): only the declared "
                                                  "outputs, $HOME and $TMPDIR are writable there; "
                                                  "write under $TMPDIR")  # fmt: skip
     log.write_text("exit 1\n")
-    assert sandbox.erofs_hint(job) is None
+    assert hints.erofs_hint(job) is None
 
 
 @pytest.mark.unit

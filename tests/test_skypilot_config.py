@@ -174,7 +174,7 @@ def test_the_generated_task_mounts_read_only_copies_and_arms_the_timer_first(tmp
     setup = config["setup"].splitlines()
     watchdog = next(i for i, line in enumerate(setup) if "control.py watchdog" in line)
     assert watchdog < setup.index("echo one") < setup.index("echo two")
-    assert any("pip install" in line for line in setup[setup.index("echo two") :])
+    assert any("/env.py " in line for line in setup[setup.index("echo two") :])
     assert "1500" in setup[watchdog]  # (30 - 5 idle minutes) * 60 seconds
     assert "--exit-status" in config["run"]
     assert config["resources"] == {"infra": "aws", "cpus": 2}

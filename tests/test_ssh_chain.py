@@ -431,7 +431,7 @@ def test_env_sync_offline_from_a_wheel_folder_then_reused(tmp_path: Path, host: 
     assert "step: reusing the environment for requirements.txt" in second.stdout, show(second)
     assert run_count(root) == 2
     assert (root / "out" / "v.txt").read_text().split() == ["from-the-wheel", prefix]
-    assert [p.name for p in (remote_root / "envs").iterdir()] == [Path(prefix).name]
+    assert [p.name for p in (remote_root / "envs").iterdir() if p.is_dir()] == [Path(prefix).name]
 
 
 # --------------------------------- the CLI uses the handle's pinned settings

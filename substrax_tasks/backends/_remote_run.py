@@ -11,13 +11,11 @@ nothing here decides whether it matches.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import secrets
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,14 +23,11 @@ from typing import Any, Protocol
 from substrax_tasks._openssh import RemoteResult
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
 from substrax_tasks.backends.base import MAX_LOG_BYTES, Fetched, log_cut_note
-from substrax_tasks.config import ENV_LOCK_FILES
 from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.transports.base import checked_manifest
 from substrax_tasks.transports.rsync import RsyncTransport
 
-ALWAYS_EXCLUDED = (".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache",
-                   ".doit.db", ".doit.db.bak", ".doit.db.dat", ".doit.db.dir")  # fmt: skip
 MANIFEST_FILE = "manifest.json"  # in the run's folder, written by the worker as the command ended
 LOG_CHUNK = 1 << 20
 
@@ -55,46 +50,6 @@ def scripts_digest() -> str:
     for name in REMOTE_SCRIPTS:
         digest.update(remote_script(name).read_bytes())
     return digest.hexdigest()[:12]
-
-
-def env_lock(project: Path) -> str | None:
-    """The lock file the run's environment is built from, if any."""
-    return next((name for name in ENV_LOCK_FILES if (project / name).is_file()), None)
-
-
-def env_digest(project: Path, lock: str, python: str, pip_args: list[str]) -> str:
-    """Names an environment: reused while the lock and how it is built stay."""
-    recipe = json.dumps([python, pip_args]).encode()
-    return hashlib.sha256((project / lock).read_bytes() + recipe).hexdigest()[:16]
-
-
-def env_steps(lock: str, env_dir: str, project: str, python: str, pip_args: list[str]) -> list[list[str]]:
-    """The commands that build the environment, run from the project's
-    folder there, so relative paths in pip_args (--find-links wheels/) and
-    in the lock resolve as they do here."""
-    if lock == "uv.lock":
-        return [["env", f"UV_PROJECT_ENVIRONMENT={env_dir}", "uv", "sync", "--frozen", "--project", project]]
-    pip = [f"{env_dir}/bin/pip", "install", "--disable-pip-version-check", "-q", *pip_args, "-r", lock]
-    return [[python, "-m", "venv", env_dir], pip]
-
-
-def project_files(project: Path, state_dir: Path, excludes: list[str]) -> list[str]:
-    """The project's files to upload: git's tracked files when the project
-    is a git work tree, otherwise every file but caches and the state dir."""
-    try:
-        listed = subprocess.run(
-            ["git", "-C", str(project), "ls-files", "-z", "--cached"],
-            capture_output=True, check=True, timeout=60,
-        ).stdout  # fmt: skip
-        files = [p for p in listed.decode().split("\0") if p]
-        if files:
-            return files
-    except (OSError, subprocess.SubprocessError):
-        pass
-    skip = {*ALWAYS_EXCLUDED, *excludes}
-    with contextlib.suppress(ValueError, IndexError):  # the state dir is elsewhere
-        skip.add(state_dir.resolve().relative_to(project.resolve()).parts[0])
-    return sorted(entry.name for entry in project.iterdir() if entry.name not in skip)
 
 
 def forwarded_env(handle: RunHandle) -> dict[str, str]:

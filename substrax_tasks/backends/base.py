@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ValidationError
-
 from substrax_tasks._signals import check_interrupted
 from substrax_tasks.errors import HandleError
-from substrax_tasks.handle import RunHandle
-from substrax_tasks.store import RunStore
+
+if TYPE_CHECKING:  # pydantic: not imported by a restore from the run cache, which needs Fetched only
+    from pydantic import BaseModel
+
+    from substrax_tasks.handle import RunHandle
+    from substrax_tasks.store import RunStore
 
 if TYPE_CHECKING:
     from substrax_tasks.machines import Leak
@@ -118,6 +120,8 @@ class Backend(ABC):
     def from_handle(cls, handle: RunHandle, store: RunStore) -> Backend:
         """The backend as the run was submitted: from the pinned settings,
         never from the project's current configuration."""
+        from pydantic import ValidationError
+
         try:
             settings = cls.Settings.model_validate(handle.settings)
         except ValidationError as exc:

@@ -1,5 +1,9 @@
 """The local backend: the step runs on this machine, under bubblewrap.
 
+As over ssh, the command sees the project's tracked files and its declared
+inputs only (project_view.py), with the environment built from the lock
+file (remote/env.py, into the store's `envs/`) first on its PATH.
+
 The run's folder in the store is also its working folder; the worker is
 started detached (its own session, double-forked), so it goes on if the
 client exits. Status and cancel are `remote/control.py`'s, as for every
@@ -25,12 +29,20 @@ from typing import Any
 from substrax_tasks import _gpus, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._program import resolve_program
-from substrax_tasks._remote_files import control, remote_dir, remote_module
+from substrax_tasks._remote_files import control, env, remote_dir, remote_module
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.project_view import project_view
 from substrax_tasks.settings import LocalSettings
-from substrax_tasks.worker_job import STAGING_DIR, WorkerPaths, build_job, damaged_status, status_from_record
+from substrax_tasks.worker_job import (
+    STAGING_DIR,
+    WorkerPaths,
+    build_job,
+    damaged_status,
+    env_dir_of,
+    status_from_record,
+)
 
 START_TIMEOUT_SECONDS = 30.0  # worker start-up; bubblewrap probe included
 CANCEL_MARGIN_SECONDS = 10.0  # beyond the grace period, for the SIGKILL and reap
@@ -61,6 +73,15 @@ class LocalBackend(Backend):
             raise BackendError(f"run {handle.run_id}: its handle names no project folder")
         paths = self.paths(handle)
         Path(paths.staging).mkdir(parents=True, exist_ok=True)
+        recipe = env()
+        try:  # the interpreter running doit makes the venv, as the user's own would
+            built = recipe.ensure(str(project), str(self.store.root / "envs"), sys.executable,
+                                  self.settings.pip_args)  # fmt: skip
+        except recipe.BuildFailed as exc:
+            raise BackendError(f"run {handle.run_id}: building the environment: {exc}") from None
+        env_dir = env_dir_of(handle.step, built)
+        # What ssh and skypilot would upload is all the sandbox shows.
+        view = project_view(Path(project), self.store.root, handle.spec.inputs, handle.spec.outputs)
         job = build_job(
             handle.spec,
             paths,
@@ -69,8 +90,11 @@ class LocalBackend(Backend):
             grace_seconds=self.settings.grace_seconds,
             hide=[str(Path.home())],
             extra_ro=interpreter_paths(),
+            env_dir=env_dir,
             cache_dirs=self.settings.cache_dirs,
             cache_root=str(self.store.home_cache),
+            project_hidden=view.hidden,
+            left_out=view.left_out,
             gpus=_gpus.job_gpus(
                 handle.spec, self.settings.hide_gpus_when_unasked, remote_module("gpus").host_gpus,
                 # where ssh runs keep theirs by default: one holder per GPU of this machine

@@ -28,12 +28,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from substrax_tasks._remote_files import env
 from substrax_tasks._sky import SkyCallError, SkyClient
-from substrax_tasks.backends._remote_run import env_digest, env_lock, project_files, scripts_digest
+from substrax_tasks.backends._remote_run import scripts_digest
 from substrax_tasks.backends.local import link_tree
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.project_view import project_view
 from substrax_tasks.store import RunStore
 from substrax_tasks.worker_job import WorkerPaths, build_job, project_key
 
@@ -119,14 +121,19 @@ def environment(
     settings: SkypilotSettings, layout: ClusterLayout, project: Path
 ) -> tuple[str | None, str | None]:
     """The lock file the environment is built from, and its folder (None, None: no lock)."""
-    lock = env_lock(project)
+    recipe = env()
+    lock = recipe.lock_file(str(project))
     if lock is None:
         return None, None
-    return lock, layout.env_dir(env_digest(project, lock, settings.python, settings.pip_args))
+    return lock, layout.env_dir(recipe.digest(str(project), lock, settings.python, settings.pip_args))
 
 
 def worker_job(
-    settings: SkypilotSettings, handle: RunHandle, layout: ClusterLayout, env_dir: str | None
+    settings: SkypilotSettings,
+    handle: RunHandle,
+    layout: ClusterLayout,
+    env_dir: str | None,
+    left_out: list[str] | None = None,
 ) -> dict[str, Any]:
     """The worker's job, its folders relative to the home folder (the worker
     resolves them where it starts: the home is unknown until launch)."""
@@ -140,6 +147,7 @@ def worker_job(
         env_dir=env_dir,
         cache_dirs=settings.cache_dirs,
         cache_root=f"{layout.root}/cache/{project_key(str(handle.state['project']))}",
+        left_out=left_out or [],
     )
     job["staging"] = layout.staging
     if layout.bucket_key is not None:  # the bucket transport fetches it with the outputs
@@ -169,17 +177,10 @@ def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterL
              watchdog_line(settings, layout, seconds)]  # fmt: skip
     lines += settings.setup_commands
     if lock and env_dir:
-        env = _home(env_dir)
-        if lock == "uv.lock":
-            build = f"UV_PROJECT_ENVIRONMENT={env} uv sync --frozen --project ."
-        else:
-            pip_args = ["install", "--disable-pip-version-check", "-q", *settings.pip_args, "-r", lock]
-            pip = f"{_home(env_dir + '/bin/pip')} {_sh(pip_args)}"
-            build = f"{_sh([settings.python, '-m', 'venv'])} {env} && {pip}"
-        ready = _home(f"{env_dir}/.substrax-ready")
-        # From the project, so relative paths in pip_args and the lock resolve as they do here.
-        project = _home(layout.project)
-        lines.append(f"if [ ! -f {ready} ]; then (cd {project} && {build}) && touch {ready}; fi")
+        # The same recipe as every backend's (it prints where the env is: known here already).
+        build = [settings.python, f"{layout.bin}/env.py", layout.project, f"{layout.root}/envs",
+                 settings.python, *settings.pip_args]  # fmt: skip
+        lines.append(f"{_sh(build)} >/dev/null")
     return "\n".join(lines) + "\n"
 
 
@@ -299,17 +300,18 @@ def task_config(
 
 def snapshot(
     settings: SkypilotSettings, handle: RunHandle, project: Path, state_dir: Path, dest: Path
-) -> None:
+) -> list[str]:
     """The project's files, the step's inputs and nothing else, as hard
-    links (copies across file systems) in `dest`: SkyPilot uploads it."""
+    links (copies across file systems) in `dest`: SkyPilot uploads it.
+    Returns what was left out (for a failure to name)."""
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     outputs = {o.rstrip("/") for o in handle.spec.outputs}
     sources = set(settings.copy_.source_paths()) if settings.copy_ is not None else set()
     buckets = {p.strip("/") for p in settings.bucket.buckets} if settings.bucket is not None else set()
     skipped = outputs | sources | buckets
-    files = [f for f in project_files(project, state_dir, []) if f.rstrip("/") not in skipped]
-    files += [i for i in handle.spec.inputs if i.rstrip("/") not in files and i.rstrip("/") not in skipped]
+    view = project_view(project, state_dir, handle.spec.inputs, handle.spec.outputs)
+    files = [f for f in view.files if f not in skipped]
     for rel in files:  # an input inside a folder already taken stays as taken
         link_tree(project / rel.rstrip("/"), dest / rel.rstrip("/"))
     # SkyPilot filters a mount through the .gitignore files in it, unless
@@ -320,6 +322,7 @@ def snapshot(
     partial = dest / ".skyignore.partial"
     partial.write_text("# substrax-tasks: this snapshot is exactly what is uploaded\n")
     partial.replace(ignore)
+    return view.left_out
 
 
 def validate(sky: SkyClient, settings: SkypilotSettings, config: dict[str, Any]) -> None:

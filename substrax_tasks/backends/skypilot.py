@@ -136,11 +136,10 @@ class SkypilotBackend(Backend):
         layout = self.layout(handle)
         lock, env_dir = sky_task.environment(self.settings, layout, project)
         upload = self.run_file(handle, "upload")
-        sky_task.snapshot(self.settings, handle, project, self.store.root, upload / "project")
+        left_out = sky_task.snapshot(self.settings, handle, project, self.store.root, upload / "project")
         (upload / "in").mkdir(parents=True, exist_ok=True)
-        write_json_atomic(
-            upload / "in" / "job.json", sky_task.worker_job(self.settings, handle, layout, env_dir)
-        )
+        job = sky_task.worker_job(self.settings, handle, layout, env_dir, left_out)
+        write_json_atomic(upload / "in" / "job.json", job)
         config = sky_task.task_config(
             self.settings, handle, layout, upload_dir=upload, remote_dir=remote_dir(),
             project=project, lock=lock, env_dir=env_dir,

@@ -11,8 +11,8 @@ everything of a run lives in `<remote_root>/runs/<run-id>/`:
     work/outputs/   what the sandboxed task writes (the outputs' folders)
 
 and `<remote_root>/bin-<digest>/` holds the stdlib-only scripts (worker,
-manifest, control), `<remote_root>/envs/<lock digest>/` the environments,
-reused while the lock file is unchanged.
+manifest, control, env), `<remote_root>/envs/<lock digest>/` the
+environments remote/env.py builds, reused while the lock file is unchanged.
 """
 
 from __future__ import annotations
@@ -25,18 +25,25 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from substrax_tasks import _gpus
-from substrax_tasks._output import emit
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
 from substrax_tasks._signals import check_interrupted
 from substrax_tasks._ssh import NoSession, SshConnection, connection
 from substrax_tasks.backends import _remote_run
-from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env, project_files
+from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env
 from substrax_tasks.backends.base import LOG_POLL_SECONDS, MAX_LOG_BYTES, Backend, Fetched, Pool, RunStatus
 from substrax_tasks.errors import BackendError, HostRefused, SubstraxError
 from substrax_tasks.handle import RunHandle
+from substrax_tasks.project_view import project_view
 from substrax_tasks.settings import SshSettings
 from substrax_tasks.transports.rsync import RsyncTransport
-from substrax_tasks.worker_job import WorkerPaths, build_job, damaged_status, project_key, status_from_record
+from substrax_tasks.worker_job import (
+    WorkerPaths,
+    build_job,
+    damaged_status,
+    env_dir_of,
+    project_key,
+    status_from_record,
+)
 
 if TYPE_CHECKING:
     from substrax_tasks.machines import Leak
@@ -133,31 +140,19 @@ class SshBackend(Backend):
     def sync(self, handle: RunHandle) -> RunHandle:
         project = Path(str(handle.state["project"]))
         outputs = {o.rstrip("/") for o in handle.spec.outputs}
-        files = [
-            f for f in project_files(project, self.store.root, self.settings.copy_.excludes)
-            if f not in outputs  # the sandbox hides them; the run makes them anew
-        ]
-        files += [i for i in handle.spec.inputs if i.rstrip("/") not in files]
+        view = project_view(
+            project, self.store.root, handle.spec.inputs, handle.spec.outputs, self.settings.copy_.excludes
+        )
+        files = [f for f in view.files if f not in outputs]  # the sandbox hides them; the run makes them anew
         stats = self.transport().upload(project, files, f"{self._state(handle, 'remote_run_dir')}/project")
-        env_dir = self._sync_env(handle, project)
-        return self.store.update_state(handle, env_dir=env_dir, uploaded=stats.files)
-
-    def _sync_env(self, handle: RunHandle, project: Path) -> str | None:
-        lock = _remote_run.env_lock(project)
-        if lock is None:
-            return None
-        digest = _remote_run.env_digest(project, lock, self.settings.python, self.settings.pip_args)
-        env_dir = f"{self._state(handle, 'remote_root')}/envs/{digest}"
-        if self.conn.run(["test", "-f", f"{env_dir}/.substrax-ready"]).returncode == 0:
-            emit(f"{handle.step}: reusing the environment for {lock} ({digest})")
-            return env_dir
-        project_dir = f"{self._state(handle, 'remote_run_dir')}/project"
-        in_project = ["sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", project_dir]
-        settings = self.settings
-        for argv in _remote_run.env_steps(lock, env_dir, project_dir, settings.python, settings.pip_args):
-            self.conn.check([*in_project, *argv], f"syncing the environment from {lock}", timeout=None)
-        self.conn.check(["touch", f"{env_dir}/.substrax-ready"], "marking the environment")
-        return env_dir
+        run = self.remote_run(handle)
+        argv = run.script("env.py", f"{run.run_dir}/project", f"{self._state(handle, 'remote_root')}/envs",
+                          self.settings.python, *self.settings.pip_args)  # fmt: skip
+        result = self.conn.run(argv, timeout=None)
+        if result.returncode != 0:
+            raise run.failure("building the environment", result)
+        env_dir = env_dir_of(handle.step, run.answer(result, "building the environment"))
+        return self.store.update_state(handle, env_dir=env_dir, uploaded=stats.files, left_out=view.left_out)
 
     def start(self, handle: RunHandle) -> RunHandle:
         run = self.remote_run(handle)
@@ -174,6 +169,7 @@ class SshBackend(Backend):
             env_dir=env_dir if isinstance(env_dir, str) else None,
             cache_dirs=self.settings.cache_dirs,
             cache_root=cache_root,
+            left_out=[str(p) for p in handle.state.get("left_out") or []],
             gpus=handle.state.get("gpus"),
         )
         self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())

@@ -1,0 +1,73 @@
+"""The driver's use of the run cache (cache.py): restore before a launch,
+say in the step record where the outputs came from, keep a promoted run."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+from typing import TYPE_CHECKING
+
+from substrax_tasks._cache_store import Damaged
+from substrax_tasks._output import emit
+from substrax_tasks.cache import CacheOptions, RunCache, cache_key
+from substrax_tasks.errors import BackendError
+
+if TYPE_CHECKING:
+    from substrax_tasks.driver import StepDriver
+
+
+def run_cache_of(driver: StepDriver) -> RunCache | None:
+    options = CacheOptions(**driver.view.cache_options())
+    return RunCache(options, driver.root, driver.view.state_dir) if options.enabled else None
+
+
+def restored_from_cache(driver: StepDriver) -> bool:
+    """Whether the driver's step was restored from the cache (its outputs
+    staged and verified, to be promoted), unless `doit -a` asked for a real
+    run (which then replaces the entry)."""
+    run_cache = run_cache_of(driver)
+    if run_cache is None or doit_always():
+        return False
+    driver.restored = run_cache.restore(driver.step, driver.parts)
+    if driver.restored is not None:
+        driver.fetched = driver.restored.fetched
+    return driver.restored is not None
+
+
+def keep_after(driver: StepDriver) -> None:
+    """At teardown, after the outputs are home: drop a restore's staging
+    folder, or keep a run just promoted as an entry (never delaying its
+    promotion). A failure to keep it is one line; the step is done."""
+    restored, handle, run_cache = driver.restored, driver.handle, run_cache_of(driver)
+    if restored is not None:
+        shutil.rmtree(restored.fetched.root, ignore_errors=True)
+        if run_cache is not None and restored.shared is not None:
+            try:
+                run_cache.adopt(driver.step, restored)
+            except (OSError, Damaged) as exc:
+                emit(f"{driver.step.name}: could not keep {restored.label} locally: {exc}", err=True)
+        return
+    manifest = driver.fetched.manifest if driver.fetched is not None else None
+    if run_cache is None or handle is None or manifest is None or handle.state.get("phase") != "promoted":
+        return
+    host = handle.settings.get("host") or handle.state.get("cluster") or socket.gethostname()
+    provenance = {"run_id": handle.run_id, "backend": handle.backend, "host": str(host)}
+    try:
+        key = cache_key(driver.parts, run_cache.settings.key_backend)
+        run_cache.save(driver.step, key, manifest, provenance)
+    except (OSError, Damaged, BackendError) as exc:
+        emit(f"{driver.step.name}: could not keep run {handle.run_id} in the cache: {exc}", err=True)
+
+
+def doit_always() -> bool:
+    """Whether doit runs every task (`-a`): its runner, up the stack, says."""
+    from doit.runner import Runner
+
+    frame = sys._getframe(1)  # doit tells actions nothing of -a
+    while frame is not None:
+        runner = frame.f_locals.get("self")
+        if isinstance(runner, Runner):
+            return bool(runner.always_execute)
+        frame = frame.f_back  # type: ignore[assignment]
+    return False

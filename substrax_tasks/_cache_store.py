@@ -1,0 +1,377 @@
+"""Where cache entries live: a folder on this machine, or a shared store
+reached through fsspec, both laid out alike, plus the SSH signatures of
+entries.
+
+    entries/<key>.json       the entry: manifest, outputs, provenance
+    entries/<key>.json.sig   its signature (`ssh-keygen -Y sign`), if signed
+    entries/<key>.json.stats the stat of its objects when last hashed (local folder only)
+    objects/<ab>/<sha256>    file contents, by digest: shared by every entry
+
+An entry is written last, after every object it names: a store never holds
+an entry whose objects were not all written (an interrupted write leaves
+objects no entry names, which a trim removes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import secrets
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from substrax_tasks._atomic import write_bytes_atomic
+from substrax_tasks.errors import BackendError
+from substrax_tasks.manifest_cache import CacheEntries, HashCache, manifest_module
+
+NAMESPACE = "substrax-cache"  # of the SSH signatures: a key's other signatures do not count
+UPLOADS = 8  # objects sent to a shared store at once: one request each
+BUFFER = 1 << 20  # one reused buffer per restore: no allocation per file
+RACY_NS = int(manifest_module().RACY_SECONDS * 1e9)
+TRUSTED_SIZE = 1 << 20  # objects whose stat is recorded (see copy_object)
+FICLONE = 0x40049409  # linux/fs.h: make dst share src's blocks
+
+# What a restore made of each file: its sha256 and stat, as the outputs'
+# hash cache keys it ([size, mtime_ns, ctime_ns, inode, device, sha256]).
+Made = dict[str, list[Any]]
+# Objects to restore: (object, destination, mode, size) each.
+Wanted = list[tuple[str, str, int, int]]
+
+
+def object_path(sha256: str) -> str:
+    return f"objects/{sha256[:2]}/{sha256}"
+
+
+def entry_path(key: str) -> str:
+    return f"entries/{key}.json"
+
+
+def stats_path(key: str) -> str:
+    """The local folder's hash cache of an entry's objects (see copy_object)."""
+    return f"entries/{key}.json.stats"
+
+
+def copy_file(source: str, dest: str) -> None:
+    """Copy a file's bytes (never a hard link, which an in-place edit of an
+    output would carry into the cache)."""
+    with open(source, "rb") as src, open(dest, "wb") as dst:  # noqa: PTH123
+        copy_fd(src.fileno(), dst.fileno(), os.fstat(src.fileno()).st_size)
+
+
+def copy_fd(src: int, dst: int, size: int) -> None:
+    """Copy `size` bytes from `src`'s offset to the empty `dst`: a reflink
+    where the file system shares blocks (btrfs, XFS), else copy_file_range
+    (in the kernel), else read and write from where it stopped."""
+    try:
+        fcntl.ioctl(dst, FICLONE, src)
+        return
+    except OSError:  # another file system, or none that shares blocks
+        pass
+    left = size
+    try:
+        while left > 0 and (sent := os.copy_file_range(src, dst, left)):
+            left -= sent
+    except OSError:
+        while chunk := os.read(src, BUFFER):
+            os.write(dst, chunk)
+
+
+def stat_key(st: os.stat_result) -> list[int]:
+    """A file's key in a hash cache (manifest_cache.py): any write changes it."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def drop_entry(store: Folder | Shared, key: str) -> None:
+    for rel in (entry_path(key), entry_path(key) + ".sig", stats_path(key)):
+        store.remove(rel)
+
+
+class Damaged(Exception):
+    """An entry that must not be promoted; the message says why."""
+
+
+def materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path, key: str) -> CacheEntries:
+    """The manifest's tree under `staging`, contents from the objects of
+    entry `key`, each hashed as it is copied unless the store vouches for
+    it (Folder.get); the copies' hash cache entries, by path.
+    Symlinks come last, so no write can go through one, and the folders'
+    modes after the files, so none blocks a write."""
+    staging.mkdir(parents=True, mode=0o700)
+    base = f"{staging}/"
+    wanted, links, folders, made = [], [], [], {str(staging)}
+    for item in manifest["entries"]:
+        path, kind = base + item["path"], item.get("type")
+        folder = path if kind == "dir" else os.path.dirname(path)  # noqa: PTH120
+        if folder not in made:  # made once, not once per file
+            os.makedirs(folder, exist_ok=True)  # noqa: PTH103
+            made.add(folder)
+        if kind == "dir":
+            folders.append((path, item.get("mode")))
+        elif kind == "file":
+            mode = item.get("mode")
+            wanted.append((object_path(item["sha256"]), path, mode if isinstance(mode, int) else 0o644,
+                           int(item.get("size") or 0)))  # fmt: skip
+        elif kind == "symlink" and isinstance(item.get("target"), str):
+            links.append((item["target"], path))
+        else:
+            raise Damaged(f"its manifest lists {item['path']} of type {kind!r}")
+    copies = store.get(wanted, key)
+    for target, path in links:
+        os.symlink(target, path)  # noqa: PTH211
+    for path, mode in reversed(folders):  # the deepest first
+        if isinstance(mode, int):
+            os.chmod(path, mode)  # noqa: PTH101
+    return {dest[len(base):]: key for dest, key in copies.items()}
+
+
+def copy_object(  # noqa: PLR0917
+    root: str, rel: str, dest: str, mode: int, buffer: bytearray, known: CacheEntries | None
+) -> list[Any]:
+    """Copy the object `root + rel` to the new file `dest` with `mode`; the hash
+    cache key of `dest`. An object whose stat still matches its key in
+    `known` is copied as it is (a reflink where the file system can): its
+    name is its digest, and any write since it was hashed changed its stat.
+    Any other is hashed as it is copied (each byte read once), and kept in
+    `known` when it is what its name says and older than the racy window.
+    Small objects (`known` None) cost less to hash than to look up."""
+    digest = rel.rsplit("/", 1)[-1]
+    src = os.open(root + rel, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        key = stat_key(os.fstat(src)) if known is not None else []
+        dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            if known is not None and known.get(rel) == [*key, digest]:
+                copy_fd(src, dst, key[0])
+                made = _made(dst, mode, digest)
+                if stat_key(os.fstat(src)) == key and made[0] == key[0]:
+                    return made
+                os.lseek(src, 0, os.SEEK_SET)  # it changed under the copy: copy again, hashing
+                os.ftruncate(dst, 0)
+                os.lseek(dst, 0, os.SEEK_SET)
+            found = _copy_hashed(src, dst, buffer)
+            if known is not None and found == digest and key[2] < time.time_ns() - RACY_NS \
+                    and stat_key(os.fstat(src)) == key:  # fmt: skip
+                known[rel] = [*key, digest]  # the racy rule of manifest_cache: never a young file
+            return _made(dst, mode, found)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def _copy_hashed(src: int, dst: int, buffer: bytearray) -> str:
+    sha = hashlib.sha256()
+    view = memoryview(buffer)
+    while size := os.readv(src, [buffer]):
+        sha.update(view[:size])
+        done = 0
+        while done < size:
+            done += os.write(dst, view[done:size])
+    return sha.hexdigest()
+
+
+def hash_in_place(path: str, mode: int, buffer: bytearray) -> list[Any]:
+    """The hash cache key of a file a download just wrote, with `mode`
+    (an object store keeps none)."""
+    sha = hashlib.sha256()
+    view = memoryview(buffer)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        while size := os.readv(fd, [buffer]):
+            sha.update(view[:size])
+        return _made(fd, mode, sha.hexdigest())
+    finally:
+        os.close(fd)
+
+
+def _made(fd: int, mode: int, digest: str) -> list[Any]:
+    os.fchmod(fd, mode)  # last: the stat below is the file's final one
+    st = os.fstat(fd)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, digest]
+
+
+class Folder:
+    """A store on this machine (the local cache, mode 0700)."""
+
+    writable = True
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.name = str(root)
+
+    def read(self, rel: str) -> bytes | None:
+        try:
+            return (self.root / rel).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write(self, rel: str, data: bytes) -> None:
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_bytes_atomic(path, data)
+
+    def objects(self) -> set[str]:
+        found: set[str] = set()
+        for sub in _listdir(self.root / "objects"):
+            found.update(f"objects/{sub}/{name}" for name in _listdir(self.root / "objects" / sub))
+        return found
+
+    def get(self, wanted: Wanted, key: str) -> Made:
+        """Copy entry `key`'s objects to new files; by destination. Objects
+        here are ours: their stat, kept when they were last hashed, spares
+        reading them again (copy_object)."""
+        buffer, root, made = bytearray(BUFFER), f"{self.root}/", {}
+        known = HashCache.load(self.root / stats_path(key))
+        for rel, dest, mode, size in wanted:
+            try:
+                made[dest] = copy_object(root, rel, dest, mode, buffer,
+                                         known.entries if size >= TRUSTED_SIZE else None)  # fmt: skip
+            except FileNotFoundError as exc:
+                if exc.filename == root + rel:
+                    raise FileNotFoundError(f"object {rel} is missing") from None
+                raise
+        if known.entries:
+            known.save()
+        return made
+
+    def put(self, pairs: list[tuple[Path, str]]) -> None:
+        """Copy local files in as objects, each whole or not at all."""
+        for source, rel in pairs:
+            final = self.root / rel
+            final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            part = final.with_name(f".{final.name}.{secrets.token_hex(4)}.part")
+            try:
+                copy_file(str(source), str(part))
+                part.replace(final)
+            finally:
+                part.unlink(missing_ok=True)
+
+    def remove(self, rel: str) -> None:
+        (self.root / rel).unlink(missing_ok=True)
+
+
+class Shared:
+    """A store any fsspec file system reaches (s3://, file://, ...); the
+    endpoint and credentials as the bucket transport takes them."""
+
+    def __init__(self, url: str, writable: bool) -> None:
+        from substrax_tasks.transports.bucket import BucketTransport
+
+        self.name = url.rstrip("/")
+        self.writable = writable
+        self.transport = BucketTransport(show_progress=False)
+        self._fs: Any = None
+        self._root = ""
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None:
+            self._fs, self._root = self.transport.filesystem(self.name)
+        return self._fs
+
+    def _path(self, rel: str) -> str:
+        self.fs  # noqa: B018 - sets _root
+        return f"{self._root}/{rel}"
+
+    def read(self, rel: str) -> bytes | None:
+        try:
+            return bytes(self.fs.cat_file(self._path(rel)))
+        except FileNotFoundError:
+            return None
+
+    def _parents(self, rels: list[str]) -> None:
+        """Folders for new objects (file://, unlike object stores, needs them)."""
+        for parent in sorted({self._path(rel).rsplit("/", 1)[0] for rel in rels}):
+            self.fs.makedirs(parent, exist_ok=True)
+
+    def write(self, rel: str, data: bytes) -> None:
+        self._parents([rel])
+        self.fs.pipe_file(self._path(rel), data)
+
+    def objects(self) -> set[str]:
+        try:
+            found = self.fs.find(self._path("objects"))
+        except FileNotFoundError:
+            return set()
+        cut = len(self._path(""))
+        return {str(name)[cut:] for name in found}
+
+    def get(self, wanted: Wanted, key: str) -> Made:
+        """Download objects (the bucket transport's parallel, whole-or-nothing
+        copies), then hash each copy; by destination."""
+        from substrax_tasks.transports.bucket import _Copy
+
+        copies = [_Copy(self._path(rel), dest, size) for rel, dest, _, size in wanted]
+        try:
+            self.transport._copy_all(self.fs, copies, lambda c: c.source, time.monotonic())
+        except BackendError as exc:
+            if "not found" in str(exc):
+                raise FileNotFoundError(str(exc)) from None
+            raise
+        buffer = bytearray(BUFFER)
+        return {dest: hash_in_place(dest, mode, buffer) for _, dest, mode, _ in wanted}
+
+    def put(self, pairs: list[tuple[Path, str]]) -> None:
+        self._parents([rel for _, rel in pairs])
+        with ThreadPoolExecutor(max_workers=UPLOADS) as pool:
+            list(pool.map(lambda pair: self.fs.put_file(str(pair[0]), self._path(pair[1])), pairs))
+
+    def remove(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(rel))
+
+
+def _listdir(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)  # noqa: PTH208 - names, not paths
+    except FileNotFoundError:
+        return []
+
+
+# ------------------------------------------------------------------ signatures
+
+
+def sign(data: bytes, key_file: str) -> bytes:
+    """The SSH signature of `data` by `key_file` (the private key)."""
+    with tempfile.TemporaryDirectory(prefix="substrax-sign-") as folder:
+        path = Path(folder) / "entry"
+        path.write_bytes(data)
+        done = subprocess.run(
+            ["ssh-keygen", "-Y", "sign", "-q", "-f", key_file, "-n", NAMESPACE, str(path)],
+            capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        if done.returncode != 0:
+            said = done.stderr.strip()
+            raise BackendError(f"cannot sign cache entries with signing_key {key_file}: {said}")
+        return (Path(folder) / "entry.sig").read_bytes()
+
+
+def refused_signature(data: bytes, signature: bytes | None, allowed_signers: str) -> str | None:
+    """None if `signature` is a valid signature of `data` by a key listed in
+    `allowed_signers`; else why not, naming the signer."""
+    if signature is None:
+        return "it is not signed"
+    with tempfile.TemporaryDirectory(prefix="substrax-verify-") as folder:
+        sig = Path(folder) / "entry.sig"
+        sig.write_bytes(signature)
+
+        def keygen(*args: str) -> tuple[int, str]:
+            done = subprocess.run(["ssh-keygen", "-Y", *args], input=data, capture_output=True, check=False)
+            return done.returncode, (done.stdout + done.stderr).decode(errors="replace").strip()
+
+        code, found = keygen("find-principals", "-s", str(sig), "-f", allowed_signers)
+        principal = found.split("\n", 1)[0].strip()
+        if code != 0 or not principal:
+            code, seen = keygen("check-novalidate", "-n", NAMESPACE, "-s", str(sig))
+            key = seen.rsplit(" key ", 1)[-1] if code == 0 else f"an unreadable signature: {seen}"
+            return f"its signer ({key}) is not in allowed_signers {allowed_signers}"
+        code, said = keygen("verify", "-f", allowed_signers, "-I", principal, "-n", NAMESPACE, "-s", str(sig))
+        if code != 0:
+            return f"its signature by {principal} does not verify ({said})"
+    return None

@@ -1,0 +1,80 @@
+"""The promote phase of a step's chain: verify the outputs a run's fetch
+(or a restore from the run cache) staged, move them into place, and write
+the step record that says where they came from."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+from doit.exceptions import TaskFailed
+
+from substrax_tasks import manifest_cache, uptodate
+from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks.cache import cache_key
+from substrax_tasks.promote import promote
+
+if TYPE_CHECKING:
+    from substrax_tasks.driver import StepDriver
+    from substrax_tasks.uptodate import Step
+
+
+def promote_outputs(driver: StepDriver) -> TaskFailed | None:
+    handle, fetched, restored, step = driver.handle, driver.fetched, driver.restored, driver.spec.step
+    if fetched is None or (handle is None and restored is None):
+        return None  # no run driven here (a rerun that found nothing to do)
+    source = restored.label if restored is not None else f"run {handle.run_id}"  # type: ignore[union-attr]
+    outputs = list(driver.spec.outputs)
+    digest = str(fetched.manifest["digest"])
+    cache = driver.step.files.outputs_cache
+    problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, cache)
+    if problems:
+        return TaskFailed(
+            f"step {step!r}: the fetched outputs of {source} do not match "
+            "its manifest; nothing was promoted:\n  " + "\n  ".join(problems)
+        )
+    renamed = False
+    if fetched.root.resolve() != driver.root.resolve():
+        try:
+            journal = driver.journal(handle.run_id if handle is not None else None)
+            renamed = promote(fetched.root, driver.root, outputs, journal)
+        except OSError as exc:
+            return TaskFailed(
+                f"step {step!r}: could not move the outputs of {source} into place "
+                f"({exc}); fix that, then `doit {step}` promotes them without running "
+                "the command again"
+            )
+    # Renames moved the very files just verified; a copy (another file
+    # system) or outputs verified in place are checked where they stand.
+    if not renamed and not manifest_cache.outputs_match(driver.root, outputs, digest, cache):
+        return TaskFailed(f"step {step!r}: outputs changed while they were promoted")
+    if handle is not None:
+        driver._save(handle, phase="promoted")
+    uptodate.write_record(driver.step, **record_of(driver, digest))
+    return None
+
+
+def record_of(driver: StepDriver, digest: str) -> dict[str, Any]:
+    """What the step record says of outputs just verified and promoted."""
+    handle, restored, parts = driver.handle, driver.restored, driver.parts
+    verified = {"key": uptodate.key(parts), "key_parts": parts, "digest": digest,
+                "cache_key": cache_key(parts, bool(driver.view.cache_options()["key_backend"]))}  # fmt: skip
+    if handle is not None:
+        manifest_file = driver.project.store.run_dir(handle.run_id) / "manifest.json"
+        return {"verified": {**verified, "run_id": handle.run_id, "manifest_file": str(manifest_file)}}
+    assert restored is not None
+    manifest_file = driver.step.files.record.with_suffix(".manifest.json")
+    manifest_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_json_atomic(manifest_file, restored.fetched.manifest, indent=None)
+    run_id = str(restored.provenance.get("run_id") or restored.key[:16])
+    verified.update(run_id=run_id, manifest_file=str(manifest_file), restored_from=restored.label,
+                    provenance=restored.provenance)
+    return {"run_id": run_id, "verified": verified}
+
+
+
+def acknowledge(step: Step, run_id: str) -> None:
+    """At interpreter exit, after doit saved its DB (never after SIGKILL)."""
+    with contextlib.suppress(OSError):
+        if (uptodate.read_record(step).get("verified") or {}).get("run_id") == run_id:
+            uptodate.write_record(step, acknowledged=run_id)

@@ -1,0 +1,399 @@
+"""The cache of verified runs: a step whose work was done before, here or
+anywhere a shared store reaches, is restored instead of run (docs/cache.md).
+
+An entry is keyed by what decides the step's outputs (`uptodate.key_parts`
+without where it ran, unless `key_backend = true`) and holds the verified
+output manifest and provenance; the files are objects named by their sha256
+(_cache_store.py). A restore copies the objects into a staging folder and
+verifies it against the entry's manifest with the same code that verifies a
+fetched run; only then does the driver promote it, as it promotes a fetch.
+The driver consults the cache only in its launch phase, which doit runs only
+when the step must run: a no-op doit never reads it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from substrax_tasks import __version__, manifest_cache
+from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._cache_store import (
+    Damaged,
+    Folder,
+    Shared,
+    drop_entry,
+    entry_path,
+    materialize,
+    object_path,
+    refused_signature,
+    sign,
+)
+from substrax_tasks._output import emit
+from substrax_tasks.backends.base import Fetched
+from substrax_tasks.spec import canonical_digest, safe_name
+
+if TYPE_CHECKING:
+    from substrax_tasks.uptodate import Step
+
+ENTRY_VERSION = 1
+WHERE_IT_RAN = ("backend", "settings")  # left out of the key unless key_backend = true
+ORPHAN_SECONDS = 3600  # objects no entry names yet may belong to a store in progress
+_UNREACHABLE: set[str] = set()  # shared stores that failed in this process: warned once
+_STATS_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Restored:
+    fetched: Fetched
+    key: str
+    label: str
+    provenance: dict[str, Any]
+    shared: tuple[bytes, bytes | None] | None = None  # from the shared store: the entry and its signature
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """`[tool.substrax.compute.cache]` as validated (settings.CacheSettings.options),
+    kept with the project's resolved configuration: a restore imports no pydantic."""
+
+    enabled: bool
+    path: str | None
+    max_bytes: int
+    shared: str | None
+    mode: str
+    allowed_signers: str | None
+    signing_key: str | None
+    key_backend: bool
+
+    def folder(self, project: Path) -> Path:
+        return (project / Path(self.path).expanduser()) if self.path else default_folder()
+
+
+def cache_key(parts: dict[str, Any], key_backend: bool) -> str:
+    """The key of a step's entry: its up-to-date key's parts, without where
+    it ran unless asked (the same step on local, ssh or skypilot shares one)."""
+    kept = {k: v for k, v in parts.items() if key_backend or k not in WHERE_IT_RAN}
+    return canonical_digest({"cache_entry": ENTRY_VERSION, **kept})
+
+
+def default_folder() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "substrax-tasks"
+
+
+def digest_of(path: Path) -> str:
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+class RunCache:
+    """The project's view of the cache: its local folder and shared store."""
+
+    def __init__(self, settings: CacheOptions, project: Path, state_dir: Path) -> None:
+        self.settings = settings
+        self.local = Folder(settings.folder(project))
+        self.shared = Shared(settings.shared, settings.mode == "readwrite") if settings.shared else None
+        self.signers = _absolute(project, settings.allowed_signers)
+        self.signing_key = _absolute(project, settings.signing_key)
+        self.stats_file = state_dir / "cache" / "run-cache.json"
+        self.staging_root = state_dir / "restore"
+
+    def _stores(self) -> list[Folder | Shared]:
+        shared = [self.shared] if self.shared is not None and self.shared.name not in _UNREACHABLE else []
+        return [self.local, *shared]
+
+    def _unreachable(self, store: Folder | Shared, exc: BaseException) -> None:
+        _UNREACHABLE.add(store.name)
+        emit(f"warning: the cache store {store.name} cannot be used ({type(exc).__name__}: {exc}); "
+             "steps run without it", err=True)  # fmt: skip
+
+    # ------------------------------------------------------------ restore
+    def restore(self, step: Step, parts: dict[str, Any]) -> Restored | None:
+        """The step's outputs from the first store holding a sound entry,
+        staged and verified; None (the step runs) otherwise."""
+        key = cache_key(parts, self.settings.key_backend)
+        for store in self._stores():
+            try:
+                found = self._restore_from(store, step, key)
+            except Exception as exc:  # noqa: BLE001 - any failure of a store: run the step instead
+                self._unreachable(store, exc)
+                continue
+            if found is not None:
+                self._count("hits")
+                return found
+        self._count("misses")
+        return None
+
+    def find(self, parts: dict[str, Any]) -> str | None:
+        """Which entry a restore would try first (for `why`): named, or None."""
+        key = cache_key(parts, self.settings.key_backend)
+        for store in self._stores():
+            try:
+                data = store.read(entry_path(key))
+            except Exception:  # noqa: BLE001, S112 - unreachable: not found
+                continue
+            if data is not None and not (self.local.root / "bad" / hashlib.sha256(data).hexdigest()).exists():
+                prov = json.loads(data).get("provenance") or {}
+                when = f"run {prov.get('run_id')}, {prov.get('time')}"
+                return f"cache entry {key[:16]} in {store.name} ({when})"
+        return None
+
+    def _restore_from(self, store: Folder | Shared, step: Step, key: str) -> Restored | None:
+        data = store.read(entry_path(key))
+        if data is None:
+            return None
+        label = f"cache entry {key[:16]} in {store.name}"
+        marker = self.local.root / "bad" / hashlib.sha256(data).hexdigest()
+        if marker.exists():
+            emit(f"{step.name}: skipping {label}, found damaged before; the step runs")
+            return None
+        signature = store.read(entry_path(key) + ".sig") if store is self.shared else None
+        if self.signers and store is self.shared:
+            why = refused_signature(data, signature, self.signers)
+            if why:
+                emit(f"{step.name}: refused {label}: {why}; the step runs")
+                return None
+        staging = self.staging_root / f"{safe_name(step.name)}-{secrets.token_hex(4)}"
+        manifest: dict[str, Any] = {}
+        try:
+            entry = _parsed(data, key)
+            manifest = entry["manifest"]
+            # The copies' digests, taken as they were written, fill the
+            # outputs' hash cache: verifying them (here and at promotion)
+            # then reads no byte again, only checks each copy's stat.
+            hash_cache = manifest_cache.HashCache.load(step.files.outputs_cache)
+            for rel, cache_entry in materialize(store, manifest, staging, key).items():
+                hash_cache.entries[rel] = cache_entry
+            hash_cache.save()
+            problems = manifest_cache.verify_outputs(staging, list(step.spec.outputs), manifest,
+                                                     step.files.outputs_cache)  # fmt: skip
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise Damaged(f"{problems[0]}{more}")
+        except (Damaged, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
+            self._condemn(store, key, marker, staging, manifest)
+            shutil.rmtree(staging, ignore_errors=True)
+            emit(f"{step.name}: {label} is damaged ({exc}); it is skipped from now on and the step runs")
+            return None
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if store is self.local:  # the newest used is the last trimmed
+            os.utime(self.local.root / entry_path(key))
+        prov = entry.get("provenance") or {}
+        emit(f"{step.name}: restored from {label}: run {prov.get('run_id')} on {prov.get('backend')} "
+             f"({prov.get('host')}, {prov.get('time')}); nothing launched")  # fmt: skip
+        shared = (data, signature) if store is self.shared else None
+        return Restored(Fetched(staging, manifest), key, label, prov, shared)
+
+    def _condemn(self, store: Folder | Shared, key: str, marker: Path, staging: Path, manifest: Any) -> None:
+        """Skip a damaged entry from now on; a store we may write also
+        loses it and each object whose copy was not what its name says, so
+        the run that replaces it stores them again."""
+        marker.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        marker.write_text(key + "\n")
+        if not store.writable:
+            return
+        drop_entry(store, key)
+        entries = manifest.get("entries") if isinstance(manifest, dict) else None
+        for item in entries if isinstance(entries, list) else []:
+            if isinstance(item, dict) and item.get("type") == "file" and _is_digest(item.get("sha256")):
+                copy = staging / str(item["path"])
+                if not copy.is_file() or copy.is_symlink() or digest_of(copy) != item["sha256"]:
+                    store.remove(object_path(item["sha256"]))
+
+    def _count(self, what: str) -> None:
+        with _STATS_LOCK:
+            stats = self.stats()
+            stats[what] = stats.get(what, 0) + 1
+            self.stats_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_json_atomic(self.stats_file, stats)
+
+    def stats(self) -> dict[str, int]:
+        try:
+            data = json.loads(self.stats_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in data.items() if isinstance(v, int)} if isinstance(data, dict) else {}
+
+    # ------------------------------------------------------------ store
+    def save(self, step: Step, key: str, manifest: dict[str, Any], provenance: dict[str, Any]) -> None:
+        """Keep the promoted outputs of a run as the entry `key`: locally,
+        and in the shared store in readwrite mode. Outputs changed since
+        they were verified are not kept."""
+        if not self._keep_objects(step, manifest):
+            return
+        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        entry = {"version": ENTRY_VERSION, "key": key, "step": step.name, "outputs": list(step.spec.outputs),
+                 "manifest": manifest, "provenance": {**provenance, "time": stamp,
+                                                      "client": socket.gethostname(),
+                                                      "tool_version": __version__}}  # fmt: skip
+        data = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
+        self._write_local(key, data, sign(data, self.signing_key) if self.signing_key else None)
+        if self.shared is not None and self.shared.writable and self.shared.name not in _UNREACHABLE:
+            try:
+                self.push(key)
+            except Exception as exc:  # noqa: BLE001 - the outputs are home; the store can wait
+                self._unreachable(self.shared, exc)
+        self.trim()
+
+    def adopt(self, step: Step, restored: Restored) -> None:
+        """Keep a hit from the shared store in the local folder too, entry
+        and signature as they came: the next restore here reads no network."""
+        if restored.shared is not None and self._keep_objects(step, restored.fetched.manifest):
+            self._write_local(restored.key, *restored.shared)
+            self.trim()
+
+    def _keep_objects(self, step: Step, manifest: dict[str, Any]) -> bool:
+        """Copy the promoted outputs the local folder lacks in as objects;
+        False (nothing kept) if they changed since they were verified."""
+        root, outputs, cache_file = step.root, list(step.spec.outputs), step.files.outputs_cache
+        digest = str(manifest["digest"])
+        if not manifest_cache.outputs_match(root, outputs, digest, cache_file):
+            emit(f"{step.name}: outputs changed since they were verified; not kept in the cache")
+            return False
+        present = self.local.objects()
+        pairs = {object_path(e["sha256"]): root / e["path"] for e in _files(manifest)}
+        new = [(source, rel) for rel, source in pairs.items() if rel not in present]
+        self.local.put(new)
+        if not manifest_cache.outputs_match(root, outputs, digest, cache_file):  # changed while copied
+            for _, rel in new:
+                self.local.remove(rel)
+            emit(f"{step.name}: outputs changed while they were kept; not kept in the cache")
+            return False
+        return True
+
+    def _write_local(self, key: str, data: bytes, signature: bytes | None) -> None:
+        if signature is not None:
+            self.local.write(entry_path(key) + ".sig", signature)
+        else:
+            self.local.remove(entry_path(key) + ".sig")
+        self.local.write(entry_path(key), data)  # last: its objects are all in
+
+    def push(self, key: str) -> int:
+        """Upload the local entry `key` and the objects the shared store
+        lacks (entry last); the number of objects sent."""
+        if self.shared is None:
+            raise Damaged("no shared store: set shared = \"s3://...\" in [tool.substrax.compute.cache]")
+        data = self.local.read(entry_path(key))
+        if data is None:
+            raise Damaged(f"no local cache entry {key[:16]} in {self.local.name}")
+        manifest = _parsed(data, key)["manifest"]
+        present = self.shared.objects()
+        needed = sorted({object_path(e["sha256"]) for e in _files(manifest)} - present)
+        self.shared.put([(self.local.root / rel, rel) for rel in needed])
+        signature = self.local.read(entry_path(key) + ".sig")
+        if signature is not None:
+            self.shared.write(entry_path(key) + ".sig", signature)
+        self.shared.write(entry_path(key), data)
+        return len(needed)
+
+    def forget(self, key: str) -> list[str]:
+        """Remove entry `key` from the local folder (and the shared store
+        in readwrite mode); where it was removed."""
+        gone = []
+        for store in self._stores():
+            if store.writable and store.read(entry_path(key)) is not None:
+                drop_entry(store, key)
+                gone.append(store.name)
+        return gone
+
+    # ------------------------------------------------------------ size
+    def usage(self) -> tuple[list[tuple[float, str, set[str]]], dict[str, tuple[int, float]]]:
+        """The local entries (mtime, key, objects, oldest first) and objects (size, mtime)."""
+        entries = []
+        for path in (self.local.root / "entries").glob("*.json"):
+            try:
+                data = path.read_bytes()
+                manifest = _parsed(data, path.stem)["manifest"]
+                names = {object_path(e["sha256"]) for e in _files(manifest)}
+                entries.append((path.stat().st_mtime, path.stem, names))
+            except (OSError, Damaged, KeyError, TypeError):
+                entries.append((0.0, path.stem, set()))  # unreadable: the first to go
+        objects = {}
+        for rel in self.local.objects():
+            st = (self.local.root / rel).stat()
+            objects[rel] = (st.st_size, st.st_mtime)
+        return sorted(entries), objects
+
+    def trim(self, dry_run: bool = False, older_than_days: float | None = None) -> list[str]:
+        """Remove the local entries last used more than `older_than_days`
+        ago, then the oldest until the objects fit in max_size, and objects
+        no entry names; what was (or would be) removed."""
+        import time
+
+        entries, objects = self.usage()
+        cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else 0.0
+        named: dict[str, int] = {}
+        for _, _, names in entries:
+            for rel in names:
+                named[rel] = named.get(rel, 0) + 1
+        young = time.time() - ORPHAN_SECONDS
+        dropped = [rel for rel, (_, mtime) in objects.items() if rel not in named and mtime < young]
+        total = sum(size for rel, (size, _) in objects.items() if rel in named)
+        removed = [f"object {rel} (named by no entry)" for rel in dropped]
+        for used, key, names in entries:
+            if total <= self.settings.max_bytes and used >= cutoff:
+                break
+            removed.append(f"entry {key[:16]}")
+            if not dry_run:
+                drop_entry(self.local, key)
+            for rel in names:
+                named[rel] -= 1
+                if named[rel] == 0 and rel in objects:
+                    total -= objects[rel][0]
+                    dropped.append(rel)
+        if not dry_run:
+            for rel in dropped:
+                self.local.remove(rel)
+        return removed
+
+
+def _absolute(project: Path, path: str | None) -> str | None:
+    return str(project / Path(path).expanduser()) if path else None
+
+
+def _parsed(data: bytes, key: str) -> dict[str, Any]:
+    """An entry's JSON, checked in shape; Damaged if it is not whole."""
+    try:
+        entry = json.loads(data)
+    except ValueError as exc:
+        raise Damaged(f"its JSON is not whole: {exc}") from None
+    if not isinstance(entry, dict) or entry.get("version") != ENTRY_VERSION or entry.get("key") != key:
+        raise Damaged(f"it is not an entry of version {ENTRY_VERSION} for key {key[:16]}")
+    manifest = entry.get("manifest")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), list) \
+            or manifest.get("missing"):
+        raise Damaged("its manifest is not whole")
+    for item in manifest["entries"]:
+        if not isinstance(item, dict) or not _plain(item.get("path")):
+            raise Damaged(f"its manifest lists {item!r}, not a plain relative path")
+        if item.get("type") == "file" and not _is_digest(item.get("sha256")):
+            raise Damaged(f"its manifest lists file {item['path']} without a sha256")
+    return entry
+
+
+def _plain(path: object) -> bool:
+    parts = path.split("/") if isinstance(path, str) else [""]
+    return not str(path).startswith("/") and all(p not in ("", ".", "..") for p in parts)
+
+
+def _is_digest(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in manifest["entries"] if e.get("type") == "file"]

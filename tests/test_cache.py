@@ -1,0 +1,372 @@
+"""The cache of verified runs (docs/cache.md), through the real `doit` and
+`substrax-compute`: clones of one project sharing a cache folder or a real
+S3 server, branch switches, damaged and unsigned entries, read-only and
+unreachable stores, and gc."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import run_dir, submit, wait_final
+from dodo_helpers import (
+    clean_env,
+    compute,
+    doit_ok,
+    handles,
+    make_project,
+    run_count,
+    run_dirs,
+    show,
+    step_ran,
+    tree_files,
+    write_pyproject,
+)
+from s3_server import S3Server
+
+from substrax_tasks.runs import Project
+
+BODY = """
+def task_make():
+    yield from remote_step("make", shell="mkdir -p out/sub && cat data/in.txt data/in.txt > out/res.txt "
+                           "&& printf x > out/sub/x && ln -s res.txt out/link",
+                           inputs=["data/"], outputs=["out/"])
+"""
+
+
+def project(tmp_path: Path, name: str, cache: str = "", body: str = BODY) -> Path:
+    """A project in `tmp_path/name` whose cache table is `cache`."""
+    (tmp_path / name).mkdir()
+    root = make_project(tmp_path / name, body, default_tasks=["make"], files={"data/in.txt": "hello\n"})
+    write_pyproject(root, cache="[tool.substrax.compute.cache]\n" + cache)
+    return root
+
+
+def folder_cache(tmp_path: Path) -> str:
+    return f'path = "{tmp_path / "team-cache"}"\n'
+
+
+def entries(folder: Path) -> list[Path]:
+    return sorted((folder / "entries").glob("*.json"))
+
+
+def restored(done: subprocess.CompletedProcess[str]) -> bool:
+    return "restored from cache entry" in done.stdout
+
+
+def test_a_second_clone_restores_from_a_shared_folder_without_running(tmp_path: Path) -> None:
+    first = project(tmp_path, "a", folder_cache(tmp_path))
+    done = doit_ok(first)
+    assert not restored(done) and run_count(first) == 1
+    assert len(entries(tmp_path / "team-cache")) == 1
+
+    second = project(tmp_path, "b", folder_cache(tmp_path))
+    done = doit_ok(second)
+    assert restored(done), show(done)
+    assert run_count(second) == 0  # no run folder: nothing was launched, no worker
+    assert tree_files(second / "out") == tree_files(first / "out")
+    assert (second / "out" / "link").is_symlink()
+    assert (second / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
+    # up to date from then on, and `why` agrees
+    again = doit_ok(second)
+    assert not step_ran(again, "make")
+    assert "up to date" in compute(second, "why", "make").stdout
+
+
+def test_changing_an_input_or_the_command_misses(tmp_path: Path) -> None:
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path)))
+    second = project(tmp_path, "b", folder_cache(tmp_path))
+    (second / "data" / "in.txt").write_text("other\n")
+    done = doit_ok(second)
+    assert not restored(done) and run_count(second) == 1
+    third = project(tmp_path, "c", folder_cache(tmp_path), body=BODY.replace("printf x", "printf y"))
+    done = doit_ok(third)
+    assert not restored(done) and run_count(third) == 1
+
+
+def test_doit_forget_restores_and_doit_always_runs_for_real_replacing_the_entry(tmp_path: Path) -> None:
+    root = project(tmp_path, "a", folder_cache(tmp_path))
+    doit_ok(root)
+    first = json.loads(entries(tmp_path / "team-cache")[0].read_text())["provenance"]["run_id"]
+    shutil.rmtree(root / "out")
+    doit_ok(root, "forget", "make")
+    done = doit_ok(root)
+    assert restored(done) and run_count(root) == 1, show(done)
+    done = doit_ok(root, "-a", "make")
+    assert not restored(done) and run_count(root) == 2, show(done)
+    again = json.loads(entries(tmp_path / "team-cache")[0].read_text())["provenance"]["run_id"]
+    assert again != first and again == json.loads((root / ".substrax/steps/make.json").read_text())["run_id"]
+
+
+# doit in-process, to see what a restore imported
+DOIT_IMPORTS = """
+import sys
+from doit.cmd_base import DodoTaskLoader
+from doit.doit_cmd import DoitMain
+
+code = DoitMain(DodoTaskLoader()).run([])
+print("imported pydantic:", "pydantic" in sys.modules)
+sys.exit(code)
+"""
+
+
+def test_a_restore_in_a_project_already_validated_imports_no_pydantic(tmp_path: Path) -> None:
+    """The cache's options are kept with the project's validated settings:
+    a restore after outputs were deleted does not validate the config again."""
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path)))
+    second = project(tmp_path, "b", folder_cache(tmp_path))
+    assert restored(doit_ok(second))
+    shutil.rmtree(second / "out")
+    doit_ok(second, "forget", "make")
+    done = subprocess.run([sys.executable, "-c", DOIT_IMPORTS], cwd=second, env=clean_env(),
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert done.returncode == 0 and restored(done), show(done)
+    assert done.stdout.splitlines()[-1] == "imported pydantic: False", show(done)
+    assert (second / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
+
+
+def test_switching_a_git_branch_and_back_restores(tmp_path: Path) -> None:
+    root = project(tmp_path, "a")  # the default local folder ($XDG_CACHE_HOME)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
+    (root / ".gitignore").write_text(".substrax/\nout/\n")
+    steps = (["init", "-q", "-b", "main"], ["add", "."], ["commit", "-qm", "one"], ["switch", "-qc", "other"])
+    for argv in steps:
+        subprocess.run([*git, *argv], check=True)
+    doit_ok(root)  # on `other` first: the same data, so its entry serves main too
+    (root / "data" / "in.txt").write_text("other branch\n")
+    subprocess.run([*git, "commit", "-qam", "two"], check=True)
+    assert not restored(doit_ok(root)) and run_count(root) == 2
+    subprocess.run([*git, "switch", "-q", "main"], check=True)
+    done = doit_ok(root)
+    assert restored(done) and run_count(root) == 2, show(done)
+    assert (root / "out" / "res.txt").read_text() == "hello\nhello\n"
+    subprocess.run([*git, "switch", "-q", "other"], check=True)
+    assert restored(doit_ok(root)) and (root / "out" / "res.txt").read_text() == "other branch\n" * 2
+
+
+def _res_object(folder: Path) -> Path:
+    return folder / "objects" / RES_SHA[:2] / RES_SHA
+
+
+RES_SHA = hashlib.sha256(b"hello\nhello\n").hexdigest()
+
+
+def _edit_manifest(folder: Path) -> None:
+    path = entries(folder)[0]
+    entry = json.loads(path.read_text())
+    for item in entry["manifest"]["entries"]:
+        if item["path"] == "out/res.txt":
+            item["mode"] = 0o600 if item["mode"] != 0o600 else 0o644
+    path.write_text(json.dumps(entry))
+
+
+TAMPERING: dict[str, Callable[[Path], object]] = {
+    "object-changed": lambda f: _res_object(f).write_bytes(b"HELLO\nhello\n"),
+    "object-removed": lambda f: _res_object(f).unlink(),
+    "object-truncated": lambda f: _res_object(f).write_bytes(b"hello\n"),
+    "manifest-edited": _edit_manifest,
+    "entry-truncated": lambda f: entries(f)[0].write_bytes(entries(f)[0].read_bytes()[:100]),
+}
+
+
+@pytest.mark.parametrize("how", list(TAMPERING))
+def test_a_damaged_entry_is_never_promoted_and_the_step_runs(tmp_path: Path, how: str) -> None:
+    team = tmp_path / "team-cache"
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path)))
+    key = entries(team)[0].stem
+    TAMPERING[how](team)
+    second = project(tmp_path, "b", folder_cache(tmp_path))
+    done = doit_ok(second)
+    assert f"cache entry {key[:16]} in {team} is damaged" in done.stdout, show(done)
+    assert not restored(done) and run_count(second) == 1
+    assert (second / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
+    # the run replaced the entry (and the bad object): a third clone restores it whole
+    third = project(tmp_path, "c", folder_cache(tmp_path))
+    done = doit_ok(third)
+    assert restored(done) and run_count(third) == 0, show(done)
+    assert (third / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
+
+
+BIG = """
+def task_make():
+    yield from remote_step("make", shell="mkdir -p out && head -c 3000000 /dev/zero | tr '\\\\0' x > out/big",
+                           outputs=["out/"])
+"""
+
+
+def test_an_object_changed_after_its_stat_was_recorded_is_hashed_and_refused(tmp_path: Path) -> None:
+    """A restore records the stat of the large objects it hashed, and the
+    next one copies an object whose stat is unchanged without reading it to
+    hash; an object written since (same size, in place) is hashed again."""
+    team = tmp_path / "team-cache"
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path), body=BIG))
+    (entry,) = entries(team)
+    sha = hashlib.sha256(b"x" * 3_000_000).hexdigest()
+    for name in ("b", "c"):  # b hashes and records, c trusts the record
+        root = project(tmp_path, name, folder_cache(tmp_path), body=BIG)
+        done = doit_ok(root)
+        assert restored(done) and run_count(root) == 0, show(done)
+        assert (root / "out" / "big").read_bytes() == b"x" * 3_000_000
+        assert sha in entry.with_name(entry.name + ".stats").read_text()
+    with (team / "objects" / sha[:2] / sha).open("r+b") as obj:
+        obj.write(b"y")
+    root = project(tmp_path, "d", folder_cache(tmp_path), body=BIG)
+    done = doit_ok(root)
+    assert f"cache entry {entry.stem[:16]} in {team} is damaged" in done.stdout, show(done)
+    assert not restored(done) and run_count(root) == 1
+    assert (root / "out" / "big").read_bytes() == b"x" * 3_000_000
+
+
+def test_read_mode_never_writes_the_shared_store(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    root = project(tmp_path, "a", f'shared = "file://{shared}"\nmode = "read"\n')
+    doit_ok(root)
+    assert list(shared.iterdir()) == []
+    assert len(entries(tmp_path / "a" / "xdg-cache")) == 0  # XDG_CACHE_HOME is the test's, not the project's
+    done = compute(root, "cache", "push", "make")
+    assert done.returncode == 0, show(done)  # push is the explicit way to write it
+    assert len(entries(shared)) == 1
+
+
+def _dead_endpoint() -> str:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_an_unreachable_store_degrades_to_running_with_one_warning(s3_env: S3Server, tmp_path: Path) -> None:
+    body = BODY + BODY.replace("make", "make2").replace("out/", "out2/").replace('"out2/"]', '"out2/"]')
+    root = project(tmp_path, "a", f'shared = "s3://{s3_env.bucket}/dead"\nmode = "readwrite"\n', body=body)
+    env = {"AWS_ENDPOINT_URL": _dead_endpoint(), "AWS_MAX_ATTEMPTS": "1"}
+    done = doit_ok(root, "make", "make2", env=env)
+    assert run_count(root) == 2
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: the cache store")]
+    assert len(warnings) == 1 and f"s3://{s3_env.bucket}/dead" in warnings[0], show(done)
+
+
+def test_two_clones_share_an_s3_store(s3_env: S3Server, tmp_path: Path) -> None:
+    prefix = f"s3://{s3_env.bucket}/team-{tmp_path.name}"
+    first = project(tmp_path, "a", f'path = "{tmp_path}/cache-a"\nshared = "{prefix}"\nmode = "readwrite"\n')
+    doit_ok(first)
+    second = project(tmp_path, "b", f'path = "{tmp_path}/cache-b"\nshared = "{prefix}"\n')
+    done = doit_ok(second)
+    assert "restored from cache entry" in done.stdout and prefix in done.stdout, show(done)
+    assert run_count(second) == 0
+    assert tree_files(second / "out") == tree_files(first / "out")
+    status = compute(second, "cache", "status")
+    assert "this project: 1 hits, 0 misses" in status.stdout, show(status)
+    # the hit filled b's local folder, entry as it came: a third clone on it
+    # restores with the store unreachable
+    came = [p.read_bytes() for p in entries(tmp_path / "cache-a")]
+    assert [p.read_bytes() for p in entries(tmp_path / "cache-b")] == came
+    third = project(tmp_path, "c", f'path = "{tmp_path}/cache-b"\nshared = "s3://{s3_env.bucket}/dead"\n')
+    done = doit_ok(third, env={"AWS_ENDPOINT_URL": _dead_endpoint(), "AWS_MAX_ATTEMPTS": "1"})
+    assert "restored from cache entry" in done.stdout and f"{tmp_path}/cache-b" in done.stdout, show(done)
+    assert tree_files(third / "out") == tree_files(first / "out")
+
+
+def _keypair(folder: Path, name: str) -> Path:
+    key = folder / name
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(key)], check=True)
+    return key
+
+
+@pytest.mark.parametrize("signed_by", ["listed", "unlisted", "nobody"])
+def test_allowed_signers_restore_only_entries_signed_by_a_listed_key(tmp_path: Path, signed_by: str) -> None:
+    listed, unlisted = _keypair(tmp_path, "listed"), _keypair(tmp_path, "unlisted")
+    signers = tmp_path / "allowed_signers"
+    signers.write_text(f"ci@team {(tmp_path / 'listed.pub').read_text()}")
+    shared = tmp_path / "shared"
+    signing = {"listed": f'signing_key = "{listed}"\n', "unlisted": f'signing_key = "{unlisted}"\n'}
+    writer = f'shared = "file://{shared}"\nmode = "readwrite"\npath = "{tmp_path}/cache-a"\n'
+    doit_ok(project(tmp_path, "a", writer + signing.get(signed_by, "")))
+    reader = f'shared = "file://{shared}"\npath = "{tmp_path}/cache-b"\nallowed_signers = "{signers}"\n'
+    second = project(tmp_path, "b", reader)
+    done = doit_ok(second)
+    if signed_by == "listed":
+        assert restored(done) and run_count(second) == 0, show(done)
+        return
+    assert not restored(done) and run_count(second) == 1, show(done)
+    key = entries(shared)[0].stem[:16]
+    assert f"refused cache entry {key} in file://{shared}" in done.stdout
+    fingerprint = subprocess.run(["ssh-keygen", "-lf", f"{unlisted}.pub"], capture_output=True, text=True,
+                                 check=True).stdout.split()[1]  # fmt: skip
+    assert (fingerprint if signed_by == "unlisted" else "it is not signed") in done.stdout, show(done)
+
+
+def test_a_noop_doit_does_not_consult_the_cache(s3_env: S3Server, tmp_path: Path) -> None:
+    root = project(tmp_path, "a", f'shared = "s3://{s3_env.bucket}/noop-{tmp_path.name}"\n')
+    doit_ok(root)
+    stats = (root / ".substrax/cache/run-cache.json").read_text()
+    env = {"AWS_ENDPOINT_URL": _dead_endpoint(), "AWS_MAX_ATTEMPTS": "1"}
+    done = doit_ok(root, env=env)
+    assert not step_ran(done, "make") and "warning" not in done.stderr, show(done)
+    assert (root / ".substrax/cache/run-cache.json").read_text() == stats
+
+
+def test_cache_forget_removes_the_entry_and_status_counts(tmp_path: Path) -> None:
+    root = project(tmp_path, "a", folder_cache(tmp_path))
+    doit_ok(root)
+    status = compute(root, "cache", "status")
+    assert "1 entries" in status.stdout and "0 hits, 1 misses" in status.stdout, show(status)
+    done = compute(root, "cache", "forget", "make")
+    assert done.returncode == 0 and "entry removed" in done.stdout, show(done)
+    assert entries(tmp_path / "team-cache") == []
+    shutil.rmtree(root / "out")
+    assert not restored(doit_ok(root)) and run_count(root) == 2
+
+
+def test_gc_keeps_running_and_unfetched_runs_and_removes_what_dry_run_listed(tmp_path: Path) -> None:
+    root = project(tmp_path, "a", folder_cache(tmp_path))
+    doit_ok(root)
+    doit_ok(root, "-a", "make")  # the first run's manifest is now no step record's
+    api = Project.open(root)
+    running = submit(api, ["sh", "-c", "sleep 60"], step="slow")
+    unfetched = submit(api, ["sh", "-c", "mkdir -p res && echo x > res/f"], step="quick", outputs=["res/"])
+    wait_final(api, unfetched)
+    try:
+        kept = {d.name: sorted(p.name for p in d.iterdir()) for d in run_dirs(root)}
+        listed = compute(root, "gc", "--dry-run")
+        assert listed.returncode == 0, show(listed)
+        would = [line.removeprefix("would remove ") for line in listed.stdout.splitlines()]
+        assert would and all(running.run_id not in w and unfetched.run_id not in w for w in would), would
+        old = next(h for h in handles(root) if h["step"] == "make")["run_id"]
+        assert any(w.endswith(f"{old}/manifest.json") for w in would)
+        assert {d.name: sorted(p.name for p in d.iterdir()) for d in run_dirs(root)} == kept  # nothing went
+        done = compute(root, "gc")
+        assert [line.removeprefix("removed ") for line in done.stdout.splitlines()] == would, show(done)
+        for d in run_dirs(root):
+            assert (d / "handle.json").exists() and (d / "run.log").exists()
+        for handle in (running, unfetched):
+            assert sorted(p.name for p in run_dir(api, handle).iterdir()) == kept[handle.run_id]
+        assert "up to date" in compute(root, "why", "make").stdout
+    finally:
+        api.backend_for(running).cancel(running)
+
+
+def test_gc_older_than_drops_entries_not_used_for_that_long(tmp_path: Path) -> None:
+    root = project(tmp_path, "a", folder_cache(tmp_path))
+    doit_ok(root)
+    (entry,) = entries(tmp_path / "team-cache")
+    objects = sorted((tmp_path / "team-cache" / "objects").rglob("*"))
+    kept = compute(root, "gc", "--older-than", "1")
+    assert kept.returncode == 0 and "cache entry" not in kept.stdout, show(kept)  # used just now
+    month_ago = entry.stat().st_mtime - 31 * 86400
+    os.utime(entry, (month_ago, month_ago))
+    listed = compute(root, "gc", "--older-than", "30", "--dry-run")
+    assert f"would remove cache entry {entry.stem[:16]}" in listed.stdout, show(listed)
+    assert entry.exists()
+    done = compute(root, "gc", "--older-than", "30")
+    assert f"removed cache entry {entry.stem[:16]}" in done.stdout, show(done)
+    assert not entry.exists() and not any(p.is_file() for p in objects if p.exists())
+    bad = compute(root, "gc", "--older-than", "soon")
+    assert bad.returncode == 2 and "'soon' is not a number of days" in bad.stderr, show(bad)

@@ -1,0 +1,236 @@
+"""One environment and one project view on every backend (issue 17).
+
+The local backend builds the locked environment as ssh does (remote/env.py,
+offline from a wheel folder made here), and its sandbox shows the project
+as ssh uploads it: git's tracked files plus the declared inputs. An
+untracked helper the command imports fails alike on both, naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dodo_helpers import (
+    BIN,
+    doit,
+    doit_ok,
+    make_project,
+    needs_bwrap,
+    run_count,
+    show,
+    step_ran,
+    write_pyproject,
+)
+from ssh_helpers import build_wheel, fresh_user, make_ssh_project, needs_root, needs_sshd, one_step, ssh_host
+from testbeds.sshd_host import SshHost
+
+from substrax_tasks._remote_files import remote_module
+
+WHEELS = 'pip_args = ["--no-index", "--find-links", "wheels"]\n'
+WRITE_V = "import sys, sxtiny; open('out/v.txt', 'w').write(sxtiny.VALUE + ' ' + sys.prefix)"
+USES_SXTINY = one_step(
+    command=["python3", "-c", WRITE_V],
+    inputs=["data/in.txt"],
+    outputs=["out/"],
+)
+
+
+def git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, timeout=60)
+
+
+@needs_bwrap
+def test_local_builds_the_requirements_env_offline_from_a_wheel_folder_and_reuses_it(tmp_path: Path) -> None:
+    root = make_project(tmp_path, USES_SXTINY, ["step"], sandbox="bwrap",
+                        files={"data/in.txt": "1\n", "requirements.txt": "sxtiny==0.1\n"})  # fmt: skip
+    write_pyproject(root, "bwrap", WHEELS)
+    build_wheel(root / "wheels", "sxtiny", "0.1", 'VALUE = "from-the-wheel"\n')
+    first = doit_ok(root)
+    assert "step: built the environment from requirements.txt" in first.stdout, show(first)
+    value, prefix = (root / "out" / "v.txt").read_text().split()
+    assert value == "from-the-wheel"
+    assert Path(prefix).parent == root / ".substrax" / "envs"
+
+    (root / "data" / "in.txt").write_text("2\n")  # a new run of the same step: the env is reused
+    second = doit_ok(root)
+    assert step_ran(second, "step") and run_count(root) == 2, show(second)
+    assert "step: reusing the environment for requirements.txt" in second.stdout, show(second)
+    assert (root / "out" / "v.txt").read_text().split() == ["from-the-wheel", prefix]
+    assert [p.name for p in (root / ".substrax" / "envs").iterdir() if p.is_dir()] == [Path(prefix).name]
+
+    # two steps at once under threads: one builds, the other waits for it
+    (root / "requirements.txt").write_text("sxtiny==0.1\n# two steps\n")
+    writes_other = WRITE_V.replace("out/", "other/")
+    other = one_step("other", command=["python3", "-c", writes_other], outputs=["other/"])
+    (root / "dodo.py").write_text((root / "dodo.py").read_text() + other)
+    both = doit_ok(root, "-n", "2", "-P", "thread", "step", "other")
+    said = both.stdout
+    assert said.count("built the environment from requirements.txt") == 1, show(both)
+    assert said.count("reusing the environment for requirements.txt") == 1, show(both)
+    assert (root / "other" / "v.txt").read_text().split()[0] == "from-the-wheel"
+    prefixes = {(root / out / "v.txt").read_text().split()[1] for out in ("out", "other")}
+    assert len(prefixes) == 1, prefixes  # one environment for both
+
+    # a lock that cannot be met: the step fails before running, saying why
+    (root / "requirements.txt").write_text("sxtiny==9.9\n")
+    missing = doit(root)
+    assert missing.returncode != 0 and run_count(root) == 5, show(missing)
+    said = missing.stdout + missing.stderr
+    assert "building the environment" in said and "sxtiny==9.9" in said, show(missing)
+
+
+@needs_bwrap
+@pytest.mark.skipif(shutil.which("uv", path=str(BIN)) is None, reason="UV.LOCK NOT TESTED: no uv")
+def test_local_builds_the_uv_lock_env_offline(tmp_path: Path) -> None:
+    root = make_project(tmp_path, USES_SXTINY, ["step"], sandbox="bwrap", files={"data/in.txt": "1\n"})
+    (root / "pyproject.toml").write_text(textwrap.dedent("""\
+        [project]
+        name = "uses-sxtiny"
+        version = "0"
+        requires-python = ">=3.8"
+        dependencies = ["sxtiny"]
+
+        [tool.uv]
+        no-index = true
+        find-links = ["wheels"]
+
+        """) + (root / "pyproject.toml").read_text())  # fmt: skip
+    build_wheel(root / "wheels", "sxtiny", "0.1", 'VALUE = "uv-locked"\n')
+    path = f"{BIN}{os.pathsep}{os.environ['PATH']}"
+    env = {"PATH": path, "UV_OFFLINE": "1", "UV_CACHE_DIR": str(tmp_path / "uv")}
+    subprocess.run([str(BIN / "uv"), "lock"], cwd=root, env={**os.environ, **env}, check=True, timeout=120)
+    first = doit_ok(root, env=env)
+    assert "step: built the environment from uv.lock" in first.stdout, show(first)
+    value, prefix = (root / "out" / "v.txt").read_text().split()
+    assert value == "uv-locked" and Path(prefix).parent == root / ".substrax" / "envs", show(first)
+    (root / "data" / "in.txt").write_text("2\n")
+    second = doit_ok(root, env=env)
+    assert "step: reusing the environment for uv.lock" in second.stdout, show(second)
+
+
+# ------------------------------------------------------------------ parity
+
+IMPORTS_HELPER = one_step(command=["python3", "main.py"], outputs=["out/"])
+PARITY_FILES = {
+    "main.py": "import helper\nopen('out/r.txt', 'w').write(helper.X)\n",
+    "helper.py": "X = 'helped'\n",
+    ".gitignore": ".substrax/\n",
+}
+
+
+@pytest.mark.unit
+def test_a_failure_names_the_left_out_entries_its_log_mentions_only() -> None:
+    hints = remote_module("hints")
+    job = {"left_out": ["helper.py", "data", "notes.txt", "pkg/util.py"]}
+    tail = (
+        "ModuleNotFoundError: No module named 'helper'\n"
+        "FileNotFoundError: [Errno 2] No such file or directory: 'data/raw.csv'\n"
+        "helpers and notes.txt.bak are other names\n"
+    )
+    said = hints.left_out_hint(job, tail)
+    assert said is not None and "left out helper.py, data (not tracked by git" in said
+    assert hints.left_out_hint(job, "KeyError: 'x'\n") is None
+    assert hints.left_out_hint({"left_out": []}, tail) is None
+
+
+def tracked_but_helper(root: Path) -> None:
+    git(root, "init", "-q")
+    git(root, "add", "dodo.py", "pyproject.toml", "main.py", ".gitignore")
+
+
+def assert_fails_naming_the_helper(done: subprocess.CompletedProcess[str]) -> None:
+    assert done.returncode == 1, show(done)
+    said = done.stdout + done.stderr
+    assert "ModuleNotFoundError: No module named 'helper'" in said, show(done)
+    assert (
+        "left out helper.py (not tracked by git, not a declared input); declare it as an input "
+        "of the step, or `git add` it" in said
+    ), show(done)
+
+
+@needs_bwrap
+def test_local_sees_tracked_files_and_inputs_only_as_ssh_does(tmp_path: Path) -> None:
+    root = make_project(tmp_path, IMPORTS_HELPER, ["step"], sandbox="bwrap", files=PARITY_FILES)
+    tracked_but_helper(root)
+    assert_fails_naming_the_helper(doit(root))
+    assert not (root / "out" / "r.txt").exists()
+    git(root, "add", "helper.py")
+    doit_ok(root)
+    assert (root / "out" / "r.txt").read_text() == "helped"
+
+
+@needs_bwrap
+def test_an_untracked_input_is_seen_and_the_rest_of_its_folder_is_not(tmp_path: Path) -> None:
+    listing = "import os; open('out/ls.txt', 'w').write(' '.join(sorted(os.listdir('data'))))"
+    body = one_step(command=["python3", "-c", listing], inputs=["data/keep.csv"], outputs=["out/"])
+    files = {"data/keep.csv": "1\n", "data/other.csv": "2\n", "data/tracked.txt": "t\n",
+             ".gitignore": "data/*.csv\n"}  # fmt: skip
+    root = make_project(tmp_path, body, ["step"], sandbox="bwrap", files=files)
+    git(root, "init", "-q")
+    git(root, "add", "dodo.py", "pyproject.toml", ".gitignore", "data/tracked.txt")
+    doit_ok(root)
+    assert (root / "out" / "ls.txt").read_text() == "keep.csv tracked.txt"
+
+
+@needs_bwrap
+def test_with_an_output_at_the_top_the_view_still_hides_what_git_does_not_track(tmp_path: Path) -> None:
+    """An output at the project's top makes the top a writable folder (bound
+    from staging, its entries bound back): untracked entries there, and in
+    folders below, stay hidden all the same."""
+    listing = (
+        "import os; seen = sorted(os.listdir('.') + os.listdir('src')); "
+        "open('report.txt', 'w').write(' '.join(seen))"
+    )
+    body = one_step(command=["python3", "-c", listing], outputs=["report.txt"])
+    files = {"src/main.py": "", "src/scratch.py": "", "notes.txt": "", ".gitignore": ".substrax/\n"}
+    root = make_project(tmp_path, body, ["step"], sandbox="bwrap", files=files)
+    git(root, "init", "-q")
+    git(root, "add", "dodo.py", "pyproject.toml", ".gitignore", "src/main.py")
+    doit_ok(root)
+    seen = (root / "report.txt").read_text().split()
+    assert seen == [".gitignore", "dodo.py", "main.py", "pyproject.toml", "src"]  # no .git, notes, scratch
+
+
+@needs_bwrap
+def test_the_program_doit_would_run_from_a_hidden_project_venv_is_shown(tmp_path: Path) -> None:
+    """An activated .venv of the project (ignored by git, so hidden): the
+    program found on doit's PATH there is bound back, as from the home."""
+    body = one_step(command=["sxtool"], outputs=["out/"])
+    tool = "#!/bin/sh\necho from-the-venv > out/t.txt\n"
+    files = {".gitignore": ".venv/\n.substrax/\n", ".venv/bin/sxtool": tool}
+    root = make_project(tmp_path, body, ["step"], sandbox="bwrap", files=files)
+    (root / ".venv" / "bin" / "sxtool").chmod(0o755)
+    git(root, "init", "-q")
+    git(root, "add", "dodo.py", "pyproject.toml", ".gitignore")
+    doit_ok(root, env={"PATH": f"{root / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"})
+    assert (root / "out" / "t.txt").read_text() == "from-the-venv\n"
+
+
+@needs_bwrap
+def test_a_project_that_is_not_a_git_work_tree_is_seen_whole(tmp_path: Path) -> None:
+    root = make_project(tmp_path, IMPORTS_HELPER, ["step"], sandbox="bwrap", files=PARITY_FILES)
+    doit_ok(root)
+    assert (root / "out" / "r.txt").read_text() == "helped"
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
+    with ssh_host(tmp_path_factory.mktemp("sshd-parity"), fresh_user()) as started:
+        yield started
+
+
+@needs_sshd
+@needs_root
+def test_over_ssh_the_untracked_helper_fails_the_same_way(tmp_path: Path, host: SshHost) -> None:
+    root = make_ssh_project(tmp_path, host, IMPORTS_HELPER, files=PARITY_FILES)
+    tracked_but_helper(root)
+    assert_fails_naming_the_helper(doit(root))
+    git(root, "add", "helper.py")
+    doit_ok(root)
+    assert (root / "out" / "r.txt").read_text() == "helped"
