@@ -5,14 +5,16 @@ the step record that says where they came from."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from doit.exceptions import TaskFailed
 
 from substrax_tasks import manifest_cache, uptodate
 from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._output import emit
 from substrax_tasks.cache import cache_key
-from substrax_tasks.promote import promote
+from substrax_tasks.promote import JOURNAL, promote, recover
 
 if TYPE_CHECKING:
     from substrax_tasks.driver import StepDriver
@@ -36,8 +38,8 @@ def promote_outputs(driver: StepDriver) -> TaskFailed | None:
     renamed = False
     if fetched.root.resolve() != driver.root.resolve():
         try:
-            journal = driver.journal(handle.run_id if handle is not None else None)
-            renamed = promote(fetched.root, driver.root, outputs, journal)
+            where = journal(driver, handle.run_id if handle is not None else None)
+            renamed = promote(fetched.root, driver.root, outputs, where)
         except OSError as exc:
             return TaskFailed(
                 f"step {step!r}: could not move the outputs of {source} into place "
@@ -78,3 +80,22 @@ def acknowledge(step: Step, run_id: str) -> None:
     with contextlib.suppress(OSError):
         if (uptodate.read_record(step).get("verified") or {}).get("run_id") == run_id:
             uptodate.write_record(step, acknowledged=run_id)
+
+
+def journal(driver: StepDriver, run_id: str | None) -> Path:
+    """Where a promotion is journaled: the run's folder, or beside the
+    step record for a restore from the run cache (no run folder)."""
+    if run_id is None:
+        driver.step.files.record.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return driver.step.files.record.with_suffix("." + JOURNAL)
+    return driver.view.store.run_dir(run_id) / JOURNAL
+
+
+def recover_promotion(driver: StepDriver) -> None:
+    """A promotion of the step's last run (or restore) that a kill
+    interrupted is finished first: nothing reads the outputs half old."""
+    run_id = uptodate.read_record(driver.step).get("run_id")
+    for where in [journal(driver, None)] + ([journal(driver, str(run_id))] if run_id else []):
+        if recover(where):
+            emit(f"{driver.spec.step}: finished the promotion of {run_id or 'a restore'}, "
+                 "which was interrupted")  # fmt: skip

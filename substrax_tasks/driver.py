@@ -28,6 +28,7 @@ from doit.exceptions import TaskError, TaskFailed
 
 from substrax_tasks import manifest_cache, uptodate
 from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._earlier_run import retire_unlaunched, reusable_run
 from substrax_tasks._output import TextSink, emit
 from substrax_tasks._signals import (
     INTERRUPTED,
@@ -211,7 +212,9 @@ class StepDriver:
         self._step_lock.acquire()
         check_inputs_exist(self.spec, self.root)
         check_outputs_inside(self.spec.outputs, self.root)
-        self._recover_promotion()
+        from substrax_tasks._promote_phase import recover_promotion  # not on a no-op's path
+
+        recover_promotion(self)
         unset = [name for name in self.spec.forward_env if name not in os.environ]
         if unset:
             raise SubstraxError(
@@ -220,13 +223,13 @@ class StepDriver:
             )
         self.parts = parts = uptodate.key_parts(self.step)
         key = uptodate.key(parts)
-        handle = self._reusable_run(key)
+        handle = reusable_run(self, key)
         if handle is None:
             from substrax_tasks._cache_driver import restored_from_cache
 
             if restored_from_cache(self):  # no run: the later phases find no handle and pass
                 return
-            self._retire_unlaunched()
+            retire_unlaunched(self)
             handle = self.project.new_run(self.spec, self.step.backend)
             handle = self._save(handle, key=key, key_parts=parts, phase="created")
             uptodate.write_record(self.step, run_id=handle.run_id)
@@ -236,57 +239,6 @@ class StepDriver:
             backend = self.backend(handle)
             handle = self._take_slot(backend, handle)
             self._save(self._retrying("launch", lambda: backend.launch(handle)), phase="launched")
-
-    def _last_run(self) -> RunHandle | None:
-        """The step's last run; an error if its record or handle is damaged
-        (its run may be going on: a second must not start beside it)."""
-        run_id = uptodate.read_record(self.step, strict=True).get("run_id")
-        if not run_id:
-            return None
-        store = self.view.store  # needs no validated config (a restore imports no pydantic)
-        if not store.handle_path(str(run_id)).exists():
-            return None  # its folder was removed: nothing runs there any more
-        try:
-            return store.read(str(run_id))
-        except HandleError as exc:
-            raise HandleError(
-                f"the handle of its last run is damaged ({exc}), and that run may still be going. "
-                f"Stop it if it is (its worker's pid is in {store.run_dir(str(run_id))}/status.json), "
-                "then remove that folder and run again"
-            ) from None
-
-    def _retire_unlaunched(self) -> None:
-        """The step's previous run, if its launch never succeeded, would read
-        `pending` for ever: record that it was given up."""
-        old = self._last_run()
-        never_launched = old is not None and phase_index(old.state.get("phase")) < phase_index("launched")
-        if old is not None and never_launched and not old.state.get("verdict"):
-            self._save(old, verdict={"state": "failed", "message": "never launched; a newer run replaced it"})
-
-    def _reusable_run(self, key: str) -> RunHandle | None:
-        """The step's last run, if it has today's key and is worth keeping:
-        still going (reattach), or finished but not yet fetched."""
-        handle = self._last_run()
-        if handle is None or handle.state.get("key") != key or handle.state.get("verdict"):
-            return None
-        backend = self.backend(handle)
-        status = backend.poll(handle)
-        if not status.final:
-            emit(f"{self.spec.step}: reattaching to run {handle.run_id} ({status.state})")
-            return handle
-        if status.state != "succeeded":
-            if status.state == "lost":  # recorded: status and later reruns read it as given up
-                said = status.message or "its worker or machine is gone"
-                self._save(handle, verdict={"state": "lost", "message": said})
-                emit(f"{self.spec.step}: run {handle.run_id} was lost ({said}); launching a new run")
-            return None
-        if handle.state.get("phase") != "promoted":
-            emit(f"{self.spec.step}: run {handle.run_id} finished; fetching its outputs again")
-            return handle
-        if backend.outputs_available(handle):
-            emit(f"{self.spec.step}: outputs changed here; fetching run {handle.run_id} again")
-            return self._save(handle, phase="started")
-        return None
 
     def setup(self) -> Any:
         return self._action(lambda: self._advance("set_up", "setup", lambda b, h: b.setup(h)))
@@ -378,27 +330,6 @@ class StepDriver:
         self.fetched = fetched
         self._save(handle, phase="fetched", manifest_digest=fetched.manifest["digest"])
         return None
-
-    def journal(self, run_id: str | None) -> Path:
-        """Where a promotion is journaled: the run's folder, or beside the
-        step record for a restore from the run cache (no run folder)."""
-        from substrax_tasks.promote import JOURNAL
-
-        if run_id is None:
-            self.step.files.record.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            return self.step.files.record.with_suffix("." + JOURNAL)
-        return self.view.store.run_dir(run_id) / JOURNAL
-
-    def _recover_promotion(self) -> None:
-        """A promotion of the step's last run (or restore) that a kill
-        interrupted is finished first: nothing reads the outputs half old."""
-        from substrax_tasks.promote import recover
-
-        run_id = uptodate.read_record(self.step).get("run_id")
-        for journal in [self.journal(None)] + ([self.journal(str(run_id))] if run_id else []):
-            if recover(journal):
-                emit(f"{self.spec.step}: finished the promotion of {run_id or 'a restore'}, "
-                     "which was interrupted")  # fmt: skip
 
     def _manifest_file(self, handle: RunHandle) -> Path:
         return self.project.store.run_dir(handle.run_id) / "manifest.json"

@@ -1,0 +1,71 @@
+"""Which earlier run of a step a launch picks up: one still going
+(reattach), one finished but not yet fetched or whose outputs changed here
+(fetch again); one lost or never launched is recorded given up."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from substrax_tasks import uptodate
+from substrax_tasks._output import emit
+from substrax_tasks.errors import HandleError
+
+if TYPE_CHECKING:
+    from substrax_tasks.driver import StepDriver
+    from substrax_tasks.handle import RunHandle
+
+
+def last_run(driver: StepDriver) -> RunHandle | None:
+    """The step's last run; an error if its record or handle is damaged
+    (its run may be going on: a second must not start beside it)."""
+    run_id = uptodate.read_record(driver.step, strict=True).get("run_id")
+    if not run_id:
+        return None
+    store = driver.view.store  # needs no validated config (a restore imports no pydantic)
+    if not store.handle_path(str(run_id)).exists():
+        return None  # its folder was removed: nothing runs there any more
+    try:
+        return store.read(str(run_id))
+    except HandleError as exc:
+        raise HandleError(
+            f"the handle of its last run is damaged ({exc}), and that run may still be going. "
+            f"Stop it if it is (its worker's pid is in {store.run_dir(str(run_id))}/status.json), "
+            "then remove that folder and run again"
+        ) from None
+
+
+def retire_unlaunched(driver: StepDriver) -> None:
+    """The step's previous run, if its launch never succeeded, would read
+    `pending` for ever: record that it was given up."""
+    from substrax_tasks.driver import phase_index  # the driver imports this module
+
+    old = last_run(driver)
+    never_launched = old is not None and phase_index(old.state.get("phase")) < phase_index("launched")
+    if old is not None and never_launched and not old.state.get("verdict"):
+        driver._save(old, verdict={"state": "failed", "message": "never launched; a newer run replaced it"})
+
+
+def reusable_run(driver: StepDriver, key: str) -> RunHandle | None:
+    """The step's last run, if it has today's key and is worth keeping:
+    still going (reattach), or finished but not yet fetched."""
+    handle = last_run(driver)
+    if handle is None or handle.state.get("key") != key or handle.state.get("verdict"):
+        return None
+    backend = driver.backend(handle)
+    status = backend.poll(handle)
+    if not status.final:
+        emit(f"{driver.spec.step}: reattaching to run {handle.run_id} ({status.state})")
+        return handle
+    if status.state != "succeeded":
+        if status.state == "lost":  # recorded: status and later reruns read it as given up
+            said = status.message or "its worker or machine is gone"
+            driver._save(handle, verdict={"state": "lost", "message": said})
+            emit(f"{driver.spec.step}: run {handle.run_id} was lost ({said}); launching a new run")
+        return None
+    if handle.state.get("phase") != "promoted":
+        emit(f"{driver.spec.step}: run {handle.run_id} finished; fetching its outputs again")
+        return handle
+    if backend.outputs_available(handle):
+        emit(f"{driver.spec.step}: outputs changed here; fetching run {handle.run_id} again")
+        return driver._save(handle, phase="started")
+    return None
