@@ -31,7 +31,7 @@ from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._program import resolve_program
 from substrax_tasks._remote_files import control, env, remote_dir, remote_module
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
-from substrax_tasks.errors import BackendError
+from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.project_view import project_view
 from substrax_tasks.settings import LocalSettings
@@ -77,8 +77,10 @@ class LocalBackend(Backend):
         try:  # the interpreter running doit makes the venv, as the user's own would
             built = recipe.ensure(str(project), str(self.store.root / "envs"), sys.executable,
                                   self.settings.pip_args)  # fmt: skip
-        except recipe.BuildFailed as exc:
-            raise BackendError(f"run {handle.run_id}: building the environment: {exc}") from None
+        except recipe.BuildFailed as exc:  # the lock (or pip_args) cannot be met: the step fails, exit 1
+            raise SubstraxError(
+                f"run {handle.run_id}: building the environment: {exc}; fix the lock file or pip_args"
+            ) from None
         env_dir = env_dir_of(handle.step, built)
         # What ssh and skypilot would upload is all the sandbox shows.
         view = project_view(Path(project), self.store.root, handle.spec.inputs, handle.spec.outputs)

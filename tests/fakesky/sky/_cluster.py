@@ -255,6 +255,9 @@ def _copy(source: Path, target: Path) -> None:
         argv.append(f"--filter=dir-merge,- {ignore}")
         if ignore == ".gitignore" and (source / ".git" / "info" / "exclude").exists():
             argv.append(f"--exclude-from={source / '.git' / 'info' / 'exclude'}")
+        # Made here: fake clusters share this machine's disk, and two launches
+        # at once would race in rsync's own mkdir of the same folder.
+        target.mkdir(parents=True, exist_ok=True)
         argv += [f"{source}/", str(target)]
     else:
         argv += [str(source), str(target)]
