@@ -25,6 +25,7 @@ STREAM_TICK = 0.2  # seconds between a streaming command's checks (Ctrl-C in a d
 # connection hold MaxSessions (10 by default) sessions, and the short
 # commands of the other threads need some of them.
 MAX_STREAMS = 6
+SESSION_WAIT_SECONDS = 30.0  # a short command waits this long for a free session
 
 
 class NoSession(BackendError):
@@ -113,8 +114,8 @@ class SshConnection:
     ) -> RemoteResult:
         """Run argv on the host (quoted for its shell) and wait for it."""
         command = shlex.join(argv)
+        channel = self._session(command)
         try:
-            channel = self.client().get_transport().open_session()  # type: ignore[union-attr]
             channel.settimeout(timeout)
             channel.exec_command(command)
             if stdin is not None:
@@ -144,6 +145,24 @@ class SshConnection:
             self.close()
             raise BackendError(f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}") from None
         return RemoteResult(code, bytes(out), bytes(err))
+
+    def _session(self, command: str) -> paramiko.Channel:
+        """A new session for a short command. sshd refuses one beyond
+        MaxSessions while other threads' commands, followers and transfers
+        hold them: wait for one of those to end rather than give up, and never
+        close the connection they share (their commands would break off)."""
+        deadline = time.monotonic() + SESSION_WAIT_SECONDS
+        while True:
+            try:
+                return self.client().get_transport().open_session()  # type: ignore[union-attr]
+            except paramiko.ChannelException as exc:
+                if time.monotonic() > deadline:
+                    raise NoSession(f"{self.host} opened no session for `{command[:80]}`: {exc}") from None
+                time.sleep(0.1)
+            except (paramiko.SSHException, OSError, EOFError) as exc:
+                self.close()
+                said = f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}"
+                raise BackendError(said) from None
 
     def stream(self, argv: list[str], out: Callable[[bytes], None], tick: Callable[[], None]) -> RemoteResult:
         """Run argv on the host for as long as it goes, handing its stdout to
