@@ -236,13 +236,6 @@ def job_home(sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str) -
     return found[-1]
 
 
-def _home(path: str) -> str:
-    """A cluster path as a shell word: relative ones under "$HOME", expanded there."""
-    if path.startswith("/"):
-        return shlex.quote(path)
-    return f'"$HOME"/{shlex.quote(path)}'
-
-
 def run_script(settings: SkypilotSettings, layout: ClusterLayout) -> str:
     """The worker in the foreground (SkyPilot's cancel reaches its tree; its
     exit status is the job's), with the task's log copied into the job's."""
