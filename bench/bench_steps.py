@@ -101,6 +101,11 @@ default_backend = "local"
 
 [tool.substrax.compute.backends.local]
 sandbox = "{sandbox}"
+
+# Every timed run must run its commands: a restore from the cache of
+# verified runs (in ~/.cache, which reset() leaves) would not.
+[tool.substrax.compute.cache]
+enabled = false
 """
 
 
