@@ -18,7 +18,6 @@ import os
 import selectors
 import shlex
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,7 +34,6 @@ CONTROL_PERSIST_SECONDS = 30
 # A master whose connection died (a host gone, a network dropped) is noticed
 # within about a minute and exits, rather than holding its clients stalled.
 SERVER_ALIVE = ("-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4")
-HOLD_RELEASE_SECONDS = 5.0
 # The most a host may answer to one command, on stdout or stderr. A host we
 # do not control (a rented box, someone else's root) could otherwise send
 # without end and exhaust this machine's memory; the biggest real answer,
@@ -56,8 +54,55 @@ def control_dir() -> Path:
     return private_dir("substrax-ssh", max_length=CONTROL_DIR_MAX)
 
 
+class Multiplexed:
+    """A target reached through OpenSSH's multiplexing master: what both
+    kinds share (stopping or giving up that master)."""
+
+    host: str
+
+    def control_path(self) -> str:
+        raise NotImplementedError
+
+    def ssh_argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def stop_master(self) -> None:
+        """Stop the multiplexing master, so no local ssh outlives the run;
+        left up while another uses it (its last user, or ControlPersist, ends it)."""
+        with contextlib.suppress(UnsafeFolder):  # a folder refused holds no master of ours
+            control_path = self.control_path()
+            if not Path(control_path).exists():
+                return
+            fd = os.open(control_path + ".users", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return
+            try:  # held while it exits: no new user starts on a master going away
+                self._exit_master()
+            finally:
+                os.close(fd)
+
+    def drop_master(self) -> None:
+        """Give up a master whose connection died: asked to exit (it answers on
+        its socket even with its connection gone), and its socket removed if it
+        could not be, so the next ssh starts a new master there."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._exit_master()  # even while in use: it serves no one any more
+        with contextlib.suppress(FileNotFoundError):
+            Path(self.control_path()).unlink()
+
+    def _exit_master(self) -> None:
+        subprocess.run(
+            [*self.ssh_argv(), "-O", "exit", self.host],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            timeout=10, check=False,
+        )  # fmt: skip
+
+
 @dataclass(frozen=True)
-class SshTarget:
+class SshTarget(Multiplexed):
     """Where to connect and how to check who answers."""
 
     host: str
@@ -84,7 +129,7 @@ class SshTarget:
         digest = hashlib.sha256(repr(self).encode()).hexdigest()[:16]
         return str(control_dir() / digest)
 
-    def ssh_argv(self, multiplex: bool = True) -> list[str]:
+    def ssh_argv(self) -> list[str]:
         """OpenSSH with the same identity and known_hosts as paramiko."""
         argv = [
             "ssh", "-p", str(self.port),
@@ -97,55 +142,7 @@ class SshTarget:
         ]  # fmt: skip
         if self.identity_file:
             argv += ["-i", self.identity_file, "-o", "IdentitiesOnly=yes"]
-        return argv + (multiplexing(self.control_path()) if multiplex else [])
-
-    def stop_master(self) -> None:
-        with contextlib.suppress(UnsafeFolder):  # a folder refused holds no master of ours
-            stop_master(self.ssh_argv(), self.host, self.control_path())
-
-    def drop_master(self) -> None:
-        drop_master(self.ssh_argv(), self.host, self.control_path())
-
-    @contextlib.contextmanager
-    def master_held(self) -> Iterator[None]:
-        """Keep the multiplexing master up while the block runs: the next
-        rsync then skips the connection and login (~0.3-0.5 s).
-
-        It is one ssh session through the master (becoming it if there is
-        none) running `cat` on the host, with its stdin a pipe from this
-        process. Leaving the block closes the pipe: the session ends and the
-        master idles out after ControlPersist, unless used again. If this
-        process dies instead, the pipe closes all the same, so the master
-        never outlives it by more than ControlPersist. A session that could
-        not connect changes nothing: rsync then connects itself.
-
-        Steps running at once on one host (`doit -n N -P thread`) share one
-        held session: each is one of sshd's MaxSessions (10 by default) on
-        the master, which the rsyncs of those steps need too."""
-        key = self.control_path()
-        with master_in_use(key):
-            with _held_lock:
-                proc, holders = _held.get(key, (None, 0))
-                if proc is None:
-                    proc = subprocess.Popen(
-                        [*self.ssh_argv(), self.host, "cat"],
-                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    )  # fmt: skip
-                _held[key] = (proc, holders + 1)
-            try:
-                yield
-            finally:
-                with _held_lock:
-                    proc, holders = _held.pop(key)
-                    if holders > 1:
-                        _held[key] = (proc, holders - 1)
-                    else:
-                        release_session(proc)
-
-
-# Held sessions by control path: (the ssh process, how many hold it).
-_held: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
-_held_lock = threading.Lock()
+        return argv + multiplexing(self.control_path())
 
 
 def multiplexing(control_path: str) -> list[str]:
@@ -158,30 +155,12 @@ def multiplexing(control_path: str) -> list[str]:
     ]  # fmt: skip
 
 
-def release_session(proc: subprocess.Popen[bytes]) -> None:
-    """End a held ssh session: closing its stdin ends the remote `cat`, and
-    the session with it. It is reaped in the background (killed if it has
-    not ended in time), so the fetch that follows does not wait for it."""
-    with contextlib.suppress(OSError):
-        if proc.stdin is not None:
-            proc.stdin.close()
-
-    def reap() -> None:
-        try:
-            proc.wait(timeout=HOLD_RELEASE_SECONDS)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-    threading.Thread(target=reap, name="ssh-session-reaper", daemon=True).start()
-
-
 @contextlib.contextmanager
 def master_in_use(control_path: str) -> Iterator[None]:
-    """A shared lock on the master's `.users` file while a copy or a held
-    session uses it. Every process (and thread) on one host shares one
-    master; a teardown ends it only if it can take that lock alone, so one
-    doit's teardown never cuts another's fetch. A killed user's lock goes
+    """A shared lock on the master's `.users` file while a copy uses it.
+    Every process (and thread) on one host shares one master; a teardown
+    ends it only if it can take that lock alone, so one doit's teardown
+    never cuts another's fetch. A killed user's lock goes
     with it."""
     fd = os.open(control_path + ".users", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -191,42 +170,7 @@ def master_in_use(control_path: str) -> Iterator[None]:
         os.close(fd)
 
 
-def stop_master(ssh_argv: list[str], host: str, control_path: str) -> None:
-    """Stop the multiplexing master, so no local ssh outlives the run;
-    left up while another uses it (its last user, or ControlPersist, ends it)."""
-    if not Path(control_path).exists():
-        return
-    fd = os.open(control_path + ".users", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return
-    try:  # held while it exits: no new user starts on a master going away
-        exit_master(ssh_argv, host)
-    finally:
-        os.close(fd)
-
-
-def exit_master(ssh_argv: list[str], host: str) -> None:
-    subprocess.run(
-        [*ssh_argv, "-O", "exit", host],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        timeout=10, check=False,
-    )  # fmt: skip
-
-
-def drop_master(ssh_argv: list[str], host: str, control_path: str) -> None:
-    """Give up a master whose connection died: asked to exit (it answers on
-    its socket even with its connection gone), and its socket removed if it
-    could not be, so the next ssh starts a new master there."""
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        exit_master(ssh_argv, host)  # even while in use: it serves no one any more
-    with contextlib.suppress(FileNotFoundError):
-        Path(control_path).unlink()
-
-
-class ClusterTarget:
+class ClusterTarget(Multiplexed):
     """ssh to a SkyPilot cluster through the config SkyPilot wrote for it
     (OpenSSH for commands too: the config may hold what paramiko cannot)."""
 
@@ -238,10 +182,10 @@ class ClusterTarget:
         digest = hashlib.sha256(f"{self.config_file}:{self.host}".encode()).hexdigest()[:16]
         return str(control_dir() / digest)
 
-    def ssh_argv(self, multiplex: bool = True) -> list[str]:
+    def ssh_argv(self) -> list[str]:
         argv = ["ssh", "-F", str(self.config_file), "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"]
         argv += [arg for key in self.home_identities() for arg in ("-i", str(key))]
-        return argv + (multiplexing(self.control_path()) if multiplex else [])
+        return argv + multiplexing(self.control_path())
 
     def home_identities(self) -> list[Path]:
         """The config's `IdentityFile ~/...` keys, under SkyPilot's HOME.
@@ -276,13 +220,6 @@ class ClusterTarget:
                 proc.kill()
                 raise
             return RemoteResult(proc.wait(), out, err)
-
-    def stop_master(self) -> None:
-        with contextlib.suppress(UnsafeFolder):  # a folder refused holds no master of ours
-            stop_master(self.ssh_argv(), self.host, self.control_path())
-
-    def drop_master(self) -> None:
-        drop_master(self.ssh_argv(), self.host, self.control_path())
 
 
 def _bounded_answer(
@@ -339,3 +276,7 @@ class RemoteResult:
 
     def text(self) -> str:
         return self.stdout.decode(errors="replace")
+
+    def failure(self, what: str, host: str) -> BackendError:
+        said = (self.stderr + self.stdout).decode(errors="replace").strip()[-1500:]
+        return BackendError(f"{what} on {host} failed (exit {self.returncode}): {said}")

@@ -142,9 +142,13 @@ class SshConnection:
             code = channel.recv_exit_status()
             channel.close()
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            self.close()
-            raise BackendError(f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}") from None
+            raise self._broke_off(command, exc) from None
         return RemoteResult(code, bytes(out), bytes(err))
+
+    def _broke_off(self, command: str, exc: BaseException) -> BackendError:
+        """The connection failed under `command`: closed, so the next command opens a new one."""
+        self.close()
+        return BackendError(f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}")
 
     def _session(self, command: str) -> paramiko.Channel:
         """A new session for a short command. sshd refuses one beyond
@@ -160,9 +164,7 @@ class SshConnection:
                     raise NoSession(f"{self.host} opened no session for `{command[:80]}`: {exc}") from None
                 time.sleep(0.1)
             except (paramiko.SSHException, OSError, EOFError) as exc:
-                self.close()
-                said = f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}"
-                raise BackendError(said) from None
+                raise self._broke_off(command, exc) from None
 
     def stream(self, argv: list[str], out: Callable[[bytes], None], tick: Callable[[], None]) -> RemoteResult:
         """Run argv on the host for as long as it goes, handing its stdout to
@@ -196,20 +198,16 @@ class SshConnection:
                     select.select([channel], [], [], STREAM_TICK)
             return RemoteResult(channel.recv_exit_status(), b"", bytes(err))
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            self.close()
-            raise BackendError(f"ssh to {self.target.address}: `{command[:80]}` broke off: {exc}") from None
+            raise self._broke_off(command, exc) from None
         finally:
             if channel is not None:
                 channel.close()
             self._streams.release()
 
-    def check(self, argv: list[str], what: str, **kwargs: float | bytes | None) -> RemoteResult:
-        result = self.run(argv, **kwargs)  # type: ignore[arg-type]
+    def check(self, argv: list[str], what: str, stdin: bytes | None = None) -> RemoteResult:
+        result = self.run(argv, stdin=stdin)
         if result.returncode != 0:
-            raise BackendError(
-                f"{what} on {self.target.host} failed (exit {result.returncode}): "
-                + (result.stderr or result.stdout).decode(errors="replace").strip()[-1500:]
-            )
+            raise result.failure(what, self.host)
         return result
 
     def write_bytes(self, path: str, data: bytes, mode: int = 0o600) -> None:

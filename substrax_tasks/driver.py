@@ -270,8 +270,7 @@ class StepDriver:
                         lambda said: emit(f"{self.spec.step}: {said}; waiting"),
                     )
                 handle = self._save(handle, phase="started")
-            with backend.ready_for_fetch(handle):  # the fetch's connection is kept up meanwhile
-                status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)
+            status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)
         except HostRefused as exc:  # as a refused manifest: the run failed, its machine goes
             self._save(handle, verdict={"state": "failed", "message": str(exc)})
             with contextlib.suppress(BackendError):  # else its lifetime timer ends it

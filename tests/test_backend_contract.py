@@ -12,7 +12,6 @@ and shared by the tests that only look at them.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -120,21 +119,6 @@ def bound(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             stop_worker(status_file)
 
 
-def live_children() -> set[int]:
-    """This process's children that have not ended (zombies excluded)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
-            found.add(int(entry))
-    return found
-
-
 def wait_final(backend: Backend, handle: RunHandle) -> list[str]:
     """Every state poll() reported until the run was final."""
     seen: list[str] = []
@@ -150,25 +134,18 @@ def wait_final(backend: Backend, handle: RunHandle) -> list[str]:
 
 @dataclass
 class Finished:
-    """A trivial run that ended, waited for inside `ready_for_fetch`."""
+    """A trivial run that ended."""
 
     bound: Bound
     backend: Backend
     handle: RunHandle
     states: list[str]  # what poll() said while the chain would wait
-    outlived_the_block: set[int]  # children ready_for_fetch started that outlived it
 
 
 @pytest.fixture(scope="module")
 def finished(bound: Bound) -> Finished:
     backend, handle = bound.submit(TRIVIAL, ["out/"])
-    before = live_children()
-    with backend.ready_for_fetch(handle):
-        states = wait_final(backend, handle)
-    deadline = time.monotonic() + WAIT
-    while not live_children() <= before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return Finished(bound, backend, handle, states, live_children() - before)
+    return Finished(bound, backend, handle, wait_final(backend, handle))
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +154,7 @@ def torn_down(bound: Bound) -> Finished:
     backend, handle = bound.submit(TRIVIAL, ["out/"])
     states = wait_final(backend, handle)
     backend.teardown(bound.reread(handle))
-    return Finished(bound, backend, bound.reread(handle), states, set())
+    return Finished(bound, backend, bound.reread(handle), states)
 
 
 def test_the_project_builds_the_backend_it_configures(finished: Finished) -> None:
@@ -189,10 +166,6 @@ def test_a_trivial_run_succeeds(finished: Finished) -> None:
     assert finished.states[-1] == "succeeded", finished.states
     status = finished.backend.poll(finished.handle)
     assert (status.state, status.exit_code) == ("succeeded", 0)
-
-
-def test_what_ready_for_fetch_starts_ends_with_the_block(finished: Finished) -> None:
-    assert not finished.outlived_the_block, describe(sorted(finished.outlived_the_block))
 
 
 def test_the_log_holds_what_the_command_printed(finished: Finished) -> None:

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -264,115 +263,11 @@ def test_fetch_on_a_terminal_shows_a_progress_bar_not_the_summary_line(tmp_path:
     assert "fetch: 1 files" not in text, text  # no summary line on a terminal
 
 
-# ------------------------------------------------- the master held for a fetch
-
-HOLD_SCRIPT = """
-import json, sys
-from substrax_tasks._openssh import SshTarget
-target = SshTarget(**json.loads(sys.argv[1]))
-with target.master_held():
-    print("held", flush=True)
-    sys.stdin.readline()
-print("released", flush=True)
-"""
-
-
 def target_of(host: SshHost) -> SshTarget:
     return SshTarget(
         host=host.address, port=host.port, user=host.user,
         identity_file=str(host.client_key), known_hosts=str(host.known_hosts),
     )  # fmt: skip
-
-
-def cats_of(uid: int) -> list[int]:
-    """The held sessions' `cat` on the host (it runs here, as the test's own user)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if Path(f"/proc/{entry}/comm").read_text().strip() != "cat":
-                continue
-            if (
-                os.stat(f"/proc/{entry}").st_uid == uid
-                and "State:\tZ" not in Path(f"/proc/{entry}/status").read_text()
-            ):
-                found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
-
-def master_alive(target: SshTarget) -> bool:
-    check = [*target.ssh_argv(), "-O", "check", target.host]
-    return subprocess.run(check, capture_output=True, timeout=10, check=False).returncode == 0
-
-
-@needs_sshd
-@needs_root
-@pytest.mark.parametrize("end", ["released", "holder killed"])
-def test_a_held_master_serves_the_next_rsync_and_ends_with_its_holder(
-    tmp_path: Path, host: SshHost, end: str
-) -> None:
-    target = target_of(host)
-    target.stop_master()
-    assert not cats_of(host.uid), describe(cats_of(host.uid))
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_SCRIPT, json.dumps(dataclasses.asdict(target))],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout is not None and holder.stdin is not None
-        assert holder.stdout.readline() == "held\n"
-        wait_for(lambda: master_alive(target) and cats_of(host.uid), "the held session on the host")
-        # what the fetch's rsync does: a session through the live master
-        through = subprocess.run(
-            [*target.ssh_argv(), "-v", target.host, "true"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-        assert through.returncode == 0, through.stderr
-        assert "mux_client" in through.stderr and "Authenticated" not in through.stderr, through.stderr
-        if end == "released":
-            holder.stdin.write("\n")
-            holder.stdin.flush()
-            assert holder.stdout.readline() == "released\n"
-            assert holder.wait(timeout=30) == 0
-        else:
-            holder.kill()
-            holder.wait(timeout=30)
-        # the session ends with its holder; the master idles out (ControlPersist)
-        wait_for(lambda: not cats_of(host.uid), "the held session to end")
-    finally:
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait()
-        holder.stdin.close()  # type: ignore[union-attr]
-        holder.stdout.close()  # type: ignore[union-attr]
-        target.stop_master()
-    master = Path(target.control_path()).name
-    wait_for(lambda: not marked_pids(master), "the master to exit")
-
-
-@needs_sshd
-@needs_root
-def test_steps_on_one_host_share_one_held_session(host: SshHost) -> None:
-    target = target_of(host)
-    target.stop_master()
-    try:
-        with target.master_held():
-            wait_for(lambda: cats_of(host.uid), "the held session on the host")
-            with target.master_held():  # a second step waiting on the same host
-                time.sleep(0.3)
-                assert len(cats_of(host.uid)) == 1, describe(cats_of(host.uid))
-            assert len(cats_of(host.uid)) == 1, "the first step still holds it"
-        wait_for(lambda: not cats_of(host.uid), "the held session to end with its last holder")
-    finally:
-        target.stop_master()
-    master = Path(target.control_path()).name
-    wait_for(lambda: not marked_pids(master), "the master to exit")
 
 
 def test_a_copy_whose_master_dies_under_it_is_tried_once_more_on_a_new_master(

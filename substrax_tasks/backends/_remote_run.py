@@ -83,12 +83,8 @@ class RemoteRun:
     def check(self, argv: list[str], what: str, stdin: bytes | None = None) -> RemoteResult:
         result = self.remote.run(argv, stdin=stdin)
         if result.returncode != 0:
-            raise self.failure(what, result)
+            raise result.failure(what, self.remote.host)
         return result
-
-    def failure(self, what: str, result: RemoteResult) -> BackendError:
-        said = (result.stderr + result.stdout).decode(errors="replace").strip()[-1500:]
-        return BackendError(f"{what} on {self.remote.host} failed (exit {result.returncode}): {said}")
 
     def control(self, operation: str, *args: str, what: str) -> dict[str, Any]:
         """remote/control.py's answer (one JSON line) for this run."""
@@ -114,7 +110,7 @@ class RemoteRun:
             # Asked only now: a lost folder is rare, a status read is not.
             if self.remote.run(["test", "-e", self.run_dir]).returncode == 1:
                 return {"state": None, "exists": False}
-            raise self.failure(what, result)
+            raise result.failure(what, self.remote.host)
         return self.answer(result, what)
 
     def follow_argv(self, offset: int, limit: int) -> list[str]:
@@ -142,7 +138,7 @@ class RemoteRun:
                 "device, not what the worker writes): refused unread, and the run with it"
             )
         if result.returncode != 0:
-            raise self.failure("reading the log", result)
+            raise result.failure("reading the log", self.remote.host)
         return result.stdout
 
     def keep_log(self, kept: Path) -> None:
@@ -173,7 +169,7 @@ class RemoteRun:
         if kept.returncode == 0:
             return checked_manifest(kept.stdout, f"{path} on {self.remote.host}")
         if kept.returncode != 3:
-            raise self.failure(f"reading {path}", kept)
+            raise kept.failure(f"reading {path}", self.remote.host)
         taken = self.remote.run(self.script("manifest.py", outputs_root, *outputs), timeout=None)
         said = taken.stderr.decode(errors="replace").strip()
         if taken.returncode == 1 and said.startswith("manifest.py:"):
@@ -181,7 +177,7 @@ class RemoteRun:
 
             raise ManifestError(said)
         if taken.returncode != 0:
-            raise self.failure("taking the outputs' manifest", taken)
+            raise taken.failure("taking the outputs' manifest", self.remote.host)
         manifest = checked_manifest(taken.stdout, f"taken on {self.remote.host}")
         save = 'cat > "$1.$2" && mv "$1.$2" "$1"'  # a temp name of its own: fetches may race
         temp = f"{secrets.token_hex(6)}.partial"

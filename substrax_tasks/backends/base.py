@@ -8,10 +8,9 @@ implementation must guarantee; the contract tests hold every backend to it.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
@@ -22,10 +21,8 @@ if TYPE_CHECKING:  # pydantic: not imported by a restore from the run cache, whi
     from pydantic import BaseModel
 
     from substrax_tasks.handle import RunHandle
-    from substrax_tasks.store import RunStore
-
-if TYPE_CHECKING:
     from substrax_tasks.machines import Leak
+    from substrax_tasks.store import RunStore
 
 FINAL_STATES = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost"})
 LOG_POLL_SECONDS = 0.2
@@ -179,13 +176,6 @@ class Backend(ABC):
     def read_log(self, handle: RunHandle, offset: int) -> bytes:
         """The run's log from byte `offset` on (b"" when nothing new)."""
 
-    def ready_for_fetch(self, handle: RunHandle) -> contextlib.AbstractContextManager[None]:
-        """Held by the chain while it waits for the run: keep ready what the
-        fetch that follows will need (a connection), so it does not wait for
-        it then. Whatever it holds must end with the block, or with this
-        process. Default: nothing."""
-        return contextlib.nullcontext()
-
     @abstractmethod
     def fetch(self, handle: RunHandle) -> Fetched:
         """Called after the run succeeded: bring its outputs into a local
@@ -213,14 +203,8 @@ class Backend(ABC):
         verdict = handle.state.get("verdict")
         status = self.poll(handle)
         if isinstance(verdict, dict) and (status.final or status.state == "pending"):
-            return RunStatus(
-                str(verdict.get("state", status.state)),
-                exit_code=status.exit_code,
-                started_at=status.started_at,
-                ended_at=status.ended_at,
-                message=str(verdict.get("message", "")) or status.message,
-                gpus=status.gpus,
-            )
+            return replace(status, state=str(verdict.get("state", status.state)),
+                           message=str(verdict.get("message", "")) or status.message)  # fmt: skip
         return status
 
     def pause(self, handle: RunHandle, seconds: float) -> bool:

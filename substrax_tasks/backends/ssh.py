@@ -150,7 +150,7 @@ class SshBackend(Backend):
                           self.settings.python, *self.settings.pip_args)  # fmt: skip
         result = self.conn.run(argv, timeout=None)
         if result.returncode != 0:
-            raise run.failure("building the environment", result)
+            raise result.failure("building the environment", self.settings.host)
         env_dir = env_dir_of(handle.step, run.answer(result, "building the environment"))
         return self.store.update_state(handle, env_dir=env_dir, uploaded=stats.files, left_out=view.left_out)
 
@@ -173,9 +173,8 @@ class SshBackend(Backend):
             gpus=handle.state.get("gpus"),
         )
         self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())
-        secrets = forwarded_env(handle)
-        argv = run.script("worker.py", paths.job, "--detach", *(["--env-stdin"] if secrets else []))
-        result = self.conn.run(argv, stdin=json.dumps(secrets).encode() if secrets else None)
+        argv = run.script("worker.py", paths.job, "--detach", "--env-stdin")
+        result = self.conn.run(argv, stdin=json.dumps(forwarded_env(handle)).encode())
         if result.returncode == _gpus.WORKER_BUSY:
             raise _gpus.busy(job["gpus"], self.settings.host)
         if result.returncode != 0:
@@ -286,7 +285,7 @@ class SshBackend(Backend):
                 "(a link or a device, not what the worker writes): refused unread, and the run with it"
             )
         if result.returncode != 0 and self.poll(handle).state != "lost":
-            raise run.failure("following the run's log", result)
+            raise result.failure("following the run's log", self.settings.host)
         return offset + sent, result.returncode == 0
 
     def read_log(self, handle: RunHandle, offset: int) -> bytes:
@@ -296,12 +295,6 @@ class SshBackend(Backend):
         if "remote_run_dir" not in handle.state:
             return b""
         return self.remote_run(handle).read_log(offset)
-
-    def ready_for_fetch(self, handle: RunHandle) -> contextlib.AbstractContextManager[None]:
-        """OpenSSH's master, held up while the run goes on: the fetch's rsync
-        then starts on a live connection instead of paying a fresh ssh login
-        after a run longer than ControlPersist."""
-        return self.settings.target().master_held()
 
     def fetch(self, handle: RunHandle) -> Fetched:
         staging = self.store.run_dir(handle.run_id) / "fetched"
