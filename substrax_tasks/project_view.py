@@ -42,11 +42,12 @@ def project_view(
     the ssh copy also leaves out, applied by it."""
     lock = next((name for name in ENV_LOCK_FILES if (project / name).is_file()), None)
     shown = [i.rstrip("/") for i in inputs] + ([lock] if lock else [])
+    quiet = set(ALWAYS_EXCLUDED)
+    with contextlib.suppress(ValueError, IndexError):  # the state dir is elsewhere
+        quiet.add(state_dir.resolve().relative_to(project.resolve()).parts[0])
     listing = _git_listing(project)
     if listing is None:
-        skip = {*ALWAYS_EXCLUDED, *excludes}
-        with contextlib.suppress(ValueError, IndexError):  # the state dir is elsewhere
-            skip.add(state_dir.resolve().relative_to(project.resolve()).parts[0])
+        skip = {*quiet, *excludes}
         files = sorted(entry.name for entry in project.iterdir() if entry.name not in skip)
         return ProjectView(_with(files, shown))
     tracked, others = listing
@@ -55,9 +56,6 @@ def project_view(
     hidden: list[str] = []
     for entry in others:
         hidden += _hide(project, entry, shown)
-    quiet = set(ALWAYS_EXCLUDED)
-    with contextlib.suppress(ValueError, IndexError):
-        quiet.add(state_dir.resolve().relative_to(project.resolve()).parts[0])
     made = [o.rstrip("/") for o in outputs]
     left_out = [
         h for h in hidden

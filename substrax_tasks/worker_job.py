@@ -20,12 +20,7 @@ from substrax_tasks.spec import StepSpec
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import RunStatus
 
-JOB_FILE = "job.json"
 STATUS_FILE = "status.json"
-LOG_FILE = "run.log"
-STAGING_DIR = "work/outputs"
-HOME_DIR = "work/home"  # the sandbox's home for one run; the worker removes it as the run ends
-START_LOCK = "start.lock"  # remote/worker.py's: taken to start a run, and to cancel one not started
 
 
 @dataclass(frozen=True)
@@ -37,7 +32,7 @@ class WorkerPaths:
 
     @property
     def job(self) -> str:
-        return f"{self.run_dir}/{JOB_FILE}"
+        return f"{self.run_dir}/job.json"
 
     @property
     def status(self) -> str:
@@ -45,15 +40,15 @@ class WorkerPaths:
 
     @property
     def log(self) -> str:
-        return f"{self.run_dir}/{LOG_FILE}"
+        return f"{self.run_dir}/run.log"
 
     @property
-    def staging(self) -> str:
-        return f"{self.run_dir}/{STAGING_DIR}"
+    def staging(self) -> str:  # what the sandboxed task writes
+        return f"{self.run_dir}/work/outputs"
 
     @property
-    def home(self) -> str:
-        return f"{self.run_dir}/{HOME_DIR}"
+    def home(self) -> str:  # the sandbox's home for one run; the worker removes it as the run ends
+        return f"{self.run_dir}/work/home"
 
 
 def project_key(project: str) -> str:
@@ -72,7 +67,6 @@ def build_job(
     grace_seconds: float,
     hide: list[str],
     extra_ro: list[str] | None = None,
-    env: dict[str, str] | None = None,
     env_dir: str | None = None,
     cache_dirs: Sequence[str] = (),
     cache_root: str | None = None,
@@ -102,7 +96,7 @@ def build_job(
         "network_isolation": network_isolation,
         "hide": hide,
         "extra_ro": list(extra_ro or []),
-        "env": {**spec.env, **(env or {})},
+        "env": dict(spec.env),
         # names only: the values come from the worker's environment (local)
         # or its stdin (remote), never from a file
         "forward_env": list(spec.forward_env),

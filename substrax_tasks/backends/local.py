@@ -36,7 +36,6 @@ from substrax_tasks.handle import RunHandle
 from substrax_tasks.project_view import project_view
 from substrax_tasks.settings import LocalSettings
 from substrax_tasks.worker_job import (
-    STAGING_DIR,
     WorkerPaths,
     build_job,
     damaged_status,
@@ -139,7 +138,9 @@ class LocalBackend(Backend):
             return damaged_status(record)
         if record.get("state") is None:
             if not record.get("exists"):  # deleted by hand: nothing can record its end
-                return RunStatus("lost", message=deleted(self.store.run_dir(handle.run_id)))
+                return RunStatus("lost", message=(
+                    f"its run folder {self.store.run_dir(handle.run_id)} was deleted while it went on "
+                    "(its worker stops the command when it sees that)"))  # fmt: skip
             return RunStatus("pending")
         return status_from_record(record, worker_alive=bool(record.get("worker_alive")))
 
@@ -226,7 +227,7 @@ class LocalBackend(Backend):
 
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         self.cancel(handle)  # leaves a finished run alone
-        work = self.store.run_dir(handle.run_id) / STAGING_DIR.split("/")[0]
+        work = Path(self.paths(handle).staging).parent
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(self.store.run_dir(handle.run_id) / "fetched", ignore_errors=True)
         if work.exists():
@@ -303,11 +304,6 @@ class Spawner:
 
 
 _SPAWNER = Spawner()
-
-
-def deleted(run_dir: Path) -> str:
-    return (f"its run folder {run_dir} was deleted while it went on (its worker stops the command "
-            "when it sees that)")
 
 
 def worker_environment() -> dict[str, str]:
