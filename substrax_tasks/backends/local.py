@@ -200,7 +200,10 @@ class LocalBackend(Backend):
         if not isinstance(root, str):
             raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
         outputs = list(handle.spec.outputs)
-        manifest = self._worker_manifest(handle) or manifest_cache.build_manifest(Path(root), outputs)
+        # The manifest the worker took as the command ended, if any (else one taken now).
+        manifest = control().read_json(str(self.store.run_dir(handle.run_id) / "manifest.json"))
+        if manifest is None or "digest" not in manifest:
+            manifest = manifest_cache.build_manifest(Path(root), outputs)
         if record.get("sandbox") == "none":  # written in place: the root is the project's own
             return Fetched(Path(root), manifest)
         fetched = self.store.run_dir(handle.run_id) / "fetched"
@@ -208,15 +211,6 @@ class LocalBackend(Backend):
         for out in outputs:
             link_tree(Path(root) / out.rstrip("/"), fetched / out.rstrip("/"))
         return Fetched(fetched, manifest)
-
-    def _worker_manifest(self, handle: RunHandle) -> dict[str, Any] | None:
-        """The manifest the worker took as the command ended, if any."""
-        path = self.store.run_dir(handle.run_id) / "manifest.json"
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        return data if isinstance(data, dict) and "digest" in data else None
 
     def outputs_available(self, handle: RunHandle) -> bool:
         """Until teardown empties it (the chain does, after promotion), the
