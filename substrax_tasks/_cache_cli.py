@@ -22,39 +22,34 @@ KEPT_IN_RUN = ("handle.json", "handle.lock", "status.json", "job.json")
 
 
 def add_commands(commands: Any) -> None:
-    cache = commands.add_parser(
-        "cache",
-        help="look at and manage the cache of verified runs",
-        description="The cache of verified runs (docs/cache.md): status shows its entries, size and "
+    from substrax_tasks.cli import arg, command, flag
+
+    cache = command(
+        commands, "cache", cmd_cache, "look at and manage the cache of verified runs",
+        "The cache of verified runs (docs/cache.md): status shows its entries, size and "
         "this project's hits and misses; push uploads a step's local entry (or every step's) to "
         "the shared store; forget removes a step's entry (from the shared store too in readwrite mode).",
-    )
+    )  # fmt: skip
     actions = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
-    actions.add_parser("status", help="entries, size, hits and misses")
-    push = actions.add_parser("push", help="upload local entries to the shared store")
-    push.add_argument("step", nargs="?", metavar="STEP", help="the step whose verified outputs to upload")
-    push.add_argument("--all", action="store_true", help="every step of the project")
-    push.set_defaults(push_parser=push)
-    forget = actions.add_parser("forget", help="remove a step's entry")
-    forget.add_argument("step", metavar="STEP")
-    cache.set_defaults(func=cmd_cache)
-
-    gc = commands.add_parser(
-        "gc",
-        help="prune old runs' files and trim the local cache",
-        description="Remove what finished runs no longer need from the store (staging folders, "
+    command(actions, "status", cmd_cache, "entries, size, hits and misses", "")
+    step = arg("step", nargs="?", metavar="STEP", help="the step whose verified outputs to upload")
+    command(actions, "push", cmd_cache, "upload local entries to the shared store", "",
+            step, flag("--all", help="every step of the project"))  # fmt: skip
+    command(actions, "forget", cmd_cache, "remove a step's entry", "", arg("step", metavar="STEP"))
+    command(
+        commands, "gc", cmd_gc, "prune old runs' files and trim the local cache",
+        "Remove what finished runs no longer need from the store (staging folders, "
         "fetched copies, manifests no step record points to), keeping each run's handle, status "
         "and logs; never touches a run still going or whose outputs are not home yet. Then trim "
         "the local cache to max_size (and, with --older-than, drop its entries not used for that "
         "many days). --machines also removes the remote run folders and clusters of this project "
-        "that no live handle accounts for (leaked; `status` lists them), stopping what runs there. "
-        "--dry-run lists what would go.",
-    )
-    gc.add_argument("--dry-run", "-n", action="store_true", help="list what would be removed; remove nothing")
-    gc.add_argument("--older-than", metavar="DAYS", type=_days, default=None,
-                    help="also remove local cache entries not restored or stored for DAYS days")  # fmt: skip
-    gc.add_argument("--machines", action="store_true", help="also remove leaked run folders and clusters")
-    gc.set_defaults(func=cmd_gc)
+        "that no live handle accounts for (leaked; `status --machines` lists them), stopping what "
+        "runs there. --dry-run lists what would go.",
+        flag("--dry-run", "-n", help="list what would be removed; remove nothing"),
+        arg("--older-than", metavar="DAYS", type=_days, default=None,
+            help="also remove local cache entries not restored or stored for DAYS days"),
+        flag("--machines", help="also remove leaked run folders and clusters"),
+    )  # fmt: skip
 
 
 def _days(text: str) -> float:
@@ -103,7 +98,7 @@ def cmd_cache(project: Project, args: argparse.Namespace, out: Console, err: Con
                   f"{args.step}: no entry to remove", highlight=False)  # fmt: skip
         return 0
     if (args.step is None) == (not args.all):
-        args.push_parser.error("give STEP or --all")
+        args.parser.error("give STEP or --all")
     steps = [args.step] if args.step else _steps(project)
     for step in steps:
         try:

@@ -4,6 +4,7 @@ each run in `status --json` (whose keys scripts rely on)."""
 from __future__ import annotations
 
 import datetime
+import json
 from typing import Any
 
 from rich.console import Console
@@ -13,6 +14,7 @@ from substrax_tasks.backends.base import RunStatus
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.machines import Leak, lifetime_left
 from substrax_tasks.selection import group_of
+from substrax_tasks.store import Unreadable
 
 STATUS_COLUMNS = ("run", "step", "backend", "state", "started", "duration")
 RICH_TABLE_MAX_ROWS = 200
@@ -45,6 +47,20 @@ def run_record(handle: RunHandle, status: RunStatus, *, latest: bool) -> dict[st
         "lifetime_left_seconds": lifetime_left(handle),
         "gpus": status.gpus,
     }
+
+
+def status_json(
+    rows: list[tuple[RunHandle, RunStatus]], unreadable: list[Unreadable], leaks: list[Leak] | None,
+    latest: set[str],
+) -> str:
+    """`status --json`; `leaks` None when they were not looked for."""
+    return json.dumps({
+        "runs": [run_record(h, s, latest=h.run_id in latest) for h, s in rows],
+        "unreadable": [{"path": str(u.path), "reason": u.reason} for u in unreadable],
+        # null, not "none leaked", when not looked for
+        "leaked": None if leaks is None else
+        [{"backend": k.backend, "where": k.where, "name": k.name, "ours": k.ours} for k in leaks],
+    }, indent=1)  # fmt: skip
 
 
 def machine_lines(handles: list[RunHandle], leaks: list[Leak]) -> list[str]:
