@@ -171,7 +171,7 @@ def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Co
     if args.json:
         print(status_json(rows, unreadable, leaks, latest))
         return 1 if unreadable else 0
-    print_status_table(rows, out)
+    print_status_table(rows)
     for line in machine_lines(handles, leaks or []) + [f"could not look for leaks: {p}" for p in problems]:
         err.print(escape(line), highlight=False)
     for record in unreadable:
