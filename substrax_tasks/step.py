@@ -26,10 +26,11 @@ from typing import Any
 from doit.dependency import UptodateCalculator
 
 from substrax_tasks._signals import map_termination_signals
+from substrax_tasks._spec_args import check_doit_arguments, name_list, path_list
 from substrax_tasks.config import ResolvedProject, config_key, config_stamp, resolve
 from substrax_tasks.driver import StepDriver
-from substrax_tasks.errors import SpecError, SubstraxError
-from substrax_tasks.spec import ArgvItem, PathIndex, StepSpec, make_spec, name_list, path_list, shown
+from substrax_tasks.errors import SubstraxError
+from substrax_tasks.spec import ArgvItem, PathIndex, StepSpec, make_spec
 from substrax_tasks.uptodate import DOIT_VALUE, Step, up_to_date
 
 # The outputs declared in this process, per project, for cross-step checks
@@ -72,37 +73,6 @@ def _check_against_others(project: Path, spec: StepSpec) -> list[str]:
     return producers
 
 
-def _check_doit_arguments(name: str, *, backend: object, shell: object, retries: object,
-                          uptodate: object, project: object) -> None:
-    """The arguments make_spec does not see, each of the type documented."""
-    if backend is not None and not isinstance(backend, str):
-        raise SpecError(
-            f"step {name!r}: backend must be a backend's name or None, got {shown(backend)}: "
-            'write backend="local" (or "ssh", "skypilot")'
-        )
-    if shell is not None and not isinstance(shell, str):
-        raise SpecError(
-            f"step {name!r}: shell must be one command line (a string), got {shown(shell)}: "
-            'write shell="python train.py > log.txt", or command=[...] for an argv'
-        )
-    if isinstance(retries, bool) or not isinstance(retries, int):
-        number = retries.strip() if isinstance(retries, str) else ""
-        fix = f"retries={number}" if number.isdigit() else "retries=2"
-        raise SpecError(f"step {name!r}: retries must be a whole number, got {shown(retries)}: write {fix}")
-    if retries < 0:
-        raise SpecError(f"step {name!r}: retries must be 0 or more, got {retries}")
-    if isinstance(uptodate, (str, bytes, Mapping)) or not isinstance(uptodate, Iterable):
-        raise SpecError(
-            f"step {name!r}: uptodate must be a list (doit's uptodate items), got {shown(uptodate)}: "
-            f"write uptodate=[{uptodate!r}]"
-        )
-    if project is not None and not isinstance(project, (str, os.PathLike)):
-        raise SpecError(
-            f"step {name!r}: project must be a folder (a str or pathlib.Path) or None, "
-            f"got {shown(project)}"
-        )
-
-
 def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, command, ...)
     name: str,
     command: Sequence[ArgvItem] | None = None,
@@ -140,7 +110,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
       (uptodate is combined with the step's own check: all must hold).
     """
     try:
-        _check_doit_arguments(name, backend=backend, shell=shell, retries=retries, uptodate=uptodate,
+        check_doit_arguments(name, backend=backend, shell=shell, retries=retries, uptodate=uptodate,
                               project=project)  # fmt: skip
         tracked = [os.fspath(p) for p in path_list(name, "file_dep", file_dep)]
         dependencies = name_list(name, "task_dep", task_dep, "prepare")
