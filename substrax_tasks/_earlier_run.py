@@ -65,7 +65,7 @@ def reusable_run(driver: StepDriver, key: str) -> RunHandle | None:
     if handle.state.get("phase") != "promoted":
         emit(f"{driver.spec.step}: run {handle.run_id} finished; fetching its outputs again")
         return handle
-    if backend.outputs_available(handle):
+    if not driver.check_held and backend.outputs_available(handle):  # else asked for a real run
         emit(f"{driver.spec.step}: outputs changed here; fetching run {handle.run_id} again")
         return driver._save(handle, phase="started")
     return None

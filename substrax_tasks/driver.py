@@ -79,6 +79,9 @@ class StepDriver:
         self.handle: RunHandle | None = None
         self.fetched: Fetched | None = None
         self.restored: Restored | None = None  # the outputs came from the run cache, not a run
+        # The step's own check held in this doit (step.StepCheck): a run now
+        # is asked for by `-a` or a user's uptodate item, and is a real one.
+        self.check_held = False
         self.parts: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._step_lock: StepLock | None = None
@@ -151,7 +154,7 @@ class StepDriver:
                 "(`doit -n N` or `-P process`): the phases of a step share state in one process. "
                 "Run them concurrently with threads: `doit -n N -P thread`"
             )
-        map_termination_signals()  # under `doit -a` no check ran first
+        map_termination_signals()  # in a worker thread: notes that steps run in threads
         try:
             if INTERRUPTED.is_set():  # a phase doit dispatches after an interrupt does nothing
                 raise KeyboardInterrupt("interrupted")

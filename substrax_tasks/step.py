@@ -158,7 +158,7 @@ def step_tasks(
         **doit_name(hidden),
         "actions": [driver.launch, driver.setup, driver.sync, driver.run, driver.fetch, driver.promote],
         "teardown": [driver.teardown],
-        "uptodate": [StepCheck(step), *user_uptodate],
+        "uptodate": [StepCheck(driver), *user_uptodate],
         "doc": f"phases of step {spec.step}: launch, setup, sync, run, fetch, promote (internal)",
         "verbosity": 2,
     }
@@ -170,7 +170,7 @@ def step_tasks(
         "targets": [o.rstrip("/") for o in spec.outputs],
         "task_dep": task_dep + producers,
         "setup": [hidden],
-        "uptodate": [StepCheck(step), *user_uptodate],
+        "uptodate": [StepCheck(driver), *user_uptodate],
         "doc": task_keys.pop("doc", None) or f"remote step {spec.step}: {' '.join(spec.command)[:60]}",
         "verbosity": 2,
     }
@@ -193,11 +193,17 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
     """The step's own uptodate item, in the shape of doit's `config_changed`:
     called with the task and its saved values. Both tasks of a step ask it
     about the public task's values (the hidden one saves none), which tell
-    a `doit forget` from a doit killed before it saved its DB."""
+    a `doit forget` from a doit killed before it saved its DB.
 
-    def __init__(self, step: Step) -> None:
+    What it said of the hidden task is kept on the driver: doit runs the
+    phases after it held only when something else asked for a run (`doit
+    -a`, or a user's uptodate item), and then the phases run the command for
+    real (doit tells a task nothing of `-a`, but it does check the task)."""
+
+    def __init__(self, driver: StepDriver) -> None:
         super().__init__()
-        self.step = step
+        self.driver = driver
+        self.step = driver.step
         self._dep_manager: Any = None
 
     def setup(self, dep_manager: Any, tasks_dict: Any) -> None:
@@ -212,7 +218,9 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
         try:
             held = up_to_date(self.step, values)
         except SubstraxError:
-            return False
+            held = False
+        if not public:
+            self.driver.check_held = held
         # doit holds no value for the public task (its run was promoted by a
         # doit that stopped before the task, or was killed before it saved):
         # the phases stay skipped, and the task runs once to save it.
