@@ -21,13 +21,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 
 from doit.exceptions import TaskError, TaskFailed
 
-from substrax_tasks import manifest_cache, uptodate
-from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks import uptodate
 from substrax_tasks._earlier_run import retire_unlaunched, reusable_run
 from substrax_tasks._output import TextSink, emit
 from substrax_tasks._signals import (
@@ -215,7 +213,7 @@ class StepDriver:
         self._step_lock.acquire()
         check_inputs_exist(self.spec, self.root)
         check_outputs_inside(self.spec.outputs, self.root)
-        from substrax_tasks._promote_phase import recover_promotion  # not on a no-op's path
+        from substrax_tasks._outputs_phases import recover_promotion  # not on a no-op's path
 
         recover_promotion(self)
         unset = [name for name in self.spec.forward_env if name not in os.environ]
@@ -309,40 +307,16 @@ class StepDriver:
             )
 
     def fetch(self) -> Any:
-        return self._action(self._fetch)
+        from substrax_tasks._outputs_phases import fetch_outputs  # not on a no-op's path
 
-    def _fetch(self) -> Any:
-        handle = self.handle
-        if handle is None:
-            return None
-        backend = self.backend(handle)
-        try:
-            fetched = self._retrying("fetch", lambda: backend.fetch(handle))
-        except manifest_cache.ManifestError as exc:
-            self._save(handle, verdict={"state": "failed", "message": str(exc)})
-            return TaskFailed(f"step {self.spec.step!r}: {exc}; nothing was promoted")
-        missing = fetched.manifest.get("missing") or []
-        if missing:
-            message = f"the run did not produce declared output(s) {', '.join(missing)}"
-            self._save(handle, verdict={"state": "failed", "message": message})
-            return TaskFailed(
-                f"step {self.spec.step!r}: run {handle.run_id}: {message}; nothing was promoted"
-            )
-        # compact: a manifest of 20,000 files is 3 MB, 4x slower to indent
-        write_json_atomic(self._manifest_file(handle), fetched.manifest, indent=None)
-        self.fetched = fetched
-        self._save(handle, phase="fetched", manifest_digest=fetched.manifest["digest"])
-        return None
-
-    def _manifest_file(self, handle: RunHandle) -> Path:
-        return self.project.store.run_dir(handle.run_id) / "manifest.json"
+        return self._action(lambda: fetch_outputs(self))
 
     def promote(self) -> Any:
         """The last phase: verify the fetched outputs, promote them, record.
         A phase, not the public task's action: a step's outputs are home as
         soon as its own run is fetched, whatever doit does with the other
         tasks of the run (it stops dispatching at the first failure)."""
-        from substrax_tasks._promote_phase import promote_outputs  # not on a no-op's path
+        from substrax_tasks._outputs_phases import promote_outputs  # not on a no-op's path
 
         try:
             return self._action(lambda: promote_outputs(self))
@@ -358,7 +332,7 @@ class StepDriver:
             # Acknowledged only once doit holds that value (it saves its DB
             # before the process exits): without it, a later doit that finds
             # no value for this task trusts the record, as after a SIGKILL.
-            from substrax_tasks._promote_phase import acknowledge
+            from substrax_tasks._outputs_phases import acknowledge
 
             atexit.register(acknowledge, self.step, run_id)
         return {DOIT_VALUE: run_id}

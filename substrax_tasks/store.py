@@ -2,6 +2,7 @@
 
     runs/<run-id>/handle.json     the run's handle (handle.py), the one durable record
     runs/<run-id>/handle.lock     taken by every write of the handle
+    runs/<run-id>/manifest.json   the manifest of its outputs as verified here
     runs/<run-id>/...             the run's own files: job, status, log, fetched outputs
     steps/<step>.json             each step's record: its run, its verified manifest
     cache/<step>.outputs.json     hash caches of a step's outputs and of its inputs
@@ -61,6 +62,10 @@ class RunStore:
 
     def handle_path(self, run_id: str) -> Path:
         return self.run_dir(run_id) / HANDLE_FILE
+
+    def manifest_file(self, run_id: str) -> Path:
+        """The manifest of the run's outputs as fetched and verified here."""
+        return self.run_dir(run_id) / "manifest.json"
 
     def step_record(self, step: str) -> Path:
         return self.root / "steps" / f"{safe_name(step)}.json"
