@@ -109,14 +109,12 @@ class StepDriver:
         with self._lock:
             if self.state is RunState.OPEN:
                 self.state = RunState.CLOSED
-        if self._slot is not None:
+        if self._slot is not None and not self._slot_shared:
             try:
-                if not self._slot_shared:
-                    self.teardown()
+                self.teardown()
             except SubstraxError as exc:
                 emit(f"{self.spec.step}: teardown failed: {exc}", err=True)
-            finally:
-                self._release_slot()
+        self._release_slot()
 
     def _take_slot(self, backend: Backend, handle: RunHandle) -> RunHandle:
         from substrax_tasks.slots import take_in_pool

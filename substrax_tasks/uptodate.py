@@ -34,7 +34,7 @@ from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks.config import ENV_LOCK_FILES
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.proofs import proof_file
-from substrax_tasks.spec import StepSpec, canonical_digest, safe_name, settings_in_key
+from substrax_tasks.spec import StepSpec, canonical_digest, settings_in_key
 
 if TYPE_CHECKING:
     from substrax_tasks.store import RunStore
@@ -51,7 +51,6 @@ class StepFiles:
     """Where a step keeps its state, as the store lays the folder out."""
 
     def __init__(self, store: RunStore, step: str) -> None:
-        self.safe = safe_name(step)
         self.record = store.step_record(step)
         self.inputs_cache = store.inputs_cache(step)
         self.outputs_cache = store.outputs_cache(step)
