@@ -26,7 +26,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 from doit.exceptions import TaskError, TaskFailed
 
 from substrax_tasks import uptodate
-from substrax_tasks._earlier_run import retire_unlaunched, reusable_run
+from substrax_tasks._earlier_run import phase_index, retire_unlaunched, reusable_run
 from substrax_tasks._output import TextSink, emit
 from substrax_tasks._signals import (
     INTERRUPTED,
@@ -47,7 +47,6 @@ if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a 
     from substrax_tasks.slots import Slot
     from substrax_tasks.steplock import StepLock
 
-PHASES = ("created", "launched", "set_up", "synced", "started", "fetched", "promoted")
 RETRY_BACKOFF_SECONDS = 2.0
 _T = TypeVar("_T")
 
@@ -58,10 +57,6 @@ class RunState(enum.Enum):
     CLOSED = "closed"  # the chain ended: verified and promoted, or a phase failed
     INTERRUPTED = "interrupted"  # given up while the run went on (Ctrl-C, or doit ending)
     TORN_DOWN = "torn_down"  # teardown done; nothing more happens
-
-
-def phase_index(phase: object) -> int:
-    return PHASES.index(phase) if isinstance(phase, str) and phase in PHASES else -1
 
 
 class StepDriver:
