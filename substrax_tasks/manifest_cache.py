@@ -50,8 +50,6 @@ if TYPE_CHECKING:
 
         def entries_digest(self, entries: list[dict[str, Any]]) -> str: ...
 
-        def kind_of(self, mode: int) -> str: ...
-
 
 _load_lock = threading.Lock()
 
