@@ -234,30 +234,25 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
         )
 
 
-def clean_outputs(step: Step, dryrun: bool = False) -> None:
-    """`doit clean STEP` with clean=True: remove the declared outputs,
-    folders included (doit's own clean leaves non-empty folders)."""
-    from substrax_tasks._output import emit
-    from substrax_tasks.promote import remove_path
-
-    for out in step.spec.outputs:
-        path = step.root / out.rstrip("/")
-        if path.exists() or path.is_symlink():
-            emit(f"{step.name} - {'would remove' if dryrun else 'removing'} {out}")
-            if not dryrun:
-                remove_path(path)
-
-
 class CleanOutputs:
-    """clean_outputs of one step as doit's clean action. doit names an
-    action by `str(callable)` without its first character (the "<" of
+    """`doit clean STEP` with clean=True: remove the declared outputs,
+    folders included (doit's own clean leaves non-empty folders). doit names
+    an action by `str(callable)` without its first character (the "<" of
     "<function ..."), cut at " at " (the address): this says what it does."""
 
     def __init__(self, step: Step) -> None:
         self.step = step
 
     def __call__(self, dryrun: bool = False) -> None:  # `dryrun`: doit passes it under `clean -n`
-        clean_outputs(self.step, dryrun)
+        from substrax_tasks._output import emit
+        from substrax_tasks.promote import remove_path
+
+        for out in self.step.spec.outputs:
+            path = self.step.root / out.rstrip("/")
+            if path.exists() or path.is_symlink():
+                emit(f"{self.step.name} - {'would remove' if dryrun else 'removing'} {out}")
+                if not dryrun:
+                    remove_path(path)
 
     def __str__(self) -> str:
         return f"<remove the outputs of step {self.step.name}: {', '.join(self.step.spec.outputs)}"
