@@ -224,8 +224,8 @@ class StepDriver:
             if restored_from_cache(self):  # no run: the later phases find no handle and pass
                 return
             retire_unlaunched(self)
-            handle = self.project.new_run(self.spec, self.step.backend)
-            handle = self._save(handle, key=key, key_parts=parts, phase="created")
+            handle = self.project.new_run(self.spec, self.step.backend, phase="created", key=key,
+                                          key_parts=parts)  # fmt: skip
             uptodate.write_record(self.step, run_id=handle.run_id)
             emit(f"{self.spec.step}: new run {handle.run_id} on {self.step.backend}")
         self.handle = handle

@@ -92,9 +92,9 @@ class RunStore:
         return self.root / "slots" / safe_name(pool)
 
     # -- handles
-    def new_run(self, spec: StepSpec, backend: str, settings: dict[str, Any]) -> RunHandle:
-        """Create the run's folder and write its handle: the first durable
-        record, made before anything slow or paid happens."""
+    def new_run(self, spec: StepSpec, backend: str, settings: dict[str, Any], **state: Any) -> RunHandle:
+        """Create the run's folder and write its handle (with `state`): the
+        first durable record, made before anything slow or paid happens."""
         from substrax_tasks.handle import RunHandle
 
         now = datetime.datetime.now(datetime.timezone.utc)
@@ -109,6 +109,7 @@ class RunStore:
             spec=spec,
             spec_digest=run_digest(spec, backend, settings),
             created_at=now.isoformat(timespec="milliseconds"),
+            state=state,
         )
         write_json_atomic(self.handle_path(run_id), handle.model_dump(mode="json"))
         return handle
