@@ -111,7 +111,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     """
     try:
         check_doit_arguments(name, backend=backend, shell=shell, retries=retries, uptodate=uptodate,
-                              project=project)  # fmt: skip
+                             project=project)  # fmt: skip
         tracked = [os.fspath(p) for p in path_list(name, "file_dep", file_dep)]
         dependencies = name_list(name, "task_dep", task_dep, "prepare")
         proj = project_of(project)
