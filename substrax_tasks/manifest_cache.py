@@ -50,8 +50,6 @@ if TYPE_CHECKING:
 
         def entries_digest(self, entries: list[dict[str, Any]]) -> str: ...
 
-        def kind_of(self, mode: int) -> str: ...
-
 
 _load_lock = threading.Lock()
 
@@ -88,28 +86,7 @@ def build_manifest(
     base: str | os.PathLike[str], outputs: Sequence[str], cache: CacheEntries | None = None
 ) -> Manifest:
     """`remote/manifest.py`'s `build_manifest` (see there)."""
-    return manifest_module().build_manifest(base, _outputs(outputs), cache)
-
-
-def _outputs(outputs: Sequence[str]) -> list[str]:
-    if isinstance(outputs, str):
-        raise TypeError(f"outputs must be a list of paths, not a string ({outputs!r})")
-    return list(outputs)
-
-
-class _TrackedDict(dict[str, list[Any]]):
-    """A dict that notes item assignment and deletion (the only ways
-    `build_manifest` changes a cache), so an unchanged cache is not rewritten."""
-
-    changed = False
-
-    def __setitem__(self, key: str, value: list[Any]) -> None:
-        self.changed = True
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key: str) -> None:
-        self.changed = True
-        super().__delitem__(key)
+    return manifest_module().build_manifest(base, outputs, cache)
 
 
 def _valid_entry(value: object) -> bool:
@@ -131,8 +108,8 @@ class HashCache:
 
     def __init__(self, path: Path, entries: Mapping[str, list[Any]] | None = None) -> None:
         self.path = path
-        self.entries: CacheEntries = _TrackedDict(entries or {})
-        self._on_disk = False
+        self.entries: CacheEntries = dict(entries or {})
+        self._saved: CacheEntries | None = None  # what the file holds, when it holds exactly that
 
     @classmethod
     def load(cls, path: Path) -> HashCache:
@@ -144,29 +121,28 @@ class HashCache:
         if not isinstance(raw, dict):
             return cls(path)
         cache = cls(path, {k: v for k, v in raw.items() if _valid_entry(v)})
-        cache._on_disk = len(cache.entries) == len(raw)  # else rewrite it without the bad ones
+        if len(cache.entries) == len(raw):  # else rewrite it without the bad ones
+            cache._saved = dict(cache.entries)
         return cache
 
     @property
     def changed(self) -> bool:
         """Something to write: the file is missing or stale, or an entry changed."""
-        return not self._on_disk or cast(_TrackedDict, self.entries).changed
+        return self.entries != self._saved
 
     def save(self) -> None:
         if not self.changed:
             return
-        entries = cast(_TrackedDict, self.entries)
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # compact: a cache of 20,000 files is 2 MB, 4x slower to indent
-        write_json_atomic(self.path, {"version": CACHE_VERSION, "entries": dict(entries)}, indent=None)
-        self._on_disk = True
-        entries.changed = False
+        write_json_atomic(self.path, {"version": CACHE_VERSION, "entries": self.entries}, indent=None)
+        self._saved = dict(self.entries)
 
 
 def _manifest_cached(base: str | os.PathLike[str], outputs: Sequence[str], cache_file: Path) -> Manifest:
     cache = HashCache.load(cache_file)
     try:
-        return manifest_module().build_manifest(base, _outputs(outputs), cache.entries)
+        return manifest_module().build_manifest(base, outputs, cache.entries)
     finally:
         cache.save()
 

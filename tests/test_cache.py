@@ -106,6 +106,35 @@ def test_doit_forget_restores_and_doit_always_runs_for_real_replacing_the_entry(
     assert again != first and again == json.loads((root / ".substrax/steps/make.json").read_text())["run_id"]
 
 
+# the user's own uptodate item: doit's config_changed of a version file
+VERSIONED = BODY.replace(
+    'outputs=["out/"])', 'outputs=["out/"], uptodate=[config_changed(open("version.txt").read())])'
+).replace("def task_make", "from doit.tools import config_changed\n\n\ndef task_make")
+
+
+def test_a_rerun_asked_for_by_doit_always_or_a_user_uptodate_item_is_real_under_threads(
+    tmp_path: Path,
+) -> None:
+    """doit tells a task nothing of `-a`: a step whose own check held but
+    whose phases doit runs anyway (`-a`, or the user's uptodate item said
+    so) runs for real, never restores; a step that must run restores."""
+    root = project(tmp_path, "a", folder_cache(tmp_path), body=VERSIONED)
+    (root / "version.txt").write_text("1")
+    threads = ("-n", "4", "-P", "thread")
+    doit_ok(root, *threads)
+    (root / "version.txt").write_text("2")  # the user's item turns false; the step's own check holds
+    done = doit_ok(root, *threads)
+    assert not restored(done) and run_count(root) == 2, show(done)
+    done = doit_ok(root, "-a", *threads, "make")
+    assert not restored(done) and run_count(root) == 3, show(done)
+    last = json.loads((root / ".substrax/steps/make.json").read_text())["run_id"]
+    assert json.loads(entries(tmp_path / "team-cache")[0].read_text())["provenance"]["run_id"] == last
+    assert not step_ran(doit_ok(root, *threads), "make")
+    shutil.rmtree(root / "out")  # now the step's own check says run: the entry is restored, -a or not
+    done = doit_ok(root, "-a", *threads, "make")
+    assert restored(done) and run_count(root) == 3, show(done)
+
+
 # doit in-process, to see what a restore imported
 DOIT_IMPORTS = """
 import sys

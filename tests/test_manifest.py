@@ -268,10 +268,9 @@ def test_bad_output_paths_are_refused(project: Path, outputs: list[str], message
 def test_outputs_must_be_a_list_not_a_string(project: Path) -> None:
     with pytest.raises(ManifestError, match="not the string"):
         manifest_module().build_manifest(project, "out/")
-    with pytest.raises(TypeError, match="not a string"):
+    with pytest.raises(ManifestError, match="not the string"):
         build_manifest(project, "out/")
-    with pytest.raises(TypeError, match="not a string"):
-        outputs_match(project, "out/", "0" * 64, project / "cache.json")
+    assert not outputs_match(project, "out/", "0" * 64, project / "cache.json")  # refused: no match
 
 
 @pytest.mark.unit
