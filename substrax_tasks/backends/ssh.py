@@ -57,9 +57,6 @@ LIST_RUNS = (
     'if [ -e "$d/$2" ]; then echo "+$d"; else echo "-$d"; fi; done'
 )
 
-class SetupFailed(SubstraxError):
-    """A setup command failed: the step fails with its output (not retried)."""
-
 
 class SshBackend(Backend):
     name = "ssh"
@@ -130,8 +127,8 @@ class SshBackend(Backend):
             result = self.conn.run(["sh", "-c", command], timeout=None)
             with log.open("ab") as f:
                 f.write(f"$ {command}\n".encode() + result.stdout + result.stderr)
-            if result.returncode != 0:
-                raise SetupFailed(
+            if result.returncode != 0:  # not a BackendError: the step fails, not retried
+                raise SubstraxError(
                     f"setup command `{command}` failed on {self.settings.host} (exit {result.returncode}):\n"
                     + (result.stdout + result.stderr).decode(errors="replace").strip()[-2000:]
                 )
