@@ -19,8 +19,9 @@ Both use doit's `sqlite3` dep file and hold the same pyproject.toml (the
 local backend's `sandbox` set to `--sandbox`, default "auto": bubblewrap
 where it is usable, as a user gets it). Each timed run is a full `doit`:
 before it, the outputs, the dep file and the project's `.substrax` folder
-(store, records, caches) are removed, outside the timed span, so every step
-runs its command. `doit` (serial) and `doit -n 2 -P thread` (each `--jobs`
+(store, records, caches) are removed, outside the timed span, and the
+cache of verified runs is off in the pyproject (it lives in ~/.cache), so
+every step runs its command. `doit` (serial) and `doit -n 2 -P thread` (each `--jobs`
 value) are run in both projects, interleaved and alternating which goes
 first, `--repeats` times. The table shows the medians and the per-step
 overhead, (remote - plain) / steps (goal <= 0.1 s, serial and -n 2).
