@@ -144,7 +144,7 @@ def copy_object(  # noqa: PLR0917
     src = os.open(root + rel, os.O_RDONLY | os.O_CLOEXEC)
     try:
         key = stat_key(os.fstat(src)) if known is not None else []
-        dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o777)
         try:
             if known is not None and known.get(rel) == [*key, digest]:
                 copy_fd(src, dst, key[0])
@@ -173,6 +173,8 @@ def _copy_hashed(src: int, dst: int, buffer: bytearray) -> str:
         done = 0
         while done < size:
             done += os.write(dst, view[done:size])
+        if size < len(buffer):  # a regular file reads short only at its end: no read to see it
+            break
     return sha.hexdigest()
 
 
@@ -191,8 +193,10 @@ def hash_in_place(path: str, mode: int, buffer: bytearray) -> list[Any]:
 
 
 def _made(fd: int, mode: int, digest: str) -> list[Any]:
-    os.fchmod(fd, mode)  # last: the stat below is the file's final one
     st = os.fstat(fd)
+    if st.st_mode & 0o7777 != mode:  # the umask took bits off, or a download's file
+        os.fchmod(fd, mode)  # last: the stat below is the file's final one
+        st = os.fstat(fd)
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, digest]
 
 

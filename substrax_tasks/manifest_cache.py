@@ -163,8 +163,10 @@ class HashCache:
         entries.changed = False
 
 
-def _manifest_cached(base: str | os.PathLike[str], outputs: Sequence[str], cache_file: Path) -> Manifest:
-    cache = HashCache.load(cache_file)
+def _manifest_cached(
+    base: str | os.PathLike[str], outputs: Sequence[str], cache_file: Path | HashCache
+) -> Manifest:
+    cache = cache_file if isinstance(cache_file, HashCache) else HashCache.load(cache_file)
     try:
         return manifest_module().build_manifest(base, _outputs(outputs), cache.entries)
     finally:
@@ -175,10 +177,11 @@ def verify_outputs(
     base: str | os.PathLike[str],
     outputs: Sequence[str],
     expected_manifest: Mapping[str, Any],
-    cache_file: Path,
+    cache_file: Path | HashCache,
 ) -> list[str]:
     """The differences between the outputs under `base` and
-    `expected_manifest`; empty means verified. A tree refused by the
+    `expected_manifest`; empty means verified. The hash cache is read from
+    `cache_file`, or is the one given (then saved). A tree refused by the
     manifest (a symlink escape, an output of the wrong kind) and an output
     that is missing, or was already missing when `expected_manifest` was
     taken, are differences too."""
