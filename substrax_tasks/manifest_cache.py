@@ -219,3 +219,24 @@ def outputs_match(
     except manifest_module().ManifestError:
         return False
     return not manifest["missing"] and manifest["digest"] == expected_digest
+
+
+def renamed_into_place(base: str | os.PathLike[str], outputs: Sequence[str], cache_file: Path) -> None:
+    """After the promotion renamed outputs just verified into place: a
+    rename gives a file a new ctime and changes nothing else, so each file
+    output whose hash cache entry still matches its size, mtime, inode and
+    device takes its new ctime (else every later check would hash it again;
+    a folder's files keep their ctime when it is renamed)."""
+    files = [out for out in outputs if not out.endswith("/")]
+    if not files:
+        return
+    cache = HashCache.load(cache_file)
+    for out in files:
+        hit = cache.entries.get(out)
+        try:
+            st = (Path(base) / out).lstat()
+        except OSError:
+            continue
+        if hit is not None and hit[:2] + hit[3:5] == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]:
+            cache.entries[out] = [*hit[:2], st.st_ctime_ns, *hit[3:]]
+    cache.save()

@@ -225,6 +225,26 @@ def test_an_object_changed_after_its_stat_was_recorded_is_hashed_and_refused(tmp
     assert (root / "out" / "big").read_bytes() == b"x" * 3_000_000
 
 
+ONE_FILE = """
+def task_make():
+    yield from remote_step("make", shell="printf one > one", outputs=["one"])
+"""
+
+
+def test_a_restored_file_output_is_not_hashed_again_by_the_next_check(tmp_path: Path) -> None:
+    """The promotion renames a restored file into place, which gives it a new
+    ctime: its hash cache entry takes that ctime, so the next check (a no-op
+    doit, keeping the restore in the local folder) reads none of its bytes."""
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path), body=ONE_FILE))
+    root = project(tmp_path, "b", folder_cache(tmp_path), body=ONE_FILE)
+    done = doit_ok(root)
+    assert restored(done), show(done)
+    st = (root / "one").lstat()
+    cache = json.loads((root / ".substrax" / "cache" / "make.outputs.json").read_text())["entries"]
+    sha = hashlib.sha256(b"one").hexdigest()
+    assert cache["one"] == [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, sha]
+
+
 def test_read_mode_never_writes_the_shared_store(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
