@@ -36,6 +36,9 @@ BUFFER = 1 << 20  # one reused buffer per restore: no allocation per file
 RACY_NS = int(manifest_module().RACY_SECONDS * 1e9)
 TRUSTED_SIZE = 1 << 20  # objects whose stat is recorded (see copy_object)
 FICLONE = 0x40049409  # linux/fs.h: make dst share src's blocks
+# A big object moves as ranged parts, 4 at once (as rclone does): s3fs's
+# 50 MiB x 10 held up to 500 MB in memory and measured slower (bench/README.md).
+S3_PARTS = {"default_block_size": 16 << 20, "max_concurrency": 4}
 
 # What a restore made of each file: its sha256 and stat, as the outputs'
 # hash cache keys it ([size, mtime_ns, ctime_ns, inode, device, sha256]).
@@ -269,7 +272,8 @@ class Shared:
 
         self.name = url.rstrip("/")
         self.writable = writable
-        self.transport = BucketTransport(show_progress=False)
+        s3 = url.startswith(("s3://", "s3a://"))
+        self.transport = BucketTransport(storage_options=S3_PARTS if s3 else None, show_progress=False)
         self._fs: Any = None
         self._root = ""
 
