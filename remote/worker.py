@@ -298,13 +298,12 @@ class Worker:
     def write_manifest(self, outputs_root: str) -> None:
         """The outputs' manifest, taken now that nothing can touch them: the
         fetch verifies its copy against it (the bucket transport fetches its
-        `manifest_copy` with the outputs). Its hash cache is kept too."""
+        `manifest_copy` with the outputs)."""
         try:
             import manifest  # the stdlib-only manifest.py shipped beside this file
 
             outputs = [o["path"] + ("/" if o["kind"] == "dir" else "") for o in self.job["outputs"]]
-            cache_file = os.path.join(self.run_dir, "manifest-cache.json")
-            taken = manifest.manifest_with_cache_file(outputs_root, outputs, cache_file)
+            taken = manifest.build_manifest(outputs_root, outputs)
             control.write_json_atomic(os.path.join(self.run_dir, "manifest.json"), taken)
             if self.job.get("manifest_copy"):
                 control.write_json_atomic(self.job["manifest_copy"], taken)
