@@ -257,20 +257,21 @@ class Worker:
             # Spare the bubblewrap processes: SIGTERM to them would end the
             # namespace at once, with SIGKILL and no grace for the task.
             spared = proctree.with_children(child_pid) if self.status["sandbox"] == "bwrap" else set()
+            proctree.signal_pids([p for p in proctree.live_descendants(os.getpid()) if p not in spared],
+                                 signal.SIGTERM)
             grace = float(self.job.get("grace_seconds", 5.0))
-            returncode = proctree.stop_tree(child_pid, grace, spared, self.sleep, self.cgroup)
+            returncode = proctree.wait_tree(child_pid, grace, self.sleep, self.cgroup)[0]
             state = self.stop_reason
         else:
             # The command is done; anything it left behind dies now.
-            leftovers = len(proctree.settle(SETTLE_SECONDS, self.sleep))
-            if self.cgroup:
-                leftovers = max(leftovers, len(proctree.cgroup_pids(self.cgroup)))
+            leftovers = proctree.wait_tree(child_pid, SETTLE_SECONDS, self.sleep, self.cgroup)[1]
             if leftovers:
-                self.note("killing %d process(es) the command left running" % leftovers)
+                self.note("killing %d process(es) the command left running" % len(leftovers))
             state = "succeeded" if returncode == 0 else "failed"
         # Always: a process forking too fast to be seen in /proc is not among
         # the leftovers found, but it is in the command's group or cgroup.
-        proctree.kill_all(proctree.REAP_SECONDS, self.sleep, child_pid, self.cgroup)
+        reaped = proctree.kill_all(proctree.REAP_SECONDS, self.sleep, child_pid, self.cgroup)
+        returncode = proctree.code_of(child_pid, reaped) if returncode is None else returncode
         if self.cgroup:
             proctree.remove_cgroup(self.cgroup)
         # Nothing runs in the sandbox's home any more; it goes before the
