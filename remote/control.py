@@ -155,42 +155,30 @@ def damage_of(record: dict[str, Any] | None) -> str | None:
     return None
 
 
-def workers_of(run_dir: str) -> list[int]:
-    """The live workers of the run in `run_dir`: the processes started as
-    `worker.py RUN_DIR/job.json` (a damaged status file names none)."""
-    job = os.path.realpath(os.path.join(run_dir, "job.json"))
-    log = os.path.realpath(os.path.join(run_dir, "run.log"))
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open("/proc/%s/cmdline" % name, "rb") as f:
-                argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
-            cwd = os.readlink("/proc/%s/cwd" % name) if any(not a.startswith("/") for a in argv) else "/"
-        except OSError:
-            continue  # gone meanwhile, or another user's
-        scripts = [os.path.basename(a) for a in argv[:2] if os.path.basename(a) in WORKER_SCRIPTS]
-        if not scripts:
-            continue
-        # `worker.py JOB`, or a worker the local backend's spawner forked
-        # (its command line is the spawner's): the one holding the run's log.
-        ours = any(os.path.realpath(os.path.join(cwd, a)) == job for a in argv[2:3])
-        if (ours or holds(int(name), log)) and start_ticks(int(name)) is not None:  # not a zombie
-            found.append(int(name))
-    return found
-
-
+# A worker runs as `worker.py JOB`, or forked by the local backend's
+# spawner (then its command line is the spawner's).
 WORKER_SCRIPTS = ("worker.py", "_spawner.py")
 
 
-def holds(pid: int, path: str) -> bool:
-    """Whether process `pid` has `path` open."""
-    folder = "/proc/%d/fd" % pid
-    try:
-        return any(os.readlink(os.path.join(folder, fd)) == path for fd in os.listdir(folder))
-    except OSError:
-        return False
+def workers_of(run_dir: str) -> list[int]:
+    """The live workers of the run in `run_dir` (a damaged status file names
+    none): the worker processes holding its log, which each opens before it
+    writes any status (the command holds it too, but runs no worker script)."""
+    log = os.path.realpath(os.path.join(run_dir, "run.log"))
+    found = []
+    for pid in [int(name) for name in os.listdir("/proc") if name.isdigit()]:
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                argv = f.read().split(b"\0")[:2]
+            if not any(os.path.basename(a.decode(errors="replace")) in WORKER_SCRIPTS for a in argv):
+                continue
+            fds = "/proc/%d/fd" % pid
+            if any(os.readlink(os.path.join(fds, fd)) == log for fd in os.listdir(fds)) \
+                    and start_ticks(pid) is not None:  # not a zombie
+                found.append(pid)
+        except OSError:
+            continue  # gone meanwhile, or another user's
+    return found
 
 
 def ended(record: dict[str, Any]) -> bool:
@@ -330,8 +318,6 @@ def watchdog(run_dir: str, seconds: float, poweroff: bool = False) -> dict[str, 
         time.sleep(min(WATCHDOG_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
     if not os.path.isdir(run_dir):
         return {"fired": False}
-    with open(os.path.join(run_dir, "watchdog-fired"), "w") as f:
-        f.write(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     remove(run_dir)
     if poweroff:
         argv = ["shutdown", "-h", "now"] if os.geteuid() == 0 else ["sudo", "-n", "shutdown", "-h", "now"]

@@ -6,23 +6,14 @@ Python 3.8+. The job file names the command, its folders and files.
 
     python3 worker.py JOB_JSON [--detach] [--env-stdin] [--exit-status]
 
-The worker:
-
-* takes the GPUs the job asks for (gpus.py) before anything else, and
-  holds them while it lives; when too few are free it exits with BUSY,
-  having written nothing, and the client tries again later;
-* sends stdout and stderr of the command straight to the log file (no pipe
-  it holds, so a descendant keeping them open can never make it wait);
-* starts the command in its own session and, under bubblewrap, its own pid
-  namespace (``--unshare-pid --die-with-parent``); it is always a child
-  subreaper, so a descendant that double-forks and calls ``setsid`` is
-  reparented to the worker and is found and killed as well;
-* records SIGTERM/SIGINT/SIGHUP in handlers and acts on them between polls:
-  SIGTERM to the whole tree, a grace period, SIGKILL, reap, final status;
-* writes its status file atomically: ``running`` first, then one of
-  ``succeeded``, ``failed``, ``timed_out``, ``cancelled``; and, when the
-  command succeeded, the outputs' manifest (``manifest.json`` in the run
-  folder) that the fetch verifies its copy against.
+It takes the GPUs the job asks for first (too few free: exit BUSY, having
+written nothing, and the client tries again later). The command's stdout
+and stderr go straight to the log file: no pipe the worker holds, so a
+descendant keeping them open can never make it wait. The command runs in
+its own session (under bubblewrap, its own pid namespace too), below a
+worker that is a child subreaper, so nothing it starts escapes the end of
+the run. The status file (control.py) says ``starting``, ``running``, then
+how it ended; a succeeded run leaves its outputs' manifest beside it.
 """
 
 from __future__ import annotations
