@@ -35,7 +35,8 @@ import stat
 import subprocess
 import sys
 import time
-from typing import Any, Iterator
+import traceback
+from typing import Any, Callable, Iterator
 
 FINAL_STATES = ("succeeded", "failed", "timed_out", "cancelled")
 STATUS_FILE = "status.json"
@@ -326,34 +327,49 @@ def watchdog(run_dir: str, seconds: float, poweroff: bool = False) -> dict[str, 
     return {"fired": True}
 
 
-def detach_watchdog(run_dir: str, seconds: float, poweroff: bool) -> dict[str, Any]:
-    """Start the watchdog in a grandchild of its own session, immune to the
-    SSH session's end; its record once it is armed."""
-    path = os.path.join(run_dir, "watchdog.json")
-    if os.path.exists(path):
-        os.unlink(path)
+def daemon(work: Callable[[int], int]) -> bytes:
+    """Run `work(ready_fd)` in a child of a session of its own, stdin and
+    stdout on /dev/null (its stderr is for `work` to redirect), so that it
+    outlives the caller and its SSH session. Returns what the child writes
+    to `ready_fd` once it is under way (b"" if it died first)."""
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
-    if pid == 0:
-        try:
-            os.setsid()
-            if os.fork() == 0:
-                devnull = os.open(os.devnull, os.O_RDWR)
-                for fd in (0, 1, 2):
-                    os.dup2(devnull, fd)
-                signal.signal(signal.SIGHUP, signal.SIG_IGN)
-                write_json_atomic(path, {"pid": os.getpid(), "start_ticks": start_ticks(os.getpid()),
-                                         "seconds": seconds, "armed_at": time.time()})
-                watchdog(run_dir, seconds, poweroff)
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        armed = read_json(path)
-        if armed is not None:
-            return armed
-        time.sleep(0.01)
-    return {"pid": None, "error": "watchdog did not start"}
+    if pid:
+        os.close(ready_w)
+        answer = os.read(ready_r, 1 << 16)  # one short write, or the end if the child died
+        os.close(ready_r)
+        os.waitpid(pid, os.WNOHANG)  # reaped if it died; else init's once we exit
+        return answer
+    code = 1
+    try:
+        os.close(ready_r)
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(devnull, 1)
+        code = work(ready_w)
+    except BaseException:  # to the stderr `work` chose (the worker's: the run's log)
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def detach_watchdog(run_dir: str, seconds: float, poweroff: bool) -> dict[str, Any]:
+    """Start the watchdog as a daemon; its record (watchdog.json) once armed."""
+
+    def arm(ready: int) -> int:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        armed = {"pid": os.getpid(), "start_ticks": start_ticks(os.getpid()), "seconds": seconds,
+                 "armed_at": time.time()}
+        write_json_atomic(os.path.join(run_dir, "watchdog.json"), armed)
+        os.write(ready, json.dumps(armed).encode())
+        os.close(ready)
+        watchdog(run_dir, seconds, poweroff)
+        return 0
+
+    answer = daemon(arm)
+    return json.loads(answer) if answer else {"pid": None, "error": "watchdog did not start"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -328,29 +328,10 @@ def absolute_paths(job: dict[str, Any], base: str) -> dict[str, Any]:
 
 
 def detach(job: dict[str, Any], secrets: dict[str, str]) -> int:
-    """Fork a worker into its own session; return once it has written its
-    first status, so the caller learns at once whether the command started."""
-    ready_r, ready_w = os.pipe()
-    pid = os.fork()
-    if pid:
-        os.close(ready_w)
-        answer = os.read(ready_r, 64)  # one write of a few bytes, or the end if the child died
-        os.waitpid(pid, os.WNOHANG)
-        return {b"started": 0, b"busy": BUSY}.get(answer, 1)
-    os.close(ready_r)
-    if os.getpid() != os.getsid(0):
-        os.setsid()
-    devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
-    try:
-        code = Worker(job, secrets).run(ready_fd=ready_w)
-    except BaseException:  # the traceback goes to the log (fd 2)
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    os._exit(code)
+    """Start a worker as a daemon; return once it has written its first
+    status, so the caller learns at once whether the command started."""
+    answer = control.daemon(lambda ready: Worker(job, secrets).run(ready_fd=ready))
+    return {b"started": 0, b"busy": BUSY}.get(answer, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

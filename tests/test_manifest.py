@@ -561,6 +561,15 @@ def test_cli_usage_errors(tmp_path: Path) -> None:
     assert "is not a folder" in proc.stderr
 
 
+def test_cli_takes_outputs_named_like_options_after_a_double_dash(tmp_path: Path) -> None:
+    """The ssh backend passes `--` first: an output may start with "-"."""
+    write(tmp_path / "-o" / "a.txt", b"a\n")
+    proc = subprocess.run([sys.executable, str(remote_script("manifest.py")), "--", str(tmp_path), "-o/"],
+                          capture_output=True, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == build_manifest(tmp_path, ["-o/"])
+
+
 def test_the_cache_works_under_python38(project: Path) -> None:
     age(project)
     code = """
