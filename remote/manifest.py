@@ -197,38 +197,38 @@ def _walk(base: str, checked: List[Tuple[str, bool]], cache: Optional[Cache]
     def add(path: str, rel: str, st: os.stat_result, out_parts: List[str]) -> bool:
         """Describe one entry under an output; True for a folder to walk."""
         mode = st.st_mode
+        if stat.S_ISREG(mode):
+            key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+            hit = None if cache is None else cache.get(rel)
+            if isinstance(hit, list) and len(hit) == 6 and hit[:5] == key:
+                digest = hit[5]
+                seen.add(rel)
+            else:
+                digest = hash_file(path, st, buf)
+                if cache is not None and st.st_ctime_ns < racy_ns:
+                    cache[rel] = key + [digest]
+                    seen.add(rel)
+                elif cache is not None:
+                    cache.pop(rel, None)  # the racy rule: a file changed inside the window is not remembered
+            entries.append({"path": rel, "type": "file", "size": st.st_size, "mode": mode & 0o7777,
+                            "sha256": digest, "target": None})
+            return False
         if stat.S_ISDIR(mode):
             entries.append({"path": rel, "type": "dir", "size": 0, "mode": mode & 0o7777, "sha256": None,
                             "target": None})
             return True
-        if stat.S_ISLNK(mode):
-            target = os.readlink(path)
-            resolved, why = _resolve(base, rel.split("/")[:-1], target, [MAX_LINK_HOPS])
-            if why is None and resolved[: len(out_parts)] != out_parts:
-                why = "it leads to %s" % ("/".join(resolved) or ".")
-            if why is not None:
-                raise ManifestError("symlink %s -> %s %s (%s): refused, never followed" % (
-                    rel, target, "is a loop" if why == _LOOP else "points outside its output", why))
-            entries.append({"path": rel, "type": "symlink", "size": len(os.fsencode(target)), "mode": 0o777,
-                            "sha256": None, "target": target})
-            return False
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISLNK(mode):
             raise ManifestError("%s is a %s: outputs may hold only files, folders and symlinks"
                                 % (rel, kind_of(mode)))
-        key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-        hit = cache.get(rel) if cache is not None else None
-        if isinstance(hit, list) and len(hit) == 6 and hit[:5] == key:
-            digest = hit[5]
-        else:
-            digest = hash_file(path, st, buf)
-            if cache is not None and st.st_ctime_ns >= racy_ns:
-                cache.pop(rel, None)  # the racy rule: a file changed inside the window is not remembered
-            elif cache is not None:
-                cache[rel] = key + [digest]
-        if cache is not None and rel in cache:
-            seen.add(rel)
-        entries.append({"path": rel, "type": "file", "size": st.st_size, "mode": mode & 0o7777,
-                        "sha256": digest, "target": None})
+        target = os.readlink(path)
+        resolved, why = _resolve(base, rel.split("/")[:-1], target, [MAX_LINK_HOPS])
+        if why is None and resolved[: len(out_parts)] != out_parts:
+            why = "it leads to %s" % ("/".join(resolved) or ".")
+        if why is not None:
+            raise ManifestError("symlink %s -> %s %s (%s): refused, never followed" % (
+                rel, target, "is a loop" if why == _LOOP else "points outside its output", why))
+        entries.append({"path": rel, "type": "symlink", "size": len(os.fsencode(target)), "mode": 0o777,
+                        "sha256": None, "target": target})
         return False
 
     for rel, is_dir in checked:
