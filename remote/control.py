@@ -8,14 +8,13 @@ printing one JSON line:
     python3 control.py status RUN_DIR
     python3 control.py follow RUN_DIR OFFSET LIMIT
     python3 control.py cancel RUN_DIR [--wait SECONDS]
-    python3 control.py watchdog RUN_DIR SECONDS [--detach] [--poweroff]
+    python3 control.py watchdog RUN_DIR SECONDS [--poweroff]
     python3 control.py remove RUN_DIR
 
 It imports no sibling, so loading it shadows no module of the user's.
 `follow` streams the run's log instead (raw bytes from OFFSET, at most
-LIMIT) until the run has ended: one follower per wait, not a status command
-every fraction of a second. It exits when its stdin closes (the client
-went), so it never outlives the client by more than a poll.
+LIMIT) until the run has ended or its stdin closes (the client went): one
+follower per wait, not a status command every fraction of a second.
 
 Closing an SSH channel kills nothing (fabric's lesson): a remote tree is
 stopped by signalling its worker by pid, checked against its start time.
@@ -226,8 +225,9 @@ def send_log(run_dir: str, offset: int, limit: int) -> int:
 
 def follow(run_dir: str, offset: int, limit: int) -> int:
     """Stream the log until the run has ended (then the log is whole: it is
-    read after the status that says so) or stdin closes. Exit 3: the log is
-    not a regular file."""
+    read after the status that says so) or stdin closes, so it never
+    outlives the client by more than a poll. Exit 3: the log is not a
+    regular file."""
     poller = select.poll()
     poller.register(0, select.POLLIN)
     try:
@@ -255,9 +255,8 @@ def cancel(run_dir: str, wait: float) -> dict[str, Any]:
         record = read_status(run_dir)  # the worker claimed the start meanwhile
         if record is None:
             return {"cancelled": False, "reason": "not started"}
-    if record.get("state") in FINAL_STATES:
-        return {"cancelled": False, "reason": "finished", "state": record.get("state")}
-    if alive(record.get("worker_pid"), record.get("worker_start_ticks")):
+    running = record.get("state") not in FINAL_STATES
+    if running and alive(record.get("worker_pid"), record.get("worker_start_ticks")):
         os.kill(record["worker_pid"], signal.SIGTERM)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
@@ -275,9 +274,8 @@ def cancel(run_dir: str, wait: float) -> dict[str, Any]:
             os.killpg(record["pid"], signal.SIGKILL)
     cgroup = record.get("cgroup")
     if isinstance(cgroup, str) and os.path.basename(cgroup).startswith("substrax-"):  # what is left in it
-        with contextlib.suppress(OSError):
-            with open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
-                f.write("1")
+        with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
+            f.write("1")
     # No worker is left to record the end: record it here, so the run
     # reads as cancelled rather than lost.
     write_json_atomic(os.path.join(run_dir, STATUS_FILE), dict(
@@ -387,13 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         result = cancel(run_dir, wait)
     elif command == "remove":
         result = remove(run_dir)
-    elif command == "watchdog" and len(args) >= 3:
-        seconds, poweroff = float(args[2]), "--poweroff" in args
-        if "--detach" in args:
-            os.makedirs(run_dir, exist_ok=True)
-            result = detach_watchdog(run_dir, seconds, poweroff)
-        else:
-            result = watchdog(run_dir, seconds, poweroff)
+    elif command == "watchdog" and len(args) >= 3:  # armed as a daemon: the caller's session may end
+        os.makedirs(run_dir, exist_ok=True)
+        result = detach_watchdog(run_dir, float(args[2]), "--poweroff" in args)
     else:
         sys.stderr.write("unknown command: %s\n" % " ".join(args))
         return 2

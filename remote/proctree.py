@@ -156,9 +156,8 @@ def kill_all(seconds: float, sleep: Sleep, group: Optional[int] = None, cgroup: 
     deadline = time.monotonic() + seconds
     stopped: Set[int] = set()
     if cgroup is not None:
-        with contextlib.suppress(OSError):
-            with open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
-                f.write("1")
+        with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
+            f.write("1")
     while True:
         if group is not None:
             # Our group's id cannot name another group while any process of
