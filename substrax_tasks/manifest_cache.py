@@ -42,8 +42,7 @@ if TYPE_CHECKING:
         ManifestError: type[Exception]
 
         def build_manifest(
-            self, base: str | os.PathLike[str], outputs: Sequence[str], cache: CacheEntries | None = None,
-            **options: Any,
+            self, base: str | os.PathLike[str], outputs: Sequence[str], cache: CacheEntries | None = None
         ) -> Manifest: ...
 
         def check_outputs(self, outputs: Sequence[str]) -> list[tuple[str, bool]]: ...
