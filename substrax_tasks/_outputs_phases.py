@@ -73,6 +73,8 @@ def promote_outputs(driver: StepDriver) -> TaskFailed | None:
     # system) or outputs verified in place are checked where they stand.
     if not renamed and not manifest_cache.outputs_match(driver.root, outputs, digest, cache):
         return TaskFailed(f"step {step!r}: outputs changed while they were promoted")
+    if renamed:
+        manifest_cache.renamed_into_place(driver.root, outputs, cache)
     if handle is not None:
         driver._save(handle, phase="promoted")
     uptodate.write_record(driver.step, **record_of(driver, digest))

@@ -42,8 +42,7 @@ if TYPE_CHECKING:
         ManifestError: type[Exception]
 
         def build_manifest(
-            self, base: str | os.PathLike[str], outputs: Sequence[str], cache: CacheEntries | None = None,
-            **options: Any,
+            self, base: str | os.PathLike[str], outputs: Sequence[str], cache: CacheEntries | None = None
         ) -> Manifest: ...
 
         def check_outputs(self, outputs: Sequence[str]) -> list[tuple[str, bool]]: ...
@@ -139,8 +138,10 @@ class HashCache:
         self._saved = dict(self.entries)
 
 
-def _manifest_cached(base: str | os.PathLike[str], outputs: Sequence[str], cache_file: Path) -> Manifest:
-    cache = HashCache.load(cache_file)
+def _manifest_cached(
+    base: str | os.PathLike[str], outputs: Sequence[str], cache_file: Path | HashCache
+) -> Manifest:
+    cache = cache_file if isinstance(cache_file, HashCache) else HashCache.load(cache_file)
     try:
         return manifest_module().build_manifest(base, outputs, cache.entries)
     finally:
@@ -151,10 +152,11 @@ def verify_outputs(
     base: str | os.PathLike[str],
     outputs: Sequence[str],
     expected_manifest: Mapping[str, Any],
-    cache_file: Path,
+    cache_file: Path | HashCache,
 ) -> list[str]:
     """The differences between the outputs under `base` and
-    `expected_manifest`; empty means verified. A tree refused by the
+    `expected_manifest`; empty means verified. The hash cache is read from
+    `cache_file`, or is the one given (then saved). A tree refused by the
     manifest (a symlink escape, an output of the wrong kind) and an output
     that is missing, or was already missing when `expected_manifest` was
     taken, are differences too."""
@@ -192,3 +194,24 @@ def outputs_match(
     except manifest_module().ManifestError:
         return False
     return not manifest["missing"] and manifest["digest"] == expected_digest
+
+
+def renamed_into_place(base: str | os.PathLike[str], outputs: Sequence[str], cache_file: Path) -> None:
+    """After the promotion renamed outputs just verified into place: a
+    rename gives a file a new ctime and changes nothing else, so each file
+    output whose hash cache entry still matches its size, mtime, inode and
+    device takes its new ctime (else every later check would hash it again;
+    a folder's files keep their ctime when it is renamed)."""
+    files = [out for out in outputs if not out.endswith("/")]
+    if not files:
+        return
+    cache = HashCache.load(cache_file)
+    for out in files:
+        hit = cache.entries.get(out)
+        try:
+            st = (Path(base) / out).lstat()
+        except OSError:
+            continue
+        if hit is not None and hit[:2] + hit[3:5] == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]:
+            cache.entries[out] = [*hit[:2], st.st_ctime_ns, *hit[3:]]
+    cache.save()

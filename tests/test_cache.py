@@ -254,6 +254,26 @@ def test_an_object_changed_after_its_stat_was_recorded_is_hashed_and_refused(tmp
     assert (root / "out" / "big").read_bytes() == b"x" * 3_000_000
 
 
+ONE_FILE = """
+def task_make():
+    yield from remote_step("make", shell="printf one > one", outputs=["one"])
+"""
+
+
+def test_a_restored_file_output_is_not_hashed_again_by_the_next_check(tmp_path: Path) -> None:
+    """The promotion renames a restored file into place, which gives it a new
+    ctime: its hash cache entry takes that ctime, so the next check (a no-op
+    doit, keeping the restore in the local folder) reads none of its bytes."""
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path), body=ONE_FILE))
+    root = project(tmp_path, "b", folder_cache(tmp_path), body=ONE_FILE)
+    done = doit_ok(root)
+    assert restored(done), show(done)
+    st = (root / "one").lstat()
+    cache = json.loads((root / ".substrax" / "cache" / "make.outputs.json").read_text())["entries"]
+    sha = hashlib.sha256(b"one").hexdigest()
+    assert cache["one"] == [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, sha]
+
+
 def test_read_mode_never_writes_the_shared_store(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -362,21 +382,25 @@ def test_gc_keeps_running_and_unfetched_runs_and_removes_what_dry_run_listed(tmp
     running = submit(api, ["sh", "-c", "sleep 60"], step="slow")
     unfetched = submit(api, ["sh", "-c", "mkdir -p res && echo x > res/f"], step="quick", outputs=["res/"])
     wait_final(api, unfetched)
+
+    def listing(folder: Path) -> list[str]:  # status.reserve: the worker removes it as it exits, maybe now
+        return sorted(p.name for p in folder.iterdir() if p.name != "status.reserve")
+
     try:
-        kept = {d.name: sorted(p.name for p in d.iterdir()) for d in run_dirs(root)}
+        kept = {d.name: listing(d) for d in run_dirs(root)}
         listed = compute(root, "gc", "--dry-run")
         assert listed.returncode == 0, show(listed)
         would = [line.removeprefix("would remove ") for line in listed.stdout.splitlines()]
         assert would and all(running.run_id not in w and unfetched.run_id not in w for w in would), would
         old = next(h for h in handles(root) if h["step"] == "make")["run_id"]
         assert any(w.endswith(f"{old}/manifest.json") for w in would)
-        assert {d.name: sorted(p.name for p in d.iterdir()) for d in run_dirs(root)} == kept  # nothing went
+        assert {d.name: listing(d) for d in run_dirs(root)} == kept  # nothing went
         done = compute(root, "gc")
         assert [line.removeprefix("removed ") for line in done.stdout.splitlines()] == would, show(done)
         for d in run_dirs(root):
             assert (d / "handle.json").exists() and (d / "run.log").exists()
         for handle in (running, unfetched):
-            assert sorted(p.name for p in run_dir(api, handle).iterdir()) == kept[handle.run_id]
+            assert listing(run_dir(api, handle)) == kept[handle.run_id]
         assert "up to date" in compute(root, "why", "make").stdout
     finally:
         api.backend_for(running).cancel(running)
