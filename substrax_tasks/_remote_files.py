@@ -58,6 +58,9 @@ def remote_module(name: str) -> ModuleType:
     `substrax_remote_<name>`: the very file that runs over there. Only for
     the scripts that import no sibling (control, sandbox, manifest, gpus)."""
     module_name = f"substrax_remote_{name}"
+    module = sys.modules.get(module_name)
+    if module is not None:  # the common case, without the lock
+        return module
     with _load_lock:
         module = sys.modules.get(module_name)
         if module is None:

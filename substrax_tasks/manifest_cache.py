@@ -13,20 +13,15 @@ module ``substrax_remote_manifest``) and adds what only this side needs:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks._remote_files import remote_script
+from substrax_tasks._remote_files import remote_module
 
-MODULE_NAME = "substrax_remote_manifest"
 CACHE_VERSION = 2  # 2: entries keyed on ctime and device too
 
 CacheEntries = dict[str, list[Any]]
@@ -50,32 +45,9 @@ if TYPE_CHECKING:
         def entries_digest(self, entries: list[dict[str, Any]]) -> str: ...
 
 
-_load_lock = threading.Lock()
-
-
 def manifest_module() -> ManifestModule:
-    """`remote/manifest.py`, loaded once and kept in `sys.modules`."""
-    module = sys.modules.get(MODULE_NAME)
-    if module is None:
-        with _load_lock:
-            module = sys.modules.get(MODULE_NAME)
-            if module is None:
-                module = _load(remote_script("manifest.py"))
-    return cast("ManifestModule", module)
-
-
-def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE_NAME] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[MODULE_NAME]
-        raise
-    return module
+    """`remote/manifest.py`, loaded once (as `substrax_remote_manifest`)."""
+    return cast("ManifestModule", remote_module("manifest"))
 
 
 ManifestError: type[Exception] = manifest_module().ManifestError

@@ -16,7 +16,6 @@ from typing import Any, cast
 
 import pytest
 
-from substrax_tasks import manifest_cache
 from substrax_tasks._remote_files import remote_script
 from substrax_tasks.manifest_cache import (
     HashCache,
@@ -603,8 +602,8 @@ print(json.dumps({"a": a, "c": c}))
 def test_module_is_loaded_once_from_remote_script() -> None:
     mod = manifest_module()
     assert mod is manifest_module()
-    assert sys.modules[manifest_cache.MODULE_NAME] is mod
-    assert Path(sys.modules[manifest_cache.MODULE_NAME].__file__ or "") == remote_script("manifest.py")
+    assert sys.modules["substrax_remote_manifest"] is mod
+    assert Path(sys.modules["substrax_remote_manifest"].__file__ or "") == remote_script("manifest.py")
     assert ManifestError is mod.ManifestError
 
 
