@@ -19,6 +19,10 @@ Timed, as subprocesses, interleaved, `--repeats` times each (medians):
 * `python -c pass` (the venv's interpreter): the floor of any Python CLI;
 * `substrax-compute --version`: start-up plus the CLI's imports;
 * `substrax-compute --project EMPTY status`: a project with no runs;
+* the same with an ssh backend configured whose host never answers (a
+  loopback socket that accepts and stays silent): status asks hosts for
+  leaked machines only with `--machines`, so this costs what the line
+  above costs, not ssh's connect_timeout (15 s; issue 20);
 * `substrax-compute --project DIR status`: the latest run of each step;
 * `substrax-compute --project DIR status --all` (every run; a table, stdout
   is a pipe, so no colours and rich's default width of 80 columns);
@@ -36,10 +40,12 @@ import json
 import os
 import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -160,6 +166,22 @@ def make_store(root: Path, runs: int) -> None:
 # ------------------------------------------------------------------ timing
 
 
+def silent_host() -> int:
+    """A loopback port that accepts connections and never answers, as a
+    host that hangs; served by a daemon thread until the bench exits."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+
+    def serve() -> None:
+        held = []  # open and unanswered: the client waits for a banner
+        while True:
+            held.append(listener.accept()[0])
+
+    threading.Thread(target=serve, daemon=True).start()
+    return int(listener.getsockname()[1])
+
+
 @dataclass
 class Case:
     name: str
@@ -224,6 +246,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         make_store(full, args.runs)
         empty.mkdir()
         (empty / "pyproject.toml").write_text(PYPROJECT)
+        hung = scratch / "hung"
+        hung.mkdir()
+        port = silent_host()
+        (hung / "pyproject.toml").write_text(
+            f'{PYPROJECT}\n[tool.substrax.compute.backends.ssh]\nhost = "127.0.0.1"\nport = {port}\n'
+        )
         print(f"made {args.runs} runs with the store's API in {time.perf_counter() - started:.1f} s; "
               f"{args.repeats} timed runs of each command, interleaved")
         cli = cli_argv()
@@ -232,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             Case("python -c pass", [sys.executable, "-c", "pass"]),
             Case("substrax-compute --version", [*cli, "--version"]),
             Case("status, 0 runs", [*cli, "--project", str(empty), "status"]),
+            Case("status, 0 runs, an ssh host that hangs", [*cli, "--project", str(hung), "status"]),
             Case(f"status (latest of each), {args.runs} runs", [*status, "status"], min(STEPS, args.runs)),
             Case(f"status --all, {args.runs} runs", [*status, "status", "--all"], args.runs),
             Case(f"status --all --json, {args.runs} runs", [*status, "status", "--all", "--json"],

@@ -8,14 +8,13 @@ printing one JSON line:
     python3 control.py status RUN_DIR
     python3 control.py follow RUN_DIR OFFSET LIMIT
     python3 control.py cancel RUN_DIR [--wait SECONDS]
-    python3 control.py watchdog RUN_DIR SECONDS [--detach] [--poweroff]
+    python3 control.py watchdog RUN_DIR SECONDS [--poweroff]
     python3 control.py remove RUN_DIR
 
 It imports no sibling, so loading it shadows no module of the user's.
 `follow` streams the run's log instead (raw bytes from OFFSET, at most
-LIMIT) until the run has ended: one follower per wait, not a status command
-every fraction of a second. It exits when its stdin closes (the client
-went), so it never outlives the client by more than a poll.
+LIMIT) until the run has ended or its stdin closes (the client went): one
+follower per wait, not a status command every fraction of a second.
 
 Closing an SSH channel kills nothing (fabric's lesson): a remote tree is
 stopped by signalling its worker by pid, checked against its start time.
@@ -35,7 +34,8 @@ import stat
 import subprocess
 import sys
 import time
-from typing import Any, Iterator
+import traceback
+from typing import Any, Callable, Iterator
 
 FINAL_STATES = ("succeeded", "failed", "timed_out", "cancelled")
 STATUS_FILE = "status.json"
@@ -155,42 +155,30 @@ def damage_of(record: dict[str, Any] | None) -> str | None:
     return None
 
 
-def workers_of(run_dir: str) -> list[int]:
-    """The live workers of the run in `run_dir`: the processes started as
-    `worker.py RUN_DIR/job.json` (a damaged status file names none)."""
-    job = os.path.realpath(os.path.join(run_dir, "job.json"))
-    log = os.path.realpath(os.path.join(run_dir, "run.log"))
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open("/proc/%s/cmdline" % name, "rb") as f:
-                argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
-            cwd = os.readlink("/proc/%s/cwd" % name) if any(not a.startswith("/") for a in argv) else "/"
-        except OSError:
-            continue  # gone meanwhile, or another user's
-        scripts = [os.path.basename(a) for a in argv[:2] if os.path.basename(a) in WORKER_SCRIPTS]
-        if not scripts:
-            continue
-        # `worker.py JOB`, or a worker the local backend's spawner forked
-        # (its command line is the spawner's): the one holding the run's log.
-        ours = any(os.path.realpath(os.path.join(cwd, a)) == job for a in argv[2:3])
-        if (ours or holds(int(name), log)) and start_ticks(int(name)) is not None:  # not a zombie
-            found.append(int(name))
-    return found
-
-
+# A worker runs as `worker.py JOB`, or forked by the local backend's
+# spawner (then its command line is the spawner's).
 WORKER_SCRIPTS = ("worker.py", "_spawner.py")
 
 
-def holds(pid: int, path: str) -> bool:
-    """Whether process `pid` has `path` open."""
-    folder = "/proc/%d/fd" % pid
-    try:
-        return any(os.readlink(os.path.join(folder, fd)) == path for fd in os.listdir(folder))
-    except OSError:
-        return False
+def workers_of(run_dir: str) -> list[int]:
+    """The live workers of the run in `run_dir` (a damaged status file names
+    none): the worker processes holding its log, which each opens before it
+    writes any status (the command holds it too, but runs no worker script)."""
+    log = os.path.realpath(os.path.join(run_dir, "run.log"))
+    found = []
+    for pid in [int(name) for name in os.listdir("/proc") if name.isdigit()]:
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                argv = f.read().split(b"\0")[:2]
+            if not any(os.path.basename(a.decode(errors="replace")) in WORKER_SCRIPTS for a in argv):
+                continue
+            fds = "/proc/%d/fd" % pid
+            if any(os.readlink(os.path.join(fds, fd)) == log for fd in os.listdir(fds)) \
+                    and start_ticks(pid) is not None:  # not a zombie
+                found.append(pid)
+        except OSError:
+            continue  # gone meanwhile, or another user's
+    return found
 
 
 def ended(record: dict[str, Any]) -> bool:
@@ -237,8 +225,9 @@ def send_log(run_dir: str, offset: int, limit: int) -> int:
 
 def follow(run_dir: str, offset: int, limit: int) -> int:
     """Stream the log until the run has ended (then the log is whole: it is
-    read after the status that says so) or stdin closes. Exit 3: the log is
-    not a regular file."""
+    read after the status that says so) or stdin closes, so it never
+    outlives the client by more than a poll. Exit 3: the log is not a
+    regular file."""
     poller = select.poll()
     poller.register(0, select.POLLIN)
     try:
@@ -266,9 +255,8 @@ def cancel(run_dir: str, wait: float) -> dict[str, Any]:
         record = read_status(run_dir)  # the worker claimed the start meanwhile
         if record is None:
             return {"cancelled": False, "reason": "not started"}
-    if record.get("state") in FINAL_STATES:
-        return {"cancelled": False, "reason": "finished", "state": record.get("state")}
-    if alive(record.get("worker_pid"), record.get("worker_start_ticks")):
+    running = record.get("state") not in FINAL_STATES
+    if running and alive(record.get("worker_pid"), record.get("worker_start_ticks")):
         os.kill(record["worker_pid"], signal.SIGTERM)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
@@ -286,9 +274,8 @@ def cancel(run_dir: str, wait: float) -> dict[str, Any]:
             os.killpg(record["pid"], signal.SIGKILL)
     cgroup = record.get("cgroup")
     if isinstance(cgroup, str) and os.path.basename(cgroup).startswith("substrax-"):  # what is left in it
-        with contextlib.suppress(OSError):
-            with open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
-                f.write("1")
+        with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
+            f.write("1")
     # No worker is left to record the end: record it here, so the run
     # reads as cancelled rather than lost.
     write_json_atomic(os.path.join(run_dir, STATUS_FILE), dict(
@@ -330,8 +317,6 @@ def watchdog(run_dir: str, seconds: float, poweroff: bool = False) -> dict[str, 
         time.sleep(min(WATCHDOG_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
     if not os.path.isdir(run_dir):
         return {"fired": False}
-    with open(os.path.join(run_dir, "watchdog-fired"), "w") as f:
-        f.write(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     remove(run_dir)
     if poweroff:
         argv = ["shutdown", "-h", "now"] if os.geteuid() == 0 else ["sudo", "-n", "shutdown", "-h", "now"]
@@ -340,34 +325,49 @@ def watchdog(run_dir: str, seconds: float, poweroff: bool = False) -> dict[str, 
     return {"fired": True}
 
 
-def detach_watchdog(run_dir: str, seconds: float, poweroff: bool) -> dict[str, Any]:
-    """Start the watchdog in a grandchild of its own session, immune to the
-    SSH session's end; its record once it is armed."""
-    path = os.path.join(run_dir, "watchdog.json")
-    if os.path.exists(path):
-        os.unlink(path)
+def daemon(work: Callable[[int], int]) -> bytes:
+    """Run `work(ready_fd)` in a child of a session of its own, stdin and
+    stdout on /dev/null (its stderr is for `work` to redirect), so that it
+    outlives the caller and its SSH session. Returns what the child writes
+    to `ready_fd` once it is under way (b"" if it died first)."""
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
-    if pid == 0:
-        try:
-            os.setsid()
-            if os.fork() == 0:
-                devnull = os.open(os.devnull, os.O_RDWR)
-                for fd in (0, 1, 2):
-                    os.dup2(devnull, fd)
-                signal.signal(signal.SIGHUP, signal.SIG_IGN)
-                write_json_atomic(path, {"pid": os.getpid(), "start_ticks": start_ticks(os.getpid()),
-                                         "seconds": seconds, "armed_at": time.time()})
-                watchdog(run_dir, seconds, poweroff)
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        armed = read_json(path)
-        if armed is not None:
-            return armed
-        time.sleep(0.01)
-    return {"pid": None, "error": "watchdog did not start"}
+    if pid:
+        os.close(ready_w)
+        answer = os.read(ready_r, 1 << 16)  # one short write, or the end if the child died
+        os.close(ready_r)
+        os.waitpid(pid, os.WNOHANG)  # reaped if it died; else init's once we exit
+        return answer
+    code = 1
+    try:
+        os.close(ready_r)
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(devnull, 1)
+        code = work(ready_w)
+    except BaseException:  # to the stderr `work` chose (the worker's: the run's log)
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def detach_watchdog(run_dir: str, seconds: float, poweroff: bool) -> dict[str, Any]:
+    """Start the watchdog as a daemon; its record (watchdog.json) once armed."""
+
+    def arm(ready: int) -> int:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        armed = {"pid": os.getpid(), "start_ticks": start_ticks(os.getpid()), "seconds": seconds,
+                 "armed_at": time.time()}
+        write_json_atomic(os.path.join(run_dir, "watchdog.json"), armed)
+        os.write(ready, json.dumps(armed).encode())
+        os.close(ready)
+        watchdog(run_dir, seconds, poweroff)
+        return 0
+
+    answer = daemon(arm)
+    return json.loads(answer) if answer else {"pid": None, "error": "watchdog did not start"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,13 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         result = cancel(run_dir, wait)
     elif command == "remove":
         result = remove(run_dir)
-    elif command == "watchdog" and len(args) >= 3:
-        seconds, poweroff = float(args[2]), "--poweroff" in args
-        if "--detach" in args:
-            os.makedirs(run_dir, exist_ok=True)
-            result = detach_watchdog(run_dir, seconds, poweroff)
-        else:
-            result = watchdog(run_dir, seconds, poweroff)
+    elif command == "watchdog" and len(args) >= 3:  # armed as a daemon: the caller's session may end
+        os.makedirs(run_dir, exist_ok=True)
+        result = detach_watchdog(run_dir, float(args[2]), "--poweroff" in args)
     else:
         sys.stderr.write("unknown command: %s\n" % " ".join(args))
         return 2

@@ -12,29 +12,27 @@ import ctypes
 import os
 import signal
 import time
-from typing import Callable
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 PR_SET_CHILD_SUBREAPER = 36
 REAP_SECONDS = 5.0  # how long SIGKILLed processes may take to disappear
 
 Sleep = Callable[[float], None]  # the worker's sleep, which a signal cuts short
+Reaped = List[Tuple[int, int]]  # [(pid, raw wait status)]
 
 
 def become_subreaper() -> bool:
     """Orphans below this process are reparented to it rather than to init."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
 
 
-def process_table() -> dict[int, tuple[int, str]]:
+def process_table() -> Dict[int, Tuple[int, str]]:
     """pid -> (ppid, state) for every process we can see."""
     table = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for name in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open("/proc/%s/stat" % name, "rb") as f:
                 raw = f.read().decode(errors="replace")
@@ -45,11 +43,10 @@ def process_table() -> dict[int, tuple[int, str]]:
     return table
 
 
-def live_descendants(root_pid: int, table: dict[int, tuple[int, str]] | None = None) -> list[int]:
+def live_descendants(root_pid: int, table: Optional[Dict[int, Tuple[int, str]]] = None) -> List[int]:
     """Every live (non-zombie) descendant of root_pid, parents first."""
-    if table is None:
-        table = process_table()
-    children: dict[int, list[int]] = {}
+    table = process_table() if table is None else table
+    children: Dict[int, List[int]] = {}
     for pid, (ppid, _state) in table.items():
         children.setdefault(ppid, []).append(pid)
     found = []
@@ -62,20 +59,20 @@ def live_descendants(root_pid: int, table: dict[int, tuple[int, str]] | None = N
     return found
 
 
-def with_children(pid: int) -> set[int]:
+def with_children(pid: int) -> Set[int]:
     """pid and its direct children (bubblewrap's outer and inner process)."""
     return {pid} | {child for child, (ppid, _s) in process_table().items() if ppid == pid}
 
 
-def signal_pids(pids: list[int], sig: int) -> None:
+def signal_pids(pids: List[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(OSError):  # already gone
             os.kill(pid, sig)
 
 
-def reap_children() -> list[tuple[int, int]]:
-    """Collect every exited child; returns [(pid, raw wait status)]."""
-    reaped: list[tuple[int, int]] = []
+def reap_children() -> Reaped:
+    """Collect every exited child."""
+    reaped: Reaped = []
     while True:
         try:
             pid, raw = os.waitpid(-1, os.WNOHANG)
@@ -86,7 +83,7 @@ def reap_children() -> list[tuple[int, int]]:
         reaped.append((pid, raw))
 
 
-def code_of(pid: int, reaped: list[tuple[int, int]]) -> int | None:
+def code_of(pid: int, reaped: Reaped) -> Optional[int]:
     """pid's exit code if it is among the reaped; -N for death by signal N."""
     for reaped_pid, raw in reaped:
         if reaped_pid == pid:
@@ -94,7 +91,7 @@ def code_of(pid: int, reaped: list[tuple[int, int]]) -> int | None:
     return None
 
 
-def make_cgroup(name: str) -> str | None:
+def make_cgroup(name: str) -> Optional[str]:
     """A cgroup v2 of its own for the command, below the worker's: ended
     whole with `cgroup.kill`, which no fork can outrun. None where none can
     be made (no cgroup v2, a kernel before 5.14, no right to make one: an
@@ -108,10 +105,9 @@ def make_cgroup(name: str) -> str | None:
         return None
     # mountinfo: "id parent dev root mount-point options ... - fstype source"
     roots = [m[4] for m in mounts if "-" in m and m[m.index("-") + 1 :][:1] == ["cgroup2"]]
-    root = roots[0] if roots else None
-    if root is None or not own:
+    if not roots or not own:
         return None
-    path = os.path.join(root, own[0].lstrip("/"), name)
+    path = os.path.join(roots[0], own[0].lstrip("/"), name)
     try:
         os.mkdir(path, 0o755)
     except OSError:
@@ -128,11 +124,13 @@ def join_cgroup(path: str) -> None:
         f.write("0")
 
 
-def cgroup_pids(path: str) -> list[int]:
+def cgroup_pids(path: Optional[str]) -> List[int]:
+    if path is None:
+        return []
     try:
         with open(os.path.join(path, "cgroup.procs")) as f:
             return [int(line) for line in f if line.strip()]
-    except OSError:
+    except OSError:  # gone
         return []
 
 
@@ -141,8 +139,8 @@ def remove_cgroup(path: str) -> None:
         os.rmdir(path)
 
 
-def kill_all(seconds: float, sleep: Sleep, group: int | None = None, cgroup: str | None = None
-             ) -> list[tuple[int, int]]:
+def kill_all(seconds: float, sleep: Sleep, group: Optional[int] = None, cgroup: Optional[str] = None
+             ) -> Reaped:
     """SIGKILL every descendant of this process until none is left (or
     `seconds` pass); reap them all.
 
@@ -154,13 +152,12 @@ def kill_all(seconds: float, sleep: Sleep, group: int | None = None, cgroup: str
     escapes. Descendants that left that group are stopped first (SIGSTOP
     cannot be caught, and a stopped process cannot fork) until a look finds
     none running that was not stopped already, then killed."""
-    reaped: list[tuple[int, int]] = []
+    reaped: Reaped = []
     deadline = time.monotonic() + seconds
-    stopped: set[int] = set()
+    stopped: Set[int] = set()
     if cgroup is not None:
-        with contextlib.suppress(OSError):
-            with open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
-                f.write("1")
+        with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
+            f.write("1")
     while True:
         if group is not None:
             # Our group's id cannot name another group while any process of
@@ -178,42 +175,24 @@ def kill_all(seconds: float, sleep: Sleep, group: int | None = None, cgroup: str
             continue
         signal_pids(alive, signal.SIGKILL)
         reaped.extend(reap_children())
-        left = alive or (cgroup is not None and cgroup_pids(cgroup))
-        if not left or time.monotonic() >= deadline:
-            break
+        if not (alive or cgroup_pids(cgroup)) or time.monotonic() >= deadline:
+            return reaped + reap_children()
         sleep(0.01)
-    reaped.extend(reap_children())
-    return reaped
 
 
-def stop_tree(child_pid: int, grace: float, spared: set[int], sleep: Sleep, cgroup: str | None = None
-              ) -> int | None:
-    """SIGTERM every descendant but `spared`, wait up to `grace` for them to
-    go, then SIGKILL and reap what is left. The command's exit code if it
-    was reaped."""
-    me = os.getpid()
-    signal_pids([p for p in live_descendants(me) if p not in spared], signal.SIGTERM)
-    code = None
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        found = code_of(child_pid, reap_children())
-        code = code if found is None else found
-        if code is not None and not live_descendants(me) and not (cgroup and cgroup_pids(cgroup)):
-            return code
-        sleep(0.02)
-    found = code_of(child_pid, kill_all(REAP_SECONDS, sleep, child_pid, cgroup))
-    return code if found is None else found
-
-
-def settle(seconds: float, sleep: Sleep) -> list[int]:
-    """Live descendants left once those already exiting are gone: when
+def wait_tree(child_pid: int, seconds: float, sleep: Sleep, cgroup: Optional[str] = None
+              ) -> Tuple[Optional[int], List[int]]:
+    """Reap for up to `seconds` until the command and all below it are gone:
+    (the command's exit code if it was reaped, the live descendants left).
+    Also how a finished command's exiting helpers are waited for: when
     bubblewrap's outer process ends first, its inner one is reparented to
     us while it is still exiting, and is no leftover of the command."""
+    code = None
     deadline = time.monotonic() + seconds
     while True:
-        reap_children()
-        alive = live_descendants(os.getpid())
+        found = code_of(child_pid, reap_children())
+        code = code if found is None else found
+        alive = sorted(set(live_descendants(os.getpid())) | set(cgroup_pids(cgroup)))
         if not alive or time.monotonic() >= deadline:
-            reap_children()  # those that turned zombie since
-            return alive
+            return code, alive
         sleep(0.01)

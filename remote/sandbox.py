@@ -167,15 +167,16 @@ def outer_first(rel: str) -> tuple[int, str]:
     return (0 if rel == "." else rel.count("/") + 1, rel)
 
 
-def view_argv(project: str, folder: str, hidden: Any) -> list[str]:
-    """A project folder shown without its hidden entries: an empty tmpfs
-    with the others bound back (a link made again), so that a hidden file
-    is absent as it is from a remote copy, not an empty stand-in."""
+def view_argv(project: str, folder: str, hidden: Any, staging: str | None = None) -> list[str]:
+    """A project folder shown without its `hidden` entries: an empty tmpfs
+    (or the folder's writable `staging` copy) with the others bound back
+    read-only (a link made again), so that a hidden file is absent as it
+    is from a remote copy, not an empty stand-in."""
     real = os.path.normpath(os.path.join(project, folder))
-    argv = ["--tmpfs", real]
+    argv = ["--tmpfs", real] if staging is None else ["--bind", staging, real]
     for name in sorted(os.listdir(real)):
         rel = name if folder == "." else folder + "/" + name
-        if rel in hidden:
+        if within(rel, hidden):
             continue
         path = os.path.join(real, name)
         if os.path.islink(path):
@@ -239,17 +240,13 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev",
         argv += ["--remount-ro", path]
     declared = {out["path"].rstrip("/") for out in job["outputs"]}
     for rel in writable:
-        inside = os.path.normpath(os.path.join(project, rel))
-        argv += ["--bind", os.path.normpath(os.path.join(staging, rel)), inside]
         # What already stands in that folder stays visible, read-only;
         # earlier versions of the declared outputs do not.
+        bound = os.path.normpath(os.path.join(staging, rel))
         if rel in declared:
-            continue
-        for entry in sorted(os.listdir(inside)):
-            entry_rel = entry if rel == "." else rel + "/" + entry
-            if entry_rel not in declared and not within(entry_rel, hidden_set):
-                real = os.path.join(inside, entry)
-                argv += ["--ro-bind", real, real]
+            argv += ["--bind", bound, os.path.normpath(os.path.join(project, rel))]
+        else:
+            argv += view_argv(project, rel, hidden_set | declared, bound)
     # Folders in output folders are shown from the project just above:
     # what is hidden in them goes now. Then every view folder is made
     # read-only, once nothing more is mounted in it.
@@ -327,36 +324,29 @@ def sandboxed_command(job: dict[str, Any], note: Callable[[str], None],
     sandbox's home is made here; remove_home removes it."""
     wanted = job.get("sandbox", "auto")
     command = [str(part) for part in job["argv"]]
-    if wanted == "none" and job.get("network_isolation"):
-        raise RuntimeError(
-            'network_isolation = true needs the sandbox, but sandbox = "none"; '
-            'set sandbox = "auto" or "bwrap", or network_isolation = false'
-        )
+    bwrap = shutil.which("bwrap") if wanted != "none" else None
+    if bwrap is not None and bwrap_usable(bwrap):
+        staging = job["staging"]
+        # bubblewrap binds onto folders that exist; as Snakemake does,
+        # the outputs' parent folders are made in the project too.
+        for rel in writable_dirs(job["outputs"]):
+            os.makedirs(os.path.join(staging, rel), exist_ok=True)
+            os.makedirs(os.path.join(job["project"], rel), exist_ok=True)
+        make_home(job)
+        argv = bwrap_argv(bwrap, job, staging, home=task_home(job, environ))
+        return argv + command, "bwrap", staging
+    # The settings refuse these before launch; a job made by hand is held
+    # to the same line.
+    problem = "not installed" if bwrap is None else "not usable (user namespaces off?)"
+    if wanted == "bwrap":
+        raise RuntimeError('sandbox = "bwrap" but bubblewrap is %s on this machine; install it '
+                           '(apt-get install bubblewrap) or set sandbox = "auto" or "none"' % problem)
+    if job.get("network_isolation"):
+        raise RuntimeError('network_isolation = true needs the sandbox, but %s; set sandbox = "auto" or '
+                           '"bwrap" (with bubblewrap usable), or network_isolation = false'
+                           % ('sandbox = "none"' if wanted == "none" else "bubblewrap is " + problem))
     if wanted != "none":
-        bwrap = shutil.which("bwrap")
-        if bwrap is not None and bwrap_usable(bwrap):
-            staging = job["staging"]
-            # bubblewrap binds onto folders that exist; as Snakemake does,
-            # the outputs' parent folders are made in the project too.
-            for rel in writable_dirs(job["outputs"]):
-                os.makedirs(os.path.join(staging, rel), exist_ok=True)
-                os.makedirs(os.path.join(job["project"], rel), exist_ok=True)
-            make_home(job)
-            argv = bwrap_argv(bwrap, job, staging, home=task_home(job, environ))
-            return argv + command, "bwrap", staging
-        problem = "not installed" if bwrap is None else "not usable (user namespaces off?)"
-        if wanted == "bwrap":
-            raise RuntimeError(
-                'sandbox = "bwrap" but bubblewrap is %s on this machine; install it '
-                '(apt-get install bubblewrap) or set sandbox = "auto" or "none"' % problem
-            )
-        note("bubblewrap is %s: running WITHOUT a sandbox (outputs are written in place)"
-             % ("not installed" if bwrap is None else "not usable"))
-        if job.get("network_isolation"):
-            raise RuntimeError(
-                "network_isolation = true needs bubblewrap, which is not usable here; "
-                "install bubblewrap or set network_isolation = false"
-            )
+        note("bubblewrap is %s: running WITHOUT a sandbox (outputs are written in place)" % problem)
     # Without a sandbox the outputs are written in place: remove the
     # previous ones first (as Snakemake does), so that a run that does
     # not write an output is never taken to have made the old one.

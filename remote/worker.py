@@ -6,23 +6,14 @@ Python 3.8+. The job file names the command, its folders and files.
 
     python3 worker.py JOB_JSON [--detach] [--env-stdin] [--exit-status]
 
-The worker:
-
-* takes the GPUs the job asks for (gpus.py) before anything else, and
-  holds them while it lives; when too few are free it exits with BUSY,
-  having written nothing, and the client tries again later;
-* sends stdout and stderr of the command straight to the log file (no pipe
-  it holds, so a descendant keeping them open can never make it wait);
-* starts the command in its own session and, under bubblewrap, its own pid
-  namespace (``--unshare-pid --die-with-parent``); it is always a child
-  subreaper, so a descendant that double-forks and calls ``setsid`` is
-  reparented to the worker and is found and killed as well;
-* records SIGTERM/SIGINT/SIGHUP in handlers and acts on them between polls:
-  SIGTERM to the whole tree, a grace period, SIGKILL, reap, final status;
-* writes its status file atomically: ``running`` first, then one of
-  ``succeeded``, ``failed``, ``timed_out``, ``cancelled``; and, when the
-  command succeeded, the outputs' manifest (``manifest.json`` in the run
-  folder) that the fetch verifies its copy against.
+It takes the GPUs the job asks for first (too few free: exit BUSY, having
+written nothing, and the client tries again later). The command's stdout
+and stderr go straight to the log file: no pipe the worker holds, so a
+descendant keeping them open can never make it wait. The command runs in
+its own session (under bubblewrap, its own pid namespace too), below a
+worker that is a child subreaper, so nothing it starts escapes the end of
+the run. The status file (control.py) says ``starting``, ``running``, then
+how it ended; a succeeded run leaves its outputs' manifest beside it.
 """
 
 from __future__ import annotations
@@ -257,20 +248,21 @@ class Worker:
             # Spare the bubblewrap processes: SIGTERM to them would end the
             # namespace at once, with SIGKILL and no grace for the task.
             spared = proctree.with_children(child_pid) if self.status["sandbox"] == "bwrap" else set()
+            proctree.signal_pids([p for p in proctree.live_descendants(os.getpid()) if p not in spared],
+                                 signal.SIGTERM)
             grace = float(self.job.get("grace_seconds", 5.0))
-            returncode = proctree.stop_tree(child_pid, grace, spared, self.sleep, self.cgroup)
+            returncode = proctree.wait_tree(child_pid, grace, self.sleep, self.cgroup)[0]
             state = self.stop_reason
         else:
             # The command is done; anything it left behind dies now.
-            leftovers = len(proctree.settle(SETTLE_SECONDS, self.sleep))
-            if self.cgroup:
-                leftovers = max(leftovers, len(proctree.cgroup_pids(self.cgroup)))
+            leftovers = proctree.wait_tree(child_pid, SETTLE_SECONDS, self.sleep, self.cgroup)[1]
             if leftovers:
-                self.note("killing %d process(es) the command left running" % leftovers)
+                self.note("killing %d process(es) the command left running" % len(leftovers))
             state = "succeeded" if returncode == 0 else "failed"
         # Always: a process forking too fast to be seen in /proc is not among
         # the leftovers found, but it is in the command's group or cgroup.
-        proctree.kill_all(proctree.REAP_SECONDS, self.sleep, child_pid, self.cgroup)
+        reaped = proctree.kill_all(proctree.REAP_SECONDS, self.sleep, child_pid, self.cgroup)
+        returncode = proctree.code_of(child_pid, reaped) if returncode is None else returncode
         if self.cgroup:
             proctree.remove_cgroup(self.cgroup)
         # Nothing runs in the sandbox's home any more; it goes before the
@@ -298,13 +290,12 @@ class Worker:
     def write_manifest(self, outputs_root: str) -> None:
         """The outputs' manifest, taken now that nothing can touch them: the
         fetch verifies its copy against it (the bucket transport fetches its
-        `manifest_copy` with the outputs). Its hash cache is kept too."""
+        `manifest_copy` with the outputs)."""
         try:
             import manifest  # the stdlib-only manifest.py shipped beside this file
 
             outputs = [o["path"] + ("/" if o["kind"] == "dir" else "") for o in self.job["outputs"]]
-            cache_file = os.path.join(self.run_dir, "manifest-cache.json")
-            taken = manifest.manifest_with_cache_file(outputs_root, outputs, cache_file)
+            taken = manifest.build_manifest(outputs_root, outputs)
             control.write_json_atomic(os.path.join(self.run_dir, "manifest.json"), taken)
             if self.job.get("manifest_copy"):
                 control.write_json_atomic(self.job["manifest_copy"], taken)
@@ -337,29 +328,10 @@ def absolute_paths(job: dict[str, Any], base: str) -> dict[str, Any]:
 
 
 def detach(job: dict[str, Any], secrets: dict[str, str]) -> int:
-    """Fork a worker into its own session; return once it has written its
-    first status, so the caller learns at once whether the command started."""
-    ready_r, ready_w = os.pipe()
-    pid = os.fork()
-    if pid:
-        os.close(ready_w)
-        answer = os.read(ready_r, 64)  # one write of a few bytes, or the end if the child died
-        os.waitpid(pid, os.WNOHANG)
-        return {b"started": 0, b"busy": BUSY}.get(answer, 1)
-    os.close(ready_r)
-    if os.getpid() != os.getsid(0):
-        os.setsid()
-    devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
-    try:
-        code = Worker(job, secrets).run(ready_fd=ready_w)
-    except BaseException:  # the traceback goes to the log (fd 2)
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    os._exit(code)
+    """Start a worker as a daemon; return once it has written its first
+    status, so the caller learns at once whether the command started."""
+    answer = control.daemon(lambda ready: Worker(job, secrets).run(ready_fd=ready))
+    return {b"started": 0, b"busy": BUSY}.get(answer, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,58 +3,48 @@
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
-import time
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 
 from substrax_tasks._cache_store import Damaged
-from substrax_tasks.cache import ORPHAN_SECONDS, CacheOptions, RunCache
+from substrax_tasks.cache import CacheOptions, RunCache
 from substrax_tasks.errors import BackendError, SubstraxError
+from substrax_tasks.machines import removable, remove_leaks, verified_records
+from substrax_tasks.promote import remove_path
 from substrax_tasks.runs import Project
-
-# What gc leaves in a run's folder: the handle and what tells how the run went.
-KEPT_IN_RUN = ("handle.json", "handle.lock", "status.json", "job.json")
 
 
 def add_commands(commands: Any) -> None:
-    cache = commands.add_parser(
-        "cache",
-        help="look at and manage the cache of verified runs",
-        description="The cache of verified runs (docs/cache.md): status shows its entries, size and "
+    from substrax_tasks.cli import arg, command, flag
+
+    cache = command(
+        commands, "cache", cmd_cache, "look at and manage the cache of verified runs",
+        "The cache of verified runs (docs/cache.md): status shows its entries, size and "
         "this project's hits and misses; push uploads a step's local entry (or every step's) to "
         "the shared store; forget removes a step's entry (from the shared store too in readwrite mode).",
-    )
+    )  # fmt: skip
     actions = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
-    actions.add_parser("status", help="entries, size, hits and misses")
-    push = actions.add_parser("push", help="upload local entries to the shared store")
-    push.add_argument("step", nargs="?", metavar="STEP", help="the step whose verified outputs to upload")
-    push.add_argument("--all", action="store_true", help="every step of the project")
-    push.set_defaults(push_parser=push)
-    forget = actions.add_parser("forget", help="remove a step's entry")
-    forget.add_argument("step", metavar="STEP")
-    cache.set_defaults(func=cmd_cache)
-
-    gc = commands.add_parser(
-        "gc",
-        help="prune old runs' files and trim the local cache",
-        description="Remove what finished runs no longer need from the store (staging folders, "
+    command(actions, "status", cmd_cache, "entries, size, hits and misses", "")
+    step = arg("step", nargs="?", metavar="STEP", help="the step whose verified outputs to upload")
+    command(actions, "push", cmd_cache, "upload local entries to the shared store", "",
+            step, flag("--all", help="every step of the project"))  # fmt: skip
+    command(actions, "forget", cmd_cache, "remove a step's entry", "", arg("step", metavar="STEP"))
+    command(
+        commands, "gc", cmd_gc, "prune old runs' files and trim the local cache",
+        "Remove what finished runs no longer need from the store (staging folders, "
         "fetched copies, manifests no step record points to), keeping each run's handle, status "
         "and logs; never touches a run still going or whose outputs are not home yet. Then trim "
         "the local cache to max_size (and, with --older-than, drop its entries not used for that "
         "many days). --machines also removes the remote run folders and clusters of this project "
-        "that no live handle accounts for (leaked; `status` lists them), stopping what runs there. "
-        "--dry-run lists what would go.",
-    )
-    gc.add_argument("--dry-run", "-n", action="store_true", help="list what would be removed; remove nothing")
-    gc.add_argument("--older-than", metavar="DAYS", type=_days, default=None,
-                    help="also remove local cache entries not restored or stored for DAYS days")  # fmt: skip
-    gc.add_argument("--machines", action="store_true", help="also remove leaked run folders and clusters")
-    gc.set_defaults(func=cmd_gc)
+        "that no live handle accounts for (leaked; `status --machines` lists them), stopping what "
+        "runs there. --dry-run lists what would go.",
+        flag("--dry-run", "-n", help="list what would be removed; remove nothing"),
+        arg("--older-than", metavar="DAYS", type=_days, default=None,
+            help="also remove local cache entries not restored or stored for DAYS days"),
+        flag("--machines", help="also remove leaked run folders and clusters"),
+    )  # fmt: skip
 
 
 def _days(text: str) -> float:
@@ -71,19 +61,15 @@ def run_cache(project: Project) -> RunCache:
     return RunCache(CacheOptions(**project.config.cache.options()), project.root, project.store.root)
 
 
-def _cache_key(project: Project, step: str) -> str:
-    try:
-        record = json.loads(project.store.step_record(step).read_text())
-    except (OSError, ValueError):
-        record = {}
-    key = (record.get("verified") or {}).get("cache_key")
+def _cache_key(records: dict[str, dict[str, Any]], step: str) -> str:
+    key = records.get(step, {}).get("cache_key")
     if not key:
         raise SubstraxError(f"step {step!r} has no verified outputs here to name an entry; run `doit {step}`")
     return str(key)
 
 
 def cmd_cache(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
-    cache = run_cache(project)
+    cache, records = run_cache(project), verified_records(project.store)
     if args.action == "status":
         entries, objects = cache.usage()
         size = sum(s for s, _ in objects.values())
@@ -98,34 +84,22 @@ def cmd_cache(project: Project, args: argparse.Namespace, out: Console, err: Con
         out.print(f"this project: {counts}", highlight=False)
         return 0
     if args.action == "forget":
-        gone = cache.forget(_cache_key(project, args.step))
+        gone = cache.forget(_cache_key(records, args.step))
         out.print(f"{args.step}: entry removed from {', '.join(gone)}" if gone else
                   f"{args.step}: no entry to remove", highlight=False)  # fmt: skip
         return 0
     if (args.step is None) == (not args.all):
-        args.push_parser.error("give STEP or --all")
-    steps = [args.step] if args.step else _steps(project)
+        args.parser.error("give STEP or --all")
+    steps = [args.step] if args.step else [step for step, v in records.items() if v.get("cache_key")]
     for step in steps:
         try:
-            sent = cache.push(_cache_key(project, step))
+            sent = cache.push(_cache_key(records, step))
         except Damaged as exc:
             raise SubstraxError(f"{step}: {exc}") from None
         except Exception as exc:
             raise BackendError(f"{step}: pushing to {project.config.cache.shared} failed: {exc}") from exc
         out.print(f"{step}: pushed ({sent} new objects)", highlight=False)
     return 0
-
-
-def _steps(project: Project) -> list[str]:
-    steps = []
-    for path in sorted((project.store.root / "steps").glob("*.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if (record.get("verified") or {}).get("cache_key"):
-            steps.append(str(record.get("step")))
-    return steps
 
 
 def _size(n: int) -> str:
@@ -141,56 +115,16 @@ def _size(n: int) -> str:
 
 def cmd_gc(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
     verb = "would remove" if args.dry_run else "removed"
-    for path in removable(project):
+    handles = project.store.read_all()[0]
+    for path in removable(project, handles):
         out.print(f"{verb} {escape(str(path))}", highlight=False)
         if not args.dry_run:
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+            remove_path(path)
     for what in run_cache(project).trim(dry_run=args.dry_run, older_than_days=args.older_than):
         out.print(f"{verb} cache {escape(what)}", highlight=False)
-    return gc_machines(project, args.dry_run, out, err) if args.machines else 0
-
-
-def gc_machines(project: Project, dry_run: bool, out: Console, err: Console) -> int:
-    from substrax_tasks.machines import find_leaks, remove_leaks
-
-    handles = project.store.read_all()[0]
-    if dry_run:
-        leaks, problems = find_leaks(project, handles)
-        leaks = [leak for leak in leaks if leak.ours]
-    else:
-        leaks, problems = remove_leaks(project, handles)
+    leaks, problems = remove_leaks(project, handles, dry_run=args.dry_run) if args.machines else ([], [])
     for leak in leaks:
-        out.print(escape(f"{'would remove' if dry_run else 'removed'} {leak.name} on {leak.where}"),
-                  highlight=False)  # fmt: skip
+        out.print(escape(f"{verb} {leak.name} on {leak.where}"), highlight=False)
     for problem in problems:
         err.print(f"[bold red]error:[/] {escape(problem)}", highlight=False)
     return 1 if problems else 0
-
-
-def removable(project: Project) -> list[Path]:
-    """The files of finished runs that gc removes, in order."""
-    store = project.store
-    referenced = set()
-    for path in (store.root / "steps").glob("*.json"):
-        try:
-            referenced.add(str((json.loads(path.read_text()).get("verified") or {}).get("manifest_file")))
-        except (OSError, ValueError, AttributeError):
-            continue
-    found: list[Path] = []
-    handles, _ = store.read_all()
-    for handle in handles:
-        try:
-            status = project.backend_for(handle).status(handle)
-        except SubstraxError:
-            continue  # cannot tell (a host unreachable): kept
-        outputs_home = handle.state.get("phase") == "promoted" or status.state != "succeeded"
-        if not status.final or not outputs_home:
-            continue
-        for path in sorted(store.run_dir(handle.run_id).iterdir()):
-            if path.name in KEPT_IN_RUN or path.name.endswith(".log") or str(path) in referenced:
-                continue
-            found.append(path)
-    old = time.time() - ORPHAN_SECONDS  # a restore in progress stages there
-    restores = store.root / "restore"
-    found += sorted(p for p in restores.iterdir() if p.lstat().st_mtime < old) if restores.is_dir() else []
-    return found

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import sys
 from typing import TYPE_CHECKING
 
 from substrax_tasks._cache_store import Damaged
@@ -24,10 +23,11 @@ def run_cache_of(driver: StepDriver) -> RunCache | None:
 
 def restored_from_cache(driver: StepDriver) -> bool:
     """Whether the driver's step was restored from the cache (its outputs
-    staged and verified, to be promoted), unless `doit -a` asked for a real
-    run (which then replaces the entry)."""
+    staged and verified, to be promoted), unless the step's own check held
+    (`doit -a`, or a user's uptodate item, asked for a real run, which then
+    replaces the entry)."""
     run_cache = run_cache_of(driver)
-    if run_cache is None or doit_always():
+    if run_cache is None or driver.check_held:
         return False
     driver.restored = run_cache.restore(driver.step, driver.parts)
     if driver.restored is not None:
@@ -59,15 +59,3 @@ def keep_after(driver: StepDriver) -> None:
     except (OSError, Damaged, BackendError) as exc:
         emit(f"{driver.step.name}: could not keep run {handle.run_id} in the cache: {exc}", err=True)
 
-
-def doit_always() -> bool:
-    """Whether doit runs every task (`-a`): its runner, up the stack, says."""
-    from doit.runner import Runner
-
-    frame = sys._getframe(1)  # doit tells actions nothing of -a
-    while frame is not None:
-        runner = frame.f_locals.get("self")
-        if isinstance(runner, Runner):
-            return bool(runner.always_execute)
-        frame = frame.f_back  # type: ignore[assignment]
-    return False

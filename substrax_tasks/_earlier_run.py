@@ -14,6 +14,13 @@ if TYPE_CHECKING:
     from substrax_tasks.driver import StepDriver
     from substrax_tasks.handle import RunHandle
 
+# The phases a run's handle records, in order: a run is picked up where it stopped.
+PHASES = ("created", "launched", "set_up", "synced", "started", "fetched", "promoted")
+
+
+def phase_index(phase: object) -> int:
+    return PHASES.index(phase) if isinstance(phase, str) and phase in PHASES else -1
+
 
 def last_run(driver: StepDriver) -> RunHandle | None:
     """The step's last run; an error if its record or handle is damaged
@@ -37,8 +44,6 @@ def last_run(driver: StepDriver) -> RunHandle | None:
 def retire_unlaunched(driver: StepDriver) -> None:
     """The step's previous run, if its launch never succeeded, would read
     `pending` for ever: record that it was given up."""
-    from substrax_tasks.driver import phase_index  # the driver imports this module
-
     old = last_run(driver)
     never_launched = old is not None and phase_index(old.state.get("phase")) < phase_index("launched")
     if old is not None and never_launched and not old.state.get("verdict"):
@@ -65,7 +70,7 @@ def reusable_run(driver: StepDriver, key: str) -> RunHandle | None:
     if handle.state.get("phase") != "promoted":
         emit(f"{driver.spec.step}: run {handle.run_id} finished; fetching its outputs again")
         return handle
-    if backend.outputs_available(handle):
+    if not driver.check_held and backend.outputs_available(handle):  # else asked for a real run
         emit(f"{driver.spec.step}: outputs changed here; fetching run {handle.run_id} again")
         return driver._save(handle, phase="started")
     return None

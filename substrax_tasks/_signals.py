@@ -37,10 +37,11 @@ def _interrupt(signum: int, _frame: object) -> None:
 def map_termination_signals() -> None:
     """SIGTERM/SIGHUP become KeyboardInterrupt, so doit saves its DB and runs
     teardown (it does neither when killed by a signal it does not catch);
-    SIGINT too, to be handled as above under threads. Called as doit starts
-    running tasks (the first check, or the first phase under `-a`), never
-    when a dodo is merely loaded; a handler the program set itself is left
-    alone."""
+    SIGINT too, to be handled as above under threads. Called by the step's
+    check in doit's main thread (doit checks a task before it runs it, `-a`
+    or not), never when a dodo is merely loaded; a handler the program set
+    itself is left alone. Called by a phase in a worker thread, it notes
+    that steps run in threads."""
     if threading.current_thread() is not threading.main_thread():
         _threaded[0] = True
         return

@@ -4,18 +4,16 @@ each run in `status --json` (whose keys scripts rely on)."""
 from __future__ import annotations
 
 import datetime
+import json
 from typing import Any
-
-from rich.console import Console
-from rich.table import Table
 
 from substrax_tasks.backends.base import RunStatus
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.machines import Leak, lifetime_left
 from substrax_tasks.selection import group_of
+from substrax_tasks.store import Unreadable
 
 STATUS_COLUMNS = ("run", "step", "backend", "state", "started", "duration")
-RICH_TABLE_MAX_ROWS = 200
 
 
 def plain_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -45,6 +43,20 @@ def run_record(handle: RunHandle, status: RunStatus, *, latest: bool) -> dict[st
         "lifetime_left_seconds": lifetime_left(handle),
         "gpus": status.gpus,
     }
+
+
+def status_json(
+    rows: list[tuple[RunHandle, RunStatus]], unreadable: list[Unreadable], leaks: list[Leak] | None,
+    latest: set[str],
+) -> str:
+    """`status --json`; `leaks` None when they were not looked for."""
+    return json.dumps({
+        "runs": [run_record(h, s, latest=h.run_id in latest) for h, s in rows],
+        "unreadable": [{"path": str(u.path), "reason": u.reason} for u in unreadable],
+        # null, not "none leaked", when not looked for
+        "leaked": None if leaks is None else
+        [{"backend": k.backend, "where": k.where, "name": k.name, "ours": k.ours} for k in leaks],
+    }, indent=1)  # fmt: skip
 
 
 def machine_lines(handles: list[RunHandle], leaks: list[Leak]) -> list[str]:
@@ -92,8 +104,10 @@ def clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def print_status_table(rows: list[tuple[RunHandle, RunStatus]], out: Console) -> None:
-    # The GPUs each run was given, in a column shown only when a run has any.
+def print_status_table(rows: list[tuple[RunHandle, RunStatus]]) -> None:
+    """Plain columns, on a terminal as in a pipe: what scripts and `grep`
+    read, and fast for a store of a thousand runs. The GPUs each run was
+    given go in a column shown only when a run has any."""
     with_gpus = any(s.gpus for _h, s in rows)
     columns = [*STATUS_COLUMNS, *(["gpus"] if with_gpus else [])]
     cells = [
@@ -101,19 +115,4 @@ def print_status_table(rows: list[tuple[RunHandle, RunStatus]], out: Console) ->
         + ([",".join(s.gpus or []) or "-"] if with_gpus else [])
         for h, s in rows
     ]
-    if not out.is_terminal or len(rows) > RICH_TABLE_MAX_ROWS:
-        # Plain columns: what a pipe wants, and 50x faster than rich for a
-        # store of a thousand runs.
-        print(plain_table(columns, cells) if rows else "no runs yet")
-        return
-    table = Table(title=None if rows else "no runs yet", show_edge=False)
-    for column in columns:
-        # A narrow terminal folds a run id rather than cut it: it is what one copies.
-        table.add_column(
-            column,
-            no_wrap=column in ("backend", "state", "duration"),
-            overflow="fold" if column == "run" else "ellipsis",
-        )
-    for row in cells:
-        table.add_row(*row)
-    out.print(table)
+    print(plain_table(columns, cells) if rows else "no runs yet")

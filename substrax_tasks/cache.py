@@ -17,6 +17,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -50,6 +51,7 @@ WHERE_IT_RAN = ("backend", "settings")  # left out of the key unless key_backend
 ORPHAN_SECONDS = 3600  # objects no entry names yet may belong to a store in progress
 _UNREACHABLE: set[str] = set()  # shared stores that failed in this process: warned once
 _STATS_LOCK = threading.Lock()
+_DIGEST = re.compile("[0-9a-f]{64}")  # an object's name: checked for each file of an entry
 
 
 @dataclass(frozen=True)
@@ -177,9 +179,7 @@ class RunCache:
             hash_cache = manifest_cache.HashCache.load(step.files.outputs_cache)
             for rel, cache_entry in materialize(store, manifest, staging, key).items():
                 hash_cache.entries[rel] = cache_entry
-            hash_cache.save()
-            problems = manifest_cache.verify_outputs(staging, list(step.spec.outputs), manifest,
-                                                     step.files.outputs_cache)  # fmt: skip
+            problems = manifest_cache.verify_outputs(staging, list(step.spec.outputs), manifest, hash_cache)
             if problems:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise Damaged(f"{problems[0]}{more}")
@@ -387,12 +387,11 @@ def _parsed(data: bytes, key: str) -> dict[str, Any]:
 
 
 def _plain(path: object) -> bool:
-    parts = path.split("/") if isinstance(path, str) else [""]
-    return not str(path).startswith("/") and all(p not in ("", ".", "..") for p in parts)
+    return isinstance(path, str) and {"", ".", ".."}.isdisjoint(path.split("/"))  # "/x": "", "x"
 
 
 def _is_digest(value: object) -> bool:
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
 
 
 def _files(manifest: dict[str, Any]) -> list[dict[str, Any]]:

@@ -8,9 +8,8 @@ current pyproject.toml.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
@@ -19,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from substrax_tasks import __version__
-from substrax_tasks._status_view import machine_lines, print_status_table, run_record
+from substrax_tasks._status_view import machine_lines, print_status_table, status_json
 from substrax_tasks.backends.base import RunStatus
 from substrax_tasks.config import find_project, read_pyproject_table
 from substrax_tasks.errors import BackendError, ConfigError, HandleError, SubstraxError
@@ -43,6 +42,34 @@ WORD_HELP = (
 CANCEL_THREADS = 8
 
 
+Arg = tuple[tuple[str, ...], dict[str, Any]]
+Command = Callable[[Project, argparse.Namespace, Console, Console], int]
+
+
+def arg(*flags: str, **options: Any) -> Arg:
+    """One add_argument call of a command, as data."""
+    return flags, options
+
+
+def flag(*flags: str, help: str) -> Arg:
+    return arg(*flags, action="store_true", help=help)
+
+
+RUN_WORD = arg("run", metavar="RUN", help="a run id, step, group or run-id prefix")
+RUN_ID = arg("run", help="a run id (or a unique prefix of one)")
+
+
+def command(commands: Any, name: str, func: Command, summary: str, description: str,
+            *args: Arg) -> argparse.ArgumentParser:  # fmt: skip
+    """A subcommand that `func` runs: `summary` in the program's help,
+    `description` in its own."""
+    parser: argparse.ArgumentParser = commands.add_parser(name, help=summary, description=description)
+    for flags, options in args:
+        parser.add_argument(*flags, **options)
+    parser.set_defaults(func=func, parser=parser)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="substrax-compute",
@@ -57,75 +84,56 @@ def build_parser() -> argparse.ArgumentParser:
         "holding a dodo.py or a pyproject.toml with a [tool.substrax] table)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    status = commands.add_parser(
-        "status",
-        help="list the latest run of each step and its state",
-        description="List the latest run of each step and its state (--all: every run). "
+    command(
+        commands, "status", cmd_status, "list the latest run of each step and its state",
+        "List the latest run of each step and its state (--all: every run). "
         f"{WORD_HELP} Records that cannot be read are named with the reason (when no RUN or "
         "--step filters), and the exit code is then 1.",
-    )
-    status.add_argument("run", nargs="?", metavar="RUN", help="a run id, step, group or run-id prefix")
-    status.add_argument("--step", metavar="NAME", help="only the runs of this step, or of this group's steps")
-    status.add_argument("--all", action="store_true", help="every run, not only the latest of each step")
-    status.add_argument("--json", action="store_true", help='print {"runs": [...], "unreadable": [...]}')
-    status.set_defaults(func=cmd_status, parser=status)
-
-    logs = commands.add_parser(
-        "logs",
-        help="print a run's log",
-        description="Print a run's log (stdout and stderr of its command, and the worker's notes). "
+        arg("run", nargs="?", metavar="RUN", help="a run id, step, group or run-id prefix"),
+        arg("--step", metavar="NAME", help="only the runs of this step, or of this group's steps"),
+        flag("--all", help="every run, not only the latest of each step"),
+        flag("--json", help='print {"runs": [...], "unreadable": [...], "leaked": [...]}'),
+        flag("--machines", help="also ask each ssh host and SkyPilot for leaked run folders and clusters"),
+    )  # fmt: skip
+    command(
+        commands, "logs", cmd_logs, "print a run's log",
+        "Print a run's log (stdout and stderr of its command, and the worker's notes). "
         f"{WORD_HELP} For a group, the log of each member's latest run under a header "
         "(==> STEP (RUN) <==); --follow needs one run.",
-    )
-    logs.add_argument("run", metavar="RUN", help="a run id, step, group or run-id prefix")
-    logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")
-    logs.set_defaults(func=cmd_logs)
-
-    cancel = commands.add_parser(
-        "cancel",
-        help="stop a run and its whole process tree",
-        description="Stop a run: its whole process tree is terminated (SIGTERM, a grace period, "
+        RUN_WORD, flag("--follow", "-f", help="keep printing until the run ends"),
+    )  # fmt: skip
+    command(
+        commands, "cancel", cmd_cancel, "stop a run and its whole process tree",
+        "Stop a run: its whole process tree is terminated (SIGTERM, a grace period, "
         f"SIGKILL). A run that has already finished is left alone. {WORD_HELP} For a group, the "
         "latest run of every member is cancelled, all at once; failures are reported together.",
-    )
-    cancel.add_argument("run", metavar="RUN", help="a run id, step, group or run-id prefix")
-    cancel.set_defaults(func=cmd_cancel)
-
-    fetch = commands.add_parser(
-        "fetch",
-        help="bring a succeeded run's outputs home, verified",
-        description="Fetch a succeeded run's outputs, verify them against the manifest taken where "
+        RUN_WORD,
+    )  # fmt: skip
+    command(
+        commands, "fetch", cmd_fetch, "bring a succeeded run's outputs home, verified",
+        "Fetch a succeeded run's outputs, verify them against the manifest taken where "
         "it ran, and move them into place one rename per output (nothing half-fetched is ever "
         "left at a final path). By default into the project, at the declared output paths, "
         "replacing what stands there; with --to, under another folder. Works for any run the "
         "store still holds whose outputs are still there (not torn down), also after the "
         "configuration changed.",
-    )
-    fetch.add_argument("run", help="a run id (or a unique prefix of one)")
-    fetch.add_argument("--to", metavar="DIR", help="put the outputs under DIR instead of the project")
-    fetch.set_defaults(func=cmd_fetch)
-
-    teardown = commands.add_parser(
-        "teardown",
-        help="remove what a run holds (folders, machines)",
-        description="Remove what a run holds: its working folders (local), its remote folder "
+        RUN_ID, arg("--to", metavar="DIR", help="put the outputs under DIR instead of the project"),
+    )  # fmt: skip
+    command(
+        commands, "teardown", cmd_teardown, "remove what a run holds (folders, machines)",
+        "Remove what a run holds: its working folders (local), its remote folder "
         "(ssh) or its cluster (skypilot). The handle and the logs stay. A run still going is "
         "cancelled first.",
-    )
-    teardown.add_argument("run", help="a run id (or a unique prefix of one)")
-    teardown.set_defaults(func=cmd_teardown)
-
-    why = commands.add_parser(
-        "why",
-        help="say whether a step is up to date, and what changed",
-        description="Say whether a remote step is up to date and, if not, which of its inputs, "
+        RUN_ID,
+    )  # fmt: skip
+    command(
+        commands, "why", cmd_why, "say whether a step is up to date, and what changed",
+        "Say whether a remote step is up to date and, if not, which of its inputs, "
         "command, settings, env or outputs changed, naming the paths. Loads the project's dodo "
         "file to see the step as it is declared now. Exit 0 either way.",
-    )
-    why.add_argument("step", help="the step's name, as given to remote_step()")
-    why.add_argument("--dodo", metavar="FILE", help="the dodo file (default: dodo.py in the project)")
-    why.set_defaults(func=cmd_why)
+        arg("step", help="the step's name, as given to remote_step()"),
+        arg("--dodo", metavar="FILE", help="the dodo file (default: dodo.py in the project)"),
+    )  # fmt: skip
     from substrax_tasks._cache_cli import add_commands
 
     add_commands(commands)
@@ -157,16 +165,14 @@ def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Co
             unreadable.append(Unreadable(project.store.handle_path(handle.run_id), str(exc)))
         except BackendError as exc:  # e.g. its host is unreachable now
             rows.append((handle, RunStatus("unknown", message=str(exc))))
-    # The whole view (no RUN or --step) also asks where runs go for leaks.
-    leaks, problems = ([], []) if args.run or args.step else find_leaks(project, every)
+    # Only when asked: it connects to every host the project names and to
+    # SkyPilot, which takes long when one of them cannot be reached.
+    leaks, problems = find_leaks(project, every) if args.machines else (None, [])
     if args.json:
-        runs = [run_record(h, s, latest=h.run_id in latest) for h, s in rows]
-        failed = [{"path": str(u.path), "reason": u.reason} for u in unreadable]
-        leaked = [{"backend": k.backend, "where": k.where, "name": k.name, "ours": k.ours} for k in leaks]
-        print(json.dumps({"runs": runs, "unreadable": failed, "leaked": leaked}, indent=1))
+        print(status_json(rows, unreadable, leaks, latest))
         return 1 if unreadable else 0
-    print_status_table(rows, out)
-    for line in machine_lines(handles, leaks) + [f"could not look for leaks: {p}" for p in problems]:
+    print_status_table(rows)
+    for line in machine_lines(handles, leaks or []) + [f"could not look for leaks: {p}" for p in problems]:
         err.print(escape(line), highlight=False)
     for record in unreadable:
         message = f"[bold red]unreadable[/] {escape(str(record.path))}: {escape(record.reason)}"

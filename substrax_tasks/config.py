@@ -198,7 +198,6 @@ class ResolvedProject:
         cache: dict[str, Any] | None = None,  # the run cache's options (cache.CacheOptions)
     ) -> None:
         self.root = root
-        self.root_text = str(root)
         self.store = RunStore(state_dir)
         self.default_backend = default_backend
         self.settings = settings
@@ -209,9 +208,6 @@ class ResolvedProject:
     @property
     def state_dir(self) -> Path:
         return self.store.root
-
-    def __repr__(self) -> str:
-        return f"ResolvedProject(root={self.root!r}, default_backend={self.default_backend!r})"
 
     def config(self) -> ComputeConfig:
         """The validated configuration (imports pydantic): for the phases that act."""

@@ -44,6 +44,9 @@ def find_step(project: Path, step: str, dodo: Path | None = None) -> tuple[StepD
         raise SubstraxError(f"no dodo file at {dodo_file}; give one with --dodo FILE")
     if doit_cmd._CMDLINE_VARS is None:
         doit_cmd.reset_vars()  # get_var() gives its default, as under `doit` without NAME=VALUE
+    # doit imports the file by its bare name ("dodo"): a module of that name
+    # imported earlier in this process (another project's) would be taken
+    sys.modules.pop(dodo_file.stem, None)
     with _cwd(dodo_file.parent):
         module = get_module(str(dodo_file), seek_parent=False)
         members = dict(inspect.getmembers(module))

@@ -21,14 +21,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 
 from doit.exceptions import TaskError, TaskFailed
 
-from substrax_tasks import manifest_cache, uptodate
-from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks._earlier_run import retire_unlaunched, reusable_run
+from substrax_tasks import uptodate
+from substrax_tasks._earlier_run import phase_index, retire_unlaunched, reusable_run
 from substrax_tasks._output import TextSink, emit
 from substrax_tasks._signals import (
     INTERRUPTED,
@@ -49,7 +47,6 @@ if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a 
     from substrax_tasks.slots import Slot
     from substrax_tasks.steplock import StepLock
 
-PHASES = ("created", "launched", "set_up", "synced", "started", "fetched", "promoted")
 RETRY_BACKOFF_SECONDS = 2.0
 _T = TypeVar("_T")
 
@@ -60,10 +57,6 @@ class RunState(enum.Enum):
     CLOSED = "closed"  # the chain ended: verified and promoted, or a phase failed
     INTERRUPTED = "interrupted"  # given up while the run went on (Ctrl-C, or doit ending)
     TORN_DOWN = "torn_down"  # teardown done; nothing more happens
-
-
-def phase_index(phase: object) -> int:
-    return PHASES.index(phase) if isinstance(phase, str) and phase in PHASES else -1
 
 
 class StepDriver:
@@ -79,6 +72,9 @@ class StepDriver:
         self.handle: RunHandle | None = None
         self.fetched: Fetched | None = None
         self.restored: Restored | None = None  # the outputs came from the run cache, not a run
+        # The step's own check held in this doit (step.StepCheck): a run now
+        # is asked for by `-a` or a user's uptodate item, and is a real one.
+        self.check_held = False
         self.parts: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._step_lock: StepLock | None = None
@@ -108,14 +104,12 @@ class StepDriver:
         with self._lock:
             if self.state is RunState.OPEN:
                 self.state = RunState.CLOSED
-        if self._slot is not None:
+        if self._slot is not None and not self._slot_shared:
             try:
-                if not self._slot_shared:
-                    self.teardown()
+                self.teardown()
             except SubstraxError as exc:
                 emit(f"{self.spec.step}: teardown failed: {exc}", err=True)
-            finally:
-                self._release_slot()
+        self._release_slot()
 
     def _take_slot(self, backend: Backend, handle: RunHandle) -> RunHandle:
         from substrax_tasks.slots import take_in_pool
@@ -151,7 +145,7 @@ class StepDriver:
                 "(`doit -n N` or `-P process`): the phases of a step share state in one process. "
                 "Run them concurrently with threads: `doit -n N -P thread`"
             )
-        map_termination_signals()  # under `doit -a` no check ran first
+        map_termination_signals()  # in a worker thread: notes that steps run in threads
         try:
             if INTERRUPTED.is_set():  # a phase doit dispatches after an interrupt does nothing
                 raise KeyboardInterrupt("interrupted")
@@ -212,7 +206,7 @@ class StepDriver:
         self._step_lock.acquire()
         check_inputs_exist(self.spec, self.root)
         check_outputs_inside(self.spec.outputs, self.root)
-        from substrax_tasks._promote_phase import recover_promotion  # not on a no-op's path
+        from substrax_tasks._outputs_phases import recover_promotion  # not on a no-op's path
 
         recover_promotion(self)
         unset = [name for name in self.spec.forward_env if name not in os.environ]
@@ -230,8 +224,8 @@ class StepDriver:
             if restored_from_cache(self):  # no run: the later phases find no handle and pass
                 return
             retire_unlaunched(self)
-            handle = self.project.new_run(self.spec, self.step.backend)
-            handle = self._save(handle, key=key, key_parts=parts, phase="created")
+            handle = self.project.new_run(self.spec, self.step.backend, phase="created", key=key,
+                                          key_parts=parts)  # fmt: skip
             uptodate.write_record(self.step, run_id=handle.run_id)
             emit(f"{self.spec.step}: new run {handle.run_id} on {self.step.backend}")
         self.handle = handle
@@ -306,40 +300,16 @@ class StepDriver:
             )
 
     def fetch(self) -> Any:
-        return self._action(self._fetch)
+        from substrax_tasks._outputs_phases import fetch_outputs  # not on a no-op's path
 
-    def _fetch(self) -> Any:
-        handle = self.handle
-        if handle is None:
-            return None
-        backend = self.backend(handle)
-        try:
-            fetched = self._retrying("fetch", lambda: backend.fetch(handle))
-        except manifest_cache.ManifestError as exc:
-            self._save(handle, verdict={"state": "failed", "message": str(exc)})
-            return TaskFailed(f"step {self.spec.step!r}: {exc}; nothing was promoted")
-        missing = fetched.manifest.get("missing") or []
-        if missing:
-            message = f"the run did not produce declared output(s) {', '.join(missing)}"
-            self._save(handle, verdict={"state": "failed", "message": message})
-            return TaskFailed(
-                f"step {self.spec.step!r}: run {handle.run_id}: {message}; nothing was promoted"
-            )
-        # compact: a manifest of 20,000 files is 3 MB, 4x slower to indent
-        write_json_atomic(self._manifest_file(handle), fetched.manifest, indent=None)
-        self.fetched = fetched
-        self._save(handle, phase="fetched", manifest_digest=fetched.manifest["digest"])
-        return None
-
-    def _manifest_file(self, handle: RunHandle) -> Path:
-        return self.project.store.run_dir(handle.run_id) / "manifest.json"
+        return self._action(lambda: fetch_outputs(self))
 
     def promote(self) -> Any:
         """The last phase: verify the fetched outputs, promote them, record.
         A phase, not the public task's action: a step's outputs are home as
         soon as its own run is fetched, whatever doit does with the other
         tasks of the run (it stops dispatching at the first failure)."""
-        from substrax_tasks._promote_phase import promote_outputs  # not on a no-op's path
+        from substrax_tasks._outputs_phases import promote_outputs  # not on a no-op's path
 
         try:
             return self._action(lambda: promote_outputs(self))
@@ -355,7 +325,7 @@ class StepDriver:
             # Acknowledged only once doit holds that value (it saves its DB
             # before the process exits): without it, a later doit that finds
             # no value for this task trusts the record, as after a SIGKILL.
-            from substrax_tasks._promote_phase import acknowledge
+            from substrax_tasks._outputs_phases import acknowledge
 
             atexit.register(acknowledge, self.step, run_id)
         return {DOIT_VALUE: run_id}

@@ -1,6 +1,9 @@
-"""What may still hold a machine: how long each run has left before its
-lifetime timer, and the remote run folders or clusters that no handle
-accounts for (leaked), which `substrax-compute gc --machines` removes.
+"""What `substrax-compute gc` removes, and what may still hold a machine.
+
+Here: the files of finished runs the store no longer needs; how long each
+run has left before its lifetime timer; and the remote run folders or
+clusters that no handle accounts for (leaked), which `gc --machines`
+removes and `status --machines` lists.
 
 Only what is provably this project's is removed: a remote folder marked
 with the project at launch or named by one of its handles, a cluster named
@@ -11,10 +14,12 @@ or made before the mark) is listed, never touched.
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from substrax_tasks.errors import SubstraxError
 
@@ -23,6 +28,7 @@ if TYPE_CHECKING:
     from substrax_tasks.backends.skypilot import SkypilotBackend
     from substrax_tasks.handle import RunHandle
     from substrax_tasks.runs import Project
+    from substrax_tasks.store import RunStore
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,49 @@ class Leak:
     name: str  # the folder's path there, or the cluster's name
     ours: bool  # provably this project's: `gc --machines` removes it
     remove: Callable[[], None] = field(compare=False, repr=False)
+
+
+# What gc leaves in a run's folder: the handle and what tells how the run went.
+KEPT_IN_RUN = ("handle.json", "handle.lock", "status.json", "job.json")
+
+
+def verified_records(store: RunStore) -> dict[str, dict[str, Any]]:
+    """What each step's record says of its verified outputs, by step (steps
+    with none, or an unreadable record, are left out)."""
+    found = {}
+    for path in sorted((store.root / "steps").glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+            found[str(record["step"])] = dict(record["verified"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def removable(project: Project, handles: list[RunHandle]) -> list[Path]:
+    """The files of finished runs whose outputs are home (promoted, or a
+    run that did not succeed) that gc removes, in order; a run whose state
+    cannot be told now (a host unreachable) is kept whole."""
+    from substrax_tasks.cache import ORPHAN_SECONDS
+
+    store = project.store
+    referenced = {str(v.get("manifest_file")) for v in verified_records(store).values()}
+    found: list[Path] = []
+    for handle in handles:
+        try:
+            status = project.backend_for(handle).status(handle)
+        except SubstraxError:
+            continue
+        outputs_home = handle.state.get("phase") == "promoted" or status.state != "succeeded"
+        if status.final and outputs_home:
+            for path in sorted(store.run_dir(handle.run_id).iterdir()):
+                kept = path.name in KEPT_IN_RUN or path.name.endswith(".log") or str(path) in referenced
+                if not kept:
+                    found.append(path)
+    old = time.time() - ORPHAN_SECONDS  # a restore in progress stages there
+    restores = store.root / "restore"
+    found += sorted(p for p in restores.iterdir() if p.lstat().st_mtime < old) if restores.is_dir() else []
+    return found
 
 
 def lifetime_left(handle: RunHandle, now: float | None = None) -> float | None:
@@ -101,15 +150,16 @@ def find_leaks(project: Project, handles: list[RunHandle]) -> tuple[list[Leak], 
     return sorted(found, key=lambda leak: (leak.backend, leak.where, leak.name)), problems
 
 
-def remove_leaks(project: Project, handles: list[RunHandle]) -> tuple[list[Leak], list[str]]:
-    """Remove every leak that is provably the project's; (removed, problems)."""
+def remove_leaks(project: Project, handles: list[RunHandle], *, dry_run: bool = False
+                 ) -> tuple[list[Leak], list[str]]:  # fmt: skip
+    """Remove (or with `dry_run` only list) every leak that is provably the
+    project's; (those, problems)."""
     leaks, problems = find_leaks(project, handles)
     removed = []
-    for leak in leaks:
-        if not leak.ours:
-            continue
+    for leak in (leak for leak in leaks if leak.ours):
         try:
-            leak.remove()
+            if not dry_run:
+                leak.remove()
             removed.append(leak)
         except SubstraxError as exc:
             problems.append(f"could not remove {leak.name} on {leak.where}: {exc}")

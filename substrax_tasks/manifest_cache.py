@@ -42,15 +42,12 @@ if TYPE_CHECKING:
         ManifestError: type[Exception]
 
         def build_manifest(
-            self, base: str | os.PathLike[str], outputs: Sequence[str], cache: CacheEntries | None = None,
-            **options: Any,
+            self, base: str | os.PathLike[str], outputs: Sequence[str], cache: CacheEntries | None = None
         ) -> Manifest: ...
 
         def check_outputs(self, outputs: Sequence[str]) -> list[tuple[str, bool]]: ...
 
         def entries_digest(self, entries: list[dict[str, Any]]) -> str: ...
-
-        def kind_of(self, mode: int) -> str: ...
 
 
 _load_lock = threading.Lock()
@@ -88,28 +85,7 @@ def build_manifest(
     base: str | os.PathLike[str], outputs: Sequence[str], cache: CacheEntries | None = None
 ) -> Manifest:
     """`remote/manifest.py`'s `build_manifest` (see there)."""
-    return manifest_module().build_manifest(base, _outputs(outputs), cache)
-
-
-def _outputs(outputs: Sequence[str]) -> list[str]:
-    if isinstance(outputs, str):
-        raise TypeError(f"outputs must be a list of paths, not a string ({outputs!r})")
-    return list(outputs)
-
-
-class _TrackedDict(dict[str, list[Any]]):
-    """A dict that notes item assignment and deletion (the only ways
-    `build_manifest` changes a cache), so an unchanged cache is not rewritten."""
-
-    changed = False
-
-    def __setitem__(self, key: str, value: list[Any]) -> None:
-        self.changed = True
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key: str) -> None:
-        self.changed = True
-        super().__delitem__(key)
+    return manifest_module().build_manifest(base, outputs, cache)
 
 
 def _valid_entry(value: object) -> bool:
@@ -131,8 +107,8 @@ class HashCache:
 
     def __init__(self, path: Path, entries: Mapping[str, list[Any]] | None = None) -> None:
         self.path = path
-        self.entries: CacheEntries = _TrackedDict(entries or {})
-        self._on_disk = False
+        self.entries: CacheEntries = dict(entries or {})
+        self._saved: CacheEntries | None = None  # what the file holds, when it holds exactly that
 
     @classmethod
     def load(cls, path: Path) -> HashCache:
@@ -144,29 +120,30 @@ class HashCache:
         if not isinstance(raw, dict):
             return cls(path)
         cache = cls(path, {k: v for k, v in raw.items() if _valid_entry(v)})
-        cache._on_disk = len(cache.entries) == len(raw)  # else rewrite it without the bad ones
+        if len(cache.entries) == len(raw):  # else rewrite it without the bad ones
+            cache._saved = dict(cache.entries)
         return cache
 
     @property
     def changed(self) -> bool:
         """Something to write: the file is missing or stale, or an entry changed."""
-        return not self._on_disk or cast(_TrackedDict, self.entries).changed
+        return self.entries != self._saved
 
     def save(self) -> None:
         if not self.changed:
             return
-        entries = cast(_TrackedDict, self.entries)
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # compact: a cache of 20,000 files is 2 MB, 4x slower to indent
-        write_json_atomic(self.path, {"version": CACHE_VERSION, "entries": dict(entries)}, indent=None)
-        self._on_disk = True
-        entries.changed = False
+        write_json_atomic(self.path, {"version": CACHE_VERSION, "entries": self.entries}, indent=None)
+        self._saved = dict(self.entries)
 
 
-def _manifest_cached(base: str | os.PathLike[str], outputs: Sequence[str], cache_file: Path) -> Manifest:
-    cache = HashCache.load(cache_file)
+def _manifest_cached(
+    base: str | os.PathLike[str], outputs: Sequence[str], cache_file: Path | HashCache
+) -> Manifest:
+    cache = cache_file if isinstance(cache_file, HashCache) else HashCache.load(cache_file)
     try:
-        return manifest_module().build_manifest(base, _outputs(outputs), cache.entries)
+        return manifest_module().build_manifest(base, outputs, cache.entries)
     finally:
         cache.save()
 
@@ -175,10 +152,11 @@ def verify_outputs(
     base: str | os.PathLike[str],
     outputs: Sequence[str],
     expected_manifest: Mapping[str, Any],
-    cache_file: Path,
+    cache_file: Path | HashCache,
 ) -> list[str]:
     """The differences between the outputs under `base` and
-    `expected_manifest`; empty means verified. A tree refused by the
+    `expected_manifest`; empty means verified. The hash cache is read from
+    `cache_file`, or is the one given (then saved). A tree refused by the
     manifest (a symlink escape, an output of the wrong kind) and an output
     that is missing, or was already missing when `expected_manifest` was
     taken, are differences too."""
@@ -216,3 +194,24 @@ def outputs_match(
     except manifest_module().ManifestError:
         return False
     return not manifest["missing"] and manifest["digest"] == expected_digest
+
+
+def renamed_into_place(base: str | os.PathLike[str], outputs: Sequence[str], cache_file: Path) -> None:
+    """After the promotion renamed outputs just verified into place: a
+    rename gives a file a new ctime and changes nothing else, so each file
+    output whose hash cache entry still matches its size, mtime, inode and
+    device takes its new ctime (else every later check would hash it again;
+    a folder's files keep their ctime when it is renamed)."""
+    files = [out for out in outputs if not out.endswith("/")]
+    if not files:
+        return
+    cache = HashCache.load(cache_file)
+    for out in files:
+        hit = cache.entries.get(out)
+        try:
+            st = (Path(base) / out).lstat()
+        except OSError:
+            continue
+        if hit is not None and hit[:2] + hit[3:5] == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]:
+            cache.entries[out] = [*hit[:2], st.st_ctime_ns, *hit[3:]]
+    cache.save()

@@ -44,16 +44,15 @@ class Project:
         return name, self.config.pinned(name, self.root)
 
     def new_run(
-        self, spec: StepSpec, backend: str | None = None, settings: dict[str, Any] | None = None
+        self, spec: StepSpec, backend: str | None = None, settings: dict[str, Any] | None = None, **state: Any
     ) -> RunHandle:
-        """Write a new run's handle (nothing started yet). `settings`
-        overrides the configured ones, validated by the backend's model."""
+        """Write a new run's handle (nothing started yet) with `state`.
+        `settings` overrides the configured ones, validated by the backend's model."""
         name, configured = self.settings_for(backend)
         if settings is not None:
             model = settings_model(name)
             configured = model.model_validate(settings).model_dump(mode="json", by_alias=True)
-        handle = self.store.new_run(spec, name, configured)
-        return self.store.update_state(handle, project=str(self.root))
+        return self.store.new_run(spec, name, configured, project=str(self.root), **state)
 
     def backend_for(self, handle: RunHandle) -> Backend:
         """The run's backend, rebuilt from the handle's pinned settings."""

@@ -9,16 +9,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
-import numbers
 import os
 import re
-import shlex
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Union
 
+from substrax_tasks._spec_args import argv_of, env_of, literal, name_list, path_list, seconds_of, shown
 from substrax_tasks.errors import SpecError
 
 ArgvItem = Union[str, int, os.PathLike]  # type: ignore[type-arg]  # noqa: UP007 - a runtime alias
@@ -118,131 +116,6 @@ def relative_path(raw: str | os.PathLike[str], project: Path, what: str) -> str:
     return clean + "/" if is_dir else clean
 
 
-def shown(value: object) -> str:
-    """A wrongly typed argument as a message names it: "the string 'x'"."""
-    if isinstance(value, str):
-        return f"the string {value!r}"
-    if isinstance(value, os.PathLike):
-        return f"the path {os.fspath(value)!r}"
-    if value is None or isinstance(value, bool):
-        return str(value)
-    if isinstance(value, numbers.Number):
-        return f"the {type(value).__name__} {value!r}"
-    return f"a {type(value).__name__}"
-
-
-def _literal(value: object) -> str:
-    """`value` written as in a dodo.py, with the double quotes users type."""
-    return json.dumps(value, ensure_ascii=False)
-
-
-def _items(step: str, name: str, value: object, *, of: str, lone: tuple[type, ...],
-           item_types: tuple[type, ...], example: str, each: str) -> list[Any]:
-    """`value`, a list argument, as a list; a lone item (which iterating
-    would take letter by letter) or another type is a SpecError that shows
-    how to write it."""
-    if isinstance(value, lone):
-        fix = _literal(os.fspath(value) if isinstance(value, os.PathLike) else value)
-    elif isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
-        fix = example
-    else:
-        items = list(value)
-        for item in items:
-            if not isinstance(item, item_types):
-                raise SpecError(
-                    f"step {step!r}: {name} must be a list of {of}, but it holds {shown(item)}: {each}"
-                )
-        return items
-    raise SpecError(f"step {step!r}: {name} must be a list of {of}, got {shown(value)}: write {name}=[{fix}]")
-
-
-def path_list(step: str, name: str, value: object) -> list[str | os.PathLike[str]]:
-    """`value`, an argument that holds paths (inputs, outputs, file_dep)."""
-    return _items(step, name, value, of="paths", lone=(str, os.PathLike), item_types=(str, os.PathLike),
-                  example='"data/in.csv", "models/"', each="give each path as a str or a pathlib.Path")
-
-
-def name_list(step: str, name: str, value: object, example: str) -> list[str]:
-    """`value`, an argument that holds names (secrets, task_dep)."""
-    return _items(step, name, value, of="names", lone=(str,), item_types=(str,),
-                  example=_literal(example), each="give each name as a string")
-
-
-def _argv_of(step: str, command: object) -> list[object]:
-    """The command as a list of items (not yet checked one by one)."""
-    if isinstance(command, str):
-        try:
-            words = shlex.split(command)
-        except ValueError:  # unbalanced quotes: show the plain split
-            words = command.split()
-        raise SpecError(
-            f"step {step!r}: command must be a non-empty list of arguments, got {shown(command)}: "
-            f"write command={_literal(words)}, or shell={_literal(command)} for a shell command line"
-        )
-    if isinstance(command, (bytes, Mapping)) or not isinstance(command, Iterable):
-        raise SpecError(
-            f"step {step!r}: command must be a non-empty list of arguments, got {shown(command)}: "
-            'write command=["python", "train.py"]'
-        )
-    items = list(command)
-    if not items:
-        raise SpecError(
-            f"step {step!r}: command must be a non-empty list of arguments, got an empty "
-            f'{type(command).__name__}: write command=["python", "train.py"]'
-        )
-    return items
-
-
-def _seconds(step: str, timeout: object) -> float | None:
-    """The timeout, a positive finite number of seconds, kept as given (an
-    int stays an int: the spec's digest must not change) or made a plain
-    int or float from another number type (numpy's)."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        try:
-            number = float(timeout) if isinstance(timeout, str) else math.nan
-        except ValueError:
-            number = math.nan
-        fix = (f"timeout={int(number) if number.is_integer() else number}" if math.isfinite(number)
-               else "timeout=3600 (seconds)")  # fmt: skip
-        raise SpecError(
-            f"step {step!r}: timeout must be a number of seconds, got {shown(timeout)}: write {fix}"
-        )
-    value = timeout if isinstance(timeout, (int, float)) else (
-        int(timeout) if isinstance(timeout, numbers.Integral) else float(timeout))  # fmt: skip
-    if not (value > 0 and math.isfinite(value)):
-        raise SpecError(f"step {step!r}: timeout must be a positive number of seconds, got {timeout}")
-    return value
-
-
-def _env_of(step: str, env: object) -> dict[str, str]:
-    """The step's env, a mapping of names to strings, or a SpecError."""
-    if env is None:
-        return {}
-    if not isinstance(env, Mapping):
-        # ["A=1", "B=2"] is shown as the mapping it meant.
-        items = [env] if isinstance(env, str) else list(env) if isinstance(env, (list, tuple)) else []
-        pairs = [item.partition("=") for item in items if isinstance(item, str)]
-        meant = len(pairs) == len(items) > 0 and all(eq for _k, eq, _v in pairs)
-        hint = {k: v for k, _eq, v in pairs} if meant else {"NAME": "value"}
-        raise SpecError(
-            f"step {step!r}: env must be a mapping of variable names to strings, got {shown(env)}: "
-            f"write env={_literal(hint)}"
-        )
-    checked: dict[str, str] = {}
-    for key, value in env.items():
-        if not isinstance(key, str):
-            raise SpecError(f"step {step!r}: env names must be strings, got {shown(key)}")
-        if not isinstance(value, str):
-            raise SpecError(
-                f"step {step!r}: env[{key!r}] must be a string, got {shown(value)}: "
-                f"write env={{{_literal(key)}: {_literal(str(value))}, ...}}"
-            )
-        checked[key] = value
-    return checked
-
-
 def _resources_of(step: str, resources: object) -> dict[str, str | int | float]:
     """The step's resources: a mapping of known keys to strings or numbers."""
     if resources is None:
@@ -251,7 +124,7 @@ def _resources_of(step: str, resources: object) -> dict[str, str | int | float]:
         example = {"accelerators": resources} if isinstance(resources, str) else {"cpus": 4}
         raise SpecError(
             f"step {step!r}: resources must be a mapping of {', '.join(RESOURCE_KEYS)} to values, "
-            f"got {shown(resources)}: write resources={_literal(example)}"
+            f"got {shown(resources)}: write resources={literal(example)}"
         )
     values = dict(resources)
     unknown = sorted(str(key) for key in set(values) - set(RESOURCE_KEYS))
@@ -301,18 +174,11 @@ def make_spec(
     argument of a wrong type is named with what was expected and how to
     write it, before any path in it is looked at."""
     check_name(step)
-    argv: list[str] = []
-    for item in _argv_of(step, command):
-        if isinstance(item, bool) or not isinstance(item, (str, int, os.PathLike)):
-            raise SpecError(
-                f"step {step!r}: command item {item!r} is a {type(item).__name__}; "
-                "use str, int or pathlib.Path"
-            )
-        argv.append(os.fspath(item) if isinstance(item, os.PathLike) else str(item))
+    argv = argv_of(step, command)
     input_list = path_list(step, "inputs", inputs)
     output_list = path_list(step, "outputs", outputs)
-    seconds = _seconds(step, timeout)
-    env_checked = _env_of(step, env)
+    seconds = seconds_of(step, timeout)
+    env_checked = env_of(step, env)
     forwarded = sorted(set(name_list(step, "secrets", forward_env, "WANDB_API_KEY")))
     resource_values = _resources_of(step, resources)
     input_paths = [relative_path(i, project, f"step {step!r}: input") for i in input_list]

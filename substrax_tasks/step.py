@@ -26,10 +26,11 @@ from typing import Any
 from doit.dependency import UptodateCalculator
 
 from substrax_tasks._signals import map_termination_signals
+from substrax_tasks._spec_args import check_doit_arguments, name_list, path_list
 from substrax_tasks.config import ResolvedProject, config_key, config_stamp, resolve
 from substrax_tasks.driver import StepDriver
-from substrax_tasks.errors import SpecError, SubstraxError
-from substrax_tasks.spec import ArgvItem, PathIndex, StepSpec, make_spec, name_list, path_list, shown
+from substrax_tasks.errors import SubstraxError
+from substrax_tasks.spec import ArgvItem, PathIndex, StepSpec, make_spec
 from substrax_tasks.uptodate import DOIT_VALUE, Step, up_to_date
 
 # The outputs declared in this process, per project, for cross-step checks
@@ -72,37 +73,6 @@ def _check_against_others(project: Path, spec: StepSpec) -> list[str]:
     return producers
 
 
-def _check_doit_arguments(name: str, *, backend: object, shell: object, retries: object,
-                          uptodate: object, project: object) -> None:
-    """The arguments make_spec does not see, each of the type documented."""
-    if backend is not None and not isinstance(backend, str):
-        raise SpecError(
-            f"step {name!r}: backend must be a backend's name or None, got {shown(backend)}: "
-            'write backend="local" (or "ssh", "skypilot")'
-        )
-    if shell is not None and not isinstance(shell, str):
-        raise SpecError(
-            f"step {name!r}: shell must be one command line (a string), got {shown(shell)}: "
-            'write shell="python train.py > log.txt", or command=[...] for an argv'
-        )
-    if isinstance(retries, bool) or not isinstance(retries, int):
-        number = retries.strip() if isinstance(retries, str) else ""
-        fix = f"retries={number}" if number.isdigit() else "retries=2"
-        raise SpecError(f"step {name!r}: retries must be a whole number, got {shown(retries)}: write {fix}")
-    if retries < 0:
-        raise SpecError(f"step {name!r}: retries must be 0 or more, got {retries}")
-    if isinstance(uptodate, (str, bytes, Mapping)) or not isinstance(uptodate, Iterable):
-        raise SpecError(
-            f"step {name!r}: uptodate must be a list (doit's uptodate items), got {shown(uptodate)}: "
-            f"write uptodate=[{uptodate!r}]"
-        )
-    if project is not None and not isinstance(project, (str, os.PathLike)):
-        raise SpecError(
-            f"step {name!r}: project must be a folder (a str or pathlib.Path) or None, "
-            f"got {shown(project)}"
-        )
-
-
 def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, command, ...)
     name: str,
     command: Sequence[ArgvItem] | None = None,
@@ -140,8 +110,8 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
       (uptodate is combined with the step's own check: all must hold).
     """
     try:
-        _check_doit_arguments(name, backend=backend, shell=shell, retries=retries, uptodate=uptodate,
-                              project=project)  # fmt: skip
+        check_doit_arguments(name, backend=backend, shell=shell, retries=retries, uptodate=uptodate,
+                             project=project)  # fmt: skip
         tracked = [os.fspath(p) for p in path_list(name, "file_dep", file_dep)]
         dependencies = name_list(name, "task_dep", task_dep, "prepare")
         proj = project_of(project)
@@ -188,7 +158,7 @@ def step_tasks(
         **doit_name(hidden),
         "actions": [driver.launch, driver.setup, driver.sync, driver.run, driver.fetch, driver.promote],
         "teardown": [driver.teardown],
-        "uptodate": [StepCheck(step), *user_uptodate],
+        "uptodate": [StepCheck(driver), *user_uptodate],
         "doc": f"phases of step {spec.step}: launch, setup, sync, run, fetch, promote (internal)",
         "verbosity": 2,
     }
@@ -200,7 +170,7 @@ def step_tasks(
         "targets": [o.rstrip("/") for o in spec.outputs],
         "task_dep": task_dep + producers,
         "setup": [hidden],
-        "uptodate": [StepCheck(step), *user_uptodate],
+        "uptodate": [StepCheck(driver), *user_uptodate],
         "doc": task_keys.pop("doc", None) or f"remote step {spec.step}: {' '.join(spec.command)[:60]}",
         "verbosity": 2,
     }
@@ -223,11 +193,17 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
     """The step's own uptodate item, in the shape of doit's `config_changed`:
     called with the task and its saved values. Both tasks of a step ask it
     about the public task's values (the hidden one saves none), which tell
-    a `doit forget` from a doit killed before it saved its DB."""
+    a `doit forget` from a doit killed before it saved its DB.
 
-    def __init__(self, step: Step) -> None:
+    What it said of the hidden task is kept on the driver: doit runs the
+    phases after it held only when something else asked for a run (`doit
+    -a`, or a user's uptodate item), and then the phases run the command for
+    real (doit tells a task nothing of `-a`, but it does check the task)."""
+
+    def __init__(self, driver: StepDriver) -> None:
         super().__init__()
-        self.step = step
+        self.driver = driver
+        self.step = driver.step
         self._dep_manager: Any = None
 
     def setup(self, dep_manager: Any, tasks_dict: Any) -> None:
@@ -242,7 +218,9 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
         try:
             held = up_to_date(self.step, values)
         except SubstraxError:
-            return False
+            held = False
+        if not public:
+            self.driver.check_held = held
         # doit holds no value for the public task (its run was promoted by a
         # doit that stopped before the task, or was killed before it saved):
         # the phases stay skipped, and the task runs once to save it.
@@ -256,30 +234,25 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
         )
 
 
-def clean_outputs(step: Step, dryrun: bool = False) -> None:
-    """`doit clean STEP` with clean=True: remove the declared outputs,
-    folders included (doit's own clean leaves non-empty folders)."""
-    from substrax_tasks._output import emit
-    from substrax_tasks.promote import remove_path
-
-    for out in step.spec.outputs:
-        path = step.root / out.rstrip("/")
-        if path.exists() or path.is_symlink():
-            emit(f"{step.name} - {'would remove' if dryrun else 'removing'} {out}")
-            if not dryrun:
-                remove_path(path)
-
-
 class CleanOutputs:
-    """clean_outputs of one step as doit's clean action. doit names an
-    action by `str(callable)` without its first character (the "<" of
+    """`doit clean STEP` with clean=True: remove the declared outputs,
+    folders included (doit's own clean leaves non-empty folders). doit names
+    an action by `str(callable)` without its first character (the "<" of
     "<function ..."), cut at " at " (the address): this says what it does."""
 
     def __init__(self, step: Step) -> None:
         self.step = step
 
     def __call__(self, dryrun: bool = False) -> None:  # `dryrun`: doit passes it under `clean -n`
-        clean_outputs(self.step, dryrun)
+        from substrax_tasks._output import emit
+        from substrax_tasks.promote import remove_path
+
+        for out in self.step.spec.outputs:
+            path = self.step.root / out.rstrip("/")
+            if path.exists() or path.is_symlink():
+                emit(f"{self.step.name} - {'would remove' if dryrun else 'removing'} {out}")
+                if not dryrun:
+                    remove_path(path)
 
     def __str__(self) -> str:
         return f"<remove the outputs of step {self.step.name}: {', '.join(self.step.spec.outputs)}"

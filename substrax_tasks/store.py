@@ -2,6 +2,7 @@
 
     runs/<run-id>/handle.json     the run's handle (handle.py), the one durable record
     runs/<run-id>/handle.lock     taken by every write of the handle
+    runs/<run-id>/manifest.json   the manifest of its outputs as verified here
     runs/<run-id>/...             the run's own files: job, status, log, fetched outputs
     steps/<step>.json             each step's record: its run, its verified manifest
     cache/<step>.outputs.json     hash caches of a step's outputs and of its inputs
@@ -62,6 +63,10 @@ class RunStore:
     def handle_path(self, run_id: str) -> Path:
         return self.run_dir(run_id) / HANDLE_FILE
 
+    def manifest_file(self, run_id: str) -> Path:
+        """The manifest of the run's outputs as fetched and verified here."""
+        return self.run_dir(run_id) / "manifest.json"
+
     def step_record(self, step: str) -> Path:
         return self.root / "steps" / f"{safe_name(step)}.json"
 
@@ -87,9 +92,9 @@ class RunStore:
         return self.root / "slots" / safe_name(pool)
 
     # -- handles
-    def new_run(self, spec: StepSpec, backend: str, settings: dict[str, Any]) -> RunHandle:
-        """Create the run's folder and write its handle: the first durable
-        record, made before anything slow or paid happens."""
+    def new_run(self, spec: StepSpec, backend: str, settings: dict[str, Any], **state: Any) -> RunHandle:
+        """Create the run's folder and write its handle (with `state`): the
+        first durable record, made before anything slow or paid happens."""
         from substrax_tasks.handle import RunHandle
 
         now = datetime.datetime.now(datetime.timezone.utc)
@@ -104,6 +109,7 @@ class RunStore:
             spec=spec,
             spec_digest=run_digest(spec, backend, settings),
             created_at=now.isoformat(timespec="milliseconds"),
+            state=state,
         )
         write_json_atomic(self.handle_path(run_id), handle.model_dump(mode="json"))
         return handle

@@ -17,10 +17,7 @@ from typing import Any
 
 from substrax_tasks.manifest_cache import manifest_module
 
-_O_DIR = (
-    os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-)
-_SCANDIR_FD = os.scandir in os.supports_fd
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a folder, never through a symlink
 
 
 def stamp_of(items: list[Any]) -> str:
@@ -86,7 +83,7 @@ def stat_walk(  # noqa: PLR0912, PLR0915 - one hot loop, kept whole and on str p
             dir_abs, dir_rel = stack.pop()
             add(dir_rel)
             try:
-                fd = _open_dir(dir_abs)
+                fd = os.open(dir_abs, _O_DIR)
             except OSError:
                 add(None)
                 continue
@@ -94,7 +91,7 @@ def stat_walk(  # noqa: PLR0912, PLR0915 - one hot loop, kept whole and on str p
                 # Listed through the folder's descriptor, each entry's lstat
                 # is an fstatat() of its bare name: the kernel does not walk
                 # the whole path again for every file (~20% of the walk).
-                with os.scandir(fd if fd >= 0 else dir_abs) as it:
+                with os.scandir(fd) as it:
                     for de in it:
                         try:
                             est = de.stat(follow_symlinks=False)
@@ -115,15 +112,8 @@ def stat_walk(  # noqa: PLR0912, PLR0915 - one hot loop, kept whole and on str p
             except OSError:
                 add(None)
             finally:
-                if fd >= 0:
-                    os.close(fd)
+                os.close(fd)
     return newest
-
-
-def _open_dir(path: str) -> int:
-    """A descriptor of the folder `path` (never through a symlink), or -1
-    where os.scandir cannot list a descriptor: then the path is listed."""
-    return os.open(path, _O_DIR) if _SCANDIR_FD else -1
 
 
 def _readlink_or_none(path: str) -> str | None:

@@ -34,7 +34,7 @@ from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks.config import ENV_LOCK_FILES
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.proofs import proof_file
-from substrax_tasks.spec import StepSpec, canonical_digest, safe_name, settings_in_key
+from substrax_tasks.spec import StepSpec, canonical_digest, settings_in_key
 
 if TYPE_CHECKING:
     from substrax_tasks.store import RunStore
@@ -51,7 +51,6 @@ class StepFiles:
     """Where a step keeps its state, as the store lays the folder out."""
 
     def __init__(self, store: RunStore, step: str) -> None:
-        self.safe = safe_name(step)
         self.record = store.step_record(step)
         self.inputs_cache = store.inputs_cache(step)
         self.outputs_cache = store.outputs_cache(step)
@@ -189,9 +188,15 @@ def verified_outputs_hold(step: Step, values: dict[str, Any] | None) -> bool:
         step.root, list(step.spec.outputs), str(verified.get("digest")), step.files.outputs_cache
     ):
         return False
-    if values is not None and not values.get(DOIT_VALUE):
-        return verified.get("run_id") != record.get("acknowledged")
-    return True
+    return not _forgotten_by_doit(record, values)
+
+
+def _forgotten_by_doit(record: dict[str, Any], values: dict[str, Any] | None) -> bool:
+    """doit holds no value of ours for the public task though the verified
+    run was acknowledged (its doit saved its DB): `doit forget`, a rerun."""
+    verified = record.get("verified") or {}
+    no_value = values is not None and not values.get(DOIT_VALUE)
+    return no_value and verified.get("run_id") == record.get("acknowledged")
 
 
 def proof(step: Step) -> tuple[str, int] | None:
@@ -266,10 +271,9 @@ def explain(
             reasons.append(f"input changed: {path}")
     reasons += [f"input missing: {path}" for path in new["missing_inputs"]]
     reasons += _output_changes(step, verified)
-    # As verified_outputs_hold: no value of doit's for a run it was never
-    # told about (its doit stopped or was killed first) is no reason.
-    forgotten = verified.get("run_id") == record.get("acknowledged")
-    if doit_values is not None and not doit_values.get(DOIT_VALUE) and forgotten:
+    # No value of doit's for a run it was never told about (its doit stopped
+    # or was killed first) is no reason.
+    if _forgotten_by_doit(record, doit_values):
         reasons.append(
             f"doit has no record of task {step.name!r} (after `doit forget`, or a new "
             "dependency file): doit runs it again"

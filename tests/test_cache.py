@@ -106,6 +106,35 @@ def test_doit_forget_restores_and_doit_always_runs_for_real_replacing_the_entry(
     assert again != first and again == json.loads((root / ".substrax/steps/make.json").read_text())["run_id"]
 
 
+# the user's own uptodate item: doit's config_changed of a version file
+VERSIONED = BODY.replace(
+    'outputs=["out/"])', 'outputs=["out/"], uptodate=[config_changed(open("version.txt").read())])'
+).replace("def task_make", "from doit.tools import config_changed\n\n\ndef task_make")
+
+
+def test_a_rerun_asked_for_by_doit_always_or_a_user_uptodate_item_is_real_under_threads(
+    tmp_path: Path,
+) -> None:
+    """doit tells a task nothing of `-a`: a step whose own check held but
+    whose phases doit runs anyway (`-a`, or the user's uptodate item said
+    so) runs for real, never restores; a step that must run restores."""
+    root = project(tmp_path, "a", folder_cache(tmp_path), body=VERSIONED)
+    (root / "version.txt").write_text("1")
+    threads = ("-n", "4", "-P", "thread")
+    doit_ok(root, *threads)
+    (root / "version.txt").write_text("2")  # the user's item turns false; the step's own check holds
+    done = doit_ok(root, *threads)
+    assert not restored(done) and run_count(root) == 2, show(done)
+    done = doit_ok(root, "-a", *threads, "make")
+    assert not restored(done) and run_count(root) == 3, show(done)
+    last = json.loads((root / ".substrax/steps/make.json").read_text())["run_id"]
+    assert json.loads(entries(tmp_path / "team-cache")[0].read_text())["provenance"]["run_id"] == last
+    assert not step_ran(doit_ok(root, *threads), "make")
+    shutil.rmtree(root / "out")  # now the step's own check says run: the entry is restored, -a or not
+    done = doit_ok(root, "-a", *threads, "make")
+    assert restored(done) and run_count(root) == 3, show(done)
+
+
 # doit in-process, to see what a restore imported
 DOIT_IMPORTS = """
 import sys
@@ -225,6 +254,26 @@ def test_an_object_changed_after_its_stat_was_recorded_is_hashed_and_refused(tmp
     assert (root / "out" / "big").read_bytes() == b"x" * 3_000_000
 
 
+ONE_FILE = """
+def task_make():
+    yield from remote_step("make", shell="printf one > one", outputs=["one"])
+"""
+
+
+def test_a_restored_file_output_is_not_hashed_again_by_the_next_check(tmp_path: Path) -> None:
+    """The promotion renames a restored file into place, which gives it a new
+    ctime: its hash cache entry takes that ctime, so the next check (a no-op
+    doit, keeping the restore in the local folder) reads none of its bytes."""
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path), body=ONE_FILE))
+    root = project(tmp_path, "b", folder_cache(tmp_path), body=ONE_FILE)
+    done = doit_ok(root)
+    assert restored(done), show(done)
+    st = (root / "one").lstat()
+    cache = json.loads((root / ".substrax" / "cache" / "make.outputs.json").read_text())["entries"]
+    sha = hashlib.sha256(b"one").hexdigest()
+    assert cache["one"] == [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, sha]
+
+
 def test_read_mode_never_writes_the_shared_store(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -333,21 +382,25 @@ def test_gc_keeps_running_and_unfetched_runs_and_removes_what_dry_run_listed(tmp
     running = submit(api, ["sh", "-c", "sleep 60"], step="slow")
     unfetched = submit(api, ["sh", "-c", "mkdir -p res && echo x > res/f"], step="quick", outputs=["res/"])
     wait_final(api, unfetched)
+
+    def listing(folder: Path) -> list[str]:  # status.reserve: the worker removes it as it exits, maybe now
+        return sorted(p.name for p in folder.iterdir() if p.name != "status.reserve")
+
     try:
-        kept = {d.name: sorted(p.name for p in d.iterdir()) for d in run_dirs(root)}
+        kept = {d.name: listing(d) for d in run_dirs(root)}
         listed = compute(root, "gc", "--dry-run")
         assert listed.returncode == 0, show(listed)
         would = [line.removeprefix("would remove ") for line in listed.stdout.splitlines()]
         assert would and all(running.run_id not in w and unfetched.run_id not in w for w in would), would
         old = next(h for h in handles(root) if h["step"] == "make")["run_id"]
         assert any(w.endswith(f"{old}/manifest.json") for w in would)
-        assert {d.name: sorted(p.name for p in d.iterdir()) for d in run_dirs(root)} == kept  # nothing went
+        assert {d.name: listing(d) for d in run_dirs(root)} == kept  # nothing went
         done = compute(root, "gc")
         assert [line.removeprefix("removed ") for line in done.stdout.splitlines()] == would, show(done)
         for d in run_dirs(root):
             assert (d / "handle.json").exists() and (d / "run.log").exists()
         for handle in (running, unfetched):
-            assert sorted(p.name for p in run_dir(api, handle).iterdir()) == kept[handle.run_id]
+            assert listing(run_dir(api, handle)) == kept[handle.run_id]
         assert "up to date" in compute(root, "why", "make").stdout
     finally:
         api.backend_for(running).cancel(running)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from pathlib import Path
 
@@ -107,7 +108,24 @@ def test_status_of_one_run_and_of_an_unknown_run(project: Project) -> None:
 def test_status_with_no_runs(project_dir: Path) -> None:
     done = cli(project_dir, "status", "--json")
     assert done.returncode == 0
-    assert json.loads(done.stdout) == {"runs": [], "unreadable": [], "leaked": []}
+    assert json.loads(done.stdout) == {"runs": [], "unreadable": [], "leaked": None}
+    looked = cli(project_dir, "status", "--machines", "--json")  # the local backend leaves nothing behind
+    assert looked.returncode == 0 and json.loads(looked.stdout)["leaked"] == [], looked.stderr
+
+
+def test_status_asks_hosts_for_leaks_only_with_machines(project_dir: Path) -> None:
+    # An ssh host no one answers at: a loopback port just freed.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    (project_dir / "pyproject.toml").write_text(
+        f'[tool.substrax.compute.backends.ssh]\nhost = "127.0.0.1"\nport = {port}\n'
+    )
+    plain = cli(project_dir, "status")
+    assert plain.returncode == 0 and "leaks" not in plain.stderr, plain.stderr
+    looked = cli(project_dir, "status", "--machines")
+    assert looked.returncode == 0, looked.stderr
+    assert "could not look for leaks: ssh: " in looked.stderr, looked.stderr
 
 
 def test_cancel_of_a_finished_run_says_so(project: Project) -> None:

@@ -77,9 +77,8 @@ def test_local_run_succeeds_with_log_env_and_outputs(project: Project, sandbox: 
     assert "left running" not in log  # a clean run leaves nothing behind to kill
     root = outputs_root(project, handle)
     assert (root / "out" / "answer.txt").read_text() == "42\n"
-    # the end-of-run manifest the fetch verifies against, and its hash cache
+    # the end-of-run manifest the fetch verifies against
     assert (run_dir(project, handle) / "manifest.json").is_file()
-    assert (run_dir(project, handle) / "manifest-cache.json").is_file()
     if sandbox == "bwrap":
         # The output landed in the run's staging folder, not in the project.
         assert root == run_dir(project, handle) / "work" / "outputs"

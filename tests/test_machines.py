@@ -1,7 +1,8 @@
 """What may still hold a machine (issue 18, item 7): `status` shows the
-lifetime left of a run that holds one and the run folders no handle
-accounts for (leaked); `gc --machines` removes those, stopping what runs
-there, and leaves alone what is not provably this project's.
+lifetime left of a run that holds one, and with `--machines` the run
+folders no handle accounts for (leaked); `gc --machines` removes those,
+stopping what runs there, and leaves alone what is not provably this
+project's.
 
 A real sshd in a network namespace as a test user; real doit, killed (-9)
 mid-run; the store deleted by hand, as a leak happens.
@@ -48,10 +49,12 @@ def test_status_shows_the_lifetime_left_and_the_leaked_folders_that_gc_machines_
     other = run_dir.parent / "another-projects-run"  # not marked as this project's
     other.mkdir()
     shutil.rmtree(root / ".substrax")  # the handle is gone; the run goes on there: leaked
-    leaked = compute(root, "status")
+    plain = compute(root, "status", "--json")  # reads the store only: leaks are not looked for
+    assert json.loads(plain.stdout)["leaked"] is None, show(plain)
+    leaked = compute(root, "status", "--machines")
     said = f"leaked run folder {run_dir} on {host.address}: no live handle accounts for it"
     assert said in leaked.stderr and "another-projects-run" not in leaked.stderr, show(leaked)
-    assert json.loads(compute(root, "status", "--json").stdout)["leaked"] == [
+    assert json.loads(compute(root, "status", "--machines", "--json").stdout)["leaked"] == [
         {"backend": "ssh", "where": host.address, "name": str(run_dir), "ours": True}
     ]
 
@@ -63,4 +66,4 @@ def test_status_shows_the_lifetime_left_and_the_leaked_folders_that_gc_machines_
     assert f"removed {run_dir} on {host.address}" in removed.stdout
     assert not run_dir.exists() and other.is_dir()
     wait_for(lambda: not pids_with(marker), "the leaked run's command to be stopped")
-    assert "leaked" not in compute(root, "status").stderr
+    assert "leaked" not in compute(root, "status", "--machines").stderr

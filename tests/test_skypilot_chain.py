@@ -552,12 +552,12 @@ def test_status_shows_the_lifetime_left_and_a_cluster_no_handle_names_which_gc_l
     write_ssh_dodo(sky.root, body, ["step"])
     doit_killed_mid_run(sky.root, marker, env=sky.env)
     (cluster,) = sky.clusters()
-    listed = json.loads(sky.compute("status", "--json").stdout)
+    listed = json.loads(sky.compute("status", "--machines", "--json").stdout)
     (run,) = listed["runs"]
     assert 0 < run["lifetime_left_seconds"] <= (10 - 1) * 60, run  # lifetime_minutes - idle_minutes
     assert listed["leaked"] == []
     shutil.rmtree(sky.root / ".substrax")  # no handle names the cluster: another project's, for all we know
-    listed = json.loads(sky.compute("status", "--json").stdout)
+    listed = json.loads(sky.compute("status", "--machines", "--json").stdout)
     assert listed["leaked"] == [{"backend": "skypilot", "where": "SkyPilot", "name": cluster, "ours": False}]
     done = sky.compute("gc", "--machines")
     assert done.returncode == 0 and done.stdout == "", show(done)

@@ -267,3 +267,17 @@ def test_a_change_that_keeps_size_and_mtime_is_seen(root: Path, path: str, conte
     assert_up_to_date(root)
     if path != "data/in.txt":  # the outputs are the command's again
         assert (root / path).read_text() != content
+
+
+def test_each_project_s_dodo_is_loaded_afresh_in_one_process(tmp_path: Path) -> None:
+    """doit imports a dodo by its bare name: `find_step` on a second project
+    in one process (a notebook, a test run) must not get the first's module."""
+    from substrax_tasks.dodo_loader import find_step
+
+    roots = []
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        body = f'def task_{name}():\n    yield from remote_step("{name}", command=["true"], outputs=["o"])\n'
+        roots.append(make_project(tmp_path / name, body))
+    for root, name in zip(roots, ("one", "two"), strict=True):
+        assert find_step(root, name)[0].step.root == root.resolve()

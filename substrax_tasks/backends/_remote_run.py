@@ -174,7 +174,7 @@ class RemoteRun:
             return checked_manifest(kept.stdout, f"{path} on {self.remote.host}")
         if kept.returncode != 3:
             raise self.failure(f"reading {path}", kept)
-        taken = self.remote.run(self.script("manifest.py", outputs_root, *outputs), timeout=None)
+        taken = self.remote.run(self.script("manifest.py", "--", outputs_root, *outputs), timeout=None)
         said = taken.stderr.decode(errors="replace").strip()
         if taken.returncode == 1 and said.startswith("manifest.py:"):
             from substrax_tasks.manifest_cache import ManifestError

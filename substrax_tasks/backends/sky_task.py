@@ -192,7 +192,6 @@ def watchdog_line(settings: SkypilotSettings, layout: ClusterLayout, seconds: fl
         "watchdog",
         layout.run,
         f"{seconds:g}",
-        "--detach",
     ]
     if cloud_of(settings.infra) in NO_AUTODOWN:
         watchdog.append("--poweroff")

@@ -122,8 +122,7 @@ class SshBackend(Backend):
     def setup(self, handle: RunHandle) -> RunHandle:
         # The timer first: even if setup hangs, nothing outlives the lifetime.
         seconds = str(self.settings.lifetime_minutes * 60)
-        watchdog = self.remote_run(handle).control("watchdog", seconds, "--detach",
-                                                   what="arming the lifetime timer")  # fmt: skip
+        watchdog = self.remote_run(handle).control("watchdog", seconds, what="arming the lifetime timer")
         handle = self.store.update_state(handle, watchdog=watchdog)
         log = self.store.run_dir(handle.run_id) / "setup.log"
         for command in self.settings.setup_commands:
