@@ -149,7 +149,7 @@ test: system-deps install sky-venv $(MYPY38)
 	@echo "==> pytest"
 	@$(BIN)/python -m pytest --ignore=tests/e2e $(PYTEST_ARGS)
 
-# The tests marked `unit` run in this process only (tests/conftest.py makes
+# The tests marked `unit` run in this process only (tests/unit_tier.py makes
 # spawning a process or opening a connection fail them): no apt, no SkyPilot.
 test-fast: install
 	@$(BIN)/python -m pytest -m unit -p no:cacheprovider $(PYTEST_ARGS)

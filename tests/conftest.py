@@ -7,7 +7,6 @@ status file under the test's tmp_path is stopped when the test ends.
 
 from __future__ import annotations
 
-import _posixsubprocess  # subprocess forks through it
 import contextlib
 import json
 import os
@@ -19,12 +18,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_server import s3_env, s3_server  # noqa: F401  (the bucket transport's S3 server)
 
 from substrax_tasks._remote_files import control
 from substrax_tasks.config import cache_file
@@ -32,6 +30,11 @@ from substrax_tasks.handle import RunHandle
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
 from substrax_tasks.worker_job import STATUS_FILE
+
+# What a test marked `unit` may not do (enforced there); fixtures shared by
+# the modules: the S3 server of the bucket transport, the session's SSH hosts
+# (`host`, `root_host`).
+pytest_plugins = ("unit_tier", "s3_server", "ssh_helpers")
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "remote" / "worker.py"
@@ -128,94 +131,6 @@ def stop_worker(status_file: Path) -> None:
         time.sleep(0.02)
     if control().alive(pid, ticks):
         kill_pid(pid)
-
-
-# --------------------------------------------------------------- unit tier
-
-# What a test marked `unit` may not do: start a process or reach a network.
-# subprocess, multiprocessing and pty all end in one of these calls. Which
-# tests are unit is found, not guessed: mark them all, run `pytest -m unit`,
-# and drop the marker of each test that fails.
-_SPAWNERS: tuple[tuple[object, str], ...] = (
-    (subprocess.Popen, "_execute_child"),
-    (_posixsubprocess, "fork_exec"),
-    (os, "fork"),
-    (os, "forkpty"),
-    (os, "posix_spawn"),
-    (os, "posix_spawnp"),
-    (os, "system"),
-)
-_NETWORK: tuple[tuple[object, str], ...] = (
-    (socket.socket, "connect"),
-    (socket.socket, "connect_ex"),
-    (socket.socket, "sendto"),
-    (socket, "getaddrinfo"),
-)
-
-
-class UnitTierViolation(RuntimeError):
-    """A test marked `unit` started a process or opened a connection."""
-
-
-_TRIED = pytest.StashKey[list[str]]()
-
-
-@contextlib.contextmanager
-def _unit_guard(item: pytest.Item) -> Iterator[None]:
-    """For a test marked `unit`: the calls above raise, and are noted."""
-    if item.get_closest_marker("unit") is None:
-        yield
-        return
-    tried = item.stash.setdefault(_TRIED, [])
-
-    def refuse(what: str) -> Callable[..., Any]:
-        def refused(*args: object, **kwargs: object) -> Any:
-            message = (
-                f"{item.nodeid} is marked unit (no processes, no network) "
-                f"but called {what}; drop the marker or the call"
-            )
-            tried.append(message)
-            raise UnitTierViolation(message)
-
-        return refused
-
-    patch = pytest.MonkeyPatch()
-    try:
-        for owner, name in _SPAWNERS + _NETWORK:
-            if hasattr(owner, name):
-                label = getattr(owner, "__name__", type(owner).__name__)
-                patch.setattr(owner, name, refuse(f"{label}.{name}"))
-        yield
-    finally:
-        patch.undo()
-
-
-# The guard covers a unit test's setup (a module or session fixture made for
-# it counts too) and its call; not its teardown, which may stop what another
-# test's fixture started.
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
-    with _unit_guard(item):
-        return (yield)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    with _unit_guard(item):
-        return (yield)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """A unit test that caught the guard's error still fails."""
-    report = yield
-    tried = item.stash.get(_TRIED, [])
-    if tried and report.when in ("setup", "call") and report.passed:
-        report.outcome = "failed"
-        report.longrepr = tried[0]
-    return report
 
 
 @pytest.fixture(autouse=True, scope="session")

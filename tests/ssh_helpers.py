@@ -66,6 +66,28 @@ def ssh_host(base: Path, user: str | None) -> Iterator[SshHost]:
         yield host
 
 
+# The two hosts of the session, shared by every test module (a plugin of
+# tests/conftest.py): one costs ~1 s to start and stop. A test leaves the
+# host as it found it: it may kill, restart or reboot it (it comes back at
+# the same address with the same keys), and keeps what it makes in folders
+# of its own name.
+
+
+@pytest.fixture(scope="session")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
+    """A fresh non-root login user (fast: no ~/.bashrc)."""
+    with ssh_host(tmp_path_factory.mktemp("sshd-user"), fresh_user()) as started:
+        yield started
+
+
+@pytest.fixture(scope="session")
+def root_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
+    """A host that lets root in: the fake SkyPilot's jobs run as this
+    process's user, so its clusters' ssh is root's."""
+    with ssh_host(tmp_path_factory.mktemp("sshd-root"), None) as started:
+        yield started
+
+
 # ------------------------------------------------------------------ projects
 
 

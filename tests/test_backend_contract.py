@@ -22,7 +22,7 @@ import pytest
 from conftest import describe, marked_pids, stop_worker, stubborn_tree, wait_for
 from dodo_helpers import BWRAP
 from fakesky_cleanup import cleanup, fakesky_env
-from ssh_helpers import fresh_user, needs_root, needs_sshd, ssh_host, ssh_settings, write_ssh_pyproject
+from ssh_helpers import needs_root, needs_sshd, ssh_settings, write_ssh_pyproject
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks.backends.base import Backend
@@ -36,19 +36,6 @@ WAIT = 60.0
 STATES = {"pending", "running", "succeeded", "failed", "cancelled", "timed_out"}
 LOG_LINE = b"contract-log-line"
 TRIVIAL = ["/bin/sh", "-c", "mkdir -p out && echo contract-log-line && echo v > out/v.txt"]
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    with ssh_host(tmp_path_factory.mktemp("sshd-user"), fresh_user()) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def root_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    """The SkyPilot clusters' ssh: the fake runs jobs as this process's user (root)."""
-    with ssh_host(tmp_path_factory.mktemp("sshd-root"), None) as started:
-        yield started
 
 
 @dataclass

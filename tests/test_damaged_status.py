@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,14 +30,12 @@ from dodo_helpers import (
     wait_for,
 )
 from ssh_helpers import (
-    fresh_user,
     launched_status,
     make_ssh_project,
     needs_root,
     needs_sshd,
     only_handle,
     remote_run_dir,
-    ssh_host,
 )
 from testbeds.sshd_host import SshHost
 
@@ -113,12 +111,6 @@ def test_a_damaged_status_of_a_live_run_is_an_error_then_lost_once_its_worker_is
     assert again.returncode == 0, show(again)
     assert "new run" in again.stdout and (root / "out.txt").read_text() == "ok\n"
     assert run_count(root) == 2
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    with ssh_host(tmp_path_factory.mktemp("sshd-damaged"), fresh_user()) as started:
-        yield started
 
 
 @needs_sshd

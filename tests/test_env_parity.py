@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from dodo_helpers import (
     step_ran,
     write_pyproject,
 )
-from ssh_helpers import build_wheel, fresh_user, make_ssh_project, needs_root, needs_sshd, one_step, ssh_host
+from ssh_helpers import build_wheel, make_ssh_project, needs_root, needs_sshd, one_step
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks._remote_files import remote_module
@@ -217,12 +216,6 @@ def test_a_project_that_is_not_a_git_work_tree_is_seen_whole(tmp_path: Path) -> 
     root = make_project(tmp_path, IMPORTS_HELPER, ["step"], sandbox="bwrap", files=PARITY_FILES)
     doit_ok(root)
     assert (root / "out" / "r.txt").read_text() == "helped"
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    with ssh_host(tmp_path_factory.mktemp("sshd-parity"), fresh_user()) as started:
-        yield started
 
 
 @needs_sshd

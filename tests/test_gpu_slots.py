@@ -34,7 +34,7 @@ from dodo_helpers import (
     wait_for,
     write_pyproject,
 )
-from ssh_helpers import SANDBOX, make_ssh_project, needs_root, needs_sshd, ssh_host
+from ssh_helpers import SANDBOX, make_ssh_project, needs_root, needs_sshd
 from test_sandbox_gpu import CUDA_QUERY, free_gid, make_dev_script, nvidia_smi_gpus
 from testbeds.sshd_host import SshHost
 
@@ -278,10 +278,10 @@ def test_host_gpus_reads_nvidia_smi_then_the_drivers_proc_folder(tmp_path: Path)
 # ------------------------------------------------- over ssh
 
 
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    with ssh_host(tmp_path_factory.mktemp("sshd-gpu"), None) as started:
-        yield started
+@pytest.fixture
+def host(root_host: SshHost) -> SshHost:
+    """This module's host: root's."""
+    return root_host
 
 
 @needs_sshd

@@ -12,29 +12,19 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from dodo_helpers import compute, pids_with, show, wait_for
 from ssh_helpers import (
     GATED_STEP,
     doit_killed_mid_run,
-    fresh_user,
     make_ssh_project,
     needs_root,
     needs_sshd,
     only_handle,
     remote_run_dir,
-    ssh_host,
 )
 from testbeds.sshd_host import SshHost
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    with ssh_host(tmp_path_factory.mktemp("sshd-machines"), fresh_user()) as started:
-        yield started
 
 
 @needs_sshd

@@ -24,7 +24,7 @@ from dodo_helpers import (
     wait_for,
     write_dodo,
 )
-from ssh_helpers import needs_root, needs_sshd, ssh_host, ssh_settings, write_ssh_pyproject
+from ssh_helpers import needs_root, needs_sshd, ssh_settings, write_ssh_pyproject
 from testbeds.sshd_host import SshHost
 
 # Two groups of two steps; each step leaves a flag as it starts, then waits
@@ -54,10 +54,10 @@ def marker() -> Iterator[str]:
     stop_marked(value)
 
 
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    with ssh_host(tmp_path_factory.mktemp("slots-sshd"), None) as started:
-        yield started
+@pytest.fixture
+def host(root_host: SshHost) -> SshHost:
+    """This module's host: root's."""
+    return root_host
 
 
 def popen(root: Path, name: str, *args: str) -> subprocess.Popen[str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from dodo_helpers import doit, make_project, run_count, show
-from ssh_helpers import fresh_user, make_ssh_project, needs_root, needs_sshd, one_step, ssh_host
+from ssh_helpers import make_ssh_project, needs_root, needs_sshd, one_step
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks import _private
@@ -204,10 +204,9 @@ def test_doit_keeps_its_cache_in_a_private_runtime_dir(tmp_path: Path) -> None:
 @needs_root
 @pytest.mark.parametrize("how", ["symlink", "world-writable"])
 def test_an_ssh_step_refuses_a_planted_control_folder_then_runs_once_it_is_gone(
-    tmp_path: Path, short_base: Path, how: str
+    tmp_path: Path, short_base: Path, host: SshHost, how: str
 ) -> None:
-    with ssh_host(tmp_path, fresh_user()) as host:
-        ssh_step_refuses_then_runs(tmp_path, short_base, host, how)
+    ssh_step_refuses_then_runs(tmp_path, short_base, host, how)
 
 
 def ssh_step_refuses_then_runs(tmp_path: Path, short_base: Path, host: SshHost, how: str) -> None:

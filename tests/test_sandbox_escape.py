@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 from conftest import GRACE, WORKER, connections_made, needs_bwrap
-from ssh_helpers import ssh_host
 from test_sandbox import ATTEMPT, verdicts
 from testbeds.sshd_host import SshHost
 
@@ -236,12 +235,11 @@ def test_network_isolation_hides_host_unix_sockets(
         assert (connections_made(server) > 0) is not isolated, name
 
 
-@pytest.fixture(scope="module")
-def namespace_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
+@pytest.fixture
+def namespace_host(root_host: SshHost) -> SshHost:
     """A host with an address of its own (as root: sshd in a network
-    namespace this fixture makes, reached over a veth pair)."""
-    with ssh_host(tmp_path_factory.mktemp("escape-netns"), None) as started:
-        yield started
+    namespace of its own, reached over a veth pair)."""
+    return root_host
 
 
 @pytest.mark.parametrize("isolated", [True, False], ids=["network_isolation", "network"])

@@ -11,7 +11,6 @@ backend, as an unprivileged user, and once over ssh.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from dodo_helpers import (
     wait_for,
     write_pyproject,
 )
-from ssh_helpers import fresh_user, make_ssh_project, needs_root, needs_sshd, ssh_host
+from ssh_helpers import make_ssh_project, needs_root, needs_sshd
 from test_sandbox import job_for
 from test_sandbox_escape import Bed, bed  # noqa: F401 - bed: a fixture
 from testbeds.sshd_host import SshHost
@@ -322,12 +321,6 @@ echo result > out/result.txt
 # ------------------------------------------------- over ssh
 
 
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    with ssh_host(tmp_path_factory.mktemp("sshd-home"), fresh_user()) as started:
-        yield started
-
-
 @needs_sshd
 @needs_root
 @needs_bwrap
@@ -335,6 +328,8 @@ def test_over_ssh_the_home_is_writable_and_fresh_and_cache_dirs_are_kept_on_the_
     tmp_path: Path, host: SshHost
 ) -> None:
     before = set(os.listdir(host.remote_home))
+    caches = host.remote_home / ".substrax-remote" / "cache"
+    cached_before = set(caches.iterdir()) if caches.is_dir() else set()  # other tests' projects
     root = make_ssh_project(tmp_path, host, CACHED_STEPS, ("a", "b"), sandbox="bwrap",
                             cache_dirs=["~/.cache/kept"])  # fmt: skip
     done = doit_ok(root)
@@ -344,7 +339,7 @@ def test_over_ssh_the_home_is_writable_and_fresh_and_cache_dirs_are_kept_on_the_
     assert step_ran(rerun, "a"), show(rerun)
     assert (root / "a" / "out.txt").read_text() == "cached 2\n"
     # on the host: the kept folder under remote_root, keyed by the project; nothing else in the home
-    (kept,) = (host.remote_home / ".substrax-remote" / "cache").iterdir()
+    (kept,) = set(caches.iterdir()) - cached_before
     assert kept.name.startswith("proj-")
     assert (kept / ".cache" / "kept" / "model.bin").read_text() == "weights\n"
     assert set(os.listdir(host.remote_home)) - before <= {".substrax-remote"}

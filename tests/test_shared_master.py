@@ -11,13 +11,11 @@ import dataclasses
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from conftest import marked_pids
 from dodo_helpers import wait_for
-from ssh_helpers import fresh_user, needs_root, needs_sshd, ssh_host
+from ssh_helpers import needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks._openssh import SshTarget
@@ -30,12 +28,6 @@ from substrax_tasks.transports.rsync import RsyncTransport
 target = SshTarget(**json.loads(sys.argv[1]))
 RsyncTransport(target, show_progress=False).download(sys.argv[2], ["a.txt"], Path(sys.argv[3]))
 """
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    with ssh_host(tmp_path_factory.mktemp("sshd-shared-master"), fresh_user()) as started:
-        yield started
 
 
 @needs_sshd

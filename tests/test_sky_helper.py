@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from fakesky_cleanup import cleanup, fakesky_env, kill, leftovers
-from ssh_helpers import ssh_host
+from testbeds.sshd_host import SshHost
 
 from substrax_tasks._remote_files import sky_helper_script
 from substrax_tasks._sky import SkyCallError, SkyClient
@@ -390,33 +390,33 @@ def test_a_python_without_sky_is_a_config_error(home: Path) -> None:
 # ---------------------------------------------------------------------- ssh
 
 
-def test_ssh_config_reaches_the_cluster_host(home: Path, tmp_path: Path) -> None:
+def test_ssh_config_reaches_the_cluster_host(home: Path, tmp_path: Path, root_host: SshHost) -> None:
     """FAKESKY_SSH_* point the cluster's ssh config at a real sshd: `ssh -F
     FILE CLUSTER` and rsync reach the files the launch put there."""
     source = tmp_path / "source"
     source.mkdir()
     (source / "a.txt").write_text("over ssh\n")
-    with ssh_host(tmp_path, None) as host:
-        remote = host.scratch / "cluster-root"
-        sky = client(home, FAKESKY_SSH_HOST=host.address, FAKESKY_SSH_PORT=str(host.port),
-                     FAKESKY_SSH_USER=host.user, FAKESKY_SSH_IDENTITY=str(host.client_key))  # fmt: skip
-        launch(sky, "reachable", task("true", file_mounts={f"{remote}/in": str(source)}))
-        path = sky.call("ssh_config", {"cluster_name": "reachable"})["path"]
-        assert path == str(home / ".sky" / "generated" / "ssh" / "reachable")
-        text = Path(path).read_text()
-        assert "Host reachable\n" in text
-        assert f"  HostName {host.address}\n" in text
-        assert f"  Port {host.port}\n" in text
+    host = root_host
+    remote = host.scratch / f"cluster-root-{tmp_path.name}"
+    sky = client(home, FAKESKY_SSH_HOST=host.address, FAKESKY_SSH_PORT=str(host.port),
+                 FAKESKY_SSH_USER=host.user, FAKESKY_SSH_IDENTITY=str(host.client_key))  # fmt: skip
+    launch(sky, "reachable", task("true", file_mounts={f"{remote}/in": str(source)}))
+    path = sky.call("ssh_config", {"cluster_name": "reachable"})["path"]
+    assert path == str(home / ".sky" / "generated" / "ssh" / "reachable")
+    text = Path(path).read_text()
+    assert "Host reachable\n" in text
+    assert f"  HostName {host.address}\n" in text
+    assert f"  Port {host.port}\n" in text
 
-        ssh = ["ssh", "-F", path, "-o", "BatchMode=yes", "-o", "LogLevel=ERROR"]
-        done = subprocess.run([*ssh, "reachable", "cat", shlex.quote(f"{remote}/in/a.txt")],
-                              capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
-        assert (done.returncode, done.stdout) == (0, "over ssh\n"), done.stderr
-        fetched = tmp_path / "fetched.txt"
-        done = subprocess.run(["rsync", "-e", shlex.join(ssh), f"reachable:{remote}/in/a.txt", str(fetched)],
-                              capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        assert fetched.read_text() == "over ssh\n"
+    ssh = ["ssh", "-F", path, "-o", "BatchMode=yes", "-o", "LogLevel=ERROR"]
+    done = subprocess.run([*ssh, "reachable", "cat", shlex.quote(f"{remote}/in/a.txt")],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert (done.returncode, done.stdout) == (0, "over ssh\n"), done.stderr
+    fetched = tmp_path / "fetched.txt"
+    done = subprocess.run(["rsync", "-e", shlex.join(ssh), f"reachable:{remote}/in/a.txt", str(fetched)],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert fetched.read_text() == "over ssh\n"
 
-        sky.call("down", {"cluster_name": "reachable"})
-        assert sky.call("ssh_config", {"cluster_name": "reachable"}) == {"path": None}
+    sky.call("down", {"cluster_name": "reachable"})
+    assert sky.call("ssh_config", {"cluster_name": "reachable"}) == {"path": None}

@@ -51,7 +51,6 @@ from ssh_helpers import (
     needs_root,
     needs_sshd,
     only_handle,
-    ssh_host,
     toml_value,
     write_ssh_dodo,
 )
@@ -77,12 +76,11 @@ echo done > res.txt
 """
 
 
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
+@pytest.fixture
+def host(root_host: SshHost) -> SshHost:
     """The clusters' ssh: root on a host in a network namespace (the fake's
     jobs run as root on this machine, so its folders are the host's)."""
-    with ssh_host(tmp_path_factory.mktemp("sky-sshd"), None) as started:
-        yield started
+    return root_host
 
 
 class Sky:

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +25,12 @@ from conftest import describe, marked_pids, on_a_terminal, wait_for
 from dodo_helpers import doit, doit_ok, run_count, show
 from pydantic import ValidationError
 from ssh_helpers import (
-    fresh_user,
     make_ssh_project,
     needs_root,
     needs_sshd,
     one_step,
     only_handle,
     remote_run_dir,
-    ssh_host,
     ssh_settings,
     user_pids,
     write_ssh_pyproject,
@@ -44,13 +41,6 @@ from substrax_tasks._openssh import SshTarget
 from substrax_tasks.runs import Project
 from substrax_tasks.settings import SshSettings
 from substrax_tasks.spec import make_spec
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    with ssh_host(tmp_path_factory.mktemp("sshd-user"), fresh_user()) as started:
-        yield started
-
 
 STEP = one_step(shell="mkdir -p out && echo made-remotely > out/x.txt", outputs=["out/"], retries=2)
 

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,6 @@ from ssh_helpers import (
     SANDBOX,
     build_wheel,
     doit_killed_mid_run,
-    fresh_user,
     launched_status,
     live_handles,
     make_ssh_project,
@@ -54,7 +52,6 @@ from ssh_helpers import (
     only_handle,
     remote_run_dir,
     remote_status,
-    ssh_host,
     ssh_settings,
     write_ssh_pyproject,
 )
@@ -64,20 +61,6 @@ from substrax_tasks.runs import Project
 from substrax_tasks.settings import SshSettings
 
 pytestmark = [needs_sshd, needs_root]
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    """The non-root test user's host (fast: no .bashrc), shared by the module."""
-    with ssh_host(tmp_path_factory.mktemp("sshd-user"), fresh_user()) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def root_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    """A host that lets root in (root's .bashrc costs ~250 ms a command)."""
-    with ssh_host(tmp_path_factory.mktemp("sshd-root"), None) as started:
-        yield started
 
 
 def control_master_pids(handle: dict[str, Any]) -> list[int]:

@@ -14,12 +14,12 @@ import os
 import stat
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ssh_helpers import fresh_user, make_ssh_project, needs_root, needs_sshd, remote_run_dir, ssh_host
+from ssh_helpers import make_ssh_project, needs_root, needs_sshd, remote_run_dir
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks import manifest_cache
@@ -54,12 +54,6 @@ for name, data in eval(sys.argv[1]).items():
 os.symlink("plain.txt", "out/link")
 """
 MAKE_A = ["sh", "-c", "mkdir -p out && echo a > out/a.txt && head -c 3000000 /dev/zero > out/big.bin"]
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    with ssh_host(tmp_path_factory.mktemp("sshd-fetch"), fresh_user()) as started:
-        yield started
 
 
 def finished_run(

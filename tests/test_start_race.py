@@ -11,20 +11,16 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from dodo_helpers import doit, popen_doit, run_count, show, stop, wait_for
 from ssh_helpers import (
-    fresh_user,
     launched_status,
     make_ssh_project,
     needs_bwrap,
     needs_root,
     needs_sshd,
     only_handle,
-    ssh_host,
 )
 from testbeds.sshd_host import SshHost
 
@@ -35,12 +31,6 @@ def task_step():
         command=["sh", "-c", "echo COMMAND-RAN; echo ok > out.txt", {marker!r}],
     )
 """
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    with ssh_host(tmp_path_factory.mktemp("sshd-start-race"), fresh_user()) as started:
-        yield started
 
 
 def slow_probe_python(host: SshHost) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from s3_server import S3Server
-from ssh_helpers import fresh_user, needs_root, needs_sshd, ssh_host
+from ssh_helpers import needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks import manifest_cache
@@ -48,12 +48,6 @@ class Bound:
     remote_root: str
     put: Callable[[str, bytes], None]
     get: Callable[[str], bytes | None]  # None: not there
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
-    with ssh_host(tmp_path_factory.mktemp("sshd-transport"), fresh_user()) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")

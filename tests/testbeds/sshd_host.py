@@ -16,10 +16,11 @@ As root, `user="sxtest"` logs in as that user instead of root, creating it
 when missing (`useradd -M`, shell /bin/sh, removed again by `stop_host`). Its
 home and scratch folder live in a fresh `/tmp/sx-sshd-*` folder rather than
 under root_dir, because root_dir usually sits under a mode-700 folder (pytest's
-tmp_path) the user could not reach. Logging in as root costs ~250 ms more per
-ssh command here: root's .bashrc runs `pyenv init`; the test user has no
-.bashrc. Either user runs `host.python` (/usr/bin/python3; root's pyenv
-builds live under mode-700 /root).
+tmp_path) the user could not reach. Neither login reads a ~/.bashrc: the
+test user has none, and root's (here it runs `pyenv init`, ~250 ms a
+command) is hidden in sshd's mount namespace. Either user runs
+`host.python` (/usr/bin/python3; root's pyenv builds live under mode-700
+/root).
 
 `stop_host(host)` stops everything by pid and leaves nothing behind: sshd
 (SIGTERM, then SIGKILL), its sessions and their descendants, and, as root,
@@ -92,9 +93,13 @@ MADE_FILES = (
 )
 # Run as root under `unshare -m`: a private /run holding /run/sshd and a
 # marker file that tells which processes still see this mount namespace.
-# "$1" is the marker's name, "$2" sshd, "$3" its config.
+# Root's own ~/.bashrc is hidden there too (bash reads it for every command
+# sshd runs): this machine's runs `pyenv init`, ~250 ms a command, a cost of
+# the image the tests should not pay nor depend on. "$1" is the marker's
+# name, "$2" sshd, "$3" its config.
 ROOT_SSHD_SCRIPT = (
     'mount -t tmpfs -o mode=0755 sx-run /run && mkdir -m 0755 /run/sshd && : > "/run/$1" '
+    '&& { [ ! -f "$HOME/.bashrc" ] || mount --bind /dev/null "$HOME/.bashrc"; } '
     '&& exec "$2" -D -e -f "$3"'
 )
 
