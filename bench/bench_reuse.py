@@ -13,7 +13,11 @@ and, for `reuse`, the time from a step's launch (its handle is written as
 `doit` reaches it) to its command running on the warm cluster (the worker's
 start time), median over the warm steps.
 
-    .venv/bin/python bench/bench_reuse.py [--bed /tmp/sxt-bench-reuse] [--repeats 1]
+    .venv/bin/python bench/bench_reuse.py [--bed /tmp/sxt-bench-reuse] [--repeats 1] [--src DIR]
+
+`--src DIR` runs the steps with the substrax_tasks of DIR (e.g. `git archive
+main | tar -x -C DIR`): an A/B of two versions, one bench run each. Each
+doit's output is kept beside the bed (`<prefix>.log`).
 
 The bed is brought up in --bed (or the one up there is used) and taken down
 at the end unless --keep-bed.
@@ -71,9 +75,11 @@ def project(base: Path, bed: SlurmBed, prefix: str, reuse: bool, *, steps: int, 
     return root
 
 
-def env_for(bed: SlurmBed) -> dict[str, str]:
+def env_for(bed: SlurmBed, src: Path | None) -> dict[str, str]:
     env = bed.sky_env()
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    if src is not None:
+        env["PYTHONPATH"] = str(src)
     return env
 
 
@@ -104,20 +110,25 @@ def _own_cluster(handle: dict[str, Any]) -> str:
     return cluster_name(settings, RunHandle.model_validate(handle))
 
 
-def run(base: Path, bed: SlurmBed, reuse: bool, *, steps: int, seconds: float) -> tuple[float, list[float]]:
+def run(base: Path, bed: SlurmBed, reuse: bool, *, steps: int, seconds: float, src: Path | None,
+        logs: Path) -> tuple[float, list[float]]:  # fmt: skip
     prefix = f"sxb{'r' if reuse else 'p'}{secrets.token_hex(2)}"
     root = project(base, bed, prefix, reuse, steps=steps, seconds=seconds)
-    env = env_for(bed)
+    env = env_for(bed, src)
     started = time.monotonic()
-    done = subprocess.run(doit_argv(), cwd=root, env=env, capture_output=True, text=True, check=False)
+    said = []  # its output, each line timed: where a step's time goes
+    with subprocess.Popen(doit_argv(), cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as proc:  # fmt: skip
+        for line in proc.stdout or ():
+            said.append(f"{time.monotonic() - started:7.1f} {line}")
     wall = time.monotonic() - started
+    (logs / f"{prefix}.log").write_text("".join(said))
     sky = SkyClient(str(bed.sky_python), env=bed.sky_env())
     left = [r["name"] for r in sky.call("cluster_status", {}) if str(r["name"]).startswith(prefix)]
     for cluster in left:  # not expected: reported, and taken down
         sky.call("down", {"cluster_name": cluster}, timeout=None)
-    if done.returncode != 0 or left:
-        said = done.stdout + done.stderr
-        raise SystemExit(f"{prefix}: doit exit {done.returncode}, clusters left {left}\n{said}")
+    if proc.returncode != 0 or left:
+        raise SystemExit(f"{prefix}: doit exit {proc.returncode}, clusters left {left}\n{''.join(said)}")
     return wall, warm_starts(root, env) if reuse else []
 
 
@@ -129,6 +140,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--keep-bed", action="store_true")
+    parser.add_argument("--src", type=Path, default=None, help="run the substrax_tasks of this folder")
     args = parser.parse_args()
     if os.geteuid() != 0 or not (DEFAULT_SKY_VENV / "bin" / "sky").exists():
         print("bench_reuse.py: skipped: the Slurm test bed needs root, and SkyPilot in .sky-venv")
@@ -142,7 +154,15 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="bench-reuse-") as base:
             for repeat in range(args.repeats):
                 for reuse in (False, True) if repeat % 2 == 0 else (True, False):
-                    wall, starts = run(Path(base), bed, reuse, steps=args.steps, seconds=args.seconds)
+                    wall, starts = run(
+                        Path(base),
+                        bed,
+                        reuse,
+                        steps=args.steps,
+                        seconds=args.seconds,
+                        src=args.src,
+                        logs=args.bed.parent,
+                    )
                     walls[reuse].append(wall)
                     warm += starts
                     name = "reuse" if reuse else "per-step"
@@ -152,7 +172,10 @@ def main() -> int:
         if not args.keep_bed:
             bed_down(args.bed)
     per_step, reused = median(walls[False]), median(walls[True])
-    print(f"\n{args.steps} steps of sleep {args.seconds:g}, serial, {args.repeats} repeat(s), medians")
+    print(
+        f"\n{args.src or REPO}: {args.steps} steps of sleep {args.seconds:g}, serial, "
+        f"{args.repeats} repeat(s), medians"
+    )
     print("| figure | value | goal |\n| --- | --- | --- |")
     print(f"| wall, one cluster per step | {per_step:.1f} s | |")
     print(f"| wall, reuse = true, max_parallel = 1 | {reused:.1f} s | |")
