@@ -70,6 +70,7 @@ def project(base: Path, bed: SlurmBed, prefix: str, reuse: bool, *, steps: int, 
              "[tool.substrax.compute.backends.skypilot]"]  # fmt: skip
     lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
     lines += ["", "[tool.substrax.compute.backends.skypilot.copy]", "lifetime_minutes = 30"]
+    lines += ["", "[tool.substrax.compute.cache]", "enabled = false"]  # each variant runs its steps
     (root / "pyproject.toml").write_text("\n".join(lines) + "\n")
     (root / "dodo.py").write_text(textwrap.dedent(DODO.format(steps=steps, seconds=seconds)))
     return root
