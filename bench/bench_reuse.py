@@ -88,18 +88,24 @@ def parse(stamp: str) -> float:
     return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-def warm_starts(root: Path, env: dict[str, str]) -> list[float]:
-    """Seconds from each warm run's handle to its command's start."""
+def timings(root: Path, env: dict[str, str]) -> tuple[list[float], list[float]]:
+    """Seconds from each warm run's handle to its command's start; and from
+    each run's command's end to the next run's handle (the end seen, the
+    outputs fetched and promoted, and, per step, the cluster taken down)."""
     done = subprocess.run([*cli_argv(), "--project", str(root), "status", "--all", "--json"], env=env,
                           capture_output=True, text=True, check=True)  # fmt: skip
-    started = {r["run_id"]: r.get("started_at") for r in json.loads(done.stdout)["runs"]}
-    figures = []
-    for path in sorted((root / ".substrax" / "runs").glob("*/handle.json")):
-        handle = json.loads(path.read_text())
+    runs = {r["run_id"]: r for r in json.loads(done.stdout)["runs"]}
+    handles = [json.loads(p.read_text()) for p in (root / ".substrax" / "runs").glob("*/handle.json")]
+    handles.sort(key=lambda h: parse(h["created_at"]))
+    starts, gaps = [], []
+    for handle, after in zip(handles, [*handles[1:], None], strict=True):
+        run = runs.get(handle["run_id"], {})
         warm = handle["state"].get("cluster") != _own_cluster(handle)  # queued on another run's cluster
-        if warm and started.get(handle["run_id"]):
-            figures.append(parse(str(started[handle["run_id"]])) - parse(handle["created_at"]))
-    return figures
+        if warm and run.get("started_at"):
+            starts.append(parse(str(run["started_at"])) - parse(handle["created_at"]))
+        if after is not None and run.get("ended_at"):
+            gaps.append(parse(after["created_at"]) - parse(str(run["ended_at"])))
+    return starts, gaps
 
 
 def _own_cluster(handle: dict[str, Any]) -> str:
@@ -112,7 +118,7 @@ def _own_cluster(handle: dict[str, Any]) -> str:
 
 
 def run(base: Path, bed: SlurmBed, reuse: bool, *, steps: int, seconds: float, src: Path | None,
-        logs: Path) -> tuple[float, list[float]]:  # fmt: skip
+        logs: Path) -> tuple[float, list[float], list[float]]:  # fmt: skip
     prefix = f"sxb{'r' if reuse else 'p'}{secrets.token_hex(2)}"
     root = project(base, bed, prefix, reuse, steps=steps, seconds=seconds)
     env = env_for(bed, src)
@@ -130,7 +136,7 @@ def run(base: Path, bed: SlurmBed, reuse: bool, *, steps: int, seconds: float, s
         sky.call("down", {"cluster_name": cluster}, timeout=None)
     if proc.returncode != 0 or left:
         raise SystemExit(f"{prefix}: doit exit {proc.returncode}, clusters left {left}\n{''.join(said)}")
-    return wall, warm_starts(root, env) if reuse else []
+    return (wall, *timings(root, env))
 
 
 def main() -> int:
@@ -151,11 +157,12 @@ def main() -> int:
     bed = bed_up(args.bed, sky_venv=DEFAULT_SKY_VENV, log=lambda line: print(f"[bed] {line}", flush=True))
     walls: dict[bool, list[float]] = {False: [], True: []}
     warm: list[float] = []
+    gaps: dict[bool, list[float]] = {False: [], True: []}
     try:
         with tempfile.TemporaryDirectory(prefix="bench-reuse-") as base:
             for repeat in range(args.repeats):
                 for reuse in (False, True) if repeat % 2 == 0 else (True, False):
-                    wall, starts = run(
+                    wall, starts, ends = run(
                         Path(base),
                         bed,
                         reuse,
@@ -166,8 +173,10 @@ def main() -> int:
                     )
                     walls[reuse].append(wall)
                     warm += starts
+                    gaps[reuse] += ends
                     name = "reuse" if reuse else "per-step"
                     extra = f", warm starts {[round(s, 1) for s in starts]}" if reuse else ""
+                    extra += f", end to next step {[round(s, 1) for s in ends]}"
                     print(f"repeat {repeat + 1}: {name} {wall:.1f} s{extra}", flush=True)
     finally:
         if not args.keep_bed:
@@ -182,6 +191,8 @@ def main() -> int:
     print(f"| wall, reuse = true, max_parallel = 1 | {reused:.1f} s | |")
     print(f"| ratio reuse / per-step | {reused / per_step:.2f}x | <= 0.5x |")
     print(f"| launch to running, warm cluster (median of {len(warm)}) | {median(warm):.1f} s | <= 10 s |")
+    print(f"| a command's end to the next step's launch, reuse | {median(gaps[True]):.1f} s | |")
+    print(f"| a command's end to the next step's launch, per step | {median(gaps[False]):.1f} s | |")
     return 0
 
 

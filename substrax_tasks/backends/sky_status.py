@@ -1,11 +1,12 @@
 """How a SkyPilot run's status is read: the worker's own record first, over
-the cluster's ssh (a fraction of a second); SkyPilot's queue when that
-record is silent (the job is queued, or failed before its worker started)
-or says the run ended, which SkyPilot's verdict must confirm (a helper
-process that imports `sky`: seconds of CPU per read); the launch request's
-before there is a job. Once the job has ended, the worker's record stands
-where it agrees with SkyPilot's verdict. The final status is kept in the
-handle: a cluster taken down says nothing.
+the cluster's ssh (a fraction of a second); SkyPilot's queue (a helper
+process that imports `sky`: seconds of CPU per read) when that record is
+silent (the job is queued, or failed before its worker started) or says the
+run ended, read once then: SkyPilot's final verdict stands where the
+worker's disagrees, and a queue that still says running (it lags the
+worker by seconds) does not hold the end up. The launch request's status
+before there is a job. The final status is kept in the handle: a cluster
+taken down says nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def poll(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
     except SkyCallError as exc:
         return _after_error(backend, handle, exc)
     status = _from_queue(answer, job_id, cluster)
+    if status.state == "running" and record is not None and record.get("state") in FINAL_STATES:
+        # SkyPilot's queue says so once its job's driver has seen the job
+        # script exit, seconds later; the worker wrote its end after its
+        # outputs' manifest, and the script exits with the worker's code.
+        status = RunStatus(
+            str(record["state"]), message=f"the worker's record (SkyPilot job {status.message})"
+        )
     if not status.final or status.state == "lost":
         return status
     status = _from_worker(backend, handle, status)
