@@ -216,6 +216,17 @@ def test_while_the_worker_records_its_run_going_skypilot_is_not_asked_and_its_en
     assert [t for t in asked if t > ended], "SkyPilot must confirm the end the worker recorded"
 
 
+def test_a_skypilot_queue_lagging_behind_the_workers_end_does_not_hold_the_step_up(sky: Sky) -> None:
+    """SkyPilot's job reads RUNNING until its driver has seen the job script
+    exit; here for ten minutes. The step ends on the worker's record."""
+    sky.env["FAKESKY_JOB_END_DELAY"] = "600"
+    root = sky.project()
+    done = doit_ok(root, env=sky.env)  # within doit()'s 90 s: the lag did not hold it up
+    assert (root / "res.txt").read_text() == "done\n", show(done)
+    assert only_handle(root)["state"]["final_status"]["state"] == "succeeded"
+    assert sky.clusters() == []  # and the cluster of the job SkyPilot still ran went
+
+
 def test_a_cluster_whose_ssh_starts_outside_the_jobs_home_is_reached_where_the_job_ran(sky: Sky) -> None:
     """The default, relative remote_root. The fake's job runs in its cluster's
     home, while a shell over ssh starts in the login user's own, as on a Slurm
