@@ -148,6 +148,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--keep-bed", action="store_true")
     parser.add_argument("--src", type=Path, default=None, help="run the substrax_tasks of this folder")
+    parser.add_argument("--only", choices=("reuse", "per-step"), help="run one variant (an A/B of versions)")
     args = parser.parse_args()
     if os.geteuid() != 0 or not (DEFAULT_SKY_VENV / "bin" / "sky").exists():
         print("bench_reuse.py: skipped: the Slurm test bed needs root, and SkyPilot in .sky-venv")
@@ -161,7 +162,8 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="bench-reuse-") as base:
             for repeat in range(args.repeats):
-                for reuse in (False, True) if repeat % 2 == 0 else (True, False):
+                order = (False, True) if repeat % 2 == 0 else (True, False)
+                for reuse in [r for r in order if args.only in (None, "reuse" if r else "per-step")]:
                     wall, starts, ends = run(
                         Path(base),
                         bed,
