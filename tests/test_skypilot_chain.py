@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,38 @@ def test_full_chain_then_a_noop_rerun_that_asks_skypilot_nothing(sky: Sky) -> No
     again = doit_ok(root, env=sky.env)
     assert step_skipped(again, "step"), show(again)
     assert run_count(root) == 1 and sky.requests() == asked
+
+
+def test_while_the_worker_records_its_run_going_skypilot_is_not_asked_and_its_end_is_confirmed(
+    sky: Sky,
+) -> None:
+    """The wait reads the worker's record over the cluster's ssh; SkyPilot's
+    queue (a process importing sky per read) only while that record is
+    silent, and once to confirm the end it records."""
+    root = sky.project(command=COMMAND + "sleep 4\n")  # polls every 0.3 s: SkyPilot's were ~10 reads
+    done = doit_ok(root, env=sky.env)
+    assert (root / "res.txt").read_text() == "done\n", show(done)
+    run = json.loads(sky.compute("status", only_handle(root)["run_id"], "--json").stdout)["runs"][0]
+    started, ended = (datetime.fromisoformat(run[key]).timestamp() for key in ("started_at", "ended_at"))
+    asked = [
+        json.loads(path.read_text())["created_at"]
+        for path in (sky.home / ".fakesky" / "requests").glob("*/request.json")
+        if json.loads(path.read_text())["name"] == "job_status"
+    ]
+    # One may have been on its way as the worker started (its record was silent when read).
+    assert len([t for t in asked if started < t < ended]) <= 1, (run, sorted(asked))
+    assert [t for t in asked if t > ended], "SkyPilot must confirm the end the worker recorded"
+
+
+def test_a_skypilot_queue_lagging_behind_the_workers_end_does_not_hold_the_step_up(sky: Sky) -> None:
+    """SkyPilot's job reads RUNNING until its driver has seen the job script
+    exit; here for ten minutes. The step ends on the worker's record."""
+    sky.env["FAKESKY_JOB_END_DELAY"] = "600"
+    root = sky.project()
+    done = doit_ok(root, env=sky.env)  # within doit()'s 90 s: the lag did not hold it up
+    assert (root / "res.txt").read_text() == "done\n", show(done)
+    assert only_handle(root)["state"]["final_status"]["state"] == "succeeded"
+    assert sky.clusters() == []  # and the cluster of the job SkyPilot still ran went
 
 
 def test_a_cluster_whose_ssh_starts_outside_the_jobs_home_is_reached_where_the_job_ran(sky: Sky) -> None:
@@ -494,8 +527,10 @@ def test_ctrl_c_under_four_threads_detaches_every_run_and_the_rerun_reattaches(s
     try:
         wait_for(lambda: len(marked_pids(marker)) >= 4, "the four jobs to be running", timeout=120)
         # and each step's client in its run phase, following the log
-        wait_for(lambda: [h["state"].get("phase") for h in live_handles(sky.root)] == ["started"] * 4,
-                 "the four steps to follow their runs")
+        wait_for(
+            lambda: [h["state"].get("phase") for h in live_handles(sky.root)] == ["started"] * 4,
+            "the four steps to follow their runs",
+        )
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=30)
     finally:

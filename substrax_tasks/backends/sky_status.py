@@ -1,16 +1,21 @@
-"""How a SkyPilot run's status is read: the job's status in SkyPilot's
-queue, the launch request's before there is a job, and, once the job has
-ended, the worker's own record where it agrees with SkyPilot's verdict.
-The final status is kept in the handle: a cluster taken down says nothing.
+"""How a SkyPilot run's status is read: the worker's own record first, over
+the cluster's ssh (a fraction of a second); SkyPilot's queue (a helper
+process that imports `sky`: seconds of CPU per read) when that record is
+silent (the job is queued, or failed before its worker started) or says the
+run ended, read once then: SkyPilot's final verdict stands where the
+worker's disagrees, and a queue that still says running (it lags the
+worker by seconds) does not hold the end up. The launch request's status
+before there is a job. The final status is kept in the handle: a cluster
+taken down says nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from substrax_tasks._sky import CLUSTER_GONE, REQUEST_LIVE, SkyCallError, job_state
-from substrax_tasks.backends.base import RunStatus
+from substrax_tasks.backends.base import FINAL_STATES, RunStatus
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.worker_job import status_from_record
@@ -20,35 +25,72 @@ if TYPE_CHECKING:
 
 
 def poll(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
-    cached = handle.state.get("final_status")
-    if not isinstance(cached, dict):
-        # A caller's copy of the handle may predate the end: once the
-        # cluster is down, the store's record is all that tells it.
-        with contextlib.suppress(SubstraxError):
-            cached = backend.store.read(handle.run_id).state.get("final_status")
-    if isinstance(cached, dict):
-        return RunStatus(**cached)
+    ended = _kept(backend, handle)
+    if ended is not None:
+        return ended
     job_id = handle.state.get("job_id")
     if not isinstance(job_id, int):
         return _launch_status(backend, handle)
+    record = worker_record(backend, handle)
+    if record is not None and record.get("worker_alive") and record.get("state") in ("starting", "running"):
+        return RunStatus("running", started_at=record.get("started_at"), message="RUNNING")
+    cluster = backend.cluster(handle)
     try:
-        answer = backend.sky().call(
-            "job_status", {"cluster_name": backend.cluster(handle), "job_ids": [job_id]}
-        )
+        answer = backend.sky().call("job_status", {"cluster_name": cluster, "job_ids": [job_id]})
     except SkyCallError as exc:
         return _after_error(backend, handle, exc)
-    value = (answer or {}).get(str(job_id))
-    if value is None:
-        return RunStatus("lost", message=f"job {job_id} is not in the queue of {backend.cluster(handle)}")
-    state = job_state(value)
-    if state == "running":
-        return RunStatus("running", message=str(value))
-    status = _from_worker(backend, handle, RunStatus(state, message=f"SkyPilot job {value}"))
+    status = _from_queue(answer, job_id, cluster)
+    if status.state == "running" and record is not None and record.get("state") in FINAL_STATES:
+        # SkyPilot's queue says so once its job's driver has seen the job
+        # script exit, seconds later; the worker wrote its end after its
+        # outputs' manifest, and the script exits with the worker's code.
+        status = RunStatus(
+            str(record["state"]), message=f"the worker's record (SkyPilot job {status.message})"
+        )
+    if not status.final or status.state == "lost":
+        return status
+    status = _from_worker(backend, handle, status)
     if "slot" in handle.state:  # kept now: another run's teardown may take the shared cluster down
         with contextlib.suppress(SubstraxError, OSError):
             backend.remote_run(handle).keep_log(backend.run_file(handle, "run.log"))
     backend.store.update_state(handle, final_status=status.__dict__)
     return status
+
+
+def _from_queue(answer: Any, job_id: int, cluster: str) -> RunStatus:
+    """The job's status in SkyPilot's queue, from job_status's answer."""
+    value = (answer or {}).get(str(job_id))
+    if value is None:
+        return RunStatus("lost", message=f"job {job_id} is not in the queue of {cluster}")
+    state = job_state(value)
+    return RunStatus(state, message=str(value) if state == "running" else f"SkyPilot job {value}")
+
+
+def _kept(backend: SkypilotBackend, handle: RunHandle) -> RunStatus | None:
+    """The final status kept in the handle. A caller's copy may predate the
+    end: once the cluster is down, the store's record is all that tells it."""
+    cached = handle.state.get("final_status")
+    if not isinstance(cached, dict):
+        with contextlib.suppress(SubstraxError):
+            cached = backend.store.read(handle.run_id).state.get("final_status")
+    return RunStatus(**cached) if isinstance(cached, dict) else None
+
+
+def worker_record(backend: SkypilotBackend, handle: RunHandle) -> dict[str, Any] | None:
+    """The worker's status record on the cluster (remote/control.py's), or
+    None while there is none or the cluster is out of reach."""
+    try:
+        record = backend.remote_run(handle).status()
+    except SubstraxError:
+        return None
+    return record if record.get("state") else None
+
+
+def worker_ended(backend: SkypilotBackend, handle: RunHandle) -> bool:
+    """Whether the worker has recorded the run's end (its outputs' manifest
+    is written by then)."""
+    record = worker_record(backend, handle)
+    return record is not None and record.get("state") in FINAL_STATES
 
 
 def _after_error(backend: SkypilotBackend, handle: RunHandle, exc: SkyCallError) -> RunStatus:

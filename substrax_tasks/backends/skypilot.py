@@ -23,6 +23,7 @@ import contextlib
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -269,7 +270,14 @@ class SkypilotBackend(Backend):
 
     @property
     def poll_seconds(self) -> float:
-        return self.settings.poll_seconds  # each read is a process that imports sky
+        return self.settings.poll_seconds  # each read may be a process that imports sky
+
+    def pause(self, handle: RunHandle, seconds: float) -> bool:
+        """Sleep, then read the worker's record over ssh: the end it records
+        ends the wait at once (SkyPilot's queue then confirms it), not at
+        the next poll."""
+        time.sleep(seconds)
+        return sky_status.worker_ended(self, handle)
 
     # -------------------------------------------------------------- fetch
     def fetch(self, handle: RunHandle) -> Fetched:

@@ -9,6 +9,7 @@ environment of the process that makes the call:
     FAKESKY_LAUNCH_DELAY     seconds a fresh cluster takes to provision (0)
     FAKESKY_MINUTE_SECONDS   how long an autostop "minute" lasts (60)
     FAKESKY_CANCEL_GRACE     seconds between SIGTERM and SIGKILL on cancel (3)
+    FAKESKY_JOB_END_DELAY    seconds a job still reads RUNNING after its run exited (0)
     FAKESKY_BUCKET_DIR       folder standing in for buckets (<dir>/<bucket>/<path>);
                              without it, MOUNT / MOUNT_CACHED / COPY of buckets
                              fail with NotSupportedError

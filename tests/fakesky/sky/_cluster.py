@@ -406,6 +406,7 @@ def run_job(state: Path, name: str, cluster_id: str, job_id: int) -> int:
         if not _update_job(state, name, job_id, JobStatus.RUNNING, start_at=time.time()):
             return 0
         code = step(job["run"]) if job.get("run") else 0
+    time.sleep(env_float("FAKESKY_JOB_END_DELAY", 0.0))  # SkyPilot's driver lags the job's end
     final = JobStatus.SUCCEEDED if code == 0 else JobStatus.FAILED
     _update_job(state, name, job_id, final, end_at=time.time(), exit_code=code)
     return 0
