@@ -51,6 +51,9 @@ def remote_script(name: str) -> Path:
 
 
 _load_lock = threading.Lock()
+# Modules whose loading has finished: sys.modules holds a module while it
+# loads (dataclasses look it up there), which another thread must not take.
+_loaded: dict[str, ModuleType] = {}
 
 
 def remote_module(name: str) -> ModuleType:
@@ -58,7 +61,7 @@ def remote_module(name: str) -> ModuleType:
     `substrax_remote_<name>`: the very file that runs over there. Only for
     the scripts that import no sibling (control, sandbox, manifest, gpus)."""
     module_name = f"substrax_remote_{name}"
-    module = sys.modules.get(module_name)
+    module = _loaded.get(module_name)
     if module is not None:  # the common case, without the lock
         return module
     with _load_lock:
@@ -75,6 +78,7 @@ def remote_module(name: str) -> ModuleType:
             except BaseException:
                 del sys.modules[module_name]
                 raise
+        _loaded[module_name] = module
     return module
 
 
