@@ -180,7 +180,7 @@ class BucketTransport:
 
     def _copy_all(self, fs: Any, copies: list[_Copy], name_of: Callable[[_Copy], str],
                   started: float) -> TransferStats:  # fmt: skip
-        """Run the copies, `max_workers` at a time, with progress. On the
+        """Run the copies, MAX_WORKERS at a time, with progress. On the
         first failure (or an interrupt) the others are aborted at their next
         chunk and nothing more starts; the first failure is raised."""
         from fsspec.callbacks import Callback  # type: ignore[import-untyped]
