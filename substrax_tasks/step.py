@@ -42,12 +42,6 @@ DRIVERS: dict[tuple[str, str], StepDriver] = {}
 PASSTHROUGH_KEYS = ("doc", "title", "verbosity", "clean", "getargs", "params", "pos_arg", "watch")
 
 
-def _fail_at_load(exc: SubstraxError) -> None:
-    """A bad declaration stops doit before anything is launched: exit 1."""
-    print(f"substrax: error: {exc}", file=sys.stderr)
-    raise SystemExit(1)
-
-
 def _check_against_others(project: Path, spec: StepSpec) -> list[str]:
     """Refuse outputs that overlap another step's; return the steps whose
     outputs hold one of this step's inputs (they must run first)."""
@@ -124,7 +118,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
             name, argv, proj.root, inputs=inputs, outputs=outputs, env=env, timeout=timeout,
             resources=resources, forward_env=secrets,
         )
-        unknown = sorted(set(task_keys) - set(PASSTHROUGH_KEYS)) if task_keys else []
+        unknown = sorted(set(task_keys) - set(PASSTHROUGH_KEYS))
         if unknown:
             raise SubstraxError(
                 f"step {name!r}: unknown argument(s) {', '.join(unknown)}; doit keys passed "
@@ -133,9 +127,9 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
         producers = _check_against_others(proj.root, spec)
         backend_name, settings = proj.settings_for(backend)
         step = Step(spec, proj.root, backend_name, settings, proj.store, tracked=tracked)
-    except SubstraxError as exc:
-        _fail_at_load(exc)
-        raise  # unreachable: _fail_at_load exits
+    except SubstraxError as exc:  # a bad declaration stops doit before anything is launched
+        print(f"substrax: error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     driver = StepDriver(step, proj, retries=retries)
     DRIVERS[(str(proj.root), spec.step)] = driver
     yield from step_tasks(driver, producers, dependencies, list(uptodate), task_keys)

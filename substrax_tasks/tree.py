@@ -133,25 +133,21 @@ def _under(path: str, folders: list[str]) -> str | None:
 def _collapsed(paths: list[str], by_path: Mapping[str, Any], label: str) -> list[tuple[str, str]]:
     """[(path, 'missing: path ...')], one per topmost path: a folder's
     contents are counted on its line rather than listed."""
-    lines: list[str] = []
+    inside: dict[str, int] = {}  # each topmost path: how many entries it holds
     folders: list[str] = []
-    counts: dict[str, int] = {}
     for path in paths:  # sorted, so a folder comes right before its contents
         top = _under(path, folders)
         if top is not None:
-            counts[top] += 1
+            inside[top] += 1
             continue
-        lines.append(path)
+        inside[path] = 0
         if by_path[path]["type"] == "dir":
             folders.append(path)
-            counts[path] = 0
     out = []
-    for path in lines:
+    for path, n in inside.items():
         kind = by_path[path]["type"]
-        n = counts.get(path, 0)
         more = f" (and the {n} entries inside it)" if n else ""
-        shown = path + ("/" if kind == "dir" else "")
-        out.append((path, f"{label}: {shown} ({kind}){more}"))
+        out.append((path, f"{label}: {path}{'/' if kind == 'dir' else ''} ({kind}){more}"))
     return out
 
 

@@ -49,6 +49,7 @@ def finished_run(server: S3Server, workdir: Path) -> tuple[str, dict[str, Any]]:
     <run>/outputs/, then <run>/manifest.json (taken where the run ran)."""
     run = f"s3://{server.bucket}/runs/{secrets.token_hex(6)}"
     made = make_tree(workdir / "ran")
+    (made / "model.bin").chmod(0o750)  # a mode the bucket cannot keep: the fetch sets it
     manifest = manifest_cache.build_manifest(made, OUTPUTS)
     assert manifest["missing"] == ["never.txt"]
     put_tree(server, f"{run}/outputs", TREE)
@@ -68,10 +69,7 @@ def put_tree(server: S3Server, uri: str, tree: dict[str, bytes]) -> None:
 
 def fetch(transport: BucketTransport, run: str, staging: Path) -> dict[str, Any]:
     """What the SkyPilot backend's bucket fetch does."""
-    manifest = transport.read_manifest(f"{run}/manifest.json")
-    present = [o for o in OUTPUTS if o not in manifest.get("missing", [])]
-    transport.download(f"{run}/outputs", present, staging)
-    return manifest
+    return transport.fetch_run(run, OUTPUTS, staging)
 
 
 # --------------------------------------------------------------- the fetch
@@ -87,6 +85,7 @@ def test_a_finished_run_fetches_and_verifies_with_the_endpoint_from_the_environm
     manifest = fetch(BucketTransport(show_progress=False), run, staging)
     assert manifest == expected
     assert (staging / "model.bin").read_bytes() == TREE["model.bin"]
+    assert (staging / "model.bin").stat().st_mode & 0o777 == 0o750
     assert (staging / "logs").is_dir() and not any((staging / "logs").iterdir())
     assert manifest_cache.verify_outputs(staging, OUTPUTS, manifest, tmp_path / "cache.json") == [
         "output never produced: never.txt"

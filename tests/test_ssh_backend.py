@@ -249,7 +249,7 @@ def test_fetch_on_a_terminal_shows_a_progress_bar_not_the_summary_line(tmp_path:
         [sys.executable, "-c", PROGRESS_SCRIPT, json.dumps(target), str(source), str(tmp_path / "got")]
     )
     assert (tmp_path / "got" / "big.bin").stat().st_size == 8 << 20
-    assert "fetch" in text and "━" in text and "8.4/8.4 MB" in text, text  # the bar: bytes done
+    assert "fetch 1/1 files" in text and "━" in text and "8.4/8.4 MB" in text, text  # the bar: files, bytes
     assert "fetch: 1 files" not in text, text  # no summary line on a terminal
 
 

@@ -70,12 +70,10 @@ class BucketTransport:
         endpoint_url: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         show_progress: bool | None = None,
-        max_workers: int = MAX_WORKERS,
     ) -> None:
         self.endpoint_url = endpoint_url
         self.storage_options = dict(storage_options or {})
         self.show_progress = sys.stderr.isatty() if show_progress is None else show_progress
-        self.max_workers = max(1, max_workers)
         self._filesystems: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -126,7 +124,7 @@ class BucketTransport:
         """The manifest at `uri` (``<outputs_bucket>/<run_id>/manifest.json``),
         checked whole: its digest must match its entries. Missing or damaged
         means the run did not finish writing its outputs: BackendError."""
-        run_folder = uri.rstrip("/").rsplit("/", 1)[0] if "/" in uri.rstrip("/") else uri
+        run_folder = uri.rstrip("/").rsplit("/", 1)[0]
         fs, path = self.filesystem(uri)
         try:
             data = fs.cat_file(path, start=0, end=MAX_MANIFEST_BYTES + 1)  # one byte more: too big
@@ -162,25 +160,27 @@ class BucketTransport:
         folders: list[Path] = [local_root]
         copies: list[_Copy] = []
         for rel in rel_paths:
-            found = _remote_tree(fs, remote_root, root, rel)
-            if found is None:
-                continue  # as the contract says: the verification names what did not come
-            for sub, name, size in found:
+            clean = _relative(rel, remote_root)
+            where = f"{remote_root.rstrip('/')}/{clean}"
+            # nothing there: skipped, as the contract says (the verification names it)
+            for sub, name, size in _remote_tree(fs, f"{root}/{clean}", where, rel.endswith("/")):
                 if name is None:
-                    folders.append(local_root / sub)
+                    folders.append(local_root / clean / sub)
                 else:
-                    copies.append(_Copy(name, str(local_root / sub), size))
+                    copies.append(_Copy(name, str(local_root / clean / sub), size))
         try:
             for folder in folders:
                 folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise BackendError(f"cannot make the folders of the fetch in {local_root}: {exc}") from exc
 
-        return self._copy_all(fs, copies, lambda c: _uri(remote_root, root, c.source), started)
+        # every source is under `root`: shown as a URI under `remote_root`
+        shown = remote_root.rstrip("/")
+        return self._copy_all(fs, copies, lambda c: shown + c.source[len(root) :], started)
 
     def _copy_all(self, fs: Any, copies: list[_Copy], name_of: Callable[[_Copy], str],
                   started: float) -> TransferStats:  # fmt: skip
-        """Run the copies, `max_workers` at a time, with progress. On the
+        """Run the copies, MAX_WORKERS at a time, with progress. On the
         first failure (or an interrupt) the others are aborted at their next
         chunk and nothing more starts; the first failure is raised."""
         from fsspec.callbacks import Callback  # type: ignore[import-untyped]
@@ -221,7 +221,7 @@ class BucketTransport:
 
         with bar if bar is not None else contextlib.nullcontext():
             if copies:
-                pool = ThreadPoolExecutor(max_workers=min(self.max_workers, len(copies)))
+                pool = ThreadPoolExecutor(max_workers=min(MAX_WORKERS, len(copies)))
                 futures: list[Future[None]] = []
                 try:
                     futures = [pool.submit(one, copy) for copy in copies]
@@ -265,36 +265,29 @@ def _package_for(protocol: str) -> str:
     return str(known.get("class", protocol)).split(".", 1)[0]
 
 
-def _remote_tree(fs: Any, remote_root: str, root: str, rel: str) -> list[tuple[str, str | None, int]] | None:
-    """What the download of `rel` brings: (local relative path, file system
-    path or None for a folder, size), or None if `rel` is not there. A
-    folder output ("out/") with no object under it is an empty folder: an
-    object store cannot tell it from none."""
-    clean = _relative(rel, remote_root)
-    remote = f"{root}/{clean}"
+def _remote_tree(fs: Any, remote: str, where: str, folder: bool) -> list[tuple[str, str | None, int]]:
+    """What is at the file system path `remote` (shown as `where`): (path
+    below it, "" for itself; file system path, None for a folder; size).
+    Nothing there is no entry; a declared `folder` ("out/") with no object
+    under it is an empty folder: an object store cannot tell it from none."""
     try:
         info = fs.info(remote)
     except FileNotFoundError:
-        return [(clean, None, 0)] if rel.endswith("/") else None
+        return [("", None, 0)] if folder else []
     except Exception as exc:
-        raise _failure("reading", f"{remote_root.rstrip('/')}/{clean}", exc) from exc
+        raise _failure("reading", where, exc) from exc
     if info.get("type") != "directory":
-        return [(clean, remote, int(info.get("size") or 0))]
+        return [("", remote, int(info.get("size") or 0))]
     try:
         listing: dict[str, dict[str, Any]] = fs.find(remote, withdirs=True, detail=True)
     except Exception as exc:
-        raise _failure("listing", f"{remote_root.rstrip('/')}/{clean}/", exc) from exc
-    where = f"{remote_root.rstrip('/')}/{clean}/"
-    tree: list[tuple[str, str | None, int]] = [(clean, None, 0)]
+        raise _failure("listing", f"{where}/", exc) from exc
+    tree: list[tuple[str, str | None, int]] = [("", None, 0)]
     for name, entry in sorted(listing.items()):
         sub = name[len(remote) + 1 :].rstrip("/") if name.startswith(remote + "/") else ""
-        if not sub:
-            continue
-        local = f"{clean}/{_relative(sub, where)}"
-        if entry.get("type") == "directory":
-            tree.append((local, None, 0))
-        else:
-            tree.append((local, name, int(entry.get("size") or 0)))
+        if sub:
+            is_dir = entry.get("type") == "directory"
+            tree.append((_relative(sub, f"{where}/"), None if is_dir else name, int(entry.get("size") or 0)))
     return tree
 
 
@@ -309,13 +302,6 @@ def _relative(rel: str, where: str) -> str:
             f"{rel!r} under {where} is not a plain relative path (no leading '/', '.', '..' or '//'): refused"
         )
     return str(PurePosixPath(*parts))
-
-
-def _uri(remote_root: str, root: str, path: str) -> str:
-    """A file system path shown as a URI under `remote_root`."""
-    if path.startswith(root + "/"):
-        return f"{remote_root.rstrip('/')}/{path[len(root) + 1 :]}"
-    return path
 
 
 def _failure(action: str, uri: str, exc: BaseException) -> BackendError:

@@ -22,16 +22,15 @@ if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
 # "  1,234,567  45%  12.34MB/s  0:00:10 (xfr#5, to-chk=10/20)"
-_PROGRESS = re.compile(r"^\s*([\d,]+)\s+(\d+)%\s+\S+\s+\S+(?:\s+\(xfr#(\d+), (?:to|ir)-chk=(\d+)/(\d+)\))?")
+_PROGRESS = re.compile(r"^\s*([\d,]+)\s+(\d+)%\s+\S+\s+\S+(?:\s+\(xfr#\d+, (?:to|ir)-chk=(\d+)/(\d+)\))?")
 _STAT_FILES = re.compile(r"Number of regular files transferred: ([\d,]+)")
 _STAT_BYTES = re.compile(r"Total transferred file size: ([\d,]+)")
 _SKIPPED = re.compile(r'^skipping non-regular file "(.*)"$', re.MULTILINE)
 READ_BLOCK = 1 << 16
 
-# What OpenSSH's multiplexing client says when the master it reached has
-# died under it; a new master then works where the old one cannot.
-# What rsync says when the master died under it: ssh's own words, or only
-# rsync's (exit 12 or 255, by which side noticed first).
+# What a copy says when ssh's multiplexing master died under it: ssh's own
+# words, or only rsync's (exit 12 or 255, by which side noticed first). A
+# new master then works where the old one cannot.
 DEAD_MASTER_SIGNS = (
     "read from master failed",
     "mux_client_request_session",
@@ -181,7 +180,7 @@ def _show(bar: Progress, task: TaskID, line: bytes) -> None:
         return
     done, percent = _number(match.group(1)), int(match.group(2))
     count = ""
-    if match.group(4) is not None:  # to-chk=LEFT/ALL: files done
-        left, every = int(match.group(4)), int(match.group(5))
+    if match.group(3) is not None:  # to-chk=LEFT/ALL: files done
+        left, every = int(match.group(3)), int(match.group(4))
         count = f" {every - left}/{every} files"
     bar.update(task, completed=done, total=done * 100 // percent if percent else None, files=count)
