@@ -19,7 +19,7 @@ import selectors
 import shlex
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -39,6 +39,10 @@ SERVER_ALIVE = ("-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4")
 # without end and exhaust this machine's memory; the biggest real answer,
 # a manifest, stays far below it (about 300,000 entries).
 MAX_ANSWER_BYTES = 64 << 20
+STREAM_TICK = 0.2  # seconds between a streaming command's checks (Ctrl-C in a doit thread)
+# How long a streaming command is given to end once its stdin is closed
+# (the remote follower sees that within a tick), before its ssh is killed.
+STREAM_STOP_SECONDS = 5.0
 # The longest control folder: a socket's path is at most 107 bytes (108 with
 # its NUL), below it go "/" and a 16-character digest, and ssh adds a
 # 17-character suffix to that name while it binds.
@@ -220,6 +224,61 @@ class ClusterTarget(Multiplexed):
                 proc.kill()
                 raise
             return RemoteResult(proc.wait(), out, err)
+
+    def stream(self, argv: list[str], out: Callable[[bytes], None], tick: Callable[[], None]) -> RemoteResult:
+        """Run argv there for as long as it goes, as `_ssh.SshConnection.stream`
+        does: its stdout handed to `out` as it comes, `tick` called at least
+        every STREAM_TICK seconds (it may raise, e.g. KeyboardInterrupt), its
+        stdin open meanwhile and closed at the end, which ends a follower
+        there. The result's stdout is empty (it went to `out`)."""
+        command = [*self.ssh_argv(), self.host, shlex.join(argv)]
+        with subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        ) as proc:
+            try:
+                err = _relay(proc, out, tick, self.host)
+            finally:
+                _stop(proc)
+            return RemoteResult(proc.wait(), b"", err)
+
+
+def _relay(
+    proc: subprocess.Popen[bytes], out: Callable[[bytes], None], tick: Callable[[], None], host: str
+) -> bytes:
+    """Hand proc's stdout to `out` until it and stderr close; its stderr,
+    held to MAX_ANSWER_BYTES."""
+    assert proc.stdout is not None and proc.stderr is not None
+    stdout, stderr = proc.stdout.fileno(), proc.stderr.fileno()
+    err = bytearray()
+    with selectors.DefaultSelector() as selector:
+        selector.register(stdout, selectors.EVENT_READ)
+        selector.register(stderr, selectors.EVENT_READ)
+        while selector.get_map():
+            tick()
+            for key, _ in selector.select(STREAM_TICK):
+                fd = cast(int, key.fileobj)
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    selector.unregister(fd)
+                elif fd == stdout:
+                    out(chunk)
+                else:
+                    err += chunk
+                    if len(err) > MAX_ANSWER_BYTES:
+                        raise answer_too_big(host)
+    return bytes(err)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Close its stdin (the follower there ends on that, and ssh with it),
+    then kill the ssh if it has not gone; reaped by the caller's wait."""
+    assert proc.stdin is not None
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=STREAM_STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def _bounded_answer(

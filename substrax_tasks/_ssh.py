@@ -17,10 +17,9 @@ from pathlib import Path
 
 import paramiko
 
-from substrax_tasks._openssh import MAX_ANSWER_BYTES, RemoteResult, SshTarget, answer_too_big
+from substrax_tasks._openssh import MAX_ANSWER_BYTES, STREAM_TICK, RemoteResult, SshTarget, answer_too_big
 from substrax_tasks.errors import BackendError, SubstraxError
 
-STREAM_TICK = 0.2  # seconds between a streaming command's checks (Ctrl-C in a doit thread)
 # Long-lived commands (followers) at once on one connection: sshd lets one
 # connection hold MaxSessions (10 by default) sessions, and the short
 # commands of the other threads need some of them.

@@ -48,7 +48,6 @@ from ssh_helpers import (
     GATED_SWEEP,
     SANDBOX,
     doit_killed_mid_run,
-    live_handles,
     needs_root,
     needs_sshd,
     only_handle,
@@ -212,6 +211,33 @@ def test_while_the_worker_records_its_run_going_skypilot_is_not_asked_and_its_en
     # One may have been on its way as the worker started (its record was silent when read).
     assert len([t for t in asked if started < t < ended]) <= 1, (run, sorted(asked))
     assert [t for t in asked if t > ended], "SkyPilot must confirm the end the worker recorded"
+
+
+def counting_python(folder: Path) -> tuple[str, Path]:
+    """The cluster's python3, noting each start's arguments, one line each."""
+    calls = folder / "python-calls.txt"
+    script = folder / "python3-counted"
+    script.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec python3 "$@"\n')
+    script.chmod(0o755)
+    return str(script), calls
+
+
+def test_a_run_going_is_followed_by_one_process_not_a_read_started_every_tick(sky: Sky) -> None:
+    """Once the worker's record says the run goes, one `control.py follow`
+    on the cluster streams its log until it ends; the status is read once
+    after, not started over ssh every 0.2 s of the run (~30 reads here)."""
+    python, calls = counting_python(sky.base)
+    root = sky.project(command=COMMAND + "sleep 6\n")
+    sky.configure(python=python)
+    done = doit_ok(root, env=sky.env)
+    assert (root / "res.txt").read_text() == "done\n", show(done)
+    assert "hello from the cluster" in done.stdout  # the task's log, through the follower
+    started = calls.read_text().splitlines()
+    follows = [i for i, line in enumerate(started) if "/control.py follow " in line]
+    assert len(follows) == 1, started
+    after = [line for line in started[follows[0]:] if "/control.py status " in line]
+    # the end read once, the worker's record for its verdict, the fetch: a handful
+    assert 1 <= len(after) <= 5, started
 
 
 def test_a_skypilot_queue_lagging_behind_the_workers_end_does_not_hold_the_step_up(sky: Sky) -> None:
@@ -526,11 +552,10 @@ def test_ctrl_c_under_four_threads_detaches_every_run_and_the_rerun_reattaches(s
     proc = popen_doit(sky.root, "-n", "4", "-P", "thread", env=sky.env)
     try:
         wait_for(lambda: len(marked_pids(marker)) >= 4, "the four jobs to be running", timeout=120)
-        # and each step's client in its run phase, following the log
-        wait_for(
-            lambda: [h["state"].get("phase") for h in live_handles(sky.root)] == ["started"] * 4,
-            "the four steps to follow their runs",
-        )
+        # and each step's client in its run phase, following the log: one
+        # follower per run on the cluster (its argv, NUL-separated)
+        followers = f"control.py\0follow\0{sky.remote}"
+        wait_for(lambda: len(marked_pids(followers)) == 4, "the four steps to follow their runs")
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=30)
     finally:
@@ -539,6 +564,8 @@ def test_ctrl_c_under_four_threads_detaches_every_run_and_the_rerun_reattaches(s
     assert code != 0, said
     assert "Traceback" not in said, said
     assert said.count("detached from run fit-m") == 4, said
+    # the followers' stdin closed as doit went: each ended there
+    wait_for(lambda: not marked_pids(followers), "the followers to end on the cluster")
     assert len(sky.clusters()) == 4, "the clusters must stay up for the runs that go on"
     gate.touch()
     done = doit(sky.root, "-n", "4", "-P", "thread", env=sky.env, timeout=300)

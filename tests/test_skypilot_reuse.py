@@ -6,9 +6,13 @@ clusters' ssh served by a real sshd in a network namespace."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from typing import Any
 
 from conftest import marked_pids
 from dodo_helpers import (
+    clean_env,
     doit,
     doit_ok,
     popen_doit,
@@ -136,4 +140,82 @@ def test_steps_queued_on_a_warm_cluster_reach_the_home_its_jobs_run_in(sky: Sky)
     for h in handles:
         timer = h["state"]["watchdog"]
         assert timer["armed_at"] + timer["seconds"] <= launched["armed_at"] + launched["seconds"]
+    assert sky.clusters() == []
+
+
+def queued_job(project: Sky, step: str) -> dict[str, Any] | None:
+    """The handle of `step`'s run while its job waits in SkyPilot's queue."""
+    for handle in live_handles(project.root):
+        state = handle["state"]
+        if handle["step"] != step or not isinstance(state.get("job_id"), int):
+            continue
+        job = project.home / ".fakesky" / "clusters" / state["cluster"] / "jobs" / f"{state['job_id']}.json"
+        if job.is_file() and json.loads(job.read_text())["status"] == "PENDING":
+            return handle
+    return None
+
+
+def job_status_reads(project: Sky) -> int:
+    requests = project.home / ".fakesky" / "requests"
+    return sum(json.loads(p.read_text())["name"] == "job_status" for p in requests.glob("*/request.json"))
+
+
+def test_a_job_queued_behind_another_waits_its_turn_then_ends_as_its_run(sky: Sky) -> None:  # noqa: F811
+    """m1's job waits in SkyPilot's queue while m0's still reads RUNNING there
+    (its driver lags the run's end); then it runs, is followed, and comes
+    home."""
+    lag = sky.base / "m0-job-ends"
+    sky.env.update(FAKESKY_QUEUE_JOBS="1", FAKESKY_JOB_END_GATE=str(lag))
+    sweep(sky, steps=2, timeout=60, max_parallel=1)
+    proc = popen_doit(sky.root, env=sky.env)
+    try:
+        wait_for(lambda: queued_job(sky, "fit:m1"), "m1's job to wait in SkyPilot's queue", timeout=120)
+        lag.touch()  # SkyPilot's driver sees m0's job end: m1's runs
+        code = proc.wait(timeout=300)
+    finally:
+        stop(proc)
+    said = popen_output(sky.root)
+    assert code == 0, said
+    assert "queued on warm cluster" in said, said
+    for m in range(2):
+        assert (sky.root / f"fit-{m}.txt").read_text() == f"hello\nm{m}\n"
+    assert len(set(clusters_used(sky))) == 1, said
+    assert sky.clusters() == []
+
+
+def test_a_job_cancelled_in_skypilots_queue_before_it_started_ends_its_step_as_cancelled(
+    sky: Sky,  # noqa: F811
+) -> None:
+    """While a job waits in SkyPilot's queue (here behind m0's, which reads
+    RUNNING there until the cluster goes), the client polls it: no follower
+    waits on a worker that never starts. SkyPilot cancels it from its queue
+    (as `sky cancel` would), and the step ends cancelled."""
+    sky.env.update(FAKESKY_QUEUE_JOBS="1", FAKESKY_JOB_END_GATE=str(sky.base / "never"))
+    sweep(sky, steps=2, timeout=60, max_parallel=1)
+    proc = popen_doit(sky.root, env=sky.env)
+    try:
+        def waited_on() -> dict[str, Any] | None:
+            handle = queued_job(sky, "fit:m1")
+            return handle if handle is not None and handle["state"].get("phase") == "started" else None
+
+        wait_for(waited_on, "m1's client to wait on its job in SkyPilot's queue", timeout=120)
+        handle = waited_on()
+        assert handle is not None
+        # Two reads of the queue since: the first said PENDING before the cancel below.
+        reads = job_status_reads(sky)
+        wait_for(lambda: job_status_reads(sky) >= reads + 2, "the client to read the job's status")
+        state = handle["state"]
+        cancel = f"import sky; sky.get(sky.cancel({state['cluster']!r}, job_ids=[{state['job_id']}]))"
+        done = subprocess.run([sys.executable, "-c", cancel], env=clean_env(sky.env), capture_output=True,
+                              text=True, timeout=120, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        code = proc.wait(timeout=120)  # not held by a follower of the job that never ran
+    finally:
+        stop(proc)
+    said = popen_output(sky.root)
+    assert code != 0, said
+    assert (sky.root / "fit-0.txt").read_text() == "hello\nm0\n"
+    assert not (sky.root / "fit-1.txt").exists()
+    status = json.loads(sky.compute("status", handle["run_id"], "--json").stdout)
+    assert status["runs"][0]["state"] == "cancelled", (status, said)
     assert sky.clusters() == []

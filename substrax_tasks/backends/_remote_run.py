@@ -16,13 +16,15 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from substrax_tasks._openssh import RemoteResult
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
-from substrax_tasks.backends.base import MAX_LOG_BYTES, Fetched, log_cut_note
+from substrax_tasks._signals import check_interrupted
+from substrax_tasks.backends.base import MAX_LOG_BYTES, Backend, Fetched, RunStatus, log_cut_note
 from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.transports.base import checked_manifest
@@ -41,6 +43,11 @@ class Remote(Protocol):
     def run(
         self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120
     ) -> RemoteResult: ...
+
+    def stream(self, argv: list[str], out: Callable[[bytes], None], tick: Callable[[], None]) -> RemoteResult:
+        """Run argv for as long as it goes, stdout to `out`, `tick` every
+        fraction of a second; closing its stdin ends it (see _ssh.py)."""
+        ...
 
 
 def scripts_digest() -> str:
@@ -210,3 +217,39 @@ class RemoteRun:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
         return Fetched(staging, manifest)
+
+
+def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int, run: RemoteRun) -> RunStatus:
+    """A run's log from `offset` to `out` until it ends, through one
+    follower there (control.py follow: one channel, the status read there
+    each tick) instead of a status and a log read started every fraction of
+    a second; then its status, read once. The base's polling reads the log
+    again only when the follower did not see the end (the connection broke)
+    or the log was cut: when it did, what it sent is the whole log (it reads
+    the log after the status that says the run ended)."""
+    sent = 0
+
+    def write(chunk: bytes) -> None:
+        nonlocal sent
+        out.write(chunk)
+        out.flush()
+        sent += len(chunk)
+
+    # Ctrl-C in a doit thread is seen within a tick; the stream then closes
+    # the follower's stdin, which ends it there.
+    result = run.remote.stream(run.follow_argv(offset, MAX_LOG_BYTES), write, check_interrupted)
+    offset += sent
+    if result.returncode == 3:
+        raise HostRefused(
+            f"the run's log {run.run_dir}/run.log on {run.remote.host} is not a regular file "
+            "(a link or a device, not what the worker writes): refused unread, and the run with it"
+        )
+    status = backend.poll(handle)
+    if result.returncode != 0 and not status.final:
+        raise result.failure("following the run's log", run.remote.host)
+    if status.final and result.returncode == 0 and offset < MAX_LOG_BYTES:
+        return status
+    # The rest of the log, or the cut noted; and, should the follower have
+    # ended on a run still going (not expected: it ends on the record poll
+    # reads), the polling that follows it.
+    return Backend.stream_log(backend, handle, out, follow=not status.final, offset=offset)

@@ -7,6 +7,10 @@ worker's disagrees, and a queue that still says running (it lags the
 worker by seconds) does not hold the end up. The launch request's status
 before there is a job. The final status is kept in the handle: a cluster
 taken down says nothing.
+
+While the worker's record says the run goes, the wait is one follower of
+its log (_remote_run.follow_log), which ends with the run; its status is
+read once then.
 """
 
 from __future__ import annotations
@@ -23,8 +27,14 @@ from substrax_tasks.worker_job import status_from_record
 if TYPE_CHECKING:
     from substrax_tasks.backends.skypilot import SkypilotBackend
 
+# The message of a run the worker's record says goes: its worker has
+# started, so SkyPilot no longer holds the job in its queue.
+WORKER_RUNNING = "RUNNING (the worker's record)"
+
 
 def poll(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
+    """The run's status; `worker_started` says whether it is read from the
+    worker's record of a run going."""
     ended = _kept(backend, handle)
     if ended is not None:
         return ended
@@ -33,7 +43,7 @@ def poll(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
         return _launch_status(backend, handle)
     record = worker_record(backend, handle)
     if record is not None and record.get("worker_alive") and record.get("state") in ("starting", "running"):
-        return RunStatus("running", started_at=record.get("started_at"), message="RUNNING")
+        return RunStatus("running", started_at=record.get("started_at"), message=WORKER_RUNNING)
     cluster = backend.cluster(handle)
     try:
         answer = backend.sky().call("job_status", {"cluster_name": cluster, "job_ids": [job_id]})
@@ -55,6 +65,12 @@ def poll(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
             backend.remote_run(handle).keep_log(backend.run_file(handle, "run.log"))
     backend.store.update_state(handle, final_status=status.__dict__)
     return status
+
+
+def worker_started(status: RunStatus) -> bool:
+    """Whether poll() read the run going from its worker's record (not from
+    SkyPilot's queue, where a job may still wait, and may be cancelled)."""
+    return status.state == "running" and status.message == WORKER_RUNNING
 
 
 def _from_queue(answer: Any, job_id: int, cluster: str) -> RunStatus:
@@ -84,13 +100,6 @@ def worker_record(backend: SkypilotBackend, handle: RunHandle) -> dict[str, Any]
     except SubstraxError:
         return None
     return record if record.get("state") else None
-
-
-def worker_ended(backend: SkypilotBackend, handle: RunHandle) -> bool:
-    """Whether the worker has recorded the run's end (its outputs' manifest
-    is written by then)."""
-    record = worker_record(backend, handle)
-    return record is not None and record.get("state") in FINAL_STATES
 
 
 def _after_error(backend: SkypilotBackend, handle: RunHandle, exc: SkyCallError) -> RunStatus:

@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 from pydantic import BaseModel
 
@@ -32,6 +33,7 @@ from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._openssh import ClusterTarget
 from substrax_tasks._output import emit
 from substrax_tasks._remote_files import remote_dir
+from substrax_tasks._signals import check_interrupted
 from substrax_tasks._sky import (
     CLUSTER_GONE,
     REQUEST_LIVE,
@@ -41,7 +43,7 @@ from substrax_tasks._sky import (
 )
 from substrax_tasks.backends import _remote_run, sky_pool, sky_status, sky_task
 from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env
-from substrax_tasks.backends.base import Backend, Fetched, Pool, RunStatus
+from substrax_tasks.backends.base import LOG_POLL_SECONDS, Backend, Fetched, Pool, RunStatus
 from substrax_tasks.backends.skypilot_settings import SkypilotSettings
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
@@ -272,12 +274,28 @@ class SkypilotBackend(Backend):
     def poll_seconds(self) -> float:
         return self.settings.poll_seconds  # each read may be a process that imports sky
 
-    def pause(self, handle: RunHandle, seconds: float) -> bool:
-        """Sleep, then read the worker's record over ssh: the end it records
-        ends the wait at once (SkyPilot's queue then confirms it), not at
-        the next poll."""
-        time.sleep(seconds)
-        return sky_status.worker_ended(self, handle)
+    def stream_log(
+        self, handle: RunHandle, out: IO[bytes], follow: bool = False, offset: int = 0
+    ) -> RunStatus:
+        """With follow, one follower on the cluster streams the log until the
+        run ends (_remote_run.follow_log), once the worker's record says the
+        run started. Not before: a job still waits in SkyPilot's queue (a
+        reused cluster runs one after another), and SkyPilot may cancel it
+        there, with no worker to end a follower; until then the status is
+        read every poll_seconds."""
+        if not follow:
+            return super().stream_log(handle, out, offset=offset)
+        status = self.poll(handle)
+        next_poll = time.monotonic() + self.poll_seconds
+        while not status.final and not sky_status.worker_started(status):
+            check_interrupted()
+            time.sleep(LOG_POLL_SECONDS)  # Ctrl-C in a doit thread is seen within this
+            if time.monotonic() >= next_poll:
+                status = self.poll(handle)
+                next_poll = time.monotonic() + self.poll_seconds
+        if status.final:
+            return super().stream_log(handle, out, offset=offset)
+        return _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle))
 
     # -------------------------------------------------------------- fetch
     def fetch(self, handle: RunHandle) -> Fetched:

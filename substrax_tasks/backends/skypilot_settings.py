@@ -133,7 +133,11 @@ class SkypilotSettings(RemoteSettings):
         5, ge=1, description="After the run ends, SkyPilot takes the cluster down once idle this long."
     )
     retry_until_up: bool = False
-    poll_seconds: float = Field(5.0, gt=0, description="How often the job's status is read while it runs.")
+    poll_seconds: float = Field(
+        5.0, gt=0,
+        description="How often the job's status is read until its worker has started (then one follower "
+        "streams its log and its end).",
+    )  # fmt: skip
     max_parallel: int | None = Field(
         4, ge=1, description="At most this many clusters of one shape (settings and resources) at once; "
         "more steps wait, across every doit of the project."

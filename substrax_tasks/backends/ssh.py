@@ -20,18 +20,16 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from substrax_tasks import _gpus
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
-from substrax_tasks._signals import check_interrupted
 from substrax_tasks._ssh import NoSession, SshConnection, connection
 from substrax_tasks.backends import _remote_run
 from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env
-from substrax_tasks.backends.base import LOG_POLL_SECONDS, MAX_LOG_BYTES, Backend, Fetched, Pool, RunStatus
-from substrax_tasks.errors import BackendError, HostRefused, SubstraxError
+from substrax_tasks.backends.base import Backend, Fetched, Pool, RunStatus
+from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.project_view import project_view
 from substrax_tasks.settings import SshSettings
@@ -233,56 +231,18 @@ class SshBackend(Backend):
     def stream_log(
         self, handle: RunHandle, out: IO[bytes], follow: bool = False, offset: int = 0
     ) -> RunStatus:
-        """With follow, one follower on the host (control.py follow) streams
-        the log over one channel until the run ends, instead of a status and
-        a log read started there every fraction of a second. The base reads
-        the log again only when the follower did not see the end: when it
-        did, what it sent is the whole log (it reads the log after the
-        status that says the run ended)."""
+        """With follow, one follower on the host streams the log until the
+        run ends (_remote_run.follow_log)."""
         status = self.poll(handle)
         if not follow or status.final or "remote_run_dir" not in handle.state:
             return super().stream_log(handle, out, follow=follow, offset=offset)
-        while True:
-            try:
-                offset, whole = self._follow(handle, out, offset)
-            except NoSession:
-                # More steps follow runs on this host at once than sshd lets
-                # one connection hold sessions: this one polls, as before.
-                return super().stream_log(handle, out, follow=True, offset=offset)
-            status = self.poll(handle)
-            if status.final:
-                if whole and offset < MAX_LOG_BYTES:
-                    return status
-                return super().stream_log(handle, out, offset=offset)  # the rest, or the cut noted
-            # Not expected (the follower ends on the record this reads), but
-            # never a busy loop if it happens.
-            check_interrupted()
-            time.sleep(LOG_POLL_SECONDS)
-
-    def _follow(self, handle: RunHandle, out: IO[bytes], offset: int) -> tuple[int, bool]:
-        """Run the follower until it exits: the log's new offset, and whether
-        it saw the run end (exit 0: then it sent the log to its end, or to
-        MAX_LOG_BYTES)."""
-        run = self.remote_run(handle)
-        sent = 0
-
-        def write(chunk: bytes) -> None:
-            nonlocal sent
-            out.write(chunk)
-            out.flush()
-            sent += len(chunk)
-
-        # Ctrl-C in a doit thread is seen within a tick; closing the channel
-        # then ends the follower there (its stdin closes).
-        result = self.conn.stream(run.follow_argv(offset, MAX_LOG_BYTES), write, check_interrupted)
-        if result.returncode == 3:
-            raise HostRefused(
-                f"the run's log {run.run_dir}/run.log on {self.settings.host} is not a regular file "
-                "(a link or a device, not what the worker writes): refused unread, and the run with it"
-            )
-        if result.returncode != 0 and self.poll(handle).state != "lost":
-            raise result.failure("following the run's log", self.settings.host)
-        return offset + sent, result.returncode == 0
+        try:
+            return _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle))
+        except NoSession:
+            # More steps follow runs on this host at once than sshd lets one
+            # connection hold sessions (raised before anything was sent):
+            # this one polls, as before.
+            return super().stream_log(handle, out, follow=True, offset=offset)
 
     def read_log(self, handle: RunHandle, offset: int) -> bytes:
         kept = _remote_run.read_kept_log(self.store.run_dir(handle.run_id) / "run.log", offset)

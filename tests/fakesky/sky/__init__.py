@@ -10,6 +10,9 @@ environment of the process that makes the call:
     FAKESKY_MINUTE_SECONDS   how long an autostop "minute" lasts (60)
     FAKESKY_CANCEL_GRACE     seconds between SIGTERM and SIGKILL on cancel (3)
     FAKESKY_JOB_END_DELAY    seconds a job still reads RUNNING after its run exited (0)
+    FAKESKY_JOB_END_GATE     a path: a job reads RUNNING after its run exited until it exists
+    FAKESKY_QUEUE_JOBS       1: a job waits PENDING until the cluster's earlier jobs ended
+                             (as one that takes the whole cluster); 0: jobs run at once (0)
     FAKESKY_BUCKET_DIR       folder standing in for buckets (<dir>/<bucket>/<path>);
                              without it, MOUNT / MOUNT_CACHED / COPY of buckets
                              fail with NotSupportedError

@@ -4,7 +4,8 @@ machine: a cluster is a folder (its home, file mounts copied in), a job is
 
     launch      INIT record -> FAKESKY_LAUNCH_DELAY -> file mounts -> UP ->
                 ssh config -> job submitted (INIT) -> autostop armed
-    job         SETTING_UP (setup) -> RUNNING (run) -> SUCCEEDED / FAILED /
+    job         [PENDING behind earlier jobs, with FAKESKY_QUEUE_JOBS] ->
+                SETTING_UP (setup) -> RUNNING (run) -> SUCCEEDED / FAILED /
                 FAILED_SETUP; CANCELLED by cancel/down; FAILED_DRIVER if its
                 process died without saying how the job ended
     autostop    a timer process downs (or stops) the cluster once no job has
@@ -386,6 +387,8 @@ def run_job(state: Path, name: str, cluster_id: str, job_id: int) -> int:
             return 0
         job.update(pid=os.getpid(), ticks=own_ticks())
         write_json(path, job, mode=0o600)
+    if env_float("FAKESKY_QUEUE_JOBS", 0.0) and not _wait_turn(state, name, job_id):
+        return 0
     env = _job_env(record, job, cluster_dir(state, name) / "home")
     bash = shutil.which("bash") or "sh"
     with job_log(state, name, job_id).open("ab") as log:
@@ -407,9 +410,24 @@ def run_job(state: Path, name: str, cluster_id: str, job_id: int) -> int:
             return 0
         code = step(job["run"]) if job.get("run") else 0
     time.sleep(env_float("FAKESKY_JOB_END_DELAY", 0.0))  # SkyPilot's driver lags the job's end
+    gate = os.environ.get("FAKESKY_JOB_END_GATE")
+    while gate and not os.path.exists(gate):  # a lag a test ends when it chooses
+        time.sleep(0.05)
     final = JobStatus.SUCCEEDED if code == 0 else JobStatus.FAILED
     _update_job(state, name, job_id, final, end_at=time.time(), exit_code=code)
     return 0
+
+
+def _wait_turn(state: Path, name: str, job_id: int) -> bool:
+    """PENDING while an earlier job of the cluster has not ended, as SkyPilot
+    queues a job whose resources another job holds (until its driver has
+    seen it end: FAKESKY_JOB_END_DELAY). False if it ended meanwhile
+    (cancelled from the queue)."""
+    while any(int(j["job_id"]) < job_id and not job_status(j).is_terminal() for j in jobs(state, name)):
+        if not _update_job(state, name, job_id, JobStatus.PENDING):
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def job_statuses(state: Path, cluster_name: str, job_ids: list[int] | None) -> list[list[Any]]:
