@@ -245,11 +245,10 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
             "(a link or a device, not what the worker writes): refused unread, and the run with it"
         )
     status = backend.poll(handle)
-    if result.returncode != 0 and not status.final:
-        raise result.failure("following the run's log", run.remote.host)
     if status.final and result.returncode == 0 and offset < MAX_LOG_BYTES:
         return status
-    # The rest of the log, or the cut noted; and, should the follower have
-    # ended on a run still going (not expected: it ends on the record poll
-    # reads), the polling that follows it.
+    # The rest of the log, or the cut noted; and, for a run still going, the
+    # polling that follows it: the follower's connection broke (a network
+    # blip must not fail a run that goes on there; a host that stays out of
+    # reach fails the polling's reads) or, not expected, it ended early.
     return Backend.stream_log(backend, handle, out, follow=not status.final, offset=offset)
