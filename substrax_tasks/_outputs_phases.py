@@ -85,7 +85,7 @@ def record_of(driver: StepDriver, digest: str) -> dict[str, Any]:
     """What the step record says of outputs just verified and promoted."""
     handle, restored, parts = driver.handle, driver.restored, driver.parts
     verified = {"key": uptodate.key(parts), "key_parts": parts, "digest": digest,
-                "cache_key": cache_key(parts, bool(driver.view.cache_options()["key_backend"]))}  # fmt: skip
+                "cache_key": cache_key(parts, bool(driver.view.cache["key_backend"]))}  # fmt: skip
     if handle is not None:
         manifest_file = driver.view.store.manifest_file(handle.run_id)
         return {"verified": {**verified, "run_id": handle.run_id, "manifest_file": str(manifest_file)}}
