@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def run_cache_of(driver: StepDriver) -> RunCache | None:
     options = CacheOptions(**driver.view.cache)
-    return RunCache(options, driver.root, driver.view.store.root) if options.enabled else None
+    return RunCache(options, driver.root, driver.view.store) if options.enabled else None
 
 
 def restored_from_cache(driver: StepDriver) -> bool:
