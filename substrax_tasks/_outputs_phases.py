@@ -90,7 +90,7 @@ def record_of(driver: StepDriver, digest: str) -> dict[str, Any]:
         manifest_file = driver.view.store.manifest_file(handle.run_id)
         return {"verified": {**verified, "run_id": handle.run_id, "manifest_file": str(manifest_file)}}
     assert restored is not None
-    manifest_file = driver.view.store.step_manifest(driver.spec.step)
+    manifest_file = driver.view.store.restored_manifest(driver.spec.step)
     manifest_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     write_json_atomic(manifest_file, restored.fetched.manifest, indent=None)
     run_id = str(restored.provenance.get("run_id") or restored.key[:16])

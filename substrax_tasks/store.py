@@ -5,7 +5,7 @@
     runs/<run-id>/manifest.json   the manifest of its outputs as verified here
     runs/<run-id>/...             the run's own files: job, status, log, fetched outputs
     steps/<step>.json             each step's record: its run, its verified manifest
-    steps/<step>.manifest.json    the manifest of outputs restored from the run cache
+    manifests/<step>.json         the manifest of a step's outputs restored from the run cache
     cache/<step>.outputs.json     hash caches of a step's outputs and of its inputs
     cache/<step>.inputs.json
     cache/up-to-date.json         the project's proofs
@@ -74,13 +74,14 @@ class RunStore:
     def step_record(self, step: str) -> Path:
         return self.root / "steps" / f"{safe_name(step)}.json"
 
-    def step_manifest(self, step: str) -> Path:
-        return self.root / "steps" / f"{safe_name(step)}.manifest.json"
-
     def step_records(self) -> list[Path]:
         """Every step's record, in name order."""
-        paths = (self.root / "steps").glob("*.json")
-        return sorted(p for p in paths if not p.name.endswith(".manifest.json"))
+        return sorted((self.root / "steps").glob("*.json"))
+
+    def restored_manifest(self, step: str) -> Path:
+        # A folder of its own: beside the records, as steps/<step>.manifest.json,
+        # it was the record of a step named "<step>.manifest".
+        return self.root / "manifests" / f"{safe_name(step)}.json"
 
     def outputs_cache(self, step: str) -> Path:
         return self.root / "cache" / f"{safe_name(step)}.outputs.json"
