@@ -58,7 +58,7 @@ def _days(text: str) -> float:
 
 
 def run_cache(project: Project) -> RunCache:
-    return RunCache(CacheOptions(**project.config.cache.options()), project.root, project.store.root)
+    return RunCache(CacheOptions(**project.config.cache.options()), project.root, project.store)
 
 
 def _cache_key(records: dict[str, dict[str, Any]], step: str) -> str:

@@ -85,12 +85,12 @@ def record_of(driver: StepDriver, digest: str) -> dict[str, Any]:
     """What the step record says of outputs just verified and promoted."""
     handle, restored, parts = driver.handle, driver.restored, driver.parts
     verified = {"key": uptodate.key(parts), "key_parts": parts, "digest": digest,
-                "cache_key": cache_key(parts, bool(driver.view.cache_options()["key_backend"]))}  # fmt: skip
+                "cache_key": cache_key(parts, bool(driver.view.cache["key_backend"]))}  # fmt: skip
     if handle is not None:
         manifest_file = driver.view.store.manifest_file(handle.run_id)
         return {"verified": {**verified, "run_id": handle.run_id, "manifest_file": str(manifest_file)}}
     assert restored is not None
-    manifest_file = driver.step.files.record.with_suffix(".manifest.json")
+    manifest_file = driver.view.store.restored_manifest(driver.spec.step)
     manifest_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     write_json_atomic(manifest_file, restored.fetched.manifest, indent=None)
     run_id = str(restored.provenance.get("run_id") or restored.key[:16])

@@ -64,11 +64,6 @@ def private_dir(name: str, max_length: int | None = None) -> Path:
         pass
     except OSError as exc:
         raise UnsafeFolder(f"cannot make the private folder {folder}: {exc.strerror}; {_fix()}") from None
-    return check_private(folder)
-
-
-def check_private(folder: Path) -> Path:
-    """`folder` as private_dir accepts it, or UnsafeFolder."""
     st = os.lstat(folder)
     uid = os.getuid()
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):

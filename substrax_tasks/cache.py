@@ -44,6 +44,7 @@ from substrax_tasks.backends.base import Fetched
 from substrax_tasks.spec import canonical_digest, safe_name
 
 if TYPE_CHECKING:
+    from substrax_tasks.store import RunStore
     from substrax_tasks.uptodate import Step
 
 ENTRY_VERSION = 1
@@ -104,14 +105,14 @@ def digest_of(path: Path) -> str:
 class RunCache:
     """The project's view of the cache: its local folder and shared store."""
 
-    def __init__(self, settings: CacheOptions, project: Path, state_dir: Path) -> None:
+    def __init__(self, settings: CacheOptions, project: Path, store: RunStore) -> None:
         self.settings = settings
         self.local = Folder(settings.folder(project))
         self.shared = Shared(settings.shared, settings.mode == "readwrite") if settings.shared else None
         self.signers = _absolute(project, settings.allowed_signers)
         self.signing_key = _absolute(project, settings.signing_key)
-        self.stats_file = state_dir / "cache" / "run-cache.json"
-        self.staging_root = state_dir / "restore"
+        self.stats_file = store.run_cache_stats
+        self.staging_root = store.restore_dir
 
     def _stores(self) -> list[Folder | Shared]:
         shared = [self.shared] if self.shared is not None and self.shared.name not in _UNREACHABLE else []

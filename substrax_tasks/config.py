@@ -11,12 +11,14 @@ unchanged. This module therefore imports settings.py only where it validates.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import json
 import os
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -183,44 +185,26 @@ def cache_file(root: Path) -> Path:
     return folder / f"config-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}.json"
 
 
+@dataclass
 class ResolvedProject:
-    """The project's configuration as every step needs it: its store and
-    each backend's settings as pinned in handles. `config()` validates."""
+    """The project's configuration as every step needs it: its store, each
+    backend's settings as pinned in handles, the run cache's options
+    (cache.CacheOptions). `config()` validates, for the phases that act."""
 
-    def __init__(
-        self,
-        root: Path,
-        state_dir: Path,
-        default_backend: str,
-        settings: dict[str, dict[str, Any]],  # backend name -> settings as pinned in handles
-        config: ComputeConfig | None = None,
-        *,
-        cache: dict[str, Any] | None = None,  # the run cache's options (cache.CacheOptions)
-    ) -> None:
-        self.root = root
-        self.store = RunStore(state_dir)
-        self.default_backend = default_backend
-        self.settings = settings
-        self._config = config
-        self.cache = cache if cache is not None or config is None else config.cache.options()
-        self._lock = threading.Lock()
-
-    @property
-    def state_dir(self) -> Path:
-        return self.store.root
+    root: Path
+    store: RunStore
+    default_backend: str
+    settings: dict[str, dict[str, Any]]  # backend name -> settings as pinned in handles
+    cache: dict[str, Any]
+    _config: ComputeConfig | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def config(self) -> ComputeConfig:
-        """The validated configuration (imports pydantic): for the phases that act."""
+        """The validated configuration (imports pydantic)."""
         with self._lock:
             if self._config is None:
                 self._config = load_config(self.root)
             return self._config
-
-    def cache_options(self) -> dict[str, Any]:
-        """The run cache's options, validated once with the rest (a restore imports no pydantic)."""
-        if self.cache is None:
-            self.cache = self.config().cache.options()
-        return self.cache
 
     def settings_for(self, backend: str | None = None) -> tuple[str, dict[str, Any]]:
         name = backend or self.default_backend
@@ -232,24 +216,23 @@ class ResolvedProject:
 def resolve(root: Path, stamp: list[Any] | None = None) -> ResolvedProject:
     """The project's configuration, from the cache when it is current."""
     stamp = config_stamp(root) if stamp is None else stamp
-    path = private_dir(CACHE_FOLDER) / cache_file(root).name
+    private_dir(CACHE_FOLDER)  # made, or refused when not ours alone
+    path = cache_file(root)
     try:
         data = json.loads(trusted_file(path) or b"null")  # not ours alone: validate again
         if data.get("stamp") == stamp:
             return ResolvedProject(
-                root, Path(data["state_dir"]), str(data["default_backend"]), dict(data["settings"]),
-                cache=data.get("cache"),
-            )
+                root, RunStore(Path(data["state_dir"])), str(data["default_backend"]),
+                dict(data["settings"]), dict(data["cache"]),
+            )  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     config = load_config(root)
-    names = sorted({config.default_backend, *config.backends})
-    settings = {name: config.pinned(name, root) for name in names}
-    resolved = ResolvedProject(root, config.state_path(root), config.default_backend, settings, config)
-    try:
-        record = {"stamp": stamp, "state_dir": str(resolved.state_dir), "settings": settings,
-                  "cache": resolved.cache}  # fmt: skip
-        write_json_atomic(path, {**record, "default_backend": config.default_backend})
-    except OSError:
-        pass  # a cache: the next doit validates again
-    return resolved
+    state_dir, default = config.state_path(root), config.default_backend
+    settings = {name: config.pinned(name, root) for name in sorted({default, *config.backends})}
+    cache = config.cache.options()
+    record = {"stamp": stamp, "state_dir": str(state_dir), "default_backend": default, "settings": settings,
+              "cache": cache}  # fmt: skip
+    with contextlib.suppress(OSError):  # a cache: the next doit validates again
+        write_json_atomic(path, record)
+    return ResolvedProject(root, RunStore(state_dir), default, settings, cache, config)

@@ -50,7 +50,7 @@ def verified_records(store: RunStore) -> dict[str, dict[str, Any]]:
     """What each step's record says of its verified outputs, by step (steps
     with none, or an unreadable record, are left out)."""
     found = {}
-    for path in sorted((store.root / "steps").glob("*.json")):
+    for path in store.step_records():
         try:
             record = json.loads(path.read_text())
             found[str(record["step"])] = dict(record["verified"])
@@ -80,7 +80,7 @@ def removable(project: Project, handles: list[RunHandle]) -> list[Path]:
                 if not kept:
                     found.append(path)
     old = time.time() - ORPHAN_SECONDS  # a restore in progress stages there
-    restores = store.root / "restore"
+    restores = store.restore_dir
     found += sorted(p for p in restores.iterdir() if p.lstat().st_mtime < old) if restores.is_dir() else []
     return found
 

@@ -19,6 +19,8 @@ from substrax_tasks.config import BACKEND_ENV, TABLE
 from substrax_tasks.errors import ConfigError
 
 if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's own from Python 3.11
+
     from substrax_tasks._openssh import SshTarget
 
 # Fields some backends keep in a sub-table (a transport), so shared as types.
@@ -64,7 +66,31 @@ class BackendSettings(Strict):
     @field_validator("cache_dirs")
     @classmethod
     def _cache_dirs_in_home(cls, folders: list[str]) -> list[str]:
-        return check_cache_dirs(folders)
+        """Each folder is "~/" and a plain relative path (no ".", "..", empty
+        part), none twice or inside another; kept without a trailing "/"."""
+        kept: list[str] = []
+        for folder in folders:
+            parts = folder.rstrip("/").split("/")
+            if parts == ["~"]:
+                raise ValueError(
+                    "'~' is the whole home, which each run starts empty; name folders in it "
+                    '(as "~/.cache/huggingface")'
+                )
+            if parts[0] != "~":
+                raise ValueError(
+                    f"{folder!r} is not under ~: give it as \"~/\" and a path "
+                    '(as "~/.cache/huggingface"); ~ is the home the task sees in the sandbox'
+                )
+            if any(part in ("", ".", "..") for part in parts[1:]):
+                raise ValueError(
+                    f'{folder!r}: write the path without "", "." or ".." parts (as "~/.cache/huggingface")'
+                )
+            name = "/".join(parts)
+            for other in kept:
+                if name == other or name.startswith(other + "/") or other.startswith(name + "/"):
+                    raise ValueError(f"{folder!r} overlaps {other!r}: keep one of them")
+            kept.append(name)
+        return kept
 
     @property
     def network_isolated(self) -> bool:
@@ -81,34 +107,9 @@ class BackendSettings(Strict):
             )
         return self
 
-
-def check_cache_dirs(folders: list[str]) -> list[str]:
-    """Each folder is "~/" and a plain relative path (no ".", "..", empty
-    part), none twice or inside another. Returned as given, without a
-    trailing "/"."""
-    kept: list[str] = []
-    for folder in folders:
-        parts = folder.rstrip("/").split("/")
-        if parts == ["~"]:
-            raise ValueError(
-                "'~' is the whole home, which each run starts empty; name folders in it "
-                '(as "~/.cache/huggingface")'
-            )
-        if parts[0] != "~":
-            raise ValueError(
-                f"{folder!r} is not under ~: give it as \"~/\" and a path "
-                '(as "~/.cache/huggingface"); ~ is the home the task sees in the sandbox'
-            )
-        if any(part in ("", ".", "..") for part in parts[1:]):
-            raise ValueError(
-                f'{folder!r}: write the path without "", "." or ".." parts (as "~/.cache/huggingface")'
-            )
-        name = "/".join(parts)
-        for other in kept:
-            if name == other or name.startswith(other + "/") or other.startswith(name + "/"):
-                raise ValueError(f"{folder!r} overlaps {other!r}: keep one of them")
-        kept.append(name)
-    return kept
+    def with_absolute_paths(self, project: Path) -> Self:
+        """As pinned in a handle: the settings' own paths made absolute."""
+        return self
 
 
 class RemoteSettings(BackendSettings):
@@ -182,7 +183,7 @@ class SshSettings(RemoteSettings):
             data = {**data, "host": host}
         return data
 
-    def with_absolute_paths(self, project: Path) -> SshSettings:
+    def with_absolute_paths(self, project: Path) -> Self:
         def absolute(path: str | None) -> str | None:
             if path is None:
                 return None
@@ -269,8 +270,7 @@ class ComputeConfig(Strict):
             settings = model.model_validate(self.backends.get(name, {}))
         except ValidationError as exc:
             raise ConfigError(format_errors(exc, f"{TABLE}.backends.{name}", model)) from None
-        absolutize = getattr(settings, "with_absolute_paths", None)
-        return absolutize(project) if absolutize else settings
+        return settings.with_absolute_paths(project)
 
     def pinned(self, name: str, project: Path) -> dict[str, Any]:
         """Backend `name`'s settings as a handle pins them (and a step's key holds them)."""

@@ -10,7 +10,6 @@ holder frees its slot: the kernel drops its lock.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,11 +47,13 @@ def try_take(folder: Path, index: int) -> Slot | None:
     return Slot(index, lock)
 
 
-def take(folder: Path, limit: int, on_wait: Callable[[], None], prefer: Sequence[int] = ()) -> Slot:
-    """The first free slot (those in `prefer` tried first), waiting for one
-    if all are held; `on_wait` is called once, when it starts waiting.
-    Ctrl-C ends the wait, in the main thread as in doit's worker threads."""
-    order = [i for i in prefer if 0 <= i < limit] + [i for i in range(limit) if i not in prefer]
+def take_in_pool(folder: Path, pool: Pool, step: str) -> Slot:
+    """The first free slot of a backend's max_parallel pool for `step` (the
+    pool's preferred ones first), waiting for one if all are held, which is
+    said once. Ctrl-C ends the wait, in the main thread as in doit's worker
+    threads."""
+    prefer = pool.prefer
+    order = [i for i in prefer if 0 <= i < pool.limit] + [i for i in range(pool.limit) if i not in prefer]
     said = False
     while True:
         for index in order:
@@ -60,16 +61,7 @@ def take(folder: Path, limit: int, on_wait: Callable[[], None], prefer: Sequence
             if slot is not None:
                 return slot
         if not said:
-            on_wait()
+            emit(f"{step} waits for a free slot on {pool.where} ({pool.limit} running)")
             said = True
         check_interrupted()
         time.sleep(POLL_SECONDS)
-
-
-def take_in_pool(folder: Path, pool: Pool, step: str) -> Slot:
-    """A slot of a backend's max_parallel pool for `step`, said once if it waits."""
-
-    def say() -> None:
-        emit(f"{step} waits for a free slot on {pool.where} ({pool.limit} running)")
-
-    return take(folder, pool.limit, say, pool.prefer)

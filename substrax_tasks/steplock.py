@@ -26,37 +26,26 @@ class StepBusy(SubstraxError):
 class StepLock:
     def __init__(self, path: Path, step: str) -> None:
         self.step = step
-        self._path = path  # store.step_lock(step)
+        self.path = path  # store.step_lock(step)
         self.holder_file = path.with_suffix(".holder.json")
-        self._lock: Any = None  # made on first use: a no-op doit never locks
+        self._lock: Any = None  # the FileLock while held
 
-    def _file_lock(self) -> Any:
-        if self._lock is None:
-            from filelock import FileLock
+    def acquire(self) -> None:
+        """Take the lock now, or StepBusy naming who holds it."""
+        from filelock import FileLock, Timeout
 
-            # thread_local=False: doit may take it in one thread and run the
-            # teardown that releases it in another.
-            self._path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self._lock = FileLock(str(self._path), thread_local=False)
-        return self._lock
-
-    @property
-    def held(self) -> bool:
-        return self._lock is not None and bool(self._lock.is_locked)
-
-    def acquire(self, wait_seconds: float = 0.0) -> None:
-        from filelock import Timeout
-
-        lock = self._file_lock()
-        if lock.is_locked:
-            return
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # thread_local=False: doit may take it in one thread and run the
+        # teardown that releases it in another.
+        lock = FileLock(str(self.path), thread_local=False)
         try:
-            lock.acquire(timeout=wait_seconds)
+            lock.acquire(timeout=0)
         except Timeout:
             raise StepBusy(
                 f"step {self.step!r} is being run by another process ({self.describe_holder()}); "
                 "wait for it to finish, or stop it (Ctrl-C, or `substrax-compute cancel RUN`)"
             ) from None
+        self._lock = lock
         write_json_atomic(
             self.holder_file,
             {
@@ -76,5 +65,6 @@ class StepLock:
         return f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}: {command}"
 
     def release(self) -> None:
-        if self.held:
+        if self._lock is not None:
             self._lock.release(force=True)
+            self._lock = None

@@ -5,11 +5,15 @@
     runs/<run-id>/manifest.json   the manifest of its outputs as verified here
     runs/<run-id>/...             the run's own files: job, status, log, fetched outputs
     steps/<step>.json             each step's record: its run, its verified manifest
+    manifests/<step>.json         the manifest of a step's outputs restored from the run cache
     cache/<step>.outputs.json     hash caches of a step's outputs and of its inputs
     cache/<step>.inputs.json
     cache/up-to-date.json         the project's proofs
+    cache/run-cache.json          the run cache's hit and miss counts (cache.py)
     cache/home/<path>             the local backend's kept `cache_dirs` (~/<path> in the sandbox)
-    locks/<step>.lock             one driver per step (steplock.py)
+    envs/                         the local backend's environments, one per lock digest
+    restore/<step>-<token>/       outputs restored from the run cache, staged to be verified
+    locks/<step>.lock             one driver per step (steplock.py), and who holds it
     slots/<pool>/<i>.lock         the max_parallel slots of a backend's pool (slots.py)
 
 where <step> is `spec.safe_name(step)`. Every module asks here for these
@@ -70,6 +74,15 @@ class RunStore:
     def step_record(self, step: str) -> Path:
         return self.root / "steps" / f"{safe_name(step)}.json"
 
+    def step_records(self) -> list[Path]:
+        """Every step's record, in name order."""
+        return sorted((self.root / "steps").glob("*.json"))
+
+    def restored_manifest(self, step: str) -> Path:
+        # A folder of its own: beside the records, as steps/<step>.manifest.json,
+        # it was the record of a step named "<step>.manifest".
+        return self.root / "manifests" / f"{safe_name(step)}.json"
+
     def outputs_cache(self, step: str) -> Path:
         return self.root / "cache" / f"{safe_name(step)}.outputs.json"
 
@@ -84,6 +97,18 @@ class RunStore:
     @property
     def proofs_file(self) -> Path:
         return self.root / "cache" / PROOFS_FILE
+
+    @property
+    def run_cache_stats(self) -> Path:
+        return self.root / "cache" / "run-cache.json"
+
+    @property
+    def envs_dir(self) -> Path:
+        return self.root / "envs"
+
+    @property
+    def restore_dir(self) -> Path:
+        return self.root / "restore"
 
     def step_lock(self, step: str) -> Path:
         return self.root / "locks" / f"{safe_name(step)}.lock"

@@ -27,7 +27,7 @@ from substrax_tasks.errors import HandleError
 from substrax_tasks.handle import HANDLE_VERSION, read_handle
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
-from substrax_tasks.store import HANDLE_FILE, run_digest
+from substrax_tasks.store import HANDLE_FILE, RunStore, run_digest
 
 
 def write_pyproject(root: Path, local_table: str | None) -> None:
@@ -86,6 +86,29 @@ def test_settings_stay_pinned_when_the_pyproject_changes(project_dir: Path, mark
     assert not marked_pids(marker), describe(marked_pids(marker))
     code, data, _ = status_json(project_dir)
     assert [(r["run_id"], r["state"]) for r in data["runs"]] == [(handle.run_id, "cancelled")]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("other", ["a.manifest", "a.outputs", "a.inputs", "a.holder", "a.json"])
+def test_no_two_steps_share_a_file_of_the_store(tmp_path: Path, other: str) -> None:
+    """A step's name may end as another's files do (steps/a.json and the
+    record of a step "a.manifest" once shared a folder with a's restore
+    manifest)."""
+    store = RunStore(tmp_path)
+
+    def files(step: str) -> set[Path]:
+        per_step = (store.step_record, store.restored_manifest, store.inputs_cache, store.outputs_cache)
+        lock = store.step_lock(step)
+        return {*(path(step) for path in per_step), lock, lock.with_suffix(".holder.json")}
+
+    assert not files("a") & files(other)
+    assert store.step_records() == []
+    store.step_record("a").parent.mkdir()
+    for step in ("a", other):
+        store.step_record(step).write_text("{}")
+        store.restored_manifest(step).parent.mkdir(exist_ok=True)
+        store.restored_manifest(step).write_text("[]")
+    assert store.step_records() == sorted([store.step_record("a"), store.step_record(other)])
 
 
 @pytest.mark.unit

@@ -159,7 +159,7 @@ def test_a_cached_configuration_not_ours_alone_is_not_trusted(
     root = tmp_path / "proj"
     root.mkdir()
     (root / "pyproject.toml").write_text('[tool.substrax.compute]\nstate_dir = "mine"\n')
-    assert resolve(root).state_dir == root / "mine"  # made the cache
+    assert resolve(root).store.root == root / "mine"  # made the cache
     path = cache_file(root)
     data = json.loads(path.read_text())
     assert data["stamp"] == config_stamp(root)
@@ -168,7 +168,7 @@ def test_a_cached_configuration_not_ours_alone_is_not_trusted(
         os.chown(path, OTHER_UID, OTHER_UID)
     else:
         path.chmod(0o620)
-    assert resolve(root).state_dir == root / "mine"
+    assert resolve(root).store.root == root / "mine"
     st = path.stat()  # and replaced by one of ours
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (UID, 0o600)
     assert json.loads(path.read_text())["state_dir"] == str(root / "mine")

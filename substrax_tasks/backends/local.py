@@ -74,7 +74,7 @@ class LocalBackend(Backend):
         Path(paths.staging).mkdir(parents=True, exist_ok=True)
         recipe = env()
         try:  # the interpreter running doit makes the venv, as the user's own would
-            built = recipe.ensure(str(project), str(self.store.root / "envs"), sys.executable,
+            built = recipe.ensure(str(project), str(self.store.envs_dir), sys.executable,
                                   self.settings.pip_args)  # fmt: skip
         except recipe.BuildFailed as exc:  # the lock (or pip_args) cannot be met: the step fails, exit 1
             raise SubstraxError(

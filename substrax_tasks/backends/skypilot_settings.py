@@ -13,10 +13,11 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from substrax_tasks.config import TABLE as COMPUTE_TABLE
 from substrax_tasks.settings import LifetimeMinutes, NetworkIsolation, RemoteSettings, Strict
 from substrax_tasks.spec import RESOURCE_KEYS
 
-TABLE = "tool.substrax.compute.backends.skypilot"
+TABLE = f"{COMPUTE_TABLE}.backends.skypilot"
 
 # Clouds whose instances cannot mount buckets (each cloud's
 # _CLOUD_UNSUPPORTED_FEATURES in SkyPilot 0.14: STORAGE_MOUNTING). Checked
@@ -47,7 +48,7 @@ class CopySource(Strict):
         if mode.upper() in WRITABLE_MODES:
             raise ValueError(
                 f"mode {mode!r} is a writable mount; the copy transport copies each source read-only: "
-                'drop `mode` (or set mode = "COPY"), or use [tool.substrax.compute.backends.skypilot.bucket] '
+                f'drop `mode` (or set mode = "COPY"), or use [{TABLE}.bucket] '
                 "to mount a bucket"
             )
         if mode.upper() != "COPY":
@@ -79,7 +80,7 @@ class SkyCopySettings(_TransportSettings):
             if "://" in path:
                 raise ValueError(
                     f"source {path!r} is a bucket; the copy transport copies project paths. "
-                    "Mount buckets with [tool.substrax.compute.backends.skypilot.bucket] buckets = {...}"
+                    f"Mount buckets with [{TABLE}.bucket] buckets = {{...}}"
                 )
             if path.startswith("/") or ".." in path.split("/"):
                 raise ValueError(f"source {path!r} must be a path inside the project (relative, no '..')")
