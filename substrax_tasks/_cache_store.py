@@ -182,25 +182,19 @@ def _copy_hashed(src: int, dst: int, buffer: bytearray) -> str:
 
 
 def hash_in_place(path: str, mode: int, buffer: bytearray) -> list[Any]:
-    """The hash cache key of a file a download just wrote, with `mode`
+    """The hash cache key of a file a download just wrote, given `mode` first
     (an object store keeps none)."""
-    sha = hashlib.sha256()
-    view = memoryview(buffer)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        while size := os.readv(fd, [buffer]):
-            sha.update(view[:size])
-        return _made(fd, mode, sha.hexdigest())
-    finally:
-        os.close(fd)
+    os.chmod(path, mode)  # noqa: PTH101
+    st = os.lstat(path)
+    return [*stat_key(st), manifest_module().hash_file(path, st, memoryview(buffer))]
 
 
 def _made(fd: int, mode: int, digest: str) -> list[Any]:
     st = os.fstat(fd)
-    if st.st_mode & 0o7777 != mode:  # the umask took bits off, or a download's file
+    if st.st_mode & 0o7777 != mode:  # the umask took bits off
         os.fchmod(fd, mode)  # last: the stat below is the file's final one
         st = os.fstat(fd)
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, digest]
+    return [*stat_key(st), digest]
 
 
 class Folder:
@@ -313,13 +307,13 @@ class Shared:
     def get(self, wanted: Wanted, key: str) -> Made:
         """Download objects (the bucket transport's parallel, whole-or-nothing
         copies), then hash each copy; by destination."""
-        from substrax_tasks.transports.bucket import _Copy
+        from substrax_tasks.transports.bucket import Copy
 
-        copies = [_Copy(self._path(rel), dest, size) for rel, dest, _, size in wanted]
+        copies = [Copy(self._path(rel), dest, size) for rel, dest, _, size in wanted]
         try:
-            self.transport._copy_all(self.fs, copies, lambda c: c.source, time.monotonic())
+            self.transport.copy_all(self.fs, copies, lambda c: c.source, time.monotonic())
         except BackendError as exc:
-            if "not found" in str(exc):
+            if isinstance(exc.__cause__, FileNotFoundError):  # a missing object: a damaged entry
                 raise FileNotFoundError(str(exc)) from None
             raise
         buffer = bytearray(BUFFER)
@@ -345,19 +339,18 @@ def _listdir(folder: Path) -> list[str]:
 # ------------------------------------------------------------------ signatures
 
 
+def _keygen(data: bytes, *args: str) -> tuple[int, bytes, str]:
+    """`ssh-keygen -Y ARGS` given `data` on its stdin: exit code, stdout, all it said."""
+    done = subprocess.run(["ssh-keygen", "-Y", *args], input=data, capture_output=True, check=False)
+    return done.returncode, done.stdout, (done.stdout + done.stderr).decode(errors="replace").strip()
+
+
 def sign(data: bytes, key_file: str) -> bytes:
     """The SSH signature of `data` by `key_file` (the private key)."""
-    with tempfile.TemporaryDirectory(prefix="substrax-sign-") as folder:
-        path = Path(folder) / "entry"
-        path.write_bytes(data)
-        done = subprocess.run(
-            ["ssh-keygen", "-Y", "sign", "-q", "-f", key_file, "-n", NAMESPACE, str(path)],
-            capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        if done.returncode != 0:
-            said = done.stderr.strip()
-            raise BackendError(f"cannot sign cache entries with signing_key {key_file}: {said}")
-        return (Path(folder) / "entry.sig").read_bytes()
+    code, signature, said = _keygen(data, "sign", "-q", "-f", key_file, "-n", NAMESPACE)
+    if code != 0:
+        raise BackendError(f"cannot sign cache entries with signing_key {key_file}: {said}")
+    return signature
 
 
 def refused_signature(data: bytes, signature: bytes | None, allowed_signers: str) -> str | None:
@@ -368,18 +361,14 @@ def refused_signature(data: bytes, signature: bytes | None, allowed_signers: str
     with tempfile.TemporaryDirectory(prefix="substrax-verify-") as folder:
         sig = Path(folder) / "entry.sig"
         sig.write_bytes(signature)
-
-        def keygen(*args: str) -> tuple[int, str]:
-            done = subprocess.run(["ssh-keygen", "-Y", *args], input=data, capture_output=True, check=False)
-            return done.returncode, (done.stdout + done.stderr).decode(errors="replace").strip()
-
-        code, found = keygen("find-principals", "-s", str(sig), "-f", allowed_signers)
+        code, _, found = _keygen(data, "find-principals", "-s", str(sig), "-f", allowed_signers)
         principal = found.split("\n", 1)[0].strip()
         if code != 0 or not principal:
-            code, seen = keygen("check-novalidate", "-n", NAMESPACE, "-s", str(sig))
+            code, _, seen = _keygen(data, "check-novalidate", "-n", NAMESPACE, "-s", str(sig))
             key = seen.rsplit(" key ", 1)[-1] if code == 0 else f"an unreadable signature: {seen}"
             return f"its signer ({key}) is not in allowed_signers {allowed_signers}"
-        code, said = keygen("verify", "-f", allowed_signers, "-I", principal, "-n", NAMESPACE, "-s", str(sig))
+        code, _, said = _keygen(data, "verify", "-f", allowed_signers, "-I", principal, "-n", NAMESPACE,
+                                "-s", str(sig))  # fmt: skip
         if code != 0:
             return f"its signature by {principal} does not verify ({said})"
     return None

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from substrax_tasks import __version__, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._cache_store import (
+    BUFFER,
     Damaged,
     Folder,
     Shared,
@@ -93,14 +94,6 @@ def default_folder() -> Path:
     return Path(base) / "substrax-tasks"
 
 
-def digest_of(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
 class RunCache:
     """The project's view of the cache: its local folder and shared store."""
 
@@ -147,7 +140,7 @@ class RunCache:
                 data = store.read(entry_path(key))
             except Exception:  # noqa: BLE001, S112 - unreachable: not found
                 continue
-            if data is not None and not (self.local.root / "bad" / hashlib.sha256(data).hexdigest()).exists():
+            if data is not None and not self._bad_marker(data).exists():
                 prov = json.loads(data).get("provenance") or {}
                 when = f"run {prov.get('run_id')}, {prov.get('time')}"
                 return f"cache entry {key[:16]} in {store.name} ({when})"
@@ -158,7 +151,7 @@ class RunCache:
         if data is None:
             return None
         label = f"cache entry {key[:16]} in {store.name}"
-        marker = self.local.root / "bad" / hashlib.sha256(data).hexdigest()
+        marker = self._bad_marker(data)
         if marker.exists():
             emit(f"{step.name}: skipping {label}, found damaged before; the step runs")
             return None
@@ -199,6 +192,10 @@ class RunCache:
         shared = (data, signature) if store is self.shared else None
         return Restored(Fetched(staging, manifest), key, label, prov, shared)
 
+    def _bad_marker(self, data: bytes) -> Path:
+        """Where an entry found damaged is marked, by its contents: skipped from then on."""
+        return self.local.root / "bad" / hashlib.sha256(data).hexdigest()
+
     def _condemn(self, store: Folder | Shared, key: str, marker: Path, staging: Path, manifest: Any) -> None:
         """Skip a damaged entry from now on; a store we may write also
         loses it and each object whose copy was not what its name says, so
@@ -208,11 +205,16 @@ class RunCache:
         if not store.writable:
             return
         drop_entry(store, key)
+        hash_file, buffer = manifest_cache.manifest_module().hash_file, memoryview(bytearray(BUFFER))
         entries = manifest.get("entries") if isinstance(manifest, dict) else None
         for item in entries if isinstance(entries, list) else []:
             if isinstance(item, dict) and item.get("type") == "file" and _is_digest(item.get("sha256")):
-                copy = staging / str(item["path"])
-                if not copy.is_file() or copy.is_symlink() or digest_of(copy) != item["sha256"]:
+                copy = f"{staging}/{item['path']}"
+                try:
+                    bad = hash_file(copy, os.lstat(copy), buffer) != item["sha256"]
+                except (OSError, manifest_cache.ManifestError):  # not copied, or not a plain file
+                    bad = True
+                if bad:
                     store.remove(object_path(item["sha256"]))
 
     def _count(self, what: str) -> None:
@@ -242,7 +244,7 @@ class RunCache:
                                                       "client": socket.gethostname(),
                                                       "tool_version": __version__}}  # fmt: skip
         data = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
-        self._write_local(key, data, sign(data, self.signing_key) if self.signing_key else None)
+        _write_entry(self.local, key, data, sign(data, self.signing_key) if self.signing_key else None)
         if self.shared is not None and self.shared.writable and self.shared.name not in _UNREACHABLE:
             try:
                 self.push(key)
@@ -254,7 +256,7 @@ class RunCache:
         """Keep a hit from the shared store in the local folder too, entry
         and signature as they came: the next restore here reads no network."""
         if restored.shared is not None and self._keep_objects(step, restored.fetched.manifest):
-            self._write_local(restored.key, *restored.shared)
+            _write_entry(self.local, restored.key, *restored.shared)
             self.trim()
 
     def _keep_objects(self, step: Step, manifest: dict[str, Any]) -> bool:
@@ -276,13 +278,6 @@ class RunCache:
             return False
         return True
 
-    def _write_local(self, key: str, data: bytes, signature: bytes | None) -> None:
-        if signature is not None:
-            self.local.write(entry_path(key) + ".sig", signature)
-        else:
-            self.local.remove(entry_path(key) + ".sig")
-        self.local.write(entry_path(key), data)  # last: its objects are all in
-
     def push(self, key: str) -> int:
         """Upload the local entry `key` and the objects the shared store
         lacks (entry last); the number of objects sent."""
@@ -295,10 +290,7 @@ class RunCache:
         present = self.shared.objects()
         needed = sorted({object_path(e["sha256"]) for e in _files(manifest)} - present)
         self.shared.put([(self.local.root / rel, rel) for rel in needed])
-        signature = self.local.read(entry_path(key) + ".sig")
-        if signature is not None:
-            self.shared.write(entry_path(key) + ".sig", signature)
-        self.shared.write(entry_path(key), data)
+        _write_entry(self.shared, key, data, self.local.read(entry_path(key) + ".sig"))
         return len(needed)
 
     def forget(self, key: str) -> list[str]:
@@ -360,6 +352,15 @@ class RunCache:
             for rel in dropped:
                 self.local.remove(rel)
         return removed
+
+
+def _write_entry(store: Folder | Shared, key: str, data: bytes, signature: bytes | None) -> None:
+    """The entry after its objects, and its signature (or none) before it."""
+    if signature is not None:
+        store.write(entry_path(key) + ".sig", signature)
+    else:
+        store.remove(entry_path(key) + ".sig")
+    store.write(entry_path(key), data)  # last: its objects are all in
 
 
 def _absolute(project: Path, path: str | None) -> str | None:

@@ -224,6 +224,21 @@ def test_a_damaged_entry_is_never_promoted_and_the_step_runs(tmp_path: Path, how
     assert (third / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
 
 
+def test_an_object_missing_from_a_shared_store_is_a_damaged_entry(tmp_path: Path) -> None:
+    """A download that finds no object (the bucket transport's copies) is a
+    damaged entry, not an unreachable store: the step runs, the entry is named."""
+    shared = tmp_path / "shared"
+    doit_ok(project(tmp_path, "a", f'shared = "file://{shared}"\nmode = "readwrite"\n'))
+    (key,) = [p.stem for p in entries(shared)]
+    _res_object(shared).unlink()
+    second = project(tmp_path, "b", f'path = "{tmp_path}/cache-b"\nshared = "file://{shared}"\n')
+    done = doit_ok(second)
+    assert f"cache entry {key[:16]} in file://{shared} is damaged" in done.stdout, show(done)
+    assert "warning: the cache store" not in done.stderr, show(done)
+    assert not restored(done) and run_count(second) == 1
+    assert (second / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
+
+
 BIG = """
 def task_make():
     yield from remote_step("make", shell="mkdir -p out && head -c 3000000 /dev/zero | tr '\\\\0' x > out/big",

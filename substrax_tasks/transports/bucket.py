@@ -54,7 +54,7 @@ MANIFEST_NAME = "manifest.json"
 
 
 @dataclass(frozen=True)
-class _Copy:
+class Copy:
     source: str  # a file system path
     dest: str
     size: int
@@ -160,7 +160,7 @@ class BucketTransport:
         started = time.monotonic()
         fs, root = self.filesystem(remote_root)
         folders: list[Path] = [local_root]
-        copies: list[_Copy] = []
+        copies: list[Copy] = []
         for rel in rel_paths:
             found = _remote_tree(fs, remote_root, root, rel)
             if found is None:
@@ -169,16 +169,16 @@ class BucketTransport:
                 if name is None:
                     folders.append(local_root / sub)
                 else:
-                    copies.append(_Copy(name, str(local_root / sub), size))
+                    copies.append(Copy(name, str(local_root / sub), size))
         try:
             for folder in folders:
                 folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise BackendError(f"cannot make the folders of the fetch in {local_root}: {exc}") from exc
 
-        return self._copy_all(fs, copies, lambda c: _uri(remote_root, root, c.source), started)
+        return self.copy_all(fs, copies, lambda c: _uri(remote_root, root, c.source), started)
 
-    def _copy_all(self, fs: Any, copies: list[_Copy], name_of: Callable[[_Copy], str],
+    def copy_all(self, fs: Any, copies: list[Copy], name_of: Callable[[Copy], str],
                   started: float) -> TransferStats:  # fmt: skip
         """Run the copies, `max_workers` at a time, with progress. On the
         first failure (or an interrupt) the others are aborted at their next
@@ -198,7 +198,7 @@ class BucketTransport:
                 if bar is not None and task is not None:
                     bar.update(task, advance=nbytes, files=f" {done[0]}/{len(copies)} files")
 
-        def one(copy: _Copy) -> None:
+        def one(copy: Copy) -> None:
             if stop.is_set():
                 return
             seen = [0]
@@ -239,7 +239,7 @@ class BucketTransport:
         return stats
 
 
-def _get_whole(fs: Any, copy: _Copy, name: str, callback: Any) -> None:
+def _get_whole(fs: Any, copy: Copy, name: str, callback: Any) -> None:
     """One object to its final path, whole and of its listed size, or not at all."""
     final = Path(copy.dest)
     final.parent.mkdir(parents=True, exist_ok=True)
