@@ -95,6 +95,15 @@ def drop_entry(store: Folder | Shared, key: str) -> None:
         store.remove(rel)
 
 
+def write_entry(store: Folder | Shared, key: str, data: bytes, signature: bytes | None) -> None:
+    """The entry after its objects, and its signature (or none) before it."""
+    if signature is not None:
+        store.write(entry_path(key) + ".sig", signature)
+    else:
+        store.remove(entry_path(key) + ".sig")
+    store.write(entry_path(key), data)  # last: its objects are all in
+
+
 class Damaged(Exception):
     """An entry that must not be promoted; the message says why."""
 

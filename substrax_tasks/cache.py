@@ -22,6 +22,7 @@ import secrets
 import shutil
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from substrax_tasks._cache_store import (
     object_path,
     refused_signature,
     sign,
+    write_entry,
 )
 from substrax_tasks._output import emit
 from substrax_tasks.backends.base import Fetched
@@ -79,7 +81,9 @@ class CacheOptions:
     key_backend: bool
 
     def folder(self, project: Path) -> Path:
-        return (project / Path(self.path).expanduser()) if self.path else default_folder()
+        if self.path:
+            return project / Path(self.path).expanduser()
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "substrax-tasks"
 
 
 def cache_key(parts: dict[str, Any], key_backend: bool) -> str:
@@ -87,11 +91,6 @@ def cache_key(parts: dict[str, Any], key_backend: bool) -> str:
     it ran unless asked (the same step on local, ssh or skypilot shares one)."""
     kept = {k: v for k, v in parts.items() if key_backend or k not in WHERE_IT_RAN}
     return canonical_digest({"cache_entry": ENTRY_VERSION, **kept})
-
-
-def default_folder() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "substrax-tasks"
 
 
 class RunCache:
@@ -137,30 +136,39 @@ class RunCache:
         key = cache_key(parts, self.settings.key_backend)
         for store in self._stores():
             try:
-                data = store.read(entry_path(key))
-            except Exception:  # noqa: BLE001, S112 - unreachable: not found
+                found = self._entry(store, key)
+                if isinstance(found, tuple):
+                    prov = json.loads(found[0]).get("provenance") or {}
+                    when = f"run {prov.get('run_id')}, {prov.get('time')}"
+                    return f"cache entry {key[:16]} in {store.name} ({when})"
+            except Exception:  # noqa: BLE001, S112 - unreachable or unreadable: not found
                 continue
-            if data is not None and not self._bad_marker(data).exists():
-                prov = json.loads(data).get("provenance") or {}
-                when = f"run {prov.get('run_id')}, {prov.get('time')}"
-                return f"cache entry {key[:16]} in {store.name} ({when})"
         return None
 
-    def _restore_from(self, store: Folder | Shared, step: Step, key: str) -> Restored | None:
+    def _entry(self, store: Folder | Shared, key: str) -> tuple[bytes, bytes | None] | str | None:
+        """Entry `key` of `store` and its signature, if a restore may try it;
+        else why not (found damaged before, or its signature refused); None
+        if the store holds none."""
         data = store.read(entry_path(key))
         if data is None:
             return None
         label = f"cache entry {key[:16]} in {store.name}"
-        marker = self._bad_marker(data)
-        if marker.exists():
-            emit(f"{step.name}: skipping {label}, found damaged before; the step runs")
+        if self._bad_marker(data).exists():
+            return f"skipping {label}, found damaged before"
+        if store is not self.shared:  # the local folder is ours: not checked for signatures
+            return data, None
+        signature = store.read(entry_path(key) + ".sig")
+        why = refused_signature(data, signature, self.signers) if self.signers else None
+        return f"refused {label}: {why}" if why else (data, signature)
+
+    def _restore_from(self, store: Folder | Shared, step: Step, key: str) -> Restored | None:
+        found = self._entry(store, key)
+        if not isinstance(found, tuple):
+            if found is not None:
+                emit(f"{step.name}: {found}; the step runs")
             return None
-        signature = store.read(entry_path(key) + ".sig") if store is self.shared else None
-        if self.signers and store is self.shared:
-            why = refused_signature(data, signature, self.signers)
-            if why:
-                emit(f"{step.name}: refused {label}: {why}; the step runs")
-                return None
+        data, signature = found
+        label = f"cache entry {key[:16]} in {store.name}"
         staging = self.staging_root / f"{safe_name(step.name)}-{secrets.token_hex(4)}"
         manifest: dict[str, Any] = {}
         try:
@@ -177,7 +185,7 @@ class RunCache:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise Damaged(f"{problems[0]}{more}")
         except (Damaged, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
-            self._condemn(store, key, marker, staging, manifest)
+            self._condemn(store, key, data, staging, manifest)
             shutil.rmtree(staging, ignore_errors=True)
             emit(f"{step.name}: {label} is damaged ({exc}); it is skipped from now on and the step runs")
             return None
@@ -196,26 +204,27 @@ class RunCache:
         """Where an entry found damaged is marked, by its contents: skipped from then on."""
         return self.local.root / "bad" / hashlib.sha256(data).hexdigest()
 
-    def _condemn(self, store: Folder | Shared, key: str, marker: Path, staging: Path, manifest: Any) -> None:
+    def _condemn(
+        self, store: Folder | Shared, key: str, data: bytes, staging: Path, manifest: dict[str, Any]
+    ) -> None:
         """Skip a damaged entry from now on; a store we may write also
         loses it and each object whose copy was not what its name says, so
         the run that replaces it stores them again."""
+        marker = self._bad_marker(data)
         marker.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         marker.write_text(key + "\n")
         if not store.writable:
             return
         drop_entry(store, key)
         hash_file, buffer = manifest_cache.manifest_module().hash_file, memoryview(bytearray(BUFFER))
-        entries = manifest.get("entries") if isinstance(manifest, dict) else None
-        for item in entries if isinstance(entries, list) else []:
-            if isinstance(item, dict) and item.get("type") == "file" and _is_digest(item.get("sha256")):
-                copy = f"{staging}/{item['path']}"
-                try:
-                    bad = hash_file(copy, os.lstat(copy), buffer) != item["sha256"]
-                except (OSError, manifest_cache.ManifestError):  # not copied, or not a plain file
-                    bad = True
-                if bad:
-                    store.remove(object_path(item["sha256"]))
+        for item in _files(manifest) if manifest else []:  # empty: the entry was not whole
+            copy = f"{staging}/{item['path']}"
+            try:
+                bad = hash_file(copy, os.lstat(copy), buffer) != item["sha256"]
+            except (OSError, manifest_cache.ManifestError):  # not copied, or not a plain file
+                bad = True
+            if bad:
+                store.remove(object_path(item["sha256"]))
 
     def _count(self, what: str) -> None:
         with _STATS_LOCK:
@@ -244,7 +253,7 @@ class RunCache:
                                                       "client": socket.gethostname(),
                                                       "tool_version": __version__}}  # fmt: skip
         data = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
-        _write_entry(self.local, key, data, sign(data, self.signing_key) if self.signing_key else None)
+        write_entry(self.local, key, data, sign(data, self.signing_key) if self.signing_key else None)
         if self.shared is not None and self.shared.writable and self.shared.name not in _UNREACHABLE:
             try:
                 self.push(key)
@@ -256,7 +265,7 @@ class RunCache:
         """Keep a hit from the shared store in the local folder too, entry
         and signature as they came: the next restore here reads no network."""
         if restored.shared is not None and self._keep_objects(step, restored.fetched.manifest):
-            _write_entry(self.local, restored.key, *restored.shared)
+            write_entry(self.local, restored.key, *restored.shared)
             self.trim()
 
     def _keep_objects(self, step: Step, manifest: dict[str, Any]) -> bool:
@@ -290,7 +299,7 @@ class RunCache:
         present = self.shared.objects()
         needed = sorted({object_path(e["sha256"]) for e in _files(manifest)} - present)
         self.shared.put([(self.local.root / rel, rel) for rel in needed])
-        _write_entry(self.shared, key, data, self.local.read(entry_path(key) + ".sig"))
+        write_entry(self.shared, key, data, self.local.read(entry_path(key) + ".sig"))
         return len(needed)
 
     def forget(self, key: str) -> list[str]:
@@ -325,8 +334,6 @@ class RunCache:
         """Remove the local entries last used more than `older_than_days`
         ago, then the oldest until the objects fit in max_size, and objects
         no entry names; what was (or would be) removed."""
-        import time
-
         entries, objects = self.usage()
         cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else 0.0
         named: dict[str, int] = {}
@@ -352,15 +359,6 @@ class RunCache:
             for rel in dropped:
                 self.local.remove(rel)
         return removed
-
-
-def _write_entry(store: Folder | Shared, key: str, data: bytes, signature: bytes | None) -> None:
-    """The entry after its objects, and its signature (or none) before it."""
-    if signature is not None:
-        store.write(entry_path(key) + ".sig", signature)
-    else:
-        store.remove(entry_path(key) + ".sig")
-    store.write(entry_path(key), data)  # last: its objects are all in
 
 
 def _absolute(project: Path, path: str | None) -> str | None:

@@ -69,6 +69,8 @@ def test_a_second_clone_restores_from_a_shared_folder_without_running(tmp_path: 
     assert len(entries(tmp_path / "team-cache")) == 1
 
     second = project(tmp_path, "b", folder_cache(tmp_path))
+    why = compute(second, "why", "make")
+    assert f"would be restored from cache entry {entries(tmp_path / 'team-cache')[0].stem[:16]}" in why.stdout
     done = doit_ok(second)
     assert restored(done), show(done)
     assert run_count(second) == 0  # no run folder: nothing was launched, no worker
@@ -362,6 +364,9 @@ def test_allowed_signers_restore_only_entries_signed_by_a_listed_key(tmp_path: P
     assert not restored(done) and run_count(second) == 1, show(done)
     key = entries(shared)[0].stem[:16]
     assert f"refused cache entry {key} in file://{shared}" in done.stdout
+    # `why` promises no restore a signature refuses (a third clone, nothing local)
+    third = project(tmp_path, "c", reader.replace("cache-b", "cache-c"))
+    assert "not up to date" in (why := compute(third, "why", "make").stdout) and "restored" not in why
     fingerprint = subprocess.run(["ssh-keygen", "-lf", f"{unlisted}.pub"], capture_output=True, text=True,
                                  check=True).stdout.split()[1]  # fmt: skip
     assert (fingerprint if signed_by == "unlisted" else "it is not signed") in done.stdout, show(done)
