@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import secrets
@@ -58,13 +59,6 @@ def entry_path(key: str) -> str:
 def stats_path(key: str) -> str:
     """The local folder's hash cache of an entry's objects (see copy_object)."""
     return f"entries/{key}.json.stats"
-
-
-def copy_file(source: str, dest: str) -> None:
-    """Copy a file's bytes (never a hard link, which an in-place edit of an
-    output would carry into the cache)."""
-    with open(source, "rb") as src, open(dest, "wb") as dst:  # noqa: PTH123
-        copy_fd(src.fileno(), dst.fileno(), os.fstat(src.fileno()).st_size)
 
 
 def copy_fd(src: int, dst: int, size: int) -> None:
@@ -228,8 +222,9 @@ class Folder:
 
     def objects(self) -> set[str]:
         found: set[str] = set()
-        for sub in _listdir(self.root / "objects"):
-            found.update(f"objects/{sub}/{name}" for name in _listdir(self.root / "objects" / sub))
+        for folder, _, names in os.walk(self.root / "objects"):  # nothing if it is missing
+            prefix = f"objects/{Path(folder).name}/"
+            found.update(prefix + name for name in names)
         return found
 
     def get(self, wanted: Wanted, key: str) -> Made:
@@ -251,13 +246,15 @@ class Folder:
         return made
 
     def put(self, pairs: list[tuple[Path, str]]) -> None:
-        """Copy local files in as objects, each whole or not at all."""
+        """Copy local files in as objects, each whole or not at all (never a
+        hard link, which an in-place edit of an output would carry in)."""
         for source, rel in pairs:
             final = self.root / rel
             final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             part = final.with_name(f".{final.name}.{secrets.token_hex(4)}.part")
             try:
-                copy_file(str(source), str(part))
+                with source.open("rb") as src, part.open("wb") as dst:
+                    copy_fd(src.fileno(), dst.fileno(), os.fstat(src.fileno()).st_size)
                 part.replace(final)
             finally:
                 part.unlink(missing_ok=True)
@@ -277,18 +274,19 @@ class Shared:
         self.writable = writable
         s3 = url.startswith(("s3://", "s3a://"))
         self.transport = BucketTransport(storage_options=S3_PARTS if s3 else None, show_progress=False)
-        self._fs: Any = None
-        self._root = ""
+
+    @functools.cached_property
+    def _fs_root(self) -> tuple[Any, str]:
+        """The file system and the store's path in it, set up on first use
+        (importing s3fs costs most of a second)."""
+        return self.transport.filesystem(self.name)
 
     @property
     def fs(self) -> Any:
-        if self._fs is None:
-            self._fs, self._root = self.transport.filesystem(self.name)
-        return self._fs
+        return self._fs_root[0]
 
     def _path(self, rel: str) -> str:
-        self.fs  # noqa: B018 - sets _root
-        return f"{self._root}/{rel}"
+        return f"{self._fs_root[1]}/{rel}"
 
     def read(self, rel: str) -> bytes | None:
         try:
@@ -336,13 +334,6 @@ class Shared:
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(rel))
-
-
-def _listdir(folder: Path) -> list[str]:
-    try:
-        return os.listdir(folder)  # noqa: PTH208 - names, not paths
-    except FileNotFoundError:
-        return []
 
 
 # ------------------------------------------------------------------ signatures
