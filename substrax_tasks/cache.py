@@ -23,6 +23,7 @@ import shutil
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -336,10 +337,7 @@ class RunCache:
         no entry names; what was (or would be) removed."""
         entries, objects = self.usage()
         cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else 0.0
-        named: dict[str, int] = {}
-        for _, _, names in entries:
-            for rel in names:
-                named[rel] = named.get(rel, 0) + 1
+        named = Counter(rel for _, _, names in entries for rel in names)  # entries naming each object
         young = time.time() - ORPHAN_SECONDS
         dropped = [rel for rel, (_, mtime) in objects.items() if rel not in named and mtime < young]
         total = sum(size for rel, (size, _) in objects.items() if rel in named)
