@@ -185,16 +185,24 @@ def _copy_hashed(src: int, dst: int, buffer: bytearray) -> str:
 
 
 def hash_in_place(path: str, mode: int, buffer: bytearray) -> list[Any]:
-    """The hash cache key of a file a download just wrote, given `mode` first
-    (an object store keeps none)."""
-    os.chmod(path, mode)  # noqa: PTH101
-    st = os.lstat(path)
-    return [*stat_key(st), manifest_module().hash_file(path, st, memoryview(buffer))]
+    """The hash cache key of a file a download just wrote, with `mode`
+    (an object store keeps none). Not remote/manifest.py's hash_file: its
+    checks, needless for a file just written here, cost more than the hash
+    of a small file."""
+    sha = hashlib.sha256()
+    view = memoryview(buffer)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        while size := os.readv(fd, [buffer]):
+            sha.update(view[:size])
+        return _made(fd, mode, sha.hexdigest())
+    finally:
+        os.close(fd)
 
 
 def _made(fd: int, mode: int, digest: str) -> list[Any]:
     st = os.fstat(fd)
-    if st.st_mode & 0o7777 != mode:  # the umask took bits off
+    if st.st_mode & 0o7777 != mode:  # the umask took bits off, or a download's file
         os.fchmod(fd, mode)  # last: the stat below is the file's final one
         st = os.fstat(fd)
     return [*stat_key(st), digest]
