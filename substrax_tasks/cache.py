@@ -323,7 +323,7 @@ class RunCache:
                 manifest = _parsed(data, path.stem)["manifest"]
                 names = {object_path(e["sha256"]) for e in _files(manifest)}
                 entries.append((path.stat().st_mtime, path.stem, names))
-            except (OSError, Damaged, KeyError, TypeError):
+            except (OSError, Damaged):
                 entries.append((0.0, path.stem, set()))  # unreadable: the first to go
         objects = {}
         for rel in self.local.objects():
@@ -376,19 +376,13 @@ def _parsed(data: bytes, key: str) -> dict[str, Any]:
             or manifest.get("missing"):
         raise Damaged("its manifest is not whole")
     for item in manifest["entries"]:
-        if not isinstance(item, dict) or not _plain(item.get("path")):
+        path = item.get("path") if isinstance(item, dict) else None
+        if not isinstance(path, str) or not {"", ".", ".."}.isdisjoint(path.split("/")):  # "/x": "", "x"
             raise Damaged(f"its manifest lists {item!r}, not a plain relative path")
-        if item.get("type") == "file" and not _is_digest(item.get("sha256")):
-            raise Damaged(f"its manifest lists file {item['path']} without a sha256")
+        digest = item.get("sha256")
+        if item.get("type") == "file" and not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+            raise Damaged(f"its manifest lists file {path} without a sha256")
     return entry
-
-
-def _plain(path: object) -> bool:
-    return isinstance(path, str) and {"", ".", ".."}.isdisjoint(path.split("/"))  # "/x": "", "x"
-
-
-def _is_digest(value: object) -> bool:
-    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
 
 
 def _files(manifest: dict[str, Any]) -> list[dict[str, Any]]:

@@ -190,12 +190,13 @@ def _res_object(folder: Path) -> Path:
 RES_SHA = hashlib.sha256(b"hello\nhello\n").hexdigest()
 
 
-def _edit_manifest(folder: Path) -> None:
+def _edit_manifest(folder: Path, key: str = "mode", value: object = None) -> None:
+    """Change out/res.txt's `key` in the entry's manifest (by default, flip its mode)."""
     path = entries(folder)[0]
     entry = json.loads(path.read_text())
     for item in entry["manifest"]["entries"]:
         if item["path"] == "out/res.txt":
-            item["mode"] = 0o600 if item["mode"] != 0o600 else 0o644
+            item[key] = value if value is not None else 0o600 if item["mode"] != 0o600 else 0o644
     path.write_text(json.dumps(entry))
 
 
@@ -204,6 +205,9 @@ TAMPERING: dict[str, Callable[[Path], object]] = {
     "object-removed": lambda f: _res_object(f).unlink(),
     "object-truncated": lambda f: _res_object(f).write_bytes(b"hello\n"),
     "manifest-edited": _edit_manifest,
+    # a writer of the store aiming outside the staging folder: refused before anything is written
+    "path-escapes": lambda f: _edit_manifest(f, "path", "../../../escaped"),
+    "digest-not-a-name": lambda f: _edit_manifest(f, "sha256", "../victim"),  # objects/../../victim
     "entry-truncated": lambda f: entries(f)[0].write_bytes(entries(f)[0].read_bytes()[:100]),
 }
 
@@ -213,12 +217,14 @@ def test_a_damaged_entry_is_never_promoted_and_the_step_runs(tmp_path: Path, how
     team = tmp_path / "team-cache"
     doit_ok(project(tmp_path, "a", folder_cache(tmp_path)))
     key = entries(team)[0].stem
+    (tmp_path / "victim").write_text("mine")  # beside the store, where a hostile digest points
     TAMPERING[how](team)
     second = project(tmp_path, "b", folder_cache(tmp_path))
     done = doit_ok(second)
     assert f"cache entry {key[:16]} in {team} is damaged" in done.stdout, show(done)
     assert not restored(done) and run_count(second) == 1
     assert (second / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
+    assert not list(tmp_path.rglob("escaped")) and (tmp_path / "victim").read_text() == "mine"
     # the run replaced the entry (and the bad object): a third clone restores it whole
     third = project(tmp_path, "c", folder_cache(tmp_path))
     done = doit_ok(third)
