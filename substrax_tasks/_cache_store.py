@@ -133,7 +133,7 @@ def materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path,
     for path, mode in reversed(folders):  # the deepest first
         if isinstance(mode, int):
             os.chmod(path, mode)  # noqa: PTH101
-    return {dest[len(base):]: key for dest, key in copies.items()}
+    return {dest[len(base):]: entry for dest, entry in copies.items()}
 
 
 def copy_object(  # noqa: PLR0917
