@@ -171,13 +171,15 @@ def copy_object(  # noqa: PLR0917
         os.close(src)
 
 
-def _copy_hashed(src: int, dst: int, buffer: bytearray) -> str:
+def _copy_hashed(src: int, dst: int | None, buffer: bytearray) -> str:
+    """The sha256 of what is left to read of `src`, written to `dst` as it
+    is read (unless None: only hashed)."""
     sha = hashlib.sha256()
     view = memoryview(buffer)
     while size := os.readv(src, [buffer]):
         sha.update(view[:size])
         done = 0
-        while done < size:
+        while dst is not None and done < size:
             done += os.write(dst, view[done:size])
         if size < len(buffer):  # a regular file reads short only at its end: no read to see it
             break
@@ -189,13 +191,9 @@ def hash_in_place(path: str, mode: int, buffer: bytearray) -> list[Any]:
     (an object store keeps none). Not remote/manifest.py's hash_file: its
     checks, needless for a file just written here, cost more than the hash
     of a small file."""
-    sha = hashlib.sha256()
-    view = memoryview(buffer)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        while size := os.readv(fd, [buffer]):
-            sha.update(view[:size])
-        return _made(fd, mode, sha.hexdigest())
+        return _made(fd, mode, _copy_hashed(fd, None, buffer))
     finally:
         os.close(fd)
 
