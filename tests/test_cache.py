@@ -306,7 +306,9 @@ def test_read_mode_never_writes_the_shared_store(tmp_path: Path) -> None:
     assert len(entries(tmp_path / "a" / "xdg-cache")) == 0  # XDG_CACHE_HOME is the test's, not the project's
     done = compute(root, "cache", "push", "make")
     assert done.returncode == 0, show(done)  # push is the explicit way to write it
-    assert len(entries(shared)) == 1
+    assert len(entries(shared)) == 1 and "make: pushed (2 new objects)" in done.stdout, show(done)
+    again = compute(root, "cache", "push", "--all")  # objects the store holds are not sent again
+    assert again.returncode == 0 and "make: pushed (0 new objects)" in again.stdout, show(again)
 
 
 def _dead_endpoint() -> str:
