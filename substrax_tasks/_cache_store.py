@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import secrets
@@ -60,13 +61,6 @@ def stats_path(key: str) -> str:
     return f"entries/{key}.json.stats"
 
 
-def copy_file(source: str, dest: str) -> None:
-    """Copy a file's bytes (never a hard link, which an in-place edit of an
-    output would carry into the cache)."""
-    with open(source, "rb") as src, open(dest, "wb") as dst:  # noqa: PTH123
-        copy_fd(src.fileno(), dst.fileno(), os.fstat(src.fileno()).st_size)
-
-
 def copy_fd(src: int, dst: int, size: int) -> None:
     """Copy `size` bytes from `src`'s offset to the empty `dst`: a reflink
     where the file system shares blocks (btrfs, XFS), else copy_file_range
@@ -93,6 +87,15 @@ def stat_key(st: os.stat_result) -> list[int]:
 def drop_entry(store: Folder | Shared, key: str) -> None:
     for rel in (entry_path(key), entry_path(key) + ".sig", stats_path(key)):
         store.remove(rel)
+
+
+def write_entry(store: Folder | Shared, key: str, data: bytes, signature: bytes | None) -> None:
+    """The entry after its objects, and its signature (or none) before it."""
+    if signature is not None:
+        store.write(entry_path(key) + ".sig", signature)
+    else:
+        store.remove(entry_path(key) + ".sig")
+    store.write(entry_path(key), data)  # last: its objects are all in
 
 
 class Damaged(Exception):
@@ -130,7 +133,7 @@ def materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path,
     for path, mode in reversed(folders):  # the deepest first
         if isinstance(mode, int):
             os.chmod(path, mode)  # noqa: PTH101
-    return {dest[len(base):]: key for dest, key in copies.items()}
+    return {dest[len(base):]: entry for dest, entry in copies.items()}
 
 
 def copy_object(  # noqa: PLR0917
@@ -168,13 +171,15 @@ def copy_object(  # noqa: PLR0917
         os.close(src)
 
 
-def _copy_hashed(src: int, dst: int, buffer: bytearray) -> str:
+def _copy_hashed(src: int, dst: int | None, buffer: bytearray) -> str:
+    """The sha256 of what is left to read of `src`, written to `dst` as it
+    is read (unless None: only hashed)."""
     sha = hashlib.sha256()
     view = memoryview(buffer)
     while size := os.readv(src, [buffer]):
         sha.update(view[:size])
         done = 0
-        while done < size:
+        while dst is not None and done < size:
             done += os.write(dst, view[done:size])
         if size < len(buffer):  # a regular file reads short only at its end: no read to see it
             break
@@ -183,14 +188,12 @@ def _copy_hashed(src: int, dst: int, buffer: bytearray) -> str:
 
 def hash_in_place(path: str, mode: int, buffer: bytearray) -> list[Any]:
     """The hash cache key of a file a download just wrote, with `mode`
-    (an object store keeps none)."""
-    sha = hashlib.sha256()
-    view = memoryview(buffer)
+    (an object store keeps none). Not remote/manifest.py's hash_file: its
+    checks, needless for a file just written here, cost more than the hash
+    of a small file."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        while size := os.readv(fd, [buffer]):
-            sha.update(view[:size])
-        return _made(fd, mode, sha.hexdigest())
+        return _made(fd, mode, _copy_hashed(fd, None, buffer))
     finally:
         os.close(fd)
 
@@ -200,7 +203,7 @@ def _made(fd: int, mode: int, digest: str) -> list[Any]:
     if st.st_mode & 0o7777 != mode:  # the umask took bits off, or a download's file
         os.fchmod(fd, mode)  # last: the stat below is the file's final one
         st = os.fstat(fd)
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, digest]
+    return [*stat_key(st), digest]
 
 
 class Folder:
@@ -225,8 +228,9 @@ class Folder:
 
     def objects(self) -> set[str]:
         found: set[str] = set()
-        for sub in _listdir(self.root / "objects"):
-            found.update(f"objects/{sub}/{name}" for name in _listdir(self.root / "objects" / sub))
+        for folder, _, names in os.walk(self.root / "objects"):  # nothing if it is missing
+            prefix = f"objects/{Path(folder).name}/"
+            found.update(prefix + name for name in names)
         return found
 
     def get(self, wanted: Wanted, key: str) -> Made:
@@ -248,13 +252,15 @@ class Folder:
         return made
 
     def put(self, pairs: list[tuple[Path, str]]) -> None:
-        """Copy local files in as objects, each whole or not at all."""
+        """Copy local files in as objects, each whole or not at all (never a
+        hard link, which an in-place edit of an output would carry in)."""
         for source, rel in pairs:
             final = self.root / rel
             final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             part = final.with_name(f".{final.name}.{secrets.token_hex(4)}.part")
             try:
-                copy_file(str(source), str(part))
+                with source.open("rb") as src, part.open("wb") as dst:
+                    copy_fd(src.fileno(), dst.fileno(), os.fstat(src.fileno()).st_size)
                 part.replace(final)
             finally:
                 part.unlink(missing_ok=True)
@@ -274,18 +280,19 @@ class Shared:
         self.writable = writable
         s3 = url.startswith(("s3://", "s3a://"))
         self.transport = BucketTransport(storage_options=S3_PARTS if s3 else None, show_progress=False)
-        self._fs: Any = None
-        self._root = ""
+
+    @functools.cached_property
+    def _fs_root(self) -> tuple[Any, str]:
+        """The file system and the store's path in it, set up on first use
+        (importing s3fs costs most of a second)."""
+        return self.transport.filesystem(self.name)
 
     @property
     def fs(self) -> Any:
-        if self._fs is None:
-            self._fs, self._root = self.transport.filesystem(self.name)
-        return self._fs
+        return self._fs_root[0]
 
     def _path(self, rel: str) -> str:
-        self.fs  # noqa: B018 - sets _root
-        return f"{self._root}/{rel}"
+        return f"{self._fs_root[1]}/{rel}"
 
     def read(self, rel: str) -> bytes | None:
         try:
@@ -313,13 +320,13 @@ class Shared:
     def get(self, wanted: Wanted, key: str) -> Made:
         """Download objects (the bucket transport's parallel, whole-or-nothing
         copies), then hash each copy; by destination."""
-        from substrax_tasks.transports.bucket import _Copy
+        from substrax_tasks.transports.bucket import Copy
 
-        copies = [_Copy(self._path(rel), dest, size) for rel, dest, _, size in wanted]
+        copies = [Copy(self._path(rel), dest, size) for rel, dest, _, size in wanted]
         try:
-            self.transport._copy_all(self.fs, copies, lambda c: c.source, time.monotonic())
+            self.transport.copy_all(self.fs, copies, lambda c: c.source, time.monotonic())
         except BackendError as exc:
-            if "not found" in str(exc):
+            if isinstance(exc.__cause__, FileNotFoundError):  # a missing object: a damaged entry
                 raise FileNotFoundError(str(exc)) from None
             raise
         buffer = bytearray(BUFFER)
@@ -335,29 +342,21 @@ class Shared:
             self.fs.rm_file(self._path(rel))
 
 
-def _listdir(folder: Path) -> list[str]:
-    try:
-        return os.listdir(folder)  # noqa: PTH208 - names, not paths
-    except FileNotFoundError:
-        return []
-
-
 # ------------------------------------------------------------------ signatures
+
+
+def _keygen(data: bytes, *args: str) -> tuple[int, bytes, str]:
+    """`ssh-keygen -Y ARGS` given `data` on its stdin: exit code, stdout, all it said."""
+    done = subprocess.run(["ssh-keygen", "-Y", *args], input=data, capture_output=True, check=False)
+    return done.returncode, done.stdout, (done.stdout + done.stderr).decode(errors="replace").strip()
 
 
 def sign(data: bytes, key_file: str) -> bytes:
     """The SSH signature of `data` by `key_file` (the private key)."""
-    with tempfile.TemporaryDirectory(prefix="substrax-sign-") as folder:
-        path = Path(folder) / "entry"
-        path.write_bytes(data)
-        done = subprocess.run(
-            ["ssh-keygen", "-Y", "sign", "-q", "-f", key_file, "-n", NAMESPACE, str(path)],
-            capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        if done.returncode != 0:
-            said = done.stderr.strip()
-            raise BackendError(f"cannot sign cache entries with signing_key {key_file}: {said}")
-        return (Path(folder) / "entry.sig").read_bytes()
+    code, signature, said = _keygen(data, "sign", "-q", "-f", key_file, "-n", NAMESPACE)
+    if code != 0:
+        raise BackendError(f"cannot sign cache entries with signing_key {key_file}: {said}")
+    return signature
 
 
 def refused_signature(data: bytes, signature: bytes | None, allowed_signers: str) -> str | None:
@@ -368,18 +367,14 @@ def refused_signature(data: bytes, signature: bytes | None, allowed_signers: str
     with tempfile.TemporaryDirectory(prefix="substrax-verify-") as folder:
         sig = Path(folder) / "entry.sig"
         sig.write_bytes(signature)
-
-        def keygen(*args: str) -> tuple[int, str]:
-            done = subprocess.run(["ssh-keygen", "-Y", *args], input=data, capture_output=True, check=False)
-            return done.returncode, (done.stdout + done.stderr).decode(errors="replace").strip()
-
-        code, found = keygen("find-principals", "-s", str(sig), "-f", allowed_signers)
+        code, _, found = _keygen(data, "find-principals", "-s", str(sig), "-f", allowed_signers)
         principal = found.split("\n", 1)[0].strip()
         if code != 0 or not principal:
-            code, seen = keygen("check-novalidate", "-n", NAMESPACE, "-s", str(sig))
+            code, _, seen = _keygen(data, "check-novalidate", "-n", NAMESPACE, "-s", str(sig))
             key = seen.rsplit(" key ", 1)[-1] if code == 0 else f"an unreadable signature: {seen}"
             return f"its signer ({key}) is not in allowed_signers {allowed_signers}"
-        code, said = keygen("verify", "-f", allowed_signers, "-I", principal, "-n", NAMESPACE, "-s", str(sig))
+        code, _, said = _keygen(data, "verify", "-f", allowed_signers, "-I", principal, "-n", NAMESPACE,
+                                "-s", str(sig))  # fmt: skip
         if code != 0:
             return f"its signature by {principal} does not verify ({said})"
     return None

@@ -22,6 +22,8 @@ import secrets
 import shutil
 import socket
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from substrax_tasks import __version__, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._cache_store import (
+    BUFFER,
     Damaged,
     Folder,
     Shared,
@@ -38,6 +41,7 @@ from substrax_tasks._cache_store import (
     object_path,
     refused_signature,
     sign,
+    write_entry,
 )
 from substrax_tasks._output import emit
 from substrax_tasks.backends.base import Fetched
@@ -79,7 +83,9 @@ class CacheOptions:
     key_backend: bool
 
     def folder(self, project: Path) -> Path:
-        return (project / Path(self.path).expanduser()) if self.path else default_folder()
+        if self.path:
+            return project / Path(self.path).expanduser()
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "substrax-tasks"
 
 
 def cache_key(parts: dict[str, Any], key_backend: bool) -> str:
@@ -87,19 +93,6 @@ def cache_key(parts: dict[str, Any], key_backend: bool) -> str:
     it ran unless asked (the same step on local, ssh or skypilot shares one)."""
     kept = {k: v for k, v in parts.items() if key_backend or k not in WHERE_IT_RAN}
     return canonical_digest({"cache_entry": ENTRY_VERSION, **kept})
-
-
-def default_folder() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "substrax-tasks"
-
-
-def digest_of(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-    return sha.hexdigest()
 
 
 class RunCache:
@@ -145,30 +138,39 @@ class RunCache:
         key = cache_key(parts, self.settings.key_backend)
         for store in self._stores():
             try:
-                data = store.read(entry_path(key))
-            except Exception:  # noqa: BLE001, S112 - unreachable: not found
+                found = self._entry(store, key)
+                if isinstance(found, tuple):
+                    prov = json.loads(found[0]).get("provenance") or {}
+                    when = f"run {prov.get('run_id')}, {prov.get('time')}"
+                    return f"cache entry {key[:16]} in {store.name} ({when})"
+            except Exception:  # noqa: BLE001, S112 - unreachable or unreadable: not found
                 continue
-            if data is not None and not (self.local.root / "bad" / hashlib.sha256(data).hexdigest()).exists():
-                prov = json.loads(data).get("provenance") or {}
-                when = f"run {prov.get('run_id')}, {prov.get('time')}"
-                return f"cache entry {key[:16]} in {store.name} ({when})"
         return None
 
-    def _restore_from(self, store: Folder | Shared, step: Step, key: str) -> Restored | None:
+    def _entry(self, store: Folder | Shared, key: str) -> tuple[bytes, bytes | None] | str | None:
+        """Entry `key` of `store` and its signature, if a restore may try it;
+        else why not (found damaged before, or its signature refused); None
+        if the store holds none."""
         data = store.read(entry_path(key))
         if data is None:
             return None
         label = f"cache entry {key[:16]} in {store.name}"
-        marker = self.local.root / "bad" / hashlib.sha256(data).hexdigest()
-        if marker.exists():
-            emit(f"{step.name}: skipping {label}, found damaged before; the step runs")
+        if self._bad_marker(data).exists():
+            return f"skipping {label}, found damaged before"
+        if store is not self.shared:  # the local folder is ours: not checked for signatures
+            return data, None
+        signature = store.read(entry_path(key) + ".sig")
+        why = refused_signature(data, signature, self.signers) if self.signers else None
+        return f"refused {label}: {why}" if why else (data, signature)
+
+    def _restore_from(self, store: Folder | Shared, step: Step, key: str) -> Restored | None:
+        found = self._entry(store, key)
+        if not isinstance(found, tuple):
+            if found is not None:
+                emit(f"{step.name}: {found}; the step runs")
             return None
-        signature = store.read(entry_path(key) + ".sig") if store is self.shared else None
-        if self.signers and store is self.shared:
-            why = refused_signature(data, signature, self.signers)
-            if why:
-                emit(f"{step.name}: refused {label}: {why}; the step runs")
-                return None
+        data, signature = found
+        label = f"cache entry {key[:16]} in {store.name}"
         staging = self.staging_root / f"{safe_name(step.name)}-{secrets.token_hex(4)}"
         manifest: dict[str, Any] = {}
         try:
@@ -185,7 +187,7 @@ class RunCache:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise Damaged(f"{problems[0]}{more}")
         except (Damaged, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
-            self._condemn(store, key, marker, staging, manifest)
+            self._condemn(store, key, data, staging, manifest)
             shutil.rmtree(staging, ignore_errors=True)
             emit(f"{step.name}: {label} is damaged ({exc}); it is skipped from now on and the step runs")
             return None
@@ -200,21 +202,31 @@ class RunCache:
         shared = (data, signature) if store is self.shared else None
         return Restored(Fetched(staging, manifest), key, label, prov, shared)
 
-    def _condemn(self, store: Folder | Shared, key: str, marker: Path, staging: Path, manifest: Any) -> None:
+    def _bad_marker(self, data: bytes) -> Path:
+        """Where an entry found damaged is marked, by its contents: skipped from then on."""
+        return self.local.root / "bad" / hashlib.sha256(data).hexdigest()
+
+    def _condemn(
+        self, store: Folder | Shared, key: str, data: bytes, staging: Path, manifest: dict[str, Any]
+    ) -> None:
         """Skip a damaged entry from now on; a store we may write also
         loses it and each object whose copy was not what its name says, so
         the run that replaces it stores them again."""
+        marker = self._bad_marker(data)
         marker.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         marker.write_text(key + "\n")
         if not store.writable:
             return
         drop_entry(store, key)
-        entries = manifest.get("entries") if isinstance(manifest, dict) else None
-        for item in entries if isinstance(entries, list) else []:
-            if isinstance(item, dict) and item.get("type") == "file" and _is_digest(item.get("sha256")):
-                copy = staging / str(item["path"])
-                if not copy.is_file() or copy.is_symlink() or digest_of(copy) != item["sha256"]:
-                    store.remove(object_path(item["sha256"]))
+        hash_file, buffer = manifest_cache.manifest_module().hash_file, memoryview(bytearray(BUFFER))
+        for item in _files(manifest) if manifest else []:  # empty: the entry was not whole
+            copy = f"{staging}/{item['path']}"
+            try:
+                bad = hash_file(copy, os.lstat(copy), buffer) != item["sha256"]
+            except (OSError, manifest_cache.ManifestError):  # not copied, or not a plain file
+                bad = True
+            if bad:
+                store.remove(object_path(item["sha256"]))
 
     def _count(self, what: str) -> None:
         with _STATS_LOCK:
@@ -243,7 +255,7 @@ class RunCache:
                                                       "client": socket.gethostname(),
                                                       "tool_version": __version__}}  # fmt: skip
         data = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
-        self._write_local(key, data, sign(data, self.signing_key) if self.signing_key else None)
+        write_entry(self.local, key, data, sign(data, self.signing_key) if self.signing_key else None)
         if self.shared is not None and self.shared.writable and self.shared.name not in _UNREACHABLE:
             try:
                 self.push(key)
@@ -255,7 +267,7 @@ class RunCache:
         """Keep a hit from the shared store in the local folder too, entry
         and signature as they came: the next restore here reads no network."""
         if restored.shared is not None and self._keep_objects(step, restored.fetched.manifest):
-            self._write_local(restored.key, *restored.shared)
+            write_entry(self.local, restored.key, *restored.shared)
             self.trim()
 
     def _keep_objects(self, step: Step, manifest: dict[str, Any]) -> bool:
@@ -277,13 +289,6 @@ class RunCache:
             return False
         return True
 
-    def _write_local(self, key: str, data: bytes, signature: bytes | None) -> None:
-        if signature is not None:
-            self.local.write(entry_path(key) + ".sig", signature)
-        else:
-            self.local.remove(entry_path(key) + ".sig")
-        self.local.write(entry_path(key), data)  # last: its objects are all in
-
     def push(self, key: str) -> int:
         """Upload the local entry `key` and the objects the shared store
         lacks (entry last); the number of objects sent."""
@@ -296,10 +301,7 @@ class RunCache:
         present = self.shared.objects()
         needed = sorted({object_path(e["sha256"]) for e in _files(manifest)} - present)
         self.shared.put([(self.local.root / rel, rel) for rel in needed])
-        signature = self.local.read(entry_path(key) + ".sig")
-        if signature is not None:
-            self.shared.write(entry_path(key) + ".sig", signature)
-        self.shared.write(entry_path(key), data)
+        write_entry(self.shared, key, data, self.local.read(entry_path(key) + ".sig"))
         return len(needed)
 
     def forget(self, key: str) -> list[str]:
@@ -322,7 +324,7 @@ class RunCache:
                 manifest = _parsed(data, path.stem)["manifest"]
                 names = {object_path(e["sha256"]) for e in _files(manifest)}
                 entries.append((path.stat().st_mtime, path.stem, names))
-            except (OSError, Damaged, KeyError, TypeError):
+            except (OSError, Damaged):
                 entries.append((0.0, path.stem, set()))  # unreadable: the first to go
         objects = {}
         for rel in self.local.objects():
@@ -334,14 +336,9 @@ class RunCache:
         """Remove the local entries last used more than `older_than_days`
         ago, then the oldest until the objects fit in max_size, and objects
         no entry names; what was (or would be) removed."""
-        import time
-
         entries, objects = self.usage()
         cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else 0.0
-        named: dict[str, int] = {}
-        for _, _, names in entries:
-            for rel in names:
-                named[rel] = named.get(rel, 0) + 1
+        named = Counter(rel for _, _, names in entries for rel in names)  # entries naming each object
         young = time.time() - ORPHAN_SECONDS
         dropped = [rel for rel, (_, mtime) in objects.items() if rel not in named and mtime < young]
         total = sum(size for rel, (size, _) in objects.items() if rel in named)
@@ -380,19 +377,13 @@ def _parsed(data: bytes, key: str) -> dict[str, Any]:
             or manifest.get("missing"):
         raise Damaged("its manifest is not whole")
     for item in manifest["entries"]:
-        if not isinstance(item, dict) or not _plain(item.get("path")):
+        path = item.get("path") if isinstance(item, dict) else None
+        if not isinstance(path, str) or not {"", ".", ".."}.isdisjoint(path.split("/")):  # "/x": "", "x"
             raise Damaged(f"its manifest lists {item!r}, not a plain relative path")
-        if item.get("type") == "file" and not _is_digest(item.get("sha256")):
-            raise Damaged(f"its manifest lists file {item['path']} without a sha256")
+        digest = item.get("sha256")
+        if item.get("type") == "file" and not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+            raise Damaged(f"its manifest lists file {path} without a sha256")
     return entry
-
-
-def _plain(path: object) -> bool:
-    return isinstance(path, str) and {"", ".", ".."}.isdisjoint(path.split("/"))  # "/x": "", "x"
-
-
-def _is_digest(value: object) -> bool:
-    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
 
 
 def _files(manifest: dict[str, Any]) -> list[dict[str, Any]]:

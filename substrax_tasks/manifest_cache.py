@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
         def entries_digest(self, entries: list[dict[str, Any]]) -> str: ...
 
+        def hash_file(self, path: str, st: os.stat_result, buf: memoryview) -> str: ...
+
 
 def manifest_module() -> ManifestModule:
     """`remote/manifest.py`, loaded once (as `substrax_remote_manifest`)."""

@@ -69,6 +69,8 @@ def test_a_second_clone_restores_from_a_shared_folder_without_running(tmp_path: 
     assert len(entries(tmp_path / "team-cache")) == 1
 
     second = project(tmp_path, "b", folder_cache(tmp_path))
+    why = compute(second, "why", "make")
+    assert f"would be restored from cache entry {entries(tmp_path / 'team-cache')[0].stem[:16]}" in why.stdout
     done = doit_ok(second)
     assert restored(done), show(done)
     assert run_count(second) == 0  # no run folder: nothing was launched, no worker
@@ -188,12 +190,13 @@ def _res_object(folder: Path) -> Path:
 RES_SHA = hashlib.sha256(b"hello\nhello\n").hexdigest()
 
 
-def _edit_manifest(folder: Path) -> None:
+def _edit_manifest(folder: Path, key: str = "mode", value: object = None) -> None:
+    """Change out/res.txt's `key` in the entry's manifest (by default, flip its mode)."""
     path = entries(folder)[0]
     entry = json.loads(path.read_text())
     for item in entry["manifest"]["entries"]:
         if item["path"] == "out/res.txt":
-            item["mode"] = 0o600 if item["mode"] != 0o600 else 0o644
+            item[key] = value if value is not None else 0o600 if item["mode"] != 0o600 else 0o644
     path.write_text(json.dumps(entry))
 
 
@@ -202,6 +205,9 @@ TAMPERING: dict[str, Callable[[Path], object]] = {
     "object-removed": lambda f: _res_object(f).unlink(),
     "object-truncated": lambda f: _res_object(f).write_bytes(b"hello\n"),
     "manifest-edited": _edit_manifest,
+    # a writer of the store aiming outside the staging folder: refused before anything is written
+    "path-escapes": lambda f: _edit_manifest(f, "path", "../../../escaped"),
+    "digest-not-a-name": lambda f: _edit_manifest(f, "sha256", "../victim"),  # objects/../../victim
     "entry-truncated": lambda f: entries(f)[0].write_bytes(entries(f)[0].read_bytes()[:100]),
 }
 
@@ -211,17 +217,34 @@ def test_a_damaged_entry_is_never_promoted_and_the_step_runs(tmp_path: Path, how
     team = tmp_path / "team-cache"
     doit_ok(project(tmp_path, "a", folder_cache(tmp_path)))
     key = entries(team)[0].stem
+    (tmp_path / "victim").write_text("mine")  # beside the store, where a hostile digest points
     TAMPERING[how](team)
     second = project(tmp_path, "b", folder_cache(tmp_path))
     done = doit_ok(second)
     assert f"cache entry {key[:16]} in {team} is damaged" in done.stdout, show(done)
     assert not restored(done) and run_count(second) == 1
     assert (second / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
+    assert not list(tmp_path.rglob("escaped")) and (tmp_path / "victim").read_text() == "mine"
     # the run replaced the entry (and the bad object): a third clone restores it whole
     third = project(tmp_path, "c", folder_cache(tmp_path))
     done = doit_ok(third)
     assert restored(done) and run_count(third) == 0, show(done)
     assert (third / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
+
+
+def test_an_object_missing_from_a_shared_store_is_a_damaged_entry(tmp_path: Path) -> None:
+    """A download that finds no object (the bucket transport's copies) is a
+    damaged entry, not an unreachable store: the step runs, the entry is named."""
+    shared = tmp_path / "shared"
+    doit_ok(project(tmp_path, "a", f'shared = "file://{shared}"\nmode = "readwrite"\n'))
+    (key,) = [p.stem for p in entries(shared)]
+    _res_object(shared).unlink()
+    second = project(tmp_path, "b", f'path = "{tmp_path}/cache-b"\nshared = "file://{shared}"\n')
+    done = doit_ok(second)
+    assert f"cache entry {key[:16]} in file://{shared} is damaged" in done.stdout, show(done)
+    assert "warning: the cache store" not in done.stderr, show(done)
+    assert not restored(done) and run_count(second) == 1
+    assert (second / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
 
 
 BIG = """
@@ -283,7 +306,9 @@ def test_read_mode_never_writes_the_shared_store(tmp_path: Path) -> None:
     assert len(entries(tmp_path / "a" / "xdg-cache")) == 0  # XDG_CACHE_HOME is the test's, not the project's
     done = compute(root, "cache", "push", "make")
     assert done.returncode == 0, show(done)  # push is the explicit way to write it
-    assert len(entries(shared)) == 1
+    assert len(entries(shared)) == 1 and "make: pushed (2 new objects)" in done.stdout, show(done)
+    again = compute(root, "cache", "push", "--all")  # objects the store holds are not sent again
+    assert again.returncode == 0 and "make: pushed (0 new objects)" in again.stdout, show(again)
 
 
 def _dead_endpoint() -> str:
@@ -347,6 +372,9 @@ def test_allowed_signers_restore_only_entries_signed_by_a_listed_key(tmp_path: P
     assert not restored(done) and run_count(second) == 1, show(done)
     key = entries(shared)[0].stem[:16]
     assert f"refused cache entry {key} in file://{shared}" in done.stdout
+    # `why` promises no restore a signature refuses (a third clone, nothing local)
+    third = project(tmp_path, "c", reader.replace("cache-b", "cache-c"))
+    assert "not up to date" in (why := compute(third, "why", "make").stdout) and "restored" not in why
     fingerprint = subprocess.run(["ssh-keygen", "-lf", f"{unlisted}.pub"], capture_output=True, text=True,
                                  check=True).stdout.split()[1]  # fmt: skip
     assert (fingerprint if signed_by == "unlisted" else "it is not signed") in done.stdout, show(done)

@@ -54,7 +54,7 @@ MANIFEST_NAME = "manifest.json"
 
 
 @dataclass(frozen=True)
-class _Copy:
+class Copy:
     source: str  # a file system path
     dest: str
     size: int
@@ -158,7 +158,7 @@ class BucketTransport:
         started = time.monotonic()
         fs, root = self.filesystem(remote_root)
         folders: list[Path] = [local_root]
-        copies: list[_Copy] = []
+        copies: list[Copy] = []
         for rel in rel_paths:
             clean = _relative(rel, remote_root)
             where = f"{remote_root.rstrip('/')}/{clean}"
@@ -167,7 +167,7 @@ class BucketTransport:
                 if name is None:
                     folders.append(local_root / clean / sub)
                 else:
-                    copies.append(_Copy(name, str(local_root / clean / sub), size))
+                    copies.append(Copy(name, str(local_root / clean / sub), size))
         try:
             for folder in folders:
                 folder.mkdir(parents=True, exist_ok=True)
@@ -176,9 +176,9 @@ class BucketTransport:
 
         # every source is under `root`: shown as a URI under `remote_root`
         shown = remote_root.rstrip("/")
-        return self._copy_all(fs, copies, lambda c: shown + c.source[len(root) :], started)
+        return self.copy_all(fs, copies, lambda c: shown + c.source[len(root) :], started)
 
-    def _copy_all(self, fs: Any, copies: list[_Copy], name_of: Callable[[_Copy], str],
+    def copy_all(self, fs: Any, copies: list[Copy], name_of: Callable[[Copy], str],
                   started: float) -> TransferStats:  # fmt: skip
         """Run the copies, MAX_WORKERS at a time, with progress. On the
         first failure (or an interrupt) the others are aborted at their next
@@ -198,7 +198,7 @@ class BucketTransport:
                 if bar is not None and task is not None:
                     bar.update(task, advance=nbytes, files=f" {done[0]}/{len(copies)} files")
 
-        def one(copy: _Copy) -> None:
+        def one(copy: Copy) -> None:
             if stop.is_set():
                 return
             seen = [0]
@@ -239,7 +239,7 @@ class BucketTransport:
         return stats
 
 
-def _get_whole(fs: Any, copy: _Copy, name: str, callback: Any) -> None:
+def _get_whole(fs: Any, copy: Copy, name: str, callback: Any) -> None:
     """One object to its final path, whole and of its listed size, or not at all."""
     final = Path(copy.dest)
     final.parent.mkdir(parents=True, exist_ok=True)
