@@ -51,18 +51,13 @@ worker's manifest before it, the verification, the
 promotion and the post-promotion check when one is made; what overlaps the
 download is inside its time); a profile section times what they are made of
 (a remote command over paramiko, remote Python start-up, the remote
-manifest with and without the worker's hash cache, OpenSSH connect with and
-without a ControlMaster, rsync with and without the transport's options);
-and a "what if" row times the verified fetch of a run that left no
-manifest (the host takes one, from a hash cache holding every file).
+manifest, OpenSSH connect with and without a ControlMaster, rsync with and
+without the transport's options).
 
 The fetch's manifest is the one the worker wrote as the command ended
-(`<run folder>/manifest.json`), or, where there is none, one the host takes
-from the hash cache the worker filled (`manifest-cache.json`) and saves
-there. Before each "as is" fetch this script puts both files back as the
-worker left them, so every repeat sees what the first fetch after the run
-sees. The "what if" rows take the manifest away and give the host a hash
-cache of every file instead.
+(`<run folder>/manifest.json`). Before each fetch this script puts it back
+as the worker left it, so every repeat sees what the first fetch after the
+run sees.
 
 A measurement that fails (the code under test raising, say) is noted and
 taken again, up to 3 times; the failures are listed under their table. On a
@@ -126,7 +121,6 @@ SMALL_BYTES = 4096
 SMALL_DIRS = 100
 CIPHER = "aes128-gcm@openssh.com"
 BENCH_USER = "sxbench"
-WORKER_CACHE = "manifest-cache.json"
 WORKER_RECORD = "manifest.json"  # the manifest the worker wrote for the fetch
 REMOTE_PYTHON = "/usr/bin/python3"
 GRACE_SECONDS = 5.0
@@ -336,11 +330,8 @@ class Bed:
     outputs_root: dict[str, str] = field(default_factory=dict)
     extra_handles: list[RunHandle] = field(default_factory=list)
     markers: list[bytes] = field(default_factory=list)
-    # the run folder's manifest-cache.json as the worker left it (None: none),
-    # and one that holds every file (what if the worker had cached them all)
-    worker_cache: dict[str, bytes | None] = field(default_factory=dict)
+    # the run folder's manifest.json as the worker left it (None: none)
     worker_record: dict[str, bytes | None] = field(default_factory=dict)  # WORKER_RECORD
-    full_cache: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def backend(self) -> SshBackend:
@@ -361,11 +352,6 @@ class Bed:
     def remote(self, name: str) -> str:
         return f"{self.host.destination}:{self.outputs_root[name]}/{name}/"
 
-    def cache_path(self, name: str) -> str:
-        """The hash cache the worker fills as the command ends and the
-        fetch's manifests read (`manifest.py --cache`)."""
-        return f"{self.runs[name].state['remote_run_dir']}/{WORKER_CACHE}"
-
     def read_remote(self, path: str) -> bytes | None:
         """A whole remote file (None: not there)."""
         done = self.backend.conn.run(["cat", path])
@@ -375,14 +361,12 @@ class Bed:
         """The manifest the worker wrote for the fetch."""
         return f"{self.runs[name].state['remote_run_dir']}/{WORKER_RECORD}"
 
-    def set_cache(self, name: str, data: bytes | None, record: bytes | None = None) -> None:
-        """The run folder's hash cache, and the manifest the worker kept
-        beside it (None: no such file)."""
-        for path, content in ((self.cache_path(name), data), (self.record_path(name), record)):
-            if content is None:
-                self.backend.conn.run(["rm", "-f", path])
-            else:
-                self.backend.conn.write_bytes(path, content)
+    def set_record(self, name: str, record: bytes | None) -> None:
+        """The manifest the worker kept in the run folder (None: none)."""
+        if record is None:
+            self.backend.conn.run(["rm", "-f", self.record_path(name)])
+        else:
+            self.backend.conn.write_bytes(self.record_path(name), record)
 
 
 def project_toml(host: Host, remote_root: str) -> str:
@@ -494,23 +478,12 @@ def make_data(bed: Bed) -> None:
             raise BenchError(f"the {name} run's status names no outputs folder")
         bed.outputs_root[name] = outputs_root
         sandbox = json.loads(record or b"{}").get("sandbox")
-        bed.worker_cache[name] = worker = bed.read_remote(bed.cache_path(name))
         bed.worker_record[name] = kept = bed.read_remote(bed.record_path(name))
-        cached = len(json.loads(worker)) if worker else 0
         progress(
             f"data: {name} made on the host in {time.perf_counter() - t0:.1f} s (sandbox {sandbox}); "
-            f"the worker's hash cache holds {cached} of its files; it wrote its manifest for the fetch: "
+            "it wrote its manifest for the fetch: "
             f"{'yes' if kept else 'NO (the host takes one at each fetch)'}"
         )
-    time.sleep(2.1)  # past manifest.py's RACY_SECONDS: every file can be cached now
-    for name in specs:
-        full = f"{bed.remote_root}/full-cache-{name}.json"
-        argv = [REMOTE_PYTHON, f"{bed.runs[name].state['remote_bin']}/manifest.py", bed.outputs_root[name],
-                f"{name}/", "--cache", full]  # fmt: skip
-        with quiet():
-            bed.backend.conn.check(argv, "building a full hash cache")
-        bed.full_cache[name] = bed.read_remote(full) or b"{}"
-        bed.backend.conn.run(["rm", "-f", full])
 
 
 # ------------------------------------------------------------------ fetches
@@ -533,22 +506,18 @@ def reset_local(bed: Bed, name: str) -> None:
 
 
 def verified_fetch(
-    bed: Bed, name: str, recorder: Recorder, *, master: str = "warm", full_cache: bool = False
+    bed: Bed, name: str, recorder: Recorder, *, master: str = "warm"
 ) -> dict[str, float]:
     """The chain's fetch and verify phases, timed; returns the phases and
-    "total". The run folder's hash cache is put back as the worker left it
-    (or, with full_cache, holding every file), so each repeat sees what the
-    first fetch after the run sees.
+    "total". The manifest the worker kept is put back as it left it, so
+    each repeat sees what the first fetch after the run sees.
 
     master "warm": up, as a run shorter than ControlPersist (30 s) finds
     it (the sync phase's rsync started it). "cold": the master stopped
     first, as a run longer than that, or a `substrax-compute fetch` long
     after the run."""
     reset_local(bed, name)
-    if full_cache:
-        bed.set_cache(name, bed.full_cache[name], None)
-    else:
-        bed.set_cache(name, bed.worker_cache[name], bed.worker_record[name])
+    bed.set_record(name, bed.worker_record[name])
     bed.stop_master()
     handle = bed.project.store.read(bed.runs[name].run_id)
     if master == "warm":
@@ -631,11 +600,10 @@ def print_failures(failures: list[str]) -> None:
             print(f"      {line}")
 
 
-def bench_big(bed: Bed, repeats: int, what_if: bool) -> None:
+def bench_big(bed: Bed, repeats: int) -> None:
     recorder = phase_recorder()
     fetch: list[dict[str, float]] = []
     fetch_cold: list[dict[str, float]] = []
-    fetch_cached: list[dict[str, float]] = []
     same: list[float] = []
     same_rsync: list[float] = []
     default: list[float] = []
@@ -658,17 +626,12 @@ def bench_big(bed: Bed, repeats: int, what_if: bool) -> None:
         default_rsync.append(t_rsync)
         default.append(t_rsync + t_hash)
 
-    def cached() -> None:
-        fetch_cached.append(verified_fetch(bed, "big", recorder, full_cache=True))
-
     steps: list[tuple[str, Callable[[], None]]] = [
         ("fetch", lambda: fetch.append(verified_fetch(bed, "big", recorder))),
         ("fetch cold", lambda: fetch_cold.append(verified_fetch(bed, "big", recorder, master="cold"))),
         ("same", base_same),
         ("default", base_default),
     ]
-    if what_if:
-        steps.append(("fetch cached", cached))
 
     try:
         for i in range(repeats):
@@ -692,12 +655,6 @@ def bench_big(bed: Bed, repeats: int, what_if: bool) -> None:
         ["verified fetch, ssh master cold (a later `fetch`)", fmt_s(median(cold)),
          f"{fmt_ratio(ratios(cold, same))} / {fmt_ratio(ratios(cold, default))}", "vs the 2 baselines", ""],
     ]  # fmt: skip
-    if what_if:
-        t = [s["total"] for s in fetch_cached]
-        both = f"{fmt_ratio(ratios(t, same))} / {fmt_ratio(ratios(t, default))}"
-        rows.append(
-            ["what if: no kept manifest, every file cached", fmt_s(median(t)), both, "vs the 2 baselines", ""]
-        )
     print_table(
         f"(a) verified fetch of 1 GiB vs rsync + hash (seconds, medians of {repeats}; ratio = median of"
         " per-repeat ratios)",
@@ -708,8 +665,6 @@ def bench_big(bed: Bed, repeats: int, what_if: bool) -> None:
         ["master up", *phase_columns(fetch)],
         ["ssh master cold", *phase_columns(fetch_cold)],
     ]
-    if what_if:
-        breakdown.append(["worker cached every file", *phase_columns(fetch_cached)])
     print_table(
         "    where the verified fetch's time goes (seconds, medians)",
         ["variant", *PHASES, "other"],
@@ -718,11 +673,10 @@ def bench_big(bed: Bed, repeats: int, what_if: bool) -> None:
     print_failures(failures)
 
 
-def bench_small(bed: Bed, repeats: int, what_if: bool) -> None:
+def bench_small(bed: Bed, repeats: int) -> None:
     recorder = phase_recorder()
     fetch: list[dict[str, float]] = []
     fetch_cold: list[dict[str, float]] = []
-    fetch_cached: list[dict[str, float]] = []
     bare: list[float] = []
     noop_cold: list[float] = []
     noop_warm: list[float] = []
@@ -743,17 +697,12 @@ def bench_small(bed: Bed, repeats: int, what_if: bool) -> None:
         noop_cold.append(cold)
         noop_warm.append(warm)
 
-    def cached() -> None:
-        fetch_cached.append(verified_fetch(bed, "small", recorder, full_cache=True))
-
     steps: list[tuple[str, Callable[[], None]]] = [
         ("fetch", lambda: fetch.append(verified_fetch(bed, "small", recorder))),
         ("fetch cold", lambda: fetch_cold.append(verified_fetch(bed, "small", recorder, master="cold"))),
         ("bare", base),
         ("noop", noop),
     ]
-    if what_if:
-        steps.append(("cached", cached))
 
     try:
         for i in range(repeats):
@@ -779,10 +728,6 @@ def bench_small(bed: Bed, repeats: int, what_if: bool) -> None:
          "", ""],
         ["no-op rsync -a, aes128-gcm", fmt_s(median(noop_bare)), "", "", ""],
     ]  # fmt: skip
-    if what_if:
-        t = [s["total"] for s in fetch_cached]
-        rows.append(["what if: no kept manifest, every file cached", fmt_s(median(t)),
-                     fmt_ratio(ratios(t, bare)), "", ""])  # fmt: skip
     print_table(
         f"(b) verified fetch of {SMALL_FILES:,} x {SMALL_BYTES // 1024} KiB files vs rsync -a (seconds,"
         f" medians of {repeats}; ratios vs the rsync row below each)",
@@ -793,8 +738,6 @@ def bench_small(bed: Bed, repeats: int, what_if: bool) -> None:
         ["master up", *phase_columns(fetch)],
         ["ssh master cold", *phase_columns(fetch_cold)],
     ]
-    if what_if:
-        breakdown.append(["worker cached every file", *phase_columns(fetch_cached)])
     print_table(
         "    where the verified fetch's time goes (seconds, medians)",
         ["variant", *PHASES, "other"],
@@ -1011,20 +954,13 @@ def bench_profile(bed: Bed, repeats: int) -> None:
         remote_times(bed, [REMOTE_PYTHON, "-I", "-S", "-c", "pass"], repeats)[0])  # fmt: skip
     status_argv = [REMOTE_PYTHON, f"{bin_dir}/control.py", "status", run_dir]
     add("paramiko: control.py status (the fetch's first call)", remote_times(bed, status_argv, repeats)[0])
-    cache_dir = f"{bed.remote_root}/bench-profile"
-    backend.conn.check(["mkdir", "-p", cache_dir], "mkdir")
     for name in ("big", "small"):
         outputs = [f"{name}/"]
-        plain = [REMOTE_PYTHON, f"{bin_dir}/manifest.py", bed.outputs_root[name], *outputs]
-        cached = [*plain, "--cache", f"{cache_dir}/{name}.json"]
+        plain = [REMOTE_PYTHON, f"{bin_dir}/manifest.py", "--", bed.outputs_root[name], *outputs]
         t_plain, sizes = remote_times(bed, plain, max(3, repeats // 3))
-        remote_times(bed, cached, 1)  # fill the cache
-        t_cached, cached_sizes = remote_times(bed, cached, repeats)
-        sizes |= cached_sizes
         lost = f"; OUTPUT LOST: stdout sizes {sorted(sizes)}" if len(sizes) > 1 else ""
-        add(f"paramiko: manifest.py {name}/, no hash cache (hashes all)", t_plain,
+        add(f"paramiko: manifest.py {name}/ (hashes all)", t_plain,
             f"stdout {max(sizes) / 1e6:.2f} MB{lost}")  # fmt: skip
-        add(f"paramiko: manifest.py {name}/ --cache, warm (stats only)", t_cached)
         saved = bed.local / "manifest.json"
         saved.write_bytes(backend.conn.run(plain).stdout)
         try:
@@ -1032,12 +968,8 @@ def bench_profile(bed: Bed, repeats: int) -> None:
             add(f"here: json.loads of that manifest ({name})", median(loads))
         except ValueError as exc:
             add(f"here: json.loads of that manifest ({name})", float("nan"), f"TRUNCATED: {exc}")
-    for name, data in bed.worker_cache.items():
-        rows.append([
-            f"the worker's hash cache of {name}/ (files it cached)", "",
-            f"{len(json.loads(data)) if data else 0}; manifest kept for the fetch: "
-            f"{'yes' if bed.worker_record.get(name) else 'no'}",
-        ])  # fmt: skip
+    for name, kept in bed.worker_record.items():
+        rows.append([f"the manifest the worker kept of {name}/", "", "yes" if kept else "no"])
 
     target = backend.settings.target()
     ssh_true = [*target.ssh_argv(), bed.host.address, "true"]
@@ -1116,7 +1048,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"the remote user: '{BENCH_USER}' (default; made for the bench, as root) or 'root'",
     )  # fmt: skip
     parser.add_argument("--skip", action="append", default=[],
-                        choices=("big", "small", "cancel", "profile", "what-if"))  # fmt: skip
+                        choices=("big", "small", "cancel", "profile"))  # fmt: skip
     parser.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.trials < 1:
@@ -1126,16 +1058,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cannot run: missing {', '.join(missing)} (apt-get install openssh-server rsync)",
               file=sys.stderr)  # fmt: skip
         return 1
-    what_if = "what-if" not in args.skip
     out = io.StringIO()
     with bench_bed(args.login) as bed:
         describe(bed, "root" if bed.host.user == "root" else bed.host.user)
         make_data(bed)
         with contextlib.redirect_stdout(Tee(sys.stdout, out)):
             if "big" not in args.skip:
-                bench_big(bed, args.repeats, what_if)
+                bench_big(bed, args.repeats)
             if "small" not in args.skip:
-                bench_small(bed, args.repeats, what_if)
+                bench_small(bed, args.repeats)
             if "cancel" not in args.skip:
                 bench_cancel(bed, args.trials)
             if "profile" not in args.skip:
