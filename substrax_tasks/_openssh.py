@@ -19,6 +19,7 @@ import selectors
 import shlex
 import subprocess
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,17 +59,17 @@ def control_dir() -> Path:
     return private_dir("substrax-ssh", max_length=CONTROL_DIR_MAX)
 
 
-class Multiplexed:
+class Multiplexed(ABC):
     """A target reached through OpenSSH's multiplexing master: what both
     kinds share (stopping or giving up that master)."""
 
     host: str
 
-    def control_path(self) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def control_path(self) -> str: ...
 
-    def ssh_argv(self) -> list[str]:
-        raise NotImplementedError
+    @abstractmethod
+    def ssh_argv(self) -> list[str]: ...
 
     def stop_master(self) -> None:
         """Stop the multiplexing master, so no local ssh outlives the run;

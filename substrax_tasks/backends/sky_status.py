@@ -59,7 +59,9 @@ def poll(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
         )
     if not status.final or status.state == "lost":
         return status
-    status = _from_worker(backend, handle, status)
+    # a record that says the run ended holds still; another is read again
+    final_record = record if record is not None and record.get("state") in FINAL_STATES else None
+    status = _from_worker(backend, handle, status, final_record)
     if "slot" in handle.state:  # kept now: another run's teardown may take the shared cluster down
         with contextlib.suppress(SubstraxError, OSError):
             backend.remote_run(handle).keep_log(backend.run_file(handle, "run.log"))
@@ -137,14 +139,19 @@ def _launch_status(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
     return ended
 
 
-def _from_worker(backend: SkypilotBackend, handle: RunHandle, status: RunStatus) -> RunStatus:
+def _from_worker(
+    backend: SkypilotBackend, handle: RunHandle, status: RunStatus, record: dict[str, Any] | None
+) -> RunStatus:
     """The worker's own record says more (timed out, exit code, times);
-    it must agree with SkyPilot's verdict, or SkyPilot's stands."""
-    try:
-        record = backend.remote_run(handle).status()
-    except SubstraxError as exc:
-        note = f"the worker's record is out of reach: {exc}"
-        return RunStatus(status.state, message=f"{status.message} ({note})")
+    it must agree with SkyPilot's verdict, or SkyPilot's stands. `record`:
+    the final one poll() read just before, or None to read it now (then it
+    may be out of reach)."""
+    if record is None:
+        try:
+            record = backend.remote_run(handle).status()
+        except SubstraxError as exc:
+            note = f"the worker's record is out of reach: {exc}"
+            return RunStatus(status.state, message=f"{status.message} ({note})")
     worker = status_from_record(record if record.get("state") else None, worker_alive=False)
     agrees = (worker.state == "succeeded") == (status.state == "succeeded")
     if not worker.final or not agrees:
