@@ -58,7 +58,7 @@ def _days(text: str) -> float:
 
 
 def run_cache(project: Project) -> RunCache:
-    return RunCache(CacheOptions(**project.config.cache.options()), project.root, project.store)
+    return RunCache(CacheOptions(**project.cache), project.root, project.store)
 
 
 def _cache_key(records: dict[str, dict[str, Any]], step: str) -> str:
@@ -97,7 +97,7 @@ def cmd_cache(project: Project, args: argparse.Namespace, out: Console, err: Con
         except Damaged as exc:
             raise SubstraxError(f"{step}: {exc}") from None
         except Exception as exc:
-            raise BackendError(f"{step}: pushing to {project.config.cache.shared} failed: {exc}") from exc
+            raise BackendError(f"{step}: pushing to {project.cache['shared']} failed: {exc}") from exc
         out.print(f"{step}: pushed ({sent} new objects)", highlight=False)
     return 0
 

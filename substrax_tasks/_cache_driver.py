@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 
 def run_cache_of(driver: StepDriver) -> RunCache | None:
-    options = CacheOptions(**driver.view.cache)
-    return RunCache(options, driver.root, driver.view.store) if options.enabled else None
+    options = CacheOptions(**driver.project.cache)
+    return RunCache(options, driver.root, driver.project.store) if options.enabled else None
 
 
 def restored_from_cache(driver: StepDriver) -> bool:

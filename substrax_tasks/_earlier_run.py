@@ -28,7 +28,7 @@ def last_run(driver: StepDriver) -> RunHandle | None:
     run_id = uptodate.read_record(driver.step, strict=True).get("run_id")
     if not run_id:
         return None
-    store = driver.view.store  # needs no validated config (a restore imports no pydantic)
+    store = driver.project.store
     if not store.handle_path(str(run_id)).exists():
         return None  # its folder was removed: nothing runs there any more
     try:

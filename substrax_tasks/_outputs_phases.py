@@ -38,7 +38,7 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
         driver._save(handle, verdict={"state": "failed", "message": message})
         return TaskFailed(f"step {driver.spec.step!r}: run {handle.run_id}: {message}; nothing was promoted")
     # compact: a manifest of 20,000 files is 3 MB, 4x slower to indent
-    write_json_atomic(driver.view.store.manifest_file(handle.run_id), fetched.manifest, indent=None)
+    write_json_atomic(driver.project.store.manifest_file(handle.run_id), fetched.manifest, indent=None)
     driver.fetched = fetched
     driver._save(handle, phase="fetched", manifest_digest=fetched.manifest["digest"])
     return None
@@ -85,12 +85,12 @@ def record_of(driver: StepDriver, digest: str) -> dict[str, Any]:
     """What the step record says of outputs just verified and promoted."""
     handle, restored, parts = driver.handle, driver.restored, driver.parts
     verified = {"key": uptodate.key(parts), "key_parts": parts, "digest": digest,
-                "cache_key": cache_key(parts, bool(driver.view.cache["key_backend"]))}  # fmt: skip
+                "cache_key": cache_key(parts, bool(driver.project.cache["key_backend"]))}  # fmt: skip
     if handle is not None:
-        manifest_file = driver.view.store.manifest_file(handle.run_id)
+        manifest_file = driver.project.store.manifest_file(handle.run_id)
         return {"verified": {**verified, "run_id": handle.run_id, "manifest_file": str(manifest_file)}}
     assert restored is not None
-    manifest_file = driver.view.store.restored_manifest(driver.spec.step)
+    manifest_file = driver.project.store.restored_manifest(driver.spec.step)
     manifest_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     write_json_atomic(manifest_file, restored.fetched.manifest, indent=None)
     run_id = str(restored.provenance.get("run_id") or restored.key[:16])
@@ -112,7 +112,7 @@ def journal(driver: StepDriver, run_id: str | None) -> Path:
     if run_id is None:
         driver.step.files.record.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         return driver.step.files.record.with_suffix("." + JOURNAL)
-    return driver.view.store.run_dir(run_id) / JOURNAL
+    return driver.project.store.run_dir(run_id) / JOURNAL
 
 
 def recover_promotion(driver: StepDriver) -> None:

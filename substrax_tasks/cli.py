@@ -20,14 +20,13 @@ from rich.markup import escape
 from substrax_tasks import __version__
 from substrax_tasks._status_view import machine_lines, print_status_table, status_json
 from substrax_tasks.backends.base import RunStatus
-from substrax_tasks.config import find_project, read_pyproject_table
-from substrax_tasks.errors import BackendError, ConfigError, HandleError, SubstraxError
+from substrax_tasks.config import find_project
+from substrax_tasks.errors import BackendError, HandleError, SubstraxError
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.machines import find_leaks
 from substrax_tasks.runs import Project
 from substrax_tasks.selection import latest_per_step, select, shortened
-from substrax_tasks.settings import ComputeConfig
-from substrax_tasks.store import RunStore, Unreadable
+from substrax_tasks.store import Unreadable
 
 if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only
     from exceptiongroup import ExceptionGroup
@@ -331,7 +330,7 @@ def cmd_why(project: Project, args: argparse.Namespace, out: Console, err: Conso
     from substrax_tasks._cache_cli import run_cache
     from substrax_tasks.uptodate import key_parts
 
-    found = run_cache(project).find(key_parts(driver.step)) if project.config.cache.enabled else None
+    found = run_cache(project).find(key_parts(driver.step)) if project.cache["enabled"] else None
     if found:
         said = f"  it would be restored from {found} (`doit {args.step} -a` runs it)"
         out.print(escape(said), highlight=False)
@@ -339,23 +338,6 @@ def cmd_why(project: Project, args: argparse.Namespace, out: Console, err: Conso
 
 
 # ------------------------------------------------------------------ helpers
-
-def open_project(path: str | None) -> tuple[Project, ConfigError | None]:
-    """The project (`path`, or found upward from the current folder); when
-    its configuration is invalid, a project whose store is still found
-    (through `state_dir`) and the error. Every command acts on runs through
-    their handles' pinned settings, so a pyproject.toml edited since must
-    not stop a cancel. Unreadable TOML stays an error."""
-    root = Path(path).resolve() if path is not None else find_project(Path.cwd())
-    try:
-        return Project.open(root), None
-    except ConfigError as exc:
-        state_dir = read_pyproject_table(root).get("state_dir", ComputeConfig().state_dir)
-        if not isinstance(state_dir, str):
-            raise
-        config = ComputeConfig.model_construct(state_dir=state_dir)
-        return Project(root, config, RunStore(config.state_path(root))), exc
-
 
 def console(stream: TextIO) -> Console:
     """Messages are never broken inside a path; away from a terminal (a pipe,
@@ -369,10 +351,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out, err = console(sys.stdout), console(sys.stderr)
     try:
-        project, config_error = open_project(args.project)
-        if config_error is not None:
+        root = Path(args.project) if args.project is not None else find_project(Path.cwd())
+        project = Project.open(root, invalid_ok=True)
+        if project.config_error is not None:
             err.print(
-                f"[bold red]error:[/] {escape(str(config_error))}\n"
+                f"[bold red]error:[/] {escape(str(project.config_error))}\n"
                 "(runs are reached with the settings pinned in their handles)",
                 highlight=False,
             )
@@ -389,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.print("interrupted", highlight=False)
         return 1
     # status reports on everything: a broken configuration fails it
-    return 1 if config_error is not None and args.func is cmd_status else code
+    return 1 if project.config_error is not None and args.func is cmd_status else code
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """`[tool.substrax.compute]`: read from pyproject.toml, the SUBSTRAX_CONFIG
-overlay and SUBSTRAX_BACKEND, and the resolution a no-op `doit` uses.
+overlay and SUBSTRAX_BACKEND, and where the resolution a no-op `doit` uses
+is cached (read and written by runs.Project.open).
 
 A dodo file is loaded on every `doit`, and each remote step needs its
 backend's validated settings for its up-to-date key. Validating (settings.py)
@@ -11,22 +12,17 @@ unchanged. This module therefore imports settings.py only where it validates.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import hashlib
 import json
 import os
 import sys
-import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks import __version__
-from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks._private import private_dir, private_path, trusted_file
+from substrax_tasks._private import private_path
 from substrax_tasks.errors import ConfigError, not_valid_toml
-from substrax_tasks.store import RunStore
 
 if TYPE_CHECKING:
     from substrax_tasks.settings import ComputeConfig
@@ -183,56 +179,3 @@ def cache_file(root: Path) -> Path:
     # let them choose where our run records go.
     folder = private_path(CACHE_FOLDER)
     return folder / f"config-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}.json"
-
-
-@dataclass
-class ResolvedProject:
-    """The project's configuration as every step needs it: its store, each
-    backend's settings as pinned in handles, the run cache's options
-    (cache.CacheOptions). `config()` validates, for the phases that act."""
-
-    root: Path
-    store: RunStore
-    default_backend: str
-    settings: dict[str, dict[str, Any]]  # backend name -> settings as pinned in handles
-    cache: dict[str, Any]
-    _config: ComputeConfig | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def config(self) -> ComputeConfig:
-        """The validated configuration (imports pydantic)."""
-        with self._lock:
-            if self._config is None:
-                self._config = load_config(self.root)
-            return self._config
-
-    def settings_for(self, backend: str | None = None) -> tuple[str, dict[str, Any]]:
-        name = backend or self.default_backend
-        if name not in self.settings:  # a backend only some step names: validate it now
-            self.settings[name] = self.config().pinned(name, self.root)
-        return name, self.settings[name]
-
-
-def resolve(root: Path, stamp: list[Any] | None = None) -> ResolvedProject:
-    """The project's configuration, from the cache when it is current."""
-    stamp = config_stamp(root) if stamp is None else stamp
-    private_dir(CACHE_FOLDER)  # made, or refused when not ours alone
-    path = cache_file(root)
-    try:
-        data = json.loads(trusted_file(path) or b"null")  # not ours alone: validate again
-        if data.get("stamp") == stamp:
-            return ResolvedProject(
-                root, RunStore(Path(data["state_dir"])), str(data["default_backend"]),
-                dict(data["settings"]), dict(data["cache"]),
-            )  # fmt: skip
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    config = load_config(root)
-    state_dir, default = config.state_path(root), config.default_backend
-    settings = {name: config.pinned(name, root) for name in sorted({default, *config.backends})}
-    cache = config.cache.options()
-    record = {"stamp": stamp, "state_dir": str(state_dir), "default_backend": default, "settings": settings,
-              "cache": cache}  # fmt: skip
-    with contextlib.suppress(OSError):  # a cache: the next doit validates again
-        write_json_atomic(path, record)
-    return ResolvedProject(root, RunStore(state_dir), default, settings, cache, config)

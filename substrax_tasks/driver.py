@@ -41,7 +41,6 @@ from substrax_tasks.uptodate import DOIT_VALUE, Step
 if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
     from substrax_tasks.backends.base import Backend, Fetched
     from substrax_tasks.cache import Restored
-    from substrax_tasks.config import ResolvedProject
     from substrax_tasks.handle import RunHandle
     from substrax_tasks.runs import Project
     from substrax_tasks.slots import Slot
@@ -62,11 +61,11 @@ class RunState(enum.Enum):
 class StepDriver:
     """The phases of one step in one doit process, as doit actions."""
 
-    def __init__(self, step: Step, project: ResolvedProject, *, retries: int = 0) -> None:
+    def __init__(self, step: Step, project: Project, *, retries: int = 0) -> None:
         self.step = step
         self.spec = step.spec
         self.root = step.root
-        self.view = project
+        self.project = project
         self.retries = retries
         self.state = RunState.IDLE
         self.handle: RunHandle | None = None
@@ -81,13 +80,6 @@ class StepDriver:
         self._slot: Slot | None = None  # of the backend's max_parallel pool, from launch to the chain's end
         self._slot_shared = False
         self.pid = os.getpid()
-
-    @property
-    def project(self) -> Project:
-        """The validated project (pydantic): only the phases that act need it."""
-        from substrax_tasks.runs import Project
-
-        return Project.of(self.view)
 
     def backend(self, handle: RunHandle) -> Backend:
         return self.project.backend_for(handle)

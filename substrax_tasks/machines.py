@@ -117,15 +117,14 @@ def _places(project: Project, handles: list[RunHandle]) -> Iterator[tuple[str, C
     a run not torn down, and the project's configuration (the handles of its
     runs may be gone). Made when asked, so a handle this release cannot use
     is one problem among the places, not the end of the listing."""
-    config = project.config
     seen: set[str] = set()
     for handle in handles:
         key = repr((handle.backend, sorted(handle.settings.items())))
         if key not in seen and not handle.state.get("torn_down"):
             seen.add(key)
             yield handle.backend, functools.partial(project.backend_for, handle)
-    for name in config.backends:
-        key = repr((name, sorted(config.pinned(name, project.root).items())))
+    for name, pinned in project.settings.items():
+        key = repr((name, sorted(pinned.items())))
         if key not in seen:
             seen.add(key)
             yield name, functools.partial(_configured, project, name)
@@ -134,7 +133,8 @@ def _places(project: Project, handles: list[RunHandle]) -> Iterator[tuple[str, C
 def _configured(project: Project, name: str) -> Backend:
     from substrax_tasks.backends import backend_class
 
-    return backend_class(name)(project.config.backend_settings(name, project.root), project.store)
+    cls = backend_class(name)
+    return cls(cls.Settings.model_validate(project.settings[name]), project.store)
 
 
 def find_leaks(project: Project, handles: list[RunHandle]) -> tuple[list[Leak], list[str]]:

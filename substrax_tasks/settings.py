@@ -259,6 +259,9 @@ class ComputeConfig(Strict):
     state_dir: str = Field(".substrax", description="Folder of run handles, relative to the project.")
     backends: dict[str, dict[str, Any]] = Field(default_factory=dict)
     cache: CacheSettings = Field(default_factory=CacheSettings)
+    # backend name -> pinned settings: `validate` checks every backend, and
+    # the project's resolution then pins them without validating twice
+    _pinned: dict[str, dict[str, Any]] = {}  # a private attribute: copied per instance
 
     def state_path(self, project: Path) -> Path:
         return (project / self.state_dir).resolve()
@@ -275,7 +278,9 @@ class ComputeConfig(Strict):
     def pinned(self, name: str, project: Path) -> dict[str, Any]:
         """Backend `name`'s settings as a handle pins them (and a step's key holds them)."""
         check_backend_name(name, "backend")
-        return self.backend_settings(name, project).model_dump(mode="json", by_alias=True)
+        if name not in self._pinned:
+            self._pinned[name] = self.backend_settings(name, project).model_dump(mode="json", by_alias=True)
+        return self._pinned[name]
 
 
 def validate(table: dict[str, Any], project: Path, backend_override: str | None) -> ComputeConfig:
@@ -294,7 +299,7 @@ def validate(table: dict[str, Any], project: Path, backend_override: str | None)
                 f"pyproject.toml: unknown backend table [{TABLE}.backends.{name}]; "
                 f"valid backends: {', '.join(BACKEND_NAMES)}"
             )
-        config.backend_settings(name, project)
+        config.pinned(name, project)
     return config
 
 

@@ -27,9 +27,10 @@ from doit.dependency import UptodateCalculator
 
 from substrax_tasks._signals import map_termination_signals
 from substrax_tasks._spec_args import check_doit_arguments, name_list, path_list
-from substrax_tasks.config import ResolvedProject, config_key, config_stamp, resolve
+from substrax_tasks.config import config_key, config_stamp
 from substrax_tasks.driver import StepDriver
 from substrax_tasks.errors import SubstraxError
+from substrax_tasks.runs import Project
 from substrax_tasks.spec import ArgvItem, PathIndex, StepSpec, make_spec
 from substrax_tasks.uptodate import DOIT_VALUE, Step, up_to_date
 
@@ -252,10 +253,10 @@ class CleanOutputs:
         return f"<remove the outputs of step {self.step.name}: {', '.join(self.step.spec.outputs)}"
 
 
-_PROJECTS: dict[tuple[Path, tuple[Any, ...]], ResolvedProject] = {}
+_PROJECTS: dict[tuple[Path, tuple[Any, ...]], Project] = {}
 
 
-def project_of(path: str | os.PathLike[str] | None) -> ResolvedProject:
+def project_of(path: str | os.PathLike[str] | None) -> Project:
     """The project's configuration, resolved once per dodo load: a dodo with
     1,000 steps reads pyproject.toml once, and a no-op doit validates nothing
     while the configuration is unchanged (see config.py)."""
@@ -263,5 +264,5 @@ def project_of(path: str | os.PathLike[str] | None) -> ResolvedProject:
     config = config_key(root)
     project = _PROJECTS.get((root, config))
     if project is None:
-        project = _PROJECTS[root, config] = resolve(root, config_stamp(root, config))
+        project = _PROJECTS[root, config] = Project.open(root, stamp=config_stamp(root, config))
     return project

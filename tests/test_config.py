@@ -15,6 +15,7 @@ from substrax_tasks.backends import BACKEND_NAMES, backend_class, settings_model
 from substrax_tasks.config import load_config
 from substrax_tasks.errors import ConfigError
 from substrax_tasks.runs import Project
+from substrax_tasks.settings import BackendSettings, ComputeConfig
 from substrax_tasks.spec import make_spec
 
 STEP = """
@@ -178,6 +179,28 @@ def test_defaults_need_no_configuration(project_dir: Path) -> None:
                         "max_parallel": None, "hide_gpus_when_unasked": False, "pip_args": []}  # fmt: skip
 
 
+@pytest.mark.unit
+def test_a_cold_open_validates_each_backend_once(project_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validating the table checks every backend; pinning them for the
+    cached resolution then validates none of them again."""
+    (project_dir / "pyproject.toml").write_text(
+        '[tool.substrax.compute.backends.local]\nsandbox = "none"\n'
+        '[tool.substrax.compute.backends.ssh]\nhost = "gpu-box"\n'
+    )
+    validated: list[str] = []
+    real = ComputeConfig.backend_settings
+
+    def counted(self: ComputeConfig, name: str, project: Path) -> BackendSettings:
+        validated.append(name)
+        return real(self, name, project)
+
+    monkeypatch.setattr(ComputeConfig, "backend_settings", counted)
+    project = Project.open(project_dir)
+    assert sorted(validated) == ["local", "ssh"]
+    assert project.settings["ssh"]["host"] == "gpu-box"
+    assert project.settings_for() == ("local", project.settings["local"])
+
+
 def test_configured_values_are_used(project_dir: Path) -> None:
     (project_dir / "pyproject.toml").write_text(
         '[tool.substrax.compute]\ndefault_backend = "local"\nstate_dir = "var/runs-state"\n\n'
@@ -235,8 +258,8 @@ def test_every_backend_has_its_settings_model_registered() -> None:
 RESOLVE = """
 import sys
 from pathlib import Path
-from substrax_tasks.config import resolve
-print(resolve(Path(sys.argv[1])).settings_for()[1]["grace_seconds"], "pydantic" in sys.modules)
+from substrax_tasks.runs import Project
+print(Project.open(Path(sys.argv[1])).settings_for()[1]["grace_seconds"], "pydantic" in sys.modules)
 """
 
 

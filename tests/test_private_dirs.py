@@ -25,7 +25,8 @@ from testbeds.sshd_host import SshHost
 
 from substrax_tasks import _private
 from substrax_tasks._private import UnsafeFolder, private_dir
-from substrax_tasks.config import cache_file, config_stamp, resolve
+from substrax_tasks.config import cache_file, config_stamp
+from substrax_tasks.runs import Project
 
 ROOT = os.geteuid() == 0
 needs_root_to_chown = pytest.mark.skipif(not ROOT, reason="FOREIGN-OWNED FOLDER NOT TESTED: chown needs root")
@@ -159,7 +160,7 @@ def test_a_cached_configuration_not_ours_alone_is_not_trusted(
     root = tmp_path / "proj"
     root.mkdir()
     (root / "pyproject.toml").write_text('[tool.substrax.compute]\nstate_dir = "mine"\n')
-    assert resolve(root).store.root == root / "mine"  # made the cache
+    assert Project.open(root).store.root == root / "mine"  # made the cache
     path = cache_file(root)
     data = json.loads(path.read_text())
     assert data["stamp"] == config_stamp(root)
@@ -168,7 +169,7 @@ def test_a_cached_configuration_not_ours_alone_is_not_trusted(
         os.chown(path, OTHER_UID, OTHER_UID)
     else:
         path.chmod(0o620)
-    assert resolve(root).store.root == root / "mine"
+    assert Project.open(root).store.root == root / "mine"
     st = path.stat()  # and replaced by one of ours
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (UID, 0o600)
     assert json.loads(path.read_text())["state_dir"] == str(root / "mine")

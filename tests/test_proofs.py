@@ -252,7 +252,7 @@ print(sorted(sys.modules))
 sys.exit(code)
 """
 NOT_ON_A_NOOP = ("pydantic", "filelock", "uuid", "substrax_tasks.promote", "substrax_tasks.steplock",
-                 "substrax_tasks.worker_job", "substrax_tasks.runs", "substrax_tasks.backends")
+                 "substrax_tasks.worker_job", "substrax_tasks.backends")
 
 
 # After the run, is anything still holding doit's tasks? (The runners stay in
