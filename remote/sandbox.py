@@ -99,6 +99,24 @@ def host_sockets() -> list[str]:
     return found
 
 
+# What bubblewrap says, and stops on before the command, when a mount's
+# destination is gone: it cannot make one on the read-only root.
+NO_MOUNT_POINT = re.compile(r"bwrap: Can't create file at (.+): [^:]+")
+
+
+def socket_gone(argv: list[str], log_tail: str) -> str | None:
+    """The host socket that bubblewrap (run as `argv`) was to cover with
+    /dev/null and stopped on, the log's last line says, because it was
+    removed after host_sockets() listed it (--ro-bind-try does not help: it
+    skips a missing source, not a missing destination). Nothing is to hide
+    there now, and the command never started: the sandbox may start again."""
+    found = NO_MOUNT_POINT.fullmatch(log_tail.rstrip("\n").rsplit("\n", 1)[-1])
+    covered = {argv[i + 2] for i, option in enumerate(argv[:-2])
+               if option == "--ro-bind" and argv[i + 1] == "/dev/null"}
+    path = found.group(1) if found else None
+    return path if path in covered and not os.path.lexists(path) else None
+
+
 def gpu_devices(dev: str = "/dev") -> list[str]:
     """The GPU device nodes under `dev`, relative to it, sorted. Only
     character devices count: the links in dri/by-path are not nodes."""

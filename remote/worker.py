@@ -78,6 +78,7 @@ class Worker:
         self.wake_r, self.wake_w = os.pipe()
         self.log_fd = -1
         self.child: subprocess.Popen[bytes] | None = None
+        self.argv: list[str] = []
         self.gpu_locks: list[int] = []  # open while the run lasts: they hold its GPUs
         self.gpu_env: dict[str, str] = {}
         self.status: dict[str, Any] = {
@@ -194,6 +195,7 @@ class Worker:
         job = self.job
         try:
             argv, sandbox_name, outputs_root = sandbox.sandboxed_command(job, self.note, os.environ)
+            self.argv = argv
             home = sandbox.home_settings(job, os.environ) if sandbox_name == "bwrap" else {}
             # Under bubblewrap the command's pid namespace already holds
             # every process it starts and dies whole with it: a cgroup adds
@@ -242,6 +244,12 @@ class Worker:
                 self.stop_signal = "its run folder was deleted"
                 break
             self.sleep(POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic()))
+        gone = sandbox.socket_gone(self.argv, hints.log_tail(self.job)) if returncode == 1 else None
+        if gone is not None and self.stop_reason is None:
+            self.note("%s, a socket to hide, went away as the sandbox started; starting it again" % gone)
+            if self.start_command():
+                self.watch(self.status["pid"], self.status["outputs_root"])
+            return
         if self.stop_reason is not None:
             self.note("stopping the task tree (%s)" % (
                 "timeout of %ss" % timeout if self.stop_reason == "timed_out" else self.stop_signal))

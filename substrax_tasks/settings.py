@@ -248,7 +248,7 @@ class CacheSettings(Strict):
             raise ValueError(f'{value!r} is not a size: write bytes, or as "500MiB", "20GiB"') from None
 
     def options(self) -> dict[str, Any]:
-        """As `cache.CacheOptions` takes them (and the resolved project keeps them)."""
+        """As `cache.CacheOptions` takes them (and the project keeps them)."""
         return {**self.model_dump(exclude={"max_size"}), "max_bytes": self.bytes_of(self.max_size)}
 
 

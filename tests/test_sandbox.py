@@ -11,12 +11,23 @@ import os
 import re
 import socket
 import stat
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import connections_made, log_text, needs_bwrap, outputs_root, run_dir, submit, wait_final
+from conftest import (
+    WORKER,
+    connections_made,
+    log_text,
+    needs_bwrap,
+    outputs_root,
+    run_dir,
+    submit,
+    wait_final,
+)
 
 from substrax_tasks._remote_files import remote_module
 from substrax_tasks.runs import Project
@@ -291,3 +302,61 @@ def test_network_isolation_removes_the_network(
         assert "CONNECTED" in log
         assert "NO-CONNECTION" not in log
         assert connections_made(tcp_server) == 1
+
+
+# A socket bound in the project, listed by host_sockets() and then removed
+# before bubblewrap starts: the race a service that restarts can win.
+RACE = """
+import os, socket, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import sandbox, worker
+listed, calls = sandbox.host_sockets, []
+
+def then_gone():
+    calls.append(1)
+    if len(calls) > 1:
+        return listed()
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(sys.argv[3])
+    found = listed()
+    server.close()
+    os.unlink(sys.argv[3])
+    return found
+
+sandbox.host_sockets = then_gone
+sys.exit(worker.main([sys.argv[2]]))
+"""
+
+
+@pytest.mark.unit
+def test_a_socket_gone_before_bubblewrap_started_is_told_apart(tmp_path: Path) -> None:
+    path = tmp_path / "app.sock"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        argv = sandbox.bwrap_argv("bwrap", job_for(tmp_path, [], network_isolation=True), "/staging")
+    assert ("/dev/null", str(path)) in pairs(argv, "--ro-bind")
+    said = f"task output\nbwrap: Can't create file at {path}: Read-only file system\n"
+    path.touch()  # still there: bubblewrap failed for another reason
+    assert sandbox.socket_gone(argv, said) is None
+    path.unlink()
+    assert sandbox.socket_gone(argv, said) == str(path)
+    assert sandbox.socket_gone(argv, said + "the command's own last line\n") is None
+    other = said.replace(str(path), str(tmp_path / "not-covered"))
+    assert sandbox.socket_gone(argv, other) is None
+
+
+@needs_bwrap
+def test_a_socket_removed_before_bubblewrap_starts_does_not_fail_the_run(project: Project) -> None:
+    spec = make_spec("race", ["sh", "-c", "echo ran > out/x"], project.root, outputs=["out/"])
+    handle = project.new_run(spec, settings={"sandbox": "bwrap", "network_isolation": True})
+    handle = project.backend_for(handle).launch(handle)
+    job = run_dir(project, handle) / "job.json"
+    sock = project.root / "s.sock"  # short: a socket path holds at most 107 bytes
+    done = subprocess.run([sys.executable, "-c", RACE, str(WORKER), str(job), str(sock)],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    log = log_text(project, handle)
+    assert f"bwrap: Can't create file at {sock}" in log  # the race happened
+    assert "a socket to hide, went away as the sandbox started; starting it again" in log
+    assert wait_final(project, handle) == "succeeded", log
+    assert (outputs_root(project, handle) / "out" / "x").read_text() == "ran\n"
