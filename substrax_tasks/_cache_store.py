@@ -37,9 +37,9 @@ BUFFER = 1 << 20  # one reused buffer per restore: no allocation per file
 RACY_NS = int(manifest_module().RACY_SECONDS * 1e9)
 TRUSTED_SIZE = 1 << 20  # objects whose stat is recorded (see copy_object)
 FICLONE = 0x40049409  # linux/fs.h: make dst share src's blocks
-# A big object moves as ranged parts, 4 at once (as rclone does): s3fs's
-# 50 MiB x 10 held up to 500 MB in memory and measured slower (bench/README.md).
-S3_PARTS = {"default_block_size": 16 << 20, "max_concurrency": 4}
+# An upload sends 50 MiB parts 4 at once: s3fs's 10 would hold 500 MB in
+# memory. (Downloads go as the bucket transport's parts: bucket.PART.)
+S3_PARTS = {"max_concurrency": 4}
 
 # What a restore made of each file: its sha256 and stat, as the outputs'
 # hash cache keys it ([size, mtime_ns, ctime_ns, inode, device, sha256]).
@@ -171,29 +171,26 @@ def copy_object(  # noqa: PLR0917
         os.close(src)
 
 
-def _copy_hashed(src: int, dst: int | None, buffer: bytearray) -> str:
-    """The sha256 of what is left to read of `src`, written to `dst` as it
-    is read (unless None: only hashed)."""
+def _copy_hashed(src: int, dst: int, buffer: bytearray) -> str:
+    """The sha256 of what is left to read of `src`, written to `dst` as it is read."""
     sha = hashlib.sha256()
     view = memoryview(buffer)
     while size := os.readv(src, [buffer]):
         sha.update(view[:size])
         done = 0
-        while dst is not None and done < size:
+        while done < size:
             done += os.write(dst, view[done:size])
         if size < len(buffer):  # a regular file reads short only at its end: no read to see it
             break
     return sha.hexdigest()
 
 
-def hash_in_place(path: str, mode: int, buffer: bytearray) -> list[Any]:
-    """The hash cache key of a file a download just wrote, with `mode`
-    (an object store keeps none). Not remote/manifest.py's hash_file: its
-    checks, needless for a file just written here, cost more than the hash
-    of a small file."""
+def made_of(path: str, mode: int, digest: str) -> list[Any]:
+    """The hash cache key of a file a download just wrote and hashed, with
+    `mode` (an object store keeps none)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        return _made(fd, mode, _copy_hashed(fd, None, buffer))
+        return _made(fd, mode, digest)
     finally:
         os.close(fd)
 
@@ -319,18 +316,18 @@ class Shared:
 
     def get(self, wanted: Wanted, key: str) -> Made:
         """Download objects (the bucket transport's parallel, whole-or-nothing
-        copies), then hash each copy; by destination."""
-        from substrax_tasks.transports.bucket import Copy
+        copies, each hashed as it arrives); by destination."""
+        from substrax_tasks.transports.bucket import Changed, Copy
 
         copies = [Copy(self._path(rel), dest, size) for rel, dest, _, size in wanted]
         try:
-            self.transport.copy_all(self.fs, copies, lambda c: c.source, time.monotonic())
+            _, digests = self.transport.copy_all(self.fs, copies, lambda c: c.source, time.monotonic())
         except BackendError as exc:
-            if isinstance(exc.__cause__, FileNotFoundError):  # a missing object: a damaged entry
+            # a missing object, or one not of its listed size: a damaged entry
+            if isinstance(exc, Changed) or isinstance(exc.__cause__, FileNotFoundError):
                 raise FileNotFoundError(str(exc)) from None
             raise
-        buffer = bytearray(BUFFER)
-        return {dest: hash_in_place(dest, mode, buffer) for _, dest, mode, _ in wanted}
+        return {dest: made_of(dest, mode, digests[dest]) for _, dest, mode, _ in wanted}
 
     def put(self, pairs: list[tuple[Path, str]]) -> None:
         self._parents([rel for _, rel in pairs])

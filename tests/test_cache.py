@@ -348,6 +348,49 @@ def test_two_clones_share_an_s3_store(s3_env: S3Server, tmp_path: Path) -> None:
     assert tree_files(third / "out") == tree_files(first / "out")
 
 
+PARTS = """
+def task_make():
+    yield from remote_step("make", shell="mkdir -p out && head -c 41943040 /dev/urandom > out/big",
+                           outputs=["out/"])
+"""
+MIB = 1 << 20
+
+
+def _flip_a_byte(path: Path, at: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(at)
+        old = f.read(1)
+        f.seek(at)
+        f.write(bytes([old[0] ^ 1]))
+
+
+S3_TAMPERING: dict[str, Callable[[Path], object]] = {  # an object of 40 MiB: parts of 16, 16 and 8 MiB
+    "middle-part-changed": lambda p: _flip_a_byte(p, 20 * MIB),
+    "truncated": lambda p: p.write_bytes(p.read_bytes()[: 20 * MIB]),
+    "grown": lambda p: p.write_bytes(p.read_bytes() + b"more"),
+}
+
+
+@pytest.mark.parametrize("how", list(S3_TAMPERING))
+def test_a_big_object_damaged_in_an_s3_store_is_a_damaged_entry(
+    s3_env: S3Server, tmp_path: Path, how: str
+) -> None:
+    """An object downloaded as parts and hashed as they arrive: a change in
+    any part, or a size other than listed, is found; nothing is promoted."""
+    prefix = f"team-{tmp_path.name}"
+    shared = f'shared = "s3://{s3_env.bucket}/{prefix}"\nmode = "readwrite"\n'
+    doit_ok(project(tmp_path, "a", f'path = "{tmp_path}/cache-a"\n{shared}', body=PARTS))
+    (objects,) = [o for o in (s3_env.data_dir / s3_env.bucket / prefix / "objects").rglob("*") if o.is_file()]
+    S3_TAMPERING[how](objects)
+    second = project(tmp_path, "b", f'path = "{tmp_path}/cache-b"\n{shared}', body=PARTS)
+    done = doit_ok(second)
+    assert f"in s3://{s3_env.bucket}/{prefix} is damaged" in done.stdout, show(done)
+    assert "warning: the cache store" not in done.stderr, show(done)
+    assert not restored(done) and run_count(second) == 1
+    assert hashlib.sha256((second / "out" / "big").read_bytes()).hexdigest() != objects.name
+    assert not list((tmp_path / "cache-b").rglob(objects.name))  # nothing of it kept
+
+
 def _keypair(folder: Path, name: str) -> Path:
     key = folder / name
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(key)], check=True)

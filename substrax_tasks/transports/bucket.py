@@ -33,13 +33,16 @@ buckets it reads and writes (SkyPilot's MOUNT file mounts).
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
+import os
 import secrets
 import shutil
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -48,7 +51,10 @@ from substrax_tasks._output import emit
 from substrax_tasks.errors import BackendError
 from substrax_tasks.transports.base import MAX_MANIFEST_BYTES, TransferStats, checked_manifest, progress
 
-MAX_WORKERS = 8  # objects copied at once: one request each, so small files do not go one by one
+MAX_WORKERS = 8  # parts copied at once: one request each, so small files do not go one by one
+# A big object moves as ranged parts, several at once (as rclone does); the
+# parts in flight are held in memory: MAX_WORKERS x PART at most.
+PART = 16 << 20
 INSTALL_BUCKET = "pip install 'substrax-tasks[bucket]'"
 MANIFEST_NAME = "manifest.json"
 
@@ -60,8 +66,8 @@ class Copy:
     size: int
 
 
-class _Stopped(Exception):
-    """Raised inside a copy's progress hook to abort it: another copy failed."""
+class Changed(BackendError):
+    """An object that is not of its listed size: changed, truncated or replaced."""
 
 
 class BucketTransport:
@@ -176,85 +182,124 @@ class BucketTransport:
 
         # every source is under `root`: shown as a URI under `remote_root`
         shown = remote_root.rstrip("/")
-        return self.copy_all(fs, copies, lambda c: shown + c.source[len(root) :], started)
+        return self.copy_all(fs, copies, lambda c: shown + c.source[len(root) :], started)[0]
 
     def copy_all(self, fs: Any, copies: list[Copy], name_of: Callable[[Copy], str],
-                  started: float) -> TransferStats:  # fmt: skip
-        """Run the copies, MAX_WORKERS at a time, with progress. On the
-        first failure (or an interrupt) the others are aborted at their next
-        chunk and nothing more starts; the first failure is raised."""
-        from fsspec.callbacks import Callback  # type: ignore[import-untyped]
-
+                  started: float) -> tuple[TransferStats, dict[str, str]]:  # fmt: skip
+        """Run the copies as parts, MAX_WORKERS at a time, with progress; the
+        stats and each copy's sha256 (by destination), taken as its parts
+        were written. On the first failure (or an interrupt) nothing more
+        starts and the parts in flight are dropped; the first failure is raised."""
         stop = threading.Event()
         lock = threading.Lock()
         done = [0, 0]  # files, bytes: counted from many threads
         bar = progress("fetch") if self.show_progress else None
         task = bar.add_task("fetch", total=sum(c.size for c in copies), files="") if bar is not None else None
+        objects = [_Object(copy) for copy in copies]
 
-        def count(nbytes: int, files: int = 0) -> None:
-            with lock:
-                done[0] += files
-                done[1] += nbytes
-                if bar is not None and task is not None:
-                    bar.update(task, advance=nbytes, files=f" {done[0]}/{len(copies)} files")
-
-        def one(copy: Copy) -> None:
+        def one(obj: _Object, start: int) -> None:
             if stop.is_set():
                 return
-            seen = [0]
-
-            def hook(size: int | None, value: int, **_: object) -> None:
-                if stop.is_set():
-                    raise _Stopped
-                count(value - seen[0])
-                seen[0] = value
-
+            name, end = name_of(obj.copy), min(start + PART, obj.copy.size)
             try:
-                _get_whole(fs, copy, name_of(copy), Callback(hooks={"meter": hook}))
+                whole = obj.add(start, _part(fs, obj.copy, start, end, name), name)
             except BackendError:
                 raise
-            except _Stopped:
-                return
             except Exception as exc:
-                raise _failure("fetch of", name_of(copy), exc) from exc
-            count(copy.size - seen[0], files=1)
+                raise _failure("fetch of", name, exc) from exc
+            with lock:
+                done[0] += whole
+                done[1] += end - start
+                if bar is not None and task is not None:
+                    bar.update(task, advance=end - start, files=f" {done[0]}/{len(copies)} files")
 
+        parts = [(obj, start) for obj in objects for start in range(0, max(obj.copy.size, 1), PART)]
         with bar if bar is not None else contextlib.nullcontext():
-            if copies:
-                pool = ThreadPoolExecutor(max_workers=min(MAX_WORKERS, len(copies)))
-                futures: list[Future[None]] = []
-                try:
-                    futures = [pool.submit(one, copy) for copy in copies]
-                    wait(futures, return_when=FIRST_EXCEPTION)
-                    for future in futures:
-                        failed = future.exception() if future.done() and not future.cancelled() else None
-                        if failed is not None:
-                            raise failed
-                finally:
-                    stop.set()
-                    pool.shutdown(wait=True, cancel_futures=True)
+            pool = ThreadPoolExecutor(max_workers=max(1, min(MAX_WORKERS, len(parts))))
+            try:
+                futures = [pool.submit(one, *part) for part in parts]
+                wait(futures, return_when=FIRST_EXCEPTION)
+                for future in futures:
+                    failed = future.exception() if future.done() and not future.cancelled() else None
+                    if failed is not None:
+                        raise failed
+            finally:
+                stop.set()
+                pool.shutdown(wait=True, cancel_futures=True)
+                for obj in objects:
+                    obj.drop()
         stats = TransferStats(files=done[0], bytes=done[1], seconds=time.monotonic() - started)
         if not self.show_progress:
             emit(stats.summary("fetch"), err=True)
-        return stats
+        return stats, {obj.copy.dest: obj.digest for obj in objects}
 
 
-def _get_whole(fs: Any, copy: Copy, name: str, callback: Any) -> None:
-    """One object to its final path, whole and of its listed size, or not at all."""
-    final = Path(copy.dest)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # beside the final path (same file system: the rename is atomic); short enough for NAME_MAX
-    part = final.with_name(f".{final.name[:200]}.{secrets.token_hex(4)}.part")
+def _part(fs: Any, copy: Copy, start: int, end: int, name: str) -> bytes:
+    """Bytes `start` to `end` of an object of listed size `copy.size`: the
+    last part open-ended, so an object longer than listed shows as more
+    bytes; an empty one without a range (a store refuses a range of none)."""
+    if copy.size == 0:
+        return bytes(fs.cat_file(copy.source))
     try:
-        fs.get_file(copy.source, str(part), callback=callback)
-        got = part.stat().st_size
-        if got != copy.size:
-            raise BackendError(
-                f"{name} changed while it was fetched ({copy.size} bytes listed, {got} received)"
-            )
-        part.replace(final)
-    finally:
-        part.unlink(missing_ok=True)
+        return bytes(fs.cat_file(copy.source, start=start, end=end if end < copy.size else None))
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # s3fs's "InvalidRange": nothing at `start`
+            raise
+        listed = f"{copy.size} bytes listed, none at {start}"
+        raise Changed(f"{name} changed while it was fetched ({listed})") from exc
+
+
+class _Object:
+    """One object being copied as parts to a hidden part file beside its
+    final path (same file system: the rename is atomic), renamed over it
+    once every part is in and of its listed size, never before. Its sha256
+    is taken in order as the parts arrive: each byte as it is written, or
+    read back once the parts before it are in; no second pass over the copy."""
+
+    def __init__(self, copy: Copy) -> None:
+        self.copy = copy
+        final = Path(copy.dest)
+        self.part = final.with_name(f".{final.name[:200]}.{secrets.token_hex(4)}.part")  # within NAME_MAX
+        self.fd: int | None = None
+        self.sha = hashlib.sha256()
+        self.hashed = 0
+        self.waiting: dict[int, int] = {}  # parts written but not yet hashed: offset -> length
+        self.digest = ""
+        self.lock = threading.Lock()
+
+    def add(self, start: int, data: bytes, name: str) -> bool:
+        """Write one part; whether it completed the object (then in place)."""
+        expected = min(PART, self.copy.size - start)
+        if len(data) != expected:
+            raise Changed(f"{name} changed while it was fetched ({expected} bytes listed at offset {start}, "
+                          f"{len(data)} received)")  # fmt: skip
+        with self.lock:
+            if self.fd is None:
+                self.part.parent.mkdir(parents=True, exist_ok=True)
+                self.fd = os.open(self.part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            view, at = memoryview(data), 0
+            while at < len(data):  # short only when the disk is full: the next write says so
+                at += os.pwrite(self.fd, view[at:], start + at)
+            self.waiting[start] = len(data)
+            while self.hashed in self.waiting:
+                size = self.waiting.pop(self.hashed)
+                self.sha.update(data if self.hashed == start else os.pread(self.fd, size, self.hashed))
+                self.hashed += size
+            if self.hashed < self.copy.size or self.digest:
+                return False
+            os.close(self.fd)
+            self.fd = None
+            self.part.replace(self.copy.dest)
+            self.digest = self.sha.hexdigest()
+            return True
+
+    def drop(self) -> None:
+        """After the copies: an unfinished one leaves no part file."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if not self.digest:
+            self.part.unlink(missing_ok=True)
 
 
 def _package_for(protocol: str) -> str:
