@@ -26,7 +26,6 @@ manifest_cache.py tracks changes that way).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -279,6 +278,10 @@ def canonical_json(value: object) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    # here, not at the top: every no-op `doit` loads this module for its
+    # path rules, and argparse alone was ~1 ms of that
+    import argparse
+
     parser = argparse.ArgumentParser(prog="manifest.py", description="Print the outputs' manifest as JSON.")
     parser.add_argument("base", metavar="BASE", help="the folder the outputs are relative to")
     parser.add_argument("outputs", metavar="OUTPUT", nargs="+", help='a path ("/" at the end: a folder)')

@@ -12,7 +12,6 @@ unchanged. This module therefore imports settings.py only where it validates.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import os
@@ -64,6 +63,8 @@ def read_table(path: Path) -> dict[str, Any]:
     if not isinstance(tool, dict):
         return {}
     if "substrax" not in tool:
+        import difflib  # here: only a config being validated needs it, never a no-op
+
         near = difflib.get_close_matches("substrax", list(tool), n=1, cutoff=0.75)
         if near:
             raise ConfigError(
@@ -87,6 +88,8 @@ def _unknown_under_substrax(name: str, value: Any) -> str:
     """What to say of `name` under [tool.substrax], which holds tables only."""
     tables = ", ".join(f"[tool.substrax.{t}]" for t in SUBSTRAX_TABLES)
     if isinstance(value, dict):
+        import difflib
+
         near = difflib.get_close_matches(name, SUBSTRAX_TABLES, n=1, cutoff=0.6)
         guess = f"did you mean [tool.substrax.{near[0]}]? " if near else ""
         return f"[tool.substrax.{name}] is not a table substrax reads; {guess}its tables: {tables}"
