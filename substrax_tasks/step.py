@@ -254,13 +254,19 @@ class CleanOutputs:
 
 
 _PROJECTS: dict[tuple[Path, tuple[Any, ...]], Project] = {}
+# The resolved root of each (working folder, project argument): resolving
+# lstats every folder of the path, and every step of a dodo asks.
+_ROOTS: dict[tuple[str, str | None], Path] = {}
 
 
 def project_of(path: str | os.PathLike[str] | None) -> Project:
     """The project's configuration, resolved once per dodo load: a dodo with
     1,000 steps reads pyproject.toml once, and a no-op doit validates nothing
     while the configuration is unchanged (see config.py)."""
-    root = Path(os.getcwd() if path is None else path).resolve()  # noqa: PTH109
+    where = (os.getcwd(), None if path is None else os.fspath(path))  # noqa: PTH109
+    root = _ROOTS.get(where)
+    if root is None:
+        root = _ROOTS[where] = Path(where[0]).joinpath(where[1] or "").resolve()
     config = config_key(root)
     project = _PROJECTS.get((root, config))
     if project is None:
