@@ -44,6 +44,7 @@ def stat_walk(  # noqa: PLR0912, PLR0915 - one hot loop, kept whole and on str p
     base = os.fspath(base)
     checked = manifest_module().check_outputs(outputs)
     add = items.append
+    lstat = os.lstat
     newest = 0
     S_ISDIR, S_ISLNK = stat.S_ISDIR, stat.S_ISLNK
     prefix = base + "/" if base and not base.endswith("/") else base
@@ -88,27 +89,26 @@ def stat_walk(  # noqa: PLR0912, PLR0915 - one hot loop, kept whole and on str p
                 add(None)
                 continue
             try:
-                # Listed through the folder's descriptor, each entry's lstat
-                # is an fstatat() of its bare name: the kernel does not walk
-                # the whole path again for every file (~20% of the walk).
-                with os.scandir(fd) as it:
-                    for de in it:
-                        try:
-                            est = de.stat(follow_symlinks=False)
-                        except OSError:
-                            add((de.name, None))  # vanished under the walk
-                            continue
-                        emode = est.st_mode
-                        ctime = est.st_ctime_ns
-                        newest = max(newest, ctime)
-                        add((de.name, emode, est.st_size, ctime, est.st_ino))
-                        # the kind by mask, not S_ISDIR()/S_ISLNK() calls: this
-                        # line runs for every file of every no-op check
-                        kind = emode & 0o170000
-                        if kind == 0o040000:
-                            stack.append((os.path.join(dir_abs, de.name), dir_rel + "/" + de.name))  # noqa: PTH118
-                        elif kind == 0o120000:
-                            add(_readlink_or_none(os.path.join(dir_abs, de.name)))  # noqa: PTH118
+                # Each entry's lstat is an fstatat() of its bare name in the
+                # open folder (the kernel does not walk the whole path again),
+                # and a name from listdir() is one object where scandir()'s
+                # DirEntry was two: ~8% of a no-op proof's CPU.
+                for name in os.listdir(fd):  # noqa: PTH208 - a descriptor, not a path
+                    try:
+                        est = lstat(name, dir_fd=fd)
+                    except OSError:
+                        add((name, None))  # vanished under the walk
+                        continue
+                    emode = est.st_mode
+                    ctime = est.st_ctime_ns
+                    if ctime > newest:  # noqa: PLR1730 - max() costs ~5% of a proof here
+                        newest = ctime
+                    add((name, emode, est.st_size, ctime, est.st_ino))
+                    kind = emode & 0o170000  # by mask, not S_ISDIR() calls: runs for every file
+                    if kind == 0o040000:
+                        stack.append((dir_abs + "/" + name, dir_rel + "/" + name))
+                    elif kind == 0o120000:
+                        add(_readlink_or_none(dir_abs + "/" + name))
             except OSError:
                 add(None)
             finally:

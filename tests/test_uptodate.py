@@ -4,12 +4,15 @@ functions of a step, its record and the files."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from substrax_tasks import manifest_cache, uptodate
+from substrax_tasks import manifest_cache, tree, uptodate
 from substrax_tasks.proofs import proof_file
 from substrax_tasks.spec import make_spec
 from substrax_tasks.store import RunStore
@@ -120,3 +123,43 @@ def test_explain_names_each_change(root: Path) -> None:
     uptodate.write_record(step, acknowledged="")
     reasons = uptodate.explain(changed, {}, lambda run_id: None)
     assert not any(r.startswith("doit has no record") for r in reasons)
+
+
+def _walk_stamp(root: Path) -> str:
+    items: list[Any] = []
+    tree.stat_walk(root, ["out/"], items)
+    return tree.stamp_of(items)
+
+
+def _replace(path: Path, make: Callable[[Path], object]) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+    make(path)
+
+
+OUTPUT_CHANGES: dict[str, Callable[[Path], object]] = {
+    "edit-nested-file": lambda out: (out / "sub" / "deep" / "f").write_text("other\n"),
+    "add-file": lambda out: (out / "sub" / "new").write_text("n\n"),
+    "remove-file": lambda out: (out / "sub" / "deep" / "f").unlink(),
+    "chmod": lambda out: (out / "a").chmod(0o600),
+    "retarget-link": lambda out: _replace(out / "link", lambda p: p.symlink_to("sub")),
+    "folder-to-file": lambda out: _replace(out / "sub", lambda p: p.write_text("")),
+    "rename": lambda out: (out / "a").rename(out / "b"),
+}
+
+
+@pytest.mark.parametrize("change", OUTPUT_CHANGES)
+def test_the_walk_of_the_outputs_moves_with_any_change_in_them(tmp_path: Path, change: str) -> None:
+    """(An edit that keeps the size shows only in the ctime, which can stay
+    within one clock tick: that is the racy window's part, tested above.)"""
+    out = tmp_path / "out"
+    (out / "sub" / "deep").mkdir(parents=True)
+    (out / "sub" / "deep" / "f").write_text("ffff\n")
+    (out / "a").write_text("a\n")
+    (out / "link").symlink_to("a")
+    before = _walk_stamp(tmp_path)
+    assert _walk_stamp(tmp_path) == before  # nothing changed: the same stamp
+    OUTPUT_CHANGES[change](out)
+    assert _walk_stamp(tmp_path) != before
