@@ -157,7 +157,10 @@ def step_tasks(
         "doc": f"phases of step {spec.step}: launch, setup, sync, run, fetch, promote (internal)",
         "verbosity": 2,
     }
-    input_files = [i for i in spec.inputs if not i.endswith("/") and not (step.root / i).is_dir()]
+    # doit's file_dep takes files only; a str path, not a Path, for each of
+    # every step's inputs (a third of the time)
+    root = str(step.root)
+    input_files = [i for i in spec.inputs if not i.endswith("/") and not os.path.isdir(f"{root}/{i}")]  # noqa: PTH112
     public: dict[str, Any] = {
         **doit_name(spec.step),
         "actions": [driver.recorded],

@@ -217,11 +217,12 @@ def test_environment_lock_change_reruns(tmp_path: Path) -> None:
     assert step_skipped(doit_ok(root), "step")
 
 
-def test_input_folder_change_reruns(tmp_path: Path) -> None:
-    body = """
+@pytest.mark.parametrize("folder", ["data/", "data"])  # a folder may be declared without its "/"
+def test_input_folder_change_reruns(tmp_path: Path, folder: str) -> None:
+    body = f"""
     def task_step():
         yield from remote_step("step", command=["/bin/sh", "-c", "ls data > listing.txt"],
-                               inputs=["data/"], outputs=["listing.txt"])
+                               inputs=["{folder}"], outputs=["listing.txt"])
     """
     root = make_project(tmp_path, body, ["step"], files={"data/a": "a"})
     doit_ok(root)
