@@ -8,7 +8,6 @@ import json
 import math
 import numbers
 import os
-import shlex
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -68,6 +67,8 @@ def name_list(step: str, name: str, value: object, example: str) -> list[str]:
 def argv_of(step: str, command: object) -> list[str]:
     """The command as a list of str, each item checked."""
     if isinstance(command, str):
+        import shlex  # here: only this message needs it, never a no-op
+
         try:
             words = shlex.split(command)
         except ValueError:  # unbalanced quotes: show the plain split
