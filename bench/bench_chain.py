@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/bench_chain.py [--steps 10,100,1000] [--repeats N]
         [--files 100] [--outputs folder|files] [--sandbox none|bwrap|auto]
-        [--build-jobs N] [--keep]
+        [--build-jobs N] [--keep] [--src DIR]
 
 It measures and prints; it asserts nothing. For each step count N it makes
 two projects on tmpfs (/dev/shm when present) and builds each once with
@@ -42,6 +42,14 @@ medians are shown with their ratio (goal: <= 1.5x at 100 steps). What `doit`
 printed on the last timed no-op is summarised: `-- NAME` lines are tasks
 found up to date, `. NAME` lines are tasks that ran.
 
+`--src DIR` times a third project alongside: a copy of the built remote
+project whose `doit` runs another version's package (`PYTHONPATH=DIR`, DIR
+holding its `substrax_tasks/` and `remote/`, e.g. `git archive main
+substrax_tasks remote | tar -x -C DIR`), interleaved with the other two: an
+A/B of two versions under the same load. Besides wall times, the CPU time
+of each `doit` (user + system, its children included) is shown: on a
+shared machine it moves less with the load than the wall time does.
+
 The build of the remote project runs `doit -n BUILD_JOBS -P thread` (the
 steps mostly wait on their workers), with its output going to a file: with
 its stdout on a pipe, a threaded doit died of SIGSEGV in 5 of 5 tries at 100
@@ -60,6 +68,7 @@ import contextlib
 import importlib.util
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -69,7 +78,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _common import doit_argv, median, scratch_parent
+from _common import doit_argv, load_average, median, scratch_parent
 
 import substrax_tasks
 from substrax_tasks._remote_files import remote_script
@@ -194,6 +203,9 @@ class Project:
     build_seconds: float = float("nan")
     first_noop: float = float("nan")
     times: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # user + system seconds of each timed doit
+    pythonpath: str | None = None  # another version's package (--src)
+    last_cpu: float = float("nan")
     last_output: str = ""
     last_code: int = 0
     build_crashes: int = 0
@@ -206,6 +218,7 @@ class Options:
     sandbox: str
     repeats: int
     build_jobs: int
+    src: str | None
 
 
 def write_project(root: Path, kind: str, steps: int, opts: Options) -> Project:
@@ -237,8 +250,11 @@ def run_doit(
     env = {**os.environ, "PYTHONPYCACHEPREFIX": str(PYCACHE)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.pop("SUBSTRAX_BACKEND", None)
+    if project.pythonpath:
+        env["PYTHONPATH"] = project.pythonpath
     with contextlib.ExitStack() as stack:
         sink = stack.enter_context(log.open("wb")) if log is not None else subprocess.PIPE
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.perf_counter()
         done = subprocess.run(
             [*doit_argv(), *extra],
@@ -251,6 +267,8 @@ def run_doit(
             check=False,
         )
         elapsed = time.perf_counter() - started
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    project.last_cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     if log is not None:
         project.last_output = log.read_text(errors="replace")
     else:
@@ -296,6 +314,7 @@ class Row:
     remote: Project
     baseline: Project
     files_per_step: int
+    src: Project | None = None
 
 
 def build(project: Project, steps: int, files: int, jobs: int) -> None:
@@ -363,22 +382,32 @@ def measure_size(scratch: Path, steps: int, opts: Options) -> Row:
         build(project, steps, opts.files, opts.build_jobs)
         print(f" {project.kind} {project.build_seconds:.1f} s", end="", flush=True)
     print(flush=True)
-    wait_out_racy_window((remote, baseline))
-    for project in (remote, baseline):
+    projects = [remote, baseline]
+    src = None
+    if opts.src:
+        # a copy: the two versions' proofs and caches stay apart (its files
+        # are new to the file system, so the racy window is waited out again)
+        src = Project("src", scratch / f"remote-{steps}-src", pythonpath=opts.src)
+        shutil.copytree(remote.root, src.root, symlinks=True)
+        projects.append(src)
+        time.sleep(racy_seconds() + 0.5)
+    wait_out_racy_window(projects)
+    for project in projects:
         project.first_noop = run_doit(project)
         if project.last_code != 0:
             fail(project, "the first no-op run failed")
+    print(f"timing the no-op runs ({load_average()})", flush=True)
     for rep in range(opts.repeats):
-        order = (remote, baseline) if rep % 2 == 0 else (baseline, remote)
-        for project in order:
+        for project in projects if rep % 2 == 0 else projects[::-1]:
             project.times.append(run_doit(project))
+            project.cpu.append(project.last_cpu)
             if project.last_code != 0:
                 fail(project, "a no-op run failed")
-    return Row(steps, remote, baseline, opts.files)
+    return Row(steps, remote, baseline, opts.files, src)
 
 
 def report_output(row: Row) -> None:
-    for project in (row.remote, row.baseline):
+    for project in (row.remote, row.baseline, *([row.src] if row.src else [])):
         skipped, ran, other = summarise(project.last_output)
         verdict = "no task ran" if ran == 0 else f"{ran} TASK(S) RAN"
         print(
@@ -414,6 +443,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--build-jobs", type=int, default=8, help="doit -n N -P thread for the remote build (default 8)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the generated projects")
+    parser.add_argument(
+        "--src", metavar="DIR", help="also time a copy of the remote project run with another version's "
+        "package (PYTHONPATH=DIR: its substrax_tasks/ and remote/), interleaved",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.files < 1:
         parser.error("--repeats and --files must be at least 1")
@@ -426,7 +459,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"outputs: {args.files} files per step, {declared}; sandbox {args.sandbox!r}; "
           f"{args.repeats} timed no-op runs per project, interleaved")
     print(f"bytecode compiled for {compile_bytecode()} (as a pip install leaves it)")
-    opts = Options(args.files, args.outputs, args.sandbox, args.repeats, args.build_jobs)
+    if args.src and not (Path(args.src) / "substrax_tasks" / "__init__.py").is_file():
+        parser.error(f"--src {args.src}: no substrax_tasks/ package in it; extract one with "
+                     "`git archive REV substrax_tasks remote | tar -x -C DIR`")
+    opts = Options(args.files, args.outputs, args.sandbox, args.repeats, args.build_jobs,
+                   str(Path(args.src).resolve()) if args.src else None)
     rows: list[Row] = []
     try:
         for steps in args.steps:
@@ -460,6 +497,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{extra_ms:>8.2f} ms {row.remote.first_noop:>6.2f}/{row.baseline.first_noop:<6.2f} "
             f"{row.remote.build_seconds:>6.0f}/{row.baseline.build_seconds:<5.0f}  {goal}"
         )
+    print("\nCPU time of each no-op `doit` (user + system), seconds, medians; ratios to the baseline's")
+    for row in rows:
+        r, b = median(row.remote.cpu), median(row.baseline.cpu)
+        line = f"{row.steps:>6} steps: remote {r:.3f} ({r / b:.2f}x), baseline {b:.3f}"
+        if row.src is not None:
+            s = median(row.src.cpu)
+            line += f", --src {s:.3f} ({s / b:.2f}x; remote/--src {r / s:.3f})"
+        print(line)
+    for row in rows:
+        if row.src is not None:
+            s = median(row.src.times)
+            print(f"{row.steps:>6} steps, wall: --src {s:.3f} s ({s / median(row.baseline.times):.2f}x the "
+                  f"baseline; remote/--src {median(row.remote.times) / s:.3f})")
+    print(f"({load_average()} at the end)")
     print(
         "\nper step +: the remote project's extra no-op time per step; 1st no-op: the first run after the "
         "build (the remote one makes each step's full check once: its key, the manifest of its outputs "
