@@ -139,7 +139,11 @@ demo-deps:
 
 # ------------------------------------------------------------------ checks
 
-# pytest runs last, so the output ends with its summary line.
+# pytest runs last, so the output ends with its summary line. Two workers
+# (pytest-xdist), each given whole test files so a module's fixtures are made
+# once: most of the suite waits on processes, sshd and polls, and both cores
+# then have work (bench/README.md has the figures). PYTEST_ARGS=-n0 runs
+# it in one process.
 test: system-deps install sky-venv $(MYPY38)
 	@echo "==> ruff check"
 	@$(BIN)/ruff check .
@@ -147,7 +151,7 @@ test: system-deps install sky-venv $(MYPY38)
 	@$(BIN)/mypy
 	@$(MYPY38) --config-file remote/mypy.ini
 	@echo "==> pytest"
-	@$(BIN)/python -m pytest --ignore=tests/e2e $(PYTEST_ARGS)
+	@$(BIN)/python -m pytest --ignore=tests/e2e -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # The tests marked `unit` run in this process only (tests/unit_tier.py makes
 # spawning a process or opening a connection fail them): no apt, no SkyPilot.

@@ -133,15 +133,29 @@ def stop_worker(status_file: Path) -> None:
         kill_pid(pid)
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _remove_config_caches_made_by_the_tests() -> Iterator[None]:
-    """Each test project leaves a cached configuration in the temp folder
-    (substrax_tasks/config.py); remove the ones this session made."""
+_CONFIG_CACHES_BEFORE = pytest.StashKey[set[Path]]()
+
+
+def _config_caches() -> set[Path]:
     folder = cache_file(Path("/")).parent
-    before = set(folder.glob("config-*.json")) if folder.is_dir() else set()
-    yield
-    if folder.is_dir():
-        for path in set(folder.glob("config-*.json")) - before:
+    return set(folder.glob("config-*.json")) if folder.is_dir() else set()
+
+
+# Each test project leaves a cached configuration in the private temp folder
+# (substrax_tasks/config.py); the ones this run made are removed at its end.
+# Hooks, not a session fixture: under xdist each worker is a session of its
+# own, and one that ends first would remove the caches of the projects the
+# other is still running; so only the process that outlives every worker
+# (xdist's controller, or pytest itself when run serially) looks.
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        session.stash[_CONFIG_CACHES_BEFORE] = _config_caches()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    before = session.stash.get(_CONFIG_CACHES_BEFORE, None)
+    if before is not None:
+        for path in _config_caches() - before:
             path.unlink(missing_ok=True)
 
 

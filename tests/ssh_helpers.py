@@ -239,6 +239,13 @@ def user_pids(uid: int) -> list[int]:
     return found
 
 
+def held_sessions(host: SshHost) -> list[int]:
+    """The host user's sessions that its ~/.ssh/rc holds (sshd runs it as
+    `sh .ssh/rc`): matched by uid too, as another xdist worker's host may
+    hold sessions of its own user at the same moment."""
+    return sorted(set(marked_pids(".ssh/rc")) & set(user_pids(host.uid)))
+
+
 # -------------------------------------------------------------------- wheel
 
 

@@ -37,9 +37,13 @@ SECRET = "substrax-undeclared-secret-value"
 
 
 def free_uid() -> int:
-    """A uid no account has: the unprivileged user of these tests."""
+    """A uid no account has: the unprivileged user of these tests. Each
+    xdist worker starts from a uid of its own (the tests use this one and
+    the next), so two workers' tasks never share a uid that could signal
+    or read the other's."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     taken = {entry.pw_uid for entry in pwd.getpwall()}
-    return next(uid for uid in range(42420, 42520) if uid not in taken)
+    return next(uid for uid in range(42420 + 4 * worker, 42520) if uid not in taken)
 
 
 @dataclass

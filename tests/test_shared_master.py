@@ -15,7 +15,7 @@ from pathlib import Path
 
 from conftest import marked_pids
 from dodo_helpers import wait_for
-from ssh_helpers import needs_root, needs_sshd
+from ssh_helpers import held_sessions, needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks._openssh import SshTarget
@@ -55,7 +55,7 @@ def test_a_teardown_in_another_process_leaves_a_fetch_on_the_shared_master_alone
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        wait_for(lambda: marked_pids(".ssh/rc"), "the fetch's session to be held on the host")
+        wait_for(lambda: held_sessions(host), "the fetch's session to be held on the host")
         target.stop_master()  # the other doit's teardown, while this fetch goes on
         hold.unlink()
         err = fetch.communicate(timeout=60)[1]

@@ -25,6 +25,7 @@ from conftest import describe, marked_pids, on_a_terminal, wait_for
 from dodo_helpers import doit, doit_ok, run_count, show
 from pydantic import ValidationError
 from ssh_helpers import (
+    held_sessions,
     make_ssh_project,
     needs_root,
     needs_sshd,
@@ -286,7 +287,7 @@ def test_a_copy_whose_master_dies_under_it_is_tried_once_more_on_a_new_master(
     copy = threading.Thread(target=lambda: done.append(transport.download(str(source), ["a.txt"], got)))
     copy.start()
     try:
-        wait_for(lambda: marked_pids(".ssh/rc"), "the copy's session to be held on the host")
+        wait_for(lambda: held_sessions(host), "the copy's session to be held on the host")
         os.kill(master, signal.SIGKILL)  # the master dies mid-copy (its timeout, a network gone)
     finally:
         hold.unlink()

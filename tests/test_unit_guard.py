@@ -1,6 +1,8 @@
 """The `unit` marker is a promise the conftest keeps: a test marked unit that
 starts a process or opens a connection fails, even when it catches the
-error, and so does one whose module fixture does; unmarked tests may."""
+error, and so does one whose module fixture does; unmarked tests may. Both
+that and the time limit of every test hold when `make test` runs the suite
+on pytest-xdist's workers."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 PROBE = '''
@@ -47,14 +50,22 @@ def test_stays_in_this_process(tmp_path):
 
 def test_unmarked_may_spawn():
     subprocess.run(["true"], check=True)
+
+def test_hangs():
+    import time
+    time.sleep(3600)
 '''
 
 
-def test_a_unit_test_that_starts_a_process_or_connects_fails(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "loadfile"]], ids=["serial", "xdist"])
+def test_a_unit_test_that_starts_a_process_or_connects_fails_and_a_hung_one_times_out(
+    tmp_path: Path, workers: list[str]
+) -> None:
     (tmp_path / "test_probe.py").write_text(PROBE)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider",
-         "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path), "-q", "-rA", "test_probe.py"],
+         "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path), "-q", "-rA",
+         "-o", "timeout=2", *workers, "test_probe.py"],
         cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "tests")},
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
@@ -71,5 +82,7 @@ def test_a_unit_test_that_starts_a_process_or_connects_fails(tmp_path: Path) -> 
         "test_uses_a_fixture_that_spawns": "ERROR",
         "test_stays_in_this_process": "PASSED",
         "test_unmarked_may_spawn": "PASSED",
+        "test_hangs": "FAILED",
     }, done.stdout + done.stderr
     assert "is marked unit (no processes, no network) but called" in done.stdout
+    assert "test_hangs - Failed: Timeout (>2.0s) from pytest-timeout" in done.stdout
