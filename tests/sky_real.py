@@ -481,29 +481,6 @@ def _semaphores_of(pid: int) -> set[Path]:
     return found
 
 
-def _unlink_orphaned_semaphores(since_ns: int) -> None:
-    """SkyPilot's processes leave multiprocessing's named semaphores behind
-    when they are killed (by a cancel, by `sky api stop`, by kill_all), since
-    their resource tracker dies with them: unlink every /dev/shm/sem.mp-*
-    made since `since_ns` that no live process has open.
-    A named semaphore nobody has mapped can never be opened again by the
-    multiprocessing that made it: it is only ever reopened by name from a
-    parent that still holds it."""
-    candidates = set()
-    for path in Path("/dev/shm").glob("sem.mp-*"):
-        with contextlib.suppress(FileNotFoundError):
-            if path.lstat().st_ctime_ns >= since_ns:
-                candidates.add(path)
-    if not candidates:
-        return
-    mapped: set[Path] = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            mapped |= _semaphores_of(int(entry))
-    for path in candidates - mapped:
-        path.unlink(missing_ok=True)
-
-
 def _ip() -> str:
     return shutil.which("ip") or "/usr/sbin/ip"
 
@@ -572,9 +549,54 @@ def start_server(root: Path, *, path_prepend: Iterable[Path] = (), timeout: floa
     return server
 
 
-def stop_server(server: SkyServer) -> None:
-    """`sky api stop`, then SIGKILL, by pid, whatever the server left."""
+def _is_resource_tracker(pid: int) -> bool:
     try:
+        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _interrupt_server(server: SkyServer, timeout: float = 60, exit_grace: float = 3) -> None:
+    """SIGINT the server, as a Ctrl-C on `sky api start --foreground` would,
+    and wait until its children but the resource tracker have exited.
+
+    `sky api stop` alone SIGKILLs the server's tree, resource tracker too,
+    so the named semaphores (/dev/shm/sem.mp-*) the server makes for its
+    executors are never unlinked. SIGTERM skips the server's `finally`
+    (uvicorn re-raises it with the default action); SIGINT comes back as
+    KeyboardInterrupt, the `finally` stops the executors, and their
+    semaphores are unlinked. The server may then hang at exit (SkyPilot
+    0.14.1 joins a thread that never ends), holding no semaphore:
+    `sky api stop` and kill_all end it."""
+    if server.server is None or server.server.poll() is not None:
+        return
+    pid = server.server.pid
+    # SkyPilot's graceful shutdown elects a coordinator with this lock file
+    # and leaves it; removed below only if it is this stop that made it.
+    lock = Path("/tmp/skypilot_graceful_shutdown.lock")
+    lock_was_there = lock.exists()
+    with contextlib.suppress(ProcessLookupError):
+        server.server.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + timeout
+
+    def helpers() -> set[int]:
+        if server.server is None or server.server.poll() is not None:
+            return set()
+        return {p for p in descendants(pid, live_processes()) if not _is_resource_tracker(p)}
+
+    while helpers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.server.wait(timeout=exit_grace)
+    if not lock_was_there:
+        lock.unlink(missing_ok=True)
+
+
+def stop_server(server: SkyServer) -> None:
+    """SIGINT and a wait (see _interrupt_server), `sky api stop`, then
+    SIGKILL, by pid, whatever the server left."""
+    try:
+        _interrupt_server(server)
         server.run([*sky_command(), "api", "stop"], timeout=120)
         if server.server is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -587,13 +609,17 @@ def stop_server(server: SkyServer) -> None:
 
 @contextlib.contextmanager
 def running_server(root: Path, *, path_prepend: Iterable[Path] = ()) -> Iterator[SkyServer]:
-    began_ns = time.time_ns()
     server = start_server(root, path_prepend=path_prepend)
     try:
         yield server
     finally:
+        held = {sem for pid in server.ours() for sem in _semaphores_of(pid)}
         stop_server(server)
-        _unlink_orphaned_semaphores(began_ns)
+    # Only when the body passed: a stop that SIGKILLs the resource tracker
+    # leaves these, and every run would add to /dev/shm.
+    left = sorted(str(sem) for sem in held if sem.exists())
+    if left:
+        pytest.fail(f"the stopped API server left its semaphores: {left}")
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -7,10 +7,11 @@ The server runs in a throwaway HOME and in a network namespace of its own
 fails with NoCloudAccessError. To hold a launch RUNNING long enough to
 cancel it, ~/.slurm/config names a login node and the server's PATH starts
 with an `ssh` that just waits: SkyPilot's Slurm credential check blocks in
-it (no traffic at all). `sky api stop` leaves helper processes behind for
-~30 s; the fixture kills, by pid, everything in the server's tree, session
-and namespace, and fails if anything survives; then it unlinks the
-semaphores (/dev/shm/sem.mp-*) that the killed processes left.
+it (no traffic at all). The fixture stops the server with SIGINT first, so
+that its executors exit and the named semaphores (/dev/shm/sem.mp-*) go
+with them, and fails if they stay; then `sky api stop`, which leaves helper
+processes behind for ~30 s; then it kills, by pid, everything in the
+server's tree, session and namespace, and fails if anything survives.
 
 About 30 s of CPU (the server's workers and each helper import sky); deselect
 with `-m "not sky_server"`.

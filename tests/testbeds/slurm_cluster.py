@@ -39,7 +39,9 @@ interactive, so the `source ~/.sky_ssh_rc` SkyPilot appends (which moves
 $HOME into the cluster's folder) never runs for a command over ssh.
 
 `bed_down(root)` stops it all and is safe to run twice, or after a half-made
-`up`: cancels the user's Slurm jobs, `sky api stop`, then SIGTERM and SIGKILL,
+`up`: cancels the user's Slurm jobs, stops the API server (SIGINT and a
+wait, so its semaphores in /dev/shm go with it; `sky api stop` if that
+fails), then SIGTERM and SIGKILL,
 by pid, every process the bed started and whatever they left: descendants,
 the API server's session, processes carrying the bed's marker variable
 (SUBSTRAX_SLURM_BED=<token>, set for the daemons, the API server and every
@@ -115,6 +117,8 @@ API_START_TIMEOUT = 120.0
 SKY_CHECK_TIMEOUT = 300.0
 STOP_TIMEOUT = 30.0
 TERM_GRACE = 3.0
+API_STOP_TIMEOUT = 60.0  # SIGINT: ~6 s of SkyPilot's drain, then its executors stop
+API_EXIT_GRACE = 3.0  # then the server may exit by itself
 # tool -> Debian package; each is installed when missing.
 PACKAGES = {
     "slurmctld": "slurmctld",
@@ -1129,10 +1133,71 @@ def _cancel_jobs(bed: SlurmBed) -> None:
         time.sleep(0.5)
 
 
+def _api_session(bed: SlurmBed) -> dict[int, int]:
+    """The API server's session now, by pid and start time (zombies aside)."""
+    if bed.api_sid is None:
+        return {}
+    return {
+        pid: ticks
+        for pid in sshd_host._live_pids()
+        if _getsid(pid) == bed.api_sid and (ticks := start_ticks(pid)) is not None
+    }
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _stop_api_server(bed: SlurmBed) -> None:
+    """Stop the API server with SIGINT, as a Ctrl-C on `sky api start
+    --foreground` would, and wait until its executors have exited; then
+    `sky api stop` for whatever is left.
+
+    Not `sky api stop` alone: it SIGKILLs the server's tree, executors and
+    multiprocessing resource tracker too, so the ten named semaphores
+    (/dev/shm/sem.mp-*) the server makes for its executors at start are
+    never unlinked. Not SIGTERM: uvicorn drains, then re-raises SIGTERM
+    with the default action, which skips the server's `finally` that stops
+    the executors (they stay, orphaned). SIGINT drains the same way and
+    comes back as KeyboardInterrupt: the `finally` stops the executors and
+    the semaphores are unlinked. The server itself may then hang at exit
+    (SkyPilot 0.14.1 joins a thread that never ends): once nothing but it
+    and its resource tracker is left, it holds no semaphore, and `sky api
+    stop` (or the kill step) ends it."""
     api = bed.processes.get("api-server")
-    if api is not None and api.alive():
+    if api is None or not api.alive():
+        return
+    # SkyPilot's graceful shutdown elects a coordinator with this lock file
+    # and leaves it; removed below only if it is this stop that made it.
+    lock = Path("/tmp/skypilot_graceful_shutdown.lock")
+    lock_was_there = lock.exists()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(api.pid, signal.SIGINT)
+    deadline = time.monotonic() + API_STOP_TIMEOUT
+
+    def helpers() -> list[int]:
+        """The session's processes other than the server and its tracker."""
+        _reap()
+        if not api.alive():
+            return []
+        return sorted(p for p in _api_session(bed) if p != api.pid and not _is_resource_tracker(p))
+
+    while helpers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = helpers()
+    exit_by = time.monotonic() + API_EXIT_GRACE
+    while api.alive() and time.monotonic() < exit_by:
+        _reap()
+        time.sleep(0.1)
+    if not lock_was_there:
+        lock.unlink(missing_ok=True)
+    if api.alive():
         _check([str(bed.sky), "api", "stop"], env=bed.sky_env(), timeout=120, cwd=bed.client_home)
+    if left:
+        raise TestbedError(f"the API server's helpers outlived SIGINT by {API_STOP_TIMEOUT:.0f} s: {left}")
 
 
 def _kill_bed(bed: SlurmBed, before: dict[int, int]) -> None:
@@ -1184,7 +1249,7 @@ def bed_down(root: Path, *, keep_logs: bool = False, log: Callable[[str], None] 
     # (name, action, whether a failure leaves something behind)
     steps: list[tuple[str, Callable[[SlurmBed], None], bool]] = [
         ("scancel", _cancel_jobs, False),  # while slurmctld and the API server still run
-        ("sky-api-stop", _stop_api_server, False),  # the kill step follows anyway
+        ("api-server-stop", _stop_api_server, False),  # the kill step follows anyway
         ("kill", lambda bed: _kill_bed(bed, before), True),
         ("sshd", _stop_sshd, True),
         ("user", _remove_user, True),
