@@ -48,33 +48,14 @@ _LOCK_DIGESTS: dict[tuple[str, int, int, int], str] = {}
 
 
 class StepFiles:
-    """Where a step keeps its state, as the store lays the folder out. Each
-    path is made when asked for, not with the step: loading a dodo makes
-    every step, a no-op asks each for two paths of the five."""
+    """Where a step keeps its state, as the store lays the folder out."""
 
     def __init__(self, store: RunStore, step: str) -> None:
-        self._store = store
-        self._step = step
-
-    @property
-    def record(self) -> Path:
-        return self._store.step_record(self._step)
-
-    @property
-    def inputs_cache(self) -> Path:
-        return self._store.inputs_cache(self._step)
-
-    @property
-    def outputs_cache(self) -> Path:
-        return self._store.outputs_cache(self._step)
-
-    @property
-    def proofs(self) -> Path:
-        return self._store.proofs_file
-
-    @property
-    def lock(self) -> Path:
-        return self._store.step_lock(self._step)
+        self.record = store.step_record(step)
+        self.inputs_cache = store.inputs_cache(step)
+        self.outputs_cache = store.outputs_cache(step)
+        self.proofs = store.proofs_file
+        self.lock = store.step_lock(step)
 
 
 class Step:
