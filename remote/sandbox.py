@@ -85,8 +85,6 @@ def writable_dirs(outputs: list[dict[str, str]]) -> list[str]:
     return sorted(dirs, key=outer_first)
 
 
-
-
 def gpu_devices(dev: str = "/dev") -> list[str]:
     """The GPU device nodes under `dev`, relative to it, sorted. Only
     character devices count: the links in dri/by-path are not nodes."""
@@ -172,8 +170,6 @@ def view_argv(project: str, folder: str, hidden: Any, staging: str | None = None
         else:
             argv += ["--ro-bind", path, path]
     return argv
-
-
 
 
 # The seccomp filter bubblewrap loads under network_isolation (`--seccomp
