@@ -78,7 +78,6 @@ class Worker:
         self.wake_r, self.wake_w = os.pipe()
         self.log_fd = -1
         self.child: subprocess.Popen[bytes] | None = None
-        self.argv: list[str] = []
         self.gpu_locks: list[int] = []  # open while the run lasts: they hold its GPUs
         self.gpu_env: dict[str, str] = {}
         self.status: dict[str, Any] = {
@@ -194,26 +193,30 @@ class Worker:
         that cannot start is recorded as the run's failure."""
         job = self.job
         try:
-            argv, sandbox_name, outputs_root = sandbox.sandboxed_command(job, self.note, os.environ)
-            self.argv = argv
-            home = sandbox.home_settings(job, os.environ) if sandbox_name == "bwrap" else {}
-            # Under bubblewrap the command's pid namespace already holds
-            # every process it starts and dies whole with it: a cgroup adds
-            # nothing there, and joining one makes each start wait for the
-            # kernel (an RCU grace period).
-            if sandbox_name != "bwrap":
-                self.cgroup = proctree.make_cgroup("substrax-%d" % os.getpid())
-            cgroup = self.cgroup
-            # Kept on self: a Popen object dropped while its process has
-            # exited reaps it, and the poll loop would never see its end.
-            env = task_environment(job, dict(os.environ), self.secrets, {**home, **self.gpu_env})
-            self.child = subprocess.Popen(
-                argv, cwd=job["cwd"], env=env,
-                stdin=subprocess.DEVNULL, stdout=self.log_fd, stderr=self.log_fd,
-                start_new_session=True, close_fds=True,
-                # before exec, so that nothing the command starts is outside it
-                preexec_fn=None if cgroup is None else lambda: proctree.join_cgroup(cgroup),
-            )
+            argv, sandbox_name, outputs_root, passed_fds = sandbox.sandboxed_command(
+                job, self.note, os.environ)
+            try:
+                home = sandbox.home_settings(job, os.environ) if sandbox_name == "bwrap" else {}
+                # Under bubblewrap the command's pid namespace already holds
+                # every process it starts and dies whole with it: a cgroup adds
+                # nothing there, and joining one makes each start wait for the
+                # kernel (an RCU grace period).
+                if sandbox_name != "bwrap":
+                    self.cgroup = proctree.make_cgroup("substrax-%d" % os.getpid())
+                cgroup = self.cgroup
+                # Kept on self: a Popen object dropped while its process has
+                # exited reaps it, and the poll loop would never see its end.
+                env = task_environment(job, dict(os.environ), self.secrets, {**home, **self.gpu_env})
+                self.child = subprocess.Popen(
+                    argv, cwd=job["cwd"], env=env,
+                    stdin=subprocess.DEVNULL, stdout=self.log_fd, stderr=self.log_fd,
+                    start_new_session=True, close_fds=True, pass_fds=passed_fds,
+                    # before exec, so that nothing the command starts is outside it
+                    preexec_fn=None if cgroup is None else lambda: proctree.join_cgroup(cgroup),
+                )
+            finally:  # bubblewrap has its copies (the seccomp filter's pipe)
+                for fd in passed_fds:
+                    os.close(fd)
         except Exception as exc:  # any start failure is the run's failure
             self.note("could not start the command: %s" % exc)
             sandbox.remove_home(job)
@@ -244,12 +247,6 @@ class Worker:
                 self.stop_signal = "its run folder was deleted"
                 break
             self.sleep(POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic()))
-        gone = sandbox.socket_gone(self.argv, hints.log_tail(self.job)) if returncode == 1 else None
-        if gone is not None and self.stop_reason is None:
-            self.note("%s, a socket to hide, went away as the sandbox started; starting it again" % gone)
-            if self.start_command():
-                self.watch(self.status["pid"], self.status["outputs_root"])
-            return
         if self.stop_reason is not None:
             self.note("stopping the task tree (%s)" % (
                 "timeout of %ss" % timeout if self.stop_reason == "timed_out" else self.stop_signal))
@@ -283,7 +280,8 @@ class Worker:
             # Said in the status, so every backend's failure shows it.
             tail = hints.log_tail(self.job)
             boxed = self.status["sandbox"] == "bwrap"
-            said = [hints.erofs_hint(self.job, tail) if boxed else None]
+            said = [hints.erofs_hint(self.job, tail) if boxed else None,
+                    hints.unix_socket_hint(self.job, tail) if boxed else None]
             # Left out of a copy (remote), or hidden by the sandbox (local).
             if boxed or not self.job.get("project_hidden"):
                 said.append(hints.left_out_hint(self.job, tail))
