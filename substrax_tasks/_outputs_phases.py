@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from doit.exceptions import TaskFailed
 
-from substrax_tasks import manifest_cache, uptodate
+from substrax_tasks import doit_db, manifest_cache, uptodate
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import emit
 from substrax_tasks.cache import cache_key
@@ -64,6 +64,8 @@ def promote_outputs(driver: StepDriver) -> TaskFailed | None:
             where = journal(driver, handle.run_id if handle is not None else None)
             renamed = promote(fetched.root, driver.root, outputs, where)
         except OSError as exc:
+            if doit_db.no_space_left(exc, str(exc.filename or driver.root)):
+                raise  # the phase's own message: where, what is kept, the fix
             return TaskFailed(
                 f"step {step!r}: could not move the outputs of {source} into place "
                 f"({exc}); fix that, then `doit {step}` promotes them without running "
@@ -100,7 +102,10 @@ def record_of(driver: StepDriver, digest: str) -> dict[str, Any]:
 
 
 def acknowledge(step: Step, run_id: str) -> None:
-    """At interpreter exit, after doit saved its DB (never after SIGKILL)."""
+    """At interpreter exit, after doit saved its DB (never after SIGKILL,
+    nor when the save failed for want of space)."""
+    if doit_db.save_failed():
+        return
     with contextlib.suppress(OSError):
         if (uptodate.read_record(step).get("verified") or {}).get("run_id") == run_id:
             uptodate.write_record(step, acknowledged=run_id)

@@ -25,7 +25,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 
 from doit.exceptions import TaskError, TaskFailed
 
-from substrax_tasks import uptodate
+from substrax_tasks import doit_db, uptodate
 from substrax_tasks._earlier_run import phase_index, retire_unlaunched, reusable_run
 from substrax_tasks._output import TextSink, emit
 from substrax_tasks._signals import (
@@ -146,6 +146,11 @@ class StepDriver:
             result = TaskError(self._named(exc))
         except SubstraxError as exc:
             result = TaskFailed(self._named(exc))
+        except OSError as exc:
+            if not doit_db.no_space_left(exc, str(exc.filename or self.root)):
+                self._close()
+                raise
+            result = TaskFailed(self._named_full(exc))
         except KeyboardInterrupt:
             # The chain stays open (or INTERRUPTED, from the run phase): the
             # teardown that doit runs next detaches from a run that goes on,
@@ -160,6 +165,18 @@ class StepDriver:
         if isinstance(result, (TaskFailed, TaskError)):
             self._close()
         return result
+
+    def _named_full(self, exc: OSError) -> str:
+        """A phase that found the disk full: where, what is kept, the fix.
+        Every phase records its progress in the run's handle before the
+        next starts, so the next doit goes on from where this one stopped."""
+        where = str(exc.filename or self.root)
+        mount = doit_db.mount_point(where)
+        doit_db.told_full(mount)
+        return (f"step {self.spec.step!r}: no space left on the file system mounted at "
+                f"{mount} (writing {where}); the run and the outputs "
+                f"already in place are kept. Free space there and run `doit` again: it goes on from "
+                f"where this one stopped and does not run a command again whose run has ended")  # fmt: skip
 
     def _named(self, exc: Exception) -> str:
         text = str(exc)

@@ -51,13 +51,18 @@ def promote_one(staged: Path, final: Path) -> bool:
             raise
         # Another file system: copy beside the final path, then rename.
         beside = _next_to(final, "in")
-        if staged.is_dir() and not staged.is_symlink():
-            shutil.copytree(staged, beside, symlinks=True)
-        else:
-            shutil.copy2(staged, beside, follow_symlinks=False)
         try:
+            if staged.is_dir() and not staged.is_symlink():
+                shutil.copytree(staged, beside, symlinks=True)
+            else:
+                shutil.copy2(staged, beside, follow_symlinks=False)
             promote_one(beside, final)
-        finally:
+        except OSError as copy_failed:
+            # shutil names the source: name the file system that is full
+            if copy_failed.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OSError(copy_failed.errno, copy_failed.strerror, str(beside)) from copy_failed
+            raise
+        finally:  # a copy made half (a full disk) takes no room there
             if beside.exists() or beside.is_symlink():
                 remove_path(beside)
         # `staged` stays (teardown removes it): a tree removed half, after a
