@@ -116,7 +116,7 @@ def test_the_seccomp_filter_refuses_unix_sockets_io_uring_and_foreign_system_cal
     program = sandbox.seccomp_program(machine)
     assert len(program) % 8 == 0 and len(program) // 8 <= 20
     arch, nr = AUDIT_ARCH[machine], SYSCALLS[machine]
-    af_unix, af_inet, af_netlink = 1, 2, 16
+    af_unix, af_inet, af_netlink, af_vsock = 1, 2, 16, 40
     stream, dgram, seqpacket, cloexec = 1, 2, 5, 0o2000000
 
     def verdict(call: str, *args: int, on: int = arch) -> int:
@@ -126,6 +126,7 @@ def test_the_seccomp_filter_refuses_unix_sockets_io_uring_and_foreign_system_cal
     assert verdict("socket", af_unix, dgram | cloexec) == EAFNOSUPPORT
     assert verdict("socket", af_unix | 0xFFFF_FFFF_0000_0000, stream) == EAFNOSUPPORT  # int: low half only
     assert verdict("socket", af_inet, stream) == ALLOW
+    assert verdict("socket", af_vsock, stream) == EAFNOSUPPORT  # the hypervisor's host, past the netns
     assert verdict("socket", af_netlink, dgram) == ALLOW
     assert verdict("socketpair", af_unix, stream | cloexec) == ALLOW
     assert verdict("socketpair", af_unix, seqpacket) == ALLOW
@@ -424,6 +425,14 @@ def fork_pool():
 """
 
 
+def host_makes_vsocks() -> bool:
+    try:
+        socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).close()
+    except OSError:
+        return False
+    return True
+
+
 @needs_bwrap
 @pytest.mark.parametrize("isolated", [True, False], ids=["network_isolation", "network"])
 def test_network_isolation_refuses_path_and_abstract_unix_sockets_alike(
@@ -432,14 +441,17 @@ def test_network_isolation_refuses_path_and_abstract_unix_sockets_alike(
     script = PROBES + f"""
 attempt("path-socket", lambda: serve_and_connect("/tmp/own.sock"))
 attempt("abstract-socket", lambda: serve_and_connect("\\0{marker}"))
+attempt("vsock", lambda: socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).close())
 """
     handle = submit(project, ["python3", "-c", script], sandbox="bwrap", network_isolation=isolated)
     assert wait_final(project, handle) == "succeeded"
     log = log_text(project, handle)
     expected = "DENIED" if isolated else "ALLOWED"  # without it, as before: a regression guard
-    assert verdicts(log) == {"path-socket": expected, "abstract-socket": expected}, log
+    # a vsock (the hypervisor's host, inside a VM) where this machine has them at all
+    vsock = expected if isolated or host_makes_vsocks() else "DENIED"
+    assert verdicts(log) == {"path-socket": expected, "abstract-socket": expected, "vsock": vsock}, log
     if isolated:
-        for probe in ("path-socket", "abstract-socket"):
+        for probe in ("path-socket", "abstract-socket", "vsock"):
             assert f"{probe} said: [Errno 97] Address family not supported by protocol" in log, log
 
 
