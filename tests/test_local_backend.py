@@ -28,6 +28,7 @@ from conftest import (
     wait_final,
     wait_for,
 )
+from dodo_helpers import compute, doit, doit_ok, make_project, show, step_ran, unsafe_modes
 
 from substrax_tasks._remote_files import control
 from substrax_tasks.backends import local as local_backend
@@ -297,19 +298,6 @@ def task_make():
         outputs=["out/", "alone"],
     )
 """
-UNSAFE = 0o7002  # setuid, setgid, sticky, world-writable
-
-
-def unsafe_modes(root: Path, outputs: list[str]) -> dict[str, str]:
-    """Each file and folder of `outputs` that keeps an unsafe bit: its mode."""
-    found = {}
-    for out in outputs:
-        top = root / out
-        for path in [top, *(top.rglob("*") if top.is_dir() else [])]:
-            mode = path.lstat().st_mode
-            if not path.is_symlink() and mode & UNSAFE:
-                found[str(path.relative_to(root))] = f"{mode & 0o7777:04o}"
-    return found
 
 
 @pytest.mark.parametrize("sandbox", SANDBOXES)
@@ -320,8 +308,6 @@ def test_outputs_promoted_keep_no_setuid_sticky_or_world_writable_bit_and_stay_u
     folder; without a sandbox they were written in place: either way the
     promotion clears the bits, the verified manifest says so, and the next
     `doit` is a no-op (no endless rerun for a mode it changed itself)."""
-    from dodo_helpers import compute, doit_ok, make_project, show, step_ran
-
     root = make_project(tmp_path, PRIVILEGED_OUTPUTS, ["make"], sandbox=sandbox)
     done = doit_ok(root)
     assert step_ran(done, "make"), show(done)
@@ -334,3 +320,22 @@ def test_outputs_promoted_keep_no_setuid_sticky_or_world_writable_bit_and_stay_u
     again = doit_ok(root)
     assert not step_ran(again, "make"), show(again)
     assert "up to date" in compute(root, "why", "make").stdout
+
+
+def test_clearing_the_bits_never_goes_through_a_symlink_to_a_file_outside(tmp_path: Path) -> None:
+    """Written in place (no sandbox), an output may be a link out of the
+    project, or lie under one: the promotion refuses that tree, and clears
+    no bit of what the link points at on its way."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "tool").write_text("#!/bin/sh\n")
+    (outside / "tool").chmod(0o4755)
+    body = f"""
+def task_make():
+    yield from remote_step("make", outputs=["out/", "sub/tool"],
+                           shell="mkdir -p out && ln -s {outside}/tool out/escape && ln -sfn {outside} sub")
+"""
+    root = make_project(tmp_path, body, ["make"], sandbox="none")
+    done = doit(root)
+    assert done.returncode != 0 and "refused, never followed" in done.stdout + done.stderr, show(done)
+    assert (outside / "tool").stat().st_mode & 0o7777 == 0o4755
