@@ -61,12 +61,15 @@ def safe_manifest(manifest: Mapping[str, Any]) -> dict[str, Any]:
         for e in entries
     ):
         return dict(manifest)
+    digest = manifest_module().entries_digest
+    if manifest.get("digest") != digest(list(entries)):
+        return dict(manifest)  # damaged: left as it is for verification to refuse, never mended here
     kept = ("file", "dir")
     safe = [
         {**e, "mode": safe_mode(e["mode"])} if e.get("type") in kept and isinstance(e.get("mode"), int) else e
         for e in entries
     ]
-    return {**manifest, "entries": safe, "digest": manifest_module().entries_digest(safe)}
+    return {**manifest, "entries": safe, "digest": digest(safe)}
 
 
 def make_safe(root: Path, outputs: Sequence[str]) -> None:
