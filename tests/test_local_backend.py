@@ -28,6 +28,7 @@ from conftest import (
     wait_final,
     wait_for,
 )
+from dodo_helpers import compute, doit, doit_ok, make_project, show, step_ran, unsafe_modes
 
 from substrax_tasks._remote_files import control
 from substrax_tasks.backends import local as local_backend
@@ -280,3 +281,61 @@ def test_sandbox_auto_without_bubblewrap_runs_and_says_so(project: Project) -> N
     assert status_record(project, handle)["sandbox"] == "none"
     assert "running WITHOUT a sandbox" in log_text(project, handle)
     assert (project.root / "out" / "x").read_text() == "ran\n"
+
+
+# ------------------------------------------------- outputs carry no privileges
+
+# A command (root in the sandbox, with no capabilities, may still do this to
+# its own files) that leaves setuid, setgid, sticky and world-writable bits
+# on files and folders of its outputs, one declared as a file on its own.
+PRIVILEGED_OUTPUTS = """
+def task_make():
+    yield from remote_step(
+        "make",
+        shell="mkdir -p out/d && echo a > out/suid && echo b > out/d/open && echo c > alone "
+              "&& ln -s suid out/link && chmod 6755 out/suid && chmod 4777 out/d/open && chmod 2755 alone "
+              "&& chmod 1777 out/d && chmod o+w out",
+        outputs=["out/", "alone"],
+    )
+"""
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_outputs_promoted_keep_no_setuid_sticky_or_world_writable_bit_and_stay_up_to_date(
+    tmp_path: Path, sandbox: str
+) -> None:
+    """Under bubblewrap the outputs are promoted from the sandbox's staging
+    folder; without a sandbox they were written in place: either way the
+    promotion clears the bits, the verified manifest says so, and the next
+    `doit` is a no-op (no endless rerun for a mode it changed itself)."""
+    root = make_project(tmp_path, PRIVILEGED_OUTPUTS, ["make"], sandbox=sandbox)
+    done = doit_ok(root)
+    assert step_ran(done, "make"), show(done)
+    assert unsafe_modes(root, ["out", "alone"]) == {}, show(done)
+    assert (root / "out" / "suid").stat().st_mode & 0o7777 == 0o755
+    assert (root / "out" / "d" / "open").stat().st_mode & 0o7777 == 0o775
+    assert (root / "alone").stat().st_mode & 0o7777 == 0o755
+    assert (root / "out" / "d").stat().st_mode & 0o7777 == 0o775
+    assert (root / "out" / "link").is_symlink() and (root / "out" / "suid").read_text() == "a\n"
+    again = doit_ok(root)
+    assert not step_ran(again, "make"), show(again)
+    assert "up to date" in compute(root, "why", "make").stdout
+
+
+def test_clearing_the_bits_never_goes_through_a_symlink_to_a_file_outside(tmp_path: Path) -> None:
+    """Written in place (no sandbox), an output may be a link out of the
+    project, or lie under one: the promotion refuses that tree, and clears
+    no bit of what the link points at on its way."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "tool").write_text("#!/bin/sh\n")
+    (outside / "tool").chmod(0o4755)
+    body = f"""
+def task_make():
+    yield from remote_step("make", outputs=["out/", "sub/tool"],
+                           shell="mkdir -p out && ln -s {outside}/tool out/escape && ln -sfn {outside} sub")
+"""
+    root = make_project(tmp_path, body, ["make"], sandbox="none")
+    done = doit(root)
+    assert done.returncode != 0 and "refused, never followed" in done.stdout + done.stderr, show(done)
+    assert (outside / "tool").stat().st_mode & 0o7777 == 0o4755
