@@ -6,6 +6,7 @@ that nothing of the tree is left; with and without bubblewrap.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -28,6 +29,8 @@ from conftest import (
     wait_final,
     wait_for,
 )
+from dodo_helpers import doit, make_project, pid_alive, popen_doit, run_dirs, show, stop
+from lost_tree import kill_recorded, kill_worker, overlap, status_of, step_argv, wait_tree_up, write_command
 
 from substrax_tasks._remote_files import control
 from substrax_tasks.backends import local as local_backend
@@ -280,3 +283,52 @@ def test_sandbox_auto_without_bubblewrap_runs_and_says_so(project: Project) -> N
     assert status_record(project, handle)["sandbox"] == "none"
     assert "running WITHOUT a sandbox" in log_text(project, handle)
     assert (project.root / "out" / "x").read_text() == "ran\n"
+
+
+# ------------------------------------- a worker killed without ending its run
+
+LOST_STEP = """
+def task_work():
+    yield from remote_step("work", command={argv!r}, outputs=["out/result.txt"])
+"""
+
+
+@pytest.mark.parametrize("cgroup", ["cgroup", "no-cgroup"])
+def test_a_tree_left_by_a_killed_worker_is_stopped_by_the_next_doit_before_its_new_command(
+    tmp_path: Path, marker: str, cgroup: str
+) -> None:
+    """Without bubblewrap, the worker killed by SIGKILL (the doit first):
+    the command, a grandchild that double-forked into a session of its own
+    and a child with no environment go on. The next doit finds them (by the
+    cgroup the worker made; without one, by the mark the tree carries and
+    the command's session) and stops them before the new command starts;
+    no cgroup of the run is left."""
+    flags = tmp_path / "flags"
+    write_command(flags)
+    root = make_project(tmp_path, LOST_STEP.format(argv=step_argv(flags, marker, "out/result.txt")),
+                        ["work"], sandbox="none")  # fmt: skip
+    first = popen_doit(root)
+    try:
+        old = wait_tree_up(flags)
+        (run,) = run_dirs(root)
+        stop(first)  # the client goes first, as the OOM killer may take it too
+        record = status_of(root, run)
+        kill_worker(record)
+        made = record.get("cgroup")
+        if cgroup == "no-cgroup":  # as a host without cgroup v2 (or no right to one) records it
+            record["cgroup"] = None
+            (run / "status.json").write_text(json.dumps(record))
+        elif made is None:
+            pytest.skip("NO CGROUP V2 COULD BE MADE HERE: the cgroup case is not tested")
+        assert all(pid_alive(pid) for pid in old)  # the tree outlived its worker
+        again = doit(root, timeout=120)
+        assert again.returncode == 0, show(again)
+        assert overlap(flags) == [], "the new command started while these of the old tree ran"
+        assert not [pid for pid in old if pid_alive(pid)]
+        assert "was lost" in again.stdout and "stopped what was left of it" in again.stdout, show(again)
+        assert (root / "out" / "result.txt").read_text() == "done\n"
+        if isinstance(made, str):
+            assert not Path(made).exists(), f"the run's cgroup {made} was left"
+    finally:
+        stop(first)
+        kill_recorded(flags, marker)
