@@ -32,7 +32,7 @@ from conftest import (
 from dodo_helpers import doit, make_project, pid_alive, popen_doit, run_dirs, show, stop
 from lost_tree import kill_recorded, kill_worker, overlap, status_of, step_argv, wait_tree_up, write_command
 
-from substrax_tasks._remote_files import control
+from substrax_tasks._remote_files import control, remote_module
 from substrax_tasks.backends import local as local_backend
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
@@ -331,4 +331,28 @@ def test_a_tree_left_by_a_killed_worker_is_stopped_by_the_next_doit_before_its_n
             assert not Path(made).exists(), f"the run's cgroup {made} was left"
     finally:
         stop(first)
+        kill_recorded(flags, marker)
+
+
+def test_the_lifetime_timer_stops_what_a_killed_worker_left_and_removes_its_cgroup(
+    tmp_path: Path, project: Project, marker: str
+) -> None:
+    """The watchdog a host runs (control.py watchdog) ends a run whose
+    worker was killed: its tree, setsid grandchild included, and its cgroup
+    go with its folder."""
+    flags = tmp_path / "flags"
+    write_command(flags)
+    handle = submit(project, step_argv(flags, marker, "out/result.txt"), sandbox="none")
+    try:
+        old = wait_tree_up(flags)
+        record = status_record(project, handle)
+        kill_worker(record)
+        assert all(pid_alive(pid) for pid in old)
+        fired = remote_module("control").watchdog(str(run_dir(project, handle)), 0)
+        assert fired == {"fired": True}
+        assert not [pid for pid in old if pid_alive(pid)]
+        assert not run_dir(project, handle).exists()
+        if isinstance(record.get("cgroup"), str):
+            assert not Path(record["cgroup"]).exists()
+    finally:
         kill_recorded(flags, marker)
