@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -356,3 +359,26 @@ def test_the_lifetime_timer_stops_what_a_killed_worker_left_and_removes_its_cgro
             assert not Path(record["cgroup"]).exists()
     finally:
         kill_recorded(flags, marker)
+
+
+def test_a_process_with_a_runs_mark_that_is_older_than_its_worker_is_never_taken_for_the_runs(
+    marker: str,
+) -> None:
+    """The mark alone proves nothing about a process started before the
+    run's worker (its pid may have been reused): it is neither found nor
+    signalled; started no earlier than the worker, it is the run's."""
+    ctl = remote_module("control")
+    mark = uuid.uuid4().hex
+    env = {**os.environ, ctl.RUN_MARK: mark}
+    older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker], env=env)
+    try:
+        wait_for(lambda: ctl.start_ticks(older.pid) is not None, "the process to start")
+        ticks = ctl.start_ticks(older.pid)
+        later_worker = {"state": "running", "mark": mark, "worker_start_ticks": ticks + 1}
+        assert ctl.leftovers(later_worker) == []
+        assert ctl.stop_leftovers(later_worker, 1.0) == []
+        assert older.poll() is None
+        assert ctl.leftovers({**later_worker, "worker_start_ticks": ticks}) == [older.pid]
+    finally:
+        older.kill()
+        older.wait(timeout=30)
