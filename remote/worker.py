@@ -85,6 +85,9 @@ class Worker:
             "worker_start_ticks": control.start_ticks(os.getpid()),
             "pid": None, "start_ticks": None, "exit_code": None, "signal": None,
             "started_at": None, "ended_at": None, "sandbox": None, "outputs_root": None, "message": None,
+            # In the command's environment (control.RUN_MARK): how its tree
+            # is found should this worker die without ending it.
+            "mark": os.urandom(16).hex(),
         }
 
     def note(self, message: str) -> None:
@@ -157,7 +160,11 @@ class Worker:
             return True
         held: list[str] = []
         if wanted["count"]:
-            claimed = gpus.claim(wanted["lock_dir"], wanted["ids"], wanted["count"])
+            # A GPU whose lock is free is still held while what a killed
+            # worker's command left runs on it.
+            claimed = gpus.claim(
+                wanted["lock_dir"], wanted["ids"], wanted["count"], holder=self.run_dir,
+                still_held=lambda holder: holder != self.run_dir and control.tree_alive(holder))
             if claimed is None:
                 return False
             held, self.gpu_locks = claimed
@@ -202,11 +209,15 @@ class Worker:
                 # nothing there, and joining one makes each start wait for the
                 # kernel (an RCU grace period).
                 if sandbox_name != "bwrap":
-                    self.cgroup = proctree.make_cgroup("substrax-%d" % os.getpid())
+                    self.cgroup = proctree.make_cgroup(
+                        "substrax-%d-%s" % (os.getpid(), self.status["worker_start_ticks"]), stale_cgroup)
+                    if self.cgroup is not None:  # recorded before anything is in it: a reap finds it
+                        self.write_status(cgroup=self.cgroup)
                 cgroup = self.cgroup
                 # Kept on self: a Popen object dropped while its process has
                 # exited reaps it, and the poll loop would never see its end.
                 env = task_environment(job, dict(os.environ), self.secrets, {**home, **self.gpu_env})
+                env[control.RUN_MARK] = self.status["mark"]  # last: no setting of the step's replaces it
                 self.child = subprocess.Popen(
                     argv, cwd=job["cwd"], env=env,
                     stdin=subprocess.DEVNULL, stdout=self.log_fd, stderr=self.log_fd,
@@ -307,6 +318,19 @@ class Worker:
                 control.write_json_atomic(self.job["manifest_copy"], taken)
         except Exception as exc:  # the fetch then takes its own and says what is wrong
             self.note("could not take the outputs' manifest: %s" % exc)
+
+
+def stale_cgroup(name: str) -> bool:
+    """Whether the cgroup `name` ("substrax-<worker pid>-<its start ticks>")
+    belongs to a worker that is gone: it is removed once empty, as what a
+    worker killed before it could remove its cgroup left."""
+    parts = name.split("-")[1:]
+    try:
+        pid, ticks = int(parts[0]), (int(parts[1]) if len(parts) > 1 else None)
+    except (IndexError, ValueError):
+        return False
+    now = control.start_ticks(pid)
+    return now is None or (ticks is not None and now != ticks)
 
 
 def disk_full(path: str) -> bool:
