@@ -27,7 +27,7 @@ from substrax_tasks import _gpus
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
 from substrax_tasks._ssh import NoSession, SshConnection, connection
 from substrax_tasks.backends import _remote_run
-from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env
+from substrax_tasks.backends._remote_run import DamagedHost, RemoteRun, forwarded_env
 from substrax_tasks.backends.base import Backend, Fetched, Pool, RunStatus
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
@@ -101,7 +101,7 @@ class SshBackend(Backend):
         run = RemoteRun(conn, self.settings.python, bin_dir, run_dir)
         gpus = _gpus.job_gpus(
             handle.spec, self.settings.hide_gpus_when_unasked,
-            lambda: run.answer(run.check(run.script("gpus.py"), "listing the GPUs"), "listing the GPUs"),
+            lambda: run.answer(run.checked_script("gpus.py", what="listing the GPUs"), "listing the GPUs"),
             f"{remote_root}/gpus", self.settings.host,
         )  # fmt: skip
         # Only now: a step refused above leaves no folder on the host.
@@ -140,9 +140,9 @@ class SshBackend(Backend):
         files = [f for f in view.files if f not in outputs]  # the sandbox hides them; the run makes them anew
         stats = self.transport().upload(project, files, f"{self._state(handle, 'remote_run_dir')}/project")
         run = self.remote_run(handle)
-        argv = run.script("env.py", f"{run.run_dir}/project", f"{self._state(handle, 'remote_root')}/envs",
-                          self.settings.python, *self.settings.pip_args)  # fmt: skip
-        result = self.conn.run(argv, timeout=None)
+        envs = f"{self._state(handle, 'remote_root')}/envs"
+        result = run.run_script("env.py", f"{run.run_dir}/project", envs, self.settings.python,
+                                *self.settings.pip_args, what="building the environment", timeout=None)
         if result.returncode != 0:
             raise result.failure("building the environment", self.settings.host)
         env_dir = env_dir_of(handle.step, run.answer(result, "building the environment"))
@@ -167,8 +167,8 @@ class SshBackend(Backend):
             gpus=handle.state.get("gpus"),
         )
         self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())
-        argv = run.script("worker.py", paths.job, "--detach", "--env-stdin")
-        result = self.conn.run(argv, stdin=json.dumps(forwarded_env(handle)).encode())
+        result = run.run_script("worker.py", paths.job, "--detach", "--env-stdin", what="starting the worker",
+                                stdin=json.dumps(forwarded_env(handle)).encode())  # fmt: skip
         if result.returncode == _gpus.WORKER_BUSY:
             raise _gpus.busy(job["gpus"], self.settings.host)
         if result.returncode != 0:
@@ -294,6 +294,15 @@ class SshBackend(Backend):
         if "remote_run_dir" not in handle.state or handle.state.get("torn_down"):
             self.settings.target().stop_master()
             return
+        try:
+            self._tear_down(handle, force=force)
+        except DamagedHost:
+            # Its scripts were changed there: put back the ones this client
+            # sent (it checks them before each use), then stop and remove.
+            self.remote_run(handle).reinstall()
+            self._tear_down(handle, force=force)
+
+    def _tear_down(self, handle: RunHandle, *, force: bool) -> None:
         if not self.poll(handle).final:
             self.cancel(handle)
         if force or not self.settings.keep_remote:
