@@ -329,7 +329,7 @@ class AnswerTooBig(BackendError):
 
 def answer_too_big(host: str, limit: int = MAX_ANSWER_BYTES) -> AnswerTooBig:
     return AnswerTooBig(
-        f"{host} answered with more than {limit:,} bytes to one command: refused, "
+        f"{host} answered with more than {limit >> 20} MiB to one command: refused, "
         "nothing of it was kept (a host that sends without end is broken or hostile)"
     )
 
