@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
-from dodo_helpers import compute, pids_with, show, wait_for
+from conftest import kill_pid
+from dodo_helpers import COMPUTE, DOIT, clean_env, compute, pids_with, show, wait_for
 from ssh_helpers import (
     GATED_STEP,
     doit_killed_mid_run,
@@ -46,9 +50,9 @@ def test_status_shows_the_lifetime_left_and_the_leaked_folders_that_gc_machines_
     holding = f"run {run['run_id']} may still hold a machine: its lifetime timer ends it in "
     assert holding in told.stderr, show(told)
 
-    other = run_dir.parent / "another-projects-run"  # not marked as this project's
+    other = run_dir.parent / "another-projects-run"  # not marked as this client's
     other.mkdir()
-    shutil.rmtree(root / ".substrax")  # the handle is gone; the run goes on there: leaked
+    shutil.rmtree(root / ".substrax" / "runs")  # the handle is gone; the run goes on there: leaked
     plain = compute(root, "status", "--json")  # reads the store only: leaks are not looked for
     assert json.loads(plain.stdout)["leaked"] is None, show(plain)
     leaked = compute(root, "status", "--machines")
@@ -67,3 +71,68 @@ def test_status_shows_the_lifetime_left_and_the_leaked_folders_that_gc_machines_
     assert not run_dir.exists() and other.is_dir()
     wait_for(lambda: not pids_with(marker), "the leaked run's command to be stopped")
     assert "leaked" not in compute(root, "status", "--machines").stderr
+
+
+# A client's own view: its project folder bind-mounted at the one path both
+# clients use (as CI jobs or containers at /workspace), in a mount namespace
+# of its own, then argv run there.
+IN_VIEW = 'mount --bind "$1" "$2" && cd "$2" && shift 2 && exec "$@"'
+
+
+def in_view(project: Path, at: Path, argv: Sequence[str]) -> list[str]:
+    namespace = ["unshare", "-m", "--propagation", "private"]
+    return [*namespace, "sh", "-c", IN_VIEW, "sh", str(project), str(at), *argv]
+
+
+def compute_in_view(project: Path, at: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(in_view(project, at, [str(COMPUTE), "--project", str(at), *args]), env=clean_env(),
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+
+
+@needs_sshd
+@needs_root
+def test_gc_machines_of_a_client_at_the_same_project_path_leaves_anothers_live_run_and_removes_its_own(
+    tmp_path: Path, host: SshHost, marker: str
+) -> None:
+    gate = host.scratch / f"gate-{tmp_path.name}"  # never made: the runs go on until stopped
+    at = tmp_path / "workspace"
+    at.mkdir()
+    remote_root = str(host.scratch / f"shared-{tmp_path.name}")  # one remote_root for both
+    first, second = (
+        make_ssh_project(tmp_path / name, host, GATED_STEP.format(gate=gate, marker=f"{marker}-{name}",
+                                                                  resources="{}"), remote_root=remote_root)
+        for name in ("one", "two")
+    )  # fmt: skip
+    doit_one = subprocess.Popen(in_view(first, at, [str(DOIT)]), env=clean_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_for(lambda: pids_with(f"{marker}-one"), "the first client's run to be going", timeout=120)
+        running = remote_run_dir(only_handle(first))
+        # The second client: its doit killed mid-run, its handles then lost: a leftover of its own.
+        doit_two = subprocess.Popen(in_view(second, at, [str(DOIT)]), env=clean_env(),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            wait_for(lambda: pids_with(f"{marker}-two"), "the second client's run to be going", timeout=120)
+            doit_two.send_signal(signal.SIGKILL)
+            doit_two.wait(timeout=30)
+        finally:
+            kill_pid(doit_two.pid)
+            doit_two.wait(timeout=30)
+        lost = only_handle(second)
+        assert lost["state"]["project"] == only_handle(first)["state"]["project"] == str(at)  # one path
+        leftover = remote_run_dir(lost)
+        shutil.rmtree(second / ".substrax" / "runs")
+
+        removed = compute_in_view(second, at, "gc", "--machines")
+        assert removed.returncode == 0, show(removed)
+        assert f"removed {leftover} on {host.address}" in removed.stdout, show(removed)
+        assert not leftover.exists()
+        wait_for(lambda: not pids_with(f"{marker}-two"), "the second client's leftover run to be stopped")
+        assert running.is_dir() and pids_with(f"{marker}-one"), show(removed)  # the first's run goes on
+        assert f"removed {running}" not in removed.stdout
+    finally:
+        kill_pid(doit_one.pid)
+        doit_one.wait(timeout=30)
+    torn = compute_in_view(first, at, "teardown", only_handle(first)["run_id"])
+    assert torn.returncode == 0, show(torn)
+    wait_for(lambda: not pids_with(marker), "the first client's run to be stopped")

@@ -51,12 +51,28 @@ _UNSAFE = re.compile(r"[^a-z0-9]+")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
 
 
-def cluster_name(settings: SkypilotSettings, handle: RunHandle) -> str:
-    """`<prefix>-<step>-<6 hex>`: SkyPilot's rules (a letter first; letters,
-    digits and '-'), short enough for every cloud, unique per run."""
-    slug = _UNSAFE.sub("-", handle.step.lower()).strip("-")[:16].strip("-") or "step"
+CLIENT_TAG_LENGTH = 8
+
+
+def client_tag(client_id: str) -> str:
+    """What of the client's id (store.client_id) a cluster's name carries."""
+    return client_id[:CLIENT_TAG_LENGTH]
+
+
+def cluster_name(settings: SkypilotSettings, handle: RunHandle, client_id: str) -> str:
+    """`<prefix>-<step>-<client tag>-<6 hex>`: SkyPilot's rules (a letter
+    first; letters, digits and '-'), short enough for every cloud, unique per
+    run, and marked as this client's by 32 random bits of its id (gc --machines
+    takes down only clusters that carry it, or that its handles name)."""
+    slug = _UNSAFE.sub("-", handle.step.lower()).strip("-")[:10].strip("-") or "step"
     suffix = hashlib.sha256(handle.run_id.encode()).hexdigest()[:6]
-    return f"{settings.cluster_prefix}-{slug}-{suffix}"
+    return f"{settings.cluster_prefix}-{slug}-{client_tag(client_id)}-{suffix}"
+
+
+def made_by(cluster: str, prefix: str, client_id: str) -> bool:
+    """Whether `cluster` is named as this client's (cluster_name)."""
+    parts = cluster.rsplit("-", 2)
+    return cluster.startswith(f"{prefix}-") and len(parts) == 3 and parts[1] == client_tag(client_id)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,9 @@ class SkypilotBackend(Backend):
 
     def cluster(self, handle: RunHandle) -> str:
         recorded = handle.state.get("cluster")
-        return recorded if isinstance(recorded, str) else sky_task.cluster_name(self.settings, handle)
+        if isinstance(recorded, str):
+            return recorded
+        return sky_task.cluster_name(self.settings, handle, self.store.client_id())
 
     def layout(self, handle: RunHandle) -> sky_task.ClusterLayout:
         return sky_task.layout_for(self.settings, handle)

@@ -5,7 +5,8 @@ what it shares with the SkyPilot backend is in _remote_run.py. On the host,
 everything of a run lives in `<remote_root>/runs/<run-id>/`:
 
     job.json status.json run.log watchdog.json
-    from-<project>/ marks the folder as made for that project (gc --machines)
+    client-<id>/    marks the folder as made by the client whose state folder holds that
+                    random id (store.client_id; gc --machines removes only its own)
     manifest.json   the outputs' manifest, written by the worker as the command ended
     project/        the project's tracked files and the inputs (read-only to the task)
     work/outputs/   what the sandboxed task writes (the outputs' folders)
@@ -46,9 +47,12 @@ from substrax_tasks.worker_job import (
 if TYPE_CHECKING:
     from substrax_tasks.machines import Leak
 
-OWNER_MARK = "from-"
-# The absolute runs folder, then each run folder: "+name" marked as the
-# project's ($2), "-name" not. Nothing when there is no runs folder.
+# Made from a random id kept in the state folder, never from the project's
+# path, which two clients may share (CI jobs, containers at /workspace);
+# folders marked `from-<project>` by earlier releases are no one's to gc.
+OWNER_MARK = "client-"
+# The absolute runs folder, then each run folder: "+name" marked as this
+# client's ($2), "-name" not. Nothing when there is no runs folder.
 LIST_RUNS = (
     'cd && cd "$1" 2>/dev/null || exit 0; pwd; '
     'for d in */; do [ -d "$d" ] || continue; d=${d%/}; '
@@ -105,8 +109,8 @@ class SshBackend(Backend):
             f"{remote_root}/gpus", self.settings.host,
         )  # fmt: skip
         # Only now: a step refused above leaves no folder on the host.
-        # `from-<project>` marks the folder as this project's (machines.py).
-        mark = f"{run_dir}/{OWNER_MARK}{project_key(str(handle.state.get('project')))}"
+        # `client-<id>` marks the folder as this client's (machines.py).
+        mark = f"{run_dir}/{OWNER_MARK}{self.store.client_id()}"
         folders = [f"{run_dir}/work/outputs", f"{run_dir}/project", mark]
         conn.check(["mkdir", "-p", "-m", "700", *folders], "mkdir")
         return self.store.update_state(
@@ -267,14 +271,15 @@ class SshBackend(Backend):
             return False
 
     def leaks(self, project: str, handles: list[RunHandle]) -> list[Leak]:
-        """Run folders under remote_root marked as this project's, or named
-        by one of its handles, that no live handle accounts for."""
+        """Run folders under remote_root marked as this client's (its state
+        folder's id), or named by one of its handles, that no live handle
+        accounts for."""
         from substrax_tasks.machines import Leak
 
         live = {h.run_id for h in handles if not h.state.get("torn_down")}
         known = {h.run_id for h in handles}
         runs = f"{self.settings.remote_root}/runs"
-        listed = self.conn.check(["sh", "-c", LIST_RUNS, "sh", runs, OWNER_MARK + project_key(project)],
+        listed = self.conn.check(["sh", "-c", LIST_RUNS, "sh", runs, OWNER_MARK + self.store.client_id()],
                                  f"listing the run folders on {self.settings.host}").text().splitlines()
         where = listed[0] if listed else ""  # absolute: remote_root may be relative to the home
         bin_dir = f"{where.rsplit('/', 1)[0]}/bin-{_remote_run.scripts_digest()}"
