@@ -12,20 +12,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
-from collections.abc import Sequence
 from pathlib import Path
 
 from conftest import kill_pid
-from dodo_helpers import COMPUTE, DOIT, clean_env, compute, pids_with, show, wait_for
+from dodo_helpers import compute, pids_with, show, wait_for
 from ssh_helpers import (
     GATED_STEP,
+    compute_in_view,
     doit_killed_mid_run,
+    doit_killed_mid_run_in_view,
     make_ssh_project,
     needs_root,
     needs_sshd,
     only_handle,
+    popen_doit_in_view,
     remote_run_dir,
 )
 from testbeds.sshd_host import SshHost
@@ -73,22 +73,6 @@ def test_status_shows_the_lifetime_left_and_the_leaked_folders_that_gc_machines_
     assert "leaked" not in compute(root, "status", "--machines").stderr
 
 
-# A client's own view: its project folder bind-mounted at the one path both
-# clients use (as CI jobs or containers at /workspace), in a mount namespace
-# of its own, then argv run there.
-IN_VIEW = 'mount --bind "$1" "$2" && cd "$2" && shift 2 && exec "$@"'
-
-
-def in_view(project: Path, at: Path, argv: Sequence[str]) -> list[str]:
-    namespace = ["unshare", "-m", "--propagation", "private"]
-    return [*namespace, "sh", "-c", IN_VIEW, "sh", str(project), str(at), *argv]
-
-
-def compute_in_view(project: Path, at: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(in_view(project, at, [str(COMPUTE), "--project", str(at), *args]), env=clean_env(),
-                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
-
-
 @needs_sshd
 @needs_root
 def test_gc_machines_of_a_client_at_the_same_project_path_leaves_anothers_live_run_and_removes_its_own(
@@ -103,21 +87,12 @@ def test_gc_machines_of_a_client_at_the_same_project_path_leaves_anothers_live_r
                                                                   resources="{}"), remote_root=remote_root)
         for name in ("one", "two")
     )  # fmt: skip
-    doit_one = subprocess.Popen(in_view(first, at, [str(DOIT)]), env=clean_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)  # fmt: skip
+    doit_one = popen_doit_in_view(first, at)
     try:
         wait_for(lambda: pids_with(f"{marker}-one"), "the first client's run to be going", timeout=120)
         running = remote_run_dir(only_handle(first))
         # The second client: its doit killed mid-run, its handles then lost: a leftover of its own.
-        doit_two = subprocess.Popen(in_view(second, at, [str(DOIT)]), env=clean_env(),
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        try:
-            wait_for(lambda: pids_with(f"{marker}-two"), "the second client's run to be going", timeout=120)
-            doit_two.send_signal(signal.SIGKILL)
-            doit_two.wait(timeout=30)
-        finally:
-            kill_pid(doit_two.pid)
-            doit_two.wait(timeout=30)
+        doit_killed_mid_run_in_view(second, at, f"{marker}-two")
         lost = only_handle(second)
         assert lost["state"]["project"] == only_handle(first)["state"]["project"] == str(at)  # one path
         leftover = remote_run_dir(lost)

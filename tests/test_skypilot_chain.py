@@ -47,7 +47,9 @@ from ssh_helpers import (
     GATED_STEP,
     GATED_SWEEP,
     SANDBOX,
+    compute_in_view,
     doit_killed_mid_run,
+    doit_killed_mid_run_in_view,
     needs_root,
     needs_sshd,
     only_handle,
@@ -625,3 +627,31 @@ def test_status_shows_the_lifetime_left_and_a_cluster_no_handle_names_which_gc_l
     assert done.returncode == 0 and done.stdout == "", show(done)
     assert sky.clusters() == [cluster]
     gate.touch()  # the run ends; the fixture takes what is left down
+
+
+def test_gc_machines_of_a_client_at_the_same_project_path_leaves_anothers_cluster_and_downs_its_own(
+    sky: Sky, marker: str
+) -> None:
+    """Two clients at one project path (each its folder bind-mounted there)
+    on one SkyPilot: the second, its handles lost, takes down the cluster its
+    id names and leaves the first's, which runs on."""
+    gate = sky.base / f"gate-{marker}"
+    sky.configure(sandbox="none", remote_root=str(sky.base / "remote"))
+    at = sky.base / "workspace"
+    at.mkdir()
+    second = sky.base / "two" / "proj"
+    second.mkdir(parents=True)
+    shutil.copy(sky.root / "pyproject.toml", second)
+    for name, root in (("one", sky.root), ("two", second)):
+        write_ssh_dodo(root, GATED_STEP.format(gate=str(gate), marker=f"{marker}-{name}",
+                                               resources={"cpus": 1}), ["step"])  # fmt: skip
+        doit_killed_mid_run_in_view(root, at, f"{marker}-{name}", env=sky.env)
+    running, lost = only_handle(sky.root)["state"]["cluster"], only_handle(second)["state"]["cluster"]
+    assert sorted(sky.clusters()) == sorted([running, lost])
+    shutil.rmtree(second / ".substrax" / "runs")  # its handle lost: the cluster is known by its id only
+
+    done = compute_in_view(second, at, "gc", "--machines", env=sky.env)
+    assert done.returncode == 0, show(done)
+    assert f"removed {lost} on SkyPilot" in done.stdout, show(done)
+    assert sky.clusters() == [running] and marked_pids(f"{marker}-one")  # the first's goes on
+    gate.touch()  # the first's run ends; the fixture takes what is left down
