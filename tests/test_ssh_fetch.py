@@ -14,6 +14,8 @@ import os
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -342,3 +344,26 @@ def test_a_follower_that_sends_past_the_logs_cap_is_cut_there_with_one_note(
     assert status.state == "succeeded"
     note = b"\n[substrax: the log is cut at 3 MiB here; the rest is in run.log in the run's folder]\n"
     assert out.getvalue() == b"y\n" * (cap // 2) + note
+
+
+def test_a_follower_that_outlives_the_runs_lifetime_is_given_up_for_the_status(
+    tmp_path: Path, host: SshHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower that neither sends nor ends (here `cat`, as a host whose
+    own python lied could run) is waited on only until the run's lifetime
+    is over; then the status and the log are read as after a broken link."""
+    backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    timer = {**handle.state["watchdog"], "armed_at": time.time() - 3600}  # its lifetime long over
+    handle = backend.store.update_state(handle, watchdog=timer)
+    monkeypatch.setattr(RemoteRun, "follow_argv", lambda self, offset, limit: ["cat"])
+    out = io.BytesIO()
+    ended: list[base.RunStatus] = []
+    run = backend.remote_run(handle)
+    follower = threading.Thread(
+        target=lambda: ended.append(_remote_run.follow_log(backend, handle, out, 0, run)),
+        daemon=True,  # on the code before, it would follow `cat` for ever
+    )
+    follower.start()
+    follower.join(timeout=120)
+    assert [s.state for s in ended] == ["succeeded"]
+    assert out.getvalue() == backend.read_log(handle, 0)

@@ -24,6 +24,7 @@ import json
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -47,6 +48,9 @@ MAX_STATUS_BYTES = 1 << 20
 # How CHECKED_RUN says that a script differs from the one sent: its exit
 # status and the start of its last stderr line (then the names, as JSON).
 DAMAGED_EXIT = 86
+# A follower still going this long after the run's lifetime ended (its
+# timer removes the run's folder) is not ours to wait on: the status is read.
+FOLLOW_PAST_LIFETIME_SECONDS = 120.0
 DAMAGED_MARK = "substrax-damaged-scripts:"
 # `python3 -c CHECKED_RUN BIN_DIR DIGESTS NAME ARGS...`: Python 3.8 and
 # stdlib only. Each script is read whole (at most 4 MiB: ours are far
@@ -357,6 +361,10 @@ class _LogFull(Exception):
     """The follower sent the log up to its limit (or, from a lying host, past it)."""
 
 
+class _FollowOverdue(Exception):
+    """The follower outlived the run's lifetime."""
+
+
 def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int, run: RemoteRun) -> RunStatus:
     """A run's log from `offset` to `out` until it ends, through one
     follower there (control.py follow: one channel, the status read there
@@ -366,9 +374,19 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
     or the log was cut: when it did, what it sent is the whole log (it reads
     the log after the status that says the run ended). Nothing past the
     log's limit is taken, whatever the host sends: the stream is closed
-    there and the cut noted once, as for any log that long."""
+    there and the cut noted once, as for any log that long; nor is the
+    follower waited on past the run's lifetime."""
+    from substrax_tasks.machines import lifetime_left
+
     room = max(MAX_LOG_BYTES - offset, 0)
     sent = 0
+    left = lifetime_left(handle)
+    deadline = None if left is None else time.monotonic() + left + FOLLOW_PAST_LIFETIME_SECONDS
+
+    def tick() -> None:
+        check_interrupted()
+        if deadline is not None and time.monotonic() > deadline:
+            raise _FollowOverdue
 
     def write(chunk: bytes) -> None:
         nonlocal sent
@@ -382,9 +400,11 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
     # Ctrl-C in a doit thread is seen within a tick; the stream then closes
     # the follower's stdin, which ends it there.
     try:
-        result = run.remote.stream(run.follow_argv(offset, MAX_LOG_BYTES), write, check_interrupted)
+        result = run.remote.stream(run.follow_argv(offset, MAX_LOG_BYTES), write, tick)
     except _LogFull:
         result = RemoteResult(0, b"", b"")
+    except _FollowOverdue:  # as a broken connection: the polling below reads the status
+        result = RemoteResult(-1, b"", b"")
     offset += sent
     run.refuse_damaged(result)
     if result.returncode == 3:
