@@ -10,11 +10,11 @@ nothing here decides whether it matches.
 
 Nothing installed there is run unchecked: every script runs through
 CHECKED_RUN, which compares each script of the bin folder with the sha256
-of the one this client sent and runs the one asked for from the bytes it
-checked. A host that changed one is damaged (DamagedHost), never obeyed;
-and each answer a host sends back is held to a size (a status line to
-MAX_STATUS_BYTES, the log stream to the log's limit), so even a host whose
-Python itself lies cannot make this side write or hold without end.
+of the one this client sent, then runs the one asked for. A host that
+changed one is damaged (DamagedHost), never obeyed; and each answer a host
+sends back is held to a size (a status line to MAX_STATUS_BYTES, the log
+stream to the log's limit), so even a host whose Python itself lies cannot
+make this side write or hold without end.
 """
 
 from __future__ import annotations
@@ -45,41 +45,35 @@ LOG_CHUNK = 1 << 20
 # folder, the GPUs) may be: real ones are a few KiB. A manifest may be far
 # bigger and is held to MAX_ANSWER_BYTES.
 MAX_STATUS_BYTES = 1 << 20
-# How CHECKED_RUN says that a script differs from the one sent: its exit
-# status and the start of its last stderr line (then the names, as JSON).
-DAMAGED_EXIT = 86
 # A follower still going this long after the run's lifetime ended (its
 # timer removes the run's folder) is not ours to wait on: the status is read.
 FOLLOW_PAST_LIFETIME_SECONDS = 120.0
+# How CHECKED_RUN says that a script differs from the one sent: its exit
+# status and the start of its last stderr line (then the names, as JSON).
+DAMAGED_EXIT = 86
 DAMAGED_MARK = "substrax-damaged-scripts:"
 # `python3 -c CHECKED_RUN BIN_DIR DIGESTS NAME ARGS...`: Python 3.8 and
-# stdlib only. Each script is read whole (at most 4 MiB: ours are far
-# smaller) and hashed; the one asked for runs from those very bytes as
-# __main__, with the bin folder first on sys.path as `python3 BIN/NAME` has
-# it (the worker imports its siblings from there, checked a moment ago).
+# stdlib only. Every script of the bin folder is hashed (the worker imports
+# its siblings), then the interpreter becomes `python3 BIN_DIR/NAME ARGS...`,
+# exactly what ran before the check: the same argv in /proc, by which
+# control.py finds a run's workers. A host that swaps a script in the
+# moment between is hostile; what bounds it is the caps on its answers.
 CHECKED_RUN = """\
-import hashlib, json, sys, types
+import hashlib, json, os, sys
 folder, expected, name = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-changed, source = [], b""
+changed = []
 for script in sorted(expected):
     try:
-        with open(folder + "/" + script, "rb") as f:
+        with open(os.path.join(folder, script), "rb") as f:
             data = f.read(4 << 20)
     except OSError:
-        data = None
-    if data is None or hashlib.sha256(data).hexdigest() != expected[script]:
+        data = b""
+    if hashlib.sha256(data).hexdigest() != expected[script]:
         changed.append(script)
-    elif script == name:
-        source = data
-if changed or not source:
+if changed or name not in expected:
     sys.stderr.write("%s%s\\n" % (MARK, json.dumps(changed or [name])))
     sys.exit(EXIT)
-path = folder + "/" + name
-sys.argv, sys.path[0] = [path] + sys.argv[4:], folder
-main = types.ModuleType("__main__")
-main.__file__ = path
-sys.modules["__main__"] = main
-exec(compile(source, path, "exec"), main.__dict__)
+os.execv(sys.executable, [sys.executable, os.path.join(folder, name)] + sys.argv[4:])
 """.replace("MARK", repr(DAMAGED_MARK)).replace("EXIT", str(DAMAGED_EXIT))
 
 
