@@ -14,6 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 from conftest import kill_pid
 from dodo_helpers import compute, pids_with, show, wait_for
 from ssh_helpers import (
@@ -111,3 +112,17 @@ def test_gc_machines_of_a_client_at_the_same_project_path_leaves_anothers_live_r
     torn = compute_in_view(first, at, "teardown", only_handle(first)["run_id"])
     assert torn.returncode == 0, show(torn)
     wait_for(lambda: not pids_with(marker), "the first client's run to be stopped")
+
+
+def test_the_client_id_is_made_once_private_and_a_damaged_one_is_named_with_the_fix(tmp_path: Path) -> None:
+    from substrax_tasks.errors import HandleError
+    from substrax_tasks.store import RunStore
+
+    store = RunStore(tmp_path / ".substrax")
+    made = store.client_id()
+    assert RunStore(tmp_path / ".substrax").client_id() == made and len(made) == 32
+    assert store.client_id_file.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in store.root.iterdir()] == ["client-id"]  # no temp file left
+    store.client_id_file.write_text("/workspace/proj\n")
+    with pytest.raises(HandleError, match="holds no id this client made .*; remove it and a new one is made"):
+        store.client_id()
