@@ -124,5 +124,5 @@ def test_the_client_id_is_made_once_private_and_a_damaged_one_is_named_with_the_
     assert store.client_id_file.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in store.root.iterdir()] == ["client-id"]  # no temp file left
     store.client_id_file.write_text("/workspace/proj\n")
-    with pytest.raises(HandleError, match=r"holds no id this client made .*; remove it and a new one is made"):
+    with pytest.raises(HandleError, match=r"holds no id this client made .*; remove it and a new one"):
         store.client_id()
