@@ -235,9 +235,9 @@ def test_a_run_going_is_followed_by_one_process_not_a_read_started_every_tick(sk
     assert (root / "res.txt").read_text() == "done\n", show(done)
     assert "hello from the cluster" in done.stdout  # the task's log, through the follower
     started = calls.read_text().splitlines()
-    follows = [i for i, line in enumerate(started) if "/control.py follow " in line]
+    follows = [i for i, line in enumerate(started) if "control.py follow " in line]
     assert len(follows) == 1, started
-    after = [line for line in started[follows[0]:] if "/control.py status " in line]
+    after = [line for line in started[follows[0]:] if "control.py status " in line]
     # the end read once, the worker's record for its verdict, the fetch: a handful
     assert 1 <= len(after) <= 5, started
 
