@@ -100,7 +100,7 @@ def timings(root: Path, env: dict[str, str]) -> tuple[list[float], list[float]]:
     starts, gaps = [], []
     for handle, after in zip(handles, [*handles[1:], None], strict=True):
         run = runs.get(handle["run_id"], {})
-        warm = handle["state"].get("cluster") != _own_cluster(handle)  # queued on another run's cluster
+        warm = handle["state"].get("cluster") != _own_cluster(handle, root)  # queued on another run's cluster
         if warm and run.get("started_at"):
             starts.append(parse(str(run["started_at"])) - parse(handle["created_at"]))
         if after is not None and run.get("ended_at"):
@@ -108,13 +108,15 @@ def timings(root: Path, env: dict[str, str]) -> tuple[list[float], list[float]]:
     return starts, gaps
 
 
-def _own_cluster(handle: dict[str, Any]) -> str:
+def _own_cluster(handle: dict[str, Any], root: Path) -> str:
     from substrax_tasks.backends.sky_task import cluster_name
     from substrax_tasks.backends.skypilot_settings import SkypilotSettings
     from substrax_tasks.handle import RunHandle
+    from substrax_tasks.store import RunStore
 
     settings = SkypilotSettings.model_validate(handle["settings"])
-    return cluster_name(settings, RunHandle.model_validate(handle))
+    client_id = RunStore(root / ".substrax").client_id()
+    return cluster_name(settings, RunHandle.model_validate(handle), client_id)
 
 
 def run(base: Path, bed: SlurmBed, reuse: bool, *, steps: int, seconds: float, src: Path | None,

@@ -212,15 +212,17 @@ class ClusterTarget(Multiplexed):
         return found
 
     def run(
-        self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120
+        self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120,
+        limit: int = MAX_ANSWER_BYTES,
     ) -> RemoteResult:
-        """Run argv there (quoted for its shell) and wait for it."""
+        """Run argv there (quoted for its shell) and wait for it; each of its
+        stdout and stderr held to `limit` bytes."""
         command = [*self.ssh_argv(), self.host, shlex.join(argv)]
         with subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         ) as proc:
             try:
-                out, err = _bounded_answer(proc, stdin or b"", timeout, self.host)
+                out, err = _bounded_answer(proc, stdin or b"", timeout, self.host, limit)
             except BaseException:
                 proc.kill()
                 raise
@@ -283,9 +285,9 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _bounded_answer(
-    proc: subprocess.Popen[bytes], stdin: bytes, timeout: float | None, host: str
+    proc: subprocess.Popen[bytes], stdin: bytes, timeout: float | None, host: str, limit: int
 ) -> tuple[bytes, bytes]:
-    """What `communicate` does, with each stream held to MAX_ANSWER_BYTES."""
+    """What `communicate` does, with each stream held to `limit` bytes."""
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     answers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -316,14 +318,18 @@ def _bounded_answer(
                 if not chunk:
                     selector.unregister(fd)
                 answers[fd] += chunk
-                if len(answers[fd]) > MAX_ANSWER_BYTES:
-                    raise answer_too_big(host)
+                if len(answers[fd]) > limit:
+                    raise answer_too_big(host, limit)
     return bytes(answers[proc.stdout.fileno()]), bytes(answers[proc.stderr.fileno()])
 
 
-def answer_too_big(host: str) -> BackendError:
-    return BackendError(
-        f"{host} answered with more than {MAX_ANSWER_BYTES >> 20} MiB to one command: refused, "
+class AnswerTooBig(BackendError):
+    """A host answered one command with more than it may: refused unread."""
+
+
+def answer_too_big(host: str, limit: int = MAX_ANSWER_BYTES) -> AnswerTooBig:
+    return AnswerTooBig(
+        f"{host} answered with more than {limit >> 20} MiB to one command: refused, "
         "nothing of it was kept (a host that sends without end is broken or hostile)"
     )
 

@@ -109,9 +109,11 @@ class SshConnection:
         return client
 
     def run(
-        self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120
+        self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120,
+        limit: int = MAX_ANSWER_BYTES,
     ) -> RemoteResult:
-        """Run argv on the host (quoted for its shell) and wait for it."""
+        """Run argv on the host (quoted for its shell) and wait for it; each
+        of its stdout and stderr held to `limit` bytes."""
         command = shlex.join(argv)
         channel = self._session(command)
         try:
@@ -123,9 +125,9 @@ class SshConnection:
             out, err = bytearray(), bytearray()
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
-                if len(out) > MAX_ANSWER_BYTES or len(err) > MAX_ANSWER_BYTES:
+                if len(out) > limit or len(err) > limit:
                     channel.close()
-                    raise answer_too_big(self.host)
+                    raise answer_too_big(self.host, limit)
                 if channel.recv_ready():
                     out += channel.recv(1 << 16)
                 elif channel.recv_stderr_ready():

@@ -303,7 +303,7 @@ class StepDriver:
             status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)
         except HostRefused as exc:  # as a refused manifest: the run failed, its machine goes
             self._save(handle, verdict={"state": "failed", "message": str(exc)})
-            with contextlib.suppress(BackendError):  # else its lifetime timer ends it
+            with contextlib.suppress(BackendError, HostRefused):  # else its lifetime timer ends it
                 if not backend.poll(handle).final:
                     backend.cancel(handle)
             return TaskFailed(f"step {self.spec.step!r}: run {handle.run_id}: {exc}")
@@ -399,7 +399,11 @@ class StepDriver:
             emit(f"{self.spec.step}: not torn down: {exc}", err=True)
             return
         backend = self.backend(handle)
-        status = backend.status(handle)
+        try:
+            status = backend.status(handle)
+        except HostRefused as exc:  # a damaged host: its message says how to tear it down
+            emit(f"{self.spec.step}: not torn down: {exc}", err=True)
+            return
         interrupted = was is RunState.INTERRUPTED
         if was is RunState.OPEN and not status.final and status.state != "pending":
             # doit is ending (a Ctrl-C seen by another thread, a failure

@@ -5,10 +5,12 @@ run has left before its lifetime timer; and the remote run folders or
 clusters that no handle accounts for (leaked), which `gc --machines`
 removes and `status --machines` lists.
 
-Only what is provably this project's is removed: a remote folder marked
-with the project at launch or named by one of its handles, a cluster named
-by one of its handles. Anything else that looks alike (another project's,
-or made before the mark) is listed, never touched.
+Only what is provably this client's is removed: a remote folder or a
+cluster marked at launch with the random id of its state folder
+(store.client_id), or named by one of its handles. Never by the project's
+path or name, which another client may share (CI jobs and containers at
+one path, on one host). Anything else that looks alike (another client's,
+or marked by an earlier release) is listed, never touched.
 """
 
 from __future__ import annotations
@@ -99,16 +101,20 @@ def lifetime_left(handle: RunHandle, now: float | None = None) -> float | None:
 
 def cluster_leaks(backend: SkypilotBackend, handles: list[RunHandle]) -> list[Leak]:
     """Clusters of the prefix that no live handle names. Those a handle of
-    the project named are its own; the rest may be another project's (the
-    prefix is shared by default), so are listed, never removed."""
+    the client named, or whose name carries its id, are its own; the rest
+    may be another client's (the prefix is shared by default, and so may be
+    the project's path), so are listed, never removed."""
+    from substrax_tasks.backends.sky_task import made_by
+
     runs = [h for h in handles if h.backend == backend.name]
     live = {h.state.get("cluster") for h in runs if not h.state.get("torn_down")}
-    ours = {h.state.get("cluster") for h in runs}
-    prefix = f"{backend.settings.cluster_prefix}-"
+    named = {h.state.get("cluster") for h in runs}
+    prefix, client = backend.settings.cluster_prefix, backend.store.client_id()
     return [
-        Leak(backend.name, "SkyPilot", name, name in ours, functools.partial(backend.sky().down, name))
+        Leak(backend.name, "SkyPilot", name, name in named or made_by(name, prefix, client),
+             functools.partial(backend.sky().down, name))
         for name in backend.sky().cluster_names()
-        if name.startswith(prefix) and name not in live
+        if name.startswith(f"{prefix}-") and name not in live
     ]
 
 

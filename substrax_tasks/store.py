@@ -15,6 +15,7 @@
     restore/<step>-<token>/       outputs restored from the run cache, staged to be verified
     locks/<step>.lock             one driver per step (steplock.py), and who holds it
     slots/<pool>/<i>.lock         the max_parallel slots of a backend's pool (slots.py)
+    client-id                     this state folder's random id: marks what it makes on shared machines
 
 where <step> is `spec.safe_name(step)`. Every module asks here for these
 paths. A no-op doit asks too, so pydantic (handle.py) is imported only by
@@ -25,6 +26,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import secrets
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +42,8 @@ if TYPE_CHECKING:
 
 HANDLE_FILE = "handle.json"
 PROOFS_FILE = "up-to-date.json"
+CLIENT_ID_FILE = "client-id"
+CLIENT_ID = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,40 @@ class RunStore:
 
     def slots_dir(self, pool: str) -> Path:
         return self.root / "slots" / safe_name(pool)
+
+    @property
+    def client_id_file(self) -> Path:
+        return self.root / CLIENT_ID_FILE
+
+    def client_id(self) -> str:
+        """This state folder's own random id (128 bits, hex), made on first
+        use: what marks the run folders and clusters it makes on machines
+        other clients share, so gc never takes another's for its own (two
+        clients may well share a project path: CI jobs, containers).
+        Linked into place whole, so processes that make it at once agree."""
+        path = self.client_id_file
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                os.fchmod(fd, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(secrets.token_hex(16) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, path)  # never over one made meanwhile
+            except FileExistsError:
+                pass
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+        text = path.read_text().strip()
+        if not CLIENT_ID.fullmatch(text):
+            raise HandleError(
+                f"{path} holds no id this client made ({text[:40]!r}); remove it and a new one is made "
+                "(what the old one marked on machines is then left to its lifetime timer, or to "
+                "`substrax-compute teardown RUN`)"
+            )
+        return text
 
     # -- handles
     def new_run(self, spec: StepSpec, backend: str, settings: dict[str, Any], **state: Any) -> RunHandle:

@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
 import textwrap
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import marked_pids
-from dodo_helpers import BWRAP, HEADER, handles, popen_doit, stop, wait_for
+from conftest import kill_pid, marked_pids
+from dodo_helpers import BWRAP, COMPUTE, DOIT, HEADER, clean_env, handles, popen_doit, stop, wait_for
 from testbeds.sshd_host import SshHost, missing_tools, running_host
 
 ROOT = os.geteuid() == 0
@@ -311,3 +312,42 @@ def doit_killed_mid_run(root: Path, marker: str, env: Mapping[str, str] | None =
         proc.wait(timeout=30)
     finally:
         stop(proc)
+
+
+# ------------------------------------------- two clients at one project path
+
+# A client's own view: its project folder bind-mounted at the one path two
+# clients use (as CI jobs or containers at /workspace), in a mount namespace
+# of its own (root only), then argv run there.
+IN_VIEW = 'mount --bind "$1" "$2" && cd "$2" && shift 2 && exec "$@"'
+
+
+def in_view(project: Path, at: Path, argv: Sequence[str]) -> list[str]:
+    namespace = ["unshare", "-m", "--propagation", "private"]
+    return [*namespace, "sh", "-c", IN_VIEW, "sh", str(project), str(at), *argv]
+
+
+def compute_in_view(
+    project: Path, at: Path, *args: str, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    argv = in_view(project, at, [str(COMPUTE), "--project", str(at), *args])
+    return subprocess.run(argv, env=clean_env(env), capture_output=True, text=True, timeout=120, check=False)
+
+
+def popen_doit_in_view(
+    project: Path, at: Path, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(in_view(project, at, [str(DOIT)]), env=clean_env(env), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+def doit_killed_mid_run_in_view(
+    project: Path, at: Path, marker: str, env: Mapping[str, str] | None = None
+) -> None:
+    """doit_killed_mid_run, in the project's view at `at`."""
+    proc = popen_doit_in_view(project, at, env)
+    try:
+        wait_for(lambda: marked_pids(marker), "the run to be going", timeout=120)
+    finally:
+        kill_pid(proc.pid)
+        proc.wait(timeout=30)

@@ -14,14 +14,19 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+from conftest import kill_pid
 from dodo_helpers import compute, pids_with, show, wait_for
 from ssh_helpers import (
     GATED_STEP,
+    compute_in_view,
     doit_killed_mid_run,
+    doit_killed_mid_run_in_view,
     make_ssh_project,
     needs_root,
     needs_sshd,
     only_handle,
+    popen_doit_in_view,
     remote_run_dir,
 )
 from testbeds.sshd_host import SshHost
@@ -46,9 +51,9 @@ def test_status_shows_the_lifetime_left_and_the_leaked_folders_that_gc_machines_
     holding = f"run {run['run_id']} may still hold a machine: its lifetime timer ends it in "
     assert holding in told.stderr, show(told)
 
-    other = run_dir.parent / "another-projects-run"  # not marked as this project's
+    other = run_dir.parent / "another-projects-run"  # not marked as this client's
     other.mkdir()
-    shutil.rmtree(root / ".substrax")  # the handle is gone; the run goes on there: leaked
+    shutil.rmtree(root / ".substrax" / "runs")  # the handle is gone; the run goes on there: leaked
     plain = compute(root, "status", "--json")  # reads the store only: leaks are not looked for
     assert json.loads(plain.stdout)["leaked"] is None, show(plain)
     leaked = compute(root, "status", "--machines")
@@ -67,3 +72,57 @@ def test_status_shows_the_lifetime_left_and_the_leaked_folders_that_gc_machines_
     assert not run_dir.exists() and other.is_dir()
     wait_for(lambda: not pids_with(marker), "the leaked run's command to be stopped")
     assert "leaked" not in compute(root, "status", "--machines").stderr
+
+
+@needs_sshd
+@needs_root
+def test_gc_machines_of_a_client_at_the_same_project_path_leaves_anothers_live_run_and_removes_its_own(
+    tmp_path: Path, host: SshHost, marker: str
+) -> None:
+    gate = host.scratch / f"gate-{tmp_path.name}"  # never made: the runs go on until stopped
+    at = tmp_path / "workspace"
+    at.mkdir()
+    remote_root = str(host.scratch / f"shared-{tmp_path.name}")  # one remote_root for both
+    first, second = (
+        make_ssh_project(tmp_path / name, host, GATED_STEP.format(gate=gate, marker=f"{marker}-{name}",
+                                                                  resources="{}"), remote_root=remote_root)
+        for name in ("one", "two")
+    )  # fmt: skip
+    doit_one = popen_doit_in_view(first, at)
+    try:
+        wait_for(lambda: pids_with(f"{marker}-one"), "the first client's run to be going", timeout=120)
+        running = remote_run_dir(only_handle(first))
+        # The second client: its doit killed mid-run, its handles then lost: a leftover of its own.
+        doit_killed_mid_run_in_view(second, at, f"{marker}-two")
+        lost = only_handle(second)
+        assert lost["state"]["project"] == only_handle(first)["state"]["project"] == str(at)  # one path
+        leftover = remote_run_dir(lost)
+        shutil.rmtree(second / ".substrax" / "runs")
+
+        removed = compute_in_view(second, at, "gc", "--machines")
+        assert removed.returncode == 0, show(removed)
+        assert f"removed {leftover} on {host.address}" in removed.stdout, show(removed)
+        assert not leftover.exists()
+        wait_for(lambda: not pids_with(f"{marker}-two"), "the second client's leftover run to be stopped")
+        assert running.is_dir() and pids_with(f"{marker}-one"), show(removed)  # the first's run goes on
+        assert f"removed {running}" not in removed.stdout
+    finally:
+        kill_pid(doit_one.pid)
+        doit_one.wait(timeout=30)
+    torn = compute_in_view(first, at, "teardown", only_handle(first)["run_id"])
+    assert torn.returncode == 0, show(torn)
+    wait_for(lambda: not pids_with(marker), "the first client's run to be stopped")
+
+
+def test_the_client_id_is_made_once_private_and_a_damaged_one_is_named_with_the_fix(tmp_path: Path) -> None:
+    from substrax_tasks.errors import HandleError
+    from substrax_tasks.store import RunStore
+
+    store = RunStore(tmp_path / ".substrax")
+    made = store.client_id()
+    assert RunStore(tmp_path / ".substrax").client_id() == made and len(made) == 32
+    assert store.client_id_file.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in store.root.iterdir()] == ["client-id"]  # no temp file left
+    store.client_id_file.write_text("/workspace/proj\n")
+    with pytest.raises(HandleError, match=r"holds no id this client made .*; remove it and a new one"):
+        store.client_id()

@@ -317,10 +317,10 @@ def test_setup_runs_the_commands_and_builds_the_locked_env(generated: dict[str, 
     assert "sudo apt-get install -y jq\necho 'ready' > ready.txt\n" in setup
     assert setup.index("watchdog") < setup.index("apt-get")
     # remote/env.py, the recipe of every backend, with the project's pip arguments
-    assert "/env.py " in generated["uv-lock"].config["setup"]
+    assert " env.py " in generated["uv-lock"].config["setup"]
     pip = generated["requirements-lock"].config["setup"]
-    assert "/env.py " in pip and pip.rstrip().endswith("python3 --no-cache-dir >/dev/null")
-    assert "env.py" not in generated["infra-region"].config["setup"]
+    assert " env.py " in pip and pip.rstrip().endswith("python3 --no-cache-dir >/dev/null")
+    assert " env.py " not in generated["infra-region"].config["setup"]
 
 
 @pytest.mark.parametrize("case_id", [c.id for c in BAD])

@@ -47,7 +47,9 @@ from ssh_helpers import (
     GATED_STEP,
     GATED_SWEEP,
     SANDBOX,
+    compute_in_view,
     doit_killed_mid_run,
+    doit_killed_mid_run_in_view,
     needs_root,
     needs_sshd,
     only_handle,
@@ -233,9 +235,9 @@ def test_a_run_going_is_followed_by_one_process_not_a_read_started_every_tick(sk
     assert (root / "res.txt").read_text() == "done\n", show(done)
     assert "hello from the cluster" in done.stdout  # the task's log, through the follower
     started = calls.read_text().splitlines()
-    follows = [i for i, line in enumerate(started) if "/control.py follow " in line]
+    follows = [i for i, line in enumerate(started) if "control.py follow " in line]
     assert len(follows) == 1, started
-    after = [line for line in started[follows[0]:] if "/control.py status " in line]
+    after = [line for line in started[follows[0]:] if "control.py status " in line]
     # the end read once, the worker's record for its verdict, the fetch: a handful
     assert 1 <= len(after) <= 5, started
 
@@ -625,3 +627,31 @@ def test_status_shows_the_lifetime_left_and_a_cluster_no_handle_names_which_gc_l
     assert done.returncode == 0 and done.stdout == "", show(done)
     assert sky.clusters() == [cluster]
     gate.touch()  # the run ends; the fixture takes what is left down
+
+
+def test_gc_machines_of_a_client_at_the_same_project_path_leaves_anothers_cluster_and_downs_its_own(
+    sky: Sky, marker: str
+) -> None:
+    """Two clients at one project path (each its folder bind-mounted there)
+    on one SkyPilot: the second, its handles lost, takes down the cluster its
+    id names and leaves the first's, which runs on."""
+    gate = sky.base / f"gate-{marker}"
+    sky.configure(sandbox="none", remote_root=str(sky.base / "remote"))
+    at = sky.base / "workspace"
+    at.mkdir()
+    second = sky.base / "two" / "proj"
+    second.mkdir(parents=True)
+    shutil.copy(sky.root / "pyproject.toml", second)
+    for name, root in (("one", sky.root), ("two", second)):
+        write_ssh_dodo(root, GATED_STEP.format(gate=str(gate), marker=f"{marker}-{name}",
+                                               resources={"cpus": 1}), ["step"])  # fmt: skip
+        doit_killed_mid_run_in_view(root, at, f"{marker}-{name}", env=sky.env)
+    running, lost = only_handle(sky.root)["state"]["cluster"], only_handle(second)["state"]["cluster"]
+    assert sorted(sky.clusters()) == sorted([running, lost])
+    shutil.rmtree(second / ".substrax" / "runs")  # its handle lost: the cluster is known by its id only
+
+    done = compute_in_view(second, at, "gc", "--machines", env=sky.env)
+    assert done.returncode == 0, show(done)
+    assert f"removed {lost} on SkyPilot" in done.stdout, show(done)
+    assert sky.clusters() == [running] and marked_pids(f"{marker}-one")  # the first's goes on
+    gate.touch()  # the first's run ends; the fixture takes what is left down

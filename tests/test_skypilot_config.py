@@ -174,12 +174,12 @@ def test_the_generated_task_mounts_read_only_copies_and_arms_the_timer_first(tmp
     setup = config["setup"].splitlines()
     watchdog = next(i for i, line in enumerate(setup) if "control.py watchdog" in line)
     assert watchdog < setup.index("echo one") < setup.index("echo two")
-    assert any("/env.py " in line for line in setup[setup.index("echo two") :])
+    assert any(" env.py " in line for line in setup[setup.index("echo two") :])
     assert "1500" in setup[watchdog]  # (30 - 5 idle minutes) * 60 seconds
     assert "--exit-status" in config["run"]
     assert config["resources"] == {"infra": "aws", "cpus": 2}
-    name = sky_task.cluster_name(backend.settings, handle)  # type: ignore[arg-type]
-    assert name.startswith("substrax-fit-a-b-") and len(name) <= 35
+    name = sky_task.cluster_name(backend.settings, handle, "0123456789abcdef" * 2)  # type: ignore[arg-type]
+    assert name.startswith("substrax-fit-a-b-01234567-") and len(name) <= 35
     job = json.loads(json.dumps(sky_task.worker_job(backend.settings, handle, layout, None)))  # type: ignore[arg-type]
     assert job["network_isolation"] is True
     assert not job["project"].startswith("/")  # resolved by the worker on the cluster

@@ -9,8 +9,10 @@ The host runs on this machine: its "remote" folders are real folders here
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -646,3 +648,73 @@ def test_a_master_whose_connection_died_is_replaced_and_the_next_doit_works(
     finally:
         for pid in marked_pids(Path(target.control_path()).name):
             kill_pid(pid)
+
+
+# ----------------------------------------- a host that changes its scripts
+
+# control.py as a hostile host rewrote it: itself for every operation but
+# `follow`, which prints without end (what made doit write 4 GiB and never end).
+ENDLESS_FOLLOWER = (
+    "import os, sys\n"
+    "if sys.argv[1:2] == ['follow']:\n"
+    "    while True:\n"
+    "        sys.stdout.write('x' * 65536)\n"
+    "real = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'real_control.py')\n"
+    "exec(compile(open(real).read(), real, 'exec'))\n"
+)
+# Run once, by the first run's setup: the host edits the script it was sent.
+TAMPER = (
+    'cd "$1"/bin-* && if [ ! -e real_control.py ]; then cp control.py real_control.py && '
+    'printf %s "$2" > control.py; fi'
+)
+CLIENT_MEMORY_BOUND = 512 << 20  # doit itself takes about 100 MB
+
+
+def wait_bounded(proc: subprocess.Popen[str], output: Path, timeout: float = 90) -> tuple[int, int]:
+    """Wait for doit, killing it (a failure) if it outgrows CLIENT_MEMORY_BOUND
+    or its output 64 MiB; its exit status and peak RSS in bytes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_maxrss * 1024
+        with contextlib.suppress(OSError):
+            peak = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{proc.pid}/status").read_text())
+            grown = int(peak.group(1)) * 1024 if peak else 0
+            if grown > CLIENT_MEMORY_BOUND or output.stat().st_size > 64 << 20 or time.monotonic() > deadline:
+                kill_pid(proc.pid)
+                pytest.fail(f"doit unbounded: {grown >> 20} MiB of memory, "
+                            f"{output.stat().st_size >> 20} MiB of output")  # fmt: skip
+        time.sleep(0.1)
+
+
+def test_a_host_that_rewrites_control_py_after_the_install_is_refused_as_damaged_and_teardown_repairs_it(
+    tmp_path: Path, host: SshHost
+) -> None:
+    remote_root = host.scratch / f"damaged-{tmp_path.name}"
+    body = one_step("step", command=["sh", "-c", "sleep 3; echo made > out.txt"], outputs=["out.txt"])
+    root = make_ssh_project(tmp_path, host, body, remote_root=str(remote_root),
+                            setup_commands=[f"sh -c {shlex.quote(TAMPER)} sh {remote_root} "
+                                            f"{shlex.quote(ENDLESS_FOLLOWER)}"])  # fmt: skip
+    proc = popen_doit(root)
+    try:
+        code, peak = wait_bounded(proc, root.parent / "doit.out")
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    run_id = only_handle(root)["run_id"]
+    assert code == 1, said
+    assert peak < CLIENT_MEMORY_BOUND and len(said) < 1 << 20, (peak, len(said))
+    assert f"control.py in {remote_root}/bin-" in said, said
+    assert f"on {host.address} are not the ones this client installed" in said, said
+    assert f"`substrax-compute teardown {run_id}`" in said, said
+    assert not (tmp_path / "proj" / "out.txt").exists()
+
+    done = compute(root, "teardown", run_id)  # the fix the message names
+    assert done.returncode == 0, show(done)
+    assert not remote_run_dir(only_handle(root)).exists()
+    installed = next(remote_root.glob("bin-*/control.py")).read_bytes()
+    assert installed == (Path(__file__).parent.parent / "remote" / "control.py").read_bytes()
+    doit_ok(root)  # the scripts put back: the next run is the host's as before
+    assert (root / "out.txt").read_text() == "made\n"

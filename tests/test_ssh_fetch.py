@@ -14,6 +14,8 @@ import os
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -277,7 +279,8 @@ def test_an_endless_manifest_is_refused_with_the_clients_memory_bounded(
     with path.open("r+b") as f:  # 1 GiB in one line (sparse: costs the host no disk)
         f.truncate(1 << 30)
     peak, said = peak_memory_of_a_fetch(tmp_path / "proj", handle.run_id)
-    assert "answered with more than 64 MiB to one command: refused" in said, said
+    refused = f"run {handle.run_id}: {host.address} answered with more than 64 MiB to one command: refused"
+    assert refused in said, said
     assert peak < 400 << 20, f"peak {peak >> 20} MiB"  # holding the answer whole would take over 1 GiB
 
 
@@ -359,3 +362,55 @@ def test_setuid_and_world_writable_outputs_a_hosts_user_made_arrive_without_thos
     again = doit_ok(root)
     assert not step_ran(again, "step"), show(again)
     assert "up to date" in compute(root, "why", "step").stdout
+
+def test_a_status_answer_past_its_cap_is_refused_naming_the_host_and_the_run(
+    tmp_path: Path, host: SshHost
+) -> None:
+    backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    status_file = remote_run_dir(handle.model_dump(mode="json")) / "status.json"
+    record = json.loads(status_file.read_text())
+    record["message"] = "x" * (2 << 20)  # a status line of 2 MiB: real ones are a few KiB
+    status_file.write_text(json.dumps(record))
+    with pytest.raises(HostRefused, match=rf"reading the run's status for run {handle.run_id}: "
+                       rf"{host.address} answered with more than 1 MiB to one command: refused"):  # fmt: skip
+        backend.remote_run(handle).status()
+
+
+def test_a_follower_that_sends_past_the_logs_cap_is_cut_there_with_one_note(
+    tmp_path: Path, host: SshHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the host runs in the follower's place (here `yes`, as a host
+    whose own python lied would), the client takes the log up to its cap."""
+    cap = 3 << 20
+    monkeypatch.setattr(base, "MAX_LOG_BYTES", cap)
+    monkeypatch.setattr(_remote_run, "MAX_LOG_BYTES", cap)
+    backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    monkeypatch.setattr(RemoteRun, "follow_argv", lambda self, offset, limit: ["yes"])
+    out = io.BytesIO()
+    status = _remote_run.follow_log(backend, handle, out, 0, backend.remote_run(handle))
+    assert status.state == "succeeded"
+    note = b"\n[substrax: the log is cut at 3 MiB here; the rest is in run.log in the run's folder]\n"
+    assert out.getvalue() == b"y\n" * (cap // 2) + note
+
+
+def test_a_follower_that_outlives_the_runs_lifetime_is_given_up_for_the_status(
+    tmp_path: Path, host: SshHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower that neither sends nor ends (here `cat`, as a host whose
+    own python lied could run) is waited on only until the run's lifetime
+    is over; then the status and the log are read as after a broken link."""
+    backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
+    timer = {**handle.state["watchdog"], "armed_at": time.time() - 3600}  # its lifetime long over
+    handle = backend.store.update_state(handle, watchdog=timer)
+    monkeypatch.setattr(RemoteRun, "follow_argv", lambda self, offset, limit: ["cat"])
+    out = io.BytesIO()
+    ended: list[base.RunStatus] = []
+    run = backend.remote_run(handle)
+    follower = threading.Thread(
+        target=lambda: ended.append(_remote_run.follow_log(backend, handle, out, 0, run)),
+        daemon=True,  # on the code before, it would follow `cat` for ever
+    )
+    follower.start()
+    follower.join(timeout=120)
+    assert [s.state for s in ended] == ["succeeded"]
+    assert out.getvalue() == backend.read_log(handle, 0)

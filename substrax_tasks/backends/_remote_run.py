@@ -7,6 +7,14 @@ the verified copy's fetch: the manifest the worker wrote as the command
 ended (`<run dir>/manifest.json`), then the outputs by rsync into a fresh
 local staging folder. The chain verifies the copy against that manifest;
 nothing here decides whether it matches.
+
+Nothing installed there is run unchecked: every script runs through
+CHECKED_RUN, which compares each script of the bin folder with the sha256
+of the one this client sent, then runs the one asked for. A host that
+changed one is damaged (DamagedHost), never obeyed; and each answer a host
+sends back is held to a size (a status line to MAX_STATUS_BYTES, the log
+stream to the log's limit), so even a host whose Python itself lies cannot
+make this side write or hold without end.
 """
 
 from __future__ import annotations
@@ -16,12 +24,13 @@ import json
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import IO, Any, Protocol
 
-from substrax_tasks._openssh import RemoteResult
+from substrax_tasks._openssh import MAX_ANSWER_BYTES, AnswerTooBig, RemoteResult
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
 from substrax_tasks._signals import check_interrupted
 from substrax_tasks.backends.base import MAX_LOG_BYTES, Backend, Fetched, RunStatus, log_cut_note
@@ -32,6 +41,40 @@ from substrax_tasks.transports.rsync import RsyncTransport
 
 MANIFEST_FILE = "manifest.json"  # in the run's folder, written by the worker as the command ended
 LOG_CHUNK = 1 << 20
+# The most a script's one-line JSON answer (a status, the environment's
+# folder, the GPUs) may be: real ones are a few KiB. A manifest may be far
+# bigger and is held to MAX_ANSWER_BYTES.
+MAX_STATUS_BYTES = 1 << 20
+# A follower still going this long after the run's lifetime ended (its
+# timer removes the run's folder) is not ours to wait on: the status is read.
+FOLLOW_PAST_LIFETIME_SECONDS = 120.0
+# How CHECKED_RUN says that a script differs from the one sent: its exit
+# status and the start of its last stderr line (then the names, as JSON).
+DAMAGED_EXIT = 86
+DAMAGED_MARK = "substrax-damaged-scripts:"
+# `python3 -c CHECKED_RUN BIN_DIR DIGESTS NAME ARGS...`: Python 3.8 and
+# stdlib only. Every script of the bin folder is hashed (the worker imports
+# its siblings), then the interpreter becomes `python3 BIN_DIR/NAME ARGS...`,
+# exactly what ran before the check: the same argv in /proc, by which
+# control.py finds a run's workers. A host that swaps a script in the
+# moment between is hostile; what bounds it is the caps on its answers.
+CHECKED_RUN = """\
+import hashlib, json, os, sys
+folder, expected, name = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+changed = []
+for script in sorted(expected):
+    try:
+        with open(os.path.join(folder, script), "rb") as f:
+            data = f.read(4 << 20)
+    except OSError:
+        data = b""
+    if hashlib.sha256(data).hexdigest() != expected[script]:
+        changed.append(script)
+if changed or name not in expected:
+    sys.stderr.write("%s%s\\n" % (MARK, json.dumps(changed or [name])))
+    sys.exit(EXIT)
+os.execv(sys.executable, [sys.executable, os.path.join(folder, name)] + sys.argv[4:])
+""".replace("MARK", repr(DAMAGED_MARK)).replace("EXIT", str(DAMAGED_EXIT))
 
 
 class Remote(Protocol):
@@ -41,7 +84,8 @@ class Remote(Protocol):
     def host(self) -> str: ...
 
     def run(
-        self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120
+        self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120,
+        limit: int = MAX_ANSWER_BYTES,
     ) -> RemoteResult: ...
 
     def stream(self, argv: list[str], out: Callable[[bytes], None], tick: Callable[[], None]) -> RemoteResult:
@@ -57,6 +101,39 @@ def scripts_digest() -> str:
     for name in REMOTE_SCRIPTS:
         digest.update(remote_script(name).read_bytes())
     return digest.hexdigest()[:12]
+
+
+def script_digests() -> dict[str, str]:
+    """The sha256 of each script this installation sends."""
+    return {name: hashlib.sha256(remote_script(name).read_bytes()).hexdigest() for name in REMOTE_SCRIPTS}
+
+
+def checked_script(python: str, bin_dir: str, name: str, *args: str) -> list[str]:
+    """argv that runs `bin_dir/name` there only if every script in bin_dir is
+    the one this installation sent (CHECKED_RUN). A bin folder of another
+    release's scripts (a run launched before an upgrade here) cannot be
+    checked from here: its scripts run as they are, as before."""
+    if PurePosixPath(bin_dir).name != f"bin-{scripts_digest()}":
+        return [python, f"{bin_dir}/{name}", *args]
+    return [python, "-c", CHECKED_RUN, bin_dir, json.dumps(script_digests(), sort_keys=True), name, *args]
+
+
+class DamagedHost(HostRefused):
+    """A script installed on the host is not the one this client sent."""
+
+
+def damaged_scripts(result: RemoteResult) -> list[str] | None:
+    """The scripts CHECKED_RUN found changed, if that is why `result` failed."""
+    if result.returncode != DAMAGED_EXIT:
+        return None
+    for line in reversed(result.stderr.decode(errors="replace").splitlines()):
+        if line.startswith(DAMAGED_MARK):
+            try:
+                names = json.loads(line[len(DAMAGED_MARK) :])
+            except ValueError:
+                return None
+            return [str(n) for n in names] if isinstance(names, list) else None
+    return None
 
 
 def forwarded_env(handle: RunHandle) -> dict[str, str]:
@@ -84,8 +161,46 @@ class RemoteRun:
     bin_dir: str
     run_dir: str
 
+    @property
+    def run_id(self) -> str:
+        return PurePosixPath(self.run_dir).name
+
     def script(self, name: str, *args: str) -> list[str]:
-        return [self.python, f"{self.bin_dir}/{name}", *args]
+        return checked_script(self.python, self.bin_dir, name, *args)
+
+    def run_script(
+        self, name: str, *args: str, what: str, stdin: bytes | None = None, timeout: float | None = 120,
+        limit: int = MAX_STATUS_BYTES,
+    ) -> RemoteResult:
+        """One of the scripts there, checked first (CHECKED_RUN), its answer
+        held to `limit` bytes: a damaged host or an answer too big is refused
+        with this run named (HostRefused, never retried)."""
+        try:
+            result = self.remote.run(self.script(name, *args), stdin=stdin, timeout=timeout, limit=limit)
+        except AnswerTooBig as exc:
+            raise HostRefused(f"{what} for run {self.run_id}: {exc}") from None
+        self.refuse_damaged(result)
+        return result
+
+    def refuse_damaged(self, result: RemoteResult) -> None:
+        changed = damaged_scripts(result)
+        if changed is not None:
+            raise DamagedHost(
+                f"run {self.run_id}: the script(s) {', '.join(changed)} in {self.bin_dir} on "
+                f"{self.remote.host} are not the ones this client installed (changed or removed "
+                "after the install): the host is damaged or tampered with, and nothing is run "
+                f"there. `substrax-compute teardown {self.run_id}` puts the scripts back, stops "
+                "the run and removes its folder"
+            )
+
+    def reinstall(self) -> None:
+        """Put the scripts this client sent back in the bin folder (a damaged
+        host's: only the teardown does this, to stop and remove the run)."""
+        write = 'umask 077 && mkdir -p "$1" && cat > "$1/$2.$3" && mv "$1/$2.$3" "$1/$2"'
+        for name in REMOTE_SCRIPTS:
+            temp = f"{secrets.token_hex(6)}.tmp"
+            self.check(["sh", "-c", write, "sh", self.bin_dir, name, temp], f"reinstalling {name}",
+                       stdin=remote_script(name).read_bytes())  # fmt: skip
 
     def check(self, argv: list[str], what: str, stdin: bytes | None = None) -> RemoteResult:
         result = self.remote.run(argv, stdin=stdin)
@@ -93,9 +208,16 @@ class RemoteRun:
             raise result.failure(what, self.remote.host)
         return result
 
+    def checked_script(self, name: str, *args: str, what: str, stdin: bytes | None = None) -> RemoteResult:
+        """run_script, failing unless it exits 0."""
+        result = self.run_script(name, *args, what=what, stdin=stdin)
+        if result.returncode != 0:
+            raise result.failure(what, self.remote.host)
+        return result
+
     def control(self, operation: str, *args: str, what: str) -> dict[str, Any]:
         """remote/control.py's answer (one JSON line) for this run."""
-        result = self.check(self.script("control.py", operation, self.run_dir, *args), what)
+        result = self.checked_script("control.py", operation, self.run_dir, *args, what=what)
         return self.answer(result, what)
 
     def answer(self, result: RemoteResult, what: str) -> dict[str, Any]:
@@ -112,11 +234,17 @@ class RemoteRun:
         even with the scripts gone too (the host restarted with an empty
         scratch disk, or its whole remote root was removed)."""
         what = "reading the run's status"
-        result = self.remote.run(self.script("control.py", "status", self.run_dir))
+        try:
+            argv = self.script("control.py", "status", self.run_dir)
+            result = self.remote.run(argv, limit=MAX_STATUS_BYTES)
+        except AnswerTooBig as exc:
+            raise HostRefused(f"{what} for run {self.run_id}: {exc}") from None
         if result.returncode != 0:
             # Asked only now: a lost folder is rare, a status read is not.
+            # Before the scripts' check: gone with the folder, they are no damage.
             if self.remote.run(["test", "-e", self.run_dir]).returncode == 1:
                 return {"state": None, "exists": False}
+            self.refuse_damaged(result)
             raise result.failure(what, self.remote.host)
         return self.answer(result, what)
 
@@ -176,12 +304,16 @@ class RemoteRun:
         path = f"{self.run_dir}/{MANIFEST_FILE}"
         # Exit 3 only when there is none: a broken connection must not
         # stand in a manifest of the outputs as they are now for this one.
-        kept = self.remote.run(["sh", "-c", '[ -e "$1" ] || exit 3; exec cat "$1"', "sh", path])
+        try:
+            kept = self.remote.run(["sh", "-c", '[ -e "$1" ] || exit 3; exec cat "$1"', "sh", path])
+        except AnswerTooBig as exc:
+            raise HostRefused(f"reading {path} for run {self.run_id}: {exc}") from None
         if kept.returncode == 0:
             return checked_manifest(kept.stdout, f"{path} on {self.remote.host}")
         if kept.returncode != 3:
             raise kept.failure(f"reading {path}", self.remote.host)
-        taken = self.remote.run(self.script("manifest.py", "--", outputs_root, *outputs), timeout=None)
+        taken = self.run_script("manifest.py", "--", outputs_root, *outputs,
+                                what="taking the outputs' manifest", timeout=None, limit=MAX_ANSWER_BYTES)
         said = taken.stderr.decode(errors="replace").strip()
         if taken.returncode == 1 and said.startswith("manifest.py:"):
             from substrax_tasks.manifest_cache import ManifestError
@@ -223,6 +355,14 @@ class RemoteRun:
         return Fetched(staging, manifest)
 
 
+class _LogFull(Exception):
+    """The follower sent the log up to its limit (or, from a lying host, past it)."""
+
+
+class _FollowOverdue(Exception):
+    """The follower outlived the run's lifetime."""
+
+
 def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int, run: RemoteRun) -> RunStatus:
     """A run's log from `offset` to `out` until it ends, through one
     follower there (control.py follow: one channel, the status read there
@@ -230,19 +370,41 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
     a second; then its status, read once. The base's polling reads the log
     again only when the follower did not see the end (the connection broke)
     or the log was cut: when it did, what it sent is the whole log (it reads
-    the log after the status that says the run ended)."""
+    the log after the status that says the run ended). Nothing past the
+    log's limit is taken, whatever the host sends: the stream is closed
+    there and the cut noted once, as for any log that long; nor is the
+    follower waited on past the run's lifetime."""
+    from substrax_tasks.machines import lifetime_left
+
+    room = max(MAX_LOG_BYTES - offset, 0)
     sent = 0
+    left = lifetime_left(handle)
+    deadline = None if left is None else time.monotonic() + left + FOLLOW_PAST_LIFETIME_SECONDS
+
+    def tick() -> None:
+        check_interrupted()
+        if deadline is not None and time.monotonic() > deadline:
+            raise _FollowOverdue
 
     def write(chunk: bytes) -> None:
         nonlocal sent
+        chunk = chunk[: room - sent]
         out.write(chunk)
         out.flush()
         sent += len(chunk)
+        if sent >= room:
+            raise _LogFull
 
     # Ctrl-C in a doit thread is seen within a tick; the stream then closes
     # the follower's stdin, which ends it there.
-    result = run.remote.stream(run.follow_argv(offset, MAX_LOG_BYTES), write, check_interrupted)
+    try:
+        result = run.remote.stream(run.follow_argv(offset, MAX_LOG_BYTES), write, tick)
+    except _LogFull:
+        result = RemoteResult(0, b"", b"")
+    except _FollowOverdue:  # as a broken connection: the polling below reads the status
+        result = RemoteResult(-1, b"", b"")
     offset += sent
+    run.refuse_damaged(result)
     if result.returncode == 3:
         raise HostRefused(
             f"the run's log {run.run_dir}/run.log on {run.remote.host} is not a regular file "

@@ -30,7 +30,7 @@ from typing import Any
 
 from substrax_tasks._remote_files import env
 from substrax_tasks._sky import SkyCallError, SkyClient
-from substrax_tasks.backends._remote_run import scripts_digest
+from substrax_tasks.backends._remote_run import checked_script, scripts_digest
 from substrax_tasks.backends.local import link_tree
 from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, SkypilotSettings, cloud_of
 from substrax_tasks.errors import SubstraxError
@@ -51,12 +51,28 @@ _UNSAFE = re.compile(r"[^a-z0-9]+")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
 
 
-def cluster_name(settings: SkypilotSettings, handle: RunHandle) -> str:
-    """`<prefix>-<step>-<6 hex>`: SkyPilot's rules (a letter first; letters,
-    digits and '-'), short enough for every cloud, unique per run."""
-    slug = _UNSAFE.sub("-", handle.step.lower()).strip("-")[:16].strip("-") or "step"
+CLIENT_TAG_LENGTH = 8
+
+
+def client_tag(client_id: str) -> str:
+    """What of the client's id (store.client_id) a cluster's name carries."""
+    return client_id[:CLIENT_TAG_LENGTH]
+
+
+def cluster_name(settings: SkypilotSettings, handle: RunHandle, client_id: str) -> str:
+    """`<prefix>-<step>-<client tag>-<6 hex>`: SkyPilot's rules (a letter
+    first; letters, digits and '-'), short enough for every cloud, unique per
+    run, and marked as this client's by 32 random bits of its id (gc --machines
+    takes down only clusters that carry it, or that its handles name)."""
+    slug = _UNSAFE.sub("-", handle.step.lower()).strip("-")[:10].strip("-") or "step"
     suffix = hashlib.sha256(handle.run_id.encode()).hexdigest()[:6]
-    return f"{settings.cluster_prefix}-{slug}-{suffix}"
+    return f"{settings.cluster_prefix}-{slug}-{client_tag(client_id)}-{suffix}"
+
+
+def made_by(cluster: str, prefix: str, client_id: str) -> bool:
+    """Whether `cluster` is named as this client's (cluster_name)."""
+    parts = cluster.rsplit("-", 2)
+    return cluster.startswith(f"{prefix}-") and len(parts) == 3 and parts[1] == client_tag(client_id)
 
 
 @dataclass(frozen=True)
@@ -178,21 +194,16 @@ def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterL
     lines += settings.setup_commands
     if lock and env_dir:
         # The same recipe as every backend's (it prints where the env is: known here already).
-        build = [settings.python, f"{layout.bin}/env.py", layout.project, f"{layout.root}/envs",
-                 settings.python, *settings.pip_args]  # fmt: skip
+        build = checked_script(settings.python, layout.bin, "env.py", layout.project, f"{layout.root}/envs",
+                               settings.python, *settings.pip_args)  # fmt: skip
         lines.append(f"{_sh(build)} >/dev/null")
     return "\n".join(lines) + "\n"
 
 
 def watchdog_line(settings: SkypilotSettings, layout: ClusterLayout, seconds: float) -> str:
     """Make the run's folder and arm its lifetime timer: `seconds` from now."""
-    watchdog = [
-        settings.python,
-        f"{layout.bin}/control.py",
-        "watchdog",
-        layout.run,
-        f"{seconds:g}",
-    ]
+    watchdog = checked_script(settings.python, layout.bin, "control.py", "watchdog", layout.run,
+                              f"{seconds:g}")
     if cloud_of(settings.infra) in NO_AUTODOWN:
         watchdog.append("--poweroff")
     return f'cd "$HOME" && {_sh(["mkdir", "-p", layout.run])} && {_sh(watchdog)}'
@@ -239,7 +250,8 @@ def run_script(settings: SkypilotSettings, layout: ClusterLayout) -> str:
     """The worker in the foreground (SkyPilot's cancel reaches its tree; its
     exit status is the job's), with the task's log copied into the job's."""
     log = f"{layout.run}/run.log"
-    worker = [settings.python, f"{layout.bin}/worker.py", f"{layout.inbox}/job.json", "--exit-status"]
+    worker = checked_script(settings.python, layout.bin, "worker.py", f"{layout.inbox}/job.json",
+                            "--exit-status")
     return "\n".join([
         'cd "$HOME"',
         f"tail -n +1 -F {shlex.quote(log)} 2>/dev/null &",

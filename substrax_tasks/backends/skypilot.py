@@ -42,7 +42,7 @@ from substrax_tasks._sky import (
     SkyClient,
 )
 from substrax_tasks.backends import _remote_run, sky_pool, sky_status, sky_task
-from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env
+from substrax_tasks.backends._remote_run import DamagedHost, RemoteRun, forwarded_env
 from substrax_tasks.backends.base import LOG_POLL_SECONDS, Backend, Fetched, Pool, RunStatus
 from substrax_tasks.backends.skypilot_settings import SkypilotSettings
 from substrax_tasks.errors import BackendError, SubstraxError
@@ -77,7 +77,9 @@ class SkypilotBackend(Backend):
 
     def cluster(self, handle: RunHandle) -> str:
         recorded = handle.state.get("cluster")
-        return recorded if isinstance(recorded, str) else sky_task.cluster_name(self.settings, handle)
+        if isinstance(recorded, str):
+            return recorded
+        return sky_task.cluster_name(self.settings, handle, self.store.client_id())
 
     def layout(self, handle: RunHandle) -> sky_task.ClusterLayout:
         return sky_task.layout_for(self.settings, handle)
@@ -335,7 +337,11 @@ class SkypilotBackend(Backend):
             return
         if "cluster" not in handle.state:
             return  # never launched: nothing was made
-        if not self.poll(handle).final:
+        try:
+            running, damaged = not self.poll(handle).final, False
+        except DamagedHost:  # its scripts were changed there: nothing on it is run, it goes down whole
+            running, damaged = False, True
+        if running:
             try:
                 self.cancel(handle)
             except ExceptionGroup as group:  # one message for doit and the CLI alike
@@ -344,7 +350,7 @@ class SkypilotBackend(Backend):
         with contextlib.suppress(SubstraxError, OSError):
             self.remote_run(handle).keep_log(self.run_file(handle, "run.log"))
         failures: list[Exception] = []
-        if "slot" in handle.state and not force:
+        if "slot" in handle.state and not (force or damaged):
             sky_pool.leave(self, handle)
         elif not self._down(handle, failures):
             raise failures[0]

@@ -129,7 +129,7 @@ class SkypilotSettings(RemoteSettings):
     sky_python: str | None = Field(
         None, description="SkyPilot's Python (default: the one beside `sky` on PATH)."
     )
-    cluster_prefix: str = Field("substrax", description="Clusters are named <prefix>-<step>-<id>.")
+    cluster_prefix: str = Field("substrax", description="Clusters are named <prefix>-<step>-<client>-<run>.")
     idle_minutes: int = Field(
         5, ge=1, description="After the run ends, SkyPilot takes the cluster down once idle this long."
     )

@@ -5,7 +5,8 @@ what it shares with the SkyPilot backend is in _remote_run.py. On the host,
 everything of a run lives in `<remote_root>/runs/<run-id>/`:
 
     job.json status.json run.log watchdog.json
-    from-<project>/ marks the folder as made for that project (gc --machines)
+    client-<id>/    marks the folder as made by the client whose state folder holds that
+                    random id (store.client_id; gc --machines removes only its own)
     manifest.json   the outputs' manifest, written by the worker as the command ended
     project/        the project's tracked files and the inputs (read-only to the task)
     work/outputs/   what the sandboxed task writes (the outputs' folders)
@@ -27,7 +28,7 @@ from substrax_tasks import _gpus
 from substrax_tasks._remote_files import REMOTE_SCRIPTS, remote_script
 from substrax_tasks._ssh import NoSession, SshConnection, connection
 from substrax_tasks.backends import _remote_run
-from substrax_tasks.backends._remote_run import RemoteRun, forwarded_env
+from substrax_tasks.backends._remote_run import DamagedHost, RemoteRun, forwarded_env
 from substrax_tasks.backends.base import Backend, Fetched, Pool, RunStatus
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.handle import RunHandle
@@ -46,9 +47,12 @@ from substrax_tasks.worker_job import (
 if TYPE_CHECKING:
     from substrax_tasks.machines import Leak
 
-OWNER_MARK = "from-"
-# The absolute runs folder, then each run folder: "+name" marked as the
-# project's ($2), "-name" not. Nothing when there is no runs folder.
+# Made from a random id kept in the state folder, never from the project's
+# path, which two clients may share (CI jobs, containers at /workspace);
+# folders marked `from-<project>` by earlier releases are no one's to gc.
+OWNER_MARK = "client-"
+# The absolute runs folder, then each run folder: "+name" marked as this
+# client's ($2), "-name" not. Nothing when there is no runs folder.
 LIST_RUNS = (
     'cd && cd "$1" 2>/dev/null || exit 0; pwd; '
     'for d in */; do [ -d "$d" ] || continue; d=${d%/}; '
@@ -101,12 +105,12 @@ class SshBackend(Backend):
         run = RemoteRun(conn, self.settings.python, bin_dir, run_dir)
         gpus = _gpus.job_gpus(
             handle.spec, self.settings.hide_gpus_when_unasked,
-            lambda: run.answer(run.check(run.script("gpus.py"), "listing the GPUs"), "listing the GPUs"),
+            lambda: run.answer(run.checked_script("gpus.py", what="listing the GPUs"), "listing the GPUs"),
             f"{remote_root}/gpus", self.settings.host,
         )  # fmt: skip
         # Only now: a step refused above leaves no folder on the host.
-        # `from-<project>` marks the folder as this project's (machines.py).
-        mark = f"{run_dir}/{OWNER_MARK}{project_key(str(handle.state.get('project')))}"
+        # `client-<id>` marks the folder as this client's (machines.py).
+        mark = f"{run_dir}/{OWNER_MARK}{self.store.client_id()}"
         folders = [f"{run_dir}/work/outputs", f"{run_dir}/project", mark]
         conn.check(["mkdir", "-p", "-m", "700", *folders], "mkdir")
         return self.store.update_state(
@@ -140,9 +144,9 @@ class SshBackend(Backend):
         files = [f for f in view.files if f not in outputs]  # the sandbox hides them; the run makes them anew
         stats = self.transport().upload(project, files, f"{self._state(handle, 'remote_run_dir')}/project")
         run = self.remote_run(handle)
-        argv = run.script("env.py", f"{run.run_dir}/project", f"{self._state(handle, 'remote_root')}/envs",
-                          self.settings.python, *self.settings.pip_args)  # fmt: skip
-        result = self.conn.run(argv, timeout=None)
+        envs = f"{self._state(handle, 'remote_root')}/envs"
+        result = run.run_script("env.py", f"{run.run_dir}/project", envs, self.settings.python,
+                                *self.settings.pip_args, what="building the environment", timeout=None)
         if result.returncode != 0:
             raise result.failure("building the environment", self.settings.host)
         env_dir = env_dir_of(handle.step, run.answer(result, "building the environment"))
@@ -167,8 +171,8 @@ class SshBackend(Backend):
             gpus=handle.state.get("gpus"),
         )
         self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())
-        argv = run.script("worker.py", paths.job, "--detach", "--env-stdin")
-        result = self.conn.run(argv, stdin=json.dumps(forwarded_env(handle)).encode())
+        result = run.run_script("worker.py", paths.job, "--detach", "--env-stdin", what="starting the worker",
+                                stdin=json.dumps(forwarded_env(handle)).encode())  # fmt: skip
         if result.returncode == _gpus.WORKER_BUSY:
             raise _gpus.busy(job["gpus"], self.settings.host)
         if result.returncode != 0:
@@ -267,14 +271,15 @@ class SshBackend(Backend):
             return False
 
     def leaks(self, project: str, handles: list[RunHandle]) -> list[Leak]:
-        """Run folders under remote_root marked as this project's, or named
-        by one of its handles, that no live handle accounts for."""
+        """Run folders under remote_root marked as this client's (its state
+        folder's id), or named by one of its handles, that no live handle
+        accounts for."""
         from substrax_tasks.machines import Leak
 
         live = {h.run_id for h in handles if not h.state.get("torn_down")}
         known = {h.run_id for h in handles}
         runs = f"{self.settings.remote_root}/runs"
-        listed = self.conn.check(["sh", "-c", LIST_RUNS, "sh", runs, OWNER_MARK + project_key(project)],
+        listed = self.conn.check(["sh", "-c", LIST_RUNS, "sh", runs, OWNER_MARK + self.store.client_id()],
                                  f"listing the run folders on {self.settings.host}").text().splitlines()
         where = listed[0] if listed else ""  # absolute: remote_root may be relative to the home
         bin_dir = f"{where.rsplit('/', 1)[0]}/bin-{_remote_run.scripts_digest()}"
@@ -294,6 +299,15 @@ class SshBackend(Backend):
         if "remote_run_dir" not in handle.state or handle.state.get("torn_down"):
             self.settings.target().stop_master()
             return
+        try:
+            self._tear_down(handle, force=force)
+        except DamagedHost:
+            # Its scripts were changed there: put back the ones this client
+            # sent (it checks them before each use), then stop and remove.
+            self.remote_run(handle).reinstall()
+            self._tear_down(handle, force=force)
+
+    def _tear_down(self, handle: RunHandle, *, force: bool) -> None:
         if not self.poll(handle).final:
             self.cancel(handle)
         if force or not self.settings.keep_remote:
