@@ -176,6 +176,9 @@ default_backend = "local"
 
 [tool.substrax.compute.backends.local]
 sandbox = "{sandbox}"
+
+[tool.substrax.compute.cache]
+enabled = {cache}
 """
 
 
@@ -219,6 +222,7 @@ class Options:
     repeats: int
     build_jobs: int
     src: str | None
+    cache: bool
 
 
 def write_project(root: Path, kind: str, steps: int, opts: Options) -> Project:
@@ -232,7 +236,8 @@ def write_project(root: Path, kind: str, steps: int, opts: Options) -> Project:
     (root / "dodo.py").write_text(template.format(steps=steps, common=common))
     # The same pyproject.toml in both: doit reads its [tool.doit] table (and
     # imports tomllib for that) whichever tasks the dodo file declares.
-    (root / "pyproject.toml").write_text(PYPROJECT.format(sandbox=opts.sandbox))
+    pyproject = PYPROJECT.format(sandbox=opts.sandbox, cache=str(opts.cache).lower())
+    (root / "pyproject.toml").write_text(pyproject)
     return Project(kind, root)
 
 
@@ -442,6 +447,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--build-jobs", type=int, default=8, help="doit -n N -P thread for the remote build (default 8)"
     )
+    parser.add_argument(
+        "--cache", choices=("on", "off"), default="off",
+        help="the cache of runs in the remote project (default off: a no-op never reads it, and keeping "
+        "100 files a step in the user's cache made a build of 1,000 steps quadratic, issue 29)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the generated projects")
     parser.add_argument(
         "--src", metavar="DIR", help="also time a copy of the remote project run with another version's "
@@ -463,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--src {args.src}: no substrax_tasks/ package in it; extract one with "
                      "`git archive REV substrax_tasks remote | tar -x -C DIR`")
     opts = Options(args.files, args.outputs, args.sandbox, args.repeats, args.build_jobs,
-                   str(Path(args.src).resolve()) if args.src else None)
+                   str(Path(args.src).resolve()) if args.src else None, args.cache == "on")
     rows: list[Row] = []
     try:
         for steps in args.steps:
