@@ -17,6 +17,7 @@ skipped like the public one.
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import sys
 import threading
@@ -198,6 +199,14 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
     phases after it held only when something else asked for a run (`doit
     -a`, or a user's uptodate item), and then the phases run the command for
     real (doit tells a task nothing of `-a`, but it does check the task)."""
+
+    # doit asks inspect.signature() of each uptodate callable which magic
+    # arguments it takes, at every check: given here, it is not worked out
+    # again from __call__ for each step (~30 us a step of a no-op).
+    __signature__ = inspect.Signature([
+        inspect.Parameter("task", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("values", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ])
 
     def __init__(self, driver: StepDriver) -> None:
         super().__init__()
