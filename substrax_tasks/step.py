@@ -106,7 +106,6 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     task_dep, uptodate, doc, title, verbosity, clean, ...: passed to doit
       (uptodate is combined with the step's own check: all must hold).
     """
-    _freeze_what_loading_made("load")
     try:
         check_doit_arguments(name, backend=backend, shell=shell, retries=retries, uptodate=uptodate,
                              project=project)  # fmt: skip
@@ -244,21 +243,18 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
         )
 
 
-_FROZEN: set[str] = set()
+_FROZEN = [False]
 
 
-def _freeze_what_loading_made(stage: str = "check") -> None:
+def _freeze_what_loading_made() -> None:
     """At the first check doit has loaded every task: what loading made
     (doit's tasks, the dodo's and this package's objects, the modules) is
     moved out of the garbage collector's reach (`gc.freeze`), so that later
     collections, and the interpreter's last one at exit, do not walk it
     again. That walk was ~15 ms of a no-op `doit` of 100 steps, most of it
-    at exit (bench/README.md). Objects made later are collected as usual.
-    The first declaration (stage "load") freezes what the imports made, so
-    that the collections while 1,000 steps are declared do not walk it
-    either (~7 ms of their no-op, issue 29)."""
-    if stage not in _FROZEN:
-        _FROZEN.add(stage)
+    at exit (bench/README.md). Objects made later are collected as usual."""
+    if not _FROZEN[0]:
+        _FROZEN[0] = True
         gc.freeze()
 
 
