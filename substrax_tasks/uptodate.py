@@ -42,7 +42,12 @@ if TYPE_CHECKING:
 DOIT_VALUE = "substrax_run"  # saved by doit with the public task's values
 # Part of every proof: a release that changes what the key or the check
 # means must not take an older release's proofs.
-PROOF_VERSION = f"{__version__}/4"
+PROOF_VERSION = f"{__version__}/5"
+# The key's part that names what a run sees (project_view.py): its declared
+# inputs only. A step verified when runs saw every tracked file (no such
+# part) may have read an undeclared file: stale once, and no cache entry of
+# that time matches.
+VIEW_RULE = "declared"
 KEY_FIELDS = ("command", "env", "timeout", "outputs", "resources", "secrets", "backend", "environment")
 _LOCK_DIGESTS: dict[tuple[str, int, int, int], str] = {}
 
@@ -142,6 +147,7 @@ def key_parts(step: Step) -> dict[str, Any]:
         "inputs": files,
         "missing_inputs": manifest["missing"],
         "environment": environment_lock(step.root),
+        "view": VIEW_RULE,
     }
 
 
@@ -253,6 +259,11 @@ def explain(
     # and a key-by-key diff of the two would only bury that line.
     moved = old.get("backend") != new.get("backend")
     reasons = [f"backend changed: {old.get('backend')} -> {new.get('backend')}"] if moved else []
+    if old.get("view") != new["view"]:
+        reasons.append(
+            "the run's view changed: runs now see only the step's declared inputs (and the lock file), "
+            "so the step runs once more under that rule"
+        )
     reasons += [
         f"{field} changed: was {old.get(field)!r}, now {new.get(field)!r}"
         for field in KEY_FIELDS
