@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from substrax_tasks.config import ENV_LOCK_FILES
+from substrax_tasks.config import ENV_LOCK_FILES, LOCK_COMPANIONS
 from substrax_tasks.errors import SpecError
 from substrax_tasks.spec import StepSpec
 
@@ -38,10 +38,11 @@ class ProjectView:
 
 def shown_paths(project: Path, inputs: Sequence[str]) -> list[str]:
     """The inputs (without a folder's "/") and the environment's lock file
-    (the first found), each once."""
+    (the first found) with what it is read with, each once."""
     lock = next((name for name in ENV_LOCK_FILES if (project / name).is_file()), None)
+    locks = [lock, *LOCK_COMPANIONS.get(lock, ())] if lock else []
     shown: list[str] = []
-    for path in [*(i.rstrip("/") for i in inputs), *([lock] if lock else [])]:
+    for path in [*(i.rstrip("/") for i in inputs), *locks]:
         if path not in shown:
             shown.append(path)
     return shown

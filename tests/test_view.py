@@ -252,3 +252,18 @@ def test_a_failure_hint_names_a_module_a_package_folder_and_a_script_left_out() 
         "the run sees the step's declared inputs only, and helper.py, mypkg are not declared; "
         "declare them in inputs=[...]"
     )
+
+
+@pytest.mark.unit
+def test_with_a_uv_lock_the_view_and_the_key_hold_the_pyproject_uv_reads_it_with(tmp_path: Path) -> None:
+    from substrax_tasks.uptodate import environment_lock
+
+    for rel in ["uv.lock", "pyproject.toml", "README.md"]:
+        (tmp_path / rel).write_text(rel)
+    assert project_view(tmp_path, tmp_path / ".substrax", []).files == ["uv.lock", "pyproject.toml"]
+    before = environment_lock(tmp_path)
+    assert set(before) == {"uv.lock", "pyproject.toml"}
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'changed'\n")
+    assert environment_lock(tmp_path)["pyproject.toml"] != before["pyproject.toml"]
+    (tmp_path / "uv.lock").unlink()
+    assert project_view(tmp_path, tmp_path / ".substrax", []).files == []
