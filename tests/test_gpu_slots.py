@@ -330,7 +330,8 @@ def test_on_a_real_gpu_a_step_asking_for_one_sees_exactly_one(tmp_path: Path) ->
         pytest.skip("REAL GPU NOT TESTED: no working nvidia-smi on this machine (runs on a GPU host)")
     body = """
 def task_query():
-    yield from remote_step("query", command=["python3", "cuda_query.py"], outputs=["out/"],
+    yield from remote_step("query", command=["python3", "cuda_query.py"], inputs=["cuda_query.py"],
+                           outputs=["out/"],
                            resources={"accelerators": "1"})
 """
     root = make_project(tmp_path, body, ["query"], sandbox="bwrap", files={"cuda_query.py": CUDA_QUERY})

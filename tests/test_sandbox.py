@@ -187,6 +187,7 @@ def test_sandbox_allows_writes_only_to_declared_outputs(
 ) -> None:
     root = project.root
     (root / "code.txt").write_text("original\n")
+    (root / "notes.txt").write_text("not declared\n")
     (root / "data").mkdir()
     (root / "data" / "in.txt").write_text("input\n")
     (root / "results").mkdir()
@@ -197,6 +198,7 @@ def test_sandbox_allows_writes_only_to_declared_outputs(
     scratch = f"/tmp/{marker}"
     script = ATTEMPT + f"""
 attempt read-project 'cat code.txt'
+attempt read-undeclared 'cat notes.txt'
 attempt read-input 'cat data/in.txt'
 attempt read-beside-output 'cat results/old.txt'
 attempt write-project 'echo x > code.txt'
@@ -215,12 +217,14 @@ attempt write-private-tmp 'echo x > {scratch}'
         project,
         ["sh", "-c", script],
         sandbox="bwrap",
-        inputs=["data/in.txt"],
+        # a run sees its inputs only: code.txt and results/old.txt are read, so declared
+        inputs=["data/in.txt", "code.txt", "results/old.txt"],
         outputs=["out/", "results/metrics.json"],
     )
     assert wait_final(project, handle) == "succeeded"
     assert verdicts(log_text(project, handle)) == {
         "read-project": "ALLOWED",
+        "read-undeclared": "DENIED",
         "read-input": "ALLOWED",
         "read-beside-output": "ALLOWED",
         "write-project": "DENIED",
@@ -268,7 +272,7 @@ attempt write-home 'echo x > "$HOME/planted"'
 attempt write-output 'echo result > out/result.txt'
 echo "HOME HOLDS: $(ls -A "$HOME" | tr '\\n' ' ')"
 """
-    handle = submit(project, ["sh", "-c", script], sandbox="bwrap", outputs=["out/"])
+    handle = submit(project, ["sh", "-c", script], sandbox="bwrap", inputs=["code.txt"], outputs=["out/"])
     assert wait_final(project, handle) == "succeeded"
     log = log_text(project, handle)
     assert verdicts(log) == {
@@ -347,11 +351,12 @@ def test_a_socket_gone_before_bubblewrap_started_is_told_apart(tmp_path: Path) -
 
 @needs_bwrap
 def test_a_socket_removed_before_bubblewrap_starts_does_not_fail_the_run(project: Project) -> None:
-    spec = make_spec("race", ["sh", "-c", "echo ran > out/x"], project.root, outputs=["out/"])
+    (project.root / "in").mkdir()  # the socket appears in an input folder: in the run's view
+    spec = make_spec("race", ["sh", "-c", "echo ran > out/x"], project.root, inputs=["in/"], outputs=["out/"])
     handle = project.new_run(spec, settings={"sandbox": "bwrap", "network_isolation": True})
     handle = project.backend_for(handle).launch(handle)
     job = run_dir(project, handle) / "job.json"
-    sock = project.root / "s.sock"  # short: a socket path holds at most 107 bytes
+    sock = project.root / "in" / "s.sock"  # short: a socket path holds at most 107 bytes
     done = subprocess.run([sys.executable, "-c", RACE, str(WORKER), str(job), str(sock)],
                           capture_output=True, text=True, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
