@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import WORKER, log_text, outputs_root, run_dir, wait_final
 from dodo_helpers import (
     DEFAULT_SANDBOX,
     compute,
@@ -36,6 +38,7 @@ from dodo_helpers import (
 from substrax_tasks._remote_files import remote_module
 from substrax_tasks.errors import SpecError
 from substrax_tasks.project_view import check_command_in_view, project_view
+from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
 
 WORK = (
@@ -190,6 +193,24 @@ def test_a_local_run_without_the_sandbox_is_never_kept_in_the_run_cache(tmp_path
     second = clone(tmp_path, "b", "A", ["work.py", "helper.py"], sandbox="none")
     again = doit_ok(second)
     assert not restored(again) and run_count(second) == 1, show(again)
+
+
+@needs_bwrap
+def test_an_entry_made_in_the_project_after_the_view_was_taken_is_not_seen(project: Project) -> None:
+    """The view is taken at launch; a file or folder that appears before the
+    command starts (another step's outputs promoted meanwhile, say) is in
+    neither list, and stays hidden."""
+    (project.root / "in.txt").write_text("x")
+    listing = "import os; open('out/seen.txt', 'w').write(' '.join(sorted(os.listdir('.'))))"
+    spec = make_spec("late", ["python3", "-c", listing], project.root, inputs=["in.txt"], outputs=["out/"])
+    handle = project.new_run(spec, settings={"sandbox": "bwrap"})
+    handle = project.backend_for(handle).launch(handle)
+    (project.root / "late.txt").write_text("made after the launch\n")
+    (project.root / "late").mkdir()
+    subprocess.run([sys.executable, str(WORKER), str(run_dir(project, handle) / "job.json")],
+                   check=True, capture_output=True, timeout=120)  # fmt: skip
+    assert wait_final(project, handle) == "succeeded", log_text(project, handle)
+    assert (outputs_root(project, handle) / "out" / "seen.txt").read_text().split() == ["in.txt", "out"]
 
 
 # ------------------------------------------------------------ the pieces

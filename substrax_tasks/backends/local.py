@@ -95,6 +95,7 @@ class LocalBackend(Backend):
             cache_dirs=self.settings.cache_dirs,
             cache_root=str(self.store.home_cache),
             project_hidden=view.hidden,
+            project_shown=view.files,
             left_out=view.left_out,
             gpus=_gpus.job_gpus(
                 handle.spec, self.settings.hide_gpus_when_unasked, remote_module("gpus").host_gpus,
