@@ -69,8 +69,10 @@ def left_out_hint(job: dict[str, Any], tail: str) -> str | None:
     if not named:
         return None
     one = len(named) == 1
-    return ("the run sees the step's declared inputs only, and %s %s not declared; declare %s in inputs=[...]"
-            % (", ".join(named[:5]), "is" if one else "are", "it" if one else "them"))
+    them = "it" if one else "them"
+    return ("the run sees the step's declared inputs only, and %s %s not declared; declare %s in "
+            "inputs=[...] (in outputs=[...] if the command writes %s)"
+            % (", ".join(named[:5]), "is" if one else "are", them, them))
 
 
 def erofs_hint(job: dict[str, Any], tail: str | None = None) -> str | None:

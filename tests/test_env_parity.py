@@ -151,7 +151,7 @@ def test_a_failure_names_the_left_out_entries_its_log_mentions_only() -> None:
     said = hints.left_out_hint(job, tail)
     assert said == (
         "the run sees the step's declared inputs only, and helper.py, data are not declared; "
-        "declare them in inputs=[...]"
+        "declare them in inputs=[...] (in outputs=[...] if the command writes them)"
     )
     assert hints.left_out_hint(job, "KeyError: 'x'\n") is None
     assert hints.left_out_hint({"left_out": []}, tail) is None
@@ -169,7 +169,7 @@ def assert_fails_naming_the_helper(done: subprocess.CompletedProcess[str]) -> No
     assert "ModuleNotFoundError: No module named 'helper'" in said, show(done)
     assert (
         "the run sees the step's declared inputs only, and helper.py is not declared; "
-        "declare it in inputs=[...]" in said
+        "declare it in inputs=[...] (in outputs=[...] if the command writes it)" in said
     ), show(done)
 
 

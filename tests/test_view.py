@@ -91,7 +91,7 @@ def test_two_clones_with_different_helpers_never_share_an_output(tmp_path: Path)
     assert "No module named 'helper'" in said(failed), show(failed)
     assert (
         "the run sees the step's declared inputs only, and helper.py is not declared; "
-        "declare it in inputs=[...]" in said(failed)
+        "declare it in inputs=[...] (in outputs=[...] if the command writes it)" in said(failed)
     ), show(failed)
     assert not (first / "out" / "result.txt").exists()
 
@@ -264,14 +264,15 @@ def test_a_failure_hint_names_a_module_a_package_folder_and_a_script_left_out() 
     hints = remote_module("hints")
     job = {"left_out": ["helper.py", "mypkg", "tools/x.py", "notes.txt"]}
     assert hints.left_out_hint(job, "ModuleNotFoundError: No module named 'mypkg'\n") == (
-        "the run sees the step's declared inputs only, and mypkg is not declared; declare it in inputs=[...]"
+        "the run sees the step's declared inputs only, and mypkg is not declared; declare it in inputs=[...] "
+        "(in outputs=[...] if the command writes it)"
     )
     tail = "python3: can't open file '/work/proj/tools/x.py': [Errno 2] No such file or directory\n"
     assert "and tools/x.py is not declared" in str(hints.left_out_hint(job, tail))
     both = "No module named 'helper'\nNo module named 'mypkg'\n"
     assert hints.left_out_hint(job, both) == (
         "the run sees the step's declared inputs only, and helper.py, mypkg are not declared; "
-        "declare them in inputs=[...]"
+        "declare them in inputs=[...] (in outputs=[...] if the command writes them)"
     )
 
 
