@@ -240,6 +240,9 @@ class StepDriver:
         self._step_lock.acquire()
         check_inputs_exist(self.spec, self.root)
         check_outputs_inside(self.spec.outputs, self.root)
+        from substrax_tasks.project_view import check_command_in_view  # not on a no-op's path
+
+        check_command_in_view(self.spec, self.root)
         from substrax_tasks._outputs_phases import recover_promotion  # not on a no-op's path
 
         recover_promotion(self)

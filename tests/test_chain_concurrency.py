@@ -34,7 +34,8 @@ from dodo_helpers import (
 )
 
 # A step whose command writes its output, then waits for gate/go (a folder
-# of the project, visible inside the sandbox) before it exits. "$0" is a
+# of the project, declared as an input so that the sandbox shows it) before
+# it exits. "$0" is a
 # marker that finds every process of the run in /proc.
 GATED = """
 MARKER = {marker!r}
@@ -45,6 +46,7 @@ def task_step():
         command=["/bin/sh", "-c",
                  "echo started > out/res.txt; while [ ! -e gate/go ]; do sleep 0.05; done; "
                  "echo done >> out/res.txt", MARKER],
+        inputs=["gate/"],
         outputs=["out/"],
     )
 """
@@ -69,6 +71,11 @@ def running(root: Path) -> bool:
 
 def open_gate(root: Path) -> None:
     (root / "gate" / "go").write_text("")
+
+
+def close_gate(root: Path) -> None:
+    """The gate, an input, as it was at launch: the run's key holds again."""
+    (root / "gate" / "go").unlink()
 
 
 # ------------------------------------------------- a client killed mid-run
@@ -100,6 +107,7 @@ def test_rerun_after_sigkill_of_the_client_reattaches(tmp_path: Path, marker: st
     assert run_count(root) == 1  # no second run
     assert (root / "out" / "res.txt").read_text() == "started\ndone\n"
     assert [r["state"] for r in compute_status(root)] == ["succeeded"]
+    close_gate(root)
     again = doit_ok(root)
     assert step_skipped(again, "step"), show(again)
     assert not pids_with(marker)
@@ -116,6 +124,7 @@ def test_run_that_ended_while_no_client_was_there_is_fetched_not_rerun(tmp_path:
         stop(proc)
     open_gate(root)
     wait_for(lambda: [r.get("state") for r in status_records(root)] == ["succeeded"], "the run to end")
+    close_gate(root)
     assert not (root / "out" / "res.txt").exists() or DEFAULT_SANDBOX == "none"
     done = doit_ok(root)
     assert step_ran(done, "step"), show(done)
@@ -166,6 +175,7 @@ def test_two_doit_at_once_never_make_two_runs(tmp_path: Path, marker: str) -> No
     finally:
         stop(first)
     assert run_count(root) == 1
+    close_gate(root)
     again = doit_ok(root, "step")
     assert step_skipped(again, "step"), show(again)
 
@@ -208,6 +218,7 @@ def task_steps():
             command=["/bin/sh", "-c",
                      "echo " + name + " > res/" + name + ".txt; "
                      "while [ ! -e gate/go ]; do sleep 0.05; done", {marker!r}],
+            inputs=["gate/"],
             outputs=["res/" + name + ".txt"],
         )
 """
@@ -233,6 +244,7 @@ def test_thread_pool_runs_steps_concurrently_with_one_teardown_each(tmp_path: Pa
     assert sorted(torn) == sorted(h["run_id"] for h in handles(root)), torn  # once each
     for run_dir in run_dirs(root):
         assert not (run_dir / "work").exists()
+    close_gate(root)
     again = doit_ok(root, "-n", "2", "-P", "thread")
     assert step_skipped(again, "one") and step_skipped(again, "two"), show(again)
     assert run_count(root) == 2

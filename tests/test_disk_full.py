@@ -25,8 +25,9 @@ from dodo_helpers import COMPUTE, DOIT, clean_env, make_project, run_count, writ
 BODY = """
 def task_step():
     yield from remote_step(
-        "step", outputs=["big"],
-        command=["sh", "-c", "if [ -e fill ]; then dd if=/dev/zero of=big bs=1M; exit 1; fi; echo ok > big"],
+        "step", inputs=["flags/"], outputs=["big"],  # a run sees its inputs only: the flag's folder
+        command=["sh", "-c",
+                 "if [ -e flags/fill ]; then dd if=/dev/zero of=big bs=1M; exit 1; fi; echo ok > big"],
     )
 """
 DISK_MB = 24
@@ -39,7 +40,7 @@ def small_disk(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("nsenter") is None:
         pytest.skip("DISK FULL NOT TESTED: needs root, unshare and nsenter")
     (tmp_path / "src").mkdir()
-    source = make_project(tmp_path / "src", BODY, default_tasks=["step"], files={"fill": ""})
+    source = make_project(tmp_path / "src", BODY, default_tasks=["step"], files={"flags/fill": ""})
     root = tmp_path / "proj"
     root.mkdir()
     script = (
@@ -82,7 +83,7 @@ def test_a_command_that_fills_the_disk_fails_with_the_reason_and_the_next_doit_r
     (run,) = json.loads(listed.stdout)["runs"]
     assert run["state"] == "failed" and "no space left on device" in run["message"], run
 
-    (seen / "fill").unlink()
+    (seen / "flags" / "fill").unlink()
     again = inside(pid, root, str(DOIT))
     assert again.returncode == 0, again.stdout + again.stderr
     assert (seen / "big").read_text() == "ok\n"

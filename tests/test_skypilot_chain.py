@@ -284,6 +284,28 @@ def test_a_failing_command_reads_as_failed_with_its_log_and_the_cluster_goes(sky
     assert not (root / "res.txt").exists()
 
 
+LISTS_THE_VIEW = """
+set -e
+mkdir -p out
+find . -path ./out -prune -o -type f -print | sort | tr '\\n' ' ' > out/seen.txt
+echo done > res.txt
+"""
+
+
+def test_the_cluster_sees_the_declared_inputs_only_as_a_local_run_does(sky: Sky) -> None:
+    """The snapshot SkyPilot uploads is the step's view: a tracked file the
+    step does not declare (README.md, a helper, the dodo.py) never reaches
+    the cluster."""
+    root = sky.project(command=LISTS_THE_VIEW)
+    (root / "README.md").write_text("tracked, not declared\n")
+    (root / "helper.py").write_text("X = 1\n")
+    for args in (["init", "-q"], ["add", "-A"]):
+        subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, timeout=60)
+    done = doit_ok(root, env=sky.env)
+    # .skyignore: the snapshot's own, so that SkyPilot uploads it as it is
+    assert (root / "out" / "seen.txt").read_text().split() == ["./.skyignore", "./data/in.txt"], show(done)
+
+
 def kill_client_mid_launch(sky: Sky, launch_seconds: float) -> None:
     """`doit` SIGKILLed once SkyPilot has handed out the launch request's id,
     while the (fake) provisioning takes `launch_seconds`."""

@@ -23,8 +23,8 @@ from dodo_helpers import (
 BODY = """
 def task_step():
     yield from remote_step(
-        "step", outputs=["out.txt"],
-        command=["sh", "-c", "if [ -e slow ]; then sleep 60; fi; echo ok > out.txt", {marker!r}],
+        "step", inputs=["flags/"], outputs=["out.txt"],  # a run sees its inputs only: the flag's folder
+        command=["sh", "-c", "if [ -e flags/slow ]; then sleep 60; fi; echo ok > out.txt", {marker!r}],
     )
 """
 
@@ -34,7 +34,8 @@ def started(root: Path) -> bool:
 
 
 def test_deleting_the_store_mid_run_ends_doit_with_the_run_lost(tmp_path: Path, marker: str) -> None:
-    root = make_project(tmp_path, BODY.format(marker=marker), default_tasks=["step"], files={"slow": ""})
+    root = make_project(tmp_path, BODY.format(marker=marker), default_tasks=["step"],
+                        files={"flags/slow": ""})  # fmt: skip
     client = popen_doit(root)
     try:
         wait_for(lambda: pids_with(marker) and started(root), "the run to be followed")
@@ -53,7 +54,7 @@ def test_deleting_the_store_mid_run_ends_doit_with_the_run_lost(tmp_path: Path, 
     assert "was deleted" in said and "Traceback" not in said, said
     wait_for(lambda: not pids_with(marker), "the lost run's command to be stopped")
 
-    (root / "slow").unlink()
+    (root / "flags" / "slow").unlink()
     again = doit(root)
     assert again.returncode == 0, show(again)
     assert (root / "out.txt").read_text() == "ok\n"

@@ -79,11 +79,15 @@ class Fetched:
     paths; the project root itself when they were written in place (no
     sandbox), and then there is nothing to promote;
     manifest: what they must match, the manifest the worker took where the
-    run ran when its command ended.
+    run ran when its command ended;
+    saw_whole_project: the run could read every file of the project, not
+    only its view (a local run without the sandbox): its key does not cover
+    what it read, so it is never kept in the run cache.
     """
 
     root: Path
     manifest: dict[str, Any]
+    saw_whole_project: bool = False
 
 
 @dataclass(frozen=True)

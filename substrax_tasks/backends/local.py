@@ -1,7 +1,7 @@
 """The local backend: the step runs on this machine, under bubblewrap.
 
-As over ssh, the command sees the project's tracked files and its declared
-inputs only (project_view.py), with the environment built from the lock
+As over ssh, the command sees the step's declared inputs and the lock file
+of the project only (project_view.py), with the environment built from the lock
 file (remote/env.py, into the store's `envs/`) first on its PATH.
 
 The run's folder in the store is also its working folder; the worker is
@@ -95,6 +95,7 @@ class LocalBackend(Backend):
             cache_dirs=self.settings.cache_dirs,
             cache_root=str(self.store.home_cache),
             project_hidden=view.hidden,
+            project_shown=view.files,
             left_out=view.left_out,
             gpus=_gpus.job_gpus(
                 handle.spec, self.settings.hide_gpus_when_unasked, remote_module("gpus").host_gpus,
@@ -205,7 +206,7 @@ class LocalBackend(Backend):
         if manifest is None or "digest" not in manifest:
             manifest = manifest_cache.build_manifest(Path(root), outputs)
         if record.get("sandbox") == "none":  # written in place: the root is the project's own
-            return Fetched(Path(root), manifest)
+            return Fetched(Path(root), manifest, saw_whole_project=True)
         fetched = self.store.run_dir(handle.run_id) / "fetched"
         shutil.rmtree(fetched, ignore_errors=True)
         for out in outputs:
