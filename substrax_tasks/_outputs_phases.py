@@ -6,6 +6,7 @@ place, and write the step record that says where it came from)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,6 @@ from doit.exceptions import TaskFailed
 from substrax_tasks import doit_db, manifest_cache, uptodate
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import emit
-from substrax_tasks.backends.base import Fetched
 from substrax_tasks.cache import cache_key
 from substrax_tasks.promote import JOURNAL, make_safe, promote, recover, safe_manifest
 
@@ -40,7 +40,7 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
         return TaskFailed(f"step {driver.spec.step!r}: run {handle.run_id}: {message}; nothing was promoted")
     # The modes the outputs will have here (no setuid bit, ...): the
     # manifest kept, and every later check, agree with the promoted files.
-    fetched = Fetched(fetched.root, safe_manifest(fetched.manifest))
+    fetched = dataclasses.replace(fetched, manifest=safe_manifest(fetched.manifest))
     # compact: a manifest of 20,000 files is 3 MB, 4x slower to indent
     write_json_atomic(driver.project.store.manifest_file(handle.run_id), fetched.manifest, indent=None)
     driver.fetched = fetched
@@ -61,7 +61,7 @@ def promote_outputs(driver: StepDriver) -> TaskFailed | None:
     except OSError as exc:
         return TaskFailed(f"step {step!r}: could not clear the setuid and world-writable bits of the "
                           f"outputs of {source} ({exc}); nothing was promoted")
-    fetched = driver.fetched = Fetched(fetched.root, safe_manifest(fetched.manifest))
+    fetched = driver.fetched = dataclasses.replace(fetched, manifest=safe_manifest(fetched.manifest))
     digest = str(fetched.manifest["digest"])
     cache = driver.step.files.outputs_cache
     problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, cache)
