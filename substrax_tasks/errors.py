@@ -32,6 +32,13 @@ class BackendError(SubstraxError):
     """The backend could not do what was asked (start, reach, cancel a run)."""
 
 
+class OutputsRefused(BackendError):
+    """What a finished run left where it ran does not verify: its manifest
+    is damaged, or its outputs changed after the manifest was taken.
+    Nothing is promoted. A BackendError, so that `retries` fetch again; a
+    run refused twice is given up (see _outputs_phases.fetch_outputs)."""
+
+
 class HostRefused(SubstraxError):
     """What a host sent is refused (a run log that is no regular file): the
     run is recorded as failed and nothing it sent is used. Not a
