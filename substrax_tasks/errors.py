@@ -28,6 +28,11 @@ class NoSuchRun(HandleError):
     """No run has this id, nor an id that starts with it."""
 
 
+class RunFolderDeleted(HandleError):
+    """The run's folder in the state folder was deleted while this client
+    drove the run: nothing can record its end here any more."""
+
+
 class BackendError(SubstraxError):
     """The backend could not do what was asked (start, reach, cancel a run)."""
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks.errors import HandleError, NoSuchRun
+from substrax_tasks.errors import HandleError, NoSuchRun, RunFolderDeleted
 from substrax_tasks.spec import StepSpec, canonical_digest, safe_name, settings_in_key
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ class RunStore:
         from filelock import FileLock
 
         path = self.handle_path(handle.run_id)
-        gone = HandleError(
+        gone = RunFolderDeleted(
             f"run {handle.run_id}: its folder {path.parent} was deleted; the run is lost "
             f"(`doit {handle.step}` launches it again)"
         )

@@ -237,7 +237,11 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
 
     # Ctrl-C in a doit thread is seen within a tick; the stream then closes
     # the follower's stdin, which ends it there.
-    result = run.remote.stream(run.follow_argv(offset, MAX_LOG_BYTES), write, check_interrupted)
+    def tick() -> None:
+        check_interrupted()
+        backend.check_recorded(handle)
+
+    result = run.remote.stream(run.follow_argv(offset, MAX_LOG_BYTES), write, tick)
     offset += sent
     if result.returncode == 3:
         raise HostRefused(
