@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from substrax_tasks.handle import RunHandle
 
 HANDLE_FILE = "handle.json"
+# A damaged record, kept under this suffix and a time once its run was
+# proved over (see _earlier_run.set_aside).
+SET_ASIDE = ".damaged-"
+SET_ASIDE_HANDLES = f"{HANDLE_FILE}{SET_ASIDE}*"
 PROOFS_FILE = "up-to-date.json"
 
 
@@ -205,6 +209,8 @@ class RunStore:
             try:
                 handles.append(_read(path))
             except HandleError as exc:
+                if not path.exists() and any(run_dir.glob(SET_ASIDE_HANDLES)):
+                    continue  # an ended run whose damaged handle a launch moved aside, and said so
                 unreadable.append(Unreadable(path, str(exc)))
         handles.sort(key=lambda h: (h.created_at, h.run_id))
         unreadable.sort(key=lambda u: str(u.path))
