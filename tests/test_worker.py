@@ -253,6 +253,12 @@ def run_hopper(tmp_path: Path, sandbox: str, cgroup: bool, ending: str, hopper: 
         # under bubblewrap the pid namespace holds the tree: no cgroup is made
         assert (job.status()["cgroup"] is not None) is (cgroup and sandbox == "none"), job.status()
     finally:
+        # Failed before the worker ended (the hopper never started, say):
+        # stopped and waited for by its pid here, not left running to a
+        # ResourceWarning in whichever later test collects its Popen.
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=WAIT)
         stop.touch()  # a survivor ends itself
 
         def held_still() -> bool:
