@@ -44,6 +44,11 @@ WATCHDOG_POLL_SECONDS = 5.0
 FOLLOW_POLL_SECONDS = 0.2  # how soon a follower sends new log lines and sees the end
 FOLLOW_CHUNK = 1 << 16
 CANCEL_WAIT_SECONDS = 30.0
+# In the command's environment, a value of the run's own (its status file's
+# `mark`): every process of its tree inherits it, even one that called
+# setsid or double-forked, so a tree whose worker is gone is still found.
+RUN_MARK = "SUBSTRAX_RUN_MARK"
+LEFTOVER_SECONDS = 5.0  # how long a lost run's tree may take to stop
 
 
 def now_iso() -> str:
@@ -90,6 +95,120 @@ def start_ticks(pid: object) -> int | None:
 def alive(pid: object, ticks: object) -> bool:
     """True while `pid` is still the process that started at `ticks`."""
     return ticks is not None and start_ticks(pid) == ticks
+
+
+def run_cgroup(record: dict[str, Any]) -> str | None:
+    """The cgroup v2 the worker made for the command, if it is still there."""
+    path = record.get("cgroup")
+    if isinstance(path, str) and os.path.basename(path).startswith("substrax-") and os.path.isdir(path):
+        return path
+    return None
+
+
+def _cgroup_pids(path: str | None) -> set[int]:
+    if path is None:
+        return set()
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            return {int(line) for line in f if line.strip()}
+    except OSError:  # gone
+        return set()
+
+
+def _carries(pid: int, mark: bytes) -> bool:
+    """Whether process `pid` has the run's mark in its environment (only
+    readable for our own processes: another user's is never ours)."""
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            return mark in b"\0" + f.read()
+    except OSError:
+        return False
+
+
+def leftovers(record: dict[str, Any]) -> list[int]:
+    """The live processes of a run's command tree, found from its status
+    record alone (its worker may be gone): those in the command's cgroup;
+    those carrying its mark (RUN_MARK) and started no earlier than its
+    worker (the environment of an older process cannot be the run's); and
+    those in the command's session or process group (its pid: it started
+    one of its own), which a process that scrubbed its environment cannot
+    leave without setsid. A session or group id is the run's only while its
+    leader is the command or no process at all: the kernel reuses no pid
+    still in use as a group or session id, so while any of them lives
+    that id cannot name another's."""
+    found = _cgroup_pids(run_cgroup(record))
+    mark = record.get("mark")
+    marked = ("\0%s=%s\0" % (RUN_MARK, mark)).encode() if isinstance(mark, str) and mark else None
+    since = record.get("worker_start_ticks")
+    leader, leader_ticks = record.get("pid"), record.get("start_ticks")
+    by_session = isinstance(leader, int) and isinstance(leader_ticks, int) and (
+        alive(leader, leader_ticks) or start_ticks(leader) is None)
+    for pid in [int(name) for name in os.listdir("/proc") if name.isdigit()]:
+        if pid == os.getpid() or pid in found:
+            continue
+        try:
+            with open("/proc/%d/stat" % pid, "rb") as f:
+                raw = f.read().decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        fields = raw[raw.rfind(")") + 2 :].split()
+        state, group, session, ticks = fields[0], int(fields[2]), int(fields[3]), int(fields[19])
+        if state == "Z" or (isinstance(since, int) and ticks < since):
+            continue
+        if (marked is not None and _carries(pid, marked)) or (
+                by_session and leader in (group, session) and ticks >= int(leader_ticks or 0)):
+            found.add(pid)
+    return sorted(pid for pid in found if start_ticks(pid) is not None)  # zombies are done
+
+
+def stop_leftovers(record: dict[str, Any], seconds: float = LEFTOVER_SECONDS) -> list[int]:
+    """Stop what is left of a run whose worker is gone (leftovers()), then
+    remove the command's cgroup; the pids still alive after `seconds`.
+    The cgroup is killed whole; the rest are stopped (SIGSTOP: a stopped
+    process cannot fork) until a look finds none not stopped already, then
+    killed, as the worker itself does (proctree.kill_all)."""
+    deadline = time.monotonic() + seconds
+    cgroup = run_cgroup(record)
+    if cgroup is not None:
+        with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
+            f.write("1")
+    stopped: set[int] = set()
+    while True:
+        left = leftovers(record)
+        new = [pid for pid in left if pid not in stopped]
+        if new and time.monotonic() < deadline:
+            _signal(new, signal.SIGSTOP)
+            stopped.update(new)
+            continue
+        _signal(left, signal.SIGKILL)
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    while cgroup is not None and os.path.isdir(cgroup):
+        try:
+            os.rmdir(cgroup)  # refused (EBUSY) until its last process is gone
+        except OSError:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+    return leftovers(record)
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone meanwhile
+            os.kill(pid, sig)
+
+
+def tree_alive(run_dir: str) -> bool:
+    """Whether any process of the run in `run_dir` is alive: its worker, or
+    what its command left when its worker died without ending it."""
+    record = read_status(run_dir)
+    if record is None or damage_of(record) is not None:
+        return False
+    if alive(record.get("worker_pid"), record.get("worker_start_ticks")):
+        return True
+    return record.get("state") not in FINAL_STATES and bool(leftovers(record))
 
 
 @contextlib.contextmanager
@@ -247,7 +366,8 @@ def follow(run_dir: str, offset: int, limit: int) -> int:
 
 def cancel(run_dir: str, wait: float) -> dict[str, Any]:
     """SIGTERM the worker (which stops the whole tree) and wait for its end.
-    A worker that is gone already: kill what is left of the task's group."""
+    A worker that is gone already: stop what is left of the task's tree
+    (stop_leftovers), and only then record the run's end."""
     record = read_status(run_dir)
     if record is None:
         if end_before_start(run_dir):
@@ -269,13 +389,10 @@ def cancel(run_dir: str, wait: float) -> dict[str, Any]:
     record = read_status(run_dir) or record  # the worker may have just written its end
     if record.get("state") in FINAL_STATES:
         return {"cancelled": False, "reason": "finished", "state": record.get("state")}
-    if alive(record.get("pid"), record.get("start_ticks")):
-        with contextlib.suppress(OSError):
-            os.killpg(record["pid"], signal.SIGKILL)
-    cgroup = record.get("cgroup")
-    if isinstance(cgroup, str) and os.path.basename(cgroup).startswith("substrax-"):  # what is left in it
-        with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
-            f.write("1")
+    left = stop_leftovers(record)
+    if left:  # said, and the run not recorded ended: a rerun must not start beside them
+        return {"cancelled": False, "left": left, "reason": "its worker is gone and %d process(es) of its "
+                "command (pid %s) did not stop" % (len(left), ", ".join(map(str, left)))}
     # No worker is left to record the end: record it here, so the run
     # reads as cancelled rather than lost.
     write_json_atomic(os.path.join(run_dir, STATUS_FILE), dict(
@@ -299,7 +416,11 @@ def end_before_start(run_dir: str) -> bool:
 
 
 def remove(run_dir: str) -> dict[str, Any]:
-    cancel(run_dir, CANCEL_WAIT_SECONDS)
+    """Cancel the run, then remove its folder; kept while processes of the
+    run that would not stop are alive (its status is how they are found)."""
+    answer = cancel(run_dir, CANCEL_WAIT_SECONDS)
+    if answer.get("left"):
+        return {"removed": False, "reason": answer["reason"]}
     shutil.rmtree(run_dir, ignore_errors=True)
     return {"removed": not os.path.exists(run_dir)}
 

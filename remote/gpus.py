@@ -21,7 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one folder per GPU, named by its PCI bus id
 SMI_SECONDS = 60
@@ -92,11 +92,15 @@ def host_gpus(path: Optional[str] = None, proc_folder: str = NVIDIA_GPUS) -> Gpu
     return {"kind": None, "devices": [], "source": None}
 
 
-def claim(lock_dir: str, ids: List[str], count: int) -> Optional[Tuple[List[str], List[int]]]:
+def claim(lock_dir: str, ids: List[str], count: int, holder: str = "",
+          still_held: Callable[[str], bool] = lambda _holder: False,
+          ) -> Optional[Tuple[List[str], List[int]]]:
     """Take `count` of the GPUs `ids` that no other run holds: (their ids,
     the open lock files, to keep open while the run lasts); None, holding
-    nothing, when fewer are free. Each lock file names its holder (the
-    worker's run folder), for a reader's sake only: the flock decides."""
+    nothing, when fewer are free. Each lock file names its last holder (the
+    worker's run folder): a lock its worker no longer holds (killed) is
+    still held while `still_held(that holder)`, which says whether the
+    processes its command left are alive."""
     os.makedirs(lock_dir, mode=0o700, exist_ok=True)
     taken: List[str] = []
     fds: List[int] = []
@@ -111,6 +115,12 @@ def claim(lock_dir: str, ids: List[str], count: int) -> Optional[Tuple[List[str]
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 continue
             raise
+        last = os.pread(fd, 4096, 0).decode(errors="replace")
+        if last and still_held(last):
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
         taken.append(gpu)
         fds.append(fd)
     if len(taken) < count:

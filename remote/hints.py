@@ -1,6 +1,7 @@
 """What the end of a failed run's log says went wrong because of where it
-ran, and the fix: a write the read-only sandbox refused, or a project file
-the run's view left out (not tracked, not an input).
+ran, and the fix: a write the read-only sandbox refused, a Unix socket
+network_isolation refused, or a project file the run's view left out (not
+tracked, not an input).
 
 Stdlib only, Python 3.8+; shipped beside worker.py, which says it in the
 run's final status, so every backend's failure shows it.
@@ -21,6 +22,9 @@ EROFS_TEXT = "Read-only file system"
 # (sh: "cannot create p: ...", bash: "p: ...").
 QUOTED = re.compile("'([^']+)'|\"([^\"]+)\"|`([^'`]+)'|\u2018([^\u2019]+)\u2019")
 UNQUOTED = re.compile(r"(?:^|:\s|\s)(/?[^\s:'\"]+):\s+" + EROFS_TEXT)
+# strerror(EAFNOSUPPORT): what socket(AF_UNIX, ...) fails with under
+# network_isolation (sandbox.py's seccomp filter), and rarely anything else.
+NO_UNIX_SOCKETS_TEXT = "Address family not supported by protocol"
 
 
 def refused_writes(text: str, cwd: str) -> list[str] | None:
@@ -89,3 +93,15 @@ def erofs_hint(job: dict[str, Any], tail: str | None = None) -> str | None:
         them = "them as outputs" if len(shown) > 1 else "it as an output"
         return message + "; declare %s, or write under $TMPDIR" % them
     return message + "; write under $TMPDIR"
+
+
+def unix_socket_hint(job: dict[str, Any], tail: str) -> str | None:
+    """For a failed run under network_isolation whose log ends with a
+    refused socket: why (no Unix sockets there), and the ways around it."""
+    if not job.get("network_isolation") or NO_UNIX_SOCKETS_TEXT not in tail:
+        return None
+    return ("the sandbox refused a Unix socket (%s): with network_isolation = true a task may not make one, "
+            "so that no socket of the host is reachable; use multiprocessing's \"fork\" or \"spawn\" start "
+            "method (not \"forkserver\", the default from Python 3.14) and no Manager, call "
+            "torch.multiprocessing.set_sharing_strategy(\"file_system\") for DataLoader workers, "
+            "or set network_isolation = false" % NO_UNIX_SOCKETS_TEXT)

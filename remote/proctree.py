@@ -91,11 +91,13 @@ def code_of(pid: int, reaped: Reaped) -> Optional[int]:
     return None
 
 
-def make_cgroup(name: str) -> Optional[str]:
+def make_cgroup(name: str, stale: Callable[[str], bool] = lambda _name: False) -> Optional[str]:
     """A cgroup v2 of its own for the command, below the worker's: ended
     whole with `cgroup.kill`, which no fork can outrun. None where none can
     be made (no cgroup v2, a kernel before 5.14, no right to make one: an
-    unprivileged user without a delegated subtree, most containers)."""
+    unprivileged user without a delegated subtree, most containers).
+    Its siblings named `substrax-*` that `stale` says are no live worker's
+    are removed if empty (the kernel refuses to remove one that is not)."""
     try:
         with open("/proc/self/mountinfo") as f:
             mounts = [line.split() for line in f]
@@ -107,7 +109,12 @@ def make_cgroup(name: str) -> Optional[str]:
     roots = [m[4] for m in mounts if "-" in m and m[m.index("-") + 1 :][:1] == ["cgroup2"]]
     if not roots or not own:
         return None
-    path = os.path.join(roots[0], own[0].lstrip("/"), name)
+    parent = os.path.join(roots[0], own[0].lstrip("/"))
+    with contextlib.suppress(OSError):
+        for sibling in os.listdir(parent):
+            if sibling.startswith("substrax-") and sibling != name and stale(sibling):
+                remove_cgroup(os.path.join(parent, sibling))
+    path = os.path.join(parent, name)
     try:
         os.mkdir(path, 0o755)
     except OSError:

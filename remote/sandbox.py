@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import stat
+import struct
 import subprocess
 from typing import Any, Callable, Mapping
 
@@ -20,9 +21,12 @@ from typing import Any, Callable, Mapping
 # same user) for files, but cannot remount, unmount, nsenter or ptrace out.
 ISOLATION = ["--unshare-user", "--cap-drop", "ALL", "--unshare-pid", "--unshare-ipc",
              "--unshare-uts", "--unshare-cgroup-try"]
-# Where system services keep their Unix sockets (docker, dbus, agents);
-# hidden under network_isolation, with every other socket the host has bound.
-SOCKET_DIRS = ["/run", "/var/run"]
+# Where system services keep their Unix sockets and FIFOs (docker, dbus,
+# agents, systemd's /run/initctl); emptied under network_isolation. The
+# seccomp filter below already keeps the task from any Unix socket, wherever
+# bound; a FIFO it cannot refuse (opening one for writing is allowed on a
+# read-only mount), and these are the ones services listen on.
+SERVICE_DIRS = ["/run", "/var/run"]
 # What the task inherits from the worker's environment: the system's plain
 # settings and the accelerator stacks', never credentials. Anything else
 # reaches it only as the step's env or as a named secret.
@@ -79,42 +83,6 @@ def writable_dirs(outputs: list[dict[str, str]]) -> list[str]:
         path = out["path"].rstrip("/")
         dirs.add(path if out["kind"] == "dir" else os.path.dirname(path) or ".")
     return sorted(dirs, key=outer_first)
-
-
-def host_sockets() -> list[str]:
-    """The Unix sockets bound on this machine's file system (as its network
-    namespace's /proc/net/unix lists them)."""
-    try:
-        with open("/proc/net/unix") as table:
-            rows = [row.split(None, 7) for row in table.read().splitlines()[1:]]
-    except OSError:
-        return []
-    found = []
-    for path in sorted({row[7] for row in rows if len(row) == 8 and row[7].startswith("/")}):
-        try:
-            if stat.S_ISSOCK(os.lstat(path).st_mode):
-                found.append(path)
-        except OSError:  # gone since, or bound in another mount namespace
-            continue
-    return found
-
-
-# What bubblewrap says, and stops on before the command, when a mount's
-# destination is gone: it cannot make one on the read-only root.
-NO_MOUNT_POINT = re.compile(r"bwrap: Can't create file at (.+): [^:]+")
-
-
-def socket_gone(argv: list[str], log_tail: str) -> str | None:
-    """The host socket that bubblewrap (run as `argv`) was to cover with
-    /dev/null and stopped on, the log's last line says, because it was
-    removed after host_sockets() listed it (--ro-bind-try does not help: it
-    skips a missing source, not a missing destination). Nothing is to hide
-    there now, and the command never started: the sandbox may start again."""
-    found = NO_MOUNT_POINT.fullmatch(log_tail.rstrip("\n").rsplit("\n", 1)[-1])
-    covered = {argv[i + 2] for i, option in enumerate(argv[:-2])
-               if option == "--ro-bind" and argv[i + 1] == "/dev/null"}
-    path = found.group(1) if found else None
-    return path if path in covered and not os.path.lexists(path) else None
 
 
 def gpu_devices(dev: str = "/dev") -> list[str]:
@@ -204,34 +172,134 @@ def view_argv(project: str, folder: str, hidden: Any, staging: str | None = None
     return argv
 
 
-def shown_from_host(path: str, argv: list[str]) -> bool:
-    """Whether the host's `path` shows through the mounts of argv: the
-    deepest one above it binds that same host folder (not a tmpfs or staging)."""
-    deepest, same = "", False
-    for i, option in enumerate(argv):
-        if option in ("--tmpfs", "--bind", "--ro-bind"):
-            dest = argv[i + 1] if option == "--tmpfs" else argv[i + 2]
-            inside = path == dest or path.startswith(dest.rstrip("/") + "/")
-            if inside and len(dest) >= len(deepest):
-                deepest, same = dest, option != "--tmpfs" and argv[i + 1] == dest
-    return same
+# The seccomp filter bubblewrap loads under network_isolation (`--seccomp
+# FD`, read from a pipe): the task may not make a Unix socket at all. A
+# network namespace covers abstract Unix sockets but not path ones, and a
+# path socket can be bound at any time, in any namespace (a container's),
+# or hard-linked anywhere the task can see: no list of them taken at start
+# holds. Nor can seccomp read connect()'s address (a pointer), so "connect
+# to path sockets only" cannot be filtered; refusing socket(AF_UNIX, ...)
+# can. socketpair() stays allowed for stream and seqpacket pairs (pipes,
+# multiprocessing and subprocess use them), which can never be connected
+# elsewhere; a datagram pair is refused as socket() is, since sendto() and
+# connect() take it to any host datagram socket (journald's /dev/log).
+# io_uring is refused (it makes and connects sockets behind seccomp's back),
+# and so is any system call of another ABI (x32, the 32-bit compat entry
+# whose socketcall() hides socket()'s arguments).
+#
+# Values from the kernel's headers (linux/seccomp.h, audit.h, filter.h,
+# bpf_common.h; asm/unistd_64.h and asm-generic/unistd.h).
+SECCOMP_RET_ALLOW = 0x7FFF0000
+SECCOMP_RET_ERRNO = 0x00050000
+ENOSYS = 38
+# What the task's socket() fails with: "Address family not supported by
+# protocol", which hints.py recognises in a failed run's log.
+EAFNOSUPPORT = 97
+AF_UNIX = 1
+# A vsock reaches the hypervisor's host (CID 2) from inside a VM whatever
+# the network namespace: under network_isolation it is refused too.
+AF_VSOCK = 40
+SOCK_DGRAM = 2
+SOCK_TYPE_MASK = 0xF  # socket()'s type also carries SOCK_NONBLOCK and SOCK_CLOEXEC
+X32_SYSCALL_BIT = 0x40000000
+# machine (uname -m): (AUDIT_ARCH_*, socket, socketpair, io_uring_setup).
+SECCOMP_ARCHES = {
+    "x86_64": (0xC000003E, 41, 53, 425),
+    "aarch64": (0xC00000B7, 198, 199, 425),
+}
+# struct seccomp_data: int nr; u32 arch; u64 ip; u64 args[6] (the low half
+# of an argument first: both machines are little-endian).
+DATA_NR, DATA_ARCH, DATA_ARG0, DATA_ARG1 = 0, 4, 16, 24
+# Classic BPF opcodes: load a word of seccomp_data, and with a constant,
+# compare with a constant, return.
+BPF_LD_ABS, BPF_AND_K, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x54, 0x15, 0x35, 0x06
+
+
+def seccomp_program(machine: str) -> bytes:
+    """The filter for `machine` in the kernel's `struct sock_filter` layout
+    (u16 code, u8 jt, u8 jf, u32 k, native order), as bubblewrap reads it.
+    Jumps name a label (a string in the list); "" falls through."""
+    arch, socket_nr, socketpair_nr, io_uring_setup_nr = SECCOMP_ARCHES[machine]
+    x32 = [(BPF_JGE_K, X32_SYSCALL_BIT, "no_such_call", "")] if machine == "x86_64" else []
+    code: list[str | tuple[int, int, str, str]] = [  # (opcode, k, label if true, label if false)
+        (BPF_LD_ABS, DATA_ARCH, "", ""),
+        (BPF_JEQ_K, arch, "", "no_such_call"),
+        (BPF_LD_ABS, DATA_NR, "", ""),
+        *x32,
+        (BPF_JEQ_K, io_uring_setup_nr, "no_such_call", ""),
+        (BPF_JEQ_K, socket_nr, "socket", ""),
+        (BPF_JEQ_K, socketpair_nr, "", "allow"),
+        (BPF_LD_ABS, DATA_ARG0, "", ""),  # socketpair: a Unix datagram pair is refused
+        (BPF_JEQ_K, AF_UNIX, "", "allow"),
+        (BPF_LD_ABS, DATA_ARG1, "", ""),
+        (BPF_AND_K, SOCK_TYPE_MASK, "", ""),
+        (BPF_JEQ_K, SOCK_DGRAM, "refuse", "allow"),
+        "socket",  # a socket of the Unix or the vsock family is refused
+        (BPF_LD_ABS, DATA_ARG0, "", ""),
+        (BPF_JEQ_K, AF_UNIX, "refuse", ""),
+        (BPF_JEQ_K, AF_VSOCK, "refuse", "allow"),
+        "allow",
+        (BPF_RET_K, SECCOMP_RET_ALLOW, "", ""),
+        "refuse",
+        (BPF_RET_K, SECCOMP_RET_ERRNO | EAFNOSUPPORT, "", ""),
+        "no_such_call",
+        (BPF_RET_K, SECCOMP_RET_ERRNO | ENOSYS, "", ""),
+    ]
+    instructions = [step for step in code if not isinstance(step, str)]
+    labels, index = {}, 0
+    for step in code:
+        if isinstance(step, str):
+            labels[step] = index
+        else:
+            index += 1
+    program = b""
+    for index, (opcode, k, if_true, if_false) in enumerate(instructions):
+        # a jump counts the instructions it skips: forward only, as BPF's are
+        jt, jf = (labels[label] - index - 1 if label else 0 for label in (if_true, if_false))
+        program += struct.pack("=HBBI", opcode, jt, jf, k)
+    return program
+
+
+def refuse_unfiltered(machine: str) -> None:
+    """Raise, naming the fix, when there is no seccomp filter for `machine`
+    (uname -m): network_isolation cannot be kept there."""
+    if machine not in SECCOMP_ARCHES:
+        raise RuntimeError("network_isolation = true is supported on %s machines only (its seccomp filter of "
+                           "Unix sockets is written for their system calls), and this one is %s; set "
+                           "network_isolation = false for this machine"
+                           % (" and ".join(sorted(SECCOMP_ARCHES)), machine))
+
+
+def seccomp_fd(machine: str) -> int:
+    """A pipe's read end holding the filter for bubblewrap's `--seccomp`.
+    The program (under 200 bytes) fits in the pipe's buffer: the write
+    never waits for a reader."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, seccomp_program(machine))
+    finally:
+        os.close(write_end)
+    return read_end
 
 
 def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev",
-               home: str | None = None) -> list[str]:
+               home: str | None = None, filter_fd: int | None = None) -> list[str]:
     """The bubblewrap prefix: system and project read-only, /tmp replaced by
     an empty private tmpfs, home (the "hide" folders) by an empty read-only
     one, each output folder bound from the run's staging folder so that the
     task writes its outputs at their usual paths, and the GPU nodes under
-    `dev` bound into the minimal /dev. Under network_isolation the host's
-    Unix sockets are hidden too. `home`: where the run's own home folder
-    (`home_dir`, writable) appears, with the kept `cache_dirs` in it."""
+    `dev` bound into the minimal /dev. `home`: where the run's own home
+    folder (`home_dir`, writable) appears, with the kept `cache_dirs` in
+    it. Under network_isolation the network is unshared and the seccomp
+    program readable from `filter_fd` (seccomp_fd) is loaded."""
     project = job["project"]
     isolated = bool(job.get("network_isolation"))
+    if isolated and filter_fd is None:
+        raise ValueError("network_isolation needs the seccomp filter's fd")
     argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     hidden = [h for h in job.get("hide", []) if os.path.isdir(h) and h != "/" and h != home]
     # A symlink (/var/run -> /run) is hidden with its target.
-    emptied = [p for p in ["/tmp", "/var/tmp", *(SOCKET_DIRS if isolated else [])]
+    emptied = [p for p in ["/tmp", "/var/tmp", *(SERVICE_DIRS if isolated else [])]
                if os.path.isdir(p) and not os.path.islink(p)]
     for path in [*emptied, *hidden]:
         argv += ["--tmpfs", path]
@@ -276,12 +344,7 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev",
     # a GPU machine too; /dev and /proc/driver are touched by nothing else.
     argv += gpu_argv(dev)
     if isolated:
-        # A socket the task would still see (in the project, /srv, /var/lib)
-        # is covered by /dev/null: connecting to it fails.
-        for path in host_sockets():
-            if shown_from_host(path, argv):
-                argv += ["--ro-bind", "/dev/null", path]
-        argv.append("--unshare-net")
+        argv += ["--unshare-net", "--seccomp", str(filter_fd)]
     argv += [*ISOLATION, "--die-with-parent", "--new-session"]
     return [*argv, "--chdir", job["cwd"], "--"]
 
@@ -336,14 +399,20 @@ def remove_home(job: dict[str, Any]) -> None:
 
 
 def sandboxed_command(job: dict[str, Any], note: Callable[[str], None],
-                      environ: Mapping[str, str]) -> tuple[list[str], str, str]:
-    """(argv, sandbox name, folder the outputs end up in) for the job's
-    `sandbox` setting; a setting this machine cannot honour raises. The
-    sandbox's home is made here; remove_home removes it."""
+                      environ: Mapping[str, str]) -> tuple[list[str], str, str, list[int]]:
+    """(argv, sandbox name, folder the outputs end up in, fds the argv
+    names) for the job's `sandbox` setting; a setting this machine cannot
+    honour raises. The caller passes the fds to the command and closes
+    them once it started. The sandbox's home is made here; remove_home
+    removes it."""
     wanted = job.get("sandbox", "auto")
     command = [str(part) for part in job["argv"]]
     bwrap = shutil.which("bwrap") if wanted != "none" else None
     if bwrap is not None and bwrap_usable(bwrap):
+        machine = os.uname().machine
+        isolated = bool(job.get("network_isolation"))
+        if isolated:
+            refuse_unfiltered(machine)
         staging = job["staging"]
         # bubblewrap binds onto folders that exist; as Snakemake does,
         # the outputs' parent folders are made in the project too.
@@ -351,8 +420,14 @@ def sandboxed_command(job: dict[str, Any], note: Callable[[str], None],
             os.makedirs(os.path.join(staging, rel), exist_ok=True)
             os.makedirs(os.path.join(job["project"], rel), exist_ok=True)
         make_home(job)
-        argv = bwrap_argv(bwrap, job, staging, home=task_home(job, environ))
-        return argv + command, "bwrap", staging
+        filter_fd = seccomp_fd(machine) if isolated else None
+        try:
+            argv = bwrap_argv(bwrap, job, staging, home=task_home(job, environ), filter_fd=filter_fd)
+        except BaseException:
+            if filter_fd is not None:
+                os.close(filter_fd)
+            raise
+        return argv + command, "bwrap", staging, [] if filter_fd is None else [filter_fd]
     # The settings refuse these before launch; a job made by hand is held
     # to the same line.
     problem = "not installed" if bwrap is None else "not usable (user namespaces off?)"
@@ -377,4 +452,4 @@ def sandboxed_command(job: dict[str, Any], note: Callable[[str], None],
     # The same folders as in the sandbox, so a task runs alike in both.
     for rel in writable_dirs(job["outputs"]):
         os.makedirs(os.path.join(job["project"], rel), exist_ok=True)
-    return command, "none", job["project"]
+    return command, "none", job["project"], []

@@ -78,7 +78,6 @@ class Worker:
         self.wake_r, self.wake_w = os.pipe()
         self.log_fd = -1
         self.child: subprocess.Popen[bytes] | None = None
-        self.argv: list[str] = []
         self.gpu_locks: list[int] = []  # open while the run lasts: they hold its GPUs
         self.gpu_env: dict[str, str] = {}
         self.status: dict[str, Any] = {
@@ -86,6 +85,9 @@ class Worker:
             "worker_start_ticks": control.start_ticks(os.getpid()),
             "pid": None, "start_ticks": None, "exit_code": None, "signal": None,
             "started_at": None, "ended_at": None, "sandbox": None, "outputs_root": None, "message": None,
+            # In the command's environment (control.RUN_MARK): how its tree
+            # is found should this worker die without ending it.
+            "mark": os.urandom(16).hex(),
         }
 
     def note(self, message: str) -> None:
@@ -158,7 +160,11 @@ class Worker:
             return True
         held: list[str] = []
         if wanted["count"]:
-            claimed = gpus.claim(wanted["lock_dir"], wanted["ids"], wanted["count"])
+            # A GPU whose lock is free is still held while what a killed
+            # worker's command left runs on it.
+            claimed = gpus.claim(
+                wanted["lock_dir"], wanted["ids"], wanted["count"], holder=self.run_dir,
+                still_held=lambda holder: holder != self.run_dir and control.tree_alive(holder))
             if claimed is None:
                 return False
             held, self.gpu_locks = claimed
@@ -194,26 +200,34 @@ class Worker:
         that cannot start is recorded as the run's failure."""
         job = self.job
         try:
-            argv, sandbox_name, outputs_root = sandbox.sandboxed_command(job, self.note, os.environ)
-            self.argv = argv
-            home = sandbox.home_settings(job, os.environ) if sandbox_name == "bwrap" else {}
-            # Under bubblewrap the command's pid namespace already holds
-            # every process it starts and dies whole with it: a cgroup adds
-            # nothing there, and joining one makes each start wait for the
-            # kernel (an RCU grace period).
-            if sandbox_name != "bwrap":
-                self.cgroup = proctree.make_cgroup("substrax-%d" % os.getpid())
-            cgroup = self.cgroup
-            # Kept on self: a Popen object dropped while its process has
-            # exited reaps it, and the poll loop would never see its end.
-            env = task_environment(job, dict(os.environ), self.secrets, {**home, **self.gpu_env})
-            self.child = subprocess.Popen(
-                argv, cwd=job["cwd"], env=env,
-                stdin=subprocess.DEVNULL, stdout=self.log_fd, stderr=self.log_fd,
-                start_new_session=True, close_fds=True,
-                # before exec, so that nothing the command starts is outside it
-                preexec_fn=None if cgroup is None else lambda: proctree.join_cgroup(cgroup),
-            )
+            argv, sandbox_name, outputs_root, passed_fds = sandbox.sandboxed_command(
+                job, self.note, os.environ)
+            try:
+                home = sandbox.home_settings(job, os.environ) if sandbox_name == "bwrap" else {}
+                # Under bubblewrap the command's pid namespace already holds
+                # every process it starts and dies whole with it: a cgroup adds
+                # nothing there, and joining one makes each start wait for the
+                # kernel (an RCU grace period).
+                if sandbox_name != "bwrap":
+                    self.cgroup = proctree.make_cgroup(
+                        "substrax-%d-%s" % (os.getpid(), self.status["worker_start_ticks"]), stale_cgroup)
+                    if self.cgroup is not None:  # recorded before anything is in it: a reap finds it
+                        self.write_status(cgroup=self.cgroup)
+                cgroup = self.cgroup
+                # Kept on self: a Popen object dropped while its process has
+                # exited reaps it, and the poll loop would never see its end.
+                env = task_environment(job, dict(os.environ), self.secrets, {**home, **self.gpu_env})
+                env[control.RUN_MARK] = self.status["mark"]  # last: no setting of the step's replaces it
+                self.child = subprocess.Popen(
+                    argv, cwd=job["cwd"], env=env,
+                    stdin=subprocess.DEVNULL, stdout=self.log_fd, stderr=self.log_fd,
+                    start_new_session=True, close_fds=True, pass_fds=passed_fds,
+                    # before exec, so that nothing the command starts is outside it
+                    preexec_fn=None if cgroup is None else lambda: proctree.join_cgroup(cgroup),
+                )
+            finally:  # bubblewrap has its copies (the seccomp filter's pipe)
+                for fd in passed_fds:
+                    os.close(fd)
         except Exception as exc:  # any start failure is the run's failure
             self.note("could not start the command: %s" % exc)
             sandbox.remove_home(job)
@@ -244,12 +258,6 @@ class Worker:
                 self.stop_signal = "its run folder was deleted"
                 break
             self.sleep(POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic()))
-        gone = sandbox.socket_gone(self.argv, hints.log_tail(self.job)) if returncode == 1 else None
-        if gone is not None and self.stop_reason is None:
-            self.note("%s, a socket to hide, went away as the sandbox started; starting it again" % gone)
-            if self.start_command():
-                self.watch(self.status["pid"], self.status["outputs_root"])
-            return
         if self.stop_reason is not None:
             self.note("stopping the task tree (%s)" % (
                 "timeout of %ss" % timeout if self.stop_reason == "timed_out" else self.stop_signal))
@@ -283,7 +291,8 @@ class Worker:
             # Said in the status, so every backend's failure shows it.
             tail = hints.log_tail(self.job)
             boxed = self.status["sandbox"] == "bwrap"
-            said = [hints.erofs_hint(self.job, tail) if boxed else None]
+            said = [hints.erofs_hint(self.job, tail) if boxed else None,
+                    hints.unix_socket_hint(self.job, tail) if boxed else None]
             # Left out of a copy (remote), or hidden by the sandbox (local).
             if boxed or not self.job.get("project_hidden"):
                 said.append(hints.left_out_hint(self.job, tail))
@@ -309,6 +318,19 @@ class Worker:
                 control.write_json_atomic(self.job["manifest_copy"], taken)
         except Exception as exc:  # the fetch then takes its own and says what is wrong
             self.note("could not take the outputs' manifest: %s" % exc)
+
+
+def stale_cgroup(name: str) -> bool:
+    """Whether the cgroup `name` ("substrax-<worker pid>-<its start ticks>")
+    belongs to a worker that is gone: it is removed once empty, as what a
+    worker killed before it could remove its cgroup left."""
+    parts = name.split("-")[1:]
+    try:
+        pid, ticks = int(parts[0]), (int(parts[1]) if len(parts) > 1 else None)
+    except (IndexError, ValueError):
+        return False
+    now = control.start_ticks(pid)
+    return now is None or (ticks is not None and now != ticks)
 
 
 def disk_full(path: str) -> bool:

@@ -14,12 +14,13 @@ __all__ = ["__version__", "doit_config", "remote_step"]
 
 def doit_config(**overrides: Any) -> dict[str, Any]:
     """A DOIT_CONFIG for dodo files with remote steps: the sqlite3 DB (dbm
-    is lossy on some builds and json was corrupted by kills), plus yours.
+    is lossy on some builds and json was corrupted by kills; doit's own,
+    which on a full disk says so, see doit_db.py), plus yours.
     Set default_tasks: plain `doit` otherwise runs every task. The reporter
     adds a closing line saying how many tasks ran."""
     from substrax_tasks.reporter import SummaryReporter
 
-    return {"dep_file": ".doit.db", "backend": "sqlite3", "reporter": SummaryReporter, **overrides}
+    return {"dep_file": ".doit.db", "backend": "substrax-sqlite3", "reporter": SummaryReporter, **overrides}
 
 
 def __getattr__(name: str) -> Any:

@@ -19,6 +19,11 @@ def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
             f.flush()
             os.fsync(f.fileno())
         Path(tmp).replace(path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if exc.filename is None:  # a write or flush: say which file, so a full disk is named
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

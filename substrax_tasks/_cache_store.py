@@ -10,6 +10,13 @@ entries.
 An entry is written last, after every object it names: a store never holds
 an entry whose objects were not all written (an interrupted write leaves
 objects no entry names, which a trim removes).
+
+The local folder is the user's own: it, its `entries` and `objects`
+folders and every file read from it must belong to the user and be
+writable by no one else, or the folder is not used (`ForeignCache`):
+another local user able to rewrite an entry could choose what is restored
+into the project. A folder the user cannot write (a read-only mount) is
+still restored from; nothing is stored in it.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import functools
 import hashlib
 import os
 import secrets
+import stat
 import subprocess
 import tempfile
 import time
@@ -102,6 +110,32 @@ class Damaged(Exception):
     """An entry that must not be promoted; the message says why."""
 
 
+class ForeignCache(Exception):
+    """The local cache folder, or a file in it, that another user could
+    have written: the folder is not used; the message says why and the fix."""
+
+
+def _not_ours(path: str | Path, st: os.stat_result) -> str | None:
+    """Why `path` (its stat `st`) may have been written by another user, or None."""
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        return f"{path} belongs to uid {st.st_uid}, not to you (uid {uid})"
+    if st.st_mode & 0o022:
+        who = {0o022: "group and others", 0o020: "group", 0o002: "others"}[st.st_mode & 0o022]
+        return f"{path} is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def foreign(folder: str | Path, why: str) -> ForeignCache:
+    """The refusal of the cache `folder` because of `why` (`_not_ours`), with its fix."""
+    return ForeignCache(
+        f"the cache folder {folder} is not used: {why}, so another user could have rewritten the "
+        f"outputs it restores; make it yours alone (chown -R {os.geteuid()} {folder} && chmod -R go-w "
+        f"{folder}) or set `path` in [tool.substrax.compute.cache] to another folder; steps run "
+        "without it"
+    )
+
+
 def materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path, key: str) -> CacheEntries:
     """The manifest's tree under `staging`, contents from the objects of
     entry `key`, each hashed as it is copied unless the store vouches for
@@ -147,9 +181,13 @@ def copy_object(  # noqa: PLR0917
     `known` when it is what its name says and older than the racy window.
     Small objects (`known` None) cost less to hash than to look up."""
     digest = rel.rsplit("/", 1)[-1]
-    src = os.open(root + rel, os.O_RDONLY | os.O_CLOEXEC)
+    src = os.open(root + rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        key = stat_key(os.fstat(src)) if known is not None else []
+        st = os.fstat(src)
+        why = _not_ours(root + rel, st)
+        if why is not None:
+            raise foreign(root.rstrip("/"), why)
+        key = stat_key(st) if known is not None else []
         dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o777)
         try:
             if known is not None and known.get(rel) == [*key, digest]:
@@ -204,23 +242,56 @@ def _made(fd: int, mode: int, digest: str) -> list[Any]:
 
 
 class Folder:
-    """A store on this machine (the local cache, mode 0700)."""
-
-    writable = True
+    """A store on this machine (the local cache, mode 0700): the user's own."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.name = str(root)
 
+    @property
+    def writable(self) -> bool:
+        """Whether this user may write the folder (or make it, if absent)."""
+        existing = next((p for p in (self.root, *self.root.parents) if p.exists()), Path("/"))
+        return os.access(existing, os.W_OK | os.X_OK)
+
+    def refusal(self) -> ForeignCache | None:
+        """Why the folder is not used, if another user could have written
+        it or its `entries` or `objects` folder (see the module's docstring)."""
+        for path in (self.root, self.root / "entries", self.root / "objects"):
+            try:
+                st = path.stat() if path == self.root else path.lstat()  # the root may be a link of yours
+            except FileNotFoundError:
+                continue
+            why = _not_ours(path, st)
+            if why is not None:
+                return foreign(self.root, why)
+        return None
+
     def read(self, rel: str) -> bytes | None:
         try:
-            return (self.root / rel).read_bytes()
+            fd = os.open(self.root / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        with open(fd, "rb") as f:  # noqa: PTH123 - a descriptor, opened without following links
+            why = _not_ours(self.root / rel, os.fstat(fd))
+            if why is not None:
+                raise foreign(self.root, why)
+            return f.read()
+
+    def make_folder(self, folder: Path) -> None:
+        """`folder` (the root or one under it) and the folders between, each
+        made with mode 0700 (never the umask's: a group-writable one would be
+        refused)."""
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        path = self.root
+        for part in ("", *folder.relative_to(self.root).parts):
+            path = path / part
+            with contextlib.suppress(FileExistsError):
+                path.mkdir(mode=0o700)
 
     def write(self, rel: str, data: bytes) -> None:
         path = self.root / rel
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.make_folder(path.parent)
         write_bytes_atomic(path, data)
 
     def objects(self) -> set[str]:
@@ -235,7 +306,12 @@ class Folder:
         here are ours: their stat, kept when they were last hashed, spares
         reading them again (copy_object)."""
         buffer, root, made = bytearray(BUFFER), f"{self.root}/", {}
-        known = HashCache.load(self.root / stats_path(key))
+        stats = self.root / stats_path(key)
+        with contextlib.suppress(FileNotFoundError):  # it vouches for objects: ours alone, or none
+            why = _not_ours(stats, stats.lstat())
+            if why is not None:
+                raise foreign(self.root, why)
+        known = HashCache.load(stats)
         for rel, dest, mode, size in wanted:
             try:
                 made[dest] = copy_object(root, rel, dest, mode, buffer,
@@ -244,7 +320,7 @@ class Folder:
                 if exc.filename == root + rel:
                     raise FileNotFoundError(f"object {rel} is missing") from None
                 raise
-        if known.entries:
+        if known.entries and self.writable:  # a read-only folder is still restored from
             known.save()
         return made
 
@@ -253,10 +329,12 @@ class Folder:
         hard link, which an in-place edit of an output would carry in)."""
         for source, rel in pairs:
             final = self.root / rel
-            final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.make_folder(final.parent)
             part = final.with_name(f".{final.name}.{secrets.token_hex(4)}.part")
             try:
-                with source.open("rb") as src, part.open("wb") as dst:
+                # mode 0600 whatever the umask: a group-writable object is refused
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                with source.open("rb") as src, open(os.open(part, flags, 0o600), "wb") as dst:  # noqa: PTH123
                     copy_fd(src.fileno(), dst.fileno(), os.fstat(src.fileno()).st_size)
                 part.replace(final)
             finally:

@@ -15,6 +15,7 @@ from substrax_tasks.errors import HandleError, SubstraxError
 from substrax_tasks.store import SET_ASIDE
 
 if TYPE_CHECKING:
+    from substrax_tasks.backends.base import RunStatus
     from substrax_tasks.driver import StepDriver
     from substrax_tasks.handle import RunHandle
 
@@ -73,16 +74,19 @@ def ended_by_its_worker(run_dir: Path) -> bool:
 
 def no_run_going(driver: StepDriver) -> bool:
     """No run of the step can be going: each readable handle of it says its
-    run ended, and each unreadable one (whose step cannot be known) has
-    its worker's final status beside it."""
+    run ended (a lost one only once what it left was stopped), and each
+    unreadable one (whose step cannot be known) has its worker's final
+    status beside it."""
     handles, unreadable = driver.project.store.read_all()
     for handle in handles:
         if handle.step != driver.spec.step:
             continue
         try:
-            if not driver.backend(handle).status(handle).final:
-                return False
+            status = driver.backend(handle).status(handle)
         except SubstraxError:  # its host out of reach: not proved
+            return False
+        # lost, and not yet judged (stop_lost records it once what was left is stopped): its tree may run on
+        if not status.final or (status.state == "lost" and not handle.state.get("verdict")):
             return False
     return all(ended_by_its_worker(record.path.parent) for record in unreadable)
 
@@ -104,23 +108,62 @@ def retire_unlaunched(driver: StepDriver) -> None:
         driver._save(old, verdict={"state": "failed", "message": "never launched; a newer run replaced it"})
 
 
+def stop_lost(driver: StepDriver, handle: RunHandle, said: str) -> None:
+    """A run whose worker died without ending it (killed by the OOM killer,
+    say) may have left its command running: that tree is stopped (the
+    backend's cancel, control.py's on every backend: found by its cgroup,
+    the mark its processes carry, its session) before a new run of the
+    step starts, which would otherwise run beside it and take its GPUs.
+    Then the run is recorded lost: status and later reruns read it as
+    given up. Raises, launching nothing, if the tree could not be stopped."""
+    from substrax_tasks.errors import BackendError
+
+    backend = driver.backend(handle)
+    try:
+        backend.cancel(handle)
+    except BackendError as exc:
+        raise BackendError(
+            f"run {handle.run_id} was lost ({said}) and what is left of it could not be stopped ({exc}); "
+            f"a new run would start beside it. Stop it (`substrax-compute cancel {handle.run_id}`), "
+            "then run again"
+        ) from None
+    driver._save(handle, verdict={"state": "lost", "message": said})
+    emit(f"{driver.spec.step}: run {handle.run_id} was lost ({said}); stopped what was left of it; "
+         "launching a new run")
+
+
+def earlier_status(driver: StepDriver, handle: RunHandle, same_key: bool) -> RunStatus | None:
+    """The status of the step's last run, what is left of it stopped if it
+    was lost. None: a run of other inputs or settings whose machine cannot
+    be asked (it may be gone for good); for a run of today's key that is an
+    error, as it may be going on."""
+    try:
+        status = driver.backend(handle).poll(handle)
+    except SubstraxError as exc:
+        if same_key:
+            raise
+        emit(f"{driver.spec.step}: the state of its earlier run {handle.run_id} is unknown ({exc})")
+        return None
+    if status.state == "lost":
+        stop_lost(driver, handle, status.message or "its worker or machine is gone")
+    return status
+
+
 def reusable_run(driver: StepDriver, key: str) -> RunHandle | None:
     """The step's last run, if it has today's key and is worth keeping:
-    still going (reattach), or finished but not yet fetched."""
+    still going (reattach), or finished but not yet fetched. A lost run,
+    whatever its key, has what is left of it stopped first."""
     handle = last_run(driver)
-    if handle is None or handle.state.get("key") != key or handle.state.get("verdict"):
+    if handle is None or handle.state.get("verdict"):
+        return None
+    same_key = handle.state.get("key") == key
+    status = earlier_status(driver, handle, same_key)
+    if status is None or not same_key or status.state in ("lost", "failed", "timed_out", "cancelled"):
         return None
     backend = driver.backend(handle)
-    status = backend.poll(handle)
     if not status.final:
         emit(f"{driver.spec.step}: reattaching to run {handle.run_id} ({status.state})")
         return handle
-    if status.state != "succeeded":
-        if status.state == "lost":  # recorded: status and later reruns read it as given up
-            said = status.message or "its worker or machine is gone"
-            driver._save(handle, verdict={"state": "lost", "message": said})
-            emit(f"{driver.spec.step}: run {handle.run_id} was lost ({said}); launching a new run")
-        return None
     if handle.state.get("phase") != "promoted":
         emit(f"{driver.spec.step}: run {handle.run_id} finished; fetching its outputs again")
         return handle

@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 from doit.exceptions import TaskFailed
 
-from substrax_tasks import manifest_cache, uptodate
+from substrax_tasks import doit_db, manifest_cache, uptodate
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import emit
+from substrax_tasks.backends.base import Fetched
 from substrax_tasks.cache import cache_key
 from substrax_tasks.errors import OutputsRefused
-from substrax_tasks.promote import JOURNAL, promote, recover
+from substrax_tasks.promote import JOURNAL, make_safe, promote, recover, safe_manifest
 
 if TYPE_CHECKING:
-    from substrax_tasks.backends.base import Fetched
     from substrax_tasks.driver import StepDriver
     from substrax_tasks.uptodate import Step
 
@@ -44,8 +44,13 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
             fetched = backend.fetch(handle)
             if fetched.manifest.get("missing"):
                 return fetched  # judged below: the command did not make them, nothing was changed
+            outputs = list(driver.spec.outputs)
+            try:
+                make_safe(fetched.root, outputs)  # as the promotion checks them: no setuid bit, ...
+            except OSError:
+                return fetched  # the promotion says so, and promotes nothing
             problems = manifest_cache.verify_outputs(
-                fetched.root, list(driver.spec.outputs), fetched.manifest, driver.step.files.outputs_cache
+                fetched.root, outputs, safe_manifest(fetched.manifest), driver.step.files.outputs_cache
             )
             if problems:
                 raise OutputsRefused(
@@ -84,6 +89,9 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
         message = f"the run did not produce declared output(s) {', '.join(missing)}"
         driver._save(handle, verdict={"state": "failed", "message": message})
         return TaskFailed(f"step {driver.spec.step!r}: run {handle.run_id}: {message}; nothing was promoted")
+    # The modes the outputs will have here (no setuid bit, ...): the
+    # manifest kept, and every later check, agree with the promoted files.
+    fetched = Fetched(fetched.root, safe_manifest(fetched.manifest))
     # compact: a manifest of 20,000 files is 3 MB, 4x slower to indent
     write_json_atomic(driver.project.store.manifest_file(handle.run_id), fetched.manifest, indent=None)
     driver.fetched = fetched
@@ -99,6 +107,14 @@ def promote_outputs(driver: StepDriver) -> TaskFailed | None:
         return None  # no run driven here (a rerun that found nothing to do)
     source = restored.label if restored is not None else f"run {handle.run_id}"  # type: ignore[union-attr]
     outputs = list(driver.spec.outputs)
+    # Outputs carry no privileges, whatever brought them (promote.py): made
+    # safe here, before they are verified, never trusting a transport did it.
+    try:
+        make_safe(fetched.root, outputs)
+    except OSError as exc:
+        return TaskFailed(f"step {step!r}: could not clear the setuid and world-writable bits of the "
+                          f"outputs of {source} ({exc}); nothing was promoted")
+    fetched = driver.fetched = Fetched(fetched.root, safe_manifest(fetched.manifest))
     digest = str(fetched.manifest["digest"])
     cache = driver.step.files.outputs_cache
     problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, cache)
@@ -113,6 +129,8 @@ def promote_outputs(driver: StepDriver) -> TaskFailed | None:
             where = journal(driver, handle.run_id if handle is not None else None)
             renamed = promote(fetched.root, driver.root, outputs, where)
         except OSError as exc:
+            if doit_db.no_space_left(exc, str(exc.filename or driver.root)):
+                raise  # the phase's own message: where, what is kept, the fix
             return TaskFailed(
                 f"step {step!r}: could not move the outputs of {source} into place "
                 f"({exc}); fix that, then `doit {step}` promotes them without running "
@@ -141,7 +159,8 @@ def record_of(driver: StepDriver, digest: str) -> dict[str, Any]:
     assert restored is not None
     manifest_file = driver.project.store.restored_manifest(driver.spec.step)
     manifest_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    write_json_atomic(manifest_file, restored.fetched.manifest, indent=None)
+    assert driver.fetched is not None  # the restore's, its modes made safe by the promotion
+    write_json_atomic(manifest_file, driver.fetched.manifest, indent=None)
     run_id = str(restored.provenance.get("run_id") or restored.key[:16])
     verified.update(run_id=run_id, manifest_file=str(manifest_file), restored_from=restored.label,
                     provenance=restored.provenance)
@@ -149,7 +168,10 @@ def record_of(driver: StepDriver, digest: str) -> dict[str, Any]:
 
 
 def acknowledge(step: Step, run_id: str) -> None:
-    """At interpreter exit, after doit saved its DB (never after SIGKILL)."""
+    """At interpreter exit, after doit saved its DB (never after SIGKILL,
+    nor when the save failed for want of space)."""
+    if doit_db.save_failed():
+        return
     with contextlib.suppress(OSError):
         if (uptodate.read_record(step).get("verified") or {}).get("run_id") == run_id:
             uptodate.write_record(step, acknowledged=run_id)

@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks import __version__, manifest_cache
-from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._atomic import write_bytes_atomic, write_json_atomic
 from substrax_tasks._cache_store import (
     BUFFER,
     Damaged,
     Folder,
+    ForeignCache,
     Shared,
     drop_entry,
     entry_path,
@@ -45,6 +46,7 @@ from substrax_tasks._cache_store import (
 )
 from substrax_tasks._output import emit
 from substrax_tasks.backends.base import Fetched
+from substrax_tasks.promote import safe_manifest
 from substrax_tasks.spec import canonical_digest, safe_name
 
 if TYPE_CHECKING:
@@ -54,7 +56,10 @@ if TYPE_CHECKING:
 ENTRY_VERSION = 1
 WHERE_IT_RAN = ("backend", "settings")  # left out of the key unless key_backend = true
 ORPHAN_SECONDS = 3600  # objects no entry names yet may belong to a store in progress
-_UNREACHABLE: set[str] = set()  # shared stores that failed in this process: warned once
+_UNREACHABLE: set[str] = set()  # stores that failed or were refused in this process: warned once
+_CHECKED: set[str] = set()  # local folders found the user's own in this process
+_READ_ONLY: set[str] = set()  # local folders this process said it cannot store in
+_WARN_LOCK = threading.Lock()  # one warning per store, whatever the threads of `doit -n N -P thread`
 _STATS_LOCK = threading.Lock()
 _DIGEST = re.compile("[0-9a-f]{64}")  # an object's name: checked for each file of an entry
 
@@ -108,11 +113,45 @@ class RunCache:
         self.staging_root = store.restore_dir
 
     def _stores(self) -> list[Folder | Shared]:
+        local = [self.local] if self._local_usable() else []
         shared = [self.shared] if self.shared is not None and self.shared.name not in _UNREACHABLE else []
-        return [self.local, *shared]
+        return [*local, *shared]
+
+    def _local_usable(self) -> bool:
+        """The local folder is used only if it is the user's own (checked
+        once a process; its files are checked as they are read)."""
+        name = self.local.name
+        if name in _UNREACHABLE:
+            return False
+        if name not in _CHECKED:
+            refused = self.local.refusal()
+            if refused is not None:
+                self._unreachable(self.local, refused)
+                return False
+            _CHECKED.add(name)
+        return True
+
+    def _local_writable(self) -> bool:
+        """Whether a run may be kept in the local folder; said once if it cannot."""
+        if not self._local_usable():
+            return False
+        if self.local.writable:
+            return True
+        with _WARN_LOCK:
+            if self.local.name not in _READ_ONLY:
+                _READ_ONLY.add(self.local.name)
+                emit(f"note: the cache folder {self.local.name} cannot be written by you: steps are "
+                     "restored from it, but no run is kept in it", err=True)  # fmt: skip
+        return False
 
     def _unreachable(self, store: Folder | Shared, exc: BaseException) -> None:
-        _UNREACHABLE.add(store.name)
+        with _WARN_LOCK:
+            if store.name in _UNREACHABLE:
+                return
+            _UNREACHABLE.add(store.name)
+        if isinstance(exc, ForeignCache):  # its message names the folder, why and the fix
+            emit(f"warning: {exc}", err=True)
+            return
         emit(f"warning: the cache store {store.name} cannot be used ({type(exc).__name__}: {exc}); "
              "steps run without it", err=True)  # fmt: skip
 
@@ -175,7 +214,9 @@ class RunCache:
         manifest: dict[str, Any] = {}
         try:
             entry = _parsed(data, key)
-            manifest = entry["manifest"]
+            # Restored with no setuid, setgid or sticky bit and not
+            # world-writable, whatever the entry says (promote.safe_mode).
+            manifest = safe_manifest(entry["manifest"])
             # The copies' digests, taken as they were written, fill the
             # outputs' hash cache: verifying them (here and at promotion)
             # then reads no byte again, only checks each copy's stat.
@@ -194,7 +235,7 @@ class RunCache:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        if store is self.local:  # the newest used is the last trimmed
+        if store is self.local and self.local.writable:  # the newest used is the last trimmed
             os.utime(self.local.root / entry_path(key))
         prov = entry.get("provenance") or {}
         emit(f"{step.name}: restored from {label}: run {prov.get('run_id')} on {prov.get('backend')} "
@@ -212,9 +253,10 @@ class RunCache:
         """Skip a damaged entry from now on; a store we may write also
         loses it and each object whose copy was not what its name says, so
         the run that replaces it stores them again."""
-        marker = self._bad_marker(data)
-        marker.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        marker.write_text(key + "\n")
+        if self.local.writable:  # else it is found damaged again, each time
+            marker = self._bad_marker(data)
+            self.local.make_folder(marker.parent)
+            write_bytes_atomic(marker, (key + "\n").encode())
         if not store.writable:
             return
         drop_entry(store, key)
@@ -247,7 +289,7 @@ class RunCache:
         """Keep the promoted outputs of a run as the entry `key`: locally,
         and in the shared store in readwrite mode. Outputs changed since
         they were verified are not kept."""
-        if not self._keep_objects(step, manifest):
+        if not self._local_writable() or not self._keep_objects(step, manifest):
             return
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         entry = {"version": ENTRY_VERSION, "key": key, "step": step.name, "outputs": list(step.spec.outputs),
@@ -266,7 +308,8 @@ class RunCache:
     def adopt(self, step: Step, restored: Restored) -> None:
         """Keep a hit from the shared store in the local folder too, entry
         and signature as they came: the next restore here reads no network."""
-        if restored.shared is not None and self._keep_objects(step, restored.fetched.manifest):
+        if restored.shared is not None and self._local_writable() \
+                and self._keep_objects(step, restored.fetched.manifest):
             write_entry(self.local, restored.key, *restored.shared)
             self.trim()
 

@@ -260,7 +260,7 @@ def member_failure(handle: RunHandle, exc: Exception) -> SubstraxError:
 
 def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
     from substrax_tasks import manifest_cache
-    from substrax_tasks.promote import JOURNAL, promote
+    from substrax_tasks.promote import JOURNAL, make_safe, promote, safe_manifest
 
     handle = project.store.read(args.run)
     backend = project.backend_for(handle)
@@ -280,7 +280,8 @@ def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Con
     dest = Path(args.to).resolve() if args.to else base
     cache = project.store.run_dir(handle.run_id) / "fetch-cache.json"
     in_place = fetched.root.resolve() == base.resolve()
-    problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, cache)
+    make_safe(fetched.root, outputs)  # no setuid bit, ...: as the chain's promotion does
+    problems = manifest_cache.verify_outputs(fetched.root, outputs, safe_manifest(fetched.manifest), cache)
     if problems:
         raise BackendError(
             f"run {handle.run_id}: the fetched outputs do not match its manifest; nothing was "

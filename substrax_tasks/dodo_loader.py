@@ -67,7 +67,7 @@ def _saved_values(folder: Path, doit_config: Any, task: str) -> dict[str, Any] |
     if isinstance(doit_config, dict):
         settings.update(doit_config)
     dep_file = folder / str(settings.get("dep_file", ".doit.db"))
-    if settings.get("backend") != "sqlite3" or not dep_file.is_file():
+    if settings.get("backend") not in ("sqlite3", "substrax-sqlite3") or not dep_file.is_file():
         return None
     try:
         dep = Dependency(SqliteDB, str(dep_file))

@@ -25,7 +25,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 
 from doit.exceptions import TaskError, TaskFailed
 
-from substrax_tasks import uptodate
+from substrax_tasks import doit_db, uptodate
 from substrax_tasks._earlier_run import phase_index, retire_unlaunched, reusable_run
 from substrax_tasks._output import TextSink, emit
 from substrax_tasks._signals import (
@@ -103,23 +103,48 @@ class StepDriver:
                 emit(f"{self.spec.step}: teardown failed: {exc}", err=True)
         self._release_slot()
 
-    def _take_slot(self, backend: Backend, handle: RunHandle) -> RunHandle:
+    def _take_slot(self, backend: Backend, handle: RunHandle, *, running: bool = False) -> RunHandle:
+        """A slot of the backend's max_parallel pool for `handle`, waited
+        for if all are held. A run whose command is `running` (reattached)
+        counts whether or not it holds one: it takes its own back (or a
+        free one) and never waits; in a shared pool a launched run takes
+        only the slot of the machine it is on."""
         from substrax_tasks.slots import take_in_pool
 
         pool = backend.slot_pool(handle)
         if pool is None or self._slot is not None:
             return handle
+        bound = handle.state.get("slot") if pool.shared else None
         try:
-            self._slot = take_in_pool(self.project.store.slots_dir(pool.name), pool, self.spec.step)
+            slot = take_in_pool(
+                self.project.store.slots_dir(pool.name), pool, self.spec.step, handle.run_id,
+                self._command_running, wait=not running,
+                only=int(bound["index"]) if isinstance(bound, dict) else None,
+            )
         except KeyboardInterrupt:
             # Nothing launched, so nothing to detach or cancel: the step fails
             # as under threads, with no traceback, and later phases do nothing.
             INTERRUPTED.set()
             raise
-        self._slot_shared = pool.shared
-        if not pool.shared:
+        if slot is None:
             return handle
-        return self._save(handle, slot={"pool": pool.name, "index": self._slot.index})
+        self._slot = slot
+        self._slot_shared = pool.shared
+        if not pool.shared or isinstance(bound, dict):
+            return handle
+        return self._save(handle, slot={"pool": pool.name, "index": slot.index})
+
+    def _command_running(self, run_id: str) -> bool:
+        """Whether the run `run_id`, which a slot names, has its command
+        running (it holds that slot though no client does). A run that
+        cannot be read holds none; one whose host cannot be asked, does."""
+        try:
+            handle = self.project.store.read(run_id)
+            return self.backend(handle).poll(handle).state == "running"
+        except HandleError:
+            return False
+        except SubstraxError:
+            return True
 
     def _release_slot(self) -> None:
         with self._lock:
@@ -146,6 +171,11 @@ class StepDriver:
             result = TaskError(self._named(exc))
         except SubstraxError as exc:
             result = TaskFailed(self._named(exc))
+        except OSError as exc:
+            if not doit_db.no_space_left(exc, str(exc.filename or self.root)):
+                self._close()
+                raise
+            result = TaskFailed(self._named_full(exc))
         except KeyboardInterrupt:
             # The chain stays open (or INTERRUPTED, from the run phase): the
             # teardown that doit runs next detaches from a run that goes on,
@@ -160,6 +190,18 @@ class StepDriver:
         if isinstance(result, (TaskFailed, TaskError)):
             self._close()
         return result
+
+    def _named_full(self, exc: OSError) -> str:
+        """A phase that found the disk full: where, what is kept, the fix.
+        Every phase records its progress in the run's handle before the
+        next starts, so the next doit goes on from where this one stopped."""
+        where = str(exc.filename or self.root)
+        mount = doit_db.mount_point(where)
+        doit_db.told_full(mount)
+        return (f"step {self.spec.step!r}: no space left on the file system mounted at "
+                f"{mount} (writing {where}); the run and the outputs "
+                f"already in place are kept. Free space there and run `doit` again: it goes on from "
+                f"where this one stopped and does not run a command again whose run has ended")  # fmt: skip
 
     def _named(self, exc: Exception) -> str:
         text = str(exc)
@@ -221,10 +263,12 @@ class StepDriver:
             uptodate.write_record(self.step, run_id=handle.run_id)
             emit(f"{self.spec.step}: new run {handle.run_id} on {self.step.backend}")
         self.handle = handle
+        backend = self.backend(handle)
         if phase_index(handle.state.get("phase")) < phase_index("launched"):
-            backend = self.backend(handle)
             handle = self._take_slot(backend, handle)
             self._save(self._retrying("launch", lambda: backend.launch(handle)), phase="launched")
+        elif not (status := backend.poll(handle)).final:  # reattached: it holds a slot as a new run does
+            self._take_slot(backend, handle, running=status.state == "running")
 
     def setup(self) -> Any:
         return self._action(lambda: self._advance("set_up", "setup", lambda b, h: b.setup(h)))

@@ -8,6 +8,8 @@ from typing import Any
 
 from doit.reporter import ConsoleReporter
 
+from substrax_tasks import doit_db
+
 
 class SummaryReporter(ConsoleReporter):  # type: ignore[misc]  # doit is untyped
     def __init__(self, outstream: Any, options: Any) -> None:
@@ -30,6 +32,10 @@ class SummaryReporter(ConsoleReporter):  # type: ignore[misc]  # doit is untyped
 
     def complete_run(self) -> None:
         super().complete_run()
+        if doit_db.save_failed():
+            # doit saved no DB (doit_db said why): exit status 1 once its
+            # teardowns have run, which this is called after.
+            raise SystemExit(1)
         total = len(self._ran | self._up_to_date)
         if self.failures or self.runtime_errors or not total:
             return

@@ -3,16 +3,22 @@
 A slot is held by holding its file's lock (flock), so the limit holds across
 every doit process of a project (the folder is under its state folder) and
 across the threads of one (flock locks belong to an open file: two threads
-with their own files exclude each other as two processes do). A killed
-holder frees its slot: the kernel drops its lock.
+with their own files exclude each other as two processes do).
+
+A killed client's lock is dropped by the kernel, but the run it drove may
+go on without it: each slot's `<index>.holder` names the run that took it
+last, and a slot whose lock is free is still held while that run's command
+runs. The run itself takes it back when a client reattaches to it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from substrax_tasks._atomic import write_bytes_atomic
 from substrax_tasks._output import emit
 from substrax_tasks._signals import check_interrupted
 
@@ -47,21 +53,61 @@ def try_take(folder: Path, index: int) -> Slot | None:
     return Slot(index, lock)
 
 
-def take_in_pool(folder: Path, pool: Pool, step: str) -> Slot:
-    """The first free slot of a backend's max_parallel pool for `step` (the
-    pool's preferred ones first), waiting for one if all are held, which is
-    said once. Ctrl-C ends the wait, in the main thread as in doit's worker
+def holder_path(folder: Path, index: int) -> Path:
+    return folder / f"{index}.holder"
+
+
+def take_for(folder: Path, index: int, run_id: str, running: Callable[[str], bool]) -> Slot | None:
+    """Slot `index` for run `run_id`, if its lock is free and the run it
+    names (its last holder) is this one or has no command running; the
+    slot then names `run_id`."""
+    slot = try_take(folder, index)
+    if slot is None:
+        return None
+    path = holder_path(folder, index)
+    try:
+        last = path.read_text().strip()
+    except OSError:
+        last = ""
+    if last and last != run_id and running(last):
+        slot.release()
+        return None
+    if last != run_id:
+        write_bytes_atomic(path, run_id.encode())
+    return slot
+
+
+def take_in_pool(
+    folder: Path, pool: Pool, step: str, run_id: str, running: Callable[[str], bool], *, wait: bool = True,
+    only: int | None = None,
+) -> Slot | None:
+    """The first free slot of a backend's max_parallel pool for run `run_id`
+    of `step` (one naming that run first, then the pool's preferred ones),
+    waiting for one if all are held, which is said once; without `wait`,
+    None then; `only`: the one slot the run may take (the machine it is
+    on). Ctrl-C ends the wait, in the main thread as in doit's worker
     threads."""
     prefer = pool.prefer
     order = [i for i in prefer if 0 <= i < pool.limit] + [i for i in range(pool.limit) if i not in prefer]
+    own = [i for i in order if _names(folder, i, run_id)]
+    order = [only] if only is not None else own + [i for i in order if i not in own]
     said = False
     while True:
         for index in order:
-            slot = try_take(folder, index)
+            slot = take_for(folder, index, run_id, running)
             if slot is not None:
                 return slot
+        if not wait:
+            return None
         if not said:
             emit(f"{step} waits for a free slot on {pool.where} ({pool.limit} running)")
             said = True
         check_interrupted()
         time.sleep(POLL_SECONDS)
+
+
+def _names(folder: Path, index: int, run_id: str) -> bool:
+    try:
+        return holder_path(folder, index).read_text().strip() == run_id
+    except OSError:
+        return False

@@ -287,3 +287,21 @@ def tree_files(base: Path) -> dict[str, str]:
         for p in sorted(base.rglob("*"))
         if p.is_file() and not p.is_symlink()
     }
+
+
+# ------------------------------------------------------------------ modes
+
+UNSAFE_BITS = 0o7002  # setuid, setgid, sticky, world-writable: what no output keeps
+
+
+def unsafe_modes(root: Path, outputs: Sequence[str]) -> dict[str, str]:
+    """Each file and folder of `outputs` under `root` that keeps an unsafe
+    bit, with its mode (symlinks aside: their mode means nothing)."""
+    found = {}
+    for out in outputs:
+        top = root / out
+        for path in [top, *(top.rglob("*") if top.is_dir() else [])]:
+            mode = path.lstat().st_mode
+            if not path.is_symlink() and mode & UNSAFE_BITS:
+                found[str(path.relative_to(root))] = f"{mode & 0o7777:04o}"
+    return found

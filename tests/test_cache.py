@@ -28,6 +28,7 @@ from dodo_helpers import (
     show,
     step_ran,
     tree_files,
+    unsafe_modes,
     write_pyproject,
 )
 from s3_server import S3Server
@@ -494,3 +495,143 @@ def test_gc_older_than_drops_entries_not_used_for_that_long(tmp_path: Path) -> N
     assert not entry.exists() and not any(p.is_file() for p in objects if p.exists())
     bad = compute(root, "gc", "--older-than", "soon")
     assert bad.returncode == 2 and "'soon' is not a number of days" in bad.stderr, show(bad)
+
+
+# ------------------------------------------------- outputs carry no privileges
+
+TOOL = """
+def task_make():
+    yield from remote_step("make", shell="mkdir -p out/d && echo tool > out/tool && printf x > out/d/x",
+                           outputs=["out/"])
+"""
+PRIVILEGED = {"out/tool": 0o6755, "out/d": 0o1777, "out/d/x": 0o4777}
+
+
+def _make_entry_privileged(entry_file: Path, objects: Path) -> None:
+    """Rewrite an entry as a writer of the store could: its manifest gives
+    setuid, sticky and world-writable modes (its digest taken again, so the
+    entry is whole), and its objects get them too."""
+    from substrax_tasks.manifest_cache import manifest_module
+
+    entry = json.loads(entry_file.read_text())
+    manifest = entry["manifest"]
+    for item in manifest["entries"]:
+        item["mode"] = PRIVILEGED.get(item["path"], item["mode"])
+        if item["type"] == "file":
+            (objects / item["sha256"][:2] / item["sha256"]).chmod(0o6755)
+    manifest["digest"] = manifest_module().entries_digest(manifest["entries"])
+    entry_file.write_text(json.dumps(entry))
+
+
+def assert_restored_without_privileges(root: Path, done: subprocess.CompletedProcess[str]) -> None:
+    assert restored(done) and run_count(root) == 0, show(done)
+    assert unsafe_modes(root, ["out"]) == {}, show(done)
+    modes = {rel: (root / rel).stat().st_mode & 0o7777 for rel in PRIVILEGED}
+    assert modes == {"out/tool": 0o755, "out/d": 0o775, "out/d/x": 0o775}
+    assert (root / "out" / "tool").read_text() == "tool\n"
+    again = doit_ok(root)
+    assert not step_ran(again, "make"), show(again)
+    assert "up to date" in compute(root, "why", "make").stdout
+
+
+def test_an_entry_whose_modes_and_objects_are_setuid_restores_without_those_bits(tmp_path: Path) -> None:
+    team = tmp_path / "team-cache"
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path), body=TOOL))
+    _make_entry_privileged(entries(team)[0], team / "objects")
+    second = project(tmp_path, "b", folder_cache(tmp_path), body=TOOL)
+    assert_restored_without_privileges(second, doit_ok(second))
+
+
+def test_an_s3_entry_whose_modes_are_setuid_restores_without_those_bits(
+    s3_env: S3Server, tmp_path: Path
+) -> None:
+    prefix = f"team-{tmp_path.name}"
+    shared = f'shared = "s3://{s3_env.bucket}/{prefix}"\nmode = "readwrite"\n'
+    doit_ok(project(tmp_path, "a", f'path = "{tmp_path}/cache-a"\n{shared}', body=TOOL))
+    store = s3_env.data_dir / s3_env.bucket / prefix
+    _make_entry_privileged(entries(store)[0], store / "objects")
+    second = project(tmp_path, "b", f'path = "{tmp_path}/cache-b"\n{shared}', body=TOOL)
+    assert_restored_without_privileges(second, doit_ok(second))
+
+
+# ------------------------------------------------- the local folder: read-only, or not yours
+
+needs_root_for_mounts = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="READ-ONLY CACHE FOLDER NOT TESTED: a read-only bind mount needs root and unshare "
+    "(CI runs as root)",
+)
+READ_ONLY_MOUNT = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" "$0" && exec "$@"'
+
+
+@needs_root_for_mounts
+def test_a_read_only_cache_folder_restores_and_says_once_it_cannot_store(tmp_path: Path) -> None:
+    """On a read-only mount (root cannot write it either), a hit is restored
+    all the same; the steps that run say once, together, that they are not kept."""
+    team = tmp_path / "team-cache"
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path)))
+    before = sorted(str(p.relative_to(team)) for p in team.rglob("*"))
+    body = BODY + "".join(BODY.replace('"make"', f'"make{n}"').replace("make()", f"make{n}()")
+                          .replace("out/", f"out{n}/") for n in (2, 3))  # fmt: skip
+    second = project(tmp_path, "b", folder_cache(tmp_path), body=body)
+    done = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", READ_ONLY_MOUNT, str(team),
+         str(Path(sys.executable).parent / "doit"), "make", "make2", "make3"],
+        cwd=second, env=clean_env(), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, show(done)
+    assert restored(done) and run_count(second) == 2, show(done)
+    assert (second / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
+    notes = [line for line in done.stderr.splitlines() if "cannot be written" in line]
+    assert len(notes) == 1 and str(team) in notes[0] and "restored from it" in notes[0], show(done)
+    assert "warning" not in done.stderr, show(done)
+    assert sorted(str(p.relative_to(team)) for p in team.rglob("*")) == before
+
+
+def _unused_uid() -> int:
+    import pwd
+
+    used = {user.pw_uid for user in pwd.getpwall()}
+    return next(uid for uid in range(42420, 50000) if uid not in used)
+
+
+FOREIGN: dict[str, Callable[[Path], object]] = {
+    "folder-of-another-uid": lambda team: os.chown(team, _unused_uid(), -1),
+    "folder-mode-0777": lambda team: team.chmod(0o777),
+    "entries-group-writable": lambda team: (team / "entries").chmod(0o770),
+    "entry-of-another-uid": lambda team: os.chown(entries(team)[0], _unused_uid(), -1),
+    "object-world-writable": lambda team: _res_object(team).chmod(0o646),
+}
+
+
+@pytest.mark.parametrize("how", list(FOREIGN))
+def test_a_cache_folder_another_user_could_write_is_refused_and_the_step_runs(
+    tmp_path: Path, how: str
+) -> None:
+    team = tmp_path / "team-cache"
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path)))
+    FOREIGN[how](team)
+    second = project(tmp_path, "b", folder_cache(tmp_path))
+    done = doit_ok(second)
+    assert not restored(done) and run_count(second) == 1, show(done)
+    assert (second / "out" / "res.txt").read_bytes() == b"hello\nhello\n"
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, show(done)
+    assert f"the cache folder {team} is not used" in warnings[0], show(done)
+    assert "chown -R" in warnings[0] and "chmod -R go-w" in warnings[0] and "path" in warnings[0], show(done)
+    assert len(entries(team)) == 1  # nothing stored in it either
+
+
+def test_a_cache_folder_made_under_umask_002_is_still_yours_alone(tmp_path: Path) -> None:
+    """Folders and files of the local folder are made 0700 and 0600 whatever
+    the umask: one group-writable by its umask would be refused next time."""
+    first = project(tmp_path, "a", folder_cache(tmp_path))
+    doit_argv = [str(Path(sys.executable).parent / "doit")]
+    done = subprocess.run(["sh", "-c", 'umask 002 && exec "$0"', *doit_argv], cwd=first, env=clean_env(),
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0 and run_count(first) == 1, show(done)
+    team = tmp_path / "team-cache"
+    assert unsafe_modes(team.parent, ["team-cache"]) == {}
+    assert not [p for p in team.rglob("*") if p.stat().st_mode & 0o077 and not p.is_dir()]
+    done = doit_ok(project(tmp_path, "b", folder_cache(tmp_path)))
+    assert restored(done) and "warning" not in done.stderr, show(done)

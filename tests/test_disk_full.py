@@ -9,15 +9,18 @@ through nsenter. Real doit, real worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from dodo_helpers import COMPUTE, DOIT, clean_env, make_project
+from dodo_helpers import COMPUTE, DOIT, clean_env, make_project, run_count, write_dodo
 
 BODY = """
 def task_step():
@@ -27,6 +30,7 @@ def task_step():
     )
 """
 DISK_MB = 24
+WAIT_SECONDS = 60
 
 
 @pytest.fixture
@@ -82,3 +86,152 @@ def test_a_command_that_fills_the_disk_fails_with_the_reason_and_the_next_doit_r
     again = inside(pid, root, str(DOIT))
     assert again.returncode == 0, again.stdout + again.stderr
     assert (seen / "big").read_text() == "ok\n"
+
+
+# Issue 28, item 8: the disk fills just after the command ends. The test
+# holds doit still (SIGSTOP) from the moment the command has written its
+# output until the worker has recorded the run's end, fills the disk to the
+# last byte, and lets doit go on: it fetches, promotes and saves its DB on a
+# full disk. The command says it is ready, and waits to be let go, through
+# files in its output folder (all the sandbox lets it write).
+WAIT_FOR_GO = """
+import os, time
+version = open("version.txt").read()
+os.makedirs("out", exist_ok=True)
+with open("out/result.txt", "w") as f:
+    f.write(version)
+if version != "v1\\n":
+    open("out/ready", "w").close()
+    while not os.path.exists("out/go"):
+        time.sleep(0.05)
+    os.remove("out/ready")
+    os.remove("out/go")
+"""
+STEP = """
+def task_step():
+    yield from remote_step("step", inputs=["version.txt", "work.py"], outputs=["out/"],
+                           command=["python3", "work.py"])
+"""
+
+
+def _wait_for(found: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while not found():
+        assert time.monotonic() < deadline, f"waited {WAIT_SECONDS} s for {what}"
+        time.sleep(0.05)
+
+
+def _fill(folder: Path) -> list[Path]:
+    """Files that fill the file system of `folder` to its last byte."""
+    made: list[Path] = []
+    for size in (1 << 20, 4096, 1):
+        path = folder / f"filler-{len(made)}"
+        made.append(path)
+        with contextlib.suppress(OSError), path.open("wb") as f:
+            while True:
+                f.write(b"\0" * size)
+                f.flush()
+    return made
+
+
+def _run_ended(seen: Path, earlier: set[Path]) -> bool:
+    for status in set((seen / ".substrax" / "runs").glob("*/**/status.json")) - earlier:
+        with contextlib.suppress(ValueError, OSError):
+            # the worker gives back the room it kept for the status as it exits
+            if json.loads(status.read_text()).get("state") == "succeeded":
+                return not (status.parent / "status.reserve").exists()
+    return False
+
+
+def test_a_disk_that_fills_right_after_the_command_ends_in_one_message_and_the_next_doit_finishes(
+    small_disk: tuple[Path, int],
+) -> None:
+    root, pid = small_disk
+    seen = Path(f"/proc/{pid}/root") / str(root).lstrip("/")
+    write_dodo(seen, STEP, default_tasks=["step"])
+    (seen / "work.py").write_text(WAIT_FOR_GO)
+    (seen / "version.txt").write_text("v1\n")
+    first = inside(pid, root, str(DOIT))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (seen / "out" / "result.txt").read_text() == "v1\n"
+
+    (seen / "version.txt").write_text("v2\n")
+    earlier = set((seen / ".substrax" / "runs").glob("*/**/status.json"))
+    doit = subprocess.Popen(
+        ["nsenter", "-t", str(pid), "-m", f"--wd={root}", "--", str(DOIT)],
+        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: bool(list(seen.glob(".substrax/runs/*/**/out/ready"))), "the command's output")
+        doit.send_signal(signal.SIGSTOP)
+        (ready,) = seen.glob(".substrax/runs/*/**/out/ready")
+        (ready.parent / "go").touch()
+        _wait_for(lambda: _run_ended(seen, earlier), "the worker to record the run's end")
+        fillers = _fill(seen)
+        doit.send_signal(signal.SIGCONT)
+        said, _ = doit.communicate(timeout=120)
+    finally:
+        if doit.poll() is None:
+            doit.kill()
+            doit.communicate()
+    assert doit.returncode == 1, said
+    assert "Traceback" not in said, said
+    assert "no space left" in said.lower() and str(root) in said, said
+    assert "Free space there and run `doit` again" in said, said
+    assert (seen / "out" / "result.txt").read_text() == "v1\n", "the earlier output was lost"
+
+    for filler in fillers:
+        filler.unlink(missing_ok=True)
+    again = inside(pid, root, str(DOIT))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (seen / "out" / "result.txt").read_text() == "v2\n"
+    assert run_count(seen) == 2, "the command ran again"
+    done = inside(pid, root, str(DOIT))
+    assert done.returncode == 0 and "nothing to do" in done.stdout, done.stdout + done.stderr
+
+
+BIG = """
+import os
+version = open("version.txt").read().strip().encode()
+with open("out.bin", "wb") as f:
+    f.write(version * ((9 << 20) // len(version)))
+"""
+
+
+def test_a_full_disk_during_a_promotion_across_file_systems_keeps_the_old_output_and_the_next_doit_finishes(
+    small_disk: tuple[Path, int], tmp_path: Path
+) -> None:
+    """The state folder on the machine's disk, the project (doit's DB with
+    it) on the small one: outputs are promoted by a copy, which fills it."""
+    root, pid = small_disk
+    seen = Path(f"/proc/{pid}/root") / str(root).lstrip("/")
+    (seen / "pyproject.toml").write_text(
+        f'[tool.substrax.compute]\nstate_dir = "{tmp_path / "state"}"\n'
+        '[tool.substrax.compute.backends.local]\n[tool.substrax.compute.cache]\nenabled = false\n'
+    )
+    write_dodo(seen, """
+def task_step():
+    yield from remote_step("step", inputs=["version.txt", "big.py"], outputs=["out.bin"],
+                           command=["python3", "big.py"])
+""", default_tasks=["step"])  # fmt: skip
+    (seen / "big.py").write_text(BIG)
+    (seen / "version.txt").write_text("v1\n")
+    first = inside(pid, root, str(DOIT))
+    assert first.returncode == 0, first.stdout + first.stderr
+    old = (seen / "out.bin").read_bytes()
+    (seen / "filler").write_bytes(b"\0" * (8 << 20))  # 9 + 9 + 8 MB > DISK_MB
+
+    (seen / "version.txt").write_text("v2\n")
+    full = inside(pid, root, str(DOIT))
+    said = full.stdout + full.stderr
+    assert full.returncode == 1, said
+    assert "Traceback" not in said, said
+    assert said.count("no space left") == 1 and str(root) in said, said
+    assert "Free space there and run `doit` again" in said, said
+    assert (seen / "out.bin").read_bytes() == old, "the earlier output was lost"
+
+    (seen / "filler").unlink()
+    again = inside(pid, root, str(DOIT))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (seen / "out.bin").read_bytes()[:2] == b"v2"
+    assert len(list((tmp_path / "state" / "runs").iterdir())) == 2, "the command ran again"

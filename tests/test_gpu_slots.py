@@ -25,6 +25,7 @@ from dodo_helpers import (
     doit_ok,
     handles,
     make_project,
+    pid_alive,
     popen_doit,
     popen_output,
     run_dirs,
@@ -34,6 +35,7 @@ from dodo_helpers import (
     wait_for,
     write_pyproject,
 )
+from lost_tree import kill_recorded, kill_worker, status_of, step_argv, wait_tree_up, write_command
 from ssh_helpers import SANDBOX, make_ssh_project, needs_root, needs_sshd
 from test_sandbox_gpu import CUDA_QUERY, free_gid, make_dev_script, nvidia_smi_gpus
 from testbeds.sshd_host import SshHost
@@ -334,3 +336,53 @@ def task_query():
     root = make_project(tmp_path, body, ["query"], sandbox="bwrap", files={"cuda_query.py": CUDA_QUERY})
     done = doit_ok(root)
     assert "CUDA 0 0 1" in done.stdout + done.stderr, show(done)
+
+
+LOST_GPU_STEPS = """
+def task_a():
+    yield from remote_step("a", command={argv!r}, outputs=["out_a/result.txt"],
+                           resources={{"accelerators": "A100:2"}})
+
+def task_b():
+    yield from remote_step("b", command=["/bin/sh", "-c", 'echo "$CUDA_VISIBLE_DEVICES" > out_b/gpus.txt'],
+                           outputs=["out_b/"], resources={{"accelerators": "A100:1"}})
+"""
+
+
+def test_gpus_held_by_what_a_killed_worker_left_stay_held_until_cancel_stops_it(
+    tmp_path: Path, marker: str, env: dict[str, str]
+) -> None:
+    """Without bubblewrap, a's worker (holding both GPUs) is killed by
+    SIGKILL while its command and a setsid grandchild go on: b waits for a
+    GPU while they live, and `substrax-compute cancel` of a's run stops them
+    (and removes their cgroup), after which b gets one."""
+    flags = tmp_path / "flags"
+    write_command(flags)
+    root = make_project(tmp_path, LOST_GPU_STEPS.format(argv=step_argv(flags, marker, "out_a/result.txt")),
+                        sandbox="none")  # fmt: skip
+    (root / "out_b").mkdir()
+    first = popen_doit(root, "a", env=env)
+    second = None
+    try:
+        old = wait_tree_up(flags)
+        stop(first)
+        (run,) = run_dirs(root)
+        record = status_of(root, run)
+        assert record["gpus"] == ["0", "1"], record
+        kill_worker(record)
+        second = popen_doit(root, "b", env=env)
+        wait_for(lambda: "waiting" in popen_output(root) or second.poll() is not None, "b to wait or end")
+        assert second.poll() is None and not (root / "out_b" / "gpus.txt").exists(), popen_output(root)
+        assert all(pid_alive(pid) for pid in old)
+        cancelled = compute(root, "cancel", str(handles(root)[0]["run_id"]))
+        assert cancelled.returncode == 0, show(cancelled)
+        assert not [pid for pid in old if pid_alive(pid)]
+        if isinstance(record.get("cgroup"), str):
+            assert not Path(str(record["cgroup"])).exists()
+        assert second.wait(timeout=60) == 0, popen_output(root)
+    finally:
+        stop(first)
+        if second is not None:
+            stop(second)
+        kill_recorded(flags, marker)
+    assert (root / "out_b" / "gpus.txt").read_text().strip() in ("0", "1")

@@ -6,8 +6,12 @@ that nothing of the tree is left; with and without bubblewrap.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -28,8 +32,22 @@ from conftest import (
     wait_final,
     wait_for,
 )
+from dodo_helpers import (
+    compute,
+    doit,
+    doit_ok,
+    make_project,
+    pid_alive,
+    popen_doit,
+    run_dirs,
+    show,
+    step_ran,
+    stop,
+    unsafe_modes,
+)
+from lost_tree import kill_recorded, kill_worker, overlap, status_of, step_argv, wait_tree_up, write_command
 
-from substrax_tasks._remote_files import control
+from substrax_tasks._remote_files import control, remote_module
 from substrax_tasks.backends import local as local_backend
 from substrax_tasks.errors import BackendError
 from substrax_tasks.handle import RunHandle
@@ -280,3 +298,156 @@ def test_sandbox_auto_without_bubblewrap_runs_and_says_so(project: Project) -> N
     assert status_record(project, handle)["sandbox"] == "none"
     assert "running WITHOUT a sandbox" in log_text(project, handle)
     assert (project.root / "out" / "x").read_text() == "ran\n"
+
+
+# ------------------------------------------------- outputs carry no privileges
+
+# A command (root in the sandbox, with no capabilities, may still do this to
+# its own files) that leaves setuid, setgid, sticky and world-writable bits
+# on files and folders of its outputs, one declared as a file on its own.
+PRIVILEGED_OUTPUTS = """
+def task_make():
+    yield from remote_step(
+        "make",
+        shell="mkdir -p out/d && echo a > out/suid && echo b > out/d/open && echo c > alone "
+              "&& ln -s suid out/link && chmod 6755 out/suid && chmod 4777 out/d/open && chmod 2755 alone "
+              "&& chmod 1777 out/d && chmod o+w out",
+        outputs=["out/", "alone"],
+    )
+"""
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_outputs_promoted_keep_no_setuid_sticky_or_world_writable_bit_and_stay_up_to_date(
+    tmp_path: Path, sandbox: str
+) -> None:
+    """Under bubblewrap the outputs are promoted from the sandbox's staging
+    folder; without a sandbox they were written in place: either way the
+    promotion clears the bits, the verified manifest says so, and the next
+    `doit` is a no-op (no endless rerun for a mode it changed itself)."""
+    root = make_project(tmp_path, PRIVILEGED_OUTPUTS, ["make"], sandbox=sandbox)
+    done = doit_ok(root)
+    assert step_ran(done, "make"), show(done)
+    assert unsafe_modes(root, ["out", "alone"]) == {}, show(done)
+    assert (root / "out" / "suid").stat().st_mode & 0o7777 == 0o755
+    assert (root / "out" / "d" / "open").stat().st_mode & 0o7777 == 0o775
+    assert (root / "alone").stat().st_mode & 0o7777 == 0o755
+    assert (root / "out" / "d").stat().st_mode & 0o7777 == 0o775
+    assert (root / "out" / "link").is_symlink() and (root / "out" / "suid").read_text() == "a\n"
+    again = doit_ok(root)
+    assert not step_ran(again, "make"), show(again)
+    assert "up to date" in compute(root, "why", "make").stdout
+
+
+def test_clearing_the_bits_never_goes_through_a_symlink_to_a_file_outside(tmp_path: Path) -> None:
+    """Written in place (no sandbox), an output may be a link out of the
+    project, or lie under one: the promotion refuses that tree, and clears
+    no bit of what the link points at on its way."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "tool").write_text("#!/bin/sh\n")
+    (outside / "tool").chmod(0o4755)
+    body = f"""
+def task_make():
+    yield from remote_step("make", outputs=["out/", "sub/tool"],
+                           shell="mkdir -p out && ln -s {outside}/tool out/escape && ln -sfn {outside} sub")
+"""
+    root = make_project(tmp_path, body, ["make"], sandbox="none")
+    done = doit(root)
+    assert done.returncode != 0 and "refused, never followed" in done.stdout + done.stderr, show(done)
+    assert (outside / "tool").stat().st_mode & 0o7777 == 0o4755
+
+# ------------------------------------- a worker killed without ending its run
+
+LOST_STEP = """
+def task_work():
+    yield from remote_step("work", command={argv!r}, outputs=["out/result.txt"])
+"""
+
+
+@pytest.mark.parametrize("cgroup", ["cgroup", "no-cgroup"])
+def test_a_tree_left_by_a_killed_worker_is_stopped_by_the_next_doit_before_its_new_command(
+    tmp_path: Path, marker: str, cgroup: str
+) -> None:
+    """Without bubblewrap, the worker killed by SIGKILL (the doit first):
+    the command, a grandchild that double-forked into a session of its own
+    and a child with no environment go on. The next doit finds them (by the
+    cgroup the worker made; without one, by the mark the tree carries and
+    the command's session) and stops them before the new command starts;
+    no cgroup of the run is left."""
+    flags = tmp_path / "flags"
+    write_command(flags)
+    root = make_project(tmp_path, LOST_STEP.format(argv=step_argv(flags, marker, "out/result.txt")),
+                        ["work"], sandbox="none")  # fmt: skip
+    first = popen_doit(root)
+    try:
+        old = wait_tree_up(flags)
+        (run,) = run_dirs(root)
+        stop(first)  # the client goes first, as the OOM killer may take it too
+        record = status_of(root, run)
+        kill_worker(record)
+        made = record.get("cgroup")
+        if cgroup == "no-cgroup":  # as a host without cgroup v2 (or no right to one) records it
+            record["cgroup"] = None
+            (run / "status.json").write_text(json.dumps(record))
+        elif made is None:
+            pytest.skip("NO CGROUP V2 COULD BE MADE HERE: the cgroup case is not tested")
+        assert all(pid_alive(pid) for pid in old)  # the tree outlived its worker
+        again = doit(root, timeout=120)
+        assert again.returncode == 0, show(again)
+        assert overlap(flags) == [], "the new command started while these of the old tree ran"
+        assert not [pid for pid in old if pid_alive(pid)]
+        assert "was lost" in again.stdout and "stopped what was left of it" in again.stdout, show(again)
+        assert (root / "out" / "result.txt").read_text() == "done\n"
+        if isinstance(made, str):
+            assert not Path(made).exists(), f"the run's cgroup {made} was left"
+    finally:
+        stop(first)
+        kill_recorded(flags, marker)
+
+
+def test_the_lifetime_timer_stops_what_a_killed_worker_left_and_removes_its_cgroup(
+    tmp_path: Path, project: Project, marker: str
+) -> None:
+    """The watchdog a host runs (control.py watchdog) ends a run whose
+    worker was killed: its tree, setsid grandchild included, and its cgroup
+    go with its folder."""
+    flags = tmp_path / "flags"
+    write_command(flags)
+    handle = submit(project, step_argv(flags, marker, "out/result.txt"), sandbox="none")
+    try:
+        old = wait_tree_up(flags)
+        record = status_record(project, handle)
+        kill_worker(record)
+        assert all(pid_alive(pid) for pid in old)
+        fired = remote_module("control").watchdog(str(run_dir(project, handle)), 0)
+        assert fired == {"fired": True}
+        assert not [pid for pid in old if pid_alive(pid)]
+        assert not run_dir(project, handle).exists()
+        if isinstance(record.get("cgroup"), str):
+            assert not Path(record["cgroup"]).exists()
+    finally:
+        kill_recorded(flags, marker)
+
+
+def test_a_process_with_a_runs_mark_that_is_older_than_its_worker_is_never_taken_for_the_runs(
+    marker: str,
+) -> None:
+    """The mark alone proves nothing about a process started before the
+    run's worker (its pid may have been reused): it is neither found nor
+    signalled; started no earlier than the worker, it is the run's."""
+    ctl = remote_module("control")
+    mark = uuid.uuid4().hex
+    env = {**os.environ, ctl.RUN_MARK: mark}
+    older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker], env=env)
+    try:
+        wait_for(lambda: ctl.start_ticks(older.pid) is not None, "the process to start")
+        ticks = ctl.start_ticks(older.pid)
+        later_worker = {"state": "running", "mark": mark, "worker_start_ticks": ticks + 1}
+        assert ctl.leftovers(later_worker) == []
+        assert ctl.stop_leftovers(later_worker, 1.0) == []
+        assert older.poll() is None
+        assert ctl.leftovers({**later_worker, "worker_start_ticks": ticks}) == [older.pid]
+    finally:
+        older.kill()
+        older.wait(timeout=30)

@@ -1,7 +1,8 @@
 """max_parallel: steps beyond a backend's limit wait for a slot, across two
 concurrent `doit -n 2 -P thread` of one project, on the local backend and on
-a real sshd in a network namespace; a client killed with SIGKILL frees its
-slots."""
+a real sshd in a network namespace; the runs of a client killed with SIGKILL
+keep their slots while their commands run, and a rerun that reattaches to
+them keeps the limit."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ from dodo_helpers import (
 from ssh_helpers import needs_root, needs_sshd, ssh_settings, write_ssh_pyproject
 from testbeds.sshd_host import SshHost
 
-# Two groups of two steps; each step leaves a flag as it starts, then waits
-# for the gate. Unsandboxed: the flags and the gate are outside the project.
+# Two groups of two steps; each step leaves a flag as it starts and appends
+# start/end lines to one file around its wait for the gate (appends are
+# atomic: the file's order is the order the commands started and ended in).
+# Unsandboxed: the flags, the stamps and the gate are outside the project.
 SWEEPS = """
 def task_a():
     yield from gated("a")
@@ -41,8 +44,9 @@ def gated(group):
         name = f"{{group}}-{{m}}"
         yield from remote_step(
             f"{{group}}:m{{m}}", outputs=[f"out-{{name}}.txt"],
-            command=["/bin/sh", "-c", f"touch {flags}/{{name}}; while [ ! -e {gate} ]; do sleep 0.05; done; "
-                     f"echo {{name}} > out-{{name}}.txt", {marker!r}],
+            command=["/bin/sh", "-c", f"touch {flags}/{{name}}; echo start >> {stamps}; "
+                     f"while [ ! -e {gate} ]; do sleep 0.05; done; "
+                     f"echo end >> {stamps}; echo {{name}} > out-{{name}}.txt", {marker!r}],
         )
 """
 
@@ -79,7 +83,9 @@ def project(tmp_path: Path, marker: str, backend: str, request: pytest.FixtureRe
     root.mkdir()
     (tmp_path / "flags").mkdir()
     gate = tmp_path / "gate"
-    write_dodo(root, SWEEPS.format(flags=tmp_path / "flags", gate=gate, marker=marker))
+    (tmp_path / "stamps.txt").touch()
+    write_dodo(root, SWEEPS.format(flags=tmp_path / "flags", gate=gate, marker=marker,
+                                   stamps=tmp_path / "stamps.txt"))  # fmt: skip
     if backend == "local":
         (root / "pyproject.toml").write_text(
             '[tool.substrax.compute.backends.local]\nsandbox = "none"\ngrace_seconds = 0.5\n'
@@ -92,7 +98,7 @@ def project(tmp_path: Path, marker: str, backend: str, request: pytest.FixtureRe
 
 
 @pytest.mark.parametrize("backend", ["local", pytest.param("ssh", marks=[needs_sshd, needs_root])])
-def test_steps_beyond_max_parallel_wait_across_two_doit_and_a_killed_client_frees_its_slots(
+def test_steps_beyond_max_parallel_wait_across_two_doit_and_a_killed_clients_runs_keep_their_slots(
     tmp_path: Path, marker: str, backend: str, request: pytest.FixtureRequest
 ) -> None:
     root, where = project(tmp_path, marker, backend, request)
@@ -108,15 +114,17 @@ def test_steps_beyond_max_parallel_wait_across_two_doit_and_a_killed_client_free
             root, "second"
         )
         assert sorted(p.name for p in flags.iterdir()) == ["a-0", "a-1"]  # b's are held back
-        first.send_signal(signal.SIGKILL)  # its slots are freed by the kernel
+        # Its locks go with it, but its runs go on: they keep their slots.
+        first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
-        wait_for(lambda: len(list(flags.iterdir())) == 4, "the second doit's steps to start", timeout=120)
         (tmp_path / "gate").touch()
         assert second.wait(timeout=300) == 0, said(root, "second")
     finally:
+        (tmp_path / "gate").touch()
         stop(first)
         if second is not None:
             stop(second)
+    assert most_at_once(tmp_path / "stamps.txt") <= 2, (tmp_path / "stamps.txt").read_text()
     for name in ("b-0", "b-1"):
         assert (root / f"out-{name}.txt").read_text() == f"{name}\n"
     # The killed client's runs went on; a rerun fetches them, within the limit.
@@ -150,3 +158,65 @@ def test_ctrl_c_ends_a_wait_for_a_slot_without_a_traceback(
     assert "Traceback" not in said(root, "second"), said(root, "second")
     assert "step 'b:m0': interrupted" in said(root, "second"), said(root, "second")
     assert sorted(p.name for p in flags.iterdir()) == ["a-0", "a-1"]  # b's steps never started
+
+
+# Four steps; each appends "start"/"end" lines to one shared file around its
+# wait for the gate (appends are atomic: the file's order is the order the
+# commands started and ended in).
+FOUR = """
+def task_fit():
+    for m in range(4):
+        yield from remote_step(
+            f"fit:m{{m}}", outputs=[f"out-{{m}}.txt"],
+            command=["/bin/sh", "-c", f"echo start {{m}} >> {stamps}; "
+                     f"while [ ! -e {gate} ]; do sleep 0.05; done; "
+                     f"echo end {{m}} >> {stamps}; echo {{m}} > out-{{m}}.txt", {marker!r}],
+        )
+"""
+
+
+def most_at_once(stamps: Path) -> int:
+    running = most = 0
+    for line in stamps.read_text().splitlines():
+        running += 1 if line.startswith("start") else -1
+        most = max(most, running)
+    return most
+
+
+def test_after_kill_9_of_doit_the_rerun_keeps_max_parallel_with_the_runs_it_reattaches_to(
+    tmp_path: Path, marker: str
+) -> None:
+    """max_parallel = 2, four steps under `doit -n 4 -P thread`: doit is
+    killed with SIGKILL while two run and two wait. The rerun reattaches to
+    all four; the two whose commands run hold their slots though no client
+    did, so the other two wait for them, and all four finish."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    stamps, gate = tmp_path / "stamps.txt", tmp_path / "gate"
+    stamps.touch()
+    write_dodo(root, FOUR.format(stamps=stamps, gate=gate, marker=marker))
+    (root / "pyproject.toml").write_text(
+        '[tool.substrax.compute.backends.local]\nsandbox = "none"\ngrace_seconds = 0.5\nmax_parallel = 2\n'
+    )
+    first = popen(root, "first", "-n", "4", "-P", "thread", "fit")
+    again = None
+    try:
+        wait_for(lambda: stamps.read_text().count("start") == 2 and said(root, "first").count(
+            "waits for a free slot") == 2, "two steps to run and two to wait", timeout=120)  # fmt: skip
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        again = popen(root, "again", "-n", "4", "-P", "thread", "fit")
+        # The two waiting runs wait again (or, beyond the limit, start).
+        wait_for(lambda: said(root, "again").count("waits for a free slot") == 2
+                 or stamps.read_text().count("start") > 2, "the rerun's slots", timeout=120)  # fmt: skip
+        gate.touch()
+        assert again.wait(timeout=300) == 0, said(root, "again")
+    finally:
+        gate.touch()
+        stop(first)
+        if again is not None:
+            stop(again)
+    assert most_at_once(stamps) <= 2, stamps.read_text()
+    assert stamps.read_text().count("end") == 4, stamps.read_text()
+    for m in range(4):
+        assert (root / f"out-{m}.txt").read_text() == f"{m}\n"

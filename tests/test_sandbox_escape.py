@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import GRACE, WORKER, connections_made, needs_bwrap
+from conftest import GRACE, WORKER, connections_made, needs_bwrap, wait_for
 from test_sandbox import ATTEMPT, verdicts
 from testbeds.sshd_host import SshHost
 
@@ -63,8 +63,9 @@ class Bed:
     def home(self) -> Path:
         return self.base / "home"
 
-    def run(self, script: str, marker: str, *, network_isolation: bool) -> tuple[str, dict[str, object]]:
-        """Run `script` through the worker; its log and final status."""
+    def start(self, script: str, marker: str, *,
+              network_isolation: bool) -> tuple[subprocess.Popen[str], WorkerPaths]:  # fmt: skip
+        """Start `script` through the worker (which returns when it ends)."""
         run_dir = self.base / "runs" / marker[-8:]
         run_dir.mkdir(parents=True)
         spec = make_spec("escape", ["sh", "-c", script, marker], self.project,
@@ -76,12 +77,27 @@ class Bed:
         chown_tree(self.base, self.uid)
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.home), "SUBSTRAX_LEAK": SECRET}
         assert SYSTEM_PYTHON is not None
-        done = subprocess.run(
+        worker = subprocess.Popen(
             [*self.prefix, SYSTEM_PYTHON, str(WORKER), paths.job], env=env,
-            capture_output=True, text=True, timeout=120, check=False,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        assert done.returncode == 0, done.stderr
+        return worker, paths
+
+    @staticmethod
+    def finish(worker: subprocess.Popen[str], paths: WorkerPaths) -> tuple[str, dict[str, object]]:
+        """Wait for the worker; the run's log and final status."""
+        try:
+            _out, err = worker.communicate(timeout=120)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+        assert worker.returncode == 0, err
         return Path(paths.log).read_text(errors="replace"), json.loads(Path(paths.status).read_text())
+
+    def run(self, script: str, marker: str, *, network_isolation: bool) -> tuple[str, dict[str, object]]:
+        """Run `script` through the worker; its log and final status."""
+        return self.finish(*self.start(script, marker, network_isolation=network_isolation))
 
 
 def chown_tree(root: Path, uid: int) -> None:
@@ -237,6 +253,136 @@ def test_network_isolation_hides_host_unix_sockets(
     assert verdicts(log) == {**connects, "write-output": "ALLOWED"}, log
     for name, server in unix_servers.items():
         assert (connections_made(server) > 0) is not isolated, name
+
+
+# A service on a host Unix socket: it binds PATH (mode 666), says
+# "listening", binds it again on each line read (a service restarting), and
+# at the end of its stdin says how many connections it got, then goes.
+LISTENER = """
+import os, socket, sys
+path = sys.argv[1]
+
+def serve():
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    os.chmod(path, 0o666)
+    server.listen(8)
+    server.setblocking(False)
+    print("listening", flush=True)
+    return server
+
+def accepted(server):
+    count = 0
+    while True:
+        try:
+            server.accept()[0].close()
+        except BlockingIOError:
+            return count
+        count += 1
+
+server, connections = serve(), 0
+for line in sys.stdin:
+    connections += accepted(server)
+    server.close()
+    os.unlink(path)
+    server = serve()
+connections += accepted(server)
+server.close()
+os.unlink(path)
+print("connections", connections, flush=True)
+"""
+
+
+class Listener:
+    """LISTENER run by the test (as root), optionally in another network
+    namespace (`prefix`: `ip netns exec NAME`)."""
+
+    def __init__(self, path: Path, prefix: list[str]) -> None:
+        assert SYSTEM_PYTHON is not None
+        self.process = subprocess.Popen([*prefix, SYSTEM_PYTHON, "-c", LISTENER, str(path)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self.listening()
+
+    def listening(self) -> None:
+        assert self.process.stdout is not None
+        assert self.process.stdout.readline() == "listening\n"
+
+    def rebind(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write("rebind\n")
+        self.process.stdin.flush()
+        self.listening()
+
+    def connections(self) -> int:
+        """Stop it; the connections it got."""
+        out, _ = self.process.communicate(timeout=30)
+        assert out.startswith("connections "), out
+        return int(out.split()[1])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def network_namespace(marker: str) -> Iterator[str]:
+    """A network namespace of the test's own, deleted after."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("OTHER-NAMESPACE SOCKET PROBE NOT RUN: `ip netns add` needs root and iproute2")
+    name = f"substrax-{marker[-8:]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=True)
+
+
+# Where the service's socket appears while the run goes on: each defeats a
+# list of sockets taken as the sandbox starts.
+SOCKET_CASES = ["bound-after-the-start", "bound-again-during-the-run", "bound-in-another-network-namespace",
+                "hard-linked-into-the-project"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SOCKET_CASES)
+def test_network_isolation_reaches_no_host_unix_socket_whenever_and_wherever_bound(
+    bed: Bed, marker: str, case: str, request: pytest.FixtureRequest
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("UNIX SOCKET PROBES NOT RUN: the service's listener and its link need a root test run")
+    prefix = []
+    if case == "bound-in-another-network-namespace":
+        prefix = ["ip", "netns", "exec", request.getfixturevalue("network_namespace")]
+    target = bed.project / "svc.sock"  # where the task connects; short: a socket path holds 107 bytes
+    bound = bed.home / "agent.sock" if case == "hard-linked-into-the-project" else target
+    script = ATTEMPT + f"""
+echo started > out/started
+while [ ! -e go ]; do sleep 0.05; done
+attempt connect '{SYSTEM_PYTHON} -c "{CONNECT}" {target}'
+"""
+    listener = None
+    try:
+        if case != "bound-after-the-start":
+            listener = Listener(bound, prefix)
+            if bound != target:
+                os.link(bound, target)  # the service's socket, shown in the project
+        worker, paths = bed.start(script, marker, network_isolation=True)
+        try:
+            wait_for(Path(paths.staging, "out", "started").exists, "the task to start")
+            if listener is None:
+                listener = Listener(bound, prefix)
+            elif case == "bound-again-during-the-run":
+                listener.rebind()
+        finally:
+            (bed.project / "go").write_text("")
+        log, status = bed.finish(worker, paths)
+        assert status["state"] == "succeeded", log
+        assert verdicts(log) == {"connect": "DENIED"}, log
+        assert listener.connections() == 0, log
+    finally:
+        if listener is not None:
+            listener.stop()
+        target.unlink(missing_ok=True)
 
 
 @pytest.fixture

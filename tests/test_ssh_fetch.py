@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ssh_helpers import make_ssh_project, needs_root, needs_sshd, remote_run_dir
+from dodo_helpers import compute, doit_ok, show, step_ran, unsafe_modes
+from ssh_helpers import make_ssh_project, needs_root, needs_sshd, one_step, remote_run_dir
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks import manifest_cache
@@ -30,6 +31,7 @@ from substrax_tasks.backends.ssh import SshBackend
 from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.handle import RunHandle
 from substrax_tasks.manifest_cache import ManifestError
+from substrax_tasks.promote import RSYNC_SAFE_CHMOD, safe_mode
 from substrax_tasks.runs import Project
 from substrax_tasks.spec import make_spec
 from substrax_tasks.transports.base import TransferStats
@@ -311,3 +313,49 @@ def test_a_log_past_the_cap_is_cut_with_a_note_shown_and_kept(
     backend.remote_run(handle).keep_log(kept)
     kept_note = f"\n[substrax: the log is cut at 3 MiB here; the rest was not kept from {host.address}]\n"
     assert kept.read_bytes() == bytes(cap) + kept_note.encode()
+
+
+# ------------------------------------------------- outputs carry no privileges
+
+
+def test_rsyncs_chmod_makes_every_mode_what_the_promotions_rule_makes_it(tmp_path: Path) -> None:
+    """The fetch's `--chmod` and `safe_mode` are one rule in two words:
+    every file and folder mode comes out of a real rsync as safe_mode says."""
+    source, dest = tmp_path / "src", tmp_path / "dest"
+    source.mkdir()
+    # every special bit and "other" bit with a few owner and group bits: 576
+    # modes (all 4,096 of them cost 10 s and prove no more)
+    special_and_other = [special << 9 | other for special in range(8) for other in range(8)]
+    for mode in [bits | user << 6 | group << 3 for bits in special_and_other
+                 for user in (0, 5, 7) for group in (0, 5, 7)]:  # fmt: skip
+        (source / f"f{mode:04o}").write_text("x")
+        (source / f"f{mode:04o}").chmod(mode)
+        (source / f"d{mode:04o}").mkdir()
+        (source / f"d{mode:04o}").chmod(mode)
+    subprocess.run(["rsync", "--archive", RSYNC_SAFE_CHMOD, f"{source}/", f"{dest}/"], check=True)
+    wrong = {
+        name: f"{mode:04o} -> {(dest / name).lstat().st_mode & 0o7777:04o}"
+        for name, mode in ((p.name, int(p.name[1:], 8)) for p in source.iterdir())
+        if (dest / name).lstat().st_mode & 0o7777 != safe_mode(mode)
+    }
+    assert wrong == {}
+
+
+def test_setuid_and_world_writable_outputs_a_hosts_user_made_arrive_without_those_bits(
+    tmp_path: Path, host: SshHost
+) -> None:
+    """The host's non-root login user makes 6755, 4777 and 1777 outputs
+    (and its manifest says so); a root client promotes them as 0755, 0775
+    and 0775 rather than refusing them, and the next doit is a no-op."""
+    make = ("mkdir -p out/d && echo a > out/suid && echo b > out/open && echo c > out/d/c "
+            "&& chmod 6755 out/suid && chmod 4777 out/open && chmod 1777 out/d")  # fmt: skip
+    root = make_ssh_project(tmp_path, host, one_step(shell=make, outputs=["out/"]))
+    done = doit_ok(root)
+    assert step_ran(done, "step"), show(done)
+    assert unsafe_modes(root, ["out"]) == {}
+    modes = {name: (root / "out" / name).stat().st_mode & 0o7777 for name in ("suid", "open", "d")}
+    assert modes == {"suid": 0o755, "open": 0o775, "d": 0o775}
+    assert (root / "out" / "suid").stat().st_uid == os.getuid()
+    again = doit_ok(root)
+    assert not step_ran(again, "step"), show(again)
+    assert "up to date" in compute(root, "why", "step").stdout

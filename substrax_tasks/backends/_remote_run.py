@@ -126,7 +126,11 @@ class RemoteRun:
         return self.script("control.py", "follow", self.run_dir, str(offset), str(limit))
 
     def remove(self) -> None:
-        self.control("remove", what="removing the run folder")
+        """Cancel the run and remove its folder there; an error, the folder
+        kept, while processes of the run that would not stop are alive."""
+        answer = self.control("remove", what="removing the run folder")
+        if answer.get("removed") is False and answer.get("reason"):
+            raise BackendError(f"run folder {self.run_dir} on {self.remote.host} kept: {answer['reason']}")
 
     def read_log(self, offset: int) -> bytes:
         """The run's log there from `offset` (b"" when there is none)."""

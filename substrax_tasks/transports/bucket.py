@@ -49,6 +49,7 @@ from typing import Any
 
 from substrax_tasks._output import emit
 from substrax_tasks.errors import BackendError
+from substrax_tasks.promote import safe_mode
 from substrax_tasks.transports.base import MAX_MANIFEST_BYTES, TransferStats, checked_manifest, progress
 
 MAX_WORKERS = 8  # parts copied at once: one request each, so small files do not go one by one
@@ -367,8 +368,9 @@ def _failure(action: str, uri: str, exc: BaseException) -> BackendError:
 
 def _apply_modes(root: Path, manifest: dict[str, Any]) -> None:
     """An object store keeps no file modes: the copies take the ones the
-    worker recorded, and verification then judges contents and sizes."""
+    worker recorded, made safe (promote.safe_mode: no setuid bit, ...), and
+    verification then judges contents and sizes."""
     for entry in manifest.get("entries", []):
         path = root / str(entry.get("path"))
         if entry.get("type") in ("file", "dir") and isinstance(entry.get("mode"), int) and path.exists():
-            path.chmod(entry["mode"])
+            path.chmod(safe_mode(entry["mode"]))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 from substrax_tasks._openssh import master_in_use
 from substrax_tasks._output import emit
 from substrax_tasks.errors import BackendError
+from substrax_tasks.promote import RSYNC_SAFE_CHMOD
 from substrax_tasks.transports.base import TransferStats, progress
 
 if TYPE_CHECKING:
@@ -91,8 +92,10 @@ class RsyncTransport:
         # Outputs hold only files, folders and symlinks (the worker's
         # manifest refuses anything else): a device, fifo or socket there now
         # was put in after the run, and is never made here (after --archive,
-        # which would turn them back on), and the copy is refused.
-        extra = ("--ignore-missing-args", "--no-devices", "--no-specials")
+        # which would turn them back on), and the copy is refused. No copy
+        # keeps a setuid, setgid or sticky bit or is world-writable here
+        # (promote.safe_mode; the promotion checks it again).
+        extra = ("--ignore-missing-args", "--no-devices", "--no-specials", RSYNC_SAFE_CHMOD)
         stats, said = self._rsync(self._argv(source, f"{local_root}/", *extra), rel_paths, "fetch")
         skipped = _SKIPPED.findall(said)
         if skipped:
