@@ -34,7 +34,7 @@ from substrax_tasks._signals import (
     start_when_free,
     started_holding_signals,
 )
-from substrax_tasks.errors import BackendError, HandleError, HostRefused, SubstraxError
+from substrax_tasks.errors import BackendError, HandleError, HostRefused, RunFolderDeleted, SubstraxError
 from substrax_tasks.spec import check_inputs_exist, check_outputs_inside
 from substrax_tasks.uptodate import DOIT_VALUE, Step
 
@@ -304,6 +304,8 @@ class StepDriver:
                     )
                 handle = self._save(handle, phase="started")
             status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)
+        except RunFolderDeleted:
+            return TaskFailed(f"step {self.spec.step!r}: {self._forget(backend, handle)}")
         except HostRefused as exc:  # as a refused manifest: the run failed, its machine goes
             self._save(handle, verdict={"state": "failed", "message": str(exc)})
             with contextlib.suppress(BackendError, HostRefused):  # else its lifetime timer ends it
@@ -395,11 +397,30 @@ class StepDriver:
             if self._step_lock is not None:
                 self._step_lock.release()
 
-    def _tear_down(self, was: RunState) -> None:
+    def _forget(self, backend: Backend, handle: RunHandle) -> str:
+        """The run's folder here is gone (the state folder was deleted):
+        nothing could find the run again, so it is torn down now, from the
+        handle this process holds; and nothing more is done with it here.
+        What was done, for the message."""
+        self.handle = None
         try:
-            handle = self.project.store.read(cast("RunHandle", self.handle).run_id)
-        except HandleError as exc:  # its record was deleted or damaged: nothing to act on
-            emit(f"{self.spec.step}: not torn down: {exc}", err=True)
+            done = backend.forget(handle)
+        except SubstraxError as exc:
+            done = f"it could not be torn down ({exc}); its lifetime timer ends it"
+        return (
+            f"the folder of run {handle.run_id} here ({self.project.store.run_dir(handle.run_id)}) was "
+            f"deleted while this doit drove the run: {done}; `doit {self.spec.step}` launches it again"
+        )
+
+    def _tear_down(self, was: RunState) -> None:
+        held = cast("RunHandle", self.handle)
+        try:
+            handle = self.project.store.read(held.run_id)
+        except HandleError as exc:
+            if not self.project.store.run_dir(held.run_id).exists():  # deleted, not damaged
+                emit(f"{self.spec.step}: {self._forget(self.backend(held), held)}", err=True)
+                return
+            emit(f"{self.spec.step}: not torn down: {exc}", err=True)  # damaged: nothing to act on
             return
         backend = self.backend(handle)
         try:

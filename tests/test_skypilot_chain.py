@@ -629,6 +629,29 @@ def test_a_cluster_gone_under_a_killed_client_loses_the_run_and_the_rerun_launch
     assert sky.clusters() == []
 
 
+def test_deleting_the_store_mid_run_takes_the_runs_cluster_down(sky: Sky, marker: str) -> None:
+    """The client driving the run still holds its handle: no cluster is
+    left to its lifetime timer when the state folder goes (issue 28)."""
+    gate = sky.base / f"gate-{marker}"  # never made: the run goes on until stopped
+    sky.configure(sandbox="none")
+    body = GATED_STEP.format(gate=str(gate), marker=marker, resources={"cpus": 1})
+    write_ssh_dodo(sky.root, body, ["step"])
+    client = popen_doit(sky.root, env=sky.env)
+    try:
+        wait_for(lambda: "started" in popen_output(sky.root), "the run to be followed", timeout=120)
+        (cluster,) = sky.clusters()
+        shutil.rmtree(sky.root / ".substrax")
+        code = client.wait(timeout=120)
+    finally:
+        stop(client)
+    said = popen_output(sky.root)
+    assert code == 1, said
+    assert f"drove the run: stopped it and took its cluster {cluster} down" in said, said
+    assert "Traceback" not in said, said
+    assert sky.clusters() == []  # before the fix: up until its lifetime timer
+    wait_for(lambda: not marked_pids(marker), "the command to end with its cluster")
+
+
 def test_status_shows_the_lifetime_left_and_a_cluster_no_handle_names_which_gc_leaves_alone(
     sky: Sky, marker: str
 ) -> None:

@@ -220,6 +220,11 @@ class LocalBackend(Backend):
         root = record.get("outputs_root")
         return record.get("sandbox") != "none" and isinstance(root, str) and Path(root).is_dir()
 
+    def forget(self, handle: RunHandle) -> str:
+        # The run's folder is the one that was deleted: its worker sees that
+        # and stops the command (remote/worker.py); nothing else holds it.
+        return "its worker stops the command when it sees its folder gone"
+
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         self.cancel(handle)  # leaves a finished run alone
         work = Path(self.paths(handle).staging).parent

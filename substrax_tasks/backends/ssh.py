@@ -290,6 +290,16 @@ class SshBackend(Backend):
                 leaks.append(Leak(self.name, self.settings.host, path, True, run.remove))  # as teardown
         return leaks
 
+    def forget(self, handle: RunHandle) -> str:
+        try:
+            if "remote_run_dir" not in handle.state or handle.state.get("torn_down"):
+                return "nothing of it was on the host"
+            run = self.remote_run(handle)
+            run.remove()  # stops what runs there first, as the lifetime timer would
+            return f"stopped it and removed its folder {run.run_dir} on {self.settings.host}"
+        finally:
+            self.settings.target().stop_master()
+
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         # What a fetch left here (a copy refused, or the folders a promotion
         # emptied) is of no use once the run is given up or home.
