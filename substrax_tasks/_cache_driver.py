@@ -13,6 +13,7 @@ from substrax_tasks.cache import CacheOptions, RunCache, cache_key
 from substrax_tasks.errors import BackendError
 
 if TYPE_CHECKING:
+    from substrax_tasks.backends.base import Fetched
     from substrax_tasks.driver import StepDriver
 
 
@@ -35,10 +36,11 @@ def restored_from_cache(driver: StepDriver) -> bool:
     return driver.restored is not None
 
 
-def keep_after(driver: StepDriver) -> None:
-    """At teardown, after the outputs are home: drop a restore's staging
-    folder, or keep a run just promoted as an entry (never delaying its
-    promotion). A failure to keep it is one line; the step is done."""
+def keep_after(driver: StepDriver, fetched: Fetched) -> None:
+    """As the chain ends, after the outputs are home: drop a restore's staging
+    folder, or keep a run just promoted (its `fetched` outputs) as an entry
+    (never delaying its promotion). A failure to keep it is one line; the
+    step is done."""
     restored, handle, run_cache = driver.restored, driver.handle, run_cache_of(driver)
     if restored is not None:
         shutil.rmtree(restored.fetched.root, ignore_errors=True)
@@ -48,8 +50,8 @@ def keep_after(driver: StepDriver) -> None:
             except (OSError, Damaged) as exc:
                 emit(f"{driver.step.name}: could not keep {restored.label} locally: {exc}", err=True)
         return
-    manifest = driver.fetched.manifest if driver.fetched is not None else None
-    if run_cache is None or handle is None or manifest is None or handle.state.get("phase") != "promoted":
+    manifest = fetched.manifest
+    if run_cache is None or handle is None or handle.state.get("phase") != "promoted":
         return
     host = handle.settings.get("host") or handle.state.get("cluster") or socket.gethostname()
     provenance = {"run_id": handle.run_id, "backend": handle.backend, "host": str(host)}
