@@ -420,14 +420,6 @@ class Shared:
             there = list(pool.map(lambda rel: bool(self.fs.exists(self._path(rel))), rels))
         return [rel for rel, found in zip(rels, there, strict=True) if not found]
 
-    def objects(self) -> set[str]:
-        try:
-            found = self.fs.find(self._path("objects"))
-        except FileNotFoundError:
-            return set()
-        cut = len(self._path(""))
-        return {str(name)[cut:] for name in found}
-
     def get(self, wanted: Wanted, key: str) -> Made:
         """Download objects (the bucket transport's parallel, whole-or-nothing
         copies, each hashed as it arrives); by destination."""
