@@ -14,6 +14,7 @@ from substrax_tasks.cache import CacheOptions, RunCache, cache_key
 from substrax_tasks.errors import BackendError
 
 if TYPE_CHECKING:
+    from substrax_tasks.backends.base import Fetched
     from substrax_tasks.driver import StepDriver
 
 # Said once per doit, not per step: the first run not kept (a list, so no global statement).
@@ -53,10 +54,11 @@ def _say_once_not_kept(step: str, run_id: str) -> None:
     )
 
 
-def keep_after(driver: StepDriver) -> None:
-    """At teardown, after the outputs are home: drop a restore's staging
-    folder, or keep a run just promoted as an entry (never delaying its
-    promotion). A failure to keep it is one line; the step is done."""
+def keep_after(driver: StepDriver, fetched: Fetched) -> None:
+    """As the chain ends, after the outputs are home: drop a restore's staging
+    folder, or keep a run just promoted (its `fetched` outputs) as an entry
+    (never delaying its promotion). A failure to keep it is one line; the
+    step is done."""
     restored, handle, run_cache = driver.restored, driver.handle, run_cache_of(driver)
     if restored is not None:
         shutil.rmtree(restored.fetched.root, ignore_errors=True)
@@ -66,10 +68,10 @@ def keep_after(driver: StepDriver) -> None:
             except (OSError, Damaged) as exc:
                 emit(f"{driver.step.name}: could not keep {restored.label} locally: {exc}", err=True)
         return
-    manifest = driver.fetched.manifest if driver.fetched is not None else None
-    if run_cache is None or handle is None or manifest is None or handle.state.get("phase") != "promoted":
+    manifest = fetched.manifest
+    if run_cache is None or handle is None or handle.state.get("phase") != "promoted":
         return
-    if driver.fetched is not None and driver.fetched.saw_whole_project:
+    if fetched.saw_whole_project:
         _say_once_not_kept(driver.step.name, handle.run_id)
         return
     host = handle.settings.get("host") or handle.state.get("cluster") or socket.gethostname()

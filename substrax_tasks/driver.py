@@ -89,19 +89,26 @@ class StepDriver:
             self.state = state
 
     def _close(self) -> None:
-        """The chain ended here (an interrupted one stays INTERRUPTED). Its slot
-        goes to the next step now, not as doit ends (when doit tears down):
-        a run with a machine of its own is torn down first; a shared one
-        stays for the next run (see sky_pool.py)."""
+        """The chain ended here: promoted, failed, or given up (an interrupted
+        one stays INTERRUPTED). What it holds goes now, not as doit ends (doit
+        runs teardowns only then, so a sweep would hold a lock and a run
+        folder per step it ran): the run is torn down and kept in the cache,
+        the slot and the step's lock released. A machine shared by a pool's
+        runs stays warm for the next one: its teardown waits for doit's, as
+        the last one out takes it down (see sky_pool.py)."""
         with self._lock:
             if self.state is RunState.OPEN:
                 self.state = RunState.CLOSED
-        if self._slot is not None and not self._slot_shared:
+        if self._slot_shared:
             try:
-                self.teardown()
-            except SubstraxError as exc:
-                emit(f"{self.spec.step}: teardown failed: {exc}", err=True)
-        self._release_slot()
+                self._keep()
+            finally:
+                self._release()
+            return
+        try:
+            self.teardown()
+        except SubstraxError as exc:
+            emit(f"{self.spec.step}: teardown failed: {exc}", err=True)
 
     def _take_slot(self, backend: Backend, handle: RunHandle, *, running: bool = False) -> RunHandle:
         """A slot of the backend's max_parallel pool for `handle`, waited
@@ -146,11 +153,28 @@ class StepDriver:
         except SubstraxError:
             return True
 
-    def _release_slot(self) -> None:
+    def _release(self) -> None:
+        """Give back the slot and the step's lock (each once, from any thread)."""
         with self._lock:
             slot, self._slot = self._slot, None
-        if slot is not None:
-            slot.release()
+            step_lock, self._step_lock = self._step_lock, None
+        try:
+            if slot is not None:
+                slot.release()
+        finally:
+            if step_lock is not None:
+                step_lock.release()
+
+    def _keep(self) -> None:
+        """Once the outputs are home: keep the run in the cache, or drop a
+        restore's staging folder (once, whichever of the chain's end and
+        doit's teardown comes first)."""
+        with self._lock:
+            fetched, self.fetched = self.fetched, None
+        if fetched is not None:  # a run's or a restore's
+            from substrax_tasks._cache_driver import keep_after
+
+            keep_after(self, fetched)
 
     # ------------------------------------------------------------ doit glue
     def _action(self, body: Callable[[], Any]) -> Any:
@@ -388,14 +412,9 @@ class StepDriver:
         try:
             if self.handle is not None:
                 self._tear_down(was)
-            if self.fetched is not None:  # a run's or a restore's
-                from substrax_tasks._cache_driver import keep_after
-
-                keep_after(self)
+            self._keep()
         finally:
-            self._release_slot()
-            if self._step_lock is not None:
-                self._step_lock.release()
+            self._release()
 
     def _forget(self, backend: Backend, handle: RunHandle) -> str:
         """The run's folder here is gone (the state folder was deleted):

@@ -16,7 +16,6 @@ import atexit
 import contextlib
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -28,6 +27,7 @@ from typing import Any
 
 from substrax_tasks import _gpus, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._poll import wait_readable
 from substrax_tasks._program import resolve_program
 from substrax_tasks._remote_files import control, env, remote_dir, remote_module
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
@@ -167,7 +167,7 @@ class LocalBackend(Backend):
         try:
             if not control().alive(pid, record.get("worker_start_ticks")):
                 return True
-            return bool(select.select([fd], [], [], seconds)[0])
+            return wait_readable(fd, seconds)
         finally:
             os.close(fd)
 
@@ -253,7 +253,7 @@ class Spawner:
             try:
                 proc.stdin.write(json.dumps(request).encode() + b"\n")
                 proc.stdin.flush()
-                answered = select.select([proc.stdout], [], [], START_TIMEOUT_SECONDS)[0]
+                answered = wait_readable(proc.stdout, START_TIMEOUT_SECONDS)
                 line = proc.stdout.readline() if answered else b""
             except OSError as exc:  # it died: the next start makes a new one
                 self._stop()
