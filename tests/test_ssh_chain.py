@@ -60,7 +60,7 @@ from ssh_helpers import (
     ssh_settings,
     write_ssh_pyproject,
 )
-from testbeds.sshd_host import SshHost, descendants, is_alive, kill_sshd, reboot, restart_sshd
+from testbeds.sshd_host import SshHost, descendants, is_alive, kill_sshd, reboot, restart_sshd, running_host
 
 from substrax_tasks.runs import Project
 from substrax_tasks.settings import SshSettings
@@ -739,9 +739,36 @@ def test_a_tree_left_by_a_killed_worker_on_the_host_is_stopped_by_the_next_doit_
     "none": doit killed, then the worker on the host (by the pid its
     status.json gives), its command, a setsid grandchild and a child with
     no environment go on. The next doit stops them before its new command
-    starts, and no cgroup of the run is left on the host (a non-root login
-    user usually has none to make: its tree is found by the run's mark)."""
-    target: SshHost = request.getfixturevalue("host" if user == "test-user" else "root_host")
+    starts, and no cgroup of the run is left on the host. The test user can
+    make no cgroup (none is delegated to it): its tree is found by the
+    run's mark. Root, on a host on loopback (`ip netns exec` gives sshd a
+    /sys with no cgroup v2 mounted), makes one: its tree is found by it."""
+    with contextlib.ExitStack() as stack:
+        if user == "test-user":
+            target: SshHost = request.getfixturevalue("host")
+        else:
+            target = stack.enter_context(running_host(tmp_path / "sshd", netns=False))
+        lost_tree_on(target, tmp_path, marker, user)
+
+
+def remove_cgroup(path: Path) -> None:
+    """Kill what is in a cgroup the test's run made, and remove it. Any
+    worker starting meanwhile may remove it first (it sweeps the stale
+    empty ones beside its own)."""
+
+    def emptied() -> bool:
+        try:
+            return not (path / "cgroup.procs").read_text().strip()
+        except FileNotFoundError:
+            return True
+
+    with contextlib.suppress(FileNotFoundError):
+        (path / "cgroup.kill").write_text("1")
+        wait_for(emptied, f"{path} to empty")
+        path.rmdir()
+
+
+def lost_tree_on(target: SshHost, tmp_path: Path, marker: str, user: str) -> None:
     flags = target.scratch / f"flags-{marker}"  # the command writes here, as the host's user
     write_command(flags)
     os.chown(flags, target.uid, -1)
@@ -751,6 +778,7 @@ def test_a_tree_left_by_a_killed_worker_on_the_host_is_stopped_by_the_next_doit_
                             remote_root=str(remote_root))  # fmt: skip
     first = popen_doit(root)
     handle: dict[str, Any] | None = None
+    made: object = None
     try:
         old = wait_tree_up(flags)
         stop(first)  # the client goes first, as the OOM killer may take it too
@@ -759,6 +787,8 @@ def test_a_tree_left_by_a_killed_worker_on_the_host_is_stopped_by_the_next_doit_
         assert record is not None, handle
         kill_worker(record)
         made = record.get("cgroup")
+        if user == "root" and made is None:
+            pytest.skip("NO CGROUP V2 COULD BE MADE ON THE HOST: the cgroup case is not tested over ssh")
         assert all(pid_alive(pid) for pid in old)  # the tree outlived its worker
         again = doit(root, timeout=120)
         assert again.returncode == 0, show(again)
@@ -772,6 +802,8 @@ def test_a_tree_left_by_a_killed_worker_on_the_host_is_stopped_by_the_next_doit_
     finally:
         stop(first)
         kill_recorded(flags, marker)
+        if isinstance(made, str) and Path(made).is_dir():  # left by a failure: emptied, then removed
+            remove_cgroup(Path(made))
         shutil.rmtree(flags, ignore_errors=True)
         shutil.rmtree(remote_root, ignore_errors=True)
         for pid in control_master_pids(handle) if handle is not None else []:
