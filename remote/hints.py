@@ -1,7 +1,7 @@
 """What the end of a failed run's log says went wrong because of where it
 ran, and the fix: a write the read-only sandbox refused, a Unix socket
-network_isolation refused, or a project file the run's view left out (not
-tracked, not an input).
+network_isolation refused, or a project file the run's view left out (a run
+sees the step's declared inputs only).
 
 Stdlib only, Python 3.8+; shipped beside worker.py, which says it in the
 run's final status, so every backend's failure shows it.
@@ -59,8 +59,10 @@ def log_tail(job: dict[str, Any]) -> str:
 
 def left_out_hint(job: dict[str, Any], tail: str) -> str | None:
     """For a failed run: the project entries its view left out (see
-    project_view.py) that its log mentions, by path, name, or a module's
-    quoted name ("No module named 'helper'"), and how to include them."""
+    project_view.py) that its log mentions, by path (absolute too: "can't
+    open file '/.../x.py'"), name, or a module's or package's quoted name
+    ("No module named 'helper'" for helper.py, 'mypkg' for mypkg/), and how
+    to include them."""
     named = []
     for rel in job.get("left_out", []):
         name = os.path.basename(rel)
@@ -71,9 +73,10 @@ def left_out_hint(job: dict[str, Any], tail: str) -> str | None:
     if not named:
         return None
     one = len(named) == 1
-    return ("the run saw the project's tracked files and the step's inputs only, and left out %s "
-            "(not tracked by git, not a declared input); declare %s of the step, or `git add` %s"
-            % (", ".join(named[:5]), "it as an input" if one else "them as inputs", "it" if one else "them"))
+    them = "it" if one else "them"
+    return ("the run sees the step's declared inputs only, and %s %s not declared; declare %s in "
+            "inputs=[...] (in outputs=[...] if the command writes %s)"
+            % (", ".join(named[:5]), "is" if one else "are", them, them))
 
 
 def erofs_hint(job: dict[str, Any], tail: str | None = None) -> str | None:

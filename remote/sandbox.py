@@ -153,16 +153,21 @@ def outer_first(rel: str) -> tuple[int, str]:
     return (0 if rel == "." else rel.count("/") + 1, rel)
 
 
-def view_argv(project: str, folder: str, hidden: Any, staging: str | None = None) -> list[str]:
+def view_argv(project: str, folder: str, hidden: Any, staging: str | None = None,
+              shown: list[str] | None = None) -> list[str]:
     """A project folder shown without its `hidden` entries: an empty tmpfs
     (or the folder's writable `staging` copy) with the others bound back
     read-only (a link made again), so that a hidden file is absent as it
-    is from a remote copy, not an empty stand-in."""
+    is from a remote copy, not an empty stand-in. With `shown` (the view's
+    paths), only those and the folders on the way to them come back: an
+    entry made since the view was taken is in no list, and is not seen."""
     real = os.path.normpath(os.path.join(project, folder))
     argv = ["--tmpfs", real] if staging is None else ["--bind", staging, real]
     for name in sorted(os.listdir(real)):
         rel = name if folder == "." else folder + "/" + name
         if within(rel, hidden):
+            continue
+        if shown is not None and not within(rel, shown) and not any(s.startswith(rel + "/") for s in shown):
             continue
         path = os.path.join(real, name)
         if os.path.islink(path):
@@ -314,9 +319,10 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev",
     argv += ["--ro-bind", project, project]
     writable = writable_dirs(job["outputs"])
     hidden_set = set(job.get("project_hidden", []))
+    shown = job.get("project_shown")
     before, after = view_folders(job.get("project_hidden", []), writable, job["outputs"])
     for folder in before:
-        argv += view_argv(project, folder, hidden_set)
+        argv += view_argv(project, folder, hidden_set, shown=shown)
     for path in job.get("extra_ro", []):
         if os.path.exists(path):
             argv += ["--ro-bind", path, path]
@@ -332,12 +338,12 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev",
         if rel in declared:
             argv += ["--bind", bound, os.path.normpath(os.path.join(project, rel))]
         else:
-            argv += view_argv(project, rel, hidden_set | declared, bound)
+            argv += view_argv(project, rel, hidden_set | declared, bound, shown)
     # Folders in output folders are shown from the project just above:
     # what is hidden in them goes now. Then every view folder is made
     # read-only, once nothing more is mounted in it.
     for folder in after:
-        argv += view_argv(project, folder, hidden_set)
+        argv += view_argv(project, folder, hidden_set, shown=shown)
     for folder in [*before, *after]:
         argv += ["--remount-ro", os.path.normpath(os.path.join(project, folder))]
     # After every mount above, so the tests' view of their order holds on

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import threading
 from typing import TYPE_CHECKING
 
 from substrax_tasks._cache_store import Damaged
@@ -13,7 +14,12 @@ from substrax_tasks.cache import CacheOptions, RunCache, cache_key
 from substrax_tasks.errors import BackendError
 
 if TYPE_CHECKING:
+    from substrax_tasks.backends.base import Fetched
     from substrax_tasks.driver import StepDriver
+
+# Said once per doit, not per step: the first run not kept (a list, so no global statement).
+_SAID_NOT_KEPT: list[str] = []
+_SAID_LOCK = threading.Lock()
 
 
 def run_cache_of(driver: StepDriver) -> RunCache | None:
@@ -35,10 +41,24 @@ def restored_from_cache(driver: StepDriver) -> bool:
     return driver.restored is not None
 
 
-def keep_after(driver: StepDriver) -> None:
-    """At teardown, after the outputs are home: drop a restore's staging
-    folder, or keep a run just promoted as an entry (never delaying its
-    promotion). A failure to keep it is one line; the step is done."""
+def _say_once_not_kept(step: str, run_id: str) -> None:
+    """Once per doit: the why, for the first run left out."""
+    with _SAID_LOCK:
+        if _SAID_NOT_KEPT:
+            return
+        _SAID_NOT_KEPT.append(run_id)
+    emit(
+        f"{step}: run {run_id} is not kept in the run cache: it ran without the sandbox "
+        '(sandbox = "none", or "auto" without a usable bubblewrap), so it could read project files '
+        "its key does not cover (runs without the sandbox are never kept)"
+    )
+
+
+def keep_after(driver: StepDriver, fetched: Fetched) -> None:
+    """As the chain ends, after the outputs are home: drop a restore's staging
+    folder, or keep a run just promoted (its `fetched` outputs) as an entry
+    (never delaying its promotion). A failure to keep it is one line; the
+    step is done."""
     restored, handle, run_cache = driver.restored, driver.handle, run_cache_of(driver)
     if restored is not None:
         shutil.rmtree(restored.fetched.root, ignore_errors=True)
@@ -48,8 +68,11 @@ def keep_after(driver: StepDriver) -> None:
             except (OSError, Damaged) as exc:
                 emit(f"{driver.step.name}: could not keep {restored.label} locally: {exc}", err=True)
         return
-    manifest = driver.fetched.manifest if driver.fetched is not None else None
-    if run_cache is None or handle is None or manifest is None or handle.state.get("phase") != "promoted":
+    manifest = fetched.manifest
+    if run_cache is None or handle is None or handle.state.get("phase") != "promoted":
+        return
+    if fetched.saw_whole_project:
+        _say_once_not_kept(driver.step.name, handle.run_id)
         return
     host = handle.settings.get("host") or handle.state.get("cluster") or socket.gethostname()
     provenance = {"run_id": handle.run_id, "backend": handle.backend, "host": str(host)}

@@ -6,6 +6,8 @@ entries.
     entries/<key>.json.sig   its signature (`ssh-keygen -Y sign`), if signed
     entries/<key>.json.stats the stat of its objects when last hashed (local folder only)
     objects/<ab>/<sha256>    file contents, by digest: shared by every entry
+    size.json                the local folder's account: its objects' total size
+    size.lock                held while objects come and go (flock: threads and processes)
 
 An entry is written last, after every object it names: a store never holds
 an entry whose objects were not all written (an interrupted write leaves
@@ -17,6 +19,11 @@ writable by no one else, or the folder is not used (`ForeignCache`):
 another local user able to rewrite an entry could choose what is restored
 into the project. A folder the user cannot write (a read-only mount) is
 still restored from; nothing is stored in it.
+
+The account is kept as each object is added or removed, under its lock, so
+keeping an entry costs what the entry costs, not a walk of the whole folder
+(shared by every project of the user); it is recounted only when missing or
+damaged, and rewritten from what a full trim (`gc`) saw.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import json
 import os
 import secrets
 import stat
@@ -33,12 +41,18 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from substrax_tasks._atomic import write_bytes_atomic
 from substrax_tasks.errors import BackendError
 from substrax_tasks.manifest_cache import CacheEntries, HashCache, manifest_module
 
+if TYPE_CHECKING:
+    from filelock import FileLock
+
+ACCOUNT = "size.json"
+ACCOUNT_LOCK = "size.lock"
+ACCOUNT_VERSION = 1
 NAMESPACE = "substrax-cache"  # of the SSH signatures: a key's other signatures do not count
 UPLOADS = 8  # objects sent to a shared store at once: one request each
 BUFFER = 1 << 20  # one reused buffer per restore: no allocation per file
@@ -85,6 +99,11 @@ def copy_fd(src: int, dst: int, size: int) -> None:
     except OSError:
         while chunk := os.read(src, BUFFER):
             os.write(dst, chunk)
+
+
+def is_part(rel: str) -> bool:
+    """A part file of an object being written (Folder.put), not an object."""
+    return rel.rsplit("/", 1)[-1].startswith(".")
 
 
 def stat_key(st: os.stat_result) -> list[int]:
@@ -295,11 +314,74 @@ class Folder:
         write_bytes_atomic(path, data)
 
     def objects(self) -> set[str]:
+        """Every object, and the part files of objects being written (a trim
+        removes those left by a writer that died)."""
         found: set[str] = set()
         for folder, _, names in os.walk(self.root / "objects"):  # nothing if it is missing
             prefix = f"objects/{Path(folder).name}/"
             found.update(prefix + name for name in names)
         return found
+
+    # ------------------------------------------------------------ account
+    def account_lock(self) -> FileLock:
+        """The account's lock, to hold while objects are added or removed.
+        A new lock each time: an flock excludes the threads of a process as
+        it excludes processes (a shared one would let a second thread in)."""
+        from filelock import FileLock
+
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # 0600 whatever the umask, as every file of the folder (see ForeignCache)
+        return FileLock(str(self.root / ACCOUNT_LOCK), mode=0o600, thread_local=False, is_singleton=False)
+
+    def size(self) -> int:
+        """The objects' total size in bytes, from the account."""
+        with self.account_lock():
+            return self.move_account(0)
+
+    def move_account(self, delta: int) -> int:
+        """The account moved by `delta` bytes (the account's lock held); a
+        recount if it is missing or damaged (which finds the change made)."""
+        try:
+            data = json.loads((self.root / ACCOUNT).read_bytes())
+            total = data["bytes"] if data.get("version") == ACCOUNT_VERSION else None
+        except (OSError, ValueError, AttributeError, KeyError):
+            total = None
+        if isinstance(total, int) and total + delta >= 0:
+            if not delta:
+                return total
+            total += delta
+        else:
+            total = self.recount()
+        self.set_account(total)
+        return total
+
+    def set_account(self, total: int) -> None:
+        """Write the account (its lock held)."""
+        data = json.dumps({"version": ACCOUNT_VERSION, "bytes": total}).encode()
+        write_bytes_atomic(self.root / ACCOUNT, data)
+
+    def recount(self) -> int:
+        """The objects' total size, from a stat of each (part files left out)."""
+        total = 0
+        for rel in self.objects():
+            if not is_part(rel):
+                with contextlib.suppress(FileNotFoundError):
+                    total += (self.root / rel).stat().st_size
+        return total
+
+    def unlink_objects(self, rels: list[str]) -> int:
+        """Remove objects (the account's lock held); the bytes they held."""
+        freed = 0
+        for rel in rels:
+            path = self.root / rel
+            try:
+                size = path.lstat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            if not is_part(rel):  # a part file was never counted
+                freed += size
+        return freed
 
     def get(self, wanted: Wanted, key: str) -> Made:
         """Copy entry `key`'s objects to new files; by destination. Objects
@@ -324,24 +406,50 @@ class Folder:
             known.save()
         return made
 
-    def put(self, pairs: list[tuple[Path, str]]) -> None:
+    def put(self, pairs: list[tuple[Path, str]]) -> list[str]:
         """Copy local files in as objects, each whole or not at all (never a
-        hard link, which an in-place edit of an output would carry in)."""
-        for source, rel in pairs:
-            final = self.root / rel
-            self.make_folder(final.parent)
-            part = final.with_name(f".{final.name}.{secrets.token_hex(4)}.part")
-            try:
+        hard link, which an in-place edit of an output would carry in); the
+        objects this call added. Each is copied to a part file, then linked
+        to its name under the account's lock: an object another thread or
+        process added meanwhile stays as it is, and is counted once."""
+        parts: list[tuple[Path, str, int]] = []
+        try:
+            for source, rel in pairs:
+                final = self.root / rel
+                if final.exists():
+                    continue
+                self.make_folder(final.parent)
+                part = final.with_name(f".{final.name}.{secrets.token_hex(4)}.part")
+                parts.append((part, rel, 0))
                 # mode 0600 whatever the umask: a group-writable object is refused
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
                 with source.open("rb") as src, open(os.open(part, flags, 0o600), "wb") as dst:  # noqa: PTH123
                     copy_fd(src.fileno(), dst.fileno(), os.fstat(src.fileno()).st_size)
-                part.replace(final)
-            finally:
+                    parts[-1] = (part, rel, os.fstat(dst.fileno()).st_size)
+            added, grown = [], 0
+            with self.account_lock():
+                for part, rel, size in parts:
+                    try:
+                        os.link(part, self.root / rel)
+                    except FileExistsError:
+                        continue
+                    added.append(rel)
+                    grown += size
+                self.move_account(grown)
+            return added
+        finally:
+            for part, _, _ in parts:
                 part.unlink(missing_ok=True)
 
     def remove(self, rel: str) -> None:
-        (self.root / rel).unlink(missing_ok=True)
+        if rel.startswith("objects/"):
+            self.remove_objects([rel])
+        else:
+            (self.root / rel).unlink(missing_ok=True)
+
+    def remove_objects(self, rels: list[str]) -> None:
+        with self.account_lock():
+            self.move_account(-self.unlink_objects(rels))
 
 
 class Shared:
@@ -384,13 +492,12 @@ class Shared:
         self._parents([rel])
         self.fs.pipe_file(self._path(rel), data)
 
-    def objects(self) -> set[str]:
-        try:
-            found = self.fs.find(self._path("objects"))
-        except FileNotFoundError:
-            return set()
-        cut = len(self._path(""))
-        return {str(name)[cut:] for name in found}
+    def missing(self, rels: list[str]) -> list[str]:
+        """Those of the objects `rels` the store lacks: one request each, so
+        a push costs what its entry holds, not a listing of the store."""
+        with ThreadPoolExecutor(max_workers=UPLOADS) as pool:
+            there = list(pool.map(lambda rel: bool(self.fs.exists(self._path(rel))), rels))
+        return [rel for rel, found in zip(rels, there, strict=True) if not found]
 
     def get(self, wanted: Wanted, key: str) -> Made:
         """Download objects (the bucket transport's parallel, whole-or-nothing

@@ -4,11 +4,15 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from substrax_tasks import uptodate
 from substrax_tasks._output import emit
+from substrax_tasks._remote_files import control
 from substrax_tasks.errors import HandleError, SubstraxError
+from substrax_tasks.store import SET_ASIDE
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import RunStatus
@@ -23,23 +27,76 @@ def phase_index(phase: object) -> int:
     return PHASES.index(phase) if isinstance(phase, str) and phase in PHASES else -1
 
 
+# The states only a worker writes, as its command ended: a run whose
+# status file says one is over, whatever else of its records is damaged.
+# ("lost" is not one: a worker killed without a sandbox may leave its
+# command's tree behind.)
+ENDED_BY_ITS_WORKER = frozenset({"succeeded", "failed", "timed_out", "cancelled"})
+
+
 def last_run(driver: StepDriver) -> RunHandle | None:
-    """The step's last run; an error if its record or handle is damaged
-    (its run may be going on: a second must not start beside it)."""
-    run_id = uptodate.read_record(driver.step, strict=True).get("run_id")
+    """The step's last run. A damaged step record or handle is moved aside
+    when the run it may name is provably over; otherwise it is an error
+    (that run may be going on: a second must not start beside it)."""
+    store = driver.project.store
+    try:
+        record = uptodate.read_record(driver.step, strict=True)
+    except SubstraxError:
+        if not no_run_going(driver):
+            raise
+        set_aside(driver, driver.step.files.record, "its record", "no run of it is going")
+        return None
+    run_id = record.get("run_id")
     if not run_id:
         return None
-    store = driver.project.store
     if not store.handle_path(str(run_id)).exists():
         return None  # its folder was removed: nothing runs there any more
     try:
         return store.read(str(run_id))
     except HandleError as exc:
-        raise HandleError(
-            f"the handle of its last run is damaged ({exc}), and that run may still be going. "
-            f"Stop it if it is (its worker's pid is in {store.run_dir(str(run_id))}/status.json), "
-            "then remove that folder and run again"
-        ) from None
+        if not ended_by_its_worker(store.run_dir(str(run_id))):
+            raise HandleError(
+                f"the handle of its last run is damaged ({exc}), and that run may still be going. "
+                f"Stop it if it is (its worker's pid is in {store.run_dir(str(run_id))}/status.json), "
+                "then remove that folder and run again"
+            ) from None
+        set_aside(driver, store.handle_path(str(run_id)), f"the handle of its last run {run_id}",
+                  "its worker recorded how the run ended")  # fmt: skip
+        return None
+
+
+def ended_by_its_worker(run_dir: Path) -> bool:
+    """The run's worker wrote its final status here (the local backend's;
+    a remote run's is on its host, out of reach without its handle)."""
+    record = control().read_json(str(run_dir / "status.json"))
+    return isinstance(record, dict) and record.get("state") in ENDED_BY_ITS_WORKER
+
+
+def no_run_going(driver: StepDriver) -> bool:
+    """No run of the step can be going: each readable handle of it says its
+    run ended (a lost one only once what it left was stopped), and each
+    unreadable one (whose step cannot be known) has its worker's final
+    status beside it."""
+    handles, unreadable = driver.project.store.read_all()
+    for handle in handles:
+        if handle.step != driver.spec.step:
+            continue
+        try:
+            status = driver.backend(handle).status(handle)
+        except SubstraxError:  # its host out of reach: not proved
+            return False
+        # lost, and not yet judged (stop_lost records it once what was left is stopped): its tree may run on
+        if not status.final or (status.state == "lost" and not handle.state.get("verdict")):
+            return False
+    return all(ended_by_its_worker(record.path.parent) for record in unreadable)
+
+
+def set_aside(driver: StepDriver, path: Path, what: str, proof: str) -> None:
+    """Keep a damaged record under a name of its own beside it, and say so:
+    what it said cannot be read, and the run it names is over."""
+    aside = path.with_name(f"{path.name}{SET_ASIDE}{time.strftime('%Y%m%dT%H%M%S')}")
+    path.replace(aside)
+    emit(f"{driver.spec.step}: {what} was damaged and {proof}: moved aside to {aside}; going on")
 
 
 def retire_unlaunched(driver: StepDriver) -> None:

@@ -6,6 +6,7 @@ place, and write the step record that says where it came from)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,13 +15,21 @@ from doit.exceptions import TaskFailed
 from substrax_tasks import doit_db, manifest_cache, uptodate
 from substrax_tasks._atomic import write_json_atomic
 from substrax_tasks._output import emit
-from substrax_tasks.backends.base import Fetched
 from substrax_tasks.cache import cache_key
+from substrax_tasks.errors import OutputsRefused
 from substrax_tasks.promote import JOURNAL, make_safe, promote, recover, safe_manifest
 
 if TYPE_CHECKING:
+    from substrax_tasks.backends.base import Fetched
     from substrax_tasks.driver import StepDriver
     from substrax_tasks.uptodate import Step
+
+
+# A refused copy is kept for one fetch again (a copy can be refused for a
+# passing reason: the outputs were put back as the command left them); a
+# run refused again, in this doit (`retries`) or the next, can never
+# verify: it is given up, so that the step is not refused for ever.
+REFUSALS_BEFORE_GIVING_UP = 2
 
 
 def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
@@ -28,11 +37,54 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
     if handle is None:
         return None
     backend = driver.backend(handle)
+    step = driver.spec.step
+
+    def fetch_verified() -> Fetched:
+        """One fetch, its copy verified here against the run's manifest."""
+        try:
+            fetched = backend.fetch(handle)
+            if fetched.manifest.get("missing"):
+                return fetched  # judged below: the command did not make them, nothing was changed
+            outputs = list(driver.spec.outputs)
+            try:
+                make_safe(fetched.root, outputs)  # as the promotion checks them: no setuid bit, ...
+            except OSError:
+                return fetched  # the promotion says so, and promotes nothing
+            problems = manifest_cache.verify_outputs(
+                fetched.root, outputs, safe_manifest(fetched.manifest), driver.step.files.outputs_cache
+            )
+            if problems:
+                raise OutputsRefused(
+                    f"the fetched outputs of run {handle.run_id} do not match its manifest; nothing was "
+                    "promoted:\n  " + "\n  ".join(problems)
+                )
+        except OutputsRefused:
+            seen = (driver.handle or handle).state.get("fetch_refusals")
+            driver._save(handle, fetch_refusals=int(seen or 0) + 1)
+            raise
+        return fetched
+
     try:
-        fetched = driver._retrying("fetch", lambda: backend.fetch(handle))
+        fetched = driver._retrying("fetch", fetch_verified)
     except manifest_cache.ManifestError as exc:
         driver._save(handle, verdict={"state": "failed", "message": str(exc)})
-        return TaskFailed(f"step {driver.spec.step!r}: {exc}; nothing was promoted")
+        return TaskFailed(f"step {step!r}: {exc}; nothing was promoted")
+    except OutputsRefused as exc:
+        current = driver.handle or handle
+        if int(current.state.get("fetch_refusals") or 0) < REFUSALS_BEFORE_GIVING_UP:
+            return TaskFailed(
+                f"step {step!r}: {exc}\nThe run is kept: `doit {step}` fetches it again; refused again, "
+                "it is given up and a new run starts"
+            )
+        message = (
+            "damaged: what it left where it ran was refused twice (its manifest or outputs changed "
+            "after the command ended); given up and torn down"
+        )
+        driver._save(handle, verdict={"state": "failed", "message": message})
+        return TaskFailed(
+            f"step {step!r}: {exc}\nRefused again: run {handle.run_id} is recorded damaged and torn "
+            f"down, nothing of it promoted; `doit {step}` starts a new run"
+        )
     missing = fetched.manifest.get("missing") or []
     if missing:
         message = f"the run did not produce declared output(s) {', '.join(missing)}"
@@ -40,11 +92,13 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
         return TaskFailed(f"step {driver.spec.step!r}: run {handle.run_id}: {message}; nothing was promoted")
     # The modes the outputs will have here (no setuid bit, ...): the
     # manifest kept, and every later check, agree with the promoted files.
-    fetched = Fetched(fetched.root, safe_manifest(fetched.manifest))
+    fetched = dataclasses.replace(fetched, manifest=safe_manifest(fetched.manifest))
     # compact: a manifest of 20,000 files is 3 MB, 4x slower to indent
     write_json_atomic(driver.project.store.manifest_file(handle.run_id), fetched.manifest, indent=None)
     driver.fetched = fetched
-    driver._save(handle, phase="fetched", manifest_digest=fetched.manifest["digest"])
+    # A copy that verified ends the count: a later refusal (outputs changed
+    # here, fetched again) starts it anew.
+    driver._save(handle, phase="fetched", manifest_digest=fetched.manifest["digest"], fetch_refusals=0)
     return None
 
 
@@ -61,7 +115,7 @@ def promote_outputs(driver: StepDriver) -> TaskFailed | None:
     except OSError as exc:
         return TaskFailed(f"step {step!r}: could not clear the setuid and world-writable bits of the "
                           f"outputs of {source} ({exc}); nothing was promoted")
-    fetched = driver.fetched = Fetched(fetched.root, safe_manifest(fetched.manifest))
+    fetched = driver.fetched = dataclasses.replace(fetched, manifest=safe_manifest(fetched.manifest))
     digest = str(fetched.manifest["digest"])
     cache = driver.step.files.outputs_cache
     problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, cache)

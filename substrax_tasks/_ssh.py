@@ -8,7 +8,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import secrets
-import select
 import shlex
 import threading
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import paramiko
 
 from substrax_tasks._openssh import MAX_ANSWER_BYTES, STREAM_TICK, RemoteResult, SshTarget, answer_too_big
+from substrax_tasks._poll import wait_readable
 from substrax_tasks.errors import BackendError, SubstraxError
 
 # Long-lived commands (followers) at once on one connection: sshd lets one
@@ -139,7 +139,7 @@ class SshConnection:
                 elif deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"no end after {timeout} s")
                 else:
-                    select.select([channel], [], [], 0.1)  # wakes on data or close
+                    wait_readable(channel, 0.1)  # wakes on data or close
             code = channel.recv_exit_status()
             channel.close()
         except (paramiko.SSHException, OSError, EOFError) as exc:
@@ -196,7 +196,7 @@ class SshConnection:
                 elif channel.closed or (channel.eof_received and channel.exit_status_ready()):
                     break
                 else:
-                    select.select([channel], [], [], STREAM_TICK)
+                    wait_readable(channel, STREAM_TICK)
             return RemoteResult(channel.recv_exit_status(), b"", bytes(err))
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise self._broke_off(command, exc) from None

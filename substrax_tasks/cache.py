@@ -38,6 +38,7 @@ from substrax_tasks._cache_store import (
     Shared,
     drop_entry,
     entry_path,
+    is_part,
     materialize,
     object_path,
     refused_signature,
@@ -56,6 +57,9 @@ if TYPE_CHECKING:
 ENTRY_VERSION = 1
 WHERE_IT_RAN = ("backend", "settings")  # left out of the key unless key_backend = true
 ORPHAN_SECONDS = 3600  # objects no entry names yet may belong to a store in progress
+# A trim after a store goes below max_size, to this share of it, so the next
+# (which reads every entry) comes only after that much more is stored.
+TRIM_TO = 0.9
 _UNREACHABLE: set[str] = set()  # stores that failed or were refused in this process: warned once
 _CHECKED: set[str] = set()  # local folders found the user's own in this process
 _READ_ONLY: set[str] = set()  # local folders this process said it cannot store in
@@ -303,7 +307,7 @@ class RunCache:
                 self.push(key)
             except Exception as exc:  # noqa: BLE001 - the outputs are home; the store can wait
                 self._unreachable(self.shared, exc)
-        self.trim()
+        self._fit(step)
 
     def adopt(self, step: Step, restored: Restored) -> None:
         """Keep a hit from the shared store in the local folder too, entry
@@ -311,7 +315,21 @@ class RunCache:
         if restored.shared is not None and self._local_writable() \
                 and self._keep_objects(step, restored.fetched.manifest):
             write_entry(self.local, restored.key, *restored.shared)
-            self.trim()
+            self._fit(step)
+
+    def _fit(self, step: Step) -> None:
+        """After an entry was kept: nothing more while the objects fit in
+        max_size (the account says so, whatever the folder holds); else a
+        trim, below max_size (TRIM_TO), under the account's lock so one
+        thread or process trims while the others wait and find it done.
+        The entry is kept whatever happens here."""
+        try:
+            with self.local.account_lock():
+                if self.local.move_account(0) > self.settings.max_bytes:
+                    self._trim(int(self.settings.max_bytes * TRIM_TO), dry_run=False, cutoff=0.0)
+        except OSError as exc:
+            emit(f"{step.name}: could not trim the cache {self.local.name} ({exc}); "
+                 "`substrax-compute gc` trims it", err=True)  # fmt: skip
 
     def _keep_objects(self, step: Step, manifest: dict[str, Any]) -> bool:
         """Copy the promoted outputs the local folder lacks in as objects;
@@ -321,13 +339,10 @@ class RunCache:
         if not manifest_cache.outputs_match(root, outputs, digest, cache_file):
             emit(f"{step.name}: outputs changed since they were verified; not kept in the cache")
             return False
-        present = self.local.objects()
         pairs = {object_path(e["sha256"]): root / e["path"] for e in _files(manifest)}
-        new = [(source, rel) for rel, source in pairs.items() if rel not in present]
-        self.local.put(new)
+        added = self.local.put([(source, rel) for rel, source in pairs.items()])
         if not manifest_cache.outputs_match(root, outputs, digest, cache_file):  # changed while copied
-            for _, rel in new:
-                self.local.remove(rel)
+            self.local.remove_objects(added)
             emit(f"{step.name}: outputs changed while they were kept; not kept in the cache")
             return False
         return True
@@ -341,8 +356,7 @@ class RunCache:
         if data is None:
             raise Damaged(f"no local cache entry {key[:16]} in {self.local.name}")
         manifest = _parsed(data, key)["manifest"]
-        present = self.shared.objects()
-        needed = sorted({object_path(e["sha256"]) for e in _files(manifest)} - present)
+        needed = self.shared.missing(sorted({object_path(e["sha256"]) for e in _files(manifest)}))
         self.shared.put([(self.local.root / rel, rel) for rel in needed])
         write_entry(self.shared, key, data, self.local.read(entry_path(key) + ".sig"))
         return len(needed)
@@ -359,35 +373,55 @@ class RunCache:
 
     # ------------------------------------------------------------ size
     def usage(self) -> tuple[list[tuple[float, str, set[str]]], dict[str, tuple[int, float]]]:
-        """The local entries (mtime, key, objects, oldest first) and objects (size, mtime)."""
-        entries = []
+        """The local entries (mtime, key, objects, oldest first) and objects
+        (size, mtime). An entry or object that goes while they are read (a
+        part file renamed, another trim) is left out."""
+        entries: list[tuple[float, str, set[str]]] = []
         for path in (self.local.root / "entries").glob("*.json"):
             try:
                 data = path.read_bytes()
-                manifest = _parsed(data, path.stem)["manifest"]
-                names = {object_path(e["sha256"]) for e in _files(manifest)}
-                entries.append((path.stat().st_mtime, path.stem, names))
-            except (OSError, Damaged):
+                used = path.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            except OSError:
                 entries.append((0.0, path.stem, set()))  # unreadable: the first to go
+                continue
+            try:
+                names = {object_path(e["sha256"]) for e in _files(_parsed(data, path.stem)["manifest"])}
+            except Damaged:
+                used, names = 0.0, set()
+            entries.append((used, path.stem, names))
         objects = {}
         for rel in self.local.objects():
-            st = (self.local.root / rel).stat()
+            try:
+                st = (self.local.root / rel).stat()
+            except FileNotFoundError:
+                continue
             objects[rel] = (st.st_size, st.st_mtime)
         return sorted(entries), objects
 
     def trim(self, dry_run: bool = False, older_than_days: float | None = None) -> list[str]:
         """Remove the local entries last used more than `older_than_days`
         ago, then the oldest until the objects fit in max_size, and objects
-        no entry names; what was (or would be) removed."""
-        entries, objects = self.usage()
+        no entry names; what was (or would be) removed. Reads every entry:
+        `gc`'s, and a store's when the account says the folder is full."""
         cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else 0.0
+        with self.local.account_lock():
+            return self._trim(self.settings.max_bytes, dry_run=dry_run, cutoff=cutoff)
+
+    def _trim(self, limit: int, *, dry_run: bool, cutoff: float) -> list[str]:
+        """trim() to `limit` bytes, the account's lock held: no object comes
+        or goes meanwhile, so the account is rewritten from what is seen."""
+        entries, objects = self.usage()
         named = Counter(rel for _, _, names in entries for rel in names)  # entries naming each object
         young = time.time() - ORPHAN_SECONDS
         dropped = [rel for rel, (_, mtime) in objects.items() if rel not in named and mtime < young]
-        total = sum(size for rel, (size, _) in objects.items() if rel in named)
+        # Every object counts (young orphans too, which stay): what the account counts.
+        total = sum(size for rel, (size, _) in objects.items() if not is_part(rel)) \
+            - sum(objects[rel][0] for rel in dropped if not is_part(rel))  # fmt: skip
         removed = [f"object {rel} (named by no entry)" for rel in dropped]
         for used, key, names in entries:
-            if total <= self.settings.max_bytes and used >= cutoff:
+            if total <= limit and used >= cutoff:
                 break
             removed.append(f"entry {key[:16]}")
             if not dry_run:
@@ -398,8 +432,8 @@ class RunCache:
                     total -= objects[rel][0]
                     dropped.append(rel)
         if not dry_run:
-            for rel in dropped:
-                self.local.remove(rel)
+            self.local.unlink_objects(dropped)
+            self.local.set_account(total)
         return removed
 
 

@@ -35,6 +35,9 @@ CONFIG_ENV = "SUBSTRAX_CONFIG"
 # The lock files a backend builds the run's environment from, first found
 # wins; part of every step's key, so known without importing a backend.
 ENV_LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")
+# What a lock is read with: `uv sync --frozen` reads uv.lock only beside the
+# project's pyproject.toml, so a run's view holds it too, and the key covers it.
+LOCK_COMPANIONS = {"uv.lock": ("pyproject.toml",)}
 CACHE_FOLDER = "substrax"  # the private folder of the cached resolutions
 
 

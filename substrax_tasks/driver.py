@@ -34,7 +34,7 @@ from substrax_tasks._signals import (
     start_when_free,
     started_holding_signals,
 )
-from substrax_tasks.errors import BackendError, HandleError, HostRefused, SubstraxError
+from substrax_tasks.errors import BackendError, HandleError, HostRefused, RunFolderDeleted, SubstraxError
 from substrax_tasks.spec import check_inputs_exist, check_outputs_inside
 from substrax_tasks.uptodate import DOIT_VALUE, Step
 
@@ -89,19 +89,26 @@ class StepDriver:
             self.state = state
 
     def _close(self) -> None:
-        """The chain ended here (an interrupted one stays INTERRUPTED). Its slot
-        goes to the next step now, not as doit ends (when doit tears down):
-        a run with a machine of its own is torn down first; a shared one
-        stays for the next run (see sky_pool.py)."""
+        """The chain ended here: promoted, failed, or given up (an interrupted
+        one stays INTERRUPTED). What it holds goes now, not as doit ends (doit
+        runs teardowns only then, so a sweep would hold a lock and a run
+        folder per step it ran): the run is torn down and kept in the cache,
+        the slot and the step's lock released. A machine shared by a pool's
+        runs stays warm for the next one: its teardown waits for doit's, as
+        the last one out takes it down (see sky_pool.py)."""
         with self._lock:
             if self.state is RunState.OPEN:
                 self.state = RunState.CLOSED
-        if self._slot is not None and not self._slot_shared:
+        if self._slot_shared:
             try:
-                self.teardown()
-            except SubstraxError as exc:
-                emit(f"{self.spec.step}: teardown failed: {exc}", err=True)
-        self._release_slot()
+                self._keep()
+            finally:
+                self._release()
+            return
+        try:
+            self.teardown()
+        except SubstraxError as exc:
+            emit(f"{self.spec.step}: teardown failed: {exc}", err=True)
 
     def _take_slot(self, backend: Backend, handle: RunHandle, *, running: bool = False) -> RunHandle:
         """A slot of the backend's max_parallel pool for `handle`, waited
@@ -146,11 +153,28 @@ class StepDriver:
         except SubstraxError:
             return True
 
-    def _release_slot(self) -> None:
+    def _release(self) -> None:
+        """Give back the slot and the step's lock (each once, from any thread)."""
         with self._lock:
             slot, self._slot = self._slot, None
-        if slot is not None:
-            slot.release()
+            step_lock, self._step_lock = self._step_lock, None
+        try:
+            if slot is not None:
+                slot.release()
+        finally:
+            if step_lock is not None:
+                step_lock.release()
+
+    def _keep(self) -> None:
+        """Once the outputs are home: keep the run in the cache, or drop a
+        restore's staging folder (once, whichever of the chain's end and
+        doit's teardown comes first)."""
+        with self._lock:
+            fetched, self.fetched = self.fetched, None
+        if fetched is not None:  # a run's or a restore's
+            from substrax_tasks._cache_driver import keep_after
+
+            keep_after(self, fetched)
 
     # ------------------------------------------------------------ doit glue
     def _action(self, body: Callable[[], Any]) -> Any:
@@ -240,6 +264,9 @@ class StepDriver:
         self._step_lock.acquire()
         check_inputs_exist(self.spec, self.root)
         check_outputs_inside(self.spec.outputs, self.root)
+        from substrax_tasks.project_view import check_command_in_view  # not on a no-op's path
+
+        check_command_in_view(self.spec, self.root)
         from substrax_tasks._outputs_phases import recover_promotion  # not on a no-op's path
 
         recover_promotion(self)
@@ -301,6 +328,8 @@ class StepDriver:
                     )
                 handle = self._save(handle, phase="started")
             status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)
+        except RunFolderDeleted:
+            return TaskFailed(f"step {self.spec.step!r}: {self._forget(backend, handle)}")
         except HostRefused as exc:  # as a refused manifest: the run failed, its machine goes
             self._save(handle, verdict={"state": "failed", "message": str(exc)})
             with contextlib.suppress(BackendError, HostRefused):  # else its lifetime timer ends it
@@ -383,20 +412,34 @@ class StepDriver:
         try:
             if self.handle is not None:
                 self._tear_down(was)
-            if self.fetched is not None:  # a run's or a restore's
-                from substrax_tasks._cache_driver import keep_after
-
-                keep_after(self)
+            self._keep()
         finally:
-            self._release_slot()
-            if self._step_lock is not None:
-                self._step_lock.release()
+            self._release()
+
+    def _forget(self, backend: Backend, handle: RunHandle) -> str:
+        """The run's folder here is gone (the state folder was deleted):
+        nothing could find the run again, so it is torn down now, from the
+        handle this process holds; and nothing more is done with it here.
+        What was done, for the message."""
+        self.handle = None
+        try:
+            done = backend.forget(handle)
+        except SubstraxError as exc:
+            done = f"it could not be torn down ({exc}); its lifetime timer ends it"
+        return (
+            f"the folder of run {handle.run_id} here ({self.project.store.run_dir(handle.run_id)}) was "
+            f"deleted while this doit drove the run: {done}; `doit {self.spec.step}` launches it again"
+        )
 
     def _tear_down(self, was: RunState) -> None:
+        held = cast("RunHandle", self.handle)
         try:
-            handle = self.project.store.read(cast("RunHandle", self.handle).run_id)
-        except HandleError as exc:  # its record was deleted or damaged: nothing to act on
-            emit(f"{self.spec.step}: not torn down: {exc}", err=True)
+            handle = self.project.store.read(held.run_id)
+        except HandleError as exc:
+            if not self.project.store.run_dir(held.run_id).exists():  # deleted, not damaged
+                emit(f"{self.spec.step}: {self._forget(self.backend(held), held)}", err=True)
+                return
+            emit(f"{self.spec.step}: not torn down: {exc}", err=True)  # damaged: nothing to act on
             return
         backend = self.backend(handle)
         try:

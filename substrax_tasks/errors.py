@@ -28,8 +28,20 @@ class NoSuchRun(HandleError):
     """No run has this id, nor an id that starts with it."""
 
 
+class RunFolderDeleted(HandleError):
+    """The run's folder in the state folder was deleted while this client
+    drove the run: nothing can record its end here any more."""
+
+
 class BackendError(SubstraxError):
     """The backend could not do what was asked (start, reach, cancel a run)."""
+
+
+class OutputsRefused(BackendError):
+    """What a finished run left where it ran does not verify: its manifest
+    is damaged, or its outputs changed after the manifest was taken.
+    Nothing is promoted. A BackendError, so that `retries` fetch again; a
+    run refused twice is given up (see _outputs_phases.fetch_outputs)."""
 
 
 class HostRefused(SubstraxError):

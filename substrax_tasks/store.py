@@ -35,13 +35,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks.errors import HandleError, NoSuchRun
+from substrax_tasks.errors import HandleError, NoSuchRun, RunFolderDeleted
 from substrax_tasks.spec import StepSpec, canonical_digest, safe_name, settings_in_key
 
 if TYPE_CHECKING:
     from substrax_tasks.handle import RunHandle
 
 HANDLE_FILE = "handle.json"
+# A damaged record, kept under this suffix and a time once its run was
+# proved over (see _earlier_run.set_aside).
+SET_ASIDE = ".damaged-"
+SET_ASIDE_HANDLES = f"{HANDLE_FILE}{SET_ASIDE}*"
 PROOFS_FILE = "up-to-date.json"
 CLIENT_ID_FILE = "client-id"
 CLIENT_ID = re.compile(r"[0-9a-f]{32}")
@@ -189,7 +193,7 @@ class RunStore:
         from filelock import FileLock
 
         path = self.handle_path(handle.run_id)
-        gone = HandleError(
+        gone = RunFolderDeleted(
             f"run {handle.run_id}: its folder {path.parent} was deleted; the run is lost "
             f"(`doit {handle.step}` launches it again)"
         )
@@ -246,6 +250,8 @@ class RunStore:
             try:
                 handles.append(_read(path))
             except HandleError as exc:
+                if not path.exists() and any(run_dir.glob(SET_ASIDE_HANDLES)):
+                    continue  # an ended run whose damaged handle a launch moved aside, and said so
                 unreadable.append(Unreadable(path, str(exc)))
         handles.sort(key=lambda h: (h.created_at, h.run_id))
         unreadable.sort(key=lambda u: str(u.path))

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from substrax_tasks import __version__, manifest_cache, tree
 from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks.config import ENV_LOCK_FILES
+from substrax_tasks.config import ENV_LOCK_FILES, LOCK_COMPANIONS
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.proofs import proof_file
 from substrax_tasks.spec import StepSpec, canonical_digest, settings_in_key
@@ -42,10 +42,20 @@ if TYPE_CHECKING:
 DOIT_VALUE = "substrax_run"  # saved by doit with the public task's values
 # Part of every proof: a release that changes what the key or the check
 # means must not take an older release's proofs.
-PROOF_VERSION = f"{__version__}/4"
+PROOF_VERSION = f"{__version__}/5"
+# The key's part that names what a run sees (project_view.py): its declared
+# inputs only. A step verified when runs saw every tracked file (no such
+# part) may have read an undeclared file: stale once, and no cache entry of
+# that time matches.
+VIEW_RULE = "declared"
 KEY_FIELDS = ("command", "env", "timeout", "outputs", "resources", "secrets", "backend", "environment")
 _LOCK_DIGESTS: dict[tuple[str, int, int, int], str] = {}
-_LOCK_PATHS = [(name, False, False) for name in ENV_LOCK_FILES]
+# every candidate lock file (and what one is read with), as the proof walks
+# them: present or not, one appearing is a change
+_LOCK_PATHS = [
+    (name, False, False)
+    for name in [*ENV_LOCK_FILES, *sorted({c for cs in LOCK_COMPANIONS.values() for c in cs})]
+]
 
 
 class StepFiles:
@@ -185,6 +195,7 @@ def key_parts(step: Step) -> dict[str, Any]:
         "inputs": files,
         "missing_inputs": manifest["missing"],
         "environment": environment_lock(step.root),
+        "view": VIEW_RULE,
     }
 
 
@@ -201,19 +212,29 @@ def _input_paths(step: Step) -> list[str]:
 
 
 def environment_lock(root: Path) -> dict[str, str]:
-    """The lock file the environment is built from (first found): a new
-    lock, a new env. Hashed once per process and version of the file."""
+    """The lock file the environment is built from (first found), and what
+    it is read with (LOCK_COMPANIONS: in the run's view too): a new lock, a
+    new env. Hashed once per process and version of the file."""
     for name in ENV_LOCK_FILES:
-        path = root / name
-        try:
-            st = path.stat()
-        except OSError:
+        digest = _file_digest(root / name)
+        if digest is None:
             continue
-        stamp = (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
-        if stamp not in _LOCK_DIGESTS:
-            _LOCK_DIGESTS[stamp] = hashlib.sha256(path.read_bytes()).hexdigest()
-        return {name: _LOCK_DIGESTS[stamp]}
+        found = {name: digest}
+        for companion in LOCK_COMPANIONS.get(name, ()):
+            found[companion] = _file_digest(root / companion) or "missing"
+        return found
     return {}
+
+
+def _file_digest(path: Path) -> str | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    stamp = (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
+    if stamp not in _LOCK_DIGESTS:
+        _LOCK_DIGESTS[stamp] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return _LOCK_DIGESTS[stamp]
 
 
 def verified_outputs_hold(step: Step, values: dict[str, Any] | None) -> bool:
@@ -291,6 +312,11 @@ def explain(
     # and a key-by-key diff of the two would only bury that line.
     moved = old.get("backend") != new.get("backend")
     reasons = [f"backend changed: {old.get('backend')} -> {new.get('backend')}"] if moved else []
+    if old.get("view") != new["view"]:
+        reasons.append(
+            "the run's view changed: runs now see only the step's declared inputs (and the lock file), "
+            "so the step runs once more under that rule"
+        )
     reasons += [
         f"{field} changed: was {old.get(field)!r}, now {new.get(field)!r}"
         for field in KEY_FIELDS

@@ -71,14 +71,17 @@ def build_job(
     cache_dirs: Sequence[str] = (),
     cache_root: str | None = None,
     project_hidden: Sequence[str] = (),
+    project_shown: Sequence[str] | None = None,
     left_out: Sequence[str] = (),
     gpus: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The job; `env_dir`: the environment built from the project's lock
     file, first on the task's PATH and readable in the sandbox;
     `project_hidden`: project paths the sandbox hides (a local run sees
-    what a remote one gets, see project_view.py), `left_out`: those a
-    failure names when its log mentions them;
+    what a remote one gets, see project_view.py), `project_shown`: the
+    paths it shows (an entry made after the view was taken is in neither,
+    and stays hidden), `left_out`: those a failure names when its log
+    mentions them;
     `cache_dirs` (validated "~/..." folders of the sandbox's home) are kept
     across runs under `cache_root`, at the same paths below it; `gpus`:
     what the worker takes and shows the task (_gpus.job_gpus)."""
@@ -105,6 +108,8 @@ def build_job(
         "project_hidden": list(project_hidden),
         "left_out": list(left_out),
     }
+    if project_shown is not None:
+        job["project_shown"] = list(project_shown)
     if gpus is not None:
         job["gpus"] = gpus
     for folder in cache_dirs:

@@ -68,8 +68,9 @@ def write_command(flags: Path) -> Path:
     return script
 
 
-def step_argv(flags: Path, marker: str, out: str) -> list[str]:
-    return [sys.executable, str(flags / "command.py"), str(flags), marker, out]
+def step_argv(flags: Path, marker: str, out: str, python: str = sys.executable) -> list[str]:
+    """The step's command; `python` as the machine that runs it has one."""
+    return [python, str(flags / "command.py"), str(flags), marker, out]
 
 
 def recorded_pids(flags: Path) -> list[int]:

@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -635,3 +636,88 @@ def test_a_cache_folder_made_under_umask_002_is_still_yours_alone(tmp_path: Path
     assert not [p for p in team.rglob("*") if p.stat().st_mode & 0o077 and not p.is_dir()]
     done = doit_ok(project(tmp_path, "b", folder_cache(tmp_path)))
     assert restored(done) and "warning" not in done.stderr, show(done)
+
+def old_entries(folder: Path, count: int, size: int) -> list[Path]:
+    """`count` entries of one `size`-byte object each in the cache `folder`,
+    a day old and older (the first trimmed), as another project kept them."""
+    made = []
+    for i in range(count):
+        data = f"entry {i}\n".encode().ljust(size, b".")
+        digest = hashlib.sha256(data).hexdigest()
+        obj = folder / "objects" / digest[:2] / digest
+        obj.parent.mkdir(parents=True, exist_ok=True)
+        obj.write_bytes(data)
+        key = hashlib.sha256(f"key {i}".encode()).hexdigest()
+        manifest = {"digest": digest, "entries": [{"path": "o.txt", "type": "file", "sha256": digest,
+                                                   "size": size, "mode": 0o644}]}  # fmt: skip
+        entry = folder / "entries" / f"{key}.json"
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        entry.write_text(json.dumps({"version": 1, "key": key, "step": f"other{i}", "outputs": ["o.txt"],
+                                     "manifest": manifest, "provenance": {}}))  # fmt: skip
+        when = time.time() - 86400 * (count + 1 - i)
+        for path in (obj, entry):
+            os.utime(path, (when, when))
+        made.append(entry)
+    return made
+
+
+def account(folder: Path) -> int:
+    return int(json.loads((folder / "size.json").read_text())["bytes"])
+
+
+def object_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in (folder / "objects").rglob("*") if p.is_file())
+
+
+def test_keeping_a_run_reads_the_account_not_the_other_entries(tmp_path: Path) -> None:
+    """The size of the cache folder (user-wide) is a running account: keeping
+    a run adds its objects to it and reads no other entry. Only when the
+    account says the folder is over max_size is it trimmed (reading every
+    entry once), below max_size, the oldest first, and the account made exact."""
+    folder = tmp_path / "team-cache"
+    others = old_entries(folder, 50, 1000)
+    (folder / "size.json").write_text(json.dumps({"version": 1, "bytes": 0}))  # says: nearly empty
+    root = project(tmp_path, "a", folder_cache(tmp_path) + 'max_size = "20000"\n')
+    doit_ok(root)
+    assert len(entries(folder)) == 51  # the 50,000 bytes the account does not know were not looked for
+    grown = account(folder)
+    assert 0 < grown < 100 and all(p.exists() for p in others)  # the new run's objects only
+    (folder / "size.json").write_text(json.dumps({"version": 1, "bytes": 50_000 + grown}))  # the truth
+    doit_ok(root, "-a", "make")  # over 20,000 bytes: trimmed to 18,000, the oldest first
+    left = [p for p in others if p.exists()]
+    assert left == others[-(len(left)):] and 15 <= len(left) <= 17, len(left)
+    assert account(folder) == object_bytes(folder) <= 18_000
+    (folder / "size.json").write_text("{damaged")
+    shutil.rmtree(root / "out")
+    assert restored(doit_ok(root))
+    cached = entries(folder)
+    doit_ok(root, "-a", "make")  # a damaged account is counted again
+    assert account(folder) == object_bytes(folder) and entries(folder) == cached
+
+
+# Steps whose outputs are copied into the cache at once: 2 MB each, all different.
+MANY_CACHED = """
+NAMES = ["m%02d" % i for i in range(32)]
+
+def task_many():
+    for name in NAMES:
+        yield from remote_step(name, shell="head -c 2000000 /dev/urandom > out/%s.bin" % name,
+                               outputs=["out/%s.bin" % name])
+"""
+
+
+def test_threads_keeping_runs_at_once_never_say_one_was_not_kept(tmp_path: Path) -> None:
+    """A trim running while other threads copy objects in does not mistake
+    their part files for objects ("could not keep run ... No such file")."""
+    folder = tmp_path / "team-cache"
+    old_entries(folder, 1000, 100)  # a trim that reads them all leaves a wide window
+    names = [f"m{i:02d}" for i in range(32)]
+    (tmp_path / "a").mkdir()
+    root = make_project(tmp_path / "a", MANY_CACHED, default_tasks=names)
+    cache = f"[tool.substrax.compute.cache]\n{folder_cache(tmp_path)}max_size = 40000000\n"
+    write_pyproject(root, cache=cache)
+    done = doit_ok(root, "-n", "8", "-P", "thread")
+    assert "could not keep" not in done.stdout + done.stderr, show(done)
+    kept = [json.loads(p.read_text())["step"] for p in entries(folder)]
+    assert len(kept) >= 10 and set(kept) <= set(names), kept  # trimmed from 40 MB, the old ones first
+    assert account(folder) == object_bytes(folder) <= 40_000_000

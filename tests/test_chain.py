@@ -611,8 +611,9 @@ def task_first():
 
 def task_step():
     yield from remote_step(
-        "step", command=["/bin/sh", "-c", "cat first.txt > out.txt"], outputs=["out.txt"],
-        task_dep=["first"], doc="my own doc", title=lambda task: "custom title " + task.name,
+        "step", command=["/bin/sh", "-c", "cat first.txt > out.txt"], inputs=["first.txt"],
+        outputs=["out.txt"], task_dep=["first"], doc="my own doc",
+        title=lambda task: "custom title " + task.name,
     )
 """
     root = make_project(tmp_path, body, ["step"])

@@ -3,7 +3,10 @@ clients at once, doit's thread and process pools, SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
+import resource
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +14,9 @@ from pathlib import Path
 import pytest
 from dodo_helpers import (
     DEFAULT_SANDBOX,
+    DOIT,
     SANDBOXES,
+    clean_env,
     compute,
     compute_status,
     doit,
@@ -34,7 +39,8 @@ from dodo_helpers import (
 )
 
 # A step whose command writes its output, then waits for gate/go (a folder
-# of the project, visible inside the sandbox) before it exits. "$0" is a
+# of the project, declared as an input so that the sandbox shows it) before
+# it exits. "$0" is a
 # marker that finds every process of the run in /proc.
 GATED = """
 MARKER = {marker!r}
@@ -45,6 +51,7 @@ def task_step():
         command=["/bin/sh", "-c",
                  "echo started > out/res.txt; while [ ! -e gate/go ]; do sleep 0.05; done; "
                  "echo done >> out/res.txt", MARKER],
+        inputs=["gate/"],
         outputs=["out/"],
     )
 """
@@ -69,6 +76,11 @@ def running(root: Path) -> bool:
 
 def open_gate(root: Path) -> None:
     (root / "gate" / "go").write_text("")
+
+
+def close_gate(root: Path) -> None:
+    """The gate, an input, as it was at launch: the run's key holds again."""
+    (root / "gate" / "go").unlink()
 
 
 # ------------------------------------------------- a client killed mid-run
@@ -100,6 +112,7 @@ def test_rerun_after_sigkill_of_the_client_reattaches(tmp_path: Path, marker: st
     assert run_count(root) == 1  # no second run
     assert (root / "out" / "res.txt").read_text() == "started\ndone\n"
     assert [r["state"] for r in compute_status(root)] == ["succeeded"]
+    close_gate(root)
     again = doit_ok(root)
     assert step_skipped(again, "step"), show(again)
     assert not pids_with(marker)
@@ -116,6 +129,7 @@ def test_run_that_ended_while_no_client_was_there_is_fetched_not_rerun(tmp_path:
         stop(proc)
     open_gate(root)
     wait_for(lambda: [r.get("state") for r in status_records(root)] == ["succeeded"], "the run to end")
+    close_gate(root)
     assert not (root / "out" / "res.txt").exists() or DEFAULT_SANDBOX == "none"
     done = doit_ok(root)
     assert step_ran(done, "step"), show(done)
@@ -166,6 +180,7 @@ def test_two_doit_at_once_never_make_two_runs(tmp_path: Path, marker: str) -> No
     finally:
         stop(first)
     assert run_count(root) == 1
+    close_gate(root)
     again = doit_ok(root, "step")
     assert step_skipped(again, "step"), show(again)
 
@@ -208,6 +223,7 @@ def task_steps():
             command=["/bin/sh", "-c",
                      "echo " + name + " > res/" + name + ".txt; "
                      "while [ ! -e gate/go ]; do sleep 0.05; done", {marker!r}],
+            inputs=["gate/"],
             outputs=["res/" + name + ".txt"],
         )
 """
@@ -233,6 +249,7 @@ def test_thread_pool_runs_steps_concurrently_with_one_teardown_each(tmp_path: Pa
     assert sorted(torn) == sorted(h["run_id"] for h in handles(root)), torn  # once each
     for run_dir in run_dirs(root):
         assert not (run_dir / "work").exists()
+    close_gate(root)
     again = doit_ok(root, "-n", "2", "-P", "thread")
     assert step_skipped(again, "one") and step_skipped(again, "two"), show(again)
     assert run_count(root) == 2
@@ -310,3 +327,68 @@ def test_a_signal_under_the_thread_pool_cancels_every_local_run(
     open_gate(root)
     doit_ok(root, "-n", "2", "-P", "thread")
     assert run_count(root) == 4
+
+
+# Trivial steps, as many as a sweep has: each writes its one output.
+SWEEP = """
+NAMES = ["s%04d" % i for i in range({steps})]
+
+def task_sweep():
+    for name in NAMES:
+        yield from remote_step(name, command=["/bin/sh", "-c", "echo x > out/%s.txt" % name],
+                               outputs=["out/%s.txt" % name])
+"""
+
+
+def sweep_project(tmp_path: Path, steps: int) -> Path:
+    names = [f"s{i:04d}" for i in range(steps)]
+    return make_project(tmp_path, SWEEP.format(steps=steps), names)
+
+
+# Exec doit with a soft limit of open files (as `ulimit -Sn`), holding
+# `held` descriptors open from its start (as a child of a process with many
+# files): opened lowest first, they leave doit none free below their number.
+EXEC_WITH_FILES = """
+import os, resource, sys
+soft, held = int(sys.argv[1]), int(sys.argv[2])
+if soft:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+for _ in range(held):
+    os.set_inheritable(os.open(os.devnull, os.O_RDONLY), True)
+os.execv(sys.argv[3], sys.argv[3:])
+"""
+
+
+def doit_with_files(
+    root: Path, *args: str, soft_limit: int = 0, held: int = 0
+) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-c", EXEC_WITH_FILES, str(soft_limit), str(held), str(DOIT), *args]
+    return subprocess.run(argv, cwd=root, env=clean_env(), capture_output=True, text=True, timeout=600,
+                          check=False)  # fmt: skip
+
+
+def test_a_sweep_holds_open_files_per_step_in_flight_not_per_step_run(tmp_path: Path) -> None:
+    """Each step's lock, slot and run folder go as its chain ends: 160 steps
+    run under a limit of 128 open files (with their locks held until doit
+    ended, the build died at about the limit)."""
+    root = sweep_project(tmp_path, 160)
+    done = doit_with_files(root, "-n", "4", "-P", "thread", soft_limit=128)
+    assert done.returncode == 0, show(done)
+    assert len(list((root / "out").iterdir())) == 160
+    for run_dir in run_dirs(root):  # torn down as each chain ended
+        assert not (run_dir / "work").exists(), run_dir
+    again = doit_with_files(root, "-n", "4", "-P", "thread", soft_limit=128)
+    assert again.returncode == 0, show(again)
+    assert run_count(root) == 160  # all up to date: no run again
+
+
+def test_steps_run_when_doit_holds_descriptors_past_select_s_bound(tmp_path: Path) -> None:
+    """A doit whose descriptors pass 1,024 (a sweep of thousands, or a parent
+    that holds many files) waits for its runs with poll: select() refused them
+    ("filedescriptor out of range in select()")."""
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
+        pytest.fail("this test needs a hard limit of open files of at least 1,200 (ulimit -Hn)")
+    root = sweep_project(tmp_path, 3)
+    done = doit_with_files(root, "-n", "2", "-P", "thread", held=1100)
+    assert done.returncode == 0, show(done)
+    assert sorted(p.name for p in (root / "out").iterdir()) == ["s0000.txt", "s0001.txt", "s0002.txt"]

@@ -281,6 +281,7 @@ def task_step():
     yield from remote_step(
         "step",
         shell="mkdir -p out && echo result > out/res.txt && while [ ! -e gate/go ]; do sleep 0.05; done",
+        inputs=["gate/"],
         outputs=["out/"],
     )
 """
@@ -308,6 +309,7 @@ def test_failed_promotion_is_retried_without_running_again(tmp_path: Path) -> No
     assert (root / "out").is_file()
     assert run_count(root) == 1
     (root / "out").unlink()
+    (root / "gate" / "go").unlink()  # the gate, an input, as at launch: the run's key holds
     again = doit_ok(root)
     assert step_ran(again, "step"), show(again)
     assert run_count(root) == 1  # promoted from the same run

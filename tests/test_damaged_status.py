@@ -39,12 +39,14 @@ from ssh_helpers import (
 )
 from testbeds.sshd_host import SshHost
 
-# Slow while the file `slow` exists (not an input: the rerun has the same key).
+# Slow while the file flags/slow exists (in an input folder, the run's view;
+# the rerun that finds the damaged status sees it unchanged: the same key).
 BODY = """
 def task_step():
     yield from remote_step(
         "step",
-        command=["sh", "-c", "if [ -e slow ]; then sleep 60; fi; echo ok > out.txt", {marker!r}],
+        command=["sh", "-c", "if [ -e flags/slow ]; then sleep 60; fi; echo ok > out.txt", {marker!r}],
+        inputs=["flags/"],
         outputs=["out.txt"],
     )
 """
@@ -68,7 +70,8 @@ DAMAGES = [
 def test_a_damaged_status_of_a_live_run_is_an_error_then_lost_once_its_worker_is_gone(
     tmp_path: Path, marker: str, damage: Callable[[str], str], said: str
 ) -> None:
-    root = make_project(tmp_path, BODY.format(marker=marker), default_tasks=["step"], files={"slow": ""})
+    root = make_project(tmp_path, BODY.format(marker=marker), default_tasks=["step"],
+                        files={"flags/slow": ""})  # fmt: skip
     def status_file() -> Path | None:
         return next(iter(d / "status.json" for d in run_dirs(root)), None)
 
@@ -106,7 +109,7 @@ def test_a_damaged_status_of_a_live_run_is_an_error_then_lost_once_its_worker_is
     assert run["state"] == "lost", run
     assert run["message"] == f"its status file {path} {said}, and no worker of it is going"
 
-    (root / "slow").unlink()
+    (root / "flags" / "slow").unlink()
     again = doit(root)
     assert again.returncode == 0, show(again)
     assert "new run" in again.stdout and (root / "out.txt").read_text() == "ok\n"
@@ -118,7 +121,7 @@ def test_a_damaged_status_of_a_live_run_is_an_error_then_lost_once_its_worker_is
 def test_a_damaged_status_on_an_ssh_host_names_the_host_then_lost_once_its_worker_is_gone(
     tmp_path: Path, host: SshHost
 ) -> None:
-    root = make_ssh_project(tmp_path, host, BODY.format(marker="ssh"), files={"slow": ""})
+    root = make_ssh_project(tmp_path, host, BODY.format(marker="ssh"), files={"flags/slow": ""})
     client = popen_doit(root)
     try:
         wait_for(lambda: (launched_status(root) or {}).get("state") == "running", "the run to be running")
@@ -138,7 +141,7 @@ def test_a_damaged_status_on_an_ssh_host_names_the_host_then_lost_once_its_worke
     os.kill(worker, signal.SIGKILL)  # the host is this machine, in a network namespace of its own
     wait_for(lambda: not pid_alive(worker), "the worker to go")
     assert [run["state"] for run in compute_status(root)] == ["lost"]
-    (root / "slow").unlink()
+    (root / "flags" / "slow").unlink()
     again = doit(root)
     assert again.returncode == 0, show(again)
     assert (root / "out.txt").read_text() == "ok\n" and run_count(root) == 2

@@ -15,18 +15,20 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from dodo_helpers import COMPUTE, DOIT, clean_env, make_project, run_count, write_dodo
+from dodo_helpers import COMPUTE, DOIT, clean_env, make_project, run_count, step_skipped, write_dodo
 
 BODY = """
 def task_step():
     yield from remote_step(
-        "step", outputs=["big"],
-        command=["sh", "-c", "if [ -e fill ]; then dd if=/dev/zero of=big bs=1M; exit 1; fi; echo ok > big"],
+        "step", inputs=["flags/"], outputs=["big"],  # a run sees its inputs only: the flag's folder
+        command=["sh", "-c",
+                 "if [ -e flags/fill ]; then dd if=/dev/zero of=big bs=1M; exit 1; fi; echo ok > big"],
     )
 """
 DISK_MB = 24
@@ -39,7 +41,7 @@ def small_disk(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("nsenter") is None:
         pytest.skip("DISK FULL NOT TESTED: needs root, unshare and nsenter")
     (tmp_path / "src").mkdir()
-    source = make_project(tmp_path / "src", BODY, default_tasks=["step"], files={"fill": ""})
+    source = make_project(tmp_path / "src", BODY, default_tasks=["step"], files={"flags/fill": ""})
     root = tmp_path / "proj"
     root.mkdir()
     script = (
@@ -82,7 +84,7 @@ def test_a_command_that_fills_the_disk_fails_with_the_reason_and_the_next_doit_r
     (run,) = json.loads(listed.stdout)["runs"]
     assert run["state"] == "failed" and "no space left on device" in run["message"], run
 
-    (seen / "fill").unlink()
+    (seen / "flags" / "fill").unlink()
     again = inside(pid, root, str(DOIT))
     assert again.returncode == 0, again.stdout + again.stderr
     assert (seen / "big").read_text() == "ok\n"
@@ -235,3 +237,92 @@ def task_step():
     assert again.returncode == 0, again.stdout + again.stderr
     assert (seen / "out.bin").read_bytes()[:2] == b"v2"
     assert len(list((tmp_path / "state" / "runs").iterdir())) == 2, "the command ran again"
+
+
+# Issue 28, item 8, doit's own save: every phase of the step succeeds; a
+# plain doit task after it (task_dep) fills the disk to the last byte, so
+# only doit's save of its DB at the very end meets the full disk.
+SAVE_LAST = """
+import os
+
+def fill_the_disk():
+    if not os.path.exists("fill-after-step"):
+        return
+    for size in (1 << 20, 4096, 1):  # to the last byte
+        try:  # the last files may find no room even to be made
+            with open("filler-%d" % size, "wb") as f:
+                while True:
+                    f.write(b"\\0" * size)
+                    f.flush()
+        except OSError:
+            pass
+
+def task_hello():
+    return {"actions": ["echo hello"], "file_dep": ["version.txt"]}
+
+def task_step():
+    yield from remote_step("step", inputs=["version.txt"], outputs=["out/result.txt"],
+                           command=["sh", "-c", "mkdir -p out && cp version.txt out/result.txt"])
+
+def task_fill():
+    return {"actions": [fill_the_disk], "task_dep": ["step"]}
+"""
+
+
+# Run inside the namespace: sqlite resolves /proc/PID/root, a link, to this one's /.
+READ_DB = (
+    "import json, sqlite3; db = sqlite3.connect('file:.doit.db?mode=ro', uri=True); "
+    "print(json.dumps(sorted(db.execute('SELECT task_id, task_data FROM doit').fetchall())))"
+)
+
+
+def _doit_db_rows(pid: int, root: Path) -> list[list[str]]:
+    """What doit's DB holds, read without writing to it."""
+    read = inside(pid, root, sys.executable, "-c", READ_DB)
+    assert read.returncode == 0, read.stderr
+    rows: list[list[str]] = json.loads(read.stdout)
+    return rows
+
+
+def test_doits_own_save_failing_after_every_phase_succeeded_is_one_message_and_nothing_runs_again(
+    small_disk: tuple[Path, int],
+) -> None:
+    root, pid = small_disk
+    seen = Path(f"/proc/{pid}/root") / str(root).lstrip("/")
+    write_dodo(seen, SAVE_LAST, default_tasks=["fill"])
+    (seen / "version.txt").write_text("v1\n")
+    before = inside(pid, root, str(DOIT), "hello")  # a DB with something in it
+    assert before.returncode == 0, before.stdout + before.stderr
+    kept = _doit_db_rows(pid, root)
+    assert [row[0] for row in kept] == ["hello"], kept
+
+    (seen / "fill-after-step").touch()
+    full = inside(pid, root, str(DOIT))
+    said = full.stdout + full.stderr
+    assert full.returncode == 1, said
+    assert "Traceback" not in said and "sqlite" not in said.lower(), said
+    assert said.count("no space left") == 1, said
+    assert f"no space left on the file system mounted at {root}: doit could not save its record" in said, said
+    assert "Free space there and run `doit` again" in said, said
+    assert list(seen.glob("filler-*")), "the fill task filled nothing"
+    assert _doit_db_rows(pid, root) == kept, "doit's DB is not as the previous doit left it"
+    assert (seen / "out" / "result.txt").read_text() == "v1\n"
+    listed = inside(pid, root, str(COMPUTE), "status", "--all", "--json")
+    assert listed.returncode == 0, listed.stderr
+    (run,) = json.loads(listed.stdout)["runs"]
+    assert run["state"] == "succeeded", run
+    record = json.loads((seen / ".substrax" / "steps" / "step.json").read_text())
+    assert record["verified"]["run_id"] == run["run_id"], record  # home and verified
+    assert record.get("acknowledged") != run["run_id"], "acknowledged although doit saved nothing"
+    assert run_count(seen) == 1
+
+    for filler in [*seen.glob("filler-*"), seen / "fill-after-step"]:
+        filler.unlink()
+    again = inside(pid, root, str(DOIT))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert run_count(seen) == 1, "the command ran again"
+    assert "new run" not in again.stdout and "restored" not in again.stdout, again.stdout
+    assert (seen / "out" / "result.txt").read_text() == "v1\n"
+    done = inside(pid, root, str(DOIT))  # the DB saved at last: doit itself finds the step up to date
+    assert done.returncode == 0 and step_skipped(done, "step"), done.stdout + done.stderr
+    print(f"\n[the save after the last phase] {said}\n[after space was freed] {again.stdout}")

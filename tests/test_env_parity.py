@@ -2,8 +2,9 @@
 
 The local backend builds the locked environment as ssh does (remote/env.py,
 offline from a wheel folder made here), and its sandbox shows the project
-as ssh uploads it: git's tracked files plus the declared inputs. An
-untracked helper the command imports fails alike on both, naming the file.
+as ssh uploads it: the declared inputs and the lock file, nothing else.
+An undeclared helper the command imports fails alike on both, naming the
+file.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from dodo_helpers import (
     run_count,
     show,
     step_ran,
+    write_dodo,
     write_pyproject,
 )
-from ssh_helpers import build_wheel, make_ssh_project, needs_root, needs_sshd, one_step
+from ssh_helpers import build_wheel, make_ssh_project, needs_root, needs_sshd, one_step, write_ssh_dodo
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks._remote_files import remote_module
@@ -115,12 +117,26 @@ def test_local_builds_the_uv_lock_env_offline(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ parity
 
-IMPORTS_HELPER = one_step(command=["python3", "main.py"], outputs=["out/"])
+IMPORTS_HELPER = one_step(command=["python3", "main.py"], inputs=["main.py"], outputs=["out/"])
+DECLARES_HELPER = one_step(command=["python3", "main.py"], inputs=["main.py", "helper.py"], outputs=["out/"])
 PARITY_FILES = {
     "main.py": "import helper\nopen('out/r.txt', 'w').write(helper.X)\n",
     "helper.py": "X = 'helped'\n",
     ".gitignore": ".substrax/\n",
 }
+# What the run sees of the project, less its outputs' folder: the same on every backend.
+LIST_VIEW = (
+    "import os\n"
+    "seen = sorted(os.path.join(d, f)[2:] for d, _, fs in os.walk('.')\n"
+    "              if not d.startswith('./out') for f in fs)\n"
+    "open('out/seen.txt', 'w').write(' '.join(seen))\n"
+)
+LISTS_VIEW = one_step(command=["python3", "-c", LIST_VIEW], inputs=["data/", "src/main.py"], outputs=["out/"])
+VIEW_FILES = {
+    "data/in.txt": "1\n", "data/more/deep.txt": "2\n", "src/main.py": "", "src/scratch.py": "",
+    "README.md": "tracked, not declared\n", "notes.txt": "", "helper.py": "", ".gitignore": ".substrax/\n",
+}  # fmt: skip
+VIEW = "data/in.txt data/more/deep.txt src/main.py"
 
 
 @pytest.mark.unit
@@ -133,14 +149,18 @@ def test_a_failure_names_the_left_out_entries_its_log_mentions_only() -> None:
         "helpers and notes.txt.bak are other names\n"
     )
     said = hints.left_out_hint(job, tail)
-    assert said is not None and "left out helper.py, data (not tracked by git" in said
+    assert said == (
+        "the run sees the step's declared inputs only, and helper.py, data are not declared; "
+        "declare them in inputs=[...] (in outputs=[...] if the command writes them)"
+    )
     assert hints.left_out_hint(job, "KeyError: 'x'\n") is None
     assert hints.left_out_hint({"left_out": []}, tail) is None
 
 
-def tracked_but_helper(root: Path) -> None:
+def tracked_helper(root: Path) -> None:
+    """Every file tracked by git: tracking no longer puts a file in the view."""
     git(root, "init", "-q")
-    git(root, "add", "dodo.py", "pyproject.toml", "main.py", ".gitignore")
+    git(root, "add", "-A")
 
 
 def assert_fails_naming_the_helper(done: subprocess.CompletedProcess[str]) -> None:
@@ -148,24 +168,24 @@ def assert_fails_naming_the_helper(done: subprocess.CompletedProcess[str]) -> No
     said = done.stdout + done.stderr
     assert "ModuleNotFoundError: No module named 'helper'" in said, show(done)
     assert (
-        "left out helper.py (not tracked by git, not a declared input); declare it as an input "
-        "of the step, or `git add` it" in said
+        "the run sees the step's declared inputs only, and helper.py is not declared; "
+        "declare it in inputs=[...] (in outputs=[...] if the command writes it)" in said
     ), show(done)
 
 
 @needs_bwrap
-def test_local_sees_tracked_files_and_inputs_only_as_ssh_does(tmp_path: Path) -> None:
+def test_local_sees_the_declared_inputs_only_as_ssh_does(tmp_path: Path) -> None:
     root = make_project(tmp_path, IMPORTS_HELPER, ["step"], sandbox="bwrap", files=PARITY_FILES)
-    tracked_but_helper(root)
+    tracked_helper(root)
     assert_fails_naming_the_helper(doit(root))
     assert not (root / "out" / "r.txt").exists()
-    git(root, "add", "helper.py")
+    write_dodo(root, DECLARES_HELPER, ["step"])
     doit_ok(root)
     assert (root / "out" / "r.txt").read_text() == "helped"
 
 
 @needs_bwrap
-def test_an_untracked_input_is_seen_and_the_rest_of_its_folder_is_not(tmp_path: Path) -> None:
+def test_an_input_is_seen_and_the_rest_of_its_folder_is_not(tmp_path: Path) -> None:
     listing = "import os; open('out/ls.txt', 'w').write(' '.join(sorted(os.listdir('data'))))"
     body = one_step(command=["python3", "-c", listing], inputs=["data/keep.csv"], outputs=["out/"])
     files = {"data/keep.csv": "1\n", "data/other.csv": "2\n", "data/tracked.txt": "t\n",
@@ -174,31 +194,31 @@ def test_an_untracked_input_is_seen_and_the_rest_of_its_folder_is_not(tmp_path: 
     git(root, "init", "-q")
     git(root, "add", "dodo.py", "pyproject.toml", ".gitignore", "data/tracked.txt")
     doit_ok(root)
-    assert (root / "out" / "ls.txt").read_text() == "keep.csv tracked.txt"
+    assert (root / "out" / "ls.txt").read_text() == "keep.csv"
 
 
 @needs_bwrap
-def test_with_an_output_at_the_top_the_view_still_hides_what_git_does_not_track(tmp_path: Path) -> None:
+def test_with_an_output_at_the_top_the_view_still_hides_what_is_not_declared(tmp_path: Path) -> None:
     """An output at the project's top makes the top a writable folder (bound
-    from staging, its entries bound back): untracked entries there, and in
+    from staging, its entries bound back): undeclared entries there, and in
     folders below, stay hidden all the same."""
     listing = (
         "import os; seen = sorted(os.listdir('.') + os.listdir('src')); "
         "open('report.txt', 'w').write(' '.join(seen))"
     )
-    body = one_step(command=["python3", "-c", listing], outputs=["report.txt"])
+    body = one_step(command=["python3", "-c", listing], inputs=["src/main.py"], outputs=["report.txt"])
     files = {"src/main.py": "", "src/scratch.py": "", "notes.txt": "", ".gitignore": ".substrax/\n"}
     root = make_project(tmp_path, body, ["step"], sandbox="bwrap", files=files)
     git(root, "init", "-q")
-    git(root, "add", "dodo.py", "pyproject.toml", ".gitignore", "src/main.py")
+    git(root, "add", "-A")
     doit_ok(root)
     seen = (root / "report.txt").read_text().split()
-    assert seen == [".gitignore", "dodo.py", "main.py", "pyproject.toml", "src"]  # no .git, notes, scratch
+    assert seen == ["main.py", "src"]  # no .git, .gitignore, dodo.py, pyproject.toml, notes, scratch
 
 
 @needs_bwrap
 def test_the_program_doit_would_run_from_a_hidden_project_venv_is_shown(tmp_path: Path) -> None:
-    """An activated .venv of the project (ignored by git, so hidden): the
+    """An activated .venv of the project (not declared, so hidden): the
     program found on doit's PATH there is bound back, as from the home."""
     body = one_step(command=["sxtool"], outputs=["out/"])
     tool = "#!/bin/sh\necho from-the-venv > out/t.txt\n"
@@ -212,18 +232,37 @@ def test_the_program_doit_would_run_from_a_hidden_project_venv_is_shown(tmp_path
 
 
 @needs_bwrap
-def test_a_project_that_is_not_a_git_work_tree_is_seen_whole(tmp_path: Path) -> None:
+def test_a_project_that_is_not_a_git_work_tree_has_the_same_view(tmp_path: Path) -> None:
     root = make_project(tmp_path, IMPORTS_HELPER, ["step"], sandbox="bwrap", files=PARITY_FILES)
+    assert_fails_naming_the_helper(doit(root))
+    write_dodo(root, DECLARES_HELPER, ["step"])
     doit_ok(root)
     assert (root / "out" / "r.txt").read_text() == "helped"
 
 
 @needs_sshd
 @needs_root
-def test_over_ssh_the_untracked_helper_fails_the_same_way(tmp_path: Path, host: SshHost) -> None:
+def test_over_ssh_the_undeclared_helper_fails_the_same_way(tmp_path: Path, host: SshHost) -> None:
     root = make_ssh_project(tmp_path, host, IMPORTS_HELPER, files=PARITY_FILES)
-    tracked_but_helper(root)
+    tracked_helper(root)
     assert_fails_naming_the_helper(doit(root))
-    git(root, "add", "helper.py")
+    write_ssh_dodo(root, DECLARES_HELPER, ["step"])
     doit_ok(root)
     assert (root / "out" / "r.txt").read_text() == "helped"
+
+
+@needs_bwrap
+@needs_sshd
+@needs_root
+def test_the_view_is_the_same_on_local_and_over_ssh(tmp_path: Path, host: SshHost) -> None:
+    """Tracked files the step does not declare (README.md, the dodo.py)
+    are in neither view; the declared inputs are in both."""
+    (tmp_path / "local").mkdir()
+    local = make_project(tmp_path / "local", LISTS_VIEW, ["step"], sandbox="bwrap", files=VIEW_FILES)
+    tracked_helper(local)
+    doit_ok(local)
+    assert (local / "out" / "seen.txt").read_text() == VIEW
+    remote = make_ssh_project(tmp_path / "ssh", host, LISTS_VIEW, files=VIEW_FILES)
+    tracked_helper(remote)
+    doit_ok(remote)
+    assert (remote / "out" / "seen.txt").read_text() == VIEW

@@ -49,8 +49,8 @@ FAKE_SMI = """#!/bin/sh
 echo "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-1d6e2b7a-0000-0000-0000-000000000000)"
 echo "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-9a41c3f0-0000-0000-0000-000000000000)"
 """
-# A step that writes the GPUs it was given, then waits for gate/go (the
-# project is visible, read-only, in the sandbox); "$0" is the test's marker.
+# A step that writes the GPUs it was given, then waits for gate/go (an
+# input: visible, read-only, in the sandbox); "$0" is the test's marker.
 STEP = """
 def task_{name}():
     yield from remote_step(
@@ -59,6 +59,7 @@ def task_{name}():
                  'echo "[${{CUDA_VISIBLE_DEVICES-unset}}] ${{CUDA_DEVICE_ORDER-unset}}" '
                  "> out_{name}/gpus.txt; "
                  "while [ ! -e gate/go ]; do sleep 0.05; done", {marker!r}],
+        inputs=["gate/"],
         outputs=["out_{name}/"],
         resources={resources!r},
     )
@@ -177,6 +178,7 @@ def task_{name}():
                  'stat -c "%F %t:%T" /dev/nvidia0 /dev/nvidia1 > out_{name}/nodes.txt; '
                  'echo "[$CUDA_VISIBLE_DEVICES]" > out_{name}/gpus.txt; '
                  "while [ ! -e gate/go ]; do sleep 0.05; done", {marker!r}],
+        inputs=["gate/"],
         outputs=["out_{name}/"],
         resources={{"accelerators": "A100:1"}},
     )
@@ -330,7 +332,8 @@ def test_on_a_real_gpu_a_step_asking_for_one_sees_exactly_one(tmp_path: Path) ->
         pytest.skip("REAL GPU NOT TESTED: no working nvidia-smi on this machine (runs on a GPU host)")
     body = """
 def task_query():
-    yield from remote_step("query", command=["python3", "cuda_query.py"], outputs=["out/"],
+    yield from remote_step("query", command=["python3", "cuda_query.py"], inputs=["cuda_query.py"],
+                           outputs=["out/"],
                            resources={"accelerators": "1"})
 """
     root = make_project(tmp_path, body, ["query"], sandbox="bwrap", files={"cuda_query.py": CUDA_QUERY})

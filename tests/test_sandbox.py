@@ -271,6 +271,7 @@ def test_sandbox_allows_writes_only_to_declared_outputs(
 ) -> None:
     root = project.root
     (root / "code.txt").write_text("original\n")
+    (root / "notes.txt").write_text("not declared\n")
     (root / "data").mkdir()
     (root / "data" / "in.txt").write_text("input\n")
     (root / "results").mkdir()
@@ -281,6 +282,7 @@ def test_sandbox_allows_writes_only_to_declared_outputs(
     scratch = f"/tmp/{marker}"
     script = ATTEMPT + f"""
 attempt read-project 'cat code.txt'
+attempt read-undeclared 'cat notes.txt'
 attempt read-input 'cat data/in.txt'
 attempt read-beside-output 'cat results/old.txt'
 attempt write-project 'echo x > code.txt'
@@ -299,12 +301,14 @@ attempt write-private-tmp 'echo x > {scratch}'
         project,
         ["sh", "-c", script],
         sandbox="bwrap",
-        inputs=["data/in.txt"],
+        # a run sees its inputs only: code.txt and results/old.txt are read, so declared
+        inputs=["data/in.txt", "code.txt", "results/old.txt"],
         outputs=["out/", "results/metrics.json"],
     )
     assert wait_final(project, handle) == "succeeded"
     assert verdicts(log_text(project, handle)) == {
         "read-project": "ALLOWED",
+        "read-undeclared": "DENIED",
         "read-input": "ALLOWED",
         "read-beside-output": "ALLOWED",
         "write-project": "DENIED",
@@ -352,7 +356,7 @@ attempt write-home 'echo x > "$HOME/planted"'
 attempt write-output 'echo result > out/result.txt'
 echo "HOME HOLDS: $(ls -A "$HOME" | tr '\\n' ' ')"
 """
-    handle = submit(project, ["sh", "-c", script], sandbox="bwrap", outputs=["out/"])
+    handle = submit(project, ["sh", "-c", script], sandbox="bwrap", inputs=["code.txt"], outputs=["out/"])
     assert wait_final(project, handle) == "succeeded"
     log = log_text(project, handle)
     assert verdicts(log) == {

@@ -196,7 +196,7 @@ def test_without_gpu_nodes_nothing_extra_is_bound(project: Project) -> None:
     assert sandbox.NVIDIA_PROC not in argv
     (project.root / "probe.py").write_text(PROBE)
     handle = submit(project, ["python3", "probe.py", json.dumps(["nvidia0", "kfd"])], sandbox="bwrap",
-                    outputs=["out/"])  # fmt: skip
+                    inputs=["probe.py"], outputs=["out/"])  # fmt: skip
     assert wait_final(project, handle) == "succeeded", log_text(project, handle)
     found = probe_result(log_text(project, handle))
     assert set(found["dev"]) == MINIMAL_DEV

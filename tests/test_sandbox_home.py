@@ -283,7 +283,8 @@ def test_an_undeclared_write_fails_naming_the_path_and_the_fix(tmp_path: Path) -
     write = "import pathlib; pathlib.Path('reports/sub01-report.h5').write_bytes(b'x')"
     root = make_project(tmp_path, f"""
 def task_report():
-    yield from remote_step("report", command=["python3", "-c", {write!r}], outputs=["out/"])
+    yield from remote_step("report", command=["python3", "-c", {write!r}], inputs=["reports/README"],
+                           outputs=["out/"])
 """, default_tasks=["report"], sandbox="bwrap", files={"reports/README": "declared elsewhere\n"})  # fmt: skip
     done = doit(root)
     assert done.returncode != 0, show(done)

@@ -284,6 +284,28 @@ def test_a_failing_command_reads_as_failed_with_its_log_and_the_cluster_goes(sky
     assert not (root / "res.txt").exists()
 
 
+LISTS_THE_VIEW = """
+set -e
+mkdir -p out
+find . -path ./out -prune -o -type f -print | sort | tr '\\n' ' ' > out/seen.txt
+echo done > res.txt
+"""
+
+
+def test_the_cluster_sees_the_declared_inputs_only_as_a_local_run_does(sky: Sky) -> None:
+    """The snapshot SkyPilot uploads is the step's view: a tracked file the
+    step does not declare (README.md, a helper, the dodo.py) never reaches
+    the cluster."""
+    root = sky.project(command=LISTS_THE_VIEW)
+    (root / "README.md").write_text("tracked, not declared\n")
+    (root / "helper.py").write_text("X = 1\n")
+    for args in (["init", "-q"], ["add", "-A"]):
+        subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, timeout=60)
+    done = doit_ok(root, env=sky.env)
+    # .skyignore: the snapshot's own, so that SkyPilot uploads it as it is
+    assert (root / "out" / "seen.txt").read_text().split() == ["./.skyignore", "./data/in.txt"], show(done)
+
+
 def kill_client_mid_launch(sky: Sky, launch_seconds: float) -> None:
     """`doit` SIGKILLed once SkyPilot has handed out the launch request's id,
     while the (fake) provisioning takes `launch_seconds`."""
@@ -605,6 +627,29 @@ def test_a_cluster_gone_under_a_killed_client_loses_the_run_and_the_rerun_launch
     lost = sky.compute("status", first["run_id"], "--json")
     assert json.loads(lost.stdout)["runs"][0]["state"] == "lost", lost.stdout
     assert sky.clusters() == []
+
+
+def test_deleting_the_store_mid_run_takes_the_runs_cluster_down(sky: Sky, marker: str) -> None:
+    """The client driving the run still holds its handle: no cluster is
+    left to its lifetime timer when the state folder goes (issue 28)."""
+    gate = sky.base / f"gate-{marker}"  # never made: the run goes on until stopped
+    sky.configure(sandbox="none")
+    body = GATED_STEP.format(gate=str(gate), marker=marker, resources={"cpus": 1})
+    write_ssh_dodo(sky.root, body, ["step"])
+    client = popen_doit(sky.root, env=sky.env)
+    try:
+        wait_for(lambda: "started" in popen_output(sky.root), "the run to be followed", timeout=120)
+        (cluster,) = sky.clusters()
+        shutil.rmtree(sky.root / ".substrax")
+        code = client.wait(timeout=120)
+    finally:
+        stop(client)
+    said = popen_output(sky.root)
+    assert code == 1, said
+    assert f"drove the run: stopped it and took its cluster {cluster} down" in said, said
+    assert "Traceback" not in said, said
+    assert sky.clusters() == []  # before the fix: up until its lifetime timer
+    wait_for(lambda: not marked_pids(marker), "the command to end with its cluster")
 
 
 def test_status_shows_the_lifetime_left_and_a_cluster_no_handle_names_which_gc_leaves_alone(

@@ -194,6 +194,7 @@ def task_gated():
         yield from remote_step(
             f"gated:{{m}}",
             command=["/bin/sh", "-c", wait + 'echo "$1" > "gated-$1.txt"', f"{{MARKER}}-{{m}}", m],
+            inputs=["gate/"],
             outputs=[f"gated-{{m}}.txt"],
         )
 """

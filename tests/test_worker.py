@@ -231,7 +231,10 @@ def run_hopper(tmp_path: Path, sandbox: str, cgroup: bool, ending: str, hopper: 
     after = "sleep 0.3" if ending == "left-behind" else "exec sleep 60"
     script = f'"$0" -c "$1" "$2" & {after}'
     stop = tmp_path / "project" / "stop-hopping"
-    job = Job(tmp_path, ["sh", "-c", script, sys.executable, hopper, str(stop)], sandbox=sandbox,
+    # The interpreter itself, not the venv's link to it: the sandbox empties
+    # /tmp, so a venv of a clone under /tmp is not there (the project is).
+    python = os.path.realpath(sys.executable)
+    job = Job(tmp_path, ["sh", "-c", script, python, hopper, str(stop)], sandbox=sandbox,
               outputs=["out/"], timeout=1.0 if ending == "timed-out" else None)  # fmt: skip
     prefix = [] if cgroup else NO_CGROUP
     proc = subprocess.Popen([*prefix, sys.executable, str(WORKER), str(job.path)], stdin=subprocess.DEVNULL)
@@ -250,6 +253,12 @@ def run_hopper(tmp_path: Path, sandbox: str, cgroup: bool, ending: str, hopper: 
         # under bubblewrap the pid namespace holds the tree: no cgroup is made
         assert (job.status()["cgroup"] is not None) is (cgroup and sandbox == "none"), job.status()
     finally:
+        # Failed before the worker ended (the hopper never started, say):
+        # stopped and waited for by its pid here, not left running to a
+        # ResourceWarning in whichever later test collects its Popen.
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=WAIT)
         stop.touch()  # a survivor ends itself
 
         def held_still() -> bool:

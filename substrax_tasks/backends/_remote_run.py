@@ -383,6 +383,7 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
 
     def tick() -> None:
         check_interrupted()
+        backend.check_recorded(handle)  # the store deleted under the run: torn down
         if deadline is not None and time.monotonic() > deadline:
             raise _FollowOverdue
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from substrax_tasks._signals import check_interrupted
-from substrax_tasks.errors import HandleError
+from substrax_tasks.errors import HandleError, RunFolderDeleted
 
 if TYPE_CHECKING:  # pydantic: not imported by a restore from the run cache, which needs Fetched only
     from pydantic import BaseModel
@@ -79,11 +79,15 @@ class Fetched:
     paths; the project root itself when they were written in place (no
     sandbox), and then there is nothing to promote;
     manifest: what they must match, the manifest the worker took where the
-    run ran when its command ended.
+    run ran when its command ended;
+    saw_whole_project: the run could read every file of the project, not
+    only its view (a local run without the sandbox): its key does not cover
+    what it read, so it is never kept in the run cache.
     """
 
     root: Path
     manifest: dict[str, Any]
+    saw_whole_project: bool = False
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,22 @@ class Backend(ABC):
         BackendError when the copy broke off, ManifestError when the run's
         outputs are a tree no manifest accepts."""
 
+    def forget(self, handle: RunHandle) -> str:
+        """Stop the run and remove what it holds where it runs, from the
+        handle in memory alone: its folder here was deleted (with the state
+        folder, say), so nothing here may be read or written, and no later
+        `doit` or teardown can find the run again. Returns what was done,
+        for the message. Default: nothing to do."""
+        return "nothing of it is left to remove"
+
+    def check_recorded(self, handle: RunHandle) -> None:
+        """RunFolderDeleted once the run's folder here is gone: called while
+        a run is followed, so that the client that still holds its handle
+        tears it down instead of following it to its end."""
+        folder = self.store.run_dir(handle.run_id)
+        if not folder.is_dir():
+            raise RunFolderDeleted(f"run {handle.run_id}: its folder {folder} was deleted as the run went on")
+
     def outputs_available(self, handle: RunHandle) -> bool:
         """Whether a finished run's outputs can still be fetched again."""
         return False
@@ -241,6 +261,7 @@ class Backend(ABC):
             if not follow or status.final:  # read after the status: the log is whole
                 return status
             check_interrupted()
+            self.check_recorded(handle)
             if self.pause(handle, LOG_POLL_SECONDS) or time.monotonic() >= next_poll:
                 status = self.poll(handle)
                 next_poll = time.monotonic() + self.poll_seconds

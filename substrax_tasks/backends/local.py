@@ -1,7 +1,7 @@
 """The local backend: the step runs on this machine, under bubblewrap.
 
-As over ssh, the command sees the project's tracked files and its declared
-inputs only (project_view.py), with the environment built from the lock
+As over ssh, the command sees the step's declared inputs and the lock file
+of the project only (project_view.py), with the environment built from the lock
 file (remote/env.py, into the store's `envs/`) first on its PATH.
 
 The run's folder in the store is also its working folder; the worker is
@@ -16,7 +16,6 @@ import atexit
 import contextlib
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -28,6 +27,7 @@ from typing import Any
 
 from substrax_tasks import _gpus, manifest_cache
 from substrax_tasks._atomic import write_json_atomic
+from substrax_tasks._poll import wait_readable
 from substrax_tasks._program import resolve_program
 from substrax_tasks._remote_files import control, env, remote_dir, remote_module
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
@@ -95,6 +95,7 @@ class LocalBackend(Backend):
             cache_dirs=self.settings.cache_dirs,
             cache_root=str(self.store.home_cache),
             project_hidden=view.hidden,
+            project_shown=view.files,
             left_out=view.left_out,
             gpus=_gpus.job_gpus(
                 handle.spec, self.settings.hide_gpus_when_unasked, remote_module("gpus").host_gpus,
@@ -166,7 +167,7 @@ class LocalBackend(Backend):
         try:
             if not control().alive(pid, record.get("worker_start_ticks")):
                 return True
-            return bool(select.select([fd], [], [], seconds)[0])
+            return wait_readable(fd, seconds)
         finally:
             os.close(fd)
 
@@ -205,7 +206,7 @@ class LocalBackend(Backend):
         if manifest is None or "digest" not in manifest:
             manifest = manifest_cache.build_manifest(Path(root), outputs)
         if record.get("sandbox") == "none":  # written in place: the root is the project's own
-            return Fetched(Path(root), manifest)
+            return Fetched(Path(root), manifest, saw_whole_project=True)
         fetched = self.store.run_dir(handle.run_id) / "fetched"
         shutil.rmtree(fetched, ignore_errors=True)
         for out in outputs:
@@ -218,6 +219,11 @@ class LocalBackend(Backend):
         record = self._record(handle) or {}
         root = record.get("outputs_root")
         return record.get("sandbox") != "none" and isinstance(root, str) and Path(root).is_dir()
+
+    def forget(self, handle: RunHandle) -> str:
+        # The run's folder is the one that was deleted: its worker sees that
+        # and stops the command (remote/worker.py); nothing else holds it.
+        return "its worker stops the command when it sees its folder gone"
 
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         self.cancel(handle)  # leaves a finished run alone
@@ -247,7 +253,7 @@ class Spawner:
             try:
                 proc.stdin.write(json.dumps(request).encode() + b"\n")
                 proc.stdin.flush()
-                answered = select.select([proc.stdout], [], [], START_TIMEOUT_SECONDS)[0]
+                answered = wait_readable(proc.stdout, START_TIMEOUT_SECONDS)
                 line = proc.stdout.readline() if answered else b""
             except OSError as exc:  # it died: the next start makes a new one
                 self._stop()

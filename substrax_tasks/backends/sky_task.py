@@ -305,7 +305,7 @@ def task_config(
 def snapshot(
     settings: SkypilotSettings, handle: RunHandle, project: Path, state_dir: Path, dest: Path
 ) -> list[str]:
-    """The project's files, the step's inputs and nothing else, as hard
+    """The step's view of the project (its inputs and the lock file), as hard
     links (copies across file systems) in `dest`: SkyPilot uploads it.
     Returns what was left out (for a failure to name)."""
     shutil.rmtree(dest, ignore_errors=True)
@@ -320,7 +320,7 @@ def snapshot(
         link_tree(project / rel.rstrip("/"), dest / rel.rstrip("/"))
     # SkyPilot filters a mount through the .gitignore files in it, unless
     # its root holds a .skyignore: an empty one, so that what was chosen
-    # above (tracked files and declared inputs) is what arrives. Written
+    # above (the declared inputs and the lock file) is what arrives. Written
     # beside and renamed: the snapshot's files are links to the project's.
     ignore = dest / ".skyignore"
     partial = dest / ".skyignore.partial"

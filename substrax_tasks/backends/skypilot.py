@@ -330,6 +330,19 @@ class SkypilotBackend(Backend):
             return False
 
     # ----------------------------------------------------------- teardown
+    def forget(self, handle: RunHandle) -> str:
+        cluster = handle.state.get("cluster")
+        if not isinstance(cluster, str) or handle.state.get("torn_down"):
+            return "no cluster of it was launched"
+        run = self.remote_run(handle)
+        run.remove()  # its tree stopped first, as teardown cancels before the cluster goes
+        if "slot" in handle.state:  # a warm cluster other steps take turns on: only this run goes
+            return f"stopped it and removed its folder {run.run_dir} on cluster {cluster}"
+        failures: list[Exception] = []
+        if not self.down_cluster(cluster, failures):
+            raise failures[0]
+        return f"stopped it and took its cluster {cluster} down"
+
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         """Take the cluster down (keeping the handle and a copy of the log)."""
         shutil.rmtree(self.run_file(handle, "fetched"), ignore_errors=True)  # as the ssh backend

@@ -8,7 +8,7 @@ everything of a run lives in `<remote_root>/runs/<run-id>/`:
     client-<id>/    marks the folder as made by the client whose state folder holds that
                     random id (store.client_id; gc --machines removes only its own)
     manifest.json   the outputs' manifest, written by the worker as the command ended
-    project/        the project's tracked files and the inputs (read-only to the task)
+    project/        the step's declared inputs and the lock file (read-only to the task)
     work/outputs/   what the sandboxed task writes (the outputs' folders)
 
 and `<remote_root>/bin-<digest>/` holds the stdlib-only scripts (worker,
@@ -138,9 +138,7 @@ class SshBackend(Backend):
     def sync(self, handle: RunHandle) -> RunHandle:
         project = Path(str(handle.state["project"]))
         outputs = {o.rstrip("/") for o in handle.spec.outputs}
-        view = project_view(
-            project, self.store.root, handle.spec.inputs, handle.spec.outputs, self.settings.copy_.excludes
-        )
+        view = project_view(project, self.store.root, handle.spec.inputs, handle.spec.outputs)
         files = [f for f in view.files if f not in outputs]  # the sandbox hides them; the run makes them anew
         stats = self.transport().upload(project, files, f"{self._state(handle, 'remote_run_dir')}/project")
         run = self.remote_run(handle)
@@ -291,6 +289,16 @@ class SshBackend(Backend):
                 run = RemoteRun(self.conn, self.settings.python, bin_dir, path)
                 leaks.append(Leak(self.name, self.settings.host, path, True, run.remove))  # as teardown
         return leaks
+
+    def forget(self, handle: RunHandle) -> str:
+        try:
+            if "remote_run_dir" not in handle.state or handle.state.get("torn_down"):
+                return "nothing of it was on the host"
+            run = self.remote_run(handle)
+            run.remove()  # stops what runs there first, as the lifetime timer would
+            return f"stopped it and removed its folder {run.run_dir} on {self.settings.host}"
+        finally:
+            self.settings.target().stop_master()
 
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         # What a fetch left here (a copy refused, or the folders a promotion

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from substrax_tasks.errors import BackendError
+from substrax_tasks.errors import BackendError, OutputsRefused
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -62,8 +62,9 @@ def progress(what: str) -> Progress:
 
 def checked_manifest(data: bytes, where: str) -> dict[str, Any]:
     """The manifest in `data` (remote/manifest.py's JSON), checked whole: a
-    damaged one (cut short, or entries that do not give its digest) is a
-    BackendError naming `where`, never a verdict on the outputs."""
+    damaged one (cut short, or entries that do not give its digest) is an
+    OutputsRefused (a BackendError) naming `where`, never a verdict on the
+    outputs it lists."""
     from substrax_tasks.manifest_cache import manifest_module
 
     if len(data) > MAX_MANIFEST_BYTES:
@@ -79,7 +80,7 @@ def checked_manifest(data: bytes, where: str) -> dict[str, Any]:
         manifest = None
     problem = _problem(manifest, mod)
     if problem is not None:
-        raise BackendError(
+        raise OutputsRefused(
             f"the manifest {where} is damaged ({problem}): the run did not finish writing its "
             "outputs, or it was altered since; nothing was fetched"
         )
