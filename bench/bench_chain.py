@@ -68,11 +68,11 @@ import contextlib
 import importlib.util
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -176,6 +176,9 @@ default_backend = "local"
 
 [tool.substrax.compute.backends.local]
 sandbox = "{sandbox}"
+
+[tool.substrax.compute.cache]
+enabled = {cache}
 """
 
 
@@ -206,6 +209,8 @@ class Project:
     cpu: list[float] = field(default_factory=list)  # user + system seconds of each timed doit
     pythonpath: str | None = None  # another version's package (--src)
     last_cpu: float = float("nan")
+    last_maxrss_kib: int = 0
+    maxrss_kib: list[int] = field(default_factory=list)  # peak memory of each timed doit
     last_output: str = ""
     last_code: int = 0
     build_crashes: int = 0
@@ -219,6 +224,8 @@ class Options:
     repeats: int
     build_jobs: int
     src: str | None
+    cache: bool
+    build_chunk: int
 
 
 def write_project(root: Path, kind: str, steps: int, opts: Options) -> Project:
@@ -232,7 +239,8 @@ def write_project(root: Path, kind: str, steps: int, opts: Options) -> Project:
     (root / "dodo.py").write_text(template.format(steps=steps, common=common))
     # The same pyproject.toml in both: doit reads its [tool.doit] table (and
     # imports tomllib for that) whichever tasks the dodo file declares.
-    (root / "pyproject.toml").write_text(PYPROJECT.format(sandbox=opts.sandbox))
+    pyproject = PYPROJECT.format(sandbox=opts.sandbox, cache=str(opts.cache).lower())
+    (root / "pyproject.toml").write_text(pyproject)
     return Project(kind, root)
 
 
@@ -254,26 +262,28 @@ def run_doit(
         env["PYTHONPATH"] = project.pythonpath
     with contextlib.ExitStack() as stack:
         sink = stack.enter_context(log.open("wb")) if log is not None else subprocess.PIPE
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.perf_counter()
-        done = subprocess.run(
-            [*doit_argv(), *extra],
-            cwd=project.root,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=sink,
-            stderr=subprocess.STDOUT if log is not None else subprocess.PIPE,
-            timeout=timeout,
-            check=False,
+        proc = subprocess.Popen(
+            [*doit_argv(), *extra], cwd=project.root, env=env, stdin=subprocess.DEVNULL,
+            stdout=sink, stderr=subprocess.STDOUT,
         )
+        timer = threading.Timer(timeout, proc.kill)  # a safety net: a hung doit is killed
+        timer.start()
+        try:
+            output = proc.stdout.read() if proc.stdout is not None else b""
+            # wait4: this doit's own CPU time and peak memory (ru_maxrss)
+            _pid, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
         elapsed = time.perf_counter() - started
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    project.last_cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    if log is not None:
-        project.last_output = log.read_text(errors="replace")
-    else:
-        project.last_output = done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace")
-    project.last_code = done.returncode
+        if proc.stdout is not None:
+            proc.stdout.close()
+    project.last_cpu = usage.ru_utime + usage.ru_stime
+    project.last_maxrss_kib = usage.ru_maxrss
+    text = log.read_text(errors="replace") if log is not None else output.decode(errors="replace")
+    project.last_output = text
+    project.last_code = proc.returncode
     return elapsed
 
 
@@ -283,6 +293,15 @@ def newest_mtime_ns(root: Path) -> int:
         for name in names:
             newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime_ns)
     return newest
+
+
+def disk_used(root: Path) -> int:
+    """Bytes the tree takes on its file system (allocated blocks, as du)."""
+    used = 0
+    for folder, _dirs, names in os.walk(root):
+        for name in [".", *names]:
+            used += os.lstat(os.path.join(folder, name)).st_blocks * 512
+    return used
 
 
 def count_files(root: Path) -> int:
@@ -317,23 +336,31 @@ class Row:
     src: Project | None = None
 
 
-def build(project: Project, steps: int, files: int, jobs: int) -> None:
-    """One `doit` that makes everything. The remote project is built with
+def build(project: Project, steps: int, files: int, jobs: int, chunk: int) -> None:
+    """A `doit` that makes everything, or one per `chunk` steps (`--build-chunk`:
+    a doit that ran more than ~1,000 local steps died of `select()` on a
+    descriptor past 1,024, issue 29 item 1). The remote project is built with
     threads; a threaded doit that dies of a signal (seen: SIGSEGV, see the
     module doc) is rerun (it reattaches to the runs it started), and after
     BUILD_ATTEMPTS such deaths the rest is built serially."""
     started = time.perf_counter()
     threaded = project.kind == "remote" and jobs > 1
     log = project.root.parent / f"{project.root.name}.build.log"
-    for _attempt in range(BUILD_ATTEMPTS):
-        extra = ["-n", str(jobs), "-P", "thread"] if threaded else []
-        run_doit(project, extra, timeout=BUILD_TIMEOUT_SECONDS, log=log)
-        if project.last_code >= 0 or not threaded:
+    names = [f"s{i:04d}" for i in range(steps)]
+    for first in range(0, steps, chunk):
+        part = names[first:first + chunk] if steps > chunk else []
+        for _attempt in range(BUILD_ATTEMPTS):
+            extra = ["-n", str(jobs), "-P", "thread"] if threaded else []
+            run_doit(project, [*extra, *part], timeout=BUILD_TIMEOUT_SECONDS, log=log)
+            if project.last_code >= 0 or not threaded:
+                break
+            project.build_crashes += 1
+            died = f"died of signal {-project.last_code}"
+            print(f" [{project.kind} build {died}, rerunning]", end="", flush=True)
+        else:
+            run_doit(project, part, timeout=BUILD_TIMEOUT_SECONDS, log=log)
+        if project.last_code != 0:
             break
-        project.build_crashes += 1
-        print(f" [{project.kind} build died of signal {-project.last_code}, rerunning]", end="", flush=True)
-    else:
-        run_doit(project, [], timeout=BUILD_TIMEOUT_SECONDS, log=log)
     project.build_seconds = time.perf_counter() - started
     if project.last_code != 0:
         fail(project, "the build failed")
@@ -379,9 +406,10 @@ def measure_size(scratch: Path, steps: int, opts: Options) -> Row:
     baseline = write_project(scratch / f"baseline-{steps}", "baseline", steps, opts)
     print(f"\n{steps} steps x {opts.files} files: building ...", end="", flush=True)
     for project in (baseline, remote):
-        build(project, steps, opts.files, opts.build_jobs)
+        build(project, steps, opts.files, opts.build_jobs, opts.build_chunk)
         print(f" {project.kind} {project.build_seconds:.1f} s", end="", flush=True)
-    print(flush=True)
+    used = disk_used(remote.root) + disk_used(baseline.root)
+    print(f"; disk used by the two projects {used / 2**20:,.0f} MiB", flush=True)
     projects = [remote, baseline]
     src = None
     if opts.src:
@@ -401,6 +429,7 @@ def measure_size(scratch: Path, steps: int, opts: Options) -> Row:
         for project in projects if rep % 2 == 0 else projects[::-1]:
             project.times.append(run_doit(project))
             project.cpu.append(project.last_cpu)
+            project.maxrss_kib.append(project.last_maxrss_kib)
             if project.last_code != 0:
                 fail(project, "a no-op run failed")
     return Row(steps, remote, baseline, opts.files, src)
@@ -425,57 +454,7 @@ def report_output(row: Row) -> None:
 # ------------------------------------------------------------------ main
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--steps", type=parse_steps, default=[10, 100, 1000], help="step counts (default 10,100,1000)"
-    )
-    parser.add_argument("--repeats", type=int, default=7, help="timed no-op runs per project (default 7)")
-    parser.add_argument("--files", type=int, default=100, help="output files per step (default 100)")
-    parser.add_argument(
-        "--outputs", choices=("folder", "files"), default="folder",
-        help="one folder output per step (default) or each file declared",
-    )
-    parser.add_argument("--sandbox", choices=("none", "bwrap", "auto"), default="none")
-    parser.add_argument(
-        "--build-jobs", type=int, default=8, help="doit -n N -P thread for the remote build (default 8)"
-    )
-    parser.add_argument("--keep", action="store_true", help="keep the generated projects")
-    parser.add_argument(
-        "--src", metavar="DIR", help="also time a copy of the remote project run with another version's "
-        "package (PYTHONPATH=DIR: its substrax_tasks/ and remote/), interleaved",
-    )
-    args = parser.parse_args(argv)
-    if args.repeats < 1 or args.files < 1:
-        parser.error("--repeats and --files must be at least 1")
-
-    parent = scratch_parent()
-    scratch = Path(tempfile.mkdtemp(prefix="bench-chain-", dir=parent))
-    print(f"bench_chain: {platform.python_implementation()} {platform.python_version()}, "
-          f"{os.cpu_count()} CPUs, files in {scratch} ({'tmpfs' if parent else 'NOT tmpfs'})")
-    declared = "one folder output per step" if args.outputs == "folder" else "each file declared as an output"
-    print(f"outputs: {args.files} files per step, {declared}; sandbox {args.sandbox!r}; "
-          f"{args.repeats} timed no-op runs per project, interleaved")
-    print(f"bytecode compiled for {compile_bytecode()} (as a pip install leaves it)")
-    if args.src and not (Path(args.src) / "substrax_tasks" / "__init__.py").is_file():
-        parser.error(f"--src {args.src}: no substrax_tasks/ package in it; extract one with "
-                     "`git archive REV substrax_tasks remote | tar -x -C DIR`")
-    opts = Options(args.files, args.outputs, args.sandbox, args.repeats, args.build_jobs,
-                   str(Path(args.src).resolve()) if args.src else None)
-    rows: list[Row] = []
-    try:
-        for steps in args.steps:
-            row = measure_size(scratch, steps, opts)
-            rows.append(row)
-            report_output(row)
-    finally:
-        if args.keep:
-            print(f"\nprojects kept in {scratch}")
-        else:
-            shutil.rmtree(scratch, ignore_errors=True)
-
+def print_report(rows: Sequence[Row]) -> None:
     print("\nno-op `doit` wall time, seconds (median of runs; min-max)")
     header = (
         f"{'steps':>6} {'files':>7} {'remote':>8} {'(min-max)':>13} {'baseline':>9} {'(min-max)':>13} "
@@ -505,6 +484,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             s = median(row.src.cpu)
             line += f", --src {s:.3f} ({s / b:.2f}x; remote/--src {r / s:.3f})"
         print(line)
+    print("\nThe remote project's extra CPU time over the baseline's (medians), per step and per output file")
+    for row in rows:
+        extra = median(row.remote.cpu) - median(row.baseline.cpu)
+        print(f"{row.steps:>6} steps: {extra / row.steps * 1000:.3f} ms a step, "
+              f"{extra / (row.steps * row.files_per_step) * 1e6:.2f} us an output file")
+    print("\nPeak memory (ru_maxrss) of each no-op `doit`, MiB, medians")
+    for row in rows:
+        r, b = median(row.remote.maxrss_kib) / 1024, median(row.baseline.maxrss_kib) / 1024
+        per_step = (r - b) * 1024 / row.steps
+        line = f"{row.steps:>6} steps: remote {r:.1f}, baseline {b:.1f} (+{per_step:.1f} KiB a step)"
+        if row.src is not None:
+            line += f", --src {median(row.src.maxrss_kib) / 1024:.1f}"
+        print(line)
     for row in rows:
         if row.src is not None:
             s = median(row.src.times)
@@ -516,6 +508,75 @@ def main(argv: Sequence[str] | None = None) -> int:
         "build (the remote one makes each step's full check once: its key, the manifest of its outputs "
         "from the hashes cached when they were verified, and keeps the proofs later no-ops use)."
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--steps", type=parse_steps, default=[10, 100, 1000], help="step counts (default 10,100,1000)"
+    )
+    parser.add_argument("--repeats", type=int, default=7, help="timed no-op runs per project (default 7)")
+    parser.add_argument("--files", type=int, default=100, help="output files per step (default 100)")
+    parser.add_argument(
+        "--outputs", choices=("folder", "files"), default="folder",
+        help="one folder output per step (default) or each file declared",
+    )
+    parser.add_argument("--sandbox", choices=("none", "bwrap", "auto"), default="none")
+    parser.add_argument(
+        "--build-jobs", type=int, default=8, help="doit -n N -P thread for the remote build (default 8)"
+    )
+    parser.add_argument(
+        "--cache", choices=("on", "off"), default="off",
+        help="the cache of runs in the remote project (default off: a no-op never reads it, and keeping "
+        "100 files a step in the user's cache made a build of 1,000 steps quadratic, issue 29)",
+    )
+    parser.add_argument(
+        "--build-chunk", type=int, default=1000, metavar="N",
+        help="build with one doit per N steps (default 1,000: see build())",
+    )
+    parser.add_argument(
+        "--dir", metavar="DIR", help="make the projects in a new folder under DIR (default: tmpfs); "
+        "10,000 steps x 100 files is a million files: a disk, not memory",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the generated projects")
+    parser.add_argument(
+        "--src", metavar="DIR", help="also time a copy of the remote project run with another version's "
+        "package (PYTHONPATH=DIR: its substrax_tasks/ and remote/), interleaved",
+    )
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.files < 1 or args.build_chunk < 1:
+        parser.error("--repeats, --files and --build-chunk must be at least 1")
+
+    parent = args.dir or scratch_parent()
+    scratch = Path(tempfile.mkdtemp(prefix="bench-chain-", dir=parent))
+    print(f"bench_chain: {platform.python_implementation()} {platform.python_version()}, "
+          f"{os.cpu_count()} CPUs, files in {scratch} "
+          f"({'tmpfs' if parent == scratch_parent() else 'NOT tmpfs'})")
+    declared = "one folder output per step" if args.outputs == "folder" else "each file declared as an output"
+    print(f"outputs: {args.files} files per step, {declared}; sandbox {args.sandbox!r}; "
+          f"{args.repeats} timed no-op runs per project, interleaved")
+    print(f"bytecode compiled for {compile_bytecode()} (as a pip install leaves it)")
+    if args.src and not (Path(args.src) / "substrax_tasks" / "__init__.py").is_file():
+        parser.error(f"--src {args.src}: no substrax_tasks/ package in it; extract one with "
+                     "`git archive REV substrax_tasks remote | tar -x -C DIR`")
+    opts = Options(args.files, args.outputs, args.sandbox, args.repeats, args.build_jobs,
+                   str(Path(args.src).resolve()) if args.src else None, args.cache == "on",
+                   args.build_chunk)
+    rows: list[Row] = []
+    try:
+        for steps in args.steps:
+            row = measure_size(scratch, steps, opts)
+            rows.append(row)
+            report_output(row)
+    finally:
+        if args.keep:
+            print(f"\nprojects kept in {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    print_report(rows)
     return 0
 
 

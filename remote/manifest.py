@@ -268,9 +268,20 @@ def _walk(base: str, checked: List[Tuple[str, bool]], cache: Optional[Cache]
     return entries, missing
 
 
+DIGEST_CHUNK = 250  # entries encoded at a time (json builds 1 KB of fragments for each)
+
+
 def entries_digest(entries: List[Entry]) -> str:
-    """sha256 of the canonical JSON of a manifest's entries."""
-    return hashlib.sha256(canonical_json(entries).encode()).hexdigest()
+    """sha256 of the canonical JSON of a manifest's entries, fed to the hash
+    a chunk of entries at a time: the same bytes as the whole list encoded
+    at once (a list's items are joined by ","), without holding them (6 MiB
+    for 20,000 files, in text and bytes)."""
+    digest = hashlib.sha256(b"[")
+    for at in range(0, len(entries), DIGEST_CHUNK):
+        chunk = canonical_json(entries[at:at + DIGEST_CHUNK])[1:-1]  # without its [ ]
+        digest.update(("," + chunk if at else chunk).encode())
+    digest.update(b"]")
+    return digest.hexdigest()
 
 
 def canonical_json(value: object) -> str:

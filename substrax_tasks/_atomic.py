@@ -9,13 +9,15 @@ from pathlib import Path
 from typing import Any
 
 
-def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write to a temp file beside `path`, fsync, rename over `path`."""
+def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o600, *, tail: bytes = b"") -> None:
+    """Write `data` then `tail` to a temp file beside `path`, fsync, rename
+    over `path`."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.write(tail)
             f.flush()
             os.fsync(f.fileno())
         Path(tmp).replace(path)
@@ -33,5 +35,7 @@ def write_json_atomic(path: Path, data: Any, mode: int = 0o600, indent: int | No
     """Sorted keys; indented for people to read, or (`indent=None`) compact,
     which json encodes in C: for large machine files (manifests, caches)."""
     separators = (",", ":") if indent is None else None
-    text = json.dumps(data, indent=indent, sort_keys=True, separators=separators)
-    write_bytes_atomic(path, (text + "\n").encode(), mode)
+    # encoded straight from json's str, the newline written after it: one
+    # copy fewer of a 3 MB manifest than `(text + "\n").encode()`
+    encoded = json.dumps(data, indent=indent, sort_keys=True, separators=separators).encode()
+    write_bytes_atomic(path, encoded, mode, tail=b"\n")

@@ -25,6 +25,7 @@ the methods that read or write a handle.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import re
 import secrets
@@ -104,8 +105,8 @@ class RunStore:
     def inputs_cache(self, step: str) -> Path:
         return self.root / "cache" / f"{safe_name(step)}.inputs.json"
 
-    @property
-    def proofs_file(self) -> Path:
+    @functools.cached_property
+    def proofs_file(self) -> Path:  # asked by every step of a no-op
         return self.root / "cache" / PROOFS_FILE
 
     @property

@@ -26,7 +26,7 @@ def stamp_of(items: list[Any]) -> str:
     return hashlib.sha256(marshal.dumps(items, 2)).hexdigest()
 
 
-def stat_walk(  # noqa: PLR0912, PLR0915 - one hot loop, kept whole and on str paths for speed
+def stat_walk(
     base: str | os.PathLike[str], outputs: Sequence[str], items: list[Any], any_folder: bool = False
 ) -> int:
     """Append to `items` what ``lstat`` says about every entry under
@@ -35,14 +35,24 @@ def stat_walk(  # noqa: PLR0912, PLR0915 - one hot loop, kept whole and on str p
     the newest ctime_ns seen. Not mtime: every change to a file's content,
     size, mode or mtime also sets its ctime, to the clock, and nothing short
     of moving the clock back sets ctime back. It never reads a file and
-    never raises for an odd tree (it only describes it). With `any_folder`,
-    a path declared without its trailing "/" is walked too when it is a
-    folder (inputs are declared either way); outputs are walked only where
-    they are declared folders.
+    never raises for an odd tree (it only describes it), but refuses paths
+    `check_outputs` refuses (ManifestError). With `any_folder`, a path
+    declared without its trailing "/" is walked too when it is a folder
+    (inputs are declared either way); outputs are walked only where they
+    are declared folders.
     A caller checking several trees in one go (a step's inputs and outputs)
     hashes them once, with `stamp_of`."""
-    base = os.fspath(base)
-    checked = manifest_module().check_outputs(outputs)
+    paths = manifest_module().check_outputs(outputs)
+    checked = [(rel, is_dir, is_dir or any_folder) for rel, is_dir in paths]
+    return walk_checked(os.fspath(base), checked, items)
+
+
+def walk_checked(  # noqa: PLR0912, PLR0915 - one hot loop, kept whole and on str paths for speed
+    base: str, checked: Sequence[tuple[str, bool, bool]], items: list[Any]
+) -> int:
+    """`stat_walk` of paths already checked: (path, declared a folder, walk
+    it when it is one). A step checks its paths once, when first asked
+    (uptodate.Step.walked_paths), not at each of its walks."""
     add = items.append
     lstat = os.lstat
     newest = 0
@@ -51,7 +61,7 @@ def stat_walk(  # noqa: PLR0912, PLR0915 - one hot loop, kept whole and on str p
     # the mode of each folder above an output, by path: outputs declared
     # file by file share their folders (100 files in one: 1 lstat, not 100)
     folder_modes: dict[str, int] = {}
-    for rel, is_dir in checked:
+    for rel, is_dir, walk in checked:
         add(rel)
         add(is_dir)
         at = rel.find("/")
@@ -77,7 +87,7 @@ def stat_walk(  # noqa: PLR0912, PLR0915 - one hot loop, kept whole and on str p
         newest = max(newest, st.st_ctime_ns)
         if S_ISLNK(mode):
             add(_readlink_or_none(top))
-        if not ((is_dir or any_folder) and S_ISDIR(mode)):
+        if not (walk and S_ISDIR(mode)):
             continue
         stack = [(top, rel)]
         while stack:

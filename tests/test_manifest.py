@@ -785,3 +785,39 @@ def test_promoted_files_match_their_staged_manifest(tmp_path: Path) -> None:
     os.rename(staging / "out", proj / "out")
     assert verify_outputs(proj, ["out/"], expected, cache_file) == []
     assert outputs_match(proj, ["out/"], expected["digest"], cache_file)
+
+
+@pytest.mark.parametrize("count", [0, 1, 999, 1000, 1001, 2500])
+def test_the_digest_is_of_the_whole_canonical_json_taken_in_chunks(count: int) -> None:
+    """A manifest's digest is the sha256 of its entries' canonical JSON,
+    whatever the chunk boundaries (paths with quotes and non-ASCII text)."""
+    mod = manifest_module()
+    entries = [
+        {"path": f'out/é{i}"x', "type": "file", "size": i, "mode": 0o644, "sha256": sha(b"%d" % i),
+         "target": None}
+        for i in range(count)
+    ]
+    whole = json.dumps(entries, sort_keys=True, separators=(",", ":")).encode()
+    assert mod.entries_digest(entries) == hashlib.sha256(whole).hexdigest()
+
+
+def test_the_digest_of_20000_entries_holds_no_copy_of_their_json() -> None:
+    """Issue 29: the digest of a verified fetch's manifest held its whole
+    canonical JSON twice (text and bytes, ~6 MB for 20,000 files) while the
+    entries were alive; in chunks it holds a few hundred KB."""
+    import tracemalloc
+
+    mod = manifest_module()
+    entries = [
+        {"path": f"out/d{i % 20:03d}/f{i:06d}", "type": "file", "size": 4000 + i % 96, "mode": 0o644,
+         "sha256": sha(b"%d" % i), "target": None}
+        for i in range(20_000)
+    ]
+    whole = len(json.dumps(entries, sort_keys=True, separators=(",", ":")))
+    tracemalloc.start()
+    try:
+        mod.entries_digest(entries)
+        _current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < whole / 4, f"the digest held {peak:,} bytes; the JSON is {whole:,}"
