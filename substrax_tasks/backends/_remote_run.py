@@ -19,6 +19,7 @@ make this side write or hold without end.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -94,17 +95,22 @@ class Remote(Protocol):
         ...
 
 
+@functools.cache
 def scripts_digest() -> str:
     """Names the folder the remote scripts are uploaded to: a run uses the
-    scripts it was launched with, even after an upgrade here."""
+    scripts it was launched with, even after an upgrade here. Once per
+    process: the installed scripts do not change under it, and every
+    command sent to a host asks (checked_script)."""
     digest = hashlib.sha256()
     for name in REMOTE_SCRIPTS:
         digest.update(remote_script(name).read_bytes())
     return digest.hexdigest()[:12]
 
 
+@functools.cache
 def script_digests() -> dict[str, str]:
-    """The sha256 of each script this installation sends."""
+    """The sha256 of each script this installation sends (once per process,
+    as scripts_digest)."""
     return {name: hashlib.sha256(remote_script(name).read_bytes()).hexdigest() for name in REMOTE_SCRIPTS}
 
 
