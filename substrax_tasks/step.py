@@ -261,7 +261,6 @@ def _freeze_declared() -> None:
         gc.freeze()
 
 
-
 def _freeze_what_loading_made() -> None:
     """At the first check doit has loaded every task: what loading made
     (doit's tasks, the dodo's and this package's objects, the modules) is
