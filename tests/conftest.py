@@ -187,9 +187,12 @@ def marker() -> Iterator[str]:
 # -------------------------------------------------------------------- tasks
 
 # A descendant that ignores SIGTERM; "$0" is the marker, "$1" its role. It
-# writes out/<role>.ready holding its pid and session once its trap is set.
+# writes out/<role>.ready holding its pid and session once its trap is set;
+# written under another name and renamed, so that a test polling for the
+# file never reads it empty (the shell creates the file before it writes).
 DESCENDANT = (
-    'trap "" TERM INT HUP; echo "$$ $(cut -d " " -f 6 /proc/$$/stat)" > "out/$1.ready"; '
+    'trap "" TERM INT HUP; echo "$$ $(cut -d " " -f 6 /proc/$$/stat)" > "out/$1.part"; '
+    'mv "out/$1.part" "out/$1.ready"; '
     "while :; do sleep 1; done"
 )
 # The task: ignores SIGTERM and starts one descendant, either a plain
@@ -201,7 +204,8 @@ if [ "$2" = setsid ]; then
 else
   sh -c "$1" "$0" child &
 fi
-echo "$$ $(cut -d " " -f 6 /proc/$$/stat)" > out/task.ready
+echo "$$ $(cut -d " " -f 6 /proc/$$/stat)" > out/task.part
+mv out/task.part out/task.ready
 echo "task started ($2)"
 while :; do sleep 1; done
 """
