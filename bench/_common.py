@@ -47,7 +47,7 @@ def cli_argv() -> list[str]:
     if beside.is_file():
         return [str(beside)]
     found = shutil.which("substrax-compute")
-    return [found] if found else [sys.executable, "-m", "substrax_tasks.cli"]
+    return [found] if found else [sys.executable, "-m", "substrax_tasks.cli.main"]
 
 
 def doit_argv() -> list[str]:

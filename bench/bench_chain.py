@@ -81,7 +81,7 @@ from pathlib import Path
 from _common import doit_argv, load_average, median, scratch_parent
 
 import substrax_tasks
-from substrax_tasks._remote_files import remote_script
+from substrax_tasks.backends.scripts import remote_script
 
 GOAL_RATIO = 1.5
 GOAL_STEPS = 100

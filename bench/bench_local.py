@@ -52,9 +52,9 @@ from pathlib import Path
 from _common import cli_argv, fmt_s, load_average, marker_processes, median, read_cmdline, scratch_parent
 
 from substrax_tasks.backends.base import LOG_POLL_SECONDS, RunStatus
-from substrax_tasks.handle import RunHandle
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import make_spec
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.project import Project
 
 GRACE_SECONDS = 5.0
 TIGHT_POLL_SECONDS = 0.01

@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from testbeds.slurm_cluster import DEFAULT_SKY_VENV, SlurmBed, bed_down, bed_up  # noqa: E402
 
-from substrax_tasks._sky import SkyClient  # noqa: E402
+from substrax_tasks.backends.skypilot.client import SkyClient  # noqa: E402
 
 DODO = """
 from substrax_tasks import doit_config, remote_step
@@ -109,10 +109,10 @@ def timings(root: Path, env: dict[str, str]) -> tuple[list[float], list[float]]:
 
 
 def _own_cluster(handle: dict[str, Any], root: Path) -> str:
-    from substrax_tasks.backends.sky_task import cluster_name
-    from substrax_tasks.backends.skypilot_settings import SkypilotSettings
-    from substrax_tasks.handle import RunHandle
-    from substrax_tasks.store import RunStore
+    from substrax_tasks.backends.skypilot.settings import SkypilotSettings
+    from substrax_tasks.backends.skypilot.task import cluster_name
+    from substrax_tasks.store.handle import RunHandle
+    from substrax_tasks.store.run_store import RunStore
 
     settings = SkypilotSettings.model_validate(handle["settings"])
     client_id = RunStore(root / ".substrax").client_id()

@@ -98,19 +98,19 @@ from typing import Any, Protocol
 
 from _common import cli_argv, fmt_s, load_average, marker_processes, median, read_cmdline, scratch_parent
 
-import substrax_tasks.promote as promote_module
-from substrax_tasks import manifest_cache
-from substrax_tasks._ssh import SshConnection
-from substrax_tasks.backends._remote_run import RemoteRun
-from substrax_tasks.backends.ssh import SshBackend
-from substrax_tasks.driver import StepDriver
+import substrax_tasks.outputs.promote as promote_module
+from substrax_tasks.backends.remote_run import RemoteRun
+from substrax_tasks.backends.ssh.backend import SshBackend
+from substrax_tasks.backends.ssh.connection import SshConnection
+from substrax_tasks.driver.step_driver import StepDriver
 from substrax_tasks.errors import BackendError
-from substrax_tasks.handle import RunHandle
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import make_spec, safe_name
-from substrax_tasks.step import project_of
+from substrax_tasks.outputs import manifests as manifest_cache
+from substrax_tasks.step.spec import make_spec, safe_name
+from substrax_tasks.step.tasks import project_of
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.project import Project
 from substrax_tasks.transports.rsync import RsyncTransport
-from substrax_tasks.uptodate import DOIT_VALUE, Step
+from substrax_tasks.uptodate.check import DOIT_VALUE, Step
 
 REPO = Path(__file__).resolve().parents[1]
 TESTBED_FILE = REPO / "tests" / "testbeds" / "sshd_host.py"
@@ -131,7 +131,9 @@ GOAL_CANCEL = 1.5  # seconds
 TREE_UP_TIMEOUT = 30.0
 GONE_TIMEOUT = GRACE_SECONDS + 30.0
 SCAN_PAUSE_SECONDS = 0.001
-CLI_IMPORTS = "import substrax_tasks.cli, substrax_tasks.runs, substrax_tasks.backends.ssh"
+CLI_IMPORTS = (
+    "import substrax_tasks.cli.main, substrax_tasks.store.project, substrax_tasks.backends.ssh.backend"
+)
 SMALL_SCRIPT = (
     "import os, sys\n"
     "n, size, dirs = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])\n"
@@ -435,7 +437,7 @@ def cleanup(bed: Bed) -> list[str]:
             bed.stop_master()
     with contextlib.suppress(ImportError, OSError):
         # the configuration cache remote_step() keeps for this project, if any
-        from substrax_tasks.config import cache_file  # not in every version
+        from substrax_tasks.config.pyproject import cache_file  # not in every version
 
         cache_file(bed.project.root).unlink(missing_ok=True)
     for marker in bed.markers:

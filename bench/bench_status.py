@@ -54,10 +54,10 @@ from typing import Any
 
 from _common import cli_argv, scratch_parent
 
-from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import canonical_digest, make_spec
-from substrax_tasks.worker_job import STATUS_FILE
+from substrax_tasks.atomic import write_json_atomic
+from substrax_tasks.backends.job import STATUS_FILE
+from substrax_tasks.step.spec import canonical_digest, make_spec
+from substrax_tasks.store.project import Project
 
 GOAL_SECONDS = 0.5
 STEPS = 50

@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 
-from substrax_tasks._remote_files import control
-from substrax_tasks.config import cache_file
-from substrax_tasks.handle import RunHandle
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import make_spec
-from substrax_tasks.worker_job import STATUS_FILE
+from substrax_tasks.backends.job import STATUS_FILE
+from substrax_tasks.backends.scripts import control
+from substrax_tasks.config.pyproject import cache_file
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.project import Project
 
 # What a test marked `unit` may not do (enforced there); fixtures shared by
 # the modules: the S3 server of the bucket transport, the session's SSH hosts
@@ -142,7 +142,7 @@ def _config_caches() -> set[Path]:
 
 
 # Each test project leaves a cached configuration in the private temp folder
-# (substrax_tasks/config.py); the ones this run made are removed at its end.
+# (substrax_tasks/config/pyproject.py); the ones this run made are removed at its end.
 # Hooks, not a session fixture: under xdist each worker is a session of its
 # own, and one that ends first would remove the caches of the projects the
 # other is still running; so only the process that outlives every worker
@@ -294,7 +294,7 @@ _CONSOLE_SCRIPT = Path(sys.executable).with_name("substrax-compute")
 def cli_argv() -> list[str]:
     if _CONSOLE_SCRIPT.exists():
         return [str(_CONSOLE_SCRIPT)]
-    return [sys.executable, "-m", "substrax_tasks.cli"]
+    return [sys.executable, "-m", "substrax_tasks.cli.main"]
 
 
 def cli(project_root: Path | None, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

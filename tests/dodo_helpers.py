@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from conftest import marked_pids
 
-from substrax_tasks._remote_files import control
+from substrax_tasks.backends.scripts import control
 
 BIN = Path(sys.executable).parent
 DOIT = BIN / "doit"

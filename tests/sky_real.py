@@ -267,7 +267,7 @@ def run_driver(
     python: Path, env: dict[str, str], work: Path, validate: dict[str, dict[str, Any]], features: bool
 ) -> dict[str, Any]:
     """Every `validate` request answered by sky_helper/sky_sdk.py in one process."""
-    from substrax_tasks._remote_files import sky_helper_script
+    from substrax_tasks.backends.scripts import sky_helper_script
 
     work.mkdir(parents=True, exist_ok=True)
     script = work / "driver.py"

@@ -26,10 +26,10 @@ from ssh_helpers import needs_root, needs_sshd, ssh_settings, write_ssh_pyprojec
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks.backends.base import Backend
-from substrax_tasks.handle import RunHandle
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import make_spec
-from substrax_tasks.worker_job import STATUS_FILE
+from substrax_tasks.backends.job import STATUS_FILE
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.project import Project
 
 SANDBOX = "bwrap" if BWRAP else "none"
 WAIT = 60.0

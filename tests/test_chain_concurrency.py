@@ -204,7 +204,7 @@ def test_lock_of_a_killed_client_is_free_again(tmp_path: Path, marker: str) -> N
 # ------------------------------------------------------------- doit pools
 
 TWO_STEPS = """
-import substrax_tasks.backends.local as _local
+import substrax_tasks.backends.local.backend as _local
 
 _real_teardown = _local.LocalBackend.teardown
 

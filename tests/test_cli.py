@@ -23,7 +23,7 @@ from conftest import (
 from dodo_helpers import BWRAP
 
 from substrax_tasks import __version__
-from substrax_tasks.runs import Project
+from substrax_tasks.store.project import Project
 
 SUBCOMMANDS = ("status", "logs", "cancel", "fetch", "teardown")
 

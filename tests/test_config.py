@@ -12,11 +12,11 @@ from conftest import cli, wait_final
 from dodo_helpers import doit, make_project, show
 
 from substrax_tasks.backends import BACKEND_NAMES, backend_class, settings_model
-from substrax_tasks.config import load_config
+from substrax_tasks.config.pyproject import load_config
+from substrax_tasks.config.settings import BackendSettings, ComputeConfig
 from substrax_tasks.errors import ConfigError
-from substrax_tasks.runs import Project
-from substrax_tasks.settings import BackendSettings, ComputeConfig
-from substrax_tasks.spec import make_spec
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.project import Project
 
 STEP = """
 def task_step():
@@ -236,8 +236,10 @@ def test_worker_refuses_isolation_without_sandbox(project: Project) -> None:
     assert "network_isolation = true needs the sandbox" in (backend.poll(handle).message or "")
 
 
-MODULES = ["config", "settings", "store", "runs", "handle", "steplock", "cli", "uptodate", "driver", "step",
-           "backends", "backends.local", "backends.ssh", "backends.skypilot", "backends.skypilot_settings"]
+MODULES = ["config.pyproject", "config.settings", "store.run_store", "store.project", "store.handle",
+           "driver.steplock", "cli.main", "uptodate.check", "driver.step_driver", "step.tasks", "backends",
+           "backends.local.backend", "backends.ssh.backend", "backends.skypilot.backend",
+           "backends.skypilot.settings"]
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -258,7 +260,7 @@ def test_every_backend_has_its_settings_model_registered() -> None:
 RESOLVE = """
 import sys
 from pathlib import Path
-from substrax_tasks.runs import Project
+from substrax_tasks.store.project import Project
 print(Project.open(Path(sys.argv[1])).settings_for()[1]["grace_seconds"], "pydantic" in sys.modules)
 """
 
@@ -320,7 +322,7 @@ def test_doit_names_a_config_mistake_in_one_line(tmp_path: Path, text: str, mess
 
 def test_other_uncaught_errors_keep_their_traceback(tmp_path: Path) -> None:
     """The interpreter hook that tells doit's TOML error in one line
-    (substrax_tasks/_doit_errors.py) leaves every other error as it was,
+    (substrax_tasks/step/doit_errors.py) leaves every other error as it was,
     a TOML error outside doit included."""
     done = subprocess.run(
         [sys.executable, "-c", "import tomllib; tomllib.loads('[x')"],

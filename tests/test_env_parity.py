@@ -31,7 +31,7 @@ from dodo_helpers import (
 from ssh_helpers import build_wheel, make_ssh_project, needs_root, needs_sshd, one_step, write_ssh_dodo
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks._remote_files import remote_module
+from substrax_tasks.backends.scripts import remote_module
 
 WHEELS = 'pip_args = ["--no-index", "--find-links", "wheels"]\n'
 WRITE_V = "import sys, sxtiny; open('out/v.txt', 'w').write(sxtiny.VALUE + ' ' + sys.prefix)"

@@ -24,10 +24,10 @@ from conftest import (
 )
 
 from substrax_tasks.errors import HandleError
-from substrax_tasks.handle import HANDLE_VERSION, read_handle
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import make_spec
-from substrax_tasks.store import HANDLE_FILE, RunStore, run_digest
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.handle import HANDLE_VERSION, read_handle
+from substrax_tasks.store.project import Project
+from substrax_tasks.store.run_store import HANDLE_FILE, RunStore, run_digest
 
 
 def write_pyproject(root: Path, local_table: str | None) -> None:
@@ -233,7 +233,7 @@ def test_pinned_settings_this_release_refuses_are_named_not_a_traceback(project:
 
 UPDATES = """
 import sys
-from substrax_tasks.runs import Project
+from substrax_tasks.store.project import Project
 store = Project.open(sys.argv[1]).store
 handle = store.read(sys.argv[2])
 print("ready", flush=True)

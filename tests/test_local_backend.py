@@ -47,12 +47,12 @@ from dodo_helpers import (
 )
 from lost_tree import kill_recorded, kill_worker, overlap, status_of, step_argv, wait_tree_up, write_command
 
-from substrax_tasks._remote_files import control, remote_module
-from substrax_tasks.backends import local as local_backend
+from substrax_tasks.backends.local import backend as local_backend
+from substrax_tasks.backends.scripts import control, remote_module
 from substrax_tasks.errors import BackendError
-from substrax_tasks.handle import RunHandle
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import make_spec
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.project import Project
 
 
 def start_stubborn(

@@ -116,7 +116,7 @@ def test_gc_machines_of_a_client_at_the_same_project_path_leaves_anothers_live_r
 
 def test_the_client_id_is_made_once_private_and_a_damaged_one_is_named_with_the_fix(tmp_path: Path) -> None:
     from substrax_tasks.errors import HandleError
-    from substrax_tasks.store import RunStore
+    from substrax_tasks.store.run_store import RunStore
 
     store = RunStore(tmp_path / ".substrax")
     made = store.client_id()

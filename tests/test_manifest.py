@@ -1,5 +1,5 @@
 """Manifests of output trees (remote/manifest.py) and their local use
-(substrax_tasks.manifest_cache), on real files."""
+(substrax_tasks.outputs.manifests), on real files."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any, cast
 
 import pytest
 
-from substrax_tasks._remote_files import remote_script
-from substrax_tasks.manifest_cache import (
+from substrax_tasks.backends.scripts import remote_script
+from substrax_tasks.outputs.manifests import (
     HashCache,
     ManifestError,
     build_manifest,
@@ -25,7 +25,7 @@ from substrax_tasks.manifest_cache import (
     outputs_match,
     verify_outputs,
 )
-from substrax_tasks.tree import diff_manifests
+from substrax_tasks.uptodate.walk import diff_manifests
 
 PY38 = Path("/root/.pyenv/versions/3.8.18/bin/python")
 OLD_NS = 1_600_000_000 * 10**9  # a moment long past: files older than the racy window

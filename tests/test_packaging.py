@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from substrax_tasks._remote_files import REMOTE_SCRIPTS
+from substrax_tasks.backends.scripts import REMOTE_SCRIPTS
 
 BUILD_SECONDS = 300  # building and installing fetch packages through pip
 
@@ -24,9 +24,9 @@ SUBMIT_SCRIPT = """
 import json, sys, time
 from pathlib import Path
 import substrax_tasks
-from substrax_tasks._remote_files import remote_script, sky_helper_script
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import make_spec
+from substrax_tasks.backends.scripts import remote_script, sky_helper_script
+from substrax_tasks.store.project import Project
+from substrax_tasks.step.spec import make_spec
 
 project = Project.open(sys.argv[1])
 spec = make_spec("packaged", ["sh", "-c", "echo from-the-installed-worker"], project.root)

@@ -23,10 +23,10 @@ from dodo_helpers import doit, make_project, run_count, show
 from ssh_helpers import make_ssh_project, needs_root, needs_sshd, one_step
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks import _private
-from substrax_tasks._private import UnsafeFolder, private_dir
-from substrax_tasks.config import cache_file, config_stamp
-from substrax_tasks.runs import Project
+from substrax_tasks import private as _private
+from substrax_tasks.config.pyproject import cache_file, config_stamp
+from substrax_tasks.private import UnsafeFolder, private_dir
+from substrax_tasks.store.project import Project
 
 ROOT = os.geteuid() == 0
 needs_root_to_chown = pytest.mark.skipif(not ROOT, reason="FOREIGN-OWNED FOLDER NOT TESTED: chown needs root")
@@ -139,7 +139,7 @@ def test_a_private_runtime_dir_is_preferred_and_a_loose_one_passed_over(
 def test_the_control_folder_falls_back_to_tmp_when_the_temp_folder_is_long(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from substrax_tasks._openssh import CONTROL_DIR_MAX
+    from substrax_tasks.backends.ssh.openssh import CONTROL_DIR_MAX
 
     long_base = tmp_path / ("x" * 80)
     monkeypatch.setattr(tempfile, "tempdir", str(long_base))

@@ -31,12 +31,12 @@ from dodo_helpers import (
     write_pyproject,
 )
 
-from substrax_tasks import uptodate
-from substrax_tasks.dodo_loader import find_step
-from substrax_tasks.proofs import VERSION, ProofFile, proof_file
-from substrax_tasks.spec import make_spec
-from substrax_tasks.store import RunStore
-from substrax_tasks.uptodate import DOIT_VALUE, Step
+from substrax_tasks.step.dodo import find_step
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.run_store import RunStore
+from substrax_tasks.uptodate import check as uptodate
+from substrax_tasks.uptodate.check import DOIT_VALUE, Step
+from substrax_tasks.uptodate.proofs import VERSION, ProofFile, proof_file
 
 FILE_NAME = "up-to-date.json"
 
@@ -251,8 +251,8 @@ code = DoitMain(DodoTaskLoader()).run([])
 print(sorted(sys.modules))
 sys.exit(code)
 """
-NOT_ON_A_NOOP = ("pydantic", "filelock", "uuid", "substrax_tasks.promote", "substrax_tasks.steplock",
-                 "substrax_tasks.worker_job", "substrax_tasks.backends")
+NOT_ON_A_NOOP = ("pydantic", "filelock", "uuid", "substrax_tasks.outputs.promote",
+                 "substrax_tasks.driver.steplock", "substrax_tasks.backends.job", "substrax_tasks.backends")
 
 
 # After the run, is anything still holding doit's tasks? (The runners stay in

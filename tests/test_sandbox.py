@@ -33,10 +33,10 @@ from conftest import (
 )
 from dodo_helpers import doit, doit_ok, make_project, show, write_pyproject
 
-from substrax_tasks._remote_files import remote_module
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import make_spec
-from substrax_tasks.worker_job import WorkerPaths, build_job
+from substrax_tasks.backends.job import WorkerPaths, build_job
+from substrax_tasks.backends.scripts import remote_module
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.project import Project
 
 sandbox = remote_module("sandbox")
 

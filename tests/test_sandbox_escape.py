@@ -27,8 +27,8 @@ from conftest import GRACE, WORKER, connections_made, needs_bwrap, wait_for
 from test_sandbox import ATTEMPT, verdicts
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks.spec import make_spec
-from substrax_tasks.worker_job import WorkerPaths, build_job
+from substrax_tasks.backends.job import WorkerPaths, build_job
+from substrax_tasks.step.spec import make_spec
 
 pytestmark = needs_bwrap
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")  # one every uid can run

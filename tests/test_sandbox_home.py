@@ -31,12 +31,12 @@ from test_sandbox import job_for
 from test_sandbox_escape import Bed, bed  # noqa: F401 - bed: a fixture
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks._remote_files import remote_module
+from substrax_tasks.backends.job import WorkerPaths, build_job
+from substrax_tasks.backends.scripts import remote_module
+from substrax_tasks.config.settings import validate
 from substrax_tasks.errors import ConfigError
-from substrax_tasks.runs import Project
-from substrax_tasks.settings import validate
-from substrax_tasks.spec import canonical_digest, make_spec, settings_in_key
-from substrax_tasks.worker_job import WorkerPaths, build_job
+from substrax_tasks.step.spec import canonical_digest, make_spec, settings_in_key
+from substrax_tasks.store.project import Project
 
 sandbox = remote_module("sandbox")
 hints = remote_module("hints")

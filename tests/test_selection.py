@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from substrax_tasks._atomic import write_json_atomic
-from substrax_tasks.config import find_project
+from substrax_tasks.atomic import write_json_atomic
+from substrax_tasks.config.pyproject import find_project
 from substrax_tasks.errors import ConfigError, HandleError, NoSuchRun
-from substrax_tasks.handle import RunHandle
-from substrax_tasks.selection import group_of, latest_per_step, select
-from substrax_tasks.spec import make_spec
-from substrax_tasks.store import RunStore
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.run_store import RunStore
+from substrax_tasks.store.selection import group_of, latest_per_step, select
 
 pytestmark = pytest.mark.unit
 

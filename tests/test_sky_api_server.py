@@ -38,11 +38,11 @@ from sky_real import (
     wait_path,
 )
 
-from substrax_tasks._sky import SkyCallError, SkyClient
-from substrax_tasks.backends.skypilot import LAUNCH_REQUEST
-from substrax_tasks.backends.skypilot_settings import TABLE
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import make_spec
+from substrax_tasks.backends.skypilot.backend import LAUNCH_REQUEST
+from substrax_tasks.backends.skypilot.client import SkyCallError, SkyClient
+from substrax_tasks.backends.skypilot.settings import TABLE
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.project import Project
 
 # On a busy 2-core machine the server alone can take a minute to start its workers.
 pytestmark = [needs_sky_server, pytest.mark.sky_server, pytest.mark.timeout(300)]

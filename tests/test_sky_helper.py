@@ -23,8 +23,8 @@ import pytest
 from fakesky_cleanup import cleanup, fakesky_env, kill, leftovers
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks._remote_files import sky_helper_script
-from substrax_tasks._sky import SkyCallError, SkyClient
+from substrax_tasks.backends.scripts import sky_helper_script
+from substrax_tasks.backends.skypilot.client import SkyCallError, SkyClient
 from substrax_tasks.errors import ConfigError
 
 WAIT = 30.0  # seconds for a condition; generous, the machine is noisy

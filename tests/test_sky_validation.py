@@ -29,13 +29,13 @@ from sky_real import (
     sky_env,
 )
 
-from substrax_tasks._sky import SkyClient
-from substrax_tasks.backends.sky_task import SkyConfigRefused, validate
-from substrax_tasks.backends.skypilot import SkypilotBackend
-from substrax_tasks.backends.skypilot_settings import NO_AUTODOWN, NO_BUCKET_MOUNTS, TABLE
-from substrax_tasks.handle import RunHandle
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import make_spec
+from substrax_tasks.backends.skypilot.backend import SkypilotBackend
+from substrax_tasks.backends.skypilot.client import SkyClient
+from substrax_tasks.backends.skypilot.settings import NO_AUTODOWN, NO_BUCKET_MOUNTS, TABLE
+from substrax_tasks.backends.skypilot.task import SkyConfigRefused, validate
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.project import Project
 
 pytestmark = needs_offline_sky
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from conftest import cli
 
-from substrax_tasks._sky import JOB_STATES, job_state, resolve_sky_python
-from substrax_tasks.backends import sky_task
-from substrax_tasks.backends.skypilot_settings import NO_BUCKET_MOUNTS, SkypilotSettings
-from substrax_tasks.config import load_config
+from substrax_tasks.backends.skypilot import task as sky_task
+from substrax_tasks.backends.skypilot.client import JOB_STATES, job_state, resolve_sky_python
+from substrax_tasks.backends.skypilot.settings import NO_BUCKET_MOUNTS, SkypilotSettings
+from substrax_tasks.config.pyproject import load_config
 from substrax_tasks.errors import BackendError, ConfigError
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import make_spec
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.project import Project
 
 TABLE = "[tool.substrax.compute.backends.skypilot]"
 COPY = "[tool.substrax.compute.backends.skypilot.copy]"

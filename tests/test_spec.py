@@ -11,7 +11,7 @@ import pytest
 from dodo_helpers import doit, make_project, run_count, show, write_dodo
 
 from substrax_tasks.errors import SpecError
-from substrax_tasks.spec import MAX_STEP_NAME, PathIndex, make_spec, relative_path
+from substrax_tasks.step.spec import MAX_STEP_NAME, PathIndex, make_spec, relative_path
 
 
 @pytest.mark.parametrize(

@@ -38,10 +38,10 @@ from ssh_helpers import (
 )
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks._openssh import SshTarget
-from substrax_tasks.runs import Project
-from substrax_tasks.settings import SshSettings
-from substrax_tasks.spec import make_spec
+from substrax_tasks.backends.ssh.openssh import SshTarget
+from substrax_tasks.config.settings import SshSettings
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.project import Project
 
 STEP = one_step(shell="mkdir -p out && echo made-remotely > out/x.txt", outputs=["out/"], retries=2)
 
@@ -229,7 +229,7 @@ def test_cancel_after_the_worker_was_killed_stops_the_orphaned_tree(
 PROGRESS_SCRIPT = """
 import json, sys
 from pathlib import Path
-from substrax_tasks._openssh import SshTarget
+from substrax_tasks.backends.ssh.openssh import SshTarget
 from substrax_tasks.transports.rsync import RsyncTransport
 target = SshTarget(**json.loads(sys.argv[1]))
 try:
@@ -311,7 +311,7 @@ def cats(uid: int) -> list[int]:
 def test_followers_beyond_the_sessions_one_connection_may_hold_are_refused_and_the_connection_stays(
     host: SshHost,
 ) -> None:
-    from substrax_tasks._ssh import MAX_STREAMS, NoSession, connection
+    from substrax_tasks.backends.ssh.connection import MAX_STREAMS, NoSession, connection
 
     conn = connection(SshSettings.model_validate(ssh_settings(host)).target())
     release = threading.Event()

@@ -25,17 +25,18 @@ from dodo_helpers import compute, doit_ok, show, step_ran, unsafe_modes
 from ssh_helpers import make_ssh_project, needs_root, needs_sshd, one_step, remote_run_dir
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks import manifest_cache
-from substrax_tasks.backends import _remote_run, base
-from substrax_tasks.backends._remote_run import RemoteRun
+from substrax_tasks.backends import base
+from substrax_tasks.backends import remote_run as _remote_run
 from substrax_tasks.backends.base import Fetched
-from substrax_tasks.backends.ssh import SshBackend
+from substrax_tasks.backends.remote_run import RemoteRun
+from substrax_tasks.backends.ssh.backend import SshBackend
 from substrax_tasks.errors import BackendError, HostRefused
-from substrax_tasks.handle import RunHandle
-from substrax_tasks.manifest_cache import ManifestError
-from substrax_tasks.promote import RSYNC_SAFE_CHMOD, safe_mode
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import make_spec
+from substrax_tasks.outputs import manifests as manifest_cache
+from substrax_tasks.outputs.manifests import ManifestError
+from substrax_tasks.outputs.promote import RSYNC_SAFE_CHMOD, safe_mode
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.project import Project
 from substrax_tasks.transports.base import TransferStats
 from substrax_tasks.transports.rsync import RsyncTransport
 
@@ -256,7 +257,7 @@ def peak_memory_of_a_fetch(root: Path, run_id: str) -> tuple[int, str]:
     """A fetch in a process of its own: its peak resident memory (bytes)
     and what it said."""
     script = (
-        "import sys\nfrom substrax_tasks.runs import Project\n"
+        "import sys\nfrom substrax_tasks.store.project import Project\n"
         "project = Project.open(sys.argv[1]); handle = project.store.read(sys.argv[2])\n"
         "try:\n    project.backend_for(handle).fetch(handle)\nexcept Exception as exc:\n    print(exc)\n"
     )

@@ -37,8 +37,8 @@ from dodo_helpers import (
 )
 
 from substrax_tasks.backends.base import Backend
-from substrax_tasks.handle import RunHandle
-from substrax_tasks.runs import Project
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.project import Project
 
 MEMBERS = ["a", "b", "c", "d"]
 # Each member's log says which take it is (`doit fit:b take=2` makes a new

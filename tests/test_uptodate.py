@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 
-from substrax_tasks import manifest_cache, tree, uptodate
-from substrax_tasks.proofs import proof_file
-from substrax_tasks.spec import make_spec
-from substrax_tasks.store import RunStore
-from substrax_tasks.uptodate import DOIT_VALUE, Step
+from substrax_tasks.outputs import manifests as manifest_cache
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.run_store import RunStore
+from substrax_tasks.uptodate import check as uptodate
+from substrax_tasks.uptodate import walk as tree
+from substrax_tasks.uptodate.check import DOIT_VALUE, Step
+from substrax_tasks.uptodate.proofs import proof_file
 
 pytestmark = pytest.mark.unit
 

@@ -35,11 +35,11 @@ from dodo_helpers import (
     write_pyproject,
 )
 
-from substrax_tasks._remote_files import remote_module
+from substrax_tasks.backends.scripts import remote_module
 from substrax_tasks.errors import SpecError
-from substrax_tasks.project_view import check_command_in_view, project_view
-from substrax_tasks.runs import Project
-from substrax_tasks.spec import make_spec
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.step.view import check_command_in_view, project_view
+from substrax_tasks.store.project import Project
 
 WORK = (
     'import os, helper\nos.makedirs("out", exist_ok=True)\n'
@@ -167,7 +167,7 @@ def test_a_step_verified_when_runs_saw_every_tracked_file_runs_once_more_and_why
     record = json.loads(path.read_text())
     parts = record["verified"]["key_parts"]
     del parts["view"]
-    from substrax_tasks.uptodate import key
+    from substrax_tasks.uptodate.check import key
 
     record["verified"]["key"] = key(parts)
     path.write_text(json.dumps(record))
@@ -278,7 +278,7 @@ def test_a_failure_hint_names_a_module_a_package_folder_and_a_script_left_out() 
 
 @pytest.mark.unit
 def test_with_a_uv_lock_the_view_and_the_key_hold_the_pyproject_uv_reads_it_with(tmp_path: Path) -> None:
-    from substrax_tasks.uptodate import environment_lock
+    from substrax_tasks.uptodate.check import environment_lock
 
     for rel in ["uv.lock", "pyproject.toml", "README.md"]:
         (tmp_path / rel).write_text(rel)

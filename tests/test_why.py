@@ -225,7 +225,7 @@ def test_why_loading_the_dodo_changes_no_signal_handler(root: Path) -> None:
     SIGHUP keep the handlers they had."""
     import signal
 
-    from substrax_tasks.dodo_loader import find_step
+    from substrax_tasks.step.dodo import find_step
 
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
     driver, values = find_step(root, "step")
@@ -272,7 +272,7 @@ def test_a_change_that_keeps_size_and_mtime_is_seen(root: Path, path: str, conte
 def test_each_project_s_dodo_is_loaded_afresh_in_one_process(tmp_path: Path) -> None:
     """doit imports a dodo by its bare name: `find_step` on a second project
     in one process (a notebook, a test run) must not get the first's module."""
-    from substrax_tasks.dodo_loader import find_step
+    from substrax_tasks.step.dodo import find_step
 
     roots = []
     for name in ("one", "two"):

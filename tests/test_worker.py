@@ -29,8 +29,8 @@ from conftest import (
     wait_for,
 )
 
-from substrax_tasks.spec import make_spec
-from substrax_tasks.worker_job import WorkerPaths, build_job
+from substrax_tasks.backends.job import WorkerPaths, build_job
+from substrax_tasks.step.spec import make_spec
 
 
 @pytest.fixture(params=["python-current", "python-3.8"])

@@ -13,20 +13,20 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import Backend
-    from substrax_tasks.settings import BackendSettings
+    from substrax_tasks.config.settings import BackendSettings
 
 REGISTRY = MappingProxyType(
     {
-        "local": "substrax_tasks.backends.local:LocalBackend",
-        "ssh": "substrax_tasks.backends.ssh:SshBackend",
-        "skypilot": "substrax_tasks.backends.skypilot:SkypilotBackend",
+        "local": "substrax_tasks.backends.local.backend:LocalBackend",
+        "ssh": "substrax_tasks.backends.ssh.backend:SshBackend",
+        "skypilot": "substrax_tasks.backends.skypilot.backend:SkypilotBackend",
     }
 )
 SETTINGS = MappingProxyType(
     {
-        "local": "substrax_tasks.settings:LocalSettings",
-        "ssh": "substrax_tasks.settings:SshSettings",
-        "skypilot": "substrax_tasks.backends.skypilot_settings:SkypilotSettings",
+        "local": "substrax_tasks.config.settings:LocalSettings",
+        "ssh": "substrax_tasks.config.settings:SshSettings",
+        "skypilot": "substrax_tasks.backends.skypilot.settings:SkypilotSettings",
     }
 )
 BACKEND_NAMES = tuple(REGISTRY)

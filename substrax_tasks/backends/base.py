@@ -14,15 +14,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
-from substrax_tasks._signals import check_interrupted
 from substrax_tasks.errors import HandleError, RunFolderDeleted
+from substrax_tasks.interrupts import check_interrupted
 
 if TYPE_CHECKING:  # pydantic: not imported by a restore from the run cache, which needs Fetched only
     from pydantic import BaseModel
 
-    from substrax_tasks.handle import RunHandle
-    from substrax_tasks.machines import Leak
-    from substrax_tasks.store import RunStore
+    from substrax_tasks.store.gc import Leak
+    from substrax_tasks.store.handle import RunHandle
+    from substrax_tasks.store.run_store import RunStore
 
 FINAL_STATES = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost"})
 LOG_POLL_SECONDS = 0.2

@@ -43,7 +43,7 @@ from dodo_helpers import (
 )
 
 from e2e.conftest import SlurmBedInfo
-from substrax_tasks._sky import SkyClient
+from substrax_tasks.backends.skypilot.client import SkyClient
 from substrax_tasks.errors import SubstraxError
 
 # A launch is ~1 min on this machine (several on a fresh bed: the cluster's

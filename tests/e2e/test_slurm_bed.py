@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from e2e.conftest import SlurmBedInfo
-from substrax_tasks._sky import SkyCallError, SkyClient
+from substrax_tasks.backends.skypilot.client import SkyCallError, SkyClient
 
 # The session fixture's set-up (bed up, ~1 min) counts here too; a first
 # launch on a fresh cluster user installs SkyPilot's runtime from PyPI.

@@ -1,0 +1,179 @@
+"""The job file `remote/worker.py` reads, and how its status file reads back.
+
+Shared by every backend that runs the worker (local, ssh, skypilot): they
+differ only in where the folders are and how the files travel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from substrax_tasks.console import emit
+from substrax_tasks.errors import HandleError
+from substrax_tasks.step.spec import StepSpec
+
+if TYPE_CHECKING:
+    from substrax_tasks.backends.base import RunStatus
+
+STATUS_FILE = "status.json"
+
+
+@dataclass(frozen=True)
+class WorkerPaths:
+    """Where one run's files live on the machine that runs it."""
+
+    project: str
+    run_dir: str
+
+    @property
+    def job(self) -> str:
+        return f"{self.run_dir}/job.json"
+
+    @property
+    def status(self) -> str:
+        return f"{self.run_dir}/{STATUS_FILE}"
+
+    @property
+    def log(self) -> str:
+        return f"{self.run_dir}/run.log"
+
+    @property
+    def staging(self) -> str:  # what the sandboxed task writes
+        return f"{self.run_dir}/work/outputs"
+
+    @property
+    def home(self) -> str:  # the sandbox's home for one run; the worker removes it as the run ends
+        return f"{self.run_dir}/work/home"
+
+
+def project_key(project: str) -> str:
+    """A folder name for one client's project on a shared machine: its name
+    to read, a digest of its path to tell two projects of that name apart."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", PurePosixPath(project).name).strip("-.")[:40] or "project"
+    return f"{name}-{hashlib.sha256(project.encode()).hexdigest()[:12]}"
+
+
+def build_job(
+    spec: StepSpec,
+    paths: WorkerPaths,
+    *,
+    sandbox: str,
+    network_isolation: bool,
+    grace_seconds: float,
+    hide: list[str],
+    extra_ro: list[str] | None = None,
+    env_dir: str | None = None,
+    cache_dirs: Sequence[str] = (),
+    cache_root: str | None = None,
+    project_hidden: Sequence[str] = (),
+    project_shown: Sequence[str] | None = None,
+    left_out: Sequence[str] = (),
+    gpus: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The job; `env_dir`: the environment built from the project's lock
+    file, first on the task's PATH and readable in the sandbox;
+    `project_hidden`: project paths the sandbox hides (a local run sees
+    what a remote one gets, see project_view.py), `project_shown`: the
+    paths it shows (an entry made after the view was taken is in neither,
+    and stays hidden), `left_out`: those a failure names when its log
+    mentions them;
+    `cache_dirs` (validated "~/..." folders of the sandbox's home) are kept
+    across runs under `cache_root`, at the same paths below it; `gpus`:
+    what the worker takes and shows the task (_gpus.job_gpus)."""
+    job: dict[str, Any] = {
+        "argv": list(spec.command),
+        "cwd": paths.project,
+        "project": paths.project,
+        "outputs": spec.output_entries(),
+        "staging": paths.staging,
+        "status_file": paths.status,
+        "log_file": paths.log,
+        "timeout": spec.timeout,
+        "grace_seconds": grace_seconds,
+        "sandbox": sandbox,
+        "network_isolation": network_isolation,
+        "hide": hide,
+        "extra_ro": list(extra_ro or []),
+        "env": dict(spec.env),
+        # names only: the values come from the worker's environment (local)
+        # or its stdin (remote), never from a file
+        "forward_env": list(spec.forward_env),
+        "home_dir": paths.home,
+        "cache_dirs": [],
+        "project_hidden": list(project_hidden),
+        "left_out": list(left_out),
+    }
+    if project_shown is not None:
+        job["project_shown"] = list(project_shown)
+    if gpus is not None:
+        job["gpus"] = gpus
+    for folder in cache_dirs:
+        if cache_root is None:
+            raise ValueError("cache_dirs need a cache_root")
+        rel = folder[2:].rstrip("/")  # validated: "~/" and a clean relative path
+        job["cache_dirs"].append({"path": rel, "kept": f"{cache_root}/{rel}"})
+    if env_dir is not None:
+        job["extra_ro"].append(env_dir)
+        job["path_prepend"] = [f"{env_dir}/bin"]
+        job["env"]["VIRTUAL_ENV"] = env_dir
+    return job
+
+
+def env_dir_of(step: str, answer: dict[str, Any]) -> str | None:
+    """The environment's folder from remote/env.py's answer ({}: no lock
+    file), with what was done said to the user."""
+    if not answer:
+        return None
+    verb = "reusing the environment for" if answer["reused"] else "built the environment from"
+    emit(f"{step}: {verb} {answer['lock']} ({answer['digest']})")
+    return str(answer["env_dir"])
+
+
+def damaged_status(record: dict[str, Any], host: str | None = None) -> RunStatus:
+    """A run whose status file is damaged (control.py's `status` said so):
+    lost when no worker of it is going, so its step is launched again;
+    while one is, a HandleError naming it, since the run's state cannot be
+    known and a second run must not start beside it."""
+    from substrax_tasks.backends.base import RunStatus
+
+    damage = record.get("damaged")
+    pids = record.get("worker_pids") or []
+    if not pids:
+        return RunStatus("lost", message=f"its status file {damage}, and no worker of it is going")
+    on = f" on {host}" if host else ""
+    raise HandleError(
+        f"its status file {damage}, and its worker (pid {', '.join(map(str, pids))}{on}) is still going: "
+        f"its state cannot be known. Stop that worker (kill {' '.join(map(str, pids))}{on}) and run "
+        "again: the run then reads as lost, and its step is launched again"
+    )
+
+
+def status_from_record(record: dict[str, Any] | None, worker_alive: bool) -> RunStatus:
+    """Read the worker's status file. A `running` record whose worker is
+    gone means the worker was killed before it could say how things ended."""
+    from substrax_tasks.backends.base import RunStatus  # pydantic: kept off a no-op doit's path
+
+    if record is None:
+        return RunStatus("pending")
+    state = str(record.get("state", "pending"))
+    if state in ("running", "starting") and not worker_alive:
+        return RunStatus(
+            "lost",
+            started_at=record.get("started_at"),
+            message="the worker stopped without recording an end (killed, or the machine restarted)",
+        )
+    if state == "starting":  # its worker is alive and will start it: never a second one
+        state = "running"
+    return RunStatus(
+        state,
+        exit_code=record.get("exit_code"),
+        started_at=record.get("started_at"),
+        ended_at=record.get("ended_at"),
+        message=record.get("message"),
+        gpus=record.get("gpus"),
+    )

@@ -1,0 +1,427 @@
+"""What the ssh and skypilot backends share: a run's folder on a machine
+reached over ssh, and the scripts, environment and files it is made of.
+
+`RemoteRun` is one run's folder there: remote/control.py's status and
+remove, its log (and the copy of it kept here once the folder goes), and
+the verified copy's fetch: the manifest the worker wrote as the command
+ended (`<run dir>/manifest.json`), then the outputs by rsync into a fresh
+local staging folder. The chain verifies the copy against that manifest;
+nothing here decides whether it matches.
+
+Nothing installed there is run unchecked: every script runs through
+CHECKED_RUN, which compares each script of the bin folder with the sha256
+of the one this client sent, then runs the one asked for. A host that
+changed one is damaged (DamagedHost), never obeyed; and each answer a host
+sends back is held to a size (a status line to MAX_STATUS_BYTES, the log
+stream to the log's limit), so even a host whose Python itself lies cannot
+make this side write or hold without end.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import IO, Any, Protocol
+
+from substrax_tasks.backends.base import MAX_LOG_BYTES, Backend, Fetched, RunStatus, log_cut_note
+from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
+from substrax_tasks.backends.ssh.openssh import MAX_ANSWER_BYTES, AnswerTooBig, RemoteResult
+from substrax_tasks.errors import BackendError, HostRefused
+from substrax_tasks.interrupts import check_interrupted
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.transports.base import checked_manifest
+from substrax_tasks.transports.rsync import RsyncTransport
+
+MANIFEST_FILE = "manifest.json"  # in the run's folder, written by the worker as the command ended
+LOG_CHUNK = 1 << 20
+# The most a script's one-line JSON answer (a status, the environment's
+# folder, the GPUs) may be: real ones are a few KiB. A manifest may be far
+# bigger and is held to MAX_ANSWER_BYTES.
+MAX_STATUS_BYTES = 1 << 20
+# A follower still going this long after the run's lifetime ended (its
+# timer removes the run's folder) is not ours to wait on: the status is read.
+FOLLOW_PAST_LIFETIME_SECONDS = 120.0
+# How CHECKED_RUN says that a script differs from the one sent: its exit
+# status and the start of its last stderr line (then the names, as JSON).
+DAMAGED_EXIT = 86
+DAMAGED_MARK = "substrax-damaged-scripts:"
+# `python3 -c CHECKED_RUN BIN_DIR DIGESTS NAME ARGS...`: Python 3.8 and
+# stdlib only. Every script of the bin folder is hashed (the worker imports
+# its siblings), then the interpreter becomes `python3 BIN_DIR/NAME ARGS...`,
+# exactly what ran before the check: the same argv in /proc, by which
+# control.py finds a run's workers. A host that swaps a script in the
+# moment between is hostile; what bounds it is the caps on its answers.
+CHECKED_RUN = """\
+import hashlib, json, os, sys
+folder, expected, name = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+changed = []
+for script in sorted(expected):
+    try:
+        with open(os.path.join(folder, script), "rb") as f:
+            data = f.read(4 << 20)
+    except OSError:
+        data = b""
+    if hashlib.sha256(data).hexdigest() != expected[script]:
+        changed.append(script)
+if changed or name not in expected:
+    sys.stderr.write("%s%s\\n" % (MARK, json.dumps(changed or [name])))
+    sys.exit(EXIT)
+os.execv(sys.executable, [sys.executable, os.path.join(folder, name)] + sys.argv[4:])
+""".replace("MARK", repr(DAMAGED_MARK)).replace("EXIT", str(DAMAGED_EXIT))
+
+
+class Remote(Protocol):
+    """A machine that runs commands: an SSH host or a SkyPilot cluster."""
+
+    @property
+    def host(self) -> str: ...
+
+    def run(
+        self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120,
+        limit: int = MAX_ANSWER_BYTES,
+    ) -> RemoteResult: ...
+
+    def stream(self, argv: list[str], out: Callable[[bytes], None], tick: Callable[[], None]) -> RemoteResult:
+        """Run argv for as long as it goes, stdout to `out`, `tick` every
+        fraction of a second; closing its stdin ends it (see _ssh.py)."""
+        ...
+
+
+@functools.cache
+def scripts_digest() -> str:
+    """Names the folder the remote scripts are uploaded to: a run uses the
+    scripts it was launched with, even after an upgrade here. Once per
+    process: the installed scripts do not change under it, and every
+    command sent to a host asks (checked_script)."""
+    digest = hashlib.sha256()
+    for name in REMOTE_SCRIPTS:
+        digest.update(remote_script(name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@functools.cache
+def script_digests() -> dict[str, str]:
+    """The sha256 of each script this installation sends (once per process,
+    as scripts_digest)."""
+    return {name: hashlib.sha256(remote_script(name).read_bytes()).hexdigest() for name in REMOTE_SCRIPTS}
+
+
+def checked_script(python: str, bin_dir: str, name: str, *args: str) -> list[str]:
+    """argv that runs `bin_dir/name` there only if every script in bin_dir is
+    the one this installation sent (CHECKED_RUN). A bin folder of another
+    release's scripts (a run launched before an upgrade here) cannot be
+    checked from here: its scripts run as they are, as before."""
+    if PurePosixPath(bin_dir).name != f"bin-{scripts_digest()}":
+        return [python, f"{bin_dir}/{name}", *args]
+    return [python, "-c", CHECKED_RUN, bin_dir, json.dumps(script_digests(), sort_keys=True), name, *args]
+
+
+class DamagedHost(HostRefused):
+    """A script installed on the host is not the one this client sent."""
+
+
+def damaged_scripts(result: RemoteResult) -> list[str] | None:
+    """The scripts CHECKED_RUN found changed, if that is why `result` failed."""
+    if result.returncode != DAMAGED_EXIT:
+        return None
+    for line in reversed(result.stderr.decode(errors="replace").splitlines()):
+        if line.startswith(DAMAGED_MARK):
+            try:
+                names = json.loads(line[len(DAMAGED_MARK) :])
+            except ValueError:
+                return None
+            return [str(n) for n in names] if isinstance(names, list) else None
+    return None
+
+
+def forwarded_env(handle: RunHandle) -> dict[str, str]:
+    """The secrets named by the step, read from this process now: sent on
+    stdin, never written to a file here or there."""
+    return {name: os.environ[name] for name in handle.spec.forward_env if name in os.environ}
+
+
+def read_kept_log(kept: Path, offset: int) -> bytes | None:
+    """The log kept here once the run's folder went, from `offset`; None if none is kept."""
+    try:
+        with kept.open("rb") as f:
+            f.seek(offset)
+            return f.read(LOG_CHUNK)
+    except FileNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class RemoteRun:
+    """One run's folder on `remote`, and the scripts uploaded beside it."""
+
+    remote: Remote
+    python: str
+    bin_dir: str
+    run_dir: str
+
+    @property
+    def run_id(self) -> str:
+        return PurePosixPath(self.run_dir).name
+
+    def script(self, name: str, *args: str) -> list[str]:
+        return checked_script(self.python, self.bin_dir, name, *args)
+
+    def run_script(
+        self, name: str, *args: str, what: str, stdin: bytes | None = None, timeout: float | None = 120,
+        limit: int = MAX_STATUS_BYTES,
+    ) -> RemoteResult:
+        """One of the scripts there, checked first (CHECKED_RUN), its answer
+        held to `limit` bytes: a damaged host or an answer too big is refused
+        with this run named (HostRefused, never retried)."""
+        try:
+            result = self.remote.run(self.script(name, *args), stdin=stdin, timeout=timeout, limit=limit)
+        except AnswerTooBig as exc:
+            raise HostRefused(f"{what} for run {self.run_id}: {exc}") from None
+        self.refuse_damaged(result)
+        return result
+
+    def refuse_damaged(self, result: RemoteResult) -> None:
+        changed = damaged_scripts(result)
+        if changed is not None:
+            raise DamagedHost(
+                f"run {self.run_id}: the script(s) {', '.join(changed)} in {self.bin_dir} on "
+                f"{self.remote.host} are not the ones this client installed (changed or removed "
+                "after the install): the host is damaged or tampered with, and nothing is run "
+                f"there. `substrax-compute teardown {self.run_id}` puts the scripts back, stops "
+                "the run and removes its folder"
+            )
+
+    def reinstall(self) -> None:
+        """Put the scripts this client sent back in the bin folder (a damaged
+        host's: only the teardown does this, to stop and remove the run)."""
+        write = 'umask 077 && mkdir -p "$1" && cat > "$1/$2.$3" && mv "$1/$2.$3" "$1/$2"'
+        for name in REMOTE_SCRIPTS:
+            temp = f"{secrets.token_hex(6)}.tmp"
+            self.check(["sh", "-c", write, "sh", self.bin_dir, name, temp], f"reinstalling {name}",
+                       stdin=remote_script(name).read_bytes())  # fmt: skip
+
+    def check(self, argv: list[str], what: str, stdin: bytes | None = None) -> RemoteResult:
+        result = self.remote.run(argv, stdin=stdin)
+        if result.returncode != 0:
+            raise result.failure(what, self.remote.host)
+        return result
+
+    def checked_script(self, name: str, *args: str, what: str, stdin: bytes | None = None) -> RemoteResult:
+        """run_script, failing unless it exits 0."""
+        result = self.run_script(name, *args, what=what, stdin=stdin)
+        if result.returncode != 0:
+            raise result.failure(what, self.remote.host)
+        return result
+
+    def control(self, operation: str, *args: str, what: str) -> dict[str, Any]:
+        """remote/control.py's answer (one JSON line) for this run."""
+        result = self.checked_script("control.py", operation, self.run_dir, *args, what=what)
+        return self.answer(result, what)
+
+    def answer(self, result: RemoteResult, what: str) -> dict[str, Any]:
+        try:
+            data = json.loads(result.text().strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise BackendError(f"{what}: unexpected answer {result.text()[:200]!r}") from None
+        if not isinstance(data, dict):
+            raise BackendError(f"{what}: unexpected answer {data!r}")
+        return data
+
+    def status(self) -> dict[str, Any]:
+        """The run's status record; `exists` False once its folder is gone,
+        even with the scripts gone too (the host restarted with an empty
+        scratch disk, or its whole remote root was removed)."""
+        what = "reading the run's status"
+        try:
+            argv = self.script("control.py", "status", self.run_dir)
+            result = self.remote.run(argv, limit=MAX_STATUS_BYTES)
+        except AnswerTooBig as exc:
+            raise HostRefused(f"{what} for run {self.run_id}: {exc}") from None
+        if result.returncode != 0:
+            # Asked only now: a lost folder is rare, a status read is not.
+            # Before the scripts' check: gone with the folder, they are no damage.
+            if self.remote.run(["test", "-e", self.run_dir]).returncode == 1:
+                return {"state": None, "exists": False}
+            self.refuse_damaged(result)
+            raise result.failure(what, self.remote.host)
+        return self.answer(result, what)
+
+    def follow_argv(self, offset: int, limit: int) -> list[str]:
+        """remote/control.py's follower: the log from `offset` until the run
+        ends (see there)."""
+        return self.script("control.py", "follow", self.run_dir, str(offset), str(limit))
+
+    def remove(self) -> None:
+        """Cancel the run and remove its folder there; an error, the folder
+        kept, while processes of the run that would not stop are alive."""
+        answer = self.control("remove", what="removing the run folder")
+        if answer.get("removed") is False and answer.get("reason"):
+            raise BackendError(f"run folder {self.run_dir} on {self.remote.host} kept: {answer['reason']}")
+
+    def read_log(self, offset: int) -> bytes:
+        """The run's log there from `offset` (b"" when there is none)."""
+        # Only a regular file: a log replaced by a link or a device
+        # (/dev/zero) would be read without end. The worker writes a
+        # regular file, so anything else was put there behind its back.
+        tail = (
+            'if [ -L "$2" ] || { [ -e "$2" ] && [ ! -f "$2" ]; }; then exit 3; fi; '
+            'tail -c +"$1" "$2" 2>/dev/null | head -c "$3"'
+        )
+        log = f"{self.run_dir}/run.log"
+        result = self.remote.run(["sh", "-c", tail, "sh", str(offset + 1), log, str(LOG_CHUNK)])
+        if result.returncode == 3:
+            raise HostRefused(
+                f"the run's log {log} on {self.remote.host} is not a regular file (a link or a "
+                "device, not what the worker writes): refused unread, and the run with it"
+            )
+        if result.returncode != 0:
+            raise result.failure("reading the log", self.remote.host)
+        return result.stdout
+
+    def keep_log(self, kept: Path) -> None:
+        """Copy the log here before the run's folder goes: teardown keeps
+        the handle and the logs."""
+        partial = kept.with_name(kept.name + ".partial")
+        offset = 0
+        with partial.open("wb") as f:
+            try:
+                while chunk := self.read_log(offset)[: MAX_LOG_BYTES - offset]:
+                    f.write(chunk)
+                    offset += len(chunk)
+            except HostRefused as exc:  # the run is going: keep what says why
+                f.write(f"[substrax: {exc}]\n".encode())
+            if offset >= MAX_LOG_BYTES:
+                f.write(log_cut_note(f"the rest was not kept from {self.remote.host}"))
+        partial.replace(kept)
+
+    def manifest(self, outputs_root: str, outputs: list[str]) -> dict[str, Any]:
+        """The outputs' manifest the worker wrote as the command ended. A
+        run that left none (made by an older release, or its tree was
+        refused) has one taken now, once, and saved beside the run: refused
+        again, that is a ManifestError with remote/manifest.py's message."""
+        path = f"{self.run_dir}/{MANIFEST_FILE}"
+        # Exit 3 only when there is none: a broken connection must not
+        # stand in a manifest of the outputs as they are now for this one.
+        try:
+            kept = self.remote.run(["sh", "-c", '[ -e "$1" ] || exit 3; exec cat "$1"', "sh", path])
+        except AnswerTooBig as exc:
+            raise HostRefused(f"reading {path} for run {self.run_id}: {exc}") from None
+        if kept.returncode == 0:
+            return checked_manifest(kept.stdout, f"{path} on {self.remote.host}")
+        if kept.returncode != 3:
+            raise kept.failure(f"reading {path}", self.remote.host)
+        taken = self.run_script("manifest.py", "--", outputs_root, *outputs,
+                                what="taking the outputs' manifest", timeout=None, limit=MAX_ANSWER_BYTES)
+        said = taken.stderr.decode(errors="replace").strip()
+        if taken.returncode == 1 and said.startswith("manifest.py:"):
+            from substrax_tasks.outputs.manifests import ManifestError
+
+            raise ManifestError(said)
+        if taken.returncode != 0:
+            raise taken.failure("taking the outputs' manifest", self.remote.host)
+        manifest = checked_manifest(taken.stdout, f"taken on {self.remote.host}")
+        save = 'cat > "$1.$2" && mv "$1.$2" "$1"'  # a temp name of its own: fetches may race
+        temp = f"{secrets.token_hex(6)}.partial"
+        self.check(["sh", "-c", save, "sh", path, temp], "saving the outputs' manifest", stdin=taken.stdout)
+        return manifest
+
+    def fetch(
+        self, transport: RsyncTransport, outputs: list[str], staging: Path, outputs_root: object = None
+    ) -> Fetched:
+        """The manifest, then a copy of the outputs into `staging` (made
+        afresh: a killed copy leaves temp files, and a file since deleted
+        there would stay here). Outputs changed on the host after the
+        command ended do not match the manifest, so verification refuses
+        the copy; the run's folder stays for a fetch again. `outputs_root`:
+        where the outputs are there, if noted when the run was seen to end;
+        otherwise its status says."""
+        if not isinstance(outputs_root, str):
+            outputs_root = self.status().get("outputs_root")
+        if not isinstance(outputs_root, str):
+            raise BackendError(f"the status of run {self.run_dir} names no outputs folder")
+        manifest = self.manifest(outputs_root, outputs)
+        shutil.rmtree(staging, ignore_errors=True)
+        present = [o for o in outputs if o not in manifest["missing"]]
+        if present:
+            try:
+                transport.download(outputs_root, present, staging)
+            except BaseException:
+                # A refused or broken copy leaves nothing behind: what it
+                # brought is never verified, so it has no use here.
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        return Fetched(staging, manifest)
+
+
+class _LogFull(Exception):
+    """The follower sent the log up to its limit (or, from a lying host, past it)."""
+
+
+class _FollowOverdue(Exception):
+    """The follower outlived the run's lifetime."""
+
+
+def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int, run: RemoteRun) -> RunStatus:
+    """A run's log from `offset` to `out` until it ends, through one
+    follower there (control.py follow: one channel, the status read there
+    each tick) instead of a status and a log read started every fraction of
+    a second; then its status, read once. The base's polling reads the log
+    again only when the follower did not see the end (the connection broke)
+    or the log was cut: when it did, what it sent is the whole log (it reads
+    the log after the status that says the run ended). Nothing past the
+    log's limit is taken, whatever the host sends: the stream is closed
+    there and the cut noted once, as for any log that long; nor is the
+    follower waited on past the run's lifetime."""
+    from substrax_tasks.store.gc import lifetime_left
+
+    room = max(MAX_LOG_BYTES - offset, 0)
+    sent = 0
+    left = lifetime_left(handle)
+    deadline = None if left is None else time.monotonic() + left + FOLLOW_PAST_LIFETIME_SECONDS
+
+    def tick() -> None:
+        check_interrupted()
+        backend.check_recorded(handle)  # the store deleted under the run: torn down
+        if deadline is not None and time.monotonic() > deadline:
+            raise _FollowOverdue
+
+    def write(chunk: bytes) -> None:
+        nonlocal sent
+        chunk = chunk[: room - sent]
+        out.write(chunk)
+        out.flush()
+        sent += len(chunk)
+        if sent >= room:
+            raise _LogFull
+
+    # Ctrl-C in a doit thread is seen within a tick; the stream then closes
+    # the follower's stdin, which ends it there.
+    try:
+        result = run.remote.stream(run.follow_argv(offset, MAX_LOG_BYTES), write, tick)
+    except _LogFull:
+        result = RemoteResult(0, b"", b"")
+    except _FollowOverdue:  # as a broken connection: the polling below reads the status
+        result = RemoteResult(-1, b"", b"")
+    offset += sent
+    run.refuse_damaged(result)
+    if result.returncode == 3:
+        raise HostRefused(
+            f"the run's log {run.run_dir}/run.log on {run.remote.host} is not a regular file "
+            "(a link or a device, not what the worker writes): refused unread, and the run with it"
+        )
+    status = backend.poll(handle)
+    if status.final and result.returncode == 0 and offset < MAX_LOG_BYTES:
+        return status
+    # The rest of the log, or the cut noted; and, for a run still going, the
+    # polling that follows it: the follower's connection broke (a network
+    # blip must not fail a run that goes on there; a host that stays out of
+    # reach fails the polling's reads) or, not expected, it ended early.
+    return Backend.stream_log(backend, handle, out, follow=not status.final, offset=offset)

@@ -1,0 +1,350 @@
+"""The SkyPilot task a run becomes: resources, file mounts, setup and run.
+
+Pure functions of the handle and the settings, so the generated config can
+be written to disk as the run's intent before anything is launched, and
+validated by the real SkyPilot in tests for every shape. Three are not:
+`validate` (SkyPilot reads the task), and `job_home` and `at_job_home`,
+where those paths are once the job runs.
+
+On the cluster, relative to the home the job runs in (`remote_root`):
+
+    bin-<digest>/            the remote/ scripts (COPY mount)
+    runs/<run-id>/in/        job.json (COPY mount)
+    runs/<run-id>/project/   the project snapshot and sources (COPY mounts)
+    runs/<run-id>/work/outputs/  what the task writes (copy transport)
+    mnt/<bucket-key>/<run-id>/   outputs and manifest.json (bucket transport)
+    envs/<digest>/           the environment built from the lock file
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import shlex
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from substrax_tasks.backends.job import WorkerPaths, build_job, project_key
+from substrax_tasks.backends.local.backend import link_tree
+from substrax_tasks.backends.remote_run import checked_script, scripts_digest
+from substrax_tasks.backends.scripts import env
+from substrax_tasks.backends.skypilot.client import SkyCallError, SkyClient
+from substrax_tasks.backends.skypilot.settings import NO_AUTODOWN, SkypilotSettings, cloud_of
+from substrax_tasks.errors import SubstraxError
+from substrax_tasks.step.view import project_view
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.run_store import RunStore
+
+
+class SkyConfigRefused(SubstraxError):
+    """SkyPilot refused the generated task: a configuration error, not retried."""
+
+
+# The job prints its home to its log (the setup's first line): a shell that
+# ssh starts may be elsewhere (see at_job_home).
+HOME_MARK = re.compile(r"substrax-job-home:(/.*?):end")
+_UNSAFE = re.compile(r"[^a-z0-9]+")
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
+
+
+CLIENT_TAG_LENGTH = 8
+
+
+def client_tag(client_id: str) -> str:
+    """What of the client's id (store.client_id) a cluster's name carries."""
+    return client_id[:CLIENT_TAG_LENGTH]
+
+
+def cluster_name(settings: SkypilotSettings, handle: RunHandle, client_id: str) -> str:
+    """`<prefix>-<step>-<client tag>-<6 hex>`: SkyPilot's rules (a letter
+    first; letters, digits and '-'), short enough for every cloud, unique per
+    run, and marked as this client's by 32 random bits of its id (gc --machines
+    takes down only clusters that carry it, or that its handles name)."""
+    slug = _UNSAFE.sub("-", handle.step.lower()).strip("-")[:10].strip("-") or "step"
+    suffix = hashlib.sha256(handle.run_id.encode()).hexdigest()[:6]
+    return f"{settings.cluster_prefix}-{slug}-{client_tag(client_id)}-{suffix}"
+
+
+def made_by(cluster: str, prefix: str, client_id: str) -> bool:
+    """Whether `cluster` is named as this client's (cluster_name)."""
+    parts = cluster.rsplit("-", 2)
+    return cluster.startswith(f"{prefix}-") and len(parts) == 3 and parts[1] == client_tag(client_id)
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    """Where a run's files are on the cluster, relative to the home folder
+    (or absolute, when remote_root is)."""
+
+    root: str
+    run_id: str
+    bin_digest: str
+    bucket_key: str | None = None
+
+    @property
+    def bin(self) -> str:
+        return f"{self.root}/bin-{self.bin_digest}"
+
+    @property
+    def run(self) -> str:
+        return f"{self.root}/runs/{self.run_id}"
+
+    @property
+    def inbox(self) -> str:
+        return f"{self.run}/in"
+
+    @property
+    def project(self) -> str:
+        return f"{self.run}/project"
+
+    @property
+    def bucket_dir(self) -> str:
+        assert self.bucket_key is not None
+        return f"{self.root}/mnt/{self.bucket_key}"
+
+    @property
+    def staging(self) -> str:
+        if self.bucket_key is not None:
+            return f"{self.bucket_dir}/{self.run_id}/outputs"
+        return WorkerPaths(project=self.project, run_dir=self.run).staging
+
+    def env_dir(self, digest: str) -> str:
+        return f"{self.root}/envs/{digest}"
+
+    @staticmethod
+    def mount_point(path: str) -> str:
+        """A file mount's destination: SkyPilot expands `~/`."""
+        return path if path.startswith("/") else f"~/{path}"
+
+
+def layout_for(settings: SkypilotSettings, handle: RunHandle) -> ClusterLayout:
+    """The run's layout; the scripts are those its launch uploaded (their
+    folder is named after their digest), even if this installation's differ
+    by now (an upgrade between launch and fetch)."""
+    bucket_key = None
+    if settings.bucket is not None:
+        bucket_key = hashlib.sha256(settings.bucket.outputs_bucket.encode()).hexdigest()[:10]
+    pinned = handle.state.get("bin_digest")
+    digest = pinned if isinstance(pinned, str) else scripts_digest()
+    return ClusterLayout(settings.remote_root.rstrip("/"), handle.run_id, digest, bucket_key)
+
+
+def environment(
+    settings: SkypilotSettings, layout: ClusterLayout, project: Path
+) -> tuple[str | None, str | None]:
+    """The lock file the environment is built from, and its folder (None, None: no lock)."""
+    recipe = env()
+    lock = recipe.lock_file(str(project))
+    if lock is None:
+        return None, None
+    return lock, layout.env_dir(recipe.digest(str(project), lock, settings.python, settings.pip_args))
+
+
+def worker_job(
+    settings: SkypilotSettings,
+    handle: RunHandle,
+    layout: ClusterLayout,
+    env_dir: str | None,
+    left_out: list[str] | None = None,
+) -> dict[str, Any]:
+    """The worker's job, its folders relative to the home folder (the worker
+    resolves them where it starts: the home is unknown until launch)."""
+    job = build_job(
+        handle.spec,
+        WorkerPaths(project=layout.project, run_dir=layout.run),
+        sandbox=settings.sandbox,
+        network_isolation=settings.transport.network_isolation,
+        grace_seconds=settings.grace_seconds,
+        hide=["."],  # the home folder: its credentials are not the task's
+        env_dir=env_dir,
+        cache_dirs=settings.cache_dirs,
+        cache_root=f"{layout.root}/cache/{project_key(str(handle.state['project']))}",
+        left_out=left_out or [],
+    )
+    job["staging"] = layout.staging
+    if layout.bucket_key is not None:  # the bucket transport fetches it with the outputs
+        job["manifest_copy"] = f"{layout.bucket_dir}/{handle.run_id}/manifest.json"
+    return job
+
+
+def _sh(argv: list[str]) -> str:
+    return shlex.join(argv)
+
+
+def lifetime_timer(settings: SkypilotSettings) -> dict[str, float]:
+    """The lifetime timer as the handle records it (as the ssh backend's):
+    armed now, ending in `seconds`. The run is stopped idle_minutes before
+    the lifetime ends, so that SkyPilot's autodown (armed at launch) has the
+    cluster gone by then."""
+    seconds = (settings.transport.lifetime_minutes - settings.idle_minutes) * 60  # > 0: checked
+    return {"armed_at": time.time(), "seconds": seconds}
+
+
+def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterLayout,
+                 lock: str | None, env_dir: str | None) -> str:  # fmt: skip
+    """Lifetime timer first (nothing outlives lifetime_minutes even if setup
+    hangs), then the setup commands, then the locked environment."""
+    seconds = lifetime_timer(settings)["seconds"]
+    lines = ["set -e", 'cd "$HOME"', "printf 'substrax-job-home:%s:end\\n' \"$(pwd -P)\"",
+             watchdog_line(settings, layout, seconds)]  # fmt: skip
+    lines += settings.setup_commands
+    if lock and env_dir:
+        # The same recipe as every backend's (it prints where the env is: known here already).
+        build = checked_script(settings.python, layout.bin, "env.py", layout.project, f"{layout.root}/envs",
+                               settings.python, *settings.pip_args)  # fmt: skip
+        lines.append(f"{_sh(build)} >/dev/null")
+    return "\n".join(lines) + "\n"
+
+
+def watchdog_line(settings: SkypilotSettings, layout: ClusterLayout, seconds: float) -> str:
+    """Make the run's folder and arm its lifetime timer: `seconds` from now."""
+    watchdog = checked_script(settings.python, layout.bin, "control.py", "watchdog", layout.run,
+                              f"{seconds:g}")
+    if cloud_of(settings.infra) in NO_AUTODOWN:
+        watchdog.append("--poweroff")
+    return f'cd "$HOME" && {_sh(["mkdir", "-p", layout.run])} && {_sh(watchdog)}'
+
+
+def at_job_home(
+    layout: ClusterLayout, sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str
+) -> ClusterLayout:
+    """The layout at the home the job runs in (job_home); as it is until
+    the setup has printed it."""
+    home = job_home(sky, store, handle, cluster)
+    return replace(layout, root=f"{home}/{layout.root}") if home is not None else layout
+
+
+def job_home(sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str) -> str | None:
+    """The home the run's job runs in, as its setup printed it to the job's
+    log (asked once, then kept in the handle). A shell ssh starts may be
+    elsewhere: on Slurm, SkyPilot's ~/.sky_ssh_rc moves it into the
+    cluster's folder only when the sshd accepts SKY_CLUSTER_NAME and the
+    login's ~/.bashrc gets as far as that line, which a stock one does not
+    for a command."""
+    with contextlib.suppress(SubstraxError):
+        handle = store.read(handle.run_id)  # a caller's copy may predate it
+    home, job_id = handle.state.get("job_home"), handle.state.get("job_id")
+    if isinstance(home, str) or not isinstance(job_id, int) or handle.state.get("torn_down"):
+        return home if isinstance(home, str) else None
+    log = store.run_dir(handle.run_id) / "job-home.log"
+    log.unlink(missing_ok=True)  # the helper appends
+    try:
+        sky.call("tail_logs", {"cluster_name": cluster, "job_id": job_id, "follow": False,
+                               "output_file": str(log)})  # fmt: skip
+        found: list[str] = HOME_MARK.findall(log.read_text(errors="replace"))
+    except (SubstraxError, OSError):
+        found = []
+    finally:
+        log.unlink(missing_ok=True)
+    if not found:
+        return None
+    store.update_state(handle, job_home=found[-1])
+    return found[-1]
+
+
+def run_script(settings: SkypilotSettings, layout: ClusterLayout) -> str:
+    """The worker in the foreground (SkyPilot's cancel reaches its tree; its
+    exit status is the job's), with the task's log copied into the job's."""
+    log = f"{layout.run}/run.log"
+    worker = checked_script(settings.python, layout.bin, "worker.py", f"{layout.inbox}/job.json",
+                            "--exit-status")
+    return "\n".join([
+        'cd "$HOME"',
+        f"tail -n +1 -F {shlex.quote(log)} 2>/dev/null &",
+        "tail_pid=$!",
+        _sh(worker),
+        "code=$?",
+        "sleep 1",
+        'kill "$tail_pid" 2>/dev/null',
+        'exit "$code"',
+    ]) + "\n"  # fmt: skip
+
+
+def task_config(
+    settings: SkypilotSettings,
+    handle: RunHandle,
+    layout: ClusterLayout,
+    *,
+    upload_dir: Path,
+    remote_dir: Path,
+    project: Path,
+    lock: str | None,
+    env_dir: str | None,
+) -> dict[str, Any]:
+    """The SkyPilot task config (YAML schema, as a dict). Secrets are not in
+    it: they go to SkyPilot on the helper's stdin at launch only."""
+    mount = ClusterLayout.mount_point
+    file_mounts: dict[str, Any] = {
+        mount(layout.bin): str(remote_dir),
+        mount(layout.inbox): str(upload_dir / "in"),
+        mount(layout.project): str(upload_dir / "project"),
+    }
+    if settings.copy_ is not None:
+        for source in settings.copy_.source_paths():
+            file_mounts[mount(f"{layout.project}/{source}")] = str(project / source)
+    if settings.bucket is not None:
+        file_mounts[mount(layout.bucket_dir)] = {"source": settings.bucket.outputs_bucket, "mode": "MOUNT"}
+        for path, uri in settings.bucket.buckets.items():
+            file_mounts[mount(f"{layout.project}/{path.strip('/')}")] = {"source": uri, "mode": "MOUNT"}
+    config: dict[str, Any] = {
+        # SkyPilot's task names: letters and digits, single '-' between them
+        "name": _UNSAFE_NAME.sub("-", f"substrax-{handle.run_id}")[:60].strip("-"),
+        "num_nodes": 1,
+        "resources": settings.resources(dict(handle.spec.resources)),
+        "file_mounts": file_mounts,
+        "setup": setup_script(settings, handle, layout, lock, env_dir),
+        "run": run_script(settings, layout),
+    }
+    return config
+
+
+def snapshot(
+    settings: SkypilotSettings, handle: RunHandle, project: Path, state_dir: Path, dest: Path
+) -> list[str]:
+    """The step's view of the project (its inputs and the lock file), as hard
+    links (copies across file systems) in `dest`: SkyPilot uploads it.
+    Returns what was left out (for a failure to name)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    outputs = {o.rstrip("/") for o in handle.spec.outputs}
+    sources = set(settings.copy_.source_paths()) if settings.copy_ is not None else set()
+    buckets = {p.strip("/") for p in settings.bucket.buckets} if settings.bucket is not None else set()
+    skipped = outputs | sources | buckets
+    view = project_view(project, state_dir, handle.spec.inputs, handle.spec.outputs)
+    files = [f for f in view.files if f not in skipped]
+    for rel in files:  # an input inside a folder already taken stays as taken
+        link_tree(project / rel.rstrip("/"), dest / rel.rstrip("/"))
+    # SkyPilot filters a mount through the .gitignore files in it, unless
+    # its root holds a .skyignore: an empty one, so that what was chosen
+    # above (the declared inputs and the lock file) is what arrives. Written
+    # beside and renamed: the snapshot's files are links to the project's.
+    ignore = dest / ".skyignore"
+    partial = dest / ".skyignore.partial"
+    partial.write_text("# substrax-tasks: this snapshot is exactly what is uploaded\n")
+    partial.replace(ignore)
+    return view.left_out
+
+
+def validate(sky: SkyClient, settings: SkypilotSettings, config: dict[str, Any]) -> None:
+    """SkyPilot reads the task as it would launch it, or SkyConfigRefused."""
+    # check_file_mounts: the snapshot and sources exist by now
+    request = {
+        "task": config,
+        "needs_storage_mounting": settings.bucket is not None,
+        "check_file_mounts": True,
+    }
+    try:
+        sky.call("validate", request)
+    except SkyCallError as exc:
+        hint = ""
+        if exc.kind == "NotSupportedError" and settings.bucket is not None:
+            hint = ("; this provider cannot mount buckets: use the copy transport "
+                    "([tool.substrax.compute.backends.skypilot.copy])")  # fmt: skip
+        raise SkyConfigRefused(
+            f"SkyPilot refused the task for this step ({exc.kind}: {exc.detail}){hint}; "
+            "check [tool.substrax.compute.backends.skypilot] and the step's resources"
+        ) from None

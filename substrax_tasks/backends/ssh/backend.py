@@ -1,0 +1,326 @@
+"""The SSH backend: the step runs on a host you can ssh to.
+
+paramiko runs the commands (host keys verified), rsync moves the files;
+what it shares with the SkyPilot backend is in _remote_run.py. On the host,
+everything of a run lives in `<remote_root>/runs/<run-id>/`:
+
+    job.json status.json run.log watchdog.json
+    client-<id>/    marks the folder as made by the client whose state folder holds that
+                    random id (store.client_id; gc --machines removes only its own)
+    manifest.json   the outputs' manifest, written by the worker as the command ended
+    project/        the step's declared inputs and the lock file (read-only to the task)
+    work/outputs/   what the sandboxed task writes (the outputs' folders)
+
+and `<remote_root>/bin-<digest>/` holds the stdlib-only scripts (worker,
+manifest, control, env), `<remote_root>/envs/<lock digest>/` the
+environments remote/env.py builds, reused while the lock file is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from substrax_tasks.backends import gpus as _gpus
+from substrax_tasks.backends import remote_run as _remote_run
+from substrax_tasks.backends.base import Backend, Fetched, Pool, RunStatus
+from substrax_tasks.backends.job import (
+    WorkerPaths,
+    build_job,
+    damaged_status,
+    env_dir_of,
+    project_key,
+    status_from_record,
+)
+from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun, forwarded_env
+from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
+from substrax_tasks.backends.ssh.connection import NoSession, SshConnection, connection
+from substrax_tasks.config.settings import SshSettings
+from substrax_tasks.errors import BackendError, SubstraxError
+from substrax_tasks.step.view import project_view
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.transports.rsync import RsyncTransport
+
+if TYPE_CHECKING:
+    from substrax_tasks.store.gc import Leak
+
+# Made from a random id kept in the state folder, never from the project's
+# path, which two clients may share (CI jobs, containers at /workspace);
+# folders marked `from-<project>` by earlier releases are no one's to gc.
+OWNER_MARK = "client-"
+# The absolute runs folder, then each run folder: "+name" marked as this
+# client's ($2), "-name" not. Nothing when there is no runs folder.
+LIST_RUNS = (
+    'cd && cd "$1" 2>/dev/null || exit 0; pwd; '
+    'for d in */; do [ -d "$d" ] || continue; d=${d%/}; '
+    'if [ -e "$d/$2" ]; then echo "+$d"; else echo "-$d"; fi; done'
+)
+
+
+class SshBackend(Backend):
+    name = "ssh"
+    Settings = SshSettings
+    settings: SshSettings
+
+    # ---------------------------------------------------------- helpers
+    @property
+    def conn(self) -> SshConnection:
+        return connection(self.settings.target())
+
+    def transport(self) -> RsyncTransport:
+        return RsyncTransport(self.settings.target(), excludes=self.settings.copy_.excludes)
+
+    def _state(self, handle: RunHandle, key: str) -> str:
+        value = handle.state.get(key)
+        if not isinstance(value, str):
+            raise BackendError(f"run {handle.run_id}: no {key} recorded yet (was it launched?)")
+        return value
+
+    def remote_run(self, handle: RunHandle) -> RemoteRun:
+        return RemoteRun(
+            self.conn, self.settings.python, self._state(handle, "remote_bin"),
+            self._state(handle, "remote_run_dir"),
+        )  # fmt: skip
+
+    def slot_pool(self, handle: RunHandle) -> Pool | None:
+        """max_parallel counts the runs on one host (and port), whichever settings name it."""
+        limit, host = self.settings.max_parallel, self.settings.host
+        return None if limit is None else Pool(f"ssh-{host}-{self.settings.port}", limit, host)
+
+    # ----------------------------------------------------------- phases
+    def launch(self, handle: RunHandle) -> RunHandle:
+        conn = self.conn
+        home = conn.check(["sh", "-c", 'printf %s "$HOME"'], "reading $HOME").text()
+        remote_root = str(Path(home) / self.settings.remote_root)  # relative: to the home folder
+        run_dir = f"{remote_root}/runs/{handle.run_id}"
+        bin_dir = f"{remote_root}/bin-{_remote_run.scripts_digest()}"
+        if conn.run(["test", "-f", f"{bin_dir}/.complete"]).returncode != 0:
+            conn.check(["mkdir", "-p", "-m", "700", bin_dir], "mkdir")
+            for name in REMOTE_SCRIPTS:
+                conn.write_bytes(f"{bin_dir}/{name}", remote_script(name).read_bytes(), mode=0o700)
+            conn.write_bytes(f"{bin_dir}/.complete", b"")
+        run = RemoteRun(conn, self.settings.python, bin_dir, run_dir)
+        gpus = _gpus.job_gpus(
+            handle.spec, self.settings.hide_gpus_when_unasked,
+            lambda: run.answer(run.checked_script("gpus.py", what="listing the GPUs"), "listing the GPUs"),
+            f"{remote_root}/gpus", self.settings.host,
+        )  # fmt: skip
+        # Only now: a step refused above leaves no folder on the host.
+        # `client-<id>` marks the folder as this client's (machines.py).
+        mark = f"{run_dir}/{OWNER_MARK}{self.store.client_id()}"
+        folders = [f"{run_dir}/work/outputs", f"{run_dir}/project", mark]
+        conn.check(["mkdir", "-p", "-m", "700", *folders], "mkdir")
+        return self.store.update_state(
+            handle, remote_root=remote_root, remote_run_dir=run_dir, remote_bin=bin_dir, remote_home=home,
+            gpus=gpus,
+        )
+
+    def setup(self, handle: RunHandle) -> RunHandle:
+        # The timer first: even if setup hangs, nothing outlives the lifetime.
+        seconds = str(self.settings.lifetime_minutes * 60)
+        watchdog = self.remote_run(handle).control("watchdog", seconds, what="arming the lifetime timer")
+        handle = self.store.update_state(handle, watchdog=watchdog)
+        log = self.store.run_dir(handle.run_id) / "setup.log"
+        for command in self.settings.setup_commands:
+            result = self.conn.run(["sh", "-c", command], timeout=None)
+            with log.open("ab") as f:
+                f.write(f"$ {command}\n".encode() + result.stdout + result.stderr)
+            if result.returncode != 0:  # not a BackendError: the step fails, not retried
+                raise SubstraxError(
+                    f"setup command `{command}` failed on {self.settings.host} (exit {result.returncode}):\n"
+                    + (result.stdout + result.stderr).decode(errors="replace").strip()[-2000:]
+                )
+        return handle
+
+    def sync(self, handle: RunHandle) -> RunHandle:
+        project = Path(str(handle.state["project"]))
+        outputs = {o.rstrip("/") for o in handle.spec.outputs}
+        view = project_view(project, self.store.root, handle.spec.inputs, handle.spec.outputs)
+        files = [f for f in view.files if f not in outputs]  # the sandbox hides them; the run makes them anew
+        stats = self.transport().upload(project, files, f"{self._state(handle, 'remote_run_dir')}/project")
+        run = self.remote_run(handle)
+        envs = f"{self._state(handle, 'remote_root')}/envs"
+        result = run.run_script("env.py", f"{run.run_dir}/project", envs, self.settings.python,
+                                *self.settings.pip_args, what="building the environment", timeout=None)
+        if result.returncode != 0:
+            raise result.failure("building the environment", self.settings.host)
+        env_dir = env_dir_of(handle.step, run.answer(result, "building the environment"))
+        return self.store.update_state(handle, env_dir=env_dir, uploaded=stats.files, left_out=view.left_out)
+
+    def start(self, handle: RunHandle) -> RunHandle:
+        run = self.remote_run(handle)
+        paths = WorkerPaths(project=f"{run.run_dir}/project", run_dir=run.run_dir)
+        env_dir = handle.state.get("env_dir")
+        cache_root = f"{self._state(handle, 'remote_root')}/cache/{project_key(str(handle.state['project']))}"
+        job = build_job(
+            handle.spec,
+            paths,
+            sandbox=self.settings.sandbox,
+            network_isolation=self.settings.copy_.network_isolation,
+            grace_seconds=self.settings.grace_seconds,
+            hide=[str(handle.state.get("remote_home") or "")],
+            env_dir=env_dir if isinstance(env_dir, str) else None,
+            cache_dirs=self.settings.cache_dirs,
+            cache_root=cache_root,
+            left_out=[str(p) for p in handle.state.get("left_out") or []],
+            gpus=handle.state.get("gpus"),
+        )
+        self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())
+        result = run.run_script("worker.py", paths.job, "--detach", "--env-stdin", what="starting the worker",
+                                stdin=json.dumps(forwarded_env(handle)).encode())  # fmt: skip
+        if result.returncode == _gpus.WORKER_BUSY:
+            raise _gpus.busy(job["gpus"], self.settings.host)
+        if result.returncode != 0:
+            raise BackendError(
+                f"run {handle.run_id}: the worker did not start on {self.settings.host}: "
+                + (result.stderr + result.stdout).decode(errors="replace")[-1500:]
+            )
+        return handle
+
+    def poll(self, handle: RunHandle) -> RunStatus:
+        cached = handle.state.get("final_status")
+        if isinstance(cached, dict):
+            return RunStatus(**cached)
+        if "remote_run_dir" not in handle.state:
+            return RunStatus("pending")
+        record = self.remote_run(handle).status()
+        if record.get("damaged"):
+            return damaged_status(record, self.settings.host)
+        if record.get("state") is None:
+            if not record.get("exists"):
+                gone = "its remote folder is gone (torn down, the lifetime ran out, or the host restarted)"
+                return RunStatus("lost", message=gone)
+            return RunStatus("pending")
+        status = status_from_record(record, worker_alive=bool(record.get("worker_alive")))
+        if status.final and status.state != "lost":  # a lost run can still be cancelled
+            # outputs_root too: the fetch then starts without asking for it
+            root = record.get("outputs_root")
+            noted = {"outputs_root": root} if isinstance(root, str) else {}
+            self.store.update_state(handle, final_status=status.__dict__, **noted)
+        return status
+
+    def cancel(self, handle: RunHandle) -> bool:
+        status = self.poll(handle)
+        if status.final and status.state != "lost":
+            return False
+        run = self.remote_run(handle)
+        if status.state == "lost" and not run.status().get("exists"):
+            return False  # its folder is gone (torn down, or the lifetime ran out): nothing left
+        # lost: its worker was killed, but the task's tree may still run
+        wait = str(self.settings.grace_seconds + 10)
+        answer = run.control("cancel", "--wait", wait, what="cancelling the run")
+        if answer.get("reason") == "not started":
+            return True
+        if answer.get("reason") == "finished":  # it ended meanwhile: left alone
+            self.poll(handle)
+            return False
+        if not answer.get("cancelled"):
+            raise BackendError(
+                f"run {handle.run_id}: cancel on {self.settings.host} failed: {answer.get('reason')}"
+            )
+        # Recorded from the answer, not polled again: a doit driving the run
+        # may tear its folder down the moment it sees the end.
+        with contextlib.suppress(BackendError):
+            self.poll(handle)
+        if "final_status" not in self.store.read(handle.run_id).state:
+            ended = RunStatus(str(answer.get("state") or "cancelled"), message=answer.get("reason"))
+            self.store.update_state(handle, final_status=ended.__dict__)
+        return True
+
+    def stream_log(
+        self, handle: RunHandle, out: IO[bytes], follow: bool = False, offset: int = 0
+    ) -> RunStatus:
+        """With follow, one follower on the host streams the log until the
+        run ends (_remote_run.follow_log)."""
+        status = self.poll(handle)
+        if not follow or status.final or "remote_run_dir" not in handle.state:
+            return super().stream_log(handle, out, follow=follow, offset=offset)
+        try:
+            return _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle))
+        except NoSession:
+            # More steps follow runs on this host at once than sshd lets one
+            # connection hold sessions (raised before anything was sent):
+            # this one polls, as before.
+            return super().stream_log(handle, out, follow=True, offset=offset)
+
+    def read_log(self, handle: RunHandle, offset: int) -> bytes:
+        kept = _remote_run.read_kept_log(self.store.run_dir(handle.run_id) / "run.log", offset)
+        if kept is not None:  # torn down: the remote folder and its log are gone
+            return kept
+        if "remote_run_dir" not in handle.state:
+            return b""
+        return self.remote_run(handle).read_log(offset)
+
+    def fetch(self, handle: RunHandle) -> Fetched:
+        staging = self.store.run_dir(handle.run_id) / "fetched"
+        return self.remote_run(handle).fetch(
+            self.transport(), list(handle.spec.outputs), staging, handle.state.get("outputs_root")
+        )
+
+    def outputs_available(self, handle: RunHandle) -> bool:
+        if handle.state.get("torn_down") or "remote_run_dir" not in handle.state:
+            return False
+        try:
+            return bool(self.remote_run(handle).status().get("exists"))
+        except BackendError:
+            return False
+
+    def leaks(self, project: str, handles: list[RunHandle]) -> list[Leak]:
+        """Run folders under remote_root marked as this client's (its state
+        folder's id), or named by one of its handles, that no live handle
+        accounts for."""
+        from substrax_tasks.store.gc import Leak
+
+        live = {h.run_id for h in handles if not h.state.get("torn_down")}
+        known = {h.run_id for h in handles}
+        runs = f"{self.settings.remote_root}/runs"
+        listed = self.conn.check(["sh", "-c", LIST_RUNS, "sh", runs, OWNER_MARK + self.store.client_id()],
+                                 f"listing the run folders on {self.settings.host}").text().splitlines()
+        where = listed[0] if listed else ""  # absolute: remote_root may be relative to the home
+        bin_dir = f"{where.rsplit('/', 1)[0]}/bin-{_remote_run.scripts_digest()}"
+        leaks = []
+        for line in listed[1:]:
+            name, marked = line[1:], line.startswith("+")
+            if name not in live and (marked or name in known):
+                path = f"{where}/{name}"
+                run = RemoteRun(self.conn, self.settings.python, bin_dir, path)
+                leaks.append(Leak(self.name, self.settings.host, path, True, run.remove))  # as teardown
+        return leaks
+
+    def forget(self, handle: RunHandle) -> str:
+        try:
+            if "remote_run_dir" not in handle.state or handle.state.get("torn_down"):
+                return "nothing of it was on the host"
+            run = self.remote_run(handle)
+            run.remove()  # stops what runs there first, as the lifetime timer would
+            return f"stopped it and removed its folder {run.run_dir} on {self.settings.host}"
+        finally:
+            self.settings.target().stop_master()
+
+    def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
+        # What a fetch left here (a copy refused, or the folders a promotion
+        # emptied) is of no use once the run is given up or home.
+        shutil.rmtree(self.store.run_dir(handle.run_id) / "fetched", ignore_errors=True)
+        if "remote_run_dir" not in handle.state or handle.state.get("torn_down"):
+            self.settings.target().stop_master()
+            return
+        try:
+            self._tear_down(handle, force=force)
+        except DamagedHost:
+            # Its scripts were changed there: put back the ones this client
+            # sent (it checks them before each use), then stop and remove.
+            self.remote_run(handle).reinstall()
+            self._tear_down(handle, force=force)
+
+    def _tear_down(self, handle: RunHandle, *, force: bool) -> None:
+        if not self.poll(handle).final:
+            self.cancel(handle)
+        if force or not self.settings.keep_remote:
+            run = self.remote_run(handle)
+            run.keep_log(self.store.run_dir(handle.run_id) / "run.log")
+            run.remove()
+            self.store.update_state(handle, torn_down=True)
+        self.settings.target().stop_master()

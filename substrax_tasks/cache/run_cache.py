@@ -1,0 +1,468 @@
+"""The cache of verified runs: a step whose work was done before, here or
+anywhere a shared store reaches, is restored instead of run (docs/cache.md).
+
+An entry is keyed by what decides the step's outputs (`uptodate.key_parts`
+without where it ran, unless `key_backend = true`) and holds the verified
+output manifest and provenance; the files are objects named by their sha256
+(_cache_store.py). A restore copies the objects into a staging folder and
+verifies it against the entry's manifest with the same code that verifies a
+fetched run; only then does the driver promote it, as it promotes a fetch.
+The driver consults the cache only in its launch phase, which doit runs only
+when the step must run: a no-op doit never reads it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from substrax_tasks import __version__
+from substrax_tasks.atomic import write_bytes_atomic, write_json_atomic
+from substrax_tasks.backends.base import Fetched
+from substrax_tasks.cache.storage import (
+    BUFFER,
+    Damaged,
+    Folder,
+    ForeignCache,
+    Shared,
+    drop_entry,
+    entry_path,
+    is_part,
+    materialize,
+    object_path,
+    refused_signature,
+    sign,
+    write_entry,
+)
+from substrax_tasks.console import emit
+from substrax_tasks.outputs import manifests as manifest_cache
+from substrax_tasks.outputs.promote import safe_manifest
+from substrax_tasks.step.spec import canonical_digest, safe_name
+
+if TYPE_CHECKING:
+    from substrax_tasks.store.run_store import RunStore
+    from substrax_tasks.uptodate.check import Step
+
+ENTRY_VERSION = 1
+WHERE_IT_RAN = ("backend", "settings")  # left out of the key unless key_backend = true
+ORPHAN_SECONDS = 3600  # objects no entry names yet may belong to a store in progress
+# A trim after a store goes below max_size, to this share of it, so the next
+# (which reads every entry) comes only after that much more is stored.
+TRIM_TO = 0.9
+_UNREACHABLE: set[str] = set()  # stores that failed or were refused in this process: warned once
+_CHECKED: set[str] = set()  # local folders found the user's own in this process
+_READ_ONLY: set[str] = set()  # local folders this process said it cannot store in
+_WARN_LOCK = threading.Lock()  # one warning per store, whatever the threads of `doit -n N -P thread`
+_STATS_LOCK = threading.Lock()
+_DIGEST = re.compile("[0-9a-f]{64}")  # an object's name: checked for each file of an entry
+
+
+@dataclass(frozen=True)
+class Restored:
+    fetched: Fetched
+    key: str
+    label: str
+    provenance: dict[str, Any]
+    shared: tuple[bytes, bytes | None] | None = None  # from the shared store: the entry and its signature
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """`[tool.substrax.compute.cache]` as validated (settings.CacheSettings.options),
+    kept with the project's resolved configuration: a restore imports no pydantic."""
+
+    enabled: bool
+    path: str | None
+    max_bytes: int
+    shared: str | None
+    mode: str
+    allowed_signers: str | None
+    signing_key: str | None
+    key_backend: bool
+
+    def folder(self, project: Path) -> Path:
+        if self.path:
+            return project / Path(self.path).expanduser()
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "substrax-tasks"
+
+
+def cache_key(parts: dict[str, Any], key_backend: bool) -> str:
+    """The key of a step's entry: its up-to-date key's parts, without where
+    it ran unless asked (the same step on local, ssh or skypilot shares one)."""
+    kept = {k: v for k, v in parts.items() if key_backend or k not in WHERE_IT_RAN}
+    return canonical_digest({"cache_entry": ENTRY_VERSION, **kept})
+
+
+class RunCache:
+    """The project's view of the cache: its local folder and shared store."""
+
+    def __init__(self, settings: CacheOptions, project: Path, store: RunStore) -> None:
+        self.settings = settings
+        self.local = Folder(settings.folder(project))
+        self.shared = Shared(settings.shared, settings.mode == "readwrite") if settings.shared else None
+        self.signers = _absolute(project, settings.allowed_signers)
+        self.signing_key = _absolute(project, settings.signing_key)
+        self.stats_file = store.run_cache_stats
+        self.staging_root = store.restore_dir
+
+    def _stores(self) -> list[Folder | Shared]:
+        local = [self.local] if self._local_usable() else []
+        shared = [self.shared] if self.shared is not None and self.shared.name not in _UNREACHABLE else []
+        return [*local, *shared]
+
+    def _local_usable(self) -> bool:
+        """The local folder is used only if it is the user's own (checked
+        once a process; its files are checked as they are read)."""
+        name = self.local.name
+        if name in _UNREACHABLE:
+            return False
+        if name not in _CHECKED:
+            refused = self.local.refusal()
+            if refused is not None:
+                self._unreachable(self.local, refused)
+                return False
+            _CHECKED.add(name)
+        return True
+
+    def _local_writable(self) -> bool:
+        """Whether a run may be kept in the local folder; said once if it cannot."""
+        if not self._local_usable():
+            return False
+        if self.local.writable:
+            return True
+        with _WARN_LOCK:
+            if self.local.name not in _READ_ONLY:
+                _READ_ONLY.add(self.local.name)
+                emit(f"note: the cache folder {self.local.name} cannot be written by you: steps are "
+                     "restored from it, but no run is kept in it", err=True)  # fmt: skip
+        return False
+
+    def _unreachable(self, store: Folder | Shared, exc: BaseException) -> None:
+        with _WARN_LOCK:
+            if store.name in _UNREACHABLE:
+                return
+            _UNREACHABLE.add(store.name)
+        if isinstance(exc, ForeignCache):  # its message names the folder, why and the fix
+            emit(f"warning: {exc}", err=True)
+            return
+        emit(f"warning: the cache store {store.name} cannot be used ({type(exc).__name__}: {exc}); "
+             "steps run without it", err=True)  # fmt: skip
+
+    # ------------------------------------------------------------ restore
+    def restore(self, step: Step, parts: dict[str, Any]) -> Restored | None:
+        """The step's outputs from the first store holding a sound entry,
+        staged and verified; None (the step runs) otherwise."""
+        key = cache_key(parts, self.settings.key_backend)
+        for store in self._stores():
+            try:
+                found = self._restore_from(store, step, key)
+            except Exception as exc:  # noqa: BLE001 - any failure of a store: run the step instead
+                self._unreachable(store, exc)
+                continue
+            if found is not None:
+                self._count("hits")
+                return found
+        self._count("misses")
+        return None
+
+    def find(self, parts: dict[str, Any]) -> str | None:
+        """Which entry a restore would try first (for `why`): named, or None."""
+        key = cache_key(parts, self.settings.key_backend)
+        for store in self._stores():
+            try:
+                found = self._entry(store, key)
+                if isinstance(found, tuple):
+                    prov = json.loads(found[0]).get("provenance") or {}
+                    when = f"run {prov.get('run_id')}, {prov.get('time')}"
+                    return f"cache entry {key[:16]} in {store.name} ({when})"
+            except Exception:  # noqa: BLE001, S112 - unreachable or unreadable: not found
+                continue
+        return None
+
+    def _entry(self, store: Folder | Shared, key: str) -> tuple[bytes, bytes | None] | str | None:
+        """Entry `key` of `store` and its signature, if a restore may try it;
+        else why not (found damaged before, or its signature refused); None
+        if the store holds none."""
+        data = store.read(entry_path(key))
+        if data is None:
+            return None
+        label = f"cache entry {key[:16]} in {store.name}"
+        if self._bad_marker(data).exists():
+            return f"skipping {label}, found damaged before"
+        if store is not self.shared:  # the local folder is ours: not checked for signatures
+            return data, None
+        signature = store.read(entry_path(key) + ".sig")
+        why = refused_signature(data, signature, self.signers) if self.signers else None
+        return f"refused {label}: {why}" if why else (data, signature)
+
+    def _restore_from(self, store: Folder | Shared, step: Step, key: str) -> Restored | None:
+        found = self._entry(store, key)
+        if not isinstance(found, tuple):
+            if found is not None:
+                emit(f"{step.name}: {found}; the step runs")
+            return None
+        data, signature = found
+        label = f"cache entry {key[:16]} in {store.name}"
+        staging = self.staging_root / f"{safe_name(step.name)}-{secrets.token_hex(4)}"
+        manifest: dict[str, Any] = {}
+        try:
+            entry = _parsed(data, key)
+            # Restored with no setuid, setgid or sticky bit and not
+            # world-writable, whatever the entry says (promote.safe_mode).
+            manifest = safe_manifest(entry["manifest"])
+            # The copies' digests, taken as they were written, fill the
+            # outputs' hash cache: verifying them (here and at promotion)
+            # then reads no byte again, only checks each copy's stat.
+            hash_cache = manifest_cache.HashCache.load(step.files.outputs_cache)
+            for rel, cache_entry in materialize(store, manifest, staging, key).items():
+                hash_cache.entries[rel] = cache_entry
+            problems = manifest_cache.verify_outputs(staging, list(step.spec.outputs), manifest, hash_cache)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise Damaged(f"{problems[0]}{more}")
+        except (Damaged, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
+            self._condemn(store, key, data, staging, manifest)
+            shutil.rmtree(staging, ignore_errors=True)
+            emit(f"{step.name}: {label} is damaged ({exc}); it is skipped from now on and the step runs")
+            return None
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if store is self.local and self.local.writable:  # the newest used is the last trimmed
+            os.utime(self.local.root / entry_path(key))
+        prov = entry.get("provenance") or {}
+        emit(f"{step.name}: restored from {label}: run {prov.get('run_id')} on {prov.get('backend')} "
+             f"({prov.get('host')}, {prov.get('time')}); nothing launched")  # fmt: skip
+        shared = (data, signature) if store is self.shared else None
+        return Restored(Fetched(staging, manifest), key, label, prov, shared)
+
+    def _bad_marker(self, data: bytes) -> Path:
+        """Where an entry found damaged is marked, by its contents: skipped from then on."""
+        return self.local.root / "bad" / hashlib.sha256(data).hexdigest()
+
+    def _condemn(
+        self, store: Folder | Shared, key: str, data: bytes, staging: Path, manifest: dict[str, Any]
+    ) -> None:
+        """Skip a damaged entry from now on; a store we may write also
+        loses it and each object whose copy was not what its name says, so
+        the run that replaces it stores them again."""
+        if self.local.writable:  # else it is found damaged again, each time
+            marker = self._bad_marker(data)
+            self.local.make_folder(marker.parent)
+            write_bytes_atomic(marker, (key + "\n").encode())
+        if not store.writable:
+            return
+        drop_entry(store, key)
+        hash_file, buffer = manifest_cache.manifest_module().hash_file, memoryview(bytearray(BUFFER))
+        for item in _files(manifest) if manifest else []:  # empty: the entry was not whole
+            copy = f"{staging}/{item['path']}"
+            try:
+                bad = hash_file(copy, os.lstat(copy), buffer) != item["sha256"]
+            except (OSError, manifest_cache.ManifestError):  # not copied, or not a plain file
+                bad = True
+            if bad:
+                store.remove(object_path(item["sha256"]))
+
+    def _count(self, what: str) -> None:
+        with _STATS_LOCK:
+            stats = self.stats()
+            stats[what] = stats.get(what, 0) + 1
+            self.stats_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_json_atomic(self.stats_file, stats)
+
+    def stats(self) -> dict[str, int]:
+        try:
+            data = json.loads(self.stats_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in data.items() if isinstance(v, int)} if isinstance(data, dict) else {}
+
+    # ------------------------------------------------------------ store
+    def save(self, step: Step, key: str, manifest: dict[str, Any], provenance: dict[str, Any]) -> None:
+        """Keep the promoted outputs of a run as the entry `key`: locally,
+        and in the shared store in readwrite mode. Outputs changed since
+        they were verified are not kept."""
+        if not self._local_writable() or not self._keep_objects(step, manifest):
+            return
+        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        entry = {"version": ENTRY_VERSION, "key": key, "step": step.name, "outputs": list(step.spec.outputs),
+                 "manifest": manifest, "provenance": {**provenance, "time": stamp,
+                                                      "client": socket.gethostname(),
+                                                      "tool_version": __version__}}  # fmt: skip
+        data = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
+        write_entry(self.local, key, data, sign(data, self.signing_key) if self.signing_key else None)
+        if self.shared is not None and self.shared.writable and self.shared.name not in _UNREACHABLE:
+            try:
+                self.push(key)
+            except Exception as exc:  # noqa: BLE001 - the outputs are home; the store can wait
+                self._unreachable(self.shared, exc)
+        self._fit(step)
+
+    def adopt(self, step: Step, restored: Restored) -> None:
+        """Keep a hit from the shared store in the local folder too, entry
+        and signature as they came: the next restore here reads no network."""
+        if restored.shared is not None and self._local_writable() \
+                and self._keep_objects(step, restored.fetched.manifest):
+            write_entry(self.local, restored.key, *restored.shared)
+            self._fit(step)
+
+    def _fit(self, step: Step) -> None:
+        """After an entry was kept: nothing more while the objects fit in
+        max_size (the account says so, whatever the folder holds); else a
+        trim, below max_size (TRIM_TO), under the account's lock so one
+        thread or process trims while the others wait and find it done.
+        The entry is kept whatever happens here."""
+        try:
+            with self.local.account_lock():
+                if self.local.move_account(0) > self.settings.max_bytes:
+                    self._trim(int(self.settings.max_bytes * TRIM_TO), dry_run=False, cutoff=0.0)
+        except OSError as exc:
+            emit(f"{step.name}: could not trim the cache {self.local.name} ({exc}); "
+                 "`substrax-compute gc` trims it", err=True)  # fmt: skip
+
+    def _keep_objects(self, step: Step, manifest: dict[str, Any]) -> bool:
+        """Copy the promoted outputs the local folder lacks in as objects;
+        False (nothing kept) if they changed since they were verified."""
+        root, outputs, cache_file = step.root, list(step.spec.outputs), step.files.outputs_cache
+        digest = str(manifest["digest"])
+        if not manifest_cache.outputs_match(root, outputs, digest, cache_file):
+            emit(f"{step.name}: outputs changed since they were verified; not kept in the cache")
+            return False
+        pairs = {object_path(e["sha256"]): root / e["path"] for e in _files(manifest)}
+        added = self.local.put([(source, rel) for rel, source in pairs.items()])
+        if not manifest_cache.outputs_match(root, outputs, digest, cache_file):  # changed while copied
+            self.local.remove_objects(added)
+            emit(f"{step.name}: outputs changed while they were kept; not kept in the cache")
+            return False
+        return True
+
+    def push(self, key: str) -> int:
+        """Upload the local entry `key` and the objects the shared store
+        lacks (entry last); the number of objects sent."""
+        if self.shared is None:
+            raise Damaged("no shared store: set shared = \"s3://...\" in [tool.substrax.compute.cache]")
+        data = self.local.read(entry_path(key))
+        if data is None:
+            raise Damaged(f"no local cache entry {key[:16]} in {self.local.name}")
+        manifest = _parsed(data, key)["manifest"]
+        needed = self.shared.missing(sorted({object_path(e["sha256"]) for e in _files(manifest)}))
+        self.shared.put([(self.local.root / rel, rel) for rel in needed])
+        write_entry(self.shared, key, data, self.local.read(entry_path(key) + ".sig"))
+        return len(needed)
+
+    def forget(self, key: str) -> list[str]:
+        """Remove entry `key` from the local folder (and the shared store
+        in readwrite mode); where it was removed."""
+        gone = []
+        for store in self._stores():
+            if store.writable and store.read(entry_path(key)) is not None:
+                drop_entry(store, key)
+                gone.append(store.name)
+        return gone
+
+    # ------------------------------------------------------------ size
+    def usage(self) -> tuple[list[tuple[float, str, set[str]]], dict[str, tuple[int, float]]]:
+        """The local entries (mtime, key, objects, oldest first) and objects
+        (size, mtime). An entry or object that goes while they are read (a
+        part file renamed, another trim) is left out."""
+        entries: list[tuple[float, str, set[str]]] = []
+        for path in (self.local.root / "entries").glob("*.json"):
+            try:
+                data = path.read_bytes()
+                used = path.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            except OSError:
+                entries.append((0.0, path.stem, set()))  # unreadable: the first to go
+                continue
+            try:
+                names = {object_path(e["sha256"]) for e in _files(_parsed(data, path.stem)["manifest"])}
+            except Damaged:
+                used, names = 0.0, set()
+            entries.append((used, path.stem, names))
+        objects = {}
+        for rel in self.local.objects():
+            try:
+                st = (self.local.root / rel).stat()
+            except FileNotFoundError:
+                continue
+            objects[rel] = (st.st_size, st.st_mtime)
+        return sorted(entries), objects
+
+    def trim(self, dry_run: bool = False, older_than_days: float | None = None) -> list[str]:
+        """Remove the local entries last used more than `older_than_days`
+        ago, then the oldest until the objects fit in max_size, and objects
+        no entry names; what was (or would be) removed. Reads every entry:
+        `gc`'s, and a store's when the account says the folder is full."""
+        cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else 0.0
+        with self.local.account_lock():
+            return self._trim(self.settings.max_bytes, dry_run=dry_run, cutoff=cutoff)
+
+    def _trim(self, limit: int, *, dry_run: bool, cutoff: float) -> list[str]:
+        """trim() to `limit` bytes, the account's lock held: no object comes
+        or goes meanwhile, so the account is rewritten from what is seen."""
+        entries, objects = self.usage()
+        named = Counter(rel for _, _, names in entries for rel in names)  # entries naming each object
+        young = time.time() - ORPHAN_SECONDS
+        dropped = [rel for rel, (_, mtime) in objects.items() if rel not in named and mtime < young]
+        # Every object counts (young orphans too, which stay): what the account counts.
+        total = sum(size for rel, (size, _) in objects.items() if not is_part(rel)) \
+            - sum(objects[rel][0] for rel in dropped if not is_part(rel))  # fmt: skip
+        removed = [f"object {rel} (named by no entry)" for rel in dropped]
+        for used, key, names in entries:
+            if total <= limit and used >= cutoff:
+                break
+            removed.append(f"entry {key[:16]}")
+            if not dry_run:
+                drop_entry(self.local, key)
+            for rel in names:
+                named[rel] -= 1
+                if named[rel] == 0 and rel in objects:
+                    total -= objects[rel][0]
+                    dropped.append(rel)
+        if not dry_run:
+            self.local.unlink_objects(dropped)
+            self.local.set_account(total)
+        return removed
+
+
+def _absolute(project: Path, path: str | None) -> str | None:
+    return str(project / Path(path).expanduser()) if path else None
+
+
+def _parsed(data: bytes, key: str) -> dict[str, Any]:
+    """An entry's JSON, checked in shape; Damaged if it is not whole."""
+    try:
+        entry = json.loads(data)
+    except ValueError as exc:
+        raise Damaged(f"its JSON is not whole: {exc}") from None
+    if not isinstance(entry, dict) or entry.get("version") != ENTRY_VERSION or entry.get("key") != key:
+        raise Damaged(f"it is not an entry of version {ENTRY_VERSION} for key {key[:16]}")
+    manifest = entry.get("manifest")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), list) \
+            or manifest.get("missing"):
+        raise Damaged("its manifest is not whole")
+    for item in manifest["entries"]:
+        path = item.get("path") if isinstance(item, dict) else None
+        if not isinstance(path, str) or not {"", ".", ".."}.isdisjoint(path.split("/")):  # "/x": "", "x"
+            raise Damaged(f"its manifest lists {item!r}, not a plain relative path")
+        digest = item.get("sha256")
+        if item.get("type") == "file" and not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+            raise Damaged(f"its manifest lists file {path} without a sha256")
+    return entry
+
+
+def _files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in manifest["entries"] if e.get("type") == "file"]

@@ -1,0 +1,380 @@
+"""`substrax-compute`: look at, follow, cancel and clean up runs.
+
+Exit codes: 0 ok, 1 failure (the message says what and what to do), 2 usage.
+Every command acts on a run through its handle's pinned settings, never the
+current pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.markup import escape
+
+from substrax_tasks import __version__
+from substrax_tasks.backends.base import RunStatus
+from substrax_tasks.cli.status_view import machine_lines, print_status_table, status_json
+from substrax_tasks.config.pyproject import find_project
+from substrax_tasks.errors import BackendError, HandleError, SubstraxError
+from substrax_tasks.store.gc import find_leaks
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.project import Project
+from substrax_tasks.store.run_store import Unreadable
+from substrax_tasks.store.selection import latest_per_step, select, shortened
+
+if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only
+    from exceptiongroup import ExceptionGroup
+
+EPILOG = "Exit codes: 0 ok, 1 failure, 2 usage error."
+WORD_HELP = (
+    "RUN is, first match wins: a run id, a step (its latest run), a group (the latest run of each "
+    "of its steps GROUP:MEMBER), or a unique prefix of a run id."
+)
+# Cancels of a group's runs at once: each mostly waits (for a grace period,
+# a host), so a sweep stops in about the time of one cancel.
+CANCEL_THREADS = 8
+
+
+Arg = tuple[tuple[str, ...], dict[str, Any]]
+Command = Callable[[Project, argparse.Namespace, Console, Console], int]
+
+
+def arg(*flags: str, **options: Any) -> Arg:
+    """One add_argument call of a command, as data."""
+    return flags, options
+
+
+def flag(*flags: str, help: str) -> Arg:
+    return arg(*flags, action="store_true", help=help)
+
+
+RUN_WORD = arg("run", metavar="RUN", help="a run id, step, group or run-id prefix")
+RUN_ID = arg("run", help="a run id (or a unique prefix of one)")
+
+
+def command(commands: Any, name: str, func: Command, summary: str, description: str,
+            *args: Arg) -> argparse.ArgumentParser:  # fmt: skip
+    """A subcommand that `func` runs: `summary` in the program's help,
+    `description` in its own."""
+    parser: argparse.ArgumentParser = commands.add_parser(name, help=summary, description=description)
+    for flags, options in args:
+        parser.add_argument(*flags, **options)
+    parser.set_defaults(func=func, parser=parser)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="substrax-compute",
+        description="Inspect and control the runs of remote_step() steps.",
+        epilog=EPILOG,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--project",
+        metavar="DIR",
+        help="the project folder (default: the nearest folder, the current one or above it, "
+        "holding a dodo.py or a pyproject.toml with a [tool.substrax] table)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    command(
+        commands, "status", cmd_status, "list the latest run of each step and its state",
+        "List the latest run of each step and its state (--all: every run). "
+        f"{WORD_HELP} Records that cannot be read are named with the reason (when no RUN or "
+        "--step filters), and the exit code is then 1.",
+        arg("run", nargs="?", metavar="RUN", help="a run id, step, group or run-id prefix"),
+        arg("--step", metavar="NAME", help="only the runs of this step, or of this group's steps"),
+        flag("--all", help="every run, not only the latest of each step"),
+        flag("--json", help='print {"runs": [...], "unreadable": [...], "leaked": [...]}'),
+        flag("--machines", help="also ask each ssh host and SkyPilot for leaked run folders and clusters"),
+    )  # fmt: skip
+    command(
+        commands, "logs", cmd_logs, "print a run's log",
+        "Print a run's log (stdout and stderr of its command, and the worker's notes). "
+        f"{WORD_HELP} For a group, the log of each member's latest run under a header "
+        "(==> STEP (RUN) <==); --follow needs one run.",
+        RUN_WORD, flag("--follow", "-f", help="keep printing until the run ends"),
+    )  # fmt: skip
+    command(
+        commands, "cancel", cmd_cancel, "stop a run and its whole process tree",
+        "Stop a run: its whole process tree is terminated (SIGTERM, a grace period, "
+        f"SIGKILL). A run that has already finished is left alone. {WORD_HELP} For a group, the "
+        "latest run of every member is cancelled, all at once; failures are reported together.",
+        RUN_WORD,
+    )  # fmt: skip
+    command(
+        commands, "fetch", cmd_fetch, "bring a succeeded run's outputs home, verified",
+        "Fetch a succeeded run's outputs, verify them against the manifest taken where "
+        "it ran, and move them into place one rename per output (nothing half-fetched is ever "
+        "left at a final path). By default into the project, at the declared output paths, "
+        "replacing what stands there; with --to, under another folder. Works for any run the "
+        "store still holds whose outputs are still there (not torn down), also after the "
+        "configuration changed.",
+        RUN_ID, arg("--to", metavar="DIR", help="put the outputs under DIR instead of the project"),
+    )  # fmt: skip
+    command(
+        commands, "teardown", cmd_teardown, "remove what a run holds (folders, machines)",
+        "Remove what a run holds: its working folders (local), its remote folder "
+        "(ssh) or its cluster (skypilot). The handle and the logs stay. A run still going is "
+        "cancelled first.",
+        RUN_ID,
+    )  # fmt: skip
+    command(
+        commands, "why", cmd_why, "say whether a step is up to date, and what changed",
+        "Say whether a remote step is up to date and, if not, which of its inputs, "
+        "command, settings, env or outputs changed, naming the paths. Loads the project's dodo "
+        "file to see the step as it is declared now. Exit 0 either way.",
+        arg("step", help="the step's name, as given to remote_step()"),
+        arg("--dodo", metavar="FILE", help="the dodo file (default: dodo.py in the project)"),
+    )  # fmt: skip
+    from substrax_tasks.cli.cache_commands import add_commands
+
+    add_commands(commands)
+    return parser
+
+
+# ------------------------------------------------------------------ commands
+
+
+def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
+    if args.run and args.step:
+        args.parser.error("give RUN or --step NAME, not both")
+    every, unreadable = project.store.read_all()
+    latest = {h.run_id for h in latest_per_step(every)}
+    if args.run or args.step:
+        word = args.step or args.run
+        selected = select(project.store, word, steps_only=bool(args.step), handles=lambda: every)
+        # A filtered listing is about those runs only, as `status RUN` always was.
+        handles, unreadable = list(selected.runs), []
+        named_a_run = selected.kind == "run"
+    else:
+        handles, named_a_run = every, False
+    shown = handles if args.all or named_a_run else [h for h in handles if h.run_id in latest]
+    rows: list[tuple[RunHandle, RunStatus]] = []
+    for handle in shown:
+        try:
+            rows.append((handle, project.backend_for(handle).status(handle)))
+        except HandleError as exc:  # settings this release cannot use
+            unreadable.append(Unreadable(project.store.handle_path(handle.run_id), str(exc)))
+        except BackendError as exc:  # e.g. its host is unreachable now
+            rows.append((handle, RunStatus("unknown", message=str(exc))))
+    # Only when asked: it connects to every host the project names and to
+    # SkyPilot, which takes long when one of them cannot be reached.
+    leaks, problems = find_leaks(project, every) if args.machines else (None, [])
+    if args.json:
+        print(status_json(rows, unreadable, leaks, latest))
+        return 1 if unreadable else 0
+    print_status_table(rows)
+    for line in machine_lines(handles, leaks or []) + [f"could not look for leaks: {p}" for p in problems]:
+        err.print(escape(line), highlight=False)
+    for record in unreadable:
+        message = f"[bold red]unreadable[/] {escape(str(record.path))}: {escape(record.reason)}"
+        err.print(message, highlight=False)
+    if len(shown) < len(handles):
+        hidden = len(handles) - len(shown)
+        err.print(f"({hidden} older run(s) not shown; --all lists every run)", highlight=False)
+    return 1 if unreadable else 0
+
+
+def cmd_logs(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
+    selected = select(project.store, args.run)
+    if selected.kind != "group":
+        handle = selected.latest()[0]
+        status = project.backend_for(handle).stream_log(handle, sys.stdout.buffer, follow=args.follow)
+        if args.follow and status.state != "succeeded":
+            err.print(f"run {handle.run_id} ended: {status.state}", highlight=False)
+        return 0
+    members = selected.latest()
+    if args.follow:
+        raise SubstraxError(
+            f"{selected.name} is a group of {len(members)} steps ({shortened(selected.steps)}); "
+            f"--follow follows one run: substrax-compute logs --follow {members[0].step}"
+        )
+    # One after the other, each under a header as `tail` prints several
+    # files: a member whose log cannot be read does not hide the others.
+    failures: list[Exception] = []
+    for number, handle in enumerate(members):
+        header = f"==> {handle.step} ({handle.run_id}) <==\n"
+        sys.stdout.write(header if number == 0 else "\n" + header)
+        sys.stdout.flush()  # the header before the log's bytes, written below it
+        try:
+            project.backend_for(handle).stream_log(handle, sys.stdout.buffer, follow=False)
+        except SubstraxError as exc:
+            failures.append(member_failure(handle, exc))
+        sys.stdout.buffer.flush()
+    if failures:
+        message = f"{len(failures)} of {len(members)} logs of {selected.name} could not be read"
+        raise ExceptionGroup(message, failures)
+    return 0
+
+
+def cmd_cancel(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
+    selected = select(project.store, args.run)
+    runs = selected.latest()
+    if selected.kind == "group":
+        note = f"{selected.name}: cancelling the latest run of each of its {len(runs)} steps"
+        out.print(escape(note), highlight=False)
+    if len(runs) == 1:  # in this thread, as always: Ctrl-C reaches it
+        outcomes = [cancel_one(project, runs[0])]
+    else:  # every run is attempted, whatever happens to the others
+        with ThreadPoolExecutor(max_workers=min(CANCEL_THREADS, len(runs))) as pool:
+            outcomes = list(pool.map(lambda handle: cancel_one(project, handle), runs))
+    for line in (o for o in outcomes if isinstance(o, str)):
+        out.print(line, highlight=False)
+    failures = [(h, o) for h, o in zip(runs, outcomes, strict=True) if isinstance(o, Exception)]
+    if len(runs) == 1 and failures:
+        raise failures[0][1]  # as a cancel of one run always reported it
+    if failures:
+        message = f"{len(failures)} of {len(runs)} runs of {selected.name} were not cancelled"
+        raise ExceptionGroup(message, [member_failure(h, exc) for h, exc in failures])
+    return 0
+
+
+def cancel_one(project: Project, handle: RunHandle) -> str | Exception:
+    """Cancel one run: what to print, or why it failed."""
+    try:
+        backend = project.backend_for(handle)
+        if not backend.cancel(handle):
+            state = backend.status(project.store.read(handle.run_id)).state
+            return f"run {handle.run_id} had already finished ({state}); nothing to cancel"
+        # The handle as cancel left it: it recorded how the run ended.
+        ended = backend.status(project.store.read(handle.run_id))
+        return f"run {handle.run_id}: {ended.state}"
+    except (SubstraxError, ExceptionGroup, OSError) as exc:
+        return exc
+
+
+def member_failure(handle: RunHandle, exc: Exception) -> SubstraxError:
+    """One run's failure, among a group's, as one line naming its step."""
+    text = str(exc)
+    if isinstance(exc, ExceptionGroup):  # a skypilot cancel's several failures
+        text = f"{exc.message}: " + "; ".join(str(e) for e in exc.exceptions)
+    return SubstraxError(f"{handle.step} ({handle.run_id}): {text}")
+
+
+def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
+    from substrax_tasks.outputs import manifests as manifest_cache
+    from substrax_tasks.outputs.promote import JOURNAL, make_safe, promote, safe_manifest
+
+    handle = project.store.read(args.run)
+    backend = project.backend_for(handle)
+    status = backend.status(handle)
+    if status.state != "succeeded":
+        raise BackendError(
+            f"run {handle.run_id} is {status.state}: only a succeeded run has outputs to fetch"
+        )
+    if not backend.outputs_available(handle):
+        raise BackendError(
+            f"run {handle.run_id}: its outputs are no longer where it ran (torn down, or its "
+            "lifetime ran out); `doit` reruns the step"
+        )
+    fetched = backend.fetch(handle)
+    outputs = list(handle.spec.outputs)
+    base = Path(str(handle.state.get("project") or project.root))
+    dest = Path(args.to).resolve() if args.to else base
+    cache = project.store.run_dir(handle.run_id) / "fetch-cache.json"
+    in_place = fetched.root.resolve() == base.resolve()
+    make_safe(fetched.root, outputs)  # no setuid bit, ...: as the chain's promotion does
+    problems = manifest_cache.verify_outputs(fetched.root, outputs, safe_manifest(fetched.manifest), cache)
+    if problems:
+        raise BackendError(
+            f"run {handle.run_id}: the fetched outputs do not match its manifest; nothing was "
+            "moved into place:\n  " + "\n  ".join(problems)
+        )
+    if in_place and dest == base:
+        out.print(f"run {handle.run_id}: its outputs are in place and verified", highlight=False)
+        return 0
+    if in_place:
+        raise BackendError(
+            f"run {handle.run_id} wrote its outputs in place (no sandbox); copy them from {base}"
+        )
+    promote(fetched.root, dest, outputs, project.store.run_dir(handle.run_id) / JOURNAL)
+    out.print(
+        f"run {handle.run_id}: {len(outputs)} output(s) fetched into {dest}, verified against its manifest",
+        highlight=False,
+    )
+    return 0
+
+
+def cmd_teardown(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
+    handle = project.store.read(args.run)
+    project.backend_for(handle).teardown(handle, force=True)
+    out.print(f"run {handle.run_id}: torn down (handle and logs kept)", highlight=False)
+    return 0
+
+
+def cmd_why(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
+    from substrax_tasks.step.dodo import find_step  # imports doit: only here
+    from substrax_tasks.uptodate.check import explain
+
+    driver, doit_values = find_step(project.root, args.step, Path(args.dodo) if args.dodo else None)
+
+    def pinned_settings(run_id: str) -> dict[str, Any] | None:
+        try:
+            return project.store.read(run_id).settings
+        except HandleError:
+            return None
+
+    reasons = explain(driver.step, doit_values, pinned_settings)
+    if not reasons:
+        out.print(f"{args.step}: up to date", highlight=False)
+        return 0
+    out.print(f"{args.step}: not up to date", highlight=False)
+    for reason in reasons:
+        out.print(f"  - {escape(reason)}", highlight=False)
+    from substrax_tasks.cli.cache_commands import run_cache
+    from substrax_tasks.uptodate.check import key_parts
+
+    found = run_cache(project).find(key_parts(driver.step)) if project.cache["enabled"] else None
+    if found:
+        said = f"  it would be restored from {found} (`doit {args.step} -a` runs it)"
+        out.print(escape(said), highlight=False)
+    return 0
+
+
+# ------------------------------------------------------------------ helpers
+
+def console(stream: TextIO) -> Console:
+    """Messages are never broken inside a path; away from a terminal (a pipe,
+    a file) nothing is cut or wrapped to 80 columns either. No emoji codes:
+    a step "fit:b" followed by ":" would print as an emoji."""
+    width = None if stream.isatty() else 10_000
+    return Console(file=stream, soft_wrap=True, width=width, emoji=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out, err = console(sys.stdout), console(sys.stderr)
+    try:
+        root = Path(args.project) if args.project is not None else find_project(Path.cwd())
+        project = Project.open(root, invalid_ok=True)
+        if project.config_error is not None:
+            err.print(
+                f"[bold red]error:[/] {escape(str(project.config_error))}\n"
+                "(runs are reached with the settings pinned in their handles)",
+                highlight=False,
+            )
+        code: int = args.func(project, args, out, err)
+    except SubstraxError as exc:
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        return 1
+    except ExceptionGroup as group:  # cancel attempts every step: each failure is shown
+        err.print(f"[bold red]error:[/] {escape(group.message)}", highlight=False)
+        for failure in group.exceptions:
+            err.print(f"  - {escape(str(failure))}", highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        err.print("interrupted", highlight=False)
+        return 1
+    # status reports on everything: a broken configuration fails it
+    return 1 if project.config_error is not None and args.func is cmd_status else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

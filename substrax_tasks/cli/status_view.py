@@ -1,0 +1,118 @@
+"""How `substrax-compute status` shows runs: the table, and the record of
+each run in `status --json` (whose keys scripts rely on)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+from substrax_tasks.backends.base import RunStatus
+from substrax_tasks.store.gc import Leak, lifetime_left
+from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.run_store import Unreadable
+from substrax_tasks.store.selection import group_of
+
+STATUS_COLUMNS = ("run", "step", "backend", "state", "started", "duration")
+
+
+def plain_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)]
+    lines = [
+        "  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in [headers, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def run_record(handle: RunHandle, status: RunStatus, *, latest: bool) -> dict[str, Any]:
+    """One run of `status --json`. Scripts read these keys: add new ones,
+    never rename or drop one."""
+    return {
+        "run_id": handle.run_id,
+        "step": handle.step,
+        "backend": handle.backend,
+        "state": status.state,
+        "created_at": handle.created_at,
+        "started_at": status.started_at,
+        "ended_at": status.ended_at,
+        "exit_code": status.exit_code,
+        "message": status.message,
+        "group": group_of(handle.step),
+        "latest": latest,
+        "lifetime_left_seconds": lifetime_left(handle),
+        "gpus": status.gpus,
+    }
+
+
+def status_json(
+    rows: list[tuple[RunHandle, RunStatus]], unreadable: list[Unreadable], leaks: list[Leak] | None,
+    latest: set[str],
+) -> str:
+    """`status --json`; `leaks` None when they were not looked for."""
+    return json.dumps({
+        "runs": [run_record(h, s, latest=h.run_id in latest) for h, s in rows],
+        "unreadable": [{"path": str(u.path), "reason": u.reason} for u in unreadable],
+        # null, not "none leaked", when not looked for
+        "leaked": None if leaks is None else
+        [{"backend": k.backend, "where": k.where, "name": k.name, "ours": k.ours} for k in leaks],
+    }, indent=1)  # fmt: skip
+
+
+def machine_lines(handles: list[RunHandle], leaks: list[Leak]) -> list[str]:
+    """What may still hold a machine: runs and their time left, then leaks."""
+    lines = []
+    for handle in handles:
+        left = lifetime_left(handle)
+        if left is not None:
+            when = f"in {clock(left)}" if left > 0 else f"{clock(-left)} ago (overdue)"
+            lines.append(f"run {handle.run_id} may still hold a machine: its lifetime timer ends it {when}")
+    for leak in leaks:
+        fix = ("`substrax-compute gc --machines` removes it" if leak.ours else
+               "no handle of this project names it: another project's, or leaked before")
+        kind = "cluster" if leak.where == "SkyPilot" else "run folder"
+        lines.append(f"leaked {kind} {leak.name} on {leak.where}: no live handle accounts for it; {fix}")
+    return lines
+
+
+def parse_time(value: str | None) -> datetime.datetime | None:
+    if not value:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+
+
+def short_time(value: str | None) -> str:
+    moment = parse_time(value)
+    return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S") if moment else "-"
+
+
+def duration(status: RunStatus) -> str:
+    start = parse_time(status.started_at)
+    if start is None:
+        return "-"
+    end = parse_time(status.ended_at) or datetime.datetime.now(datetime.timezone.utc)
+    return clock((end - start).total_seconds())
+
+
+def clock(seconds: float) -> str:
+    """[h:]mm:ss"""
+    hours, rest = divmod(max(0, int(seconds)), 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def print_status_table(rows: list[tuple[RunHandle, RunStatus]]) -> None:
+    """Plain columns, on a terminal as in a pipe: what scripts and `grep`
+    read, and fast for a store of a thousand runs. The GPUs each run was
+    given go in a column shown only when a run has any."""
+    with_gpus = any(s.gpus for _h, s in rows)
+    columns = [*STATUS_COLUMNS, *(["gpus"] if with_gpus else [])]
+    cells = [
+        [h.run_id, h.step, h.backend, s.state, short_time(s.started_at), duration(s)]
+        + ([",".join(s.gpus or []) or "-"] if with_gpus else [])
+        for h, s in rows
+    ]
+    print(plain_table(columns, cells) if rows else "no runs yet")

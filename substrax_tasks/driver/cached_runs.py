@@ -1,0 +1,84 @@
+"""The driver's use of the run cache (cache.py): restore before a launch,
+say in the step record where the outputs came from, keep a promoted run."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+from typing import TYPE_CHECKING
+
+from substrax_tasks.cache.run_cache import CacheOptions, RunCache, cache_key
+from substrax_tasks.cache.storage import Damaged
+from substrax_tasks.console import emit
+from substrax_tasks.errors import BackendError
+
+if TYPE_CHECKING:
+    from substrax_tasks.backends.base import Fetched
+    from substrax_tasks.driver.step_driver import StepDriver
+
+# Said once per doit, not per step: the first run not kept (a list, so no global statement).
+_SAID_NOT_KEPT: list[str] = []
+_SAID_LOCK = threading.Lock()
+
+
+def run_cache_of(driver: StepDriver) -> RunCache | None:
+    options = CacheOptions(**driver.project.cache)
+    return RunCache(options, driver.root, driver.project.store) if options.enabled else None
+
+
+def restored_from_cache(driver: StepDriver) -> bool:
+    """Whether the driver's step was restored from the cache (its outputs
+    staged and verified, to be promoted), unless the step's own check held
+    (`doit -a`, or a user's uptodate item, asked for a real run, which then
+    replaces the entry)."""
+    run_cache = run_cache_of(driver)
+    if run_cache is None or driver.check_held:
+        return False
+    driver.restored = run_cache.restore(driver.step, driver.parts)
+    if driver.restored is not None:
+        driver.fetched = driver.restored.fetched
+    return driver.restored is not None
+
+
+def _say_once_not_kept(step: str, run_id: str) -> None:
+    """Once per doit: the why, for the first run left out."""
+    with _SAID_LOCK:
+        if _SAID_NOT_KEPT:
+            return
+        _SAID_NOT_KEPT.append(run_id)
+    emit(
+        f"{step}: run {run_id} is not kept in the run cache: it ran without the sandbox "
+        '(sandbox = "none", or "auto" without a usable bubblewrap), so it could read project files '
+        "its key does not cover (runs without the sandbox are never kept)"
+    )
+
+
+def keep_after(driver: StepDriver, fetched: Fetched) -> None:
+    """As the chain ends, after the outputs are home: drop a restore's staging
+    folder, or keep a run just promoted (its `fetched` outputs) as an entry
+    (never delaying its promotion). A failure to keep it is one line; the
+    step is done."""
+    restored, handle, run_cache = driver.restored, driver.handle, run_cache_of(driver)
+    if restored is not None:
+        shutil.rmtree(restored.fetched.root, ignore_errors=True)
+        if run_cache is not None and restored.shared is not None:
+            try:
+                run_cache.adopt(driver.step, restored)
+            except (OSError, Damaged) as exc:
+                emit(f"{driver.step.name}: could not keep {restored.label} locally: {exc}", err=True)
+        return
+    manifest = fetched.manifest
+    if run_cache is None or handle is None or handle.state.get("phase") != "promoted":
+        return
+    if fetched.saw_whole_project:
+        _say_once_not_kept(driver.step.name, handle.run_id)
+        return
+    host = handle.settings.get("host") or handle.state.get("cluster") or socket.gethostname()
+    provenance = {"run_id": handle.run_id, "backend": handle.backend, "host": str(host)}
+    try:
+        key = cache_key(driver.parts, run_cache.settings.key_backend)
+        run_cache.save(driver.step, key, manifest, provenance)
+    except (OSError, Damaged, BackendError) as exc:
+        emit(f"{driver.step.name}: could not keep run {handle.run_id} in the cache: {exc}", err=True)
+

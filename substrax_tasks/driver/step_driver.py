@@ -1,0 +1,468 @@
+"""Driving one run of a step: launch, setup, sync, run, fetch, verify and
+promote, teardown.
+
+doit executes these phases only when it decided the step must run (a check
+said so, or `-a`), so each acts when executed. Each writes its durable
+record (the handle's state, the step record) the moment it finishes: doit
+saves its DB only at the end and loses it on SIGKILL, and a rerun reads
+those records to reattach to a live run or fetch a finished one again.
+
+`RunState` says what this process is doing with the step; under `doit -n N
+-P thread` teardown may be called from any thread while another drives the
+step, so the state changes under a lock.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import enum
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
+
+from doit.exceptions import TaskError, TaskFailed
+
+from substrax_tasks.console import TextSink, emit
+from substrax_tasks.driver.earlier_run import phase_index, retire_unlaunched, reusable_run
+from substrax_tasks.errors import BackendError, HandleError, HostRefused, RunFolderDeleted, SubstraxError
+from substrax_tasks.interrupts import (
+    INTERRUPTED,
+    map_termination_signals,
+    start_when_free,
+    started_holding_signals,
+)
+from substrax_tasks.step import doit_db
+from substrax_tasks.step.spec import check_inputs_exist, check_outputs_inside
+from substrax_tasks.uptodate import check as uptodate
+from substrax_tasks.uptodate.check import DOIT_VALUE, Step
+
+if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
+    from substrax_tasks.backends.base import Backend, Fetched
+    from substrax_tasks.cache.run_cache import Restored
+    from substrax_tasks.driver.slots import Slot
+    from substrax_tasks.driver.steplock import StepLock
+    from substrax_tasks.store.handle import RunHandle
+    from substrax_tasks.store.project import Project
+
+RETRY_BACKOFF_SECONDS = 2.0
+_T = TypeVar("_T")
+
+
+class RunState(enum.Enum):
+    IDLE = "idle"  # nothing done for this step in this process
+    OPEN = "open"  # launch acted: the step's lock is held and its run is being driven
+    CLOSED = "closed"  # the chain ended: verified and promoted, or a phase failed
+    INTERRUPTED = "interrupted"  # given up while the run went on (Ctrl-C, or doit ending)
+    TORN_DOWN = "torn_down"  # teardown done; nothing more happens
+
+
+class StepDriver:
+    """The phases of one step in one doit process, as doit actions."""
+
+    def __init__(self, step: Step, project: Project, *, retries: int = 0) -> None:
+        self.step = step
+        self.spec = step.spec
+        self.root = step.root
+        self.project = project
+        self.retries = retries
+        self.state = RunState.IDLE
+        self.handle: RunHandle | None = None
+        self.fetched: Fetched | None = None
+        self.restored: Restored | None = None  # the outputs came from the run cache, not a run
+        # The step's own check held in this doit (step.StepCheck): a run now
+        # is asked for by `-a` or a user's uptodate item, and is a real one.
+        self.check_held = False
+        self.parts: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._step_lock: StepLock | None = None
+        self._slot: Slot | None = None  # of the backend's max_parallel pool, from launch to the chain's end
+        self._slot_shared = False
+        self.pid = os.getpid()
+
+    def backend(self, handle: RunHandle) -> Backend:
+        return self.project.backend_for(handle)
+
+    def _set(self, state: RunState) -> None:
+        with self._lock:
+            self.state = state
+
+    def _close(self) -> None:
+        """The chain ended here: promoted, failed, or given up (an interrupted
+        one stays INTERRUPTED). What it holds goes now, not as doit ends (doit
+        runs teardowns only then, so a sweep would hold a lock and a run
+        folder per step it ran): the run is torn down and kept in the cache,
+        the slot and the step's lock released. A machine shared by a pool's
+        runs stays warm for the next one: its teardown waits for doit's, as
+        the last one out takes it down (see sky_pool.py)."""
+        with self._lock:
+            if self.state is RunState.OPEN:
+                self.state = RunState.CLOSED
+        if self._slot_shared:
+            try:
+                self._keep()
+            finally:
+                self._release()
+            return
+        try:
+            self.teardown()
+        except SubstraxError as exc:
+            emit(f"{self.spec.step}: teardown failed: {exc}", err=True)
+
+    def _take_slot(self, backend: Backend, handle: RunHandle, *, running: bool = False) -> RunHandle:
+        """A slot of the backend's max_parallel pool for `handle`, waited
+        for if all are held. A run whose command is `running` (reattached)
+        counts whether or not it holds one: it takes its own back (or a
+        free one) and never waits; in a shared pool a launched run takes
+        only the slot of the machine it is on."""
+        from substrax_tasks.driver.slots import take_in_pool
+
+        pool = backend.slot_pool(handle)
+        if pool is None or self._slot is not None:
+            return handle
+        bound = handle.state.get("slot") if pool.shared else None
+        try:
+            slot = take_in_pool(
+                self.project.store.slots_dir(pool.name), pool, self.spec.step, handle.run_id,
+                self._command_running, wait=not running,
+                only=int(bound["index"]) if isinstance(bound, dict) else None,
+            )
+        except KeyboardInterrupt:
+            # Nothing launched, so nothing to detach or cancel: the step fails
+            # as under threads, with no traceback, and later phases do nothing.
+            INTERRUPTED.set()
+            raise
+        if slot is None:
+            return handle
+        self._slot = slot
+        self._slot_shared = pool.shared
+        if not pool.shared or isinstance(bound, dict):
+            return handle
+        return self._save(handle, slot={"pool": pool.name, "index": slot.index})
+
+    def _command_running(self, run_id: str) -> bool:
+        """Whether the run `run_id`, which a slot names, has its command
+        running (it holds that slot though no client does). A run that
+        cannot be read holds none; one whose host cannot be asked, does."""
+        try:
+            handle = self.project.store.read(run_id)
+            return self.backend(handle).poll(handle).state == "running"
+        except HandleError:
+            return False
+        except SubstraxError:
+            return True
+
+    def _release(self) -> None:
+        """Give back the slot and the step's lock (each once, from any thread)."""
+        with self._lock:
+            slot, self._slot = self._slot, None
+            step_lock, self._step_lock = self._step_lock, None
+        try:
+            if slot is not None:
+                slot.release()
+        finally:
+            if step_lock is not None:
+                step_lock.release()
+
+    def _keep(self) -> None:
+        """Once the outputs are home: keep the run in the cache, or drop a
+        restore's staging folder (once, whichever of the chain's end and
+        doit's teardown comes first)."""
+        with self._lock:
+            fetched, self.fetched = self.fetched, None
+        if fetched is not None:  # a run's or a restore's
+            from substrax_tasks.driver.cached_runs import keep_after
+
+            keep_after(self, fetched)
+
+    # ------------------------------------------------------------ doit glue
+    def _action(self, body: Callable[[], Any]) -> Any:
+        """A phase as a doit action: our errors become doit failures with
+        their message, and a failure closes the chain (doit runs no later phase)."""
+        if os.getpid() != self.pid:
+            return TaskError(
+                f"step {self.spec.step!r}: remote steps cannot run in doit's worker processes "
+                "(`doit -n N` or `-P process`): the phases of a step share state in one process. "
+                "Run them concurrently with threads: `doit -n N -P thread`"
+            )
+        map_termination_signals()  # in a worker thread: notes that steps run in threads
+        try:
+            if INTERRUPTED.is_set():  # a phase doit dispatches after an interrupt does nothing
+                raise KeyboardInterrupt("interrupted")
+            result = body()
+        except BackendError as exc:
+            result = TaskError(self._named(exc))
+        except SubstraxError as exc:
+            result = TaskFailed(self._named(exc))
+        except OSError as exc:
+            if not doit_db.no_space_left(exc, str(exc.filename or self.root)):
+                self._close()
+                raise
+            result = TaskFailed(self._named_full(exc))
+        except KeyboardInterrupt:
+            # The chain stays open (or INTERRUPTED, from the run phase): the
+            # teardown that doit runs next detaches from a run that goes on,
+            # or cancels it, as the backend's capabilities say.
+            if threading.current_thread() is threading.main_thread() and not INTERRUPTED.is_set():
+                raise
+            # doit's worker threads cannot pass an interrupt on: a failure can
+            result = TaskError(f"step {self.spec.step!r}: interrupted")
+        except BaseException:
+            self._close()
+            raise
+        if isinstance(result, (TaskFailed, TaskError)):
+            self._close()
+        return result
+
+    def _named_full(self, exc: OSError) -> str:
+        """A phase that found the disk full: where, what is kept, the fix.
+        Every phase records its progress in the run's handle before the
+        next starts, so the next doit goes on from where this one stopped."""
+        where = str(exc.filename or self.root)
+        mount = doit_db.mount_point(where)
+        doit_db.told_full(mount)
+        return (f"step {self.spec.step!r}: no space left on the file system mounted at "
+                f"{mount} (writing {where}); the run and the outputs "
+                f"already in place are kept. Free space there and run `doit` again: it goes on from "
+                f"where this one stopped and does not run a command again whose run has ended")  # fmt: skip
+
+    def _named(self, exc: Exception) -> str:
+        text = str(exc)
+        prefix = f"step {self.spec.step!r}"
+        return text if text.startswith(prefix) else f"{prefix}: {text}"
+
+    def _retrying(self, what: str, call: Callable[[], _T]) -> _T:
+        """Retry failures of the machinery, never a failed command."""
+        for attempt in range(self.retries + 1):
+            try:
+                return call()
+            except BackendError as exc:
+                if attempt == self.retries:
+                    raise
+                wait = RETRY_BACKOFF_SECONDS * (attempt + 1)
+                emit(
+                    f"{self.spec.step}: {what} failed ({exc}); "
+                    f"retry {attempt + 1} of {self.retries} in {wait:.0f} s"
+                )
+                time.sleep(wait)
+        raise AssertionError("unreachable")
+
+    def _save(self, handle: RunHandle, **changes: Any) -> RunHandle:
+        self.handle = self.project.store.update_state(handle, **changes)
+        return self.handle
+
+    # ------------------------------------------------------------ phases
+    def launch(self) -> Any:
+        return self._action(self._launch)
+
+    def _launch(self) -> None:
+        from substrax_tasks.driver.steplock import StepLock
+
+        self._set(RunState.OPEN)
+        self._step_lock = StepLock(self.step.files.lock, self.spec.step)
+        self._step_lock.acquire()
+        check_inputs_exist(self.spec, self.root)
+        check_outputs_inside(self.spec.outputs, self.root)
+        from substrax_tasks.step.view import check_command_in_view  # not on a no-op's path
+
+        check_command_in_view(self.spec, self.root)
+        from substrax_tasks.driver.outputs_phases import recover_promotion  # not on a no-op's path
+
+        recover_promotion(self)
+        unset = [name for name in self.spec.forward_env if name not in os.environ]
+        if unset:
+            raise SubstraxError(
+                f"secret(s) {', '.join(unset)} named in secrets=[...] are not set in this "
+                "environment; set them (their values are forwarded to the command, never stored)"
+            )
+        self.parts = parts = uptodate.key_parts(self.step)
+        key = uptodate.key(parts)
+        handle = reusable_run(self, key)
+        if handle is None:
+            from substrax_tasks.driver.cached_runs import restored_from_cache
+
+            if restored_from_cache(self):  # no run: the later phases find no handle and pass
+                return
+            retire_unlaunched(self)
+            handle = self.project.new_run(self.spec, self.step.backend, phase="created", key=key,
+                                          key_parts=parts)  # fmt: skip
+            uptodate.write_record(self.step, run_id=handle.run_id)
+            emit(f"{self.spec.step}: new run {handle.run_id} on {self.step.backend}")
+        self.handle = handle
+        backend = self.backend(handle)
+        if phase_index(handle.state.get("phase")) < phase_index("launched"):
+            handle = self._take_slot(backend, handle)
+            self._save(self._retrying("launch", lambda: backend.launch(handle)), phase="launched")
+        elif not (status := backend.poll(handle)).final:  # reattached: it holds a slot as a new run does
+            self._take_slot(backend, handle, running=status.state == "running")
+
+    def setup(self) -> Any:
+        return self._action(lambda: self._advance("set_up", "setup", lambda b, h: b.setup(h)))
+
+    def sync(self) -> Any:
+        return self._action(lambda: self._advance("synced", "sync", lambda b, h: b.sync(h)))
+
+    def _advance(self, phase: str, what: str, call: Callable[[Backend, RunHandle], RunHandle]) -> None:
+        handle = self.handle
+        if handle is None or phase_index(handle.state.get("phase")) >= phase_index(phase):
+            return
+        backend = self.backend(handle)
+        self._save(self._retrying(what, lambda: call(backend, handle)), phase=phase)
+
+    def run(self) -> Any:
+        return self._action(self._run)
+
+    def _run(self) -> Any:
+        handle = self.handle
+        if handle is None:
+            return None
+        backend = self.backend(handle)
+        try:
+            if phase_index(handle.state.get("phase")) < phase_index("started"):
+                if backend.poll(handle).state == "pending":
+                    pending = handle
+                    handle = start_when_free(
+                        lambda: self._retrying("start", lambda: started_holding_signals(backend, pending)),
+                        lambda said: emit(f"{self.spec.step}: {said}; waiting"),
+                    )
+                handle = self._save(handle, phase="started")
+            status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)
+        except RunFolderDeleted:
+            return TaskFailed(f"step {self.spec.step!r}: {self._forget(backend, handle)}")
+        except HostRefused as exc:  # as a refused manifest: the run failed, its machine goes
+            self._save(handle, verdict={"state": "failed", "message": str(exc)})
+            with contextlib.suppress(BackendError, HostRefused):  # else its lifetime timer ends it
+                if not backend.poll(handle).final:
+                    backend.cancel(handle)
+            return TaskFailed(f"step {self.spec.step!r}: run {handle.run_id}: {exc}")
+        except KeyboardInterrupt:
+            self._set(RunState.INTERRUPTED)
+            self._on_interrupt(backend, handle)
+            raise
+        if status.state != "succeeded":
+            tail = backend.read_log(handle, 0)[-1500:].decode(errors="replace")
+            return TaskFailed(
+                f"step {self.spec.step!r}: run {handle.run_id} {status.state}"
+                + (f" (exit code {status.exit_code})" if status.exit_code is not None else "")
+                + (f": {status.message}" if status.message else "")
+                + f"\nlast lines of its log (substrax-compute logs {handle.run_id}):\n{tail}"
+            )
+        # What the backend noted as the run ended (its final status, where its outputs are).
+        self.handle = self.project.store.read(handle.run_id)
+        return None
+
+    def _on_interrupt(self, backend: Backend, handle: RunHandle) -> None:
+        if backend.capabilities.interrupt_cancels:
+            emit(f"\n{self.spec.step}: interrupted; cancelling local run {handle.run_id}", err=True)
+            backend.cancel(handle)
+        else:
+            emit(
+                f"\n{self.spec.step}: detached from run {handle.run_id}, which goes on. "
+                f"`doit {self.spec.step}` reattaches; `substrax-compute cancel {handle.run_id}` stops it.",
+                err=True,
+            )
+
+    def fetch(self) -> Any:
+        from substrax_tasks.driver.outputs_phases import fetch_outputs  # not on a no-op's path
+
+        return self._action(lambda: fetch_outputs(self))
+
+    def promote(self) -> Any:
+        """The last phase: verify the fetched outputs, promote them, record.
+        A phase, not the public task's action: a step's outputs are home as
+        soon as its own run is fetched, whatever doit does with the other
+        tasks of the run (it stops dispatching at the first failure)."""
+        from substrax_tasks.driver.outputs_phases import promote_outputs  # not on a no-op's path
+
+        try:
+            return self._action(lambda: promote_outputs(self))
+        finally:
+            self._close()
+
+    def recorded(self) -> Any:
+        """The public task's action: what doit saves for it is the verified
+        run (promoted by the phases just now, or earlier when the phases were
+        up to date while a user's uptodate item was not)."""
+        run_id = (uptodate.read_record(self.step).get("verified") or {}).get("run_id", "")
+        if run_id:
+            # Acknowledged only once doit holds that value (it saves its DB
+            # before the process exits): without it, a later doit that finds
+            # no value for this task trusts the record, as after a SIGKILL.
+            from substrax_tasks.driver.outputs_phases import acknowledge
+
+            atexit.register(acknowledge, self.step, run_id)
+        return {DOIT_VALUE: run_id}
+
+    # ------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        """doit's teardown (after success, failure or Ctrl-C). Idempotent.
+
+        Under `-n N -P thread` doit calls every teardown from each worker
+        thread that runs out of tasks, while another thread may still drive
+        this step: such a call leaves an open chain alone, and doit's last
+        call, from the main thread as it finishes, tears it down."""
+        with self._lock:
+            was = self.state
+            if was is RunState.TORN_DOWN or (
+                was is RunState.OPEN and threading.current_thread() is not threading.main_thread()
+            ):
+                return
+            self.state = RunState.TORN_DOWN
+        try:
+            if self.handle is not None:
+                self._tear_down(was)
+            self._keep()
+        finally:
+            self._release()
+
+    def _forget(self, backend: Backend, handle: RunHandle) -> str:
+        """The run's folder here is gone (the state folder was deleted):
+        nothing could find the run again, so it is torn down now, from the
+        handle this process holds; and nothing more is done with it here.
+        What was done, for the message."""
+        self.handle = None
+        try:
+            done = backend.forget(handle)
+        except SubstraxError as exc:
+            done = f"it could not be torn down ({exc}); its lifetime timer ends it"
+        return (
+            f"the folder of run {handle.run_id} here ({self.project.store.run_dir(handle.run_id)}) was "
+            f"deleted while this doit drove the run: {done}; `doit {self.spec.step}` launches it again"
+        )
+
+    def _tear_down(self, was: RunState) -> None:
+        held = cast("RunHandle", self.handle)
+        try:
+            handle = self.project.store.read(held.run_id)
+        except HandleError as exc:
+            if not self.project.store.run_dir(held.run_id).exists():  # deleted, not damaged
+                emit(f"{self.spec.step}: {self._forget(self.backend(held), held)}", err=True)
+                return
+            emit(f"{self.spec.step}: not torn down: {exc}", err=True)  # damaged: nothing to act on
+            return
+        backend = self.backend(handle)
+        try:
+            status = backend.status(handle)
+        except HostRefused as exc:  # a damaged host: its message says how to tear it down
+            emit(f"{self.spec.step}: not torn down: {exc}", err=True)
+            return
+        interrupted = was is RunState.INTERRUPTED
+        if was is RunState.OPEN and not status.final and status.state != "pending":
+            # doit is ending (a Ctrl-C seen by another thread, a failure
+            # elsewhere) while this step's run goes on: abandoned.
+            interrupted = True
+            self._on_interrupt(backend, handle)
+            status = backend.status(handle)
+        launched = phase_index(handle.state.get("phase")) >= phase_index("launched")
+        done = (
+            handle.state.get("phase") == "promoted"
+            or (status.final and status.state != "succeeded")
+            or (status.state == "pending" and launched)  # setup or sync failed: nothing to keep
+        )
+        if done or (interrupted and backend.capabilities.interrupt_cancels):
+            backend.teardown(handle)
+        elif status.final:
+            emit(f"{self.spec.step}: keeping run {handle.run_id} until its outputs are home; "
+                 f"`doit {self.spec.step}` fetches them again")

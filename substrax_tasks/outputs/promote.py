@@ -1,0 +1,229 @@
+"""Promote verified staged outputs into their final paths, one rename each.
+
+A half-written output never stands at its final path: each output is moved
+into place by a single rename (the previous version moved aside first, then
+dropped). When the staging folder is on another file system, the output is
+first copied next to its final path and renamed from there.
+
+A promotion is journaled in the run's folder before its first rename, and
+the journal goes once the last is done. A kill in between leaves outputs
+half old, half new, and folders moved aside or copied half: `recover`
+(the step's next launch, under its lock, before anything reads them)
+finishes the promotion from the staged files, which stay until the last
+rename (a copy from another file system leaves them for teardown).
+
+Outputs carry no privileges: whatever a command, a host, a bucket or a
+cache entry set, a promoted file or folder has no setuid, setgid or sticky
+bit and is not world-writable (`safe_mode`). The transports already copy
+with that rule (rsync's `--chmod`, the bucket's and the cache's modes), but
+the promotion applies it again (`make_safe`, `safe_manifest`): every path
+into the project goes through it, and it never trusts an earlier step.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from substrax_tasks.atomic import write_json_atomic
+from substrax_tasks.outputs.manifests import manifest_module
+
+JOURNAL = "promotion.json"
+# What no output keeps: a setuid file made by a host's user (or a root
+# command in a sandbox) would run as the client's user, root on CI; a
+# world-writable one could be changed by anyone here.
+UNSAFE_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | stat.S_IWOTH
+# The same rule in rsync's words, for copies made by rsync (a test holds
+# the two to the same result for every mode).
+RSYNC_SAFE_CHMOD = "--chmod=ugo-st,o-w"
+_O_PATH = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def safe_mode(mode: int) -> int:
+    """`mode` (permission bits) without the bits an output never keeps."""
+    return mode & 0o7777 & ~UNSAFE_BITS
+
+
+def safe_manifest(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """`manifest` with each file's and folder's mode made safe (its digest
+    taken again if one changed), so that outputs made safe verify against
+    it and the verified manifest recorded says what stands here."""
+    entries = manifest.get("entries") or []
+    if not any(
+        e.get("type") in ("file", "dir") and isinstance(e.get("mode"), int) and e["mode"] & UNSAFE_BITS
+        for e in entries
+    ):
+        return dict(manifest)
+    digest = manifest_module().entries_digest
+    if manifest.get("digest") != digest(list(entries)):
+        return dict(manifest)  # damaged: left as it is for verification to refuse, never mended here
+    kept = ("file", "dir")
+    safe = [
+        {**e, "mode": safe_mode(e["mode"])} if e.get("type") in kept and isinstance(e.get("mode"), int) else e
+        for e in entries
+    ]
+    return {**manifest, "entries": safe, "digest": digest(safe)}
+
+
+def make_safe(root: Path, outputs: Sequence[str]) -> None:
+    """Clear the unsafe bits of every file and folder of `outputs` under
+    `root`. Nothing is reached through a symlink (a folder above an output,
+    or inside one, that is a link is left alone: verification refuses such
+    a tree), and each entry is changed through a descriptor of the very
+    entry checked, so nothing swapped in meanwhile is changed instead."""
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return  # nothing staged: verification names the missing outputs
+    try:
+        for out in outputs:
+            *folders, name = out.rstrip("/").split("/")
+            parent = _open_folders(root_fd, folders)
+            if parent is not None:
+                try:
+                    _make_entry_safe(parent, name)
+                finally:
+                    os.close(parent)
+    finally:
+        os.close(root_fd)
+
+
+def _open_folders(root_fd: int, folders: list[str]) -> int | None:
+    """A descriptor of the folder `root_fd/folders...`, None if one is
+    missing or is not a folder (a symlink included)."""
+    fd = os.dup(root_fd)
+    for folder in folders:
+        try:
+            inner = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError:  # missing, a link or not a folder: verification names it
+            inner = None
+        os.close(fd)
+        if inner is None:
+            return None
+        fd = inner
+    return fd
+
+
+def _make_entry_safe(dir_fd: int, name: str) -> None:
+    try:
+        fd = os.open(name, _O_PATH, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return  # verification names a missing output
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):
+            return  # a link's own mode means nothing on Linux
+        if st.st_mode & UNSAFE_BITS and (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            # chmod has no descriptor form for an O_PATH descriptor but its
+            # /proc link (glibc's fchmodat(AT_SYMLINK_NOFOLLOW) does the same)
+            os.chmod(f"/proc/self/fd/{fd}", safe_mode(st.st_mode))  # noqa: PTH101
+        if stat.S_ISDIR(st.st_mode):
+            listing = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+            try:
+                for entry in os.listdir(listing):  # noqa: PTH208 - a descriptor, not a path
+                    _make_entry_safe(listing, entry)
+            finally:
+                os.close(listing)
+    finally:
+        os.close(fd)
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file, symlink or folder tree (a symlink is never followed)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _next_to(final: Path, tag: str) -> Path:
+    # secrets, not uuid: uuid imports platform, 3 ms of every no-op doit.
+    return final.with_name(f".{final.name}.substrax-{tag}-{secrets.token_hex(4)}")
+
+
+def promote_one(staged: Path, final: Path) -> bool:
+    """Move `staged` to `final`; True if by renames alone (the very files
+    staged now stand there), False if it had to be copied."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        staged.replace(final) if not final.is_dir() or final.is_symlink() else _swap_dir(staged, final)
+        return True
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        # Another file system: copy beside the final path, then rename.
+        beside = _next_to(final, "in")
+        try:
+            if staged.is_dir() and not staged.is_symlink():
+                shutil.copytree(staged, beside, symlinks=True)
+            else:
+                shutil.copy2(staged, beside, follow_symlinks=False)
+            promote_one(beside, final)
+        except OSError as copy_failed:
+            # shutil names the source: name the file system that is full
+            if copy_failed.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OSError(copy_failed.errno, copy_failed.strerror, str(beside)) from copy_failed
+            raise
+        finally:  # a copy made half (a full disk) takes no room there
+            if beside.exists() or beside.is_symlink():
+                remove_path(beside)
+        # `staged` stays (teardown removes it): a tree removed half, after a
+        # kill, would be promoted again by `recover` over the whole copy.
+        return False
+
+
+def _swap_dir(staged: Path, final: Path) -> None:
+    """A folder cannot be renamed over a non-empty folder: move the old one
+    aside first (the path is briefly absent, never half-written)."""
+    aside = _next_to(final, "old")
+    final.rename(aside)
+    try:
+        staged.rename(final)
+    except OSError:
+        aside.rename(final)  # put the old one back
+        raise
+    remove_path(aside)
+
+
+def promote(staging_root: Path, project: Path, outputs: list[str], journal: Path) -> bool:
+    """Move each output from `staging_root/<out>` to `project/<out>`. True
+    if every one was moved by renames alone, so the project holds the very
+    files that were staged (and verified there)."""
+    write_json_atomic(journal, {"staging_root": str(staging_root), "project": str(project),
+                                "outputs": outputs})
+    renamed = True
+    for out in outputs:
+        rel = out.rstrip("/")
+        renamed = promote_one(staging_root / rel, project / rel) and renamed
+    journal.unlink()
+    return renamed
+
+
+def recover(journal: Path) -> bool:
+    """Finish the promotion `journal` records, if a kill interrupted it:
+    each output still staged is promoted, and what the kill left beside the
+    outputs (an old version moved aside, a copy made half) is removed.
+    True if there was one to finish."""
+    try:
+        data = json.loads(journal.read_text())
+        staging_root, project, outputs = Path(data["staging_root"]), Path(data["project"]), data["outputs"]
+    except FileNotFoundError:
+        return False
+    for out in outputs:
+        rel = str(out).rstrip("/")
+        staged, final = staging_root / rel, project / rel
+        if staged.exists() or staged.is_symlink():
+            promote_one(staged, final)
+        beside = f".{final.name}.substrax-"  # moved aside ("old") or copied half ("in")
+        for left in final.parent.iterdir() if final.parent.is_dir() else []:
+            if left.name.startswith(beside):
+                remove_path(left)
+    journal.unlink()
+    return True

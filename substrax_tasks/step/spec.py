@@ -1,0 +1,311 @@
+"""What a step is: its command, inputs, outputs, env and timeout.
+
+Paths are stored relative to the project, in POSIX form; an output ending in
+"/" is a folder. Bad declarations fail here, before anything is launched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Union
+
+from substrax_tasks.errors import SpecError
+from substrax_tasks.step.args import argv_of, env_of, literal, name_list, path_list, seconds_of, shown
+
+ArgvItem = Union[str, int, os.PathLike]  # type: ignore[type-arg]  # noqa: UP007 - a runtime alias
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+RESOURCE_KEYS = ("accelerators", "cpus", "memory", "disk_size")
+# The longest step name: a name that is already safe is used as it is in
+# file names (safe_name), and the longest the store makes of it is the temp
+# file of its outputs cache (store.py, _atomic.py): "." + name +
+# ".outputs.json." + mkstemp's 8 characters + ".tmp", where a file name is at
+# most 255 bytes (NAME_MAX; safe names are ASCII). The run id, name + 23,
+# is shorter; other names are shortened with a hash and always fit.
+MAX_STEP_NAME = 255 - len(".") - len(".outputs.json.") - 8 - len(".tmp")
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """A step as submitted: everything that decides what the run produces.
+
+    A plain dataclass, checked by make_spec(): a dodo of many steps builds
+    one per step on every `doit`, and pydantic is not imported for that."""
+
+    step: str
+    command: list[str]
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    timeout: float | None = None
+    resources: dict[str, str | int | float] = field(default_factory=dict)
+    forward_env: list[str] = field(default_factory=list)
+
+    def model_dump(self, mode: str = "json") -> dict[str, Any]:
+        """The spec as JSON-ready data (the name pydantic models use)."""
+        return dataclasses.asdict(self)
+
+    def output_entries(self) -> list[dict[str, str]]:
+        """The outputs as the worker reads them: path and kind."""
+        return [
+            {"path": out.rstrip("/"), "kind": "dir" if out.endswith("/") else "file"}
+            for out in self.outputs
+        ]
+
+
+def canonical_digest(data: Any) -> str:
+    """sha256 of a canonical JSON form: equal data, equal digest."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# Backend settings that cannot change a step's outputs: left out of the
+# up-to-date key and of a run's digest, so adding or changing them reruns
+# nothing (the kept folders' contents are never read for the key either;
+# which GPUs a step sees is where it runs, as which host is).
+NOT_IN_KEY = ("cache_dirs", "hide_gpus_when_unasked", "max_parallel", "reuse")
+
+
+def settings_in_key(settings: dict[str, Any]) -> dict[str, Any]:
+    """The backend settings that decide a step's outputs."""
+    return {k: v for k, v in settings.items() if k not in NOT_IN_KEY}
+
+
+def safe_name(name: str) -> str:
+    """A form of a step name fit for folders, files and cluster names.
+    Names that had to change get a short hash so two never collide."""
+    cleaned = _UNSAFE.sub("-", name).strip("-.") or "step"
+    if cleaned == name:
+        return name
+    return f"{cleaned[:40]}-{hashlib.sha256(name.encode()).hexdigest()[:6]}"
+
+
+def relative_path(raw: str | os.PathLike[str], project: Path, what: str) -> str:
+    """`raw` as a clean project-relative POSIX path, or a SpecError."""
+    text = os.fspath(raw)
+    is_dir = text.endswith("/")
+    # The common case, already clean ("data/in.csv", "model/"), costs string
+    # work only: a dodo of many steps declares thousands of these.
+    probe = "/" + (text[:-1] if is_dir else text) + "/"
+    # no empty, "." or ".." component, not absolute (that would start "//")
+    if "//" not in probe and "/./" not in probe and "/../" not in probe:
+        return text
+    if not text.strip():
+        raise SpecError(f"{what} is empty; give a path inside the project")
+    if PurePosixPath(text).is_absolute():
+        candidate = Path(text)
+        try:
+            text = candidate.resolve().relative_to(project.resolve()).as_posix()
+        except ValueError:
+            raise SpecError(
+                f"{what} {raw!s} lies outside the project {project}; "
+                "give a path inside the project"
+            ) from None
+    parts = PurePosixPath(text).parts
+    if ".." in parts:
+        raise SpecError(f"{what} {raw!s} contains '..'; give a plain path inside the project")
+    clean = PurePosixPath(*[p for p in parts if p != "."]).as_posix()
+    if clean in ("", "."):
+        raise SpecError(f"{what} {raw!s} is the project itself; name a file or folder in it")
+    return clean + "/" if is_dir else clean
+
+
+def _resources_of(step: str, resources: object) -> dict[str, str | int | float]:
+    """The step's resources: a mapping of known keys to strings or numbers."""
+    if resources is None:
+        return {}
+    if not isinstance(resources, Mapping):
+        example = {"accelerators": resources} if isinstance(resources, str) else {"cpus": 4}
+        raise SpecError(
+            f"step {step!r}: resources must be a mapping of {', '.join(RESOURCE_KEYS)} to values, "
+            f"got {shown(resources)}: write resources={literal(example)}"
+        )
+    values = dict(resources)
+    unknown = sorted(str(key) for key in set(values) - set(RESOURCE_KEYS))
+    if unknown:
+        raise SpecError(
+            f"step {step!r}: unknown resources {', '.join(unknown)}; "
+            f"valid keys: {', '.join(RESOURCE_KEYS)}"
+        )
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise SpecError(
+                f"step {step!r}: resources[{key!r}] must be a string or a number, got {shown(value)}"
+            )
+    return values
+
+
+def check_name(step: str) -> None:
+    """A SpecError unless `step` is a name a step can have."""
+    if not isinstance(step, str) or not step.strip():
+        raise SpecError(f"a step needs a non-empty name (a string), got {shown(step)}")
+    group, colon, member = step.partition(":")
+    if colon and not (group.strip() and member.strip()):
+        raise SpecError(
+            f"step {step!r}: a name with ':' is GROUP:MEMBER (doit's sub-task MEMBER of GROUP), "
+            "both non-empty, for example 'ridge:alpha-0.1'"
+        )
+    if len(safe_name(step)) > MAX_STEP_NAME:
+        raise SpecError(
+            f"step {step[:40] + '...'!r}: the name is {len(step)} characters; at most {MAX_STEP_NAME} "
+            "fit in the file names made from it (255 bytes a name); give the step a shorter name"
+        )
+
+
+def make_spec(
+    step: str,
+    command: Sequence[ArgvItem],
+    project: Path,
+    *,
+    inputs: Iterable[str | os.PathLike[str]] = (),
+    outputs: Iterable[str | os.PathLike[str]] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    resources: Mapping[str, str | int | float] | None = None,
+    forward_env: Iterable[str] = (),
+) -> StepSpec:
+    """Check a step's declaration and turn it into a StepSpec. Each
+    argument of a wrong type is named with what was expected and how to
+    write it, before any path in it is looked at."""
+    check_name(step)
+    argv = argv_of(step, command)
+    input_list = path_list(step, "inputs", inputs)
+    output_list = path_list(step, "outputs", outputs)
+    seconds = seconds_of(step, timeout)
+    env_checked = env_of(step, env)
+    forwarded = sorted(set(name_list(step, "secrets", forward_env, "WANDB_API_KEY")))
+    resource_values = _resources_of(step, resources)
+    input_paths = [relative_path(i, project, f"step {step!r}: input") for i in input_list]
+    output_paths = [relative_path(o, project, f"step {step!r}: output") for o in output_list]
+    if len(output_paths) > 1:  # one output cannot overlap itself
+        check_no_overlap(step, output_paths)
+    for name in forwarded:
+        if not name or "=" in name or name in env_checked:
+            raise SpecError(
+                f"step {step!r}: secret {name!r} must be an environment variable name "
+                "not also given in env"
+            )
+    return StepSpec(
+        step=step,
+        command=argv,
+        inputs=input_paths,
+        outputs=output_paths,
+        env=env_checked,
+        timeout=seconds,
+        resources=resource_values,
+        forward_env=forwarded,
+    )
+
+
+def check_inputs_exist(spec: StepSpec, project: Path) -> None:
+    """Inputs may be made by earlier steps, so this is checked at launch."""
+    missing = [rel for rel in spec.inputs if not (project / rel.rstrip("/")).exists()]
+    if missing:
+        raise SpecError(
+            f"step {spec.step!r}: input {', '.join(missing)} does not exist in {project}; "
+            "create it first (or declare the step that makes it) or fix the path"
+        )
+
+
+def check_outputs_inside(outputs: list[str], root: Path) -> None:
+    """An output reached through a symlink could be written outside the
+    project (without a sandbox) or not at all (bubblewrap cannot bind onto
+    it): refused at launch, before anything runs."""
+    for out in outputs:
+        rel = Path(out.rstrip("/"))
+        for parent in reversed(rel.parents[:-1]):  # outer folders first, "." left out
+            if (root / parent).is_symlink():
+                raise SpecError(
+                    f"output {out} lies under {parent.as_posix()}, a symlink to "
+                    f"{(root / parent).readlink()}: outputs must be real paths inside the project; "
+                    "replace the link by a folder or declare the output where it really is"
+                )
+        try:
+            (root / rel).resolve().relative_to(root.resolve())
+        except ValueError:
+            raise SpecError(
+                f"output {out} is a symlink leading outside the project "
+                f"({(root / rel).resolve()}); remove it or declare the output where it really is"
+            ) from None
+
+
+def _ancestors(path: str) -> Iterator[str]:
+    """"a/b/c" -> "a", "a/b" (string work: this runs for every output)."""
+    at = path.find("/")
+    while at != -1:
+        yield path[:at]
+        at = path.find("/", at + 1)
+
+
+def _ancestors_deepest_first(path: str) -> Iterator[str]:
+    """"a/b/c" -> "a/b", "a"."""
+    at = path.rfind("/")
+    while at != -1:
+        yield path[:at]
+        at = path.rfind("/", 0, at)
+
+
+class PathIndex:
+    """Who declared which output, answering "does this path overlap one?"
+    in time proportional to its depth, not to the number of outputs: a dodo
+    of 1,000 steps checks in milliseconds, not seconds."""
+
+    def __init__(self) -> None:
+        self.owner: dict[str, str] = {}  # output path -> its step
+        self.below: dict[str, str] = {}  # folder holding an output -> that output's step
+        self.by_step: dict[str, list[str]] = {}
+
+    def overlapping(self, path: str) -> tuple[str, str] | None:
+        """(step, output) of an output that `path` is, holds, or lies in."""
+        clean = path.rstrip("/")
+        if clean in self.owner:
+            return self.owner[clean], clean
+        if clean in self.below:
+            step = self.below[clean]
+            held = next(o for o in self.by_step[step] if o.startswith(clean + "/"))
+            return step, held
+        for folder in _ancestors(clean):
+            if folder in self.owner:
+                return self.owner[folder], folder
+        return None
+
+    def add(self, step: str, path: str) -> None:
+        clean = path.rstrip("/")
+        self.owner[clean] = step
+        self.by_step.setdefault(step, []).append(clean)
+        below = self.below
+        # A folder already noted has its own folders noted too: outputs
+        # declared file by file in one folder stop at the first look.
+        for folder in _ancestors_deepest_first(clean):
+            if folder in below:
+                break
+            below[folder] = step
+
+    def remove_step(self, step: str) -> None:
+        if step not in self.by_step:
+            return
+        for path in self.by_step.pop(step):
+            self.owner.pop(path, None)
+        self.below = {k: v for k, v in self.below.items() if v != step}
+        for other, paths in self.by_step.items():
+            for path in paths:
+                for folder in _ancestors(path):
+                    self.below.setdefault(folder, other)
+
+
+def check_no_overlap(step: str, outputs: list[str]) -> None:
+    index = PathIndex()
+    for out in outputs:
+        hit = index.overlapping(out)
+        if hit is not None:
+            raise SpecError(
+                f"step {step!r}: outputs {hit[1]} and {out.rstrip('/')} overlap; "
+                "declare each file or folder once"
+            )
+        index.add(step, out)

@@ -1,0 +1,172 @@
+"""What `substrax-compute gc` removes, and what may still hold a machine.
+
+Here: the files of finished runs the store no longer needs; how long each
+run has left before its lifetime timer; and the remote run folders or
+clusters that no handle accounts for (leaked), which `gc --machines`
+removes and `status --machines` lists.
+
+Only what is provably this client's is removed: a remote folder or a
+cluster marked at launch with the random id of its state folder
+(store.client_id), or named by one of its handles. Never by the project's
+path or name, which another client may share (CI jobs and containers at
+one path, on one host). Anything else that looks alike (another client's,
+or marked by an earlier release) is listed, never touched.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from substrax_tasks.errors import SubstraxError
+
+if TYPE_CHECKING:
+    from substrax_tasks.backends.base import Backend
+    from substrax_tasks.backends.skypilot.backend import SkypilotBackend
+    from substrax_tasks.store.handle import RunHandle
+    from substrax_tasks.store.project import Project
+    from substrax_tasks.store.run_store import RunStore
+
+
+@dataclass(frozen=True)
+class Leak:
+    """A remote run folder or a cluster no live handle accounts for."""
+
+    backend: str
+    where: str  # the host, or "SkyPilot"
+    name: str  # the folder's path there, or the cluster's name
+    ours: bool  # provably this project's: `gc --machines` removes it
+    remove: Callable[[], None] = field(compare=False, repr=False)
+
+
+# What gc leaves in a run's folder: the handle and what tells how the run went.
+KEPT_IN_RUN = ("handle.json", "handle.lock", "status.json", "job.json")
+
+
+def verified_records(store: RunStore) -> dict[str, dict[str, Any]]:
+    """What each step's record says of its verified outputs, by step (steps
+    with none, or an unreadable record, are left out)."""
+    found = {}
+    for path in store.step_records():
+        try:
+            record = json.loads(path.read_text())
+            found[str(record["step"])] = dict(record["verified"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def removable(project: Project, handles: list[RunHandle]) -> list[Path]:
+    """The files of finished runs whose outputs are home (promoted, or a
+    run that did not succeed) that gc removes, in order; a run whose state
+    cannot be told now (a host unreachable) is kept whole."""
+    from substrax_tasks.cache.run_cache import ORPHAN_SECONDS
+
+    store = project.store
+    referenced = {str(v.get("manifest_file")) for v in verified_records(store).values()}
+    found: list[Path] = []
+    for handle in handles:
+        try:
+            status = project.backend_for(handle).status(handle)
+        except SubstraxError:
+            continue
+        outputs_home = handle.state.get("phase") == "promoted" or status.state != "succeeded"
+        if status.final and outputs_home:
+            for path in sorted(store.run_dir(handle.run_id).iterdir()):
+                kept = path.name in KEPT_IN_RUN or path.name.endswith(".log") or str(path) in referenced
+                if not kept:
+                    found.append(path)
+    old = time.time() - ORPHAN_SECONDS  # a restore in progress stages there
+    restores = store.restore_dir
+    found += sorted(p for p in restores.iterdir() if p.lstat().st_mtime < old) if restores.is_dir() else []
+    return found
+
+
+def lifetime_left(handle: RunHandle, now: float | None = None) -> float | None:
+    """Seconds until the run's lifetime timer ends it (negative: overdue);
+    None for a run that holds no machine (local, never armed, torn down)."""
+    timer = handle.state.get("watchdog")
+    if handle.state.get("torn_down") or not isinstance(timer, dict):
+        return None
+    armed, seconds = timer.get("armed_at"), timer.get("seconds")
+    if not isinstance(armed, (int, float)) or not isinstance(seconds, (int, float)):
+        return None
+    return float(armed) + float(seconds) - (time.time() if now is None else now)
+
+
+def cluster_leaks(backend: SkypilotBackend, handles: list[RunHandle]) -> list[Leak]:
+    """Clusters of the prefix that no live handle names. Those a handle of
+    the client named, or whose name carries its id, are its own; the rest
+    may be another client's (the prefix is shared by default, and so may be
+    the project's path), so are listed, never removed."""
+    from substrax_tasks.backends.skypilot.task import made_by
+
+    runs = [h for h in handles if h.backend == backend.name]
+    live = {h.state.get("cluster") for h in runs if not h.state.get("torn_down")}
+    named = {h.state.get("cluster") for h in runs}
+    prefix, client = backend.settings.cluster_prefix, backend.store.client_id()
+    return [
+        Leak(backend.name, "SkyPilot", name, name in named or made_by(name, prefix, client),
+             functools.partial(backend.sky().down, name))
+        for name in backend.sky().cluster_names()
+        if name.startswith(f"{prefix}-") and name not in live
+    ]
+
+
+def _places(project: Project, handles: list[RunHandle]) -> Iterator[tuple[str, Callable[[], Backend]]]:
+    """One backend per place runs may be: each distinct pinned settings of
+    a run not torn down, and the project's configuration (the handles of its
+    runs may be gone). Made when asked, so a handle this release cannot use
+    is one problem among the places, not the end of the listing."""
+    seen: set[str] = set()
+    for handle in handles:
+        key = repr((handle.backend, sorted(handle.settings.items())))
+        if key not in seen and not handle.state.get("torn_down"):
+            seen.add(key)
+            yield handle.backend, functools.partial(project.backend_for, handle)
+    for name, pinned in project.settings.items():
+        key = repr((name, sorted(pinned.items())))
+        if key not in seen:
+            seen.add(key)
+            yield name, functools.partial(_configured, project, name)
+
+
+def _configured(project: Project, name: str) -> Backend:
+    from substrax_tasks.backends import backend_class
+
+    cls = backend_class(name)
+    return cls(cls.Settings.model_validate(project.settings[name]), project.store)
+
+
+def find_leaks(project: Project, handles: list[RunHandle]) -> tuple[list[Leak], list[str]]:
+    """The leaks of every place the project's runs may be, and for each
+    place that could not be asked, why."""
+    found: set[Leak] = set()
+    problems: list[str] = []
+    for name, backend in _places(project, handles):
+        try:
+            found.update(backend().leaks(str(project.root), handles))
+        except SubstraxError as exc:
+            problems.append(f"{name}: {exc}")
+    return sorted(found, key=lambda leak: (leak.backend, leak.where, leak.name)), problems
+
+
+def remove_leaks(project: Project, handles: list[RunHandle], *, dry_run: bool = False
+                 ) -> tuple[list[Leak], list[str]]:  # fmt: skip
+    """Remove (or with `dry_run` only list) every leak that is provably the
+    project's; (those, problems)."""
+    leaks, problems = find_leaks(project, handles)
+    removed = []
+    for leak in (leak for leak in leaks if leak.ours):
+        try:
+            if not dry_run:
+                leak.remove()
+            removed.append(leak)
+        except SubstraxError as exc:
+            problems.append(f"could not remove {leak.name} on {leak.where}: {exc}")
+    return removed, problems

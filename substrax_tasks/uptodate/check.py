@@ -1,0 +1,376 @@
+"""Is a step up to date? The key, the proof and `why`'s explanation.
+
+Plain functions of a `Step` (what the dodo declares, the backend settings),
+its record and the file system; nothing here knows doit.
+
+* The *key* digests everything that decides the outputs: command, env,
+  timeout, outputs, resources, secrets' names, backend and its settings'
+  digest, the inputs' contents (hashed, cached by the hash cache) and the
+  environment's lock file. The step record's `verified` entry holds the key
+  and the manifest digest of the run whose outputs were promoted.
+* The step is up to date when that key is today's and the outputs here
+  still have the verified digest (`verified_outputs_hold`).
+* The *proof* is what lets a no-op skip that full check: one stat walk of
+  the inputs, the outputs and the environment's lock files, plus the stat of
+  the record and the step's declaration, digested together. Kept in
+  proofs.py once the full check found the step up to date and everything it
+  covers was older than the racy window, so any later change moves a ctime
+  the proof holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import marshal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from substrax_tasks import __version__
+from substrax_tasks.atomic import write_json_atomic
+from substrax_tasks.config.pyproject import ENV_LOCK_FILES, LOCK_COMPANIONS
+from substrax_tasks.errors import SubstraxError
+from substrax_tasks.outputs import manifests as manifest_cache
+from substrax_tasks.step.spec import StepSpec, canonical_digest, settings_in_key
+from substrax_tasks.uptodate import walk as tree
+from substrax_tasks.uptodate.proofs import proof_file
+
+if TYPE_CHECKING:
+    from substrax_tasks.store.run_store import RunStore
+
+DOIT_VALUE = "substrax_run"  # saved by doit with the public task's values
+# Part of every proof: a release that changes what the key or the check
+# means must not take an older release's proofs.
+PROOF_VERSION = f"{__version__}/5"
+# The key's part that names what a run sees (project_view.py): its declared
+# inputs only. A step verified when runs saw every tracked file (no such
+# part) may have read an undeclared file: stale once, and no cache entry of
+# that time matches.
+VIEW_RULE = "declared"
+KEY_FIELDS = ("command", "env", "timeout", "outputs", "resources", "secrets", "backend", "environment")
+_LOCK_DIGESTS: dict[tuple[str, int, int, int], str] = {}
+# every candidate lock file (and what one is read with), as the proof walks
+# them: present or not, one appearing is a change
+_LOCK_PATHS = [
+    (name, False, False)
+    for name in [*ENV_LOCK_FILES, *sorted({c for cs in LOCK_COMPANIONS.values() for c in cs})]
+]
+
+
+class StepFiles:
+    """Where a step keeps its state, as the store lays the folder out. Each
+    path is made when first asked for: a no-op asks for the record and the
+    proofs only, and five paths made at load for each of 1,000 steps were
+    ~20 ms of its `doit` (pathlib)."""
+
+    def __init__(self, store: RunStore, step: str) -> None:
+        self._store = store
+        self._step = step
+
+    @functools.cached_property
+    def record(self) -> Path:
+        return self._store.step_record(self._step)
+
+    @functools.cached_property
+    def inputs_cache(self) -> Path:
+        return self._store.inputs_cache(self._step)
+
+    @functools.cached_property
+    def outputs_cache(self) -> Path:
+        return self._store.outputs_cache(self._step)
+
+    @property
+    def proofs(self) -> Path:
+        return self._store.proofs_file
+
+    @functools.cached_property
+    def lock(self) -> Path:
+        return self._store.step_lock(self._step)
+
+
+class Step:
+    """What the check of one step reads: its declaration and its files."""
+
+    def __init__(
+        self,
+        spec: StepSpec,
+        root: Path,
+        backend: str,
+        settings: dict[str, Any],
+        store: RunStore,
+        *,
+        tracked: list[str] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.name = spec.step
+        self.root = root
+        self.backend = backend
+        self.settings = settings
+        self.tracked = list(tracked or [])
+        self.files = StepFiles(store, spec.step)
+
+    @functools.cached_property
+    def declared(self) -> bytes:
+        """The declaration and settings as bytes for the proof: marshal (all
+        of it is str, numbers, lists and JSON data), dict items sorted."""
+        spec = self.spec
+        items = [
+            PROOF_VERSION, str(self.root), spec.step, spec.command, sorted(spec.env.items()),
+            spec.timeout, spec.inputs, spec.outputs, sorted(spec.resources.items()),
+            spec.forward_env, self.tracked, self.backend, sorted(self.settings.items()),
+        ]
+        return marshal.dumps(items, 2)
+
+    @functools.cached_property
+    def root_str(self) -> str:
+        return str(self.root)
+
+    @functools.cached_property
+    def walked_paths(self) -> list[tuple[str, bool, bool]] | None:
+        """What the proof walks, checked once: the inputs and tracked files
+        (a folder walked however it was declared), the outputs (walked
+        where declared folders) and every candidate lock file, present or
+        not (one appearing is a change). None when a path is refused."""
+        check = manifest_cache.manifest_module().check_outputs
+        try:
+            inputs = check([*self.spec.inputs, *self.tracked])
+            outputs = check(list(self.spec.outputs))
+        except manifest_cache.ManifestError:
+            return None
+        return [
+            *((rel, is_dir, True) for rel, is_dir in inputs),
+            *((rel, is_dir, is_dir) for rel, is_dir in outputs),
+            *_LOCK_PATHS,
+        ]
+
+
+def read_record(step: Step, strict: bool = False) -> dict[str, Any]:
+    """The step's record ({} if none). `strict` (a launch): a damaged one
+    is an error, since the run it names may still be going."""
+    try:
+        data = json.loads(step.files.record.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        data = None
+    if isinstance(data, dict):
+        return data
+    if strict:
+        raise SubstraxError(
+            f"step {step.name!r}: its record {step.files.record} is damaged, so its last run is unknown "
+            "and may still be going. Stop any run of it still going (`substrax-compute status`, then "
+            f"`substrax-compute cancel RUN`), then remove {step.files.record} and run again"
+        )
+    return {}
+
+
+def write_record(step: Step, **changes: Any) -> None:
+    path = step.files.record
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_json_atomic(path, {**read_record(step), "step": step.name, **changes})
+
+
+def key_parts(step: Step) -> dict[str, Any]:
+    """Everything that decides the outputs, split so `why` can name what
+    changed. Raises SubstraxError when the inputs are refused."""
+    spec = step.spec
+    cache = manifest_cache.HashCache.load(step.files.inputs_cache)
+    try:
+        manifest = manifest_cache.build_manifest(step.root, _input_paths(step), cache.entries)
+    except manifest_cache.ManifestError as exc:
+        raise SubstraxError(f"step {spec.step!r}: inputs refused: {exc}") from None
+    finally:
+        cache.save()
+    files = {e["path"]: e.get("sha256") or e.get("target") or e["type"] for e in manifest["entries"]}
+    return {
+        "command": spec.command,
+        "env": spec.env,
+        "timeout": spec.timeout,
+        "outputs": spec.outputs,
+        "resources": spec.resources,
+        "secrets": spec.forward_env,
+        "backend": step.backend,
+        "settings": canonical_digest(settings_in_key(step.settings)),
+        "inputs": files,
+        "missing_inputs": manifest["missing"],
+        "environment": environment_lock(step.root),
+        "view": VIEW_RULE,
+    }
+
+
+def key(parts: dict[str, Any]) -> str:
+    return canonical_digest(parts)
+
+
+def _input_paths(step: Step) -> list[str]:
+    """The inputs as the key sees them (a folder given without its "/" gets
+    one), then the tracked files that exist."""
+    root = step.root
+    inputs = [i if not (root / i).is_dir() else i.rstrip("/") + "/" for i in step.spec.inputs]
+    return inputs + [t for t in step.tracked if (root / t).exists()]
+
+
+def environment_lock(root: Path) -> dict[str, str]:
+    """The lock file the environment is built from (first found), and what
+    it is read with (LOCK_COMPANIONS: in the run's view too): a new lock, a
+    new env. Hashed once per process and version of the file."""
+    for name in ENV_LOCK_FILES:
+        digest = _file_digest(root / name)
+        if digest is None:
+            continue
+        found = {name: digest}
+        for companion in LOCK_COMPANIONS.get(name, ()):
+            found[companion] = _file_digest(root / companion) or "missing"
+        return found
+    return {}
+
+
+def _file_digest(path: Path) -> str | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    stamp = (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
+    if stamp not in _LOCK_DIGESTS:
+        _LOCK_DIGESTS[stamp] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return _LOCK_DIGESTS[stamp]
+
+
+def verified_outputs_hold(step: Step, values: dict[str, Any] | None) -> bool:
+    """The full check: the verified run has today's key and the outputs here
+    still have its digest. `values`, doit's saved values of the public task
+    (None: unknown): without our value doit forgot the task (`doit forget`:
+    rerun) or was killed before it saved its DB (trust the record: never pay
+    twice for a run whose outputs are home). The record tells them apart: a
+    run is `acknowledged` once the doit that verified it exited normally."""
+    record = read_record(step)
+    verified = record.get("verified")
+    if not isinstance(verified, dict) or verified.get("key") != key(key_parts(step)):
+        return False
+    if not manifest_cache.outputs_match(
+        step.root, list(step.spec.outputs), str(verified.get("digest")), step.files.outputs_cache
+    ):
+        return False
+    return not _forgotten_by_doit(record, values)
+
+
+def _forgotten_by_doit(record: dict[str, Any], values: dict[str, Any] | None) -> bool:
+    """doit holds no value of ours for the public task though the verified
+    run was acknowledged (its doit saved its DB): `doit forget`, a rerun."""
+    verified = record.get("verified") or {}
+    no_value = values is not None and not values.get(DOIT_VALUE)
+    return no_value and verified.get("run_id") == record.get("acknowledged")
+
+
+def proof(step: Step) -> tuple[str, int] | None:
+    """The step's proof as things stand now, and the newest ctime it covers;
+    None if the step has no record (never up to date) or a path is refused.
+    It reads no file."""
+    walked = step.walked_paths
+    if walked is None:
+        return None
+    try:
+        st = step.files.record.stat()
+    except OSError:
+        return None
+    items: list[Any] = [step.declared, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    newest = tree.walk_checked(step.root_str, walked, items)
+    return tree.stamp_of(items), max(newest, st.st_ctime_ns)
+
+
+def up_to_date(step: Step, values: dict[str, Any] | None) -> bool:
+    """The kept proof, else the full check; a full check that holds keeps a
+    new proof when everything it covers is older than the racy window (a
+    later change cannot hide in its timestamps) and held still meanwhile."""
+    now = proof(step)
+    proofs = proof_file(step.files.proofs)
+    trusting = values is None or bool(values.get(DOIT_VALUE))
+    if now is not None and trusting and proofs.holds(step.name, now[0]):
+        return True
+    if not verified_outputs_hold(step, values):
+        return False
+    racy_limit = time.time_ns() - int(manifest_cache.manifest_module().RACY_SECONDS * 1e9)
+    if now is not None and now[1] < racy_limit and proof(step) == now:
+        proofs.record(step.name, now[0])
+    return True
+
+
+def explain(
+    step: Step, doit_values: dict[str, Any] | None, pinned_settings: Callable[[str], dict[str, Any] | None]
+) -> list[str]:
+    """Why the step would run: each changed part, naming the paths. Empty
+    when it is up to date. `pinned_settings(run_id)`: the backend settings
+    a run was made with (None if its handle is unreadable)."""
+    record = read_record(step)
+    verified = record.get("verified")
+    if not isinstance(verified, dict):
+        return ["no verified run yet: the step has never completed (or its record was removed)"]
+    old: dict[str, Any] = verified.get("key_parts") or {}
+    new = key_parts(step)
+    # Another backend first, in one line: its settings are another table's,
+    # and a key-by-key diff of the two would only bury that line.
+    moved = old.get("backend") != new.get("backend")
+    reasons = [f"backend changed: {old.get('backend')} -> {new.get('backend')}"] if moved else []
+    if old.get("view") != new["view"]:
+        reasons.append(
+            "the run's view changed: runs now see only the step's declared inputs (and the lock file), "
+            "so the step runs once more under that rule"
+        )
+    reasons += [
+        f"{field} changed: was {old.get(field)!r}, now {new.get(field)!r}"
+        for field in KEY_FIELDS
+        if field != "backend" and old.get(field) != new.get(field)
+    ]
+    if not moved and old.get("settings") != new.get("settings"):
+        reasons.append(_settings_change(step, pinned_settings(str(verified.get("run_id")))))
+    old_inputs: dict[str, Any] = old.get("inputs") or {}
+    new_inputs: dict[str, Any] = new["inputs"]
+    for path in sorted(set(old_inputs) | set(new_inputs)):
+        if path not in new_inputs:
+            reasons.append(f"input removed: {path}")
+        elif path not in old_inputs:
+            reasons.append(f"input added: {path}")
+        elif old_inputs[path] != new_inputs[path]:
+            reasons.append(f"input changed: {path}")
+    reasons += [f"input missing: {path}" for path in new["missing_inputs"]]
+    reasons += _output_changes(step, verified)
+    # No value of doit's for a run it was never told about (its doit stopped
+    # or was killed first) is no reason.
+    if _forgotten_by_doit(record, doit_values):
+        reasons.append(
+            f"doit has no record of task {step.name!r} (after `doit forget`, or a new "
+            "dependency file): doit runs it again"
+        )
+    if record.get("run_id") and record.get("run_id") != verified.get("run_id"):
+        reasons.append(f"a newer run {record['run_id']} was started and has not been verified")
+    return reasons
+
+
+def _output_changes(step: Step, verified: dict[str, Any]) -> list[str]:
+    try:
+        manifest = json.loads(Path(str(verified.get("manifest_file"))).read_text())
+    except (OSError, ValueError):
+        return ["the verified manifest is gone: outputs cannot be checked"]
+    problems = manifest_cache.verify_outputs(
+        step.root, list(step.spec.outputs), manifest, step.files.outputs_cache
+    )
+    # A missing output is named once, not again by the entry-by-entry diff.
+    gone = {p.split(": ", 1)[1] for p in problems if p.startswith("missing output: ")}
+    return [
+        f"outputs: {p}" for p in problems
+        if not (p.startswith("missing: ") and p[len("missing: "):].split(" (")[0] in gone)
+    ]
+
+
+def _settings_change(step: Step, pinned: dict[str, Any] | None) -> str:
+    """Which backend settings differ from those pinned in the verified run."""
+    table = f"[tool.substrax.compute.backends.{step.backend}]"
+    if pinned is None:
+        return f"settings changed: the backend settings {table} differ from the verified run's"
+    pinned, now = settings_in_key(pinned), settings_in_key(step.settings)
+    keys = sorted(k for k in set(pinned) | set(now) if pinned.get(k) != now.get(k))
+    changes = ", ".join(f"{k} was {pinned.get(k)!r}, now {now.get(k)!r}" for k in keys)
+    return f"settings changed in {table}: {changes or 'the backend changed'}"
