@@ -7,13 +7,9 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from substrax_tasks.errors import StartLater
-
-if TYPE_CHECKING:
-    from substrax_tasks.backends.base import Backend
-    from substrax_tasks.store.handle import RunHandle
 
 _T = TypeVar("_T")
 START_LATER_SECONDS = 1.0  # how often a run that must wait (its GPUs are held) tries to start again
@@ -63,12 +59,12 @@ def check_interrupted() -> None:
         raise KeyboardInterrupt("interrupted while steps ran in threads")
 
 
-def started_holding_signals(backend: Backend, handle: RunHandle) -> RunHandle:
-    """backend.start, with Ctrl-C/SIGTERM/SIGHUP held back until it returns:
-    interrupted half-way, the worker could start its command after the
-    client gave up on it, and nothing would cancel that run."""
+def started_holding_signals(start: Callable[[], _T]) -> _T:
+    """start() (a backend's start of a run), with Ctrl-C/SIGTERM/SIGHUP held
+    back until it returns: interrupted half-way, the worker could start its
+    command after the client gave up on it, and nothing would cancel that run."""
     if threading.current_thread() is not threading.main_thread():
-        return backend.start(handle)
+        return start()
     caught: list[int] = []
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     held = [sig for sig in signals if signal.getsignal(sig) is not None]
@@ -76,7 +72,7 @@ def started_holding_signals(backend: Backend, handle: RunHandle) -> RunHandle:
     for sig in held:
         signal.signal(sig, lambda signum, _frame: caught.append(signum))
     try:
-        return backend.start(handle)
+        return start()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -11,9 +11,10 @@ import pytest
 from conftest import cli, wait_final
 from dodo_helpers import doit, make_project, show
 
-from substrax_tasks.backends import BACKEND_NAMES, backend_class, settings_model
+from substrax_tasks.backends.registry import BACKEND_NAMES, backend_class, settings_model
+from substrax_tasks.backends.settings import BackendSettings
 from substrax_tasks.config.pyproject import load_config
-from substrax_tasks.config.settings import BackendSettings, ComputeConfig
+from substrax_tasks.config.settings import ComputeConfig
 from substrax_tasks.errors import ConfigError
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.project import Project

@@ -21,11 +21,11 @@ from substrax_tasks.outputs.manifests import (
     HashCache,
     ManifestError,
     build_manifest,
+    diff_manifests,
     manifest_module,
     outputs_match,
     verify_outputs,
 )
-from substrax_tasks.uptodate.walk import diff_manifests
 
 PY38 = Path("/root/.pyenv/versions/3.8.18/bin/python")
 OLD_NS = 1_600_000_000 * 10**9  # a moment long past: files older than the racy window

@@ -39,7 +39,7 @@ from ssh_helpers import (
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks.backends.ssh.openssh import SshTarget
-from substrax_tasks.config.settings import SshSettings
+from substrax_tasks.backends.ssh.settings import SshSettings
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.project import Project
 

@@ -62,7 +62,7 @@ from ssh_helpers import (
 )
 from testbeds.sshd_host import SshHost, descendants, is_alive, kill_sshd, reboot, restart_sshd, running_host
 
-from substrax_tasks.config.settings import SshSettings
+from substrax_tasks.backends.ssh.settings import SshSettings
 from substrax_tasks.store.project import Project
 
 pytestmark = [needs_sshd, needs_root]

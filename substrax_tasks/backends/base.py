@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from substrax_tasks.errors import HandleError, RunFolderDeleted
 from substrax_tasks.interrupts import check_interrupted
+from substrax_tasks.slots import Pool
 
 if TYPE_CHECKING:  # pydantic: not imported by a restore from the run cache, which needs Fetched only
     from pydantic import BaseModel
 
-    from substrax_tasks.store.gc import Leak
     from substrax_tasks.store.handle import RunHandle
     from substrax_tasks.store.run_store import RunStore
 
@@ -91,21 +92,15 @@ class Fetched:
 
 
 @dataclass(frozen=True)
-class Pool:
-    """The limit a new run counts against (max_parallel): at most `limit`
-    runs of pool `name` at once, across the project's doit processes.
+class Leak:
+    """A remote run folder or a cluster no live handle accounts for."""
 
-    where: said while a step waits ("waits for a free slot on <where>");
-    shared: a slot is a machine runs take turns on (a reused cluster), kept
-    when a run ends: the slot is released then, the machine torn down later;
-    prefer: the slots to try first (those holding a warm machine).
-    """
+    backend: str
+    where: str  # the host, or "SkyPilot"
+    name: str  # the folder's path there, or the cluster's name
+    ours: bool  # provably this project's: `gc --machines` removes it
+    remove: Callable[[], None] = field(compare=False, repr=False)
 
-    name: str
-    limit: int
-    where: str
-    shared: bool = False
-    prefer: tuple[int, ...] = ()
 
 
 class Backend(ABC):

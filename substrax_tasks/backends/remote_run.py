@@ -380,7 +380,7 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
     log's limit is taken, whatever the host sends: the stream is closed
     there and the cut noted once, as for any log that long; nor is the
     follower waited on past the run's lifetime."""
-    from substrax_tasks.store.gc import lifetime_left
+    from substrax_tasks.store.handle import lifetime_left
 
     room = max(MAX_LOG_BYTES - offset, 0)
     sent = 0

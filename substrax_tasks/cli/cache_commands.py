@@ -10,6 +10,7 @@ from rich.markup import escape
 
 from substrax_tasks.cache.run_cache import CacheOptions, RunCache
 from substrax_tasks.cache.storage import Damaged
+from substrax_tasks.cli.arguments import arg, command, flag
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.outputs.promote import remove_path
 from substrax_tasks.store.gc import removable, remove_leaks, verified_records
@@ -17,8 +18,6 @@ from substrax_tasks.store.project import Project
 
 
 def add_commands(commands: Any) -> None:
-    from substrax_tasks.cli.main import arg, command, flag
-
     cache = command(
         commands, "cache", cmd_cache, "look at and manage the cache of verified runs",
         "The cache of verified runs (docs/cache.md): status shows its entries, size and "

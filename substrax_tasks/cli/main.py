@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
@@ -19,6 +19,7 @@ from rich.markup import escape
 
 from substrax_tasks import __version__
 from substrax_tasks.backends.base import RunStatus
+from substrax_tasks.cli.arguments import arg, command, flag
 from substrax_tasks.cli.status_view import machine_lines, print_status_table, status_json
 from substrax_tasks.config.pyproject import find_project
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
@@ -41,32 +42,8 @@ WORD_HELP = (
 CANCEL_THREADS = 8
 
 
-Arg = tuple[tuple[str, ...], dict[str, Any]]
-Command = Callable[[Project, argparse.Namespace, Console, Console], int]
-
-
-def arg(*flags: str, **options: Any) -> Arg:
-    """One add_argument call of a command, as data."""
-    return flags, options
-
-
-def flag(*flags: str, help: str) -> Arg:
-    return arg(*flags, action="store_true", help=help)
-
-
 RUN_WORD = arg("run", metavar="RUN", help="a run id, step, group or run-id prefix")
 RUN_ID = arg("run", help="a run id (or a unique prefix of one)")
-
-
-def command(commands: Any, name: str, func: Command, summary: str, description: str,
-            *args: Arg) -> argparse.ArgumentParser:  # fmt: skip
-    """A subcommand that `func` runs: `summary` in the program's help,
-    `description` in its own."""
-    parser: argparse.ArgumentParser = commands.add_parser(name, help=summary, description=description)
-    for flags, options in args:
-        parser.add_argument(*flags, **options)
-    parser.set_defaults(func=func, parser=parser)
-    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:

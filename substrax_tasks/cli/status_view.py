@@ -7,9 +7,8 @@ import datetime
 import json
 from typing import Any
 
-from substrax_tasks.backends.base import RunStatus
-from substrax_tasks.store.gc import Leak, lifetime_left
-from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.backends.base import Leak, RunStatus
+from substrax_tasks.store.handle import RunHandle, lifetime_left
 from substrax_tasks.store.run_store import Unreadable
 from substrax_tasks.store.selection import group_of
 

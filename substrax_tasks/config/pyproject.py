@@ -20,25 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks import __version__
+from substrax_tasks.constants import BACKEND_ENV, CACHE_FOLDER, CONFIG_ENV, SUBSTRAX_TABLES, TABLE
 from substrax_tasks.errors import ConfigError, not_valid_toml
 from substrax_tasks.private import private_path
 
 if TYPE_CHECKING:
     from substrax_tasks.config.settings import ComputeConfig
 
-TABLE = "tool.substrax.compute"
-SUBSTRAX_TABLES = ("compute",)  # what [tool.substrax] may hold
-BACKEND_ENV = "SUBSTRAX_BACKEND"  # names the default backend
-# A TOML file whose [tool.substrax.compute] is laid over the project's: for
-# machine-specific settings (hosts, keys) kept out of the repository.
-CONFIG_ENV = "SUBSTRAX_CONFIG"
-# The lock files a backend builds the run's environment from, first found
-# wins; part of every step's key, so known without importing a backend.
-ENV_LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")
-# What a lock is read with: `uv sync --frozen` reads uv.lock only beside the
-# project's pyproject.toml, so a run's view holds it too, and the key covers it.
-LOCK_COMPANIONS = {"uv.lock": ("pyproject.toml",)}
-CACHE_FOLDER = "substrax"  # the private folder of the cached resolutions
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -42,8 +42,8 @@ from substrax_tasks.uptodate.check import DOIT_VALUE, Step
 if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
     from substrax_tasks.backends.base import Backend, Fetched
     from substrax_tasks.cache.run_cache import Restored
-    from substrax_tasks.driver.slots import Slot
     from substrax_tasks.driver.steplock import StepLock
+    from substrax_tasks.slots import Slot
     from substrax_tasks.store.handle import RunHandle
     from substrax_tasks.store.project import Project
 
@@ -117,7 +117,7 @@ class StepDriver:
         counts whether or not it holds one: it takes its own back (or a
         free one) and never waits; in a shared pool a launched run takes
         only the slot of the machine it is on."""
-        from substrax_tasks.driver.slots import take_in_pool
+        from substrax_tasks.slots import take_in_pool
 
         pool = backend.slot_pool(handle)
         if pool is None or self._slot is not None:
@@ -324,7 +324,9 @@ class StepDriver:
                 if backend.poll(handle).state == "pending":
                     pending = handle
                     handle = start_when_free(
-                        lambda: self._retrying("start", lambda: started_holding_signals(backend, pending)),
+                        lambda: self._retrying(
+                            "start", lambda: started_holding_signals(lambda: backend.start(pending))
+                        ),
                         lambda said: emit(f"{self.spec.step}: {said}; waiting"),
                     )
                 handle = self._save(handle, phase="started")

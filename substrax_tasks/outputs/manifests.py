@@ -145,7 +145,6 @@ def verify_outputs(
         return []
     problems = [f"output never produced: {out}" for out in never]
     problems += [f"missing output: {out}" for out in actual["missing"] if out not in never]
-    from substrax_tasks.uptodate.walk import diff_manifests  # tree builds on this module
 
     problems += diff_manifests(expected_manifest, actual)
     if not problems and not same:
@@ -189,3 +188,69 @@ def renamed_into_place(base: str | os.PathLike[str], outputs: Sequence[str], cac
         if hit is not None and hit[:2] + hit[3:5] == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]:
             cache.entries[out] = [*hit[:2], st.st_ctime_ns, *hit[3:]]
     cache.save()
+
+
+# ---- the differences between two manifests, as verification and `why` name them
+
+
+def _under(path: str, folders: list[str]) -> str | None:
+    """The folder of `folders` (a stack of ancestors-so-far) holding `path`."""
+    while folders and not path.startswith(folders[-1] + "/"):
+        folders.pop()
+    return folders[-1] if folders else None
+
+
+def _collapsed(paths: list[str], by_path: Mapping[str, Any], label: str) -> list[tuple[str, str]]:
+    """[(path, 'missing: path ...')], one per topmost path: a folder's
+    contents are counted on its line rather than listed."""
+    inside: dict[str, int] = {}  # each topmost path: how many entries it holds
+    folders: list[str] = []
+    for path in paths:  # sorted, so a folder comes right before its contents
+        top = _under(path, folders)
+        if top is not None:
+            inside[top] += 1
+            continue
+        inside[path] = 0
+        if by_path[path]["type"] == "dir":
+            folders.append(path)
+    out = []
+    for path, n in inside.items():
+        kind = by_path[path]["type"]
+        more = f" (and the {n} entries inside it)" if n else ""
+        out.append((path, f"{label}: {path}{'/' if kind == 'dir' else ''} ({kind}){more}"))
+    return out
+
+
+def _short(digest: str | None) -> str:
+    return (digest or "-")[:12]
+
+
+def diff_manifests(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]:
+    """Human-readable differences between two manifests, each naming its
+    path: missing, extra, changed type, changed content (file hash or size,
+    link target) and changed mode. Empty when the entries are equal. A folder
+    missing (or extra) as a whole is one line that counts what it held."""
+    exp = {e["path"]: e for e in expected["entries"]}
+    act = {e["path"]: e for e in actual["entries"]}
+    sorted_exp = sorted(exp)
+    gone = [p for p in sorted_exp if p not in act]
+    new = [p for p in sorted(act) if p not in exp]
+    lines = _collapsed(gone, exp, "missing") + _collapsed(new, act, "extra")
+    for path in sorted_exp:
+        a = act.get(path)
+        if a is None:
+            continue
+        e = exp[path]
+        if e["type"] != a["type"]:
+            lines.append((path, f"changed type: {path} ({e['type']} -> {a['type']})"))
+            continue
+        if e["type"] == "file" and (e["sha256"] != a["sha256"] or e["size"] != a["size"]):
+            was = f"{e['size']} bytes, sha256 {_short(e['sha256'])}"
+            now = f"{a['size']} bytes, sha256 {_short(a['sha256'])}"
+            lines.append((path, f"changed content: {path} ({was} -> {now})"))
+        elif e["type"] == "symlink" and e["target"] != a["target"]:
+            lines.append((path, f"changed content: {path} (symlink -> {e['target']}, now -> {a['target']})"))
+        if e["mode"] != a["mode"]:
+            lines.append((path, f"changed mode: {path} ({e['mode']:04o} -> {a['mode']:04o})"))
+    lines.sort(key=lambda pair: pair[0])
+    return [line for _, line in lines]

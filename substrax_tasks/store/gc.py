@@ -19,29 +19,16 @@ import functools
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks.errors import SubstraxError
 
 if TYPE_CHECKING:
-    from substrax_tasks.backends.base import Backend
-    from substrax_tasks.backends.skypilot.backend import SkypilotBackend
+    from substrax_tasks.backends.base import Backend, Leak
     from substrax_tasks.store.handle import RunHandle
     from substrax_tasks.store.project import Project
     from substrax_tasks.store.run_store import RunStore
-
-
-@dataclass(frozen=True)
-class Leak:
-    """A remote run folder or a cluster no live handle accounts for."""
-
-    backend: str
-    where: str  # the host, or "SkyPilot"
-    name: str  # the folder's path there, or the cluster's name
-    ours: bool  # provably this project's: `gc --machines` removes it
-    remove: Callable[[], None] = field(compare=False, repr=False)
 
 
 # What gc leaves in a run's folder: the handle and what tells how the run went.
@@ -87,37 +74,6 @@ def removable(project: Project, handles: list[RunHandle]) -> list[Path]:
     return found
 
 
-def lifetime_left(handle: RunHandle, now: float | None = None) -> float | None:
-    """Seconds until the run's lifetime timer ends it (negative: overdue);
-    None for a run that holds no machine (local, never armed, torn down)."""
-    timer = handle.state.get("watchdog")
-    if handle.state.get("torn_down") or not isinstance(timer, dict):
-        return None
-    armed, seconds = timer.get("armed_at"), timer.get("seconds")
-    if not isinstance(armed, (int, float)) or not isinstance(seconds, (int, float)):
-        return None
-    return float(armed) + float(seconds) - (time.time() if now is None else now)
-
-
-def cluster_leaks(backend: SkypilotBackend, handles: list[RunHandle]) -> list[Leak]:
-    """Clusters of the prefix that no live handle names. Those a handle of
-    the client named, or whose name carries its id, are its own; the rest
-    may be another client's (the prefix is shared by default, and so may be
-    the project's path), so are listed, never removed."""
-    from substrax_tasks.backends.skypilot.task import made_by
-
-    runs = [h for h in handles if h.backend == backend.name]
-    live = {h.state.get("cluster") for h in runs if not h.state.get("torn_down")}
-    named = {h.state.get("cluster") for h in runs}
-    prefix, client = backend.settings.cluster_prefix, backend.store.client_id()
-    return [
-        Leak(backend.name, "SkyPilot", name, name in named or made_by(name, prefix, client),
-             functools.partial(backend.sky().down, name))
-        for name in backend.sky().cluster_names()
-        if name.startswith(f"{prefix}-") and name not in live
-    ]
-
-
 def _places(project: Project, handles: list[RunHandle]) -> Iterator[tuple[str, Callable[[], Backend]]]:
     """One backend per place runs may be: each distinct pinned settings of
     a run not torn down, and the project's configuration (the handles of its
@@ -137,7 +93,7 @@ def _places(project: Project, handles: list[RunHandle]) -> Iterator[tuple[str, C
 
 
 def _configured(project: Project, name: str) -> Backend:
-    from substrax_tasks.backends import backend_class
+    from substrax_tasks.backends.registry import backend_class
 
     cls = backend_class(name)
     return cls(cls.Settings.model_validate(project.settings[name]), project.store)

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.config.pyproject import (
-    CACHE_FOLDER,
     cache_file,
     config_stamp,
     load_config,
     read_pyproject_table,
 )
+from substrax_tasks.constants import CACHE_FOLDER
 from substrax_tasks.errors import ConfigError
 from substrax_tasks.private import private_dir, trusted_file
 from substrax_tasks.store.run_store import RunStore
@@ -119,7 +119,7 @@ class Project:
         `settings` overrides the configured ones, validated by the backend's model."""
         name, configured = self.settings_for(backend)
         if settings is not None:
-            from substrax_tasks.backends import settings_model
+            from substrax_tasks.backends.registry import settings_model
 
             model = settings_model(name)
             configured = model.model_validate(settings).model_dump(mode="json", by_alias=True)
@@ -127,7 +127,7 @@ class Project:
 
     def backend_for(self, handle: RunHandle) -> Backend:
         """The run's backend, rebuilt from the handle's pinned settings."""
-        from substrax_tasks.backends import backend_class  # no backend is imported by a no-op doit
+        from substrax_tasks.backends.registry import backend_class  # no backend is imported by a no-op doit
 
         return backend_class(handle.backend).from_handle(handle, self.store)
 

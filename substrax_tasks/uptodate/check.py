@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from substrax_tasks import __version__
 from substrax_tasks.atomic import write_json_atomic
-from substrax_tasks.config.pyproject import ENV_LOCK_FILES, LOCK_COMPANIONS
+from substrax_tasks.constants import ENV_LOCK_FILES, LOCK_COMPANIONS
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.outputs import manifests as manifest_cache
 from substrax_tasks.step.spec import StepSpec, canonical_digest, settings_in_key

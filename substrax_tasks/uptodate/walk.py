@@ -1,9 +1,9 @@
-"""What changed in a tree, as this side sees it: the stat-only walk behind
-each step's proof (`stat_walk`, `stamp_of`) and the differences between two
-manifests that verification and `why` name (`diff_manifests`).
+"""The stat-only walk of a step's outputs behind each step's proof
+(`stat_walk`, `stamp_of`): what changed in a tree, as this side sees it,
+without reading a file.
 
-They run only here, never on a host, so they live in the package rather
-than in `remote/manifest.py`, whose path rules (`check_outputs`) they share.
+It runs only here, never on a host, so it lives in the package rather than
+in `remote/manifest.py`, whose path rules (`check_outputs`) it shares.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import hashlib
 import marshal
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from substrax_tasks.outputs.manifests import manifest_module
@@ -131,66 +131,3 @@ def _readlink_or_none(path: str) -> str | None:
         return os.readlink(path)  # noqa: PTH115 - a str in, a str out
     except OSError:
         return None
-
-
-def _under(path: str, folders: list[str]) -> str | None:
-    """The folder of `folders` (a stack of ancestors-so-far) holding `path`."""
-    while folders and not path.startswith(folders[-1] + "/"):
-        folders.pop()
-    return folders[-1] if folders else None
-
-
-def _collapsed(paths: list[str], by_path: Mapping[str, Any], label: str) -> list[tuple[str, str]]:
-    """[(path, 'missing: path ...')], one per topmost path: a folder's
-    contents are counted on its line rather than listed."""
-    inside: dict[str, int] = {}  # each topmost path: how many entries it holds
-    folders: list[str] = []
-    for path in paths:  # sorted, so a folder comes right before its contents
-        top = _under(path, folders)
-        if top is not None:
-            inside[top] += 1
-            continue
-        inside[path] = 0
-        if by_path[path]["type"] == "dir":
-            folders.append(path)
-    out = []
-    for path, n in inside.items():
-        kind = by_path[path]["type"]
-        more = f" (and the {n} entries inside it)" if n else ""
-        out.append((path, f"{label}: {path}{'/' if kind == 'dir' else ''} ({kind}){more}"))
-    return out
-
-
-def _short(digest: str | None) -> str:
-    return (digest or "-")[:12]
-
-
-def diff_manifests(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]:
-    """Human-readable differences between two manifests, each naming its
-    path: missing, extra, changed type, changed content (file hash or size,
-    link target) and changed mode. Empty when the entries are equal. A folder
-    missing (or extra) as a whole is one line that counts what it held."""
-    exp = {e["path"]: e for e in expected["entries"]}
-    act = {e["path"]: e for e in actual["entries"]}
-    sorted_exp = sorted(exp)
-    gone = [p for p in sorted_exp if p not in act]
-    new = [p for p in sorted(act) if p not in exp]
-    lines = _collapsed(gone, exp, "missing") + _collapsed(new, act, "extra")
-    for path in sorted_exp:
-        a = act.get(path)
-        if a is None:
-            continue
-        e = exp[path]
-        if e["type"] != a["type"]:
-            lines.append((path, f"changed type: {path} ({e['type']} -> {a['type']})"))
-            continue
-        if e["type"] == "file" and (e["sha256"] != a["sha256"] or e["size"] != a["size"]):
-            was = f"{e['size']} bytes, sha256 {_short(e['sha256'])}"
-            now = f"{a['size']} bytes, sha256 {_short(a['sha256'])}"
-            lines.append((path, f"changed content: {path} ({was} -> {now})"))
-        elif e["type"] == "symlink" and e["target"] != a["target"]:
-            lines.append((path, f"changed content: {path} (symlink -> {e['target']}, now -> {a['target']})"))
-        if e["mode"] != a["mode"]:
-            lines.append((path, f"changed mode: {path} ({e['mode']:04o} -> {a['mode']:04o})"))
-    lines.sort(key=lambda pair: pair[0])
-    return [line for _, line in lines]

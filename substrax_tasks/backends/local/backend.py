@@ -36,8 +36,8 @@ from substrax_tasks.backends.job import (
     status_from_record,
 )
 from substrax_tasks.backends.local.program import resolve_program
+from substrax_tasks.backends.local.settings import LocalSettings
 from substrax_tasks.backends.scripts import control, env, remote_dir, remote_module
-from substrax_tasks.config.settings import LocalSettings
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.outputs import manifests as manifest_cache
 from substrax_tasks.poll import wait_readable

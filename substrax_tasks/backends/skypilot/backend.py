@@ -1,7 +1,7 @@
 """The SkyPilot backend: the step runs on a cluster SkyPilot launches for it.
 
 One cluster per run (with `reuse = true`, clusters the steps of one shape
-take turns on: sky_pool.py), launched with one SkyPilot task (sky_task.py): COPY
+take turns on: py), launched with one SkyPilot task (sky_task.py): COPY
 file mounts bring the remote scripts, the job file and a snapshot of the
 project; the task's setup arms the lifetime timer, runs setup_commands and
 builds the locked environment; its run is the worker, in the foreground, so
@@ -20,22 +20,22 @@ task.json (the intent, written before launch) and launch-request.json
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from pydantic import BaseModel
 
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.backends import remote_run as _remote_run
-from substrax_tasks.backends.base import LOG_POLL_SECONDS, Backend, Fetched, Pool, RunStatus
+from substrax_tasks.backends.base import FINAL_STATES, LOG_POLL_SECONDS, Backend, Fetched, Leak, RunStatus
+from substrax_tasks.backends.job import status_from_record
 from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun, forwarded_env
 from substrax_tasks.backends.scripts import remote_dir
-from substrax_tasks.backends.skypilot import pool as sky_pool
-from substrax_tasks.backends.skypilot import status as sky_status
 from substrax_tasks.backends.skypilot import task as sky_task
 from substrax_tasks.backends.skypilot.client import (
     CLUSTER_GONE,
@@ -43,13 +43,15 @@ from substrax_tasks.backends.skypilot.client import (
     LogRelay,
     SkyCallError,
     SkyClient,
+    job_state,
 )
 from substrax_tasks.backends.skypilot.settings import SkypilotSettings
 from substrax_tasks.backends.ssh.openssh import ClusterTarget
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.interrupts import check_interrupted
-from substrax_tasks.store.gc import Leak, cluster_leaks
+from substrax_tasks.slots import Pool
+from substrax_tasks.step.spec import canonical_digest, settings_in_key
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
 from substrax_tasks.transports.rsync import RsyncTransport
@@ -63,6 +65,24 @@ TASK_FILE = "task.json"
 
 def cluster_target(cluster: str) -> ClusterTarget:
     return ClusterTarget(cluster, Path.home() / ".sky" / "generated" / "ssh" / cluster)
+
+
+def cluster_leaks(backend: SkypilotBackend, handles: list[RunHandle]) -> list[Leak]:
+    """Clusters of the prefix that no live handle names. Those a handle of
+    the client named, or whose name carries its id, are its own; the rest
+    may be another client's (the prefix is shared by default, and so may be
+    the project's path), so are listed, never removed."""
+    runs = [h for h in handles if h.backend == backend.name]
+    live = {h.state.get("cluster") for h in runs if not h.state.get("torn_down")}
+    named = {h.state.get("cluster") for h in runs}
+    prefix, client = backend.settings.cluster_prefix, backend.store.client_id()
+    return [
+        Leak(backend.name, "SkyPilot", name, name in named or sky_task.made_by(name, prefix, client),
+             functools.partial(backend.sky().down, name))
+        for name in backend.sky().cluster_names()
+        if name.startswith(f"{prefix}-") and name not in live
+    ]
+
 
 
 class SkypilotBackend(Backend):
@@ -132,10 +152,10 @@ class SkypilotBackend(Backend):
         """max_parallel clusters per shape; with reuse, a slot is a cluster runs take turns on."""
         if self.settings.max_parallel is None:
             return None
-        name, limit = f"skypilot-{sky_pool.shape(self, handle)}", self.settings.max_parallel
+        name, limit = f"skypilot-{shape(self, handle)}", self.settings.max_parallel
         resources = self.settings.resources(dict(handle.spec.resources))
         where = "SkyPilot (" + ", ".join(f"{k}={v}" for k, v in sorted(resources.items())) + ")"
-        warm = sky_pool.warm_slots(self.store.slots_dir(name), limit) if self.settings.reuse else ()
+        warm = warm_slots(self.store.slots_dir(name), limit) if self.settings.reuse else ()
         return Pool(name, limit, where, shared=self.settings.reuse, prefer=warm)
 
     # ------------------------------------------------------------- launch
@@ -162,16 +182,16 @@ class SkypilotBackend(Backend):
         relay = LogRelay(log, f"{handle.step}: ")
         rid = self.request_id(handle)
         state = self.sky().request_state(rid) if rid else None
-        warm = sky_pool.warm_cluster(self, handle, env_dir) if self.settings.reuse and not rid else None
+        warm = warm_cluster(self, handle, env_dir) if self.settings.reuse and not rid else None
         if rid and state in (*REQUEST_LIVE, "SUCCEEDED"):
             emit(f"{handle.step}: waiting for launch request {rid} of cluster {cluster}")
             result = self.sky().call("wait_launch", {"request_id": rid, "log_file": str(log)},
                                      timeout=None, while_waiting=relay)  # fmt: skip
-        elif not (warm and (result := sky_pool.exec_on(self, handle, warm, config, upload)) is not None):
+        elif not (warm and (result := exec_on(self, handle, warm, config, upload)) is not None):
             sky_task.validate(self.sky(), self.settings, config)  # a warm cluster ran this shape already
             handle = self.store.update_state(handle, cluster=cluster, job_home=None)  # not the warm one tried
             warm = None
-            sky_pool.record_launch(self, handle, cluster, env_dir)
+            record_launch(self, handle, cluster, env_dir)
             emit(f"{handle.step}: launching cluster {cluster} (SkyPilot; `substrax-compute cancel "
                  f"{handle.run_id}` stops it)")  # fmt: skip
             request_file = self.run_file(handle, LAUNCH_REQUEST)
@@ -208,7 +228,7 @@ class SkypilotBackend(Backend):
 
     # ------------------------------------------------------------- status
     def poll(self, handle: RunHandle) -> RunStatus:
-        return sky_status.poll(self, handle)
+        return poll(self, handle)
 
     # ------------------------------------------------------------- cancel
     def cancel(self, handle: RunHandle) -> bool:
@@ -292,7 +312,7 @@ class SkypilotBackend(Backend):
             return super().stream_log(handle, out, offset=offset)
         status = self.poll(handle)
         next_poll = time.monotonic() + self.poll_seconds
-        while not status.final and not sky_status.worker_started(status):
+        while not status.final and not worker_started(status):
             check_interrupted()
             time.sleep(LOG_POLL_SECONDS)  # Ctrl-C in a doit thread is seen within this
             if time.monotonic() >= next_poll:
@@ -367,7 +387,300 @@ class SkypilotBackend(Backend):
             self.remote_run(handle).keep_log(self.run_file(handle, "run.log"))
         failures: list[Exception] = []
         if "slot" in handle.state and not (force or damaged):
-            sky_pool.leave(self, handle)
+            leave(self, handle)
         elif not self._down(handle, failures):
             raise failures[0]
         self.store.update_state(handle, torn_down=True)
+
+
+# ---- SkyPilot clusters reused across steps (`reuse = true`).
+
+# A job is queued on a warm cluster only if, beyond its timeout, this much of
+# the cluster's lifetime is left: for the sync before it and the fetch after.
+MARGIN_SECONDS = 120.0
+
+
+def shape(backend: SkypilotBackend, handle: RunHandle) -> str:
+    """Steps of one shape may share a cluster: same settings, same resources."""
+    resources = backend.settings.resources(dict(handle.spec.resources))
+    return canonical_digest({"settings": settings_in_key(handle.settings), "resources": resources})[:12]
+
+
+def record_path(backend: SkypilotBackend, handle: RunHandle) -> Path | None:
+    slot = handle.state.get("slot")
+    if not isinstance(slot, dict):
+        return None
+    return backend.store.slots_dir(str(slot["pool"])) / f"{slot['index']}.json"
+
+
+def read_record(path: Path | None) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def warm_slots(folder: Path, limit: int) -> tuple[int, ...]:
+    """The slots that hold a cluster: tried first, so a step waits for a warm one."""
+    return tuple(i for i in range(limit) if (folder / f"{i}.json").is_file())
+
+
+def record_launch(backend: SkypilotBackend, handle: RunHandle, cluster: str, env_dir: str | None) -> None:
+    """Written before the launch: its deadline is counted from now."""
+    path = record_path(backend, handle)
+    if path is None:
+        return
+    transport = backend.settings.transport
+    deadline = time.time() + (transport.lifetime_minutes - backend.settings.idle_minutes) * 60
+    bin_digest = handle.state.get("bin_digest")
+    write_json_atomic(path, {"cluster": cluster, "deadline": deadline, "bin_digest": bin_digest,
+                             "env_dir": env_dir, "run_id": handle.run_id})  # fmt: skip
+
+
+def warm_cluster(backend: SkypilotBackend, handle: RunHandle, env_dir: str | None) -> dict[str, Any] | None:
+    """The slot's cluster if this run may be queued on it; a cluster it may
+    not use is taken down (the slot is held: no other run uses it)."""
+    path = record_path(backend, handle)
+    record = read_record(path)
+    if path is None or record is None:
+        return None
+    timeout = handle.spec.timeout
+    left = float(record.get("deadline", 0)) - time.time()
+    reason = None
+    if record.get("bin_digest") != handle.state.get("bin_digest") or record.get("env_dir") != env_dir:
+        reason = "its scripts or environment are not this run's"
+    elif timeout is None:
+        reason = "the step has no timeout, so no lifetime left is known to be enough"
+    elif left < timeout + MARGIN_SECONDS:
+        reason = f"{max(left, 0) / 60:.0f} min of its lifetime left, too few for the step's timeout"
+    elif not backend.layout(handle).root.startswith("/") and cluster_home(backend, path, record) is None:
+        reason = "the home its jobs run in is not known"
+    if reason is None:
+        return record
+    emit(f"{handle.step}: not reusing cluster {record['cluster']} ({reason}); launching a new one")
+    for failure in retire(backend, str(record["cluster"]), path):
+        emit(f"{handle.step}: {failure}", err=True)
+    return None
+
+
+def cluster_home(backend: SkypilotBackend, path: Path, record: dict[str, Any]) -> str | None:
+    """The home the cluster's jobs run in, as the run that launched it
+    learnt it; kept in the slot's record (the slot is held)."""
+    if "job_home" not in record:
+        with contextlib.suppress(SubstraxError, KeyError):  # a record of no known run: relaunch
+            launcher = backend.store.read(str(record["run_id"]))
+            home = sky_task.job_home(backend.sky(), backend.store, launcher, str(record["cluster"]))
+            if home is not None:
+                record["job_home"] = home
+                write_json_atomic(path, record)
+    home = record.get("job_home")
+    return home if isinstance(home, str) else None
+
+
+def retire(backend: SkypilotBackend, cluster: str, path: Path) -> list[Exception]:
+    """Take the slot's cluster down and forget it (the slot is held)."""
+    failures: list[Exception] = []
+    backend.down_cluster(cluster, failures)
+    path.unlink(missing_ok=True)
+    return failures
+
+
+def exec_on(backend: SkypilotBackend, handle: RunHandle, record: dict[str, Any],
+            config: dict[str, Any], upload: Path) -> dict[str, Any] | None:  # fmt: skip
+    """Queue the run's job on the warm cluster; None if the cluster is gone."""
+    cluster, seconds = str(record["cluster"]), max(float(record["deadline"]) - time.time(), 1.0)
+    timer = {"armed_at": time.time(), "seconds": seconds}  # what this job arms: the cluster's time left
+    home = {"job_home": record["job_home"]} if "job_home" in record else {}
+    handle = backend.store.update_state(handle, cluster=cluster, watchdog=timer, **home)
+    layout = backend.layout(handle)
+    there = sky_task.at_job_home(layout, backend.sky(), backend.store, handle, cluster)
+    emit(f"{handle.step}: queued on warm cluster {cluster} (SkyPilot exec; `substrax-compute cancel "
+         f"{handle.run_id}` cancels this job only)")  # fmt: skip
+    try:
+        transport = RsyncTransport(backend.target(handle))
+        transport.upload(upload, ["in", "project"], there.run)
+        sources = backend.settings.copy_.source_paths() if backend.settings.copy_ is not None else []
+        if sources:
+            transport.upload(Path(str(handle.state["project"])), sources, there.project)
+    except SubstraxError as exc:  # a cluster gone between two runs reads as unreachable
+        emit(f"{handle.step}: cluster {cluster} is out of reach ({exc}); launching a new one")
+        return None
+    task = {key: config[key] for key in ("name", "num_nodes", "resources")}
+    task["run"] = sky_task.watchdog_line(backend.settings, layout, seconds) + "\n" + config["run"]
+    log = backend.run_file(handle, "launch.log")
+    request = {"task": task, "cluster_name": cluster, "log_file": str(log), "secrets": forwarded_env(handle),
+               "request_file": str(backend.run_file(handle, "launch-request.json"))}  # fmt: skip
+    try:
+        result = backend.sky().call(
+            "exec", request, timeout=None, while_waiting=LogRelay(log, f"{handle.step}: ")
+        )
+    except SkyCallError as exc:
+        if exc.kind not in CLUSTER_GONE:
+            raise
+        emit(f"{handle.step}: cluster {cluster} is gone ({exc.kind}); launching a new one")
+        return None
+    return result if isinstance(result, dict) else {}
+
+
+def leave(backend: SkypilotBackend, handle: RunHandle) -> None:
+    """A finished run's teardown: its cluster goes if no step holds its slot
+    (the last user takes it down); else it stays for the step that does."""
+    from substrax_tasks.slots import try_take
+
+    path = record_path(backend, handle)
+    cluster = backend.cluster(handle)
+    record = read_record(path)
+    if path is None or record is None or record.get("cluster") != cluster:
+        return  # the step that replaced it in the slot took it down
+    slot = try_take(path.parent, int(handle.state["slot"]["index"]))
+    if slot is None:
+        emit(f"{handle.step}: cluster {cluster} is left to the step holding its slot (SkyPilot takes "
+             f"it down {backend.settings.idle_minutes} min after its last job)")  # fmt: skip
+        return
+    try:
+        record = read_record(path)  # again, now that no one else can change it
+        if record is not None and record.get("cluster") == cluster:
+            failures = retire(backend, cluster, path)
+            if failures:
+                raise failures[0]
+    finally:
+        slot.release()
+
+
+# ---- How a SkyPilot run's status is read: the worker's own record first, over
+
+# The message of a run the worker's record says goes: its worker has
+# started, so SkyPilot no longer holds the job in its queue.
+WORKER_RUNNING = "RUNNING (the worker's record)"
+
+
+def poll(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
+    """The run's status; `worker_started` says whether it is read from the
+    worker's record of a run going."""
+    ended = _kept(backend, handle)
+    if ended is not None:
+        return ended
+    job_id = handle.state.get("job_id")
+    if not isinstance(job_id, int):
+        return _launch_status(backend, handle)
+    record = worker_record(backend, handle)
+    if record is not None and record.get("worker_alive") and record.get("state") in ("starting", "running"):
+        return RunStatus("running", started_at=record.get("started_at"), message=WORKER_RUNNING)
+    cluster = backend.cluster(handle)
+    try:
+        answer = backend.sky().call("job_status", {"cluster_name": cluster, "job_ids": [job_id]})
+    except SkyCallError as exc:
+        return _after_error(backend, handle, exc)
+    status = _from_queue(answer, job_id, cluster)
+    if status.state == "running" and record is not None and record.get("state") in FINAL_STATES:
+        # SkyPilot's queue says so once its job's driver has seen the job
+        # script exit, seconds later; the worker wrote its end after its
+        # outputs' manifest, and the script exits with the worker's code.
+        status = RunStatus(
+            str(record["state"]), message=f"the worker's record (SkyPilot job {status.message})"
+        )
+    if not status.final or status.state == "lost":
+        return status
+    # a record that says the run ended holds still; another is read again
+    final_record = record if record is not None and record.get("state") in FINAL_STATES else None
+    status = _from_worker(backend, handle, status, final_record)
+    if "slot" in handle.state:  # kept now: another run's teardown may take the shared cluster down
+        with contextlib.suppress(SubstraxError, OSError):
+            backend.remote_run(handle).keep_log(backend.run_file(handle, "run.log"))
+    backend.store.update_state(handle, final_status=status.__dict__)
+    return status
+
+
+def worker_started(status: RunStatus) -> bool:
+    """Whether poll() read the run going from its worker's record (not from
+    SkyPilot's queue, where a job may still wait, and may be cancelled)."""
+    return status.state == "running" and status.message == WORKER_RUNNING
+
+
+def _from_queue(answer: Any, job_id: int, cluster: str) -> RunStatus:
+    """The job's status in SkyPilot's queue, from job_status's answer."""
+    value = (answer or {}).get(str(job_id))
+    if value is None:
+        return RunStatus("lost", message=f"job {job_id} is not in the queue of {cluster}")
+    state = job_state(value)
+    return RunStatus(state, message=str(value) if state == "running" else f"SkyPilot job {value}")
+
+
+def _kept(backend: SkypilotBackend, handle: RunHandle) -> RunStatus | None:
+    """The final status kept in the handle. A caller's copy may predate the
+    end: once the cluster is down, the store's record is all that tells it."""
+    cached = handle.state.get("final_status")
+    if not isinstance(cached, dict):
+        with contextlib.suppress(SubstraxError):
+            cached = backend.store.read(handle.run_id).state.get("final_status")
+    return RunStatus(**cached) if isinstance(cached, dict) else None
+
+
+def worker_record(backend: SkypilotBackend, handle: RunHandle) -> dict[str, Any] | None:
+    """The worker's status record on the cluster (remote/control.py's), or
+    None while there is none or the cluster is out of reach."""
+    try:
+        record = backend.remote_run(handle).status()
+    except SubstraxError:
+        return None
+    return record if record.get("state") else None
+
+
+def _after_error(backend: SkypilotBackend, handle: RunHandle, exc: SkyCallError) -> RunStatus:
+    """SkyPilot could not read the job's status. While another process
+    cancels the run, its cluster is going: SkyPilot then fails in ways
+    of its own (on Slurm, a CommandError once the cluster's runtime is
+    removed), which say nothing about the run; the canceller's record
+    tells the end."""
+    with contextlib.suppress(SubstraxError):
+        handle = backend.store.read(handle.run_id)
+    final = handle.state.get("final_status")
+    if isinstance(final, dict):
+        return RunStatus(**final)
+    cluster = backend.cluster(handle)
+    if handle.state.get("cancel_requested"):
+        if exc.kind in CLUSTER_GONE:
+            return RunStatus("cancelled", message=f"cancelled; its cluster {cluster} was taken down")
+        return RunStatus("running", message=f"being cancelled (SkyPilot: {exc.kind})")
+    if exc.kind in CLUSTER_GONE:
+        return RunStatus("lost", message=f"its cluster {cluster} is gone or going (torn down, "
+                         f"or its lifetime ran out): {exc.kind}")  # fmt: skip
+    raise exc
+
+
+def _launch_status(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
+    rid = backend.request_id(handle)
+    if rid is None:
+        return RunStatus("pending")
+    state = backend.sky().request_state(rid)
+    if state in REQUEST_LIVE or state == "SUCCEEDED" or state is None:
+        return RunStatus("pending", message=f"launch request {rid}: {state or 'unknown'}")
+    verdict = "cancelled" if state == "CANCELLED" else "failed"
+    ended = RunStatus(verdict, message=f"launch request {rid}: {state}")
+    backend.store.update_state(handle, final_status=ended.__dict__)
+    return ended
+
+
+def _from_worker(
+    backend: SkypilotBackend, handle: RunHandle, status: RunStatus, record: dict[str, Any] | None
+) -> RunStatus:
+    """The worker's own record says more (timed out, exit code, times);
+    it must agree with SkyPilot's verdict, or SkyPilot's stands. `record`:
+    the final one poll() read just before, or None to read it now (then it
+    may be out of reach)."""
+    if record is None:
+        try:
+            record = backend.remote_run(handle).status()
+        except SubstraxError as exc:
+            note = f"the worker's record is out of reach: {exc}"
+            return RunStatus(status.state, message=f"{status.message} ({note})")
+    worker = status_from_record(record if record.get("state") else None, worker_alive=False)
+    agrees = (worker.state == "succeeded") == (status.state == "succeeded")
+    if not worker.final or not agrees:
+        return status
+    if worker.state == "lost":
+        # No end in its record: the worker was killed (SkyPilot's cancel
+        # on Slurm does not wait for it), which SkyPilot's verdict says.
+        return RunStatus(status.state, started_at=worker.started_at, message=status.message)
+    return worker

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from substrax_tasks.config.pyproject import TABLE as COMPUTE_TABLE
-from substrax_tasks.config.settings import LifetimeMinutes, NetworkIsolation, RemoteSettings, Strict
+from substrax_tasks.backends.settings import LifetimeMinutes, NetworkIsolation, RemoteSettings, Strict
+from substrax_tasks.constants import TABLE as COMPUTE_TABLE
 from substrax_tasks.step.spec import RESOURCE_KEYS
 
 TABLE = f"{COMPUTE_TABLE}.backends.skypilot"

@@ -26,7 +26,7 @@ from typing import IO, TYPE_CHECKING
 
 from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends import remote_run as _remote_run
-from substrax_tasks.backends.base import Backend, Fetched, Pool, RunStatus
+from substrax_tasks.backends.base import Backend, Fetched, RunStatus
 from substrax_tasks.backends.job import (
     WorkerPaths,
     build_job,
@@ -38,14 +38,15 @@ from substrax_tasks.backends.job import (
 from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun, forwarded_env
 from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
 from substrax_tasks.backends.ssh.connection import NoSession, SshConnection, connection
-from substrax_tasks.config.settings import SshSettings
+from substrax_tasks.backends.ssh.settings import SshSettings
 from substrax_tasks.errors import BackendError, SubstraxError
+from substrax_tasks.slots import Pool
 from substrax_tasks.step.view import project_view
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.transports.rsync import RsyncTransport
 
 if TYPE_CHECKING:
-    from substrax_tasks.store.gc import Leak
+    from substrax_tasks.backends.base import Leak
 
 # Made from a random id kept in the state folder, never from the project's
 # path, which two clients may share (CI jobs, containers at /workspace);
@@ -272,7 +273,7 @@ class SshBackend(Backend):
         """Run folders under remote_root marked as this client's (its state
         folder's id), or named by one of its handles, that no live handle
         accounts for."""
-        from substrax_tasks.store.gc import Leak
+        from substrax_tasks.backends.base import Leak
 
         live = {h.run_id for h in handles if not h.state.get("torn_down")}
         known = {h.run_id for h in handles}

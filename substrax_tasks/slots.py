@@ -15,15 +15,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from substrax_tasks.atomic import write_bytes_atomic
 from substrax_tasks.console import emit
 from substrax_tasks.interrupts import check_interrupted
 
-if TYPE_CHECKING:
-    from substrax_tasks.backends.base import Pool
+
+@dataclass(frozen=True)
+class Pool:
+    """The limit a new run counts against (max_parallel): at most `limit`
+    runs of pool `name` at once, across the project's doit processes.
+
+    where: said while a step waits ("waits for a free slot on <where>");
+    shared: a slot is a machine runs take turns on (a reused cluster), kept
+    when a run ends: the slot is released then, the machine torn down later;
+    prefer: the slots to try first (those holding a warm machine).
+    """
+
+    name: str
+    limit: int
+    where: str
+    shared: bool = False
+    prefer: tuple[int, ...] = ()
+
 
 POLL_SECONDS = 0.2
 
