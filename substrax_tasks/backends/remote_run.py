@@ -322,7 +322,7 @@ class RemoteRun:
                                 what="taking the outputs' manifest", timeout=None, limit=MAX_ANSWER_BYTES)
         said = taken.stderr.decode(errors="replace").strip()
         if taken.returncode == 1 and said.startswith("manifest.py:"):
-            from substrax_tasks.outputs.manifests import ManifestError
+            from substrax_tasks.uptodate.manifests import ManifestError
 
             raise ManifestError(said)
         if taken.returncode != 0:

@@ -40,10 +40,10 @@ from substrax_tasks.backends.local.settings import LocalSettings
 from substrax_tasks.backends.scripts import control, env, remote_dir, remote_module
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.hardlinks import link_tree
-from substrax_tasks.outputs import manifests as manifest_cache
 from substrax_tasks.poll import wait_readable
 from substrax_tasks.step.view import project_view
 from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.uptodate import manifests as manifest_cache
 
 START_TIMEOUT_SECONDS = 30.0  # worker start-up; bubblewrap probe included
 CANCEL_MARGIN_SECONDS = 10.0  # beyond the grace period, for the SIGKILL and reap

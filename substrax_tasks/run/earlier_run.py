@@ -16,7 +16,7 @@ from substrax_tasks.uptodate import check as uptodate
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import RunStatus
-    from substrax_tasks.driver.step_driver import StepDriver
+    from substrax_tasks.run.step_driver import StepDriver
     from substrax_tasks.store.handle import RunHandle
 
 # The phases a run's handle records, in order: a run is picked up where it stopped.

@@ -16,14 +16,14 @@ from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.cache.run_cache import cache_key
 from substrax_tasks.console import emit
 from substrax_tasks.errors import OutputsRefused
-from substrax_tasks.outputs import manifests as manifest_cache
-from substrax_tasks.outputs.promote import JOURNAL, make_safe, promote, recover, safe_manifest
+from substrax_tasks.run.promote import JOURNAL, make_safe, promote, recover, safe_manifest
 from substrax_tasks.step import doit_db
 from substrax_tasks.uptodate import check as uptodate
+from substrax_tasks.uptodate import manifests as manifest_cache
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import Fetched
-    from substrax_tasks.driver.step_driver import StepDriver
+    from substrax_tasks.run.step_driver import StepDriver
     from substrax_tasks.uptodate.check import Step
 
 

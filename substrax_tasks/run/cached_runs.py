@@ -15,7 +15,7 @@ from substrax_tasks.errors import BackendError
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import Fetched
-    from substrax_tasks.driver.step_driver import StepDriver
+    from substrax_tasks.run.step_driver import StepDriver
 
 # Said once per doit, not per step: the first run not kept (a list, so no global statement).
 _SAID_NOT_KEPT: list[str] = []
