@@ -153,6 +153,10 @@ REASONS: dict[str, tuple[Callable[[Path, Step], Step], list[str]]] = {
         [f"settings changed in {TABLE}: sandbox was 'none', now 'bwrap'"],
     ),
     "backend-changed": (_declared(backend="ssh"), ["backend changed: local -> ssh"]),
+    "backend-changed-said-first": (  # and no diff of one backend's settings against another's
+        _declared(backend="ssh", settings={"host": "gpu-box"}, env={"MODE": "slow"}),
+        ["backend changed: local -> ssh", "env changed: was {}, now {'MODE': 'slow'}"],
+    ),
     "several-at-once": (
         _several_at_once,
         [
@@ -219,20 +223,29 @@ def test_the_run_s_view_changed(root: Path, step: Step) -> None:
     assert reason.startswith("the run's view changed: runs now see only the step's declared inputs")
 
 
-def test_an_output_edited_keeping_its_size_and_mtime(root: Path, step: Step) -> None:
-    """After the racy window: the outputs' hashes are cached and the step's
-    proof is kept, and both hold the file's size and mtime."""
+@pytest.mark.parametrize(
+    ("path", "reason"),
+    [
+        ("in.txt", "input changed: in.txt"),
+        ("out/a.txt", "outputs: changed content: out/a.txt (5 bytes, sha256 "),
+    ],
+    ids=["input", "output"],
+)
+def test_an_edit_keeping_the_size_and_mtime(root: Path, step: Step, path: str, reason: str) -> None:
+    """After the racy window: the files' hashes are cached and the step's
+    proof is kept, and both hold the file's size and mtime; only the ctime
+    moves, which nobody can set back."""
     time.sleep(RACY + 0.02)
     assert check_and_why(step) == ()
     assert proof_file(step.files.proofs).holds("fit", uptodate.proof(step)[0])  # type: ignore[index]
-    path = root / "out" / "a.txt"
-    before = path.stat()
-    with path.open("r+") as f:
+    edited = root / path
+    before = edited.stat()
+    with edited.open("r+") as f:
         f.write("MADE")
-    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
-    (reason,) = check_and_why(step)
-    assert reason.startswith("outputs: changed content: out/a.txt (5 bytes, sha256 ")
+    os.utime(edited, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (edited.stat().st_size, edited.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    (found,) = check_and_why(step)
+    assert found.startswith(reason)
 
 
 def test_forgotten_by_doit_reruns_unless_doit_never_saved_the_run(step: Step) -> None:
