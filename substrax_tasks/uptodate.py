@@ -22,6 +22,7 @@ its record and the file system; nothing here knows doit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -243,22 +244,17 @@ def _file_digest(path: Path) -> str | None:
     return _LOCK_DIGESTS[stamp]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class Verdict:
     """The answer to "is the step up to date?": it is when nothing says it
     must run. `reasons` are what does, in the order `why` prints them; the
     check stops at the first one, `why` asks for them all."""
 
-    __slots__ = ("reasons",)
-
-    def __init__(self, reasons: tuple[str, ...] = ()) -> None:
-        self.reasons = reasons
+    reasons: tuple[str, ...] = ()
 
     @property
     def up_to_date(self) -> bool:
         return not self.reasons
-
-    def __repr__(self) -> str:
-        return f"Verdict({self.reasons!r})"
 
 
 UP_TO_DATE = Verdict()

@@ -301,10 +301,17 @@ def test_refused_inputs_are_a_reason(root: Path, step: Step) -> None:
     assert reason.startswith("step 'fit': inputs refused: ")
 
 
-def test_a_kept_proof_answers_first_and_moves_with_any_change(root: Path, step: Step) -> None:
-    proofs = root / ".state" / "cache" / "up-to-date.json"
-    kept = proof_file(proofs)
-    assert not kept.holds("fit", uptodate.proof(step)[0])  # type: ignore[index]  # too young
+def test_a_kept_proof_answers_first_and_moves_with_any_change(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kept = proof_file(root / ".state" / "cache" / "up-to-date.json")
+    # files younger than the racy window: up to date, and no proof kept
+    monkeypatch.setattr(manifest_cache.manifest_module(), "RACY_SECONDS", 3600)
+    step = make_step(root)
+    verified(root, step)
+    assert uptodate.status(step, None).up_to_date
+    assert not kept.holds("fit", uptodate.proof(step)[0])  # type: ignore[index]
+    monkeypatch.setattr(manifest_cache.manifest_module(), "RACY_SECONDS", RACY)
     time.sleep(RACY + 0.02)
     assert uptodate.status(step, None).up_to_date
     now = uptodate.proof(step)
