@@ -14,7 +14,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -166,15 +166,15 @@ def root(tmp_path: Path) -> Path:
 def test_a_kept_proof_answers_without_the_full_check(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     step = find_step(root, "step")[0].step
 
-    def full_check(step: Step, values: object) -> bool:
+    def full_check(step: Step, values: object) -> Iterator[str]:
         raise AssertionError("the full check was made")
 
-    monkeypatch.setattr(uptodate, "verified_outputs_hold", full_check)
-    assert uptodate.up_to_date(step, {DOIT_VALUE: "run"})
-    assert uptodate.up_to_date(step, None)
+    monkeypatch.setattr(uptodate, "reasons_to_run", full_check)
+    assert uptodate.status(step, {DOIT_VALUE: "run"}).up_to_date
+    assert uptodate.status(step, None, every_reason=True).up_to_date  # `why` takes the proof too
     # doit has no value for the task (`doit forget`): the full check decides
     with pytest.raises(AssertionError, match="full check"):
-        uptodate.up_to_date(step, {})
+        uptodate.status(step, {})
     assert step_skipped(doit_ok(root), "step")
     assert run_count(root) == 1
 

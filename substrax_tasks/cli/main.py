@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from rich.console import Console
 from rich.markup import escape
@@ -288,17 +288,11 @@ def cmd_teardown(project: Project, args: argparse.Namespace, out: Console, err: 
 
 def cmd_why(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
     from substrax_tasks.step.dodo import find_step  # imports doit: only here
-    from substrax_tasks.uptodate.check import explain
+    from substrax_tasks.uptodate.check import status
 
     driver, doit_values = find_step(project.root, args.step, Path(args.dodo) if args.dodo else None)
-
-    def pinned_settings(run_id: str) -> dict[str, Any] | None:
-        try:
-            return project.store.read(run_id).settings
-        except HandleError:
-            return None
-
-    reasons = explain(driver.step, doit_values, pinned_settings)
+    # The very function doit's check calls: `why` cannot disagree with it.
+    reasons = status(driver.step, doit_values, every_reason=True).reasons
     if not reasons:
         out.print(f"{args.step}: up to date", highlight=False)
         return 0

@@ -34,7 +34,7 @@ from substrax_tasks.run.step_driver import StepDriver
 from substrax_tasks.step.args import check_doit_arguments, name_list, path_list
 from substrax_tasks.step.spec import ArgvItem, PathIndex, StepSpec, make_spec
 from substrax_tasks.store.project import Project
-from substrax_tasks.uptodate.check import DOIT_VALUE, Step, up_to_date
+from substrax_tasks.uptodate.check import DOIT_VALUE, Step, status
 
 # The outputs declared in this process, per project, for cross-step checks
 # (overlapping outputs, producers of inputs).
@@ -226,7 +226,7 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
         if not public and dep_manager is not None:
             values = dep_manager.get_values(self.step.name)
         try:
-            held = up_to_date(self.step, values)
+            held = status(self.step, values).up_to_date  # `why` asks the same function
         except SubstraxError:
             held = False
         if not public:

@@ -1,4 +1,5 @@
-"""Is a step up to date? The key, the proof and `why`'s explanation.
+"""Is a step up to date, and if not, why? The key, the proof and `status`,
+the one function that answers both (doit's check and `why` call it).
 
 Plain functions of a `Step` (what the dodo declares, the backend settings),
 its record and the file system; nothing here knows doit.
@@ -9,7 +10,8 @@ its record and the file system; nothing here knows doit.
   environment's lock file. The step record's `verified` entry holds the key
   and the manifest digest of the run whose outputs were promoted.
 * The step is up to date when that key is today's and the outputs here
-  still have the verified digest (`verified_outputs_hold`).
+  still have the verified digest (`reasons_to_run`: each failed test is a
+  reason, named as `why` prints it).
 * The *proof* is what lets a no-op skip that full check: one stat walk of
   the inputs, the outputs and the environment's lock files, plus the stat of
   the record and the step's declaration, digested together. Kept in
@@ -20,19 +22,20 @@ its record and the file system; nothing here knows doit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import marshal
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks import __version__
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.constants import ENV_LOCK_FILES, LOCK_COMPANIONS
-from substrax_tasks.errors import SubstraxError
+from substrax_tasks.errors import HandleError, SubstraxError
 from substrax_tasks.step.spec import StepSpec, canonical_digest, settings_in_key
 from substrax_tasks.uptodate import manifests as manifest_cache
 from substrax_tasks.uptodate import walk as tree
@@ -69,6 +72,10 @@ class StepFiles:
     def __init__(self, store: RunStore, step: str) -> None:
         self._store = store
         self._step = step
+
+    @property
+    def store(self) -> RunStore:
+        return self._store
 
     @functools.cached_property
     def record(self) -> Path:
@@ -239,27 +246,83 @@ def _file_digest(path: Path) -> str | None:
     return _LOCK_DIGESTS[stamp]
 
 
-def verified_outputs_hold(step: Step, values: dict[str, Any] | None) -> bool:
-    """The full check: the verified run has today's key and the outputs here
-    still have its digest. `values`, doit's saved values of the public task
-    (None: unknown): without our value doit forgot the task (`doit forget`:
-    rerun) or was killed before it saved its DB (trust the record: never pay
-    twice for a run whose outputs are home). The record tells them apart: a
-    run is `acknowledged` once the doit that verified it exited normally."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Verdict:
+    """The answer to "is the step up to date?": it is when nothing says it
+    must run. `reasons` are what does, in the order `why` prints them; the
+    check stops at the first one, `why` asks for them all."""
+
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def up_to_date(self) -> bool:
+        return not self.reasons
+
+
+UP_TO_DATE = Verdict()
+
+
+def status(step: Step, values: dict[str, Any] | None, *, every_reason: bool = False) -> Verdict:
+    """Up to date, or why not: the one answer doit's check (step.StepCheck)
+    and `substrax-compute why` both take, as doit's own `get_status` is.
+
+    The kept proof answers first; else the full check (`reasons_to_run`),
+    which stops at its first reason unless `every_reason`. A full check that
+    found no reason keeps a new proof when everything it covers is older
+    than the racy window (a later change cannot hide in its timestamps) and
+    held still meanwhile. `values`: doit's saved values of the public task
+    (None: unknown)."""
+    now = proof(step)
+    proofs = proof_file(step.files.proofs)
+    trusting = values is None or bool(values.get(DOIT_VALUE))
+    if now is not None and trusting and proofs.holds(step.name, now[0]):
+        return UP_TO_DATE
+    found = reasons_to_run(step, values)
+    if every_reason:
+        reasons = tuple(found)
+    else:
+        first = next(found, None)
+        reasons = () if first is None else (first,)
+    if reasons:
+        return Verdict(reasons)
+    racy_limit = time.time_ns() - int(manifest_cache.manifest_module().RACY_SECONDS * 1e9)
+    if now is not None and now[1] < racy_limit and proof(step) == now:
+        proofs.record(step.name, now[0])
+    return UP_TO_DATE
+
+
+def reasons_to_run(step: Step, values: dict[str, Any] | None) -> Iterator[str]:
+    """The full check, as the reasons it finds, each once: the step is up to
+    date when the verified run has today's key, the outputs here still have
+    its digest, and doit did not forget the task. Each test decides on the
+    digests alone; the diff that follows only names what changed, and says
+    something whenever a test failed."""
     record = read_record(step)
     verified = record.get("verified")
-    if not isinstance(verified, dict) or verified.get("key") != key(key_parts(step)):
-        return False
-    if not manifest_cache.outputs_match(
-        step.root, list(step.spec.outputs), str(verified.get("digest")), step.files.outputs_cache
-    ):
-        return False
-    return not _forgotten_by_doit(record, values)
+    if not isinstance(verified, dict):
+        yield "no verified run yet: the step has never completed (or its record was removed)"
+        return
+    try:
+        parts = key_parts(step)
+    except SubstraxError as exc:
+        yield str(exc)
+        return
+    if verified.get("key") != key(parts):
+        yield from _key_changes(step, verified, parts)
+    yield from _output_changes(step, verified)
+    if _forgotten_by_doit(record, values):
+        yield (
+            f"doit has no record of task {step.name!r} (after `doit forget`, or a new "
+            "dependency file): doit runs it again"
+        )
 
 
 def _forgotten_by_doit(record: dict[str, Any], values: dict[str, Any] | None) -> bool:
     """doit holds no value of ours for the public task though the verified
-    run was acknowledged (its doit saved its DB): `doit forget`, a rerun."""
+    run was acknowledged (its doit saved its DB): `doit forget`, a rerun.
+    Without our value and no acknowledgement, doit was killed before it
+    saved its DB: the record is trusted (never pay twice for a run whose
+    outputs are home)."""
     verified = record.get("verified") or {}
     no_value = values is not None and not values.get(DOIT_VALUE)
     return no_value and verified.get("run_id") == record.get("acknowledged")
@@ -281,88 +344,108 @@ def proof(step: Step) -> tuple[str, int] | None:
     return tree.stamp_of(items), max(newest, st.st_ctime_ns)
 
 
-def up_to_date(step: Step, values: dict[str, Any] | None) -> bool:
-    """The kept proof, else the full check; a full check that holds keeps a
-    new proof when everything it covers is older than the racy window (a
-    later change cannot hide in its timestamps) and held still meanwhile."""
-    now = proof(step)
-    proofs = proof_file(step.files.proofs)
-    trusting = values is None or bool(values.get(DOIT_VALUE))
-    if now is not None and trusting and proofs.holds(step.name, now[0]):
-        return True
-    if not verified_outputs_hold(step, values):
-        return False
-    racy_limit = time.time_ns() - int(manifest_cache.manifest_module().RACY_SECONDS * 1e9)
-    if now is not None and now[1] < racy_limit and proof(step) == now:
-        proofs.record(step.name, now[0])
-    return True
+def _key_changes(step: Step, verified: dict[str, Any], new: dict[str, Any]) -> Iterator[str]:
+    """The verified run's key is not today's: each part that changed, naming
+    the paths; something, even when the record's parts cannot say what."""
+    old = verified.get("key_parts")
+    old = old if isinstance(old, dict) else {}
+    said = False
+    for reason in _part_changes(step, verified, old, new):
+        said = True
+        yield reason
+    if not said:
+        differ = sorted(part for part in set(old) | set(new) if old.get(part) != new.get(part))
+        yield (
+            f"the key changed ({', '.join(differ)})" if differ else
+            f"the verified run's key is not the one its own parts give: the record {step.files.record} "
+            "is damaged, so the step runs again"
+        )
 
 
-def explain(
-    step: Step, doit_values: dict[str, Any] | None, pinned_settings: Callable[[str], dict[str, Any] | None]
-) -> list[str]:
-    """Why the step would run: each changed part, naming the paths. Empty
-    when it is up to date. `pinned_settings(run_id)`: the backend settings
-    a run was made with (None if its handle is unreadable)."""
-    record = read_record(step)
-    verified = record.get("verified")
-    if not isinstance(verified, dict):
-        return ["no verified run yet: the step has never completed (or its record was removed)"]
-    old: dict[str, Any] = verified.get("key_parts") or {}
-    new = key_parts(step)
+def _part_changes(
+    step: Step, verified: dict[str, Any], old: dict[str, Any], new: dict[str, Any]
+) -> Iterator[str]:
     # Another backend first, in one line: its settings are another table's,
     # and a key-by-key diff of the two would only bury that line.
     moved = old.get("backend") != new.get("backend")
-    reasons = [f"backend changed: {old.get('backend')} -> {new.get('backend')}"] if moved else []
+    if moved:
+        yield f"backend changed: {old.get('backend')} -> {new.get('backend')}"
     if old.get("view") != new["view"]:
-        reasons.append(
+        yield (
             "the run's view changed: runs now see only the step's declared inputs (and the lock file), "
             "so the step runs once more under that rule"
         )
-    reasons += [
-        f"{field} changed: was {old.get(field)!r}, now {new.get(field)!r}"
-        for field in KEY_FIELDS
-        if field != "backend" and old.get(field) != new.get(field)
-    ]
+    for field in KEY_FIELDS:
+        if field != "backend" and old.get(field) != new.get(field):
+            yield f"{field} changed: was {old.get(field)!r}, now {new.get(field)!r}"
     if not moved and old.get("settings") != new.get("settings"):
-        reasons.append(_settings_change(step, pinned_settings(str(verified.get("run_id")))))
+        yield _settings_change(step, _pinned_settings(step, str(verified.get("run_id"))))
     old_inputs: dict[str, Any] = old.get("inputs") or {}
     new_inputs: dict[str, Any] = new["inputs"]
     for path in sorted(set(old_inputs) | set(new_inputs)):
         if path not in new_inputs:
-            reasons.append(f"input removed: {path}")
+            yield f"input removed: {path}"
         elif path not in old_inputs:
-            reasons.append(f"input added: {path}")
+            yield f"input added: {path}"
         elif old_inputs[path] != new_inputs[path]:
-            reasons.append(f"input changed: {path}")
-    reasons += [f"input missing: {path}" for path in new["missing_inputs"]]
-    reasons += _output_changes(step, verified)
-    # No value of doit's for a run it was never told about (its doit stopped
-    # or was killed first) is no reason.
-    if _forgotten_by_doit(record, doit_values):
-        reasons.append(
-            f"doit has no record of task {step.name!r} (after `doit forget`, or a new "
-            "dependency file): doit runs it again"
-        )
-    if record.get("run_id") and record.get("run_id") != verified.get("run_id"):
-        reasons.append(f"a newer run {record['run_id']} was started and has not been verified")
-    return reasons
+            yield f"input changed: {path}"
+    was_missing = old.get("missing_inputs") or []
+    for path in new["missing_inputs"]:
+        if path not in was_missing:
+            yield f"input missing: {path}"
 
 
-def _output_changes(step: Step, verified: dict[str, Any]) -> list[str]:
+def _pinned_settings(step: Step, run_id: str) -> dict[str, Any] | None:
+    """The backend settings the run was made with (None: its handle is
+    unreadable)."""
     try:
-        manifest = json.loads(Path(str(verified.get("manifest_file"))).read_text())
-    except (OSError, ValueError):
-        return ["the verified manifest is gone: outputs cannot be checked"]
-    problems = manifest_cache.verify_outputs(
-        step.root, list(step.spec.outputs), manifest, step.files.outputs_cache
-    )
+        return step.files.store.read(run_id).settings
+    except HandleError:
+        return None
+
+
+def _output_changes(step: Step, verified: dict[str, Any]) -> Iterator[str]:
+    """The outputs here against the verified run's: the test is their
+    manifest's digest (files hashed through the outputs' hash cache, so an
+    untouched tree costs a stat per file); the names come from a diff with
+    the run's manifest file."""
+    outputs = list(step.spec.outputs)
+    cache = manifest_cache.HashCache.load(step.files.outputs_cache)
+    try:
+        actual = manifest_cache.build_manifest(step.root, outputs, cache.entries)
+    except manifest_cache.ManifestError as exc:
+        refused: str | None = str(exc)
+    else:
+        refused = None
+    finally:
+        cache.save()
+    if refused is not None:
+        yield f"outputs: refused: {refused}"
+        return
+    if not actual["missing"] and actual["digest"] == verified.get("digest"):
+        return
+    yield from (f"outputs: missing output: {out}" for out in actual["missing"])
+    try:
+        expected = json.loads(Path(str(verified.get("manifest_file"))).read_text())
+        differences = manifest_cache.diff_manifests(expected, actual)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        yield (
+            "outputs: they are not the verified run's, and that run's manifest "
+            f"{verified.get('manifest_file')} is gone or damaged, so which ones changed cannot be said"
+        )
+        return
     # A missing output is named once, not again by the entry-by-entry diff.
-    gone = {p.split(": ", 1)[1] for p in problems if p.startswith("missing output: ")}
-    return [
-        f"outputs: {p}" for p in problems
-        if not (p.startswith("missing: ") and p[len("missing: "):].split(" (")[0] in gone)
+    gone = set(actual["missing"])
+    shown = [
+        f"outputs: {line}" for line in differences
+        if not (line.startswith("missing: ") and line[len("missing: "):].split(" (")[0] in gone)
     ]
+    yield from shown
+    if not actual["missing"] and not shown:
+        yield (
+            f"outputs: their entries are the verified manifest's but their digest is not the one "
+            f"recorded ({verified.get('digest')!r}): the record {step.files.record} is damaged"
+        )
 
 
 def _settings_change(step: Step, pinned: dict[str, Any] | None) -> str:
