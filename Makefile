@@ -21,7 +21,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.substrax-installed
 PYTEST_ARGS ?=
 # SkyPilot lives in its own virtualenv: the project never imports it, and
-# runs sky_helper/sky_sdk.py with this python (the tests' SUBSTRAX_SKY_PYTHON).
+# runs its SDK helper with this python (the tests' SUBSTRAX_SKY_PYTHON).
 SKY_VENV := .sky-venv
 SKY_VERSION := 0.14.1
 SKY_STAMP := $(SKY_VENV)/.substrax-sky-$(SKY_VERSION)
@@ -160,7 +160,7 @@ test-fast: install
 
 # The end-to-end tier (root only): a one-node Slurm cluster on this machine
 # (tests/testbeds/slurm_cluster.py: munge, slurmctld, slurmd, an sshd and a
-# throwaway cluster user), SkyPilot launching on it through sky_helper/sky_sdk.py.
+# throwaway cluster user), SkyPilot launching on it through its SDK helper.
 # The bed goes down again even when a test fails or make is interrupted; its
 # own output goes to $(E2E_BED).log, shown when something fails (and the bed's
 # daemon logs are then kept in $(E2E_BED)/logs). The output ends with pytest's
