@@ -227,7 +227,7 @@ def offline_python(folder: Path) -> Path:
 
 # --------------------------------------------------------------------- driver
 
-# Runs in SkyPilot's python: sky_helper/sky_sdk.py's own `main` for each
+# Runs in SkyPilot's python: the SDK helper's (sky_sdk.py's) own `main` for each
 # validation (so each answer is exactly what SkyClient would get), then what
 # SkyPilot says about each cloud's features. One process: `import sky` is ~3 s.
 DRIVER = r"""
@@ -266,8 +266,8 @@ with open(sys.argv[3], "w") as f:
 def run_driver(
     python: Path, env: dict[str, str], work: Path, validate: dict[str, dict[str, Any]], features: bool
 ) -> dict[str, Any]:
-    """Every `validate` request answered by sky_helper/sky_sdk.py in one process."""
-    from substrax_tasks.backends.scripts import sky_helper_script
+    """Every `validate` request answered by the SDK helper (sky_sdk.py) in one process."""
+    from substrax_tasks.backends.skypilot.client import SKY_SDK_SCRIPT
 
     work.mkdir(parents=True, exist_ok=True)
     script = work / "driver.py"
@@ -275,7 +275,7 @@ def run_driver(
     request, answer = work / "driver-request.json", work / "driver-answer.json"
     request.write_text(json.dumps({"validate": validate, "features": features}))
     done = subprocess.run(
-        [str(python), str(script), str(sky_helper_script().parent), str(request), str(answer)],
+        [str(python), str(script), str(SKY_SDK_SCRIPT.parent), str(request), str(answer)],
         env=env, capture_output=True, timeout=DRIVER_TIMEOUT, check=False,
     )  # fmt: skip
     if done.returncode != 0 or not answer.is_file():

@@ -88,7 +88,7 @@ def _write_pyproject(request: pytest.FixtureRequest, root: Path, tmp: Path, env:
     params=[
         pytest.param("local", id="local"),
         pytest.param("ssh", id="ssh", marks=[needs_sshd, needs_root]),
-        # SkyPilot's SDK through sky_helper/sky_sdk.py, against the fake SkyPilot
+        # SkyPilot's SDK through skypilot/helper/sky_sdk.py, against the fake SkyPilot
         # (jobs as local processes), the cluster's ssh a real sshd
         pytest.param("skypilot", id="skypilot", marks=[needs_sshd, needs_root]),
     ],

@@ -1,6 +1,6 @@
-"""The wheel carries remote/ as substrax_tasks/_remote (and sky_helper/ as
-substrax_tasks/_sky_helper): an installed, non-editable package runs its
-worker without the source checkout."""
+"""The wheel carries remote/ as substrax_tasks/_remote, and SkyPilot's SDK
+helper in the SkyPilot backend's package: an installed, non-editable package
+runs its worker and its helper without the source checkout."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from fakesky_cleanup import cleanup, fakesky_env
 
 from substrax_tasks.backends.scripts import REMOTE_SCRIPTS
 
@@ -24,7 +25,8 @@ SUBMIT_SCRIPT = """
 import json, sys, time
 from pathlib import Path
 import substrax_tasks
-from substrax_tasks.backends.scripts import remote_script, sky_helper_script
+from substrax_tasks.backends.scripts import remote_script
+from substrax_tasks.backends.skypilot.client import SKY_SDK_SCRIPT
 from substrax_tasks.store.project import Project
 from substrax_tasks.step.spec import make_spec
 
@@ -35,7 +37,7 @@ status = project.backend_for(handle).wait(handle)
 print(json.dumps({
     "package": substrax_tasks.__file__,
     "worker": str(remote_script("worker.py")),
-    "sky_helper": str(sky_helper_script()),
+    "sky_helper": str(SKY_SDK_SCRIPT),
     "state": status.state,
     "log": project.backend_for(handle).read_log(handle, 0).decode(),
 }))
@@ -61,8 +63,14 @@ def test_installed_wheel_runs_its_worker(tmp_path: Path) -> None:
         names = set(archive.namelist())
     assert {f"substrax_tasks/_remote/{name}" for name in REMOTE_SCRIPTS} <= names
     assert not any(name.startswith("remote/") for name in names)
-    # the SkyPilot helper imports sky: beside remote/, never shipped with it
-    assert "substrax_tasks/_sky_helper/sky_sdk.py" in names
+    # the SkyPilot helper imports sky: in the SkyPilot backend's package, never
+    # shipped to hosts with remote/, and alone in its folder (a script's folder
+    # comes first on its sys.path: no module there may shadow one of SkyPilot's)
+    helper = "substrax_tasks/backends/skypilot/helper/"
+    assert {name for name in names if name.startswith(helper) and name.endswith(".py")} == {
+        f"{helper}sky_sdk.py"
+    }
+    assert not any(name.startswith("substrax_tasks/_sky_helper/") for name in names)
     assert "substrax_tasks/_remote/sky_sdk.py" not in names
     # the hook that tells doit's TOML error in one line, at the top of site-packages
     assert "substrax_tasks_doit_errors.pth" in names
@@ -88,6 +96,17 @@ def test_installed_wheel_runs_its_worker(tmp_path: Path) -> None:
     assert Path(report["worker"]).is_relative_to(site), report["worker"]
     assert Path(report["worker"]).parent.name == "_remote"
     assert Path(report["sky_helper"]).is_relative_to(site), report["sky_helper"]
+    # the installed helper answers, with the fake SkyPilot as its `sky`
+    home = tmp_path / "home"
+    try:
+        answer = subprocess.run(
+            [str(python), report["sky_helper"], "validate"], input=json.dumps({"task": {"run": "echo hi"}}),
+            env=fakesky_env(home), cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    finally:
+        cleanup(home)
+    assert answer.returncode == 0, answer.stderr
+    assert json.loads(answer.stdout) == {"ok": True, "result": {"valid": True}}
     assert report["state"] == "succeeded"
     assert "from-the-installed-worker" in report["log"]
 

@@ -1,7 +1,7 @@
-"""sky_helper/sky_sdk.py through SkyClient, against the fake SkyPilot
-(tests/fakesky/sky), whose requests, jobs and timers are real local
-processes and whose public API tests/test_fakesky_contract.py holds to the
-real SDK's.
+"""SkyPilot's SDK helper (backends/skypilot/helper/sky_sdk.py) through
+SkyClient, against the fake SkyPilot (tests/fakesky/sky), whose requests,
+jobs and timers are real local processes and whose public API
+tests/test_fakesky_contract.py holds to the real SDK's.
 
 SkyClient runs the helper with this interpreter as `sky_python` and the fake
 on PYTHONPATH, HOME a fresh folder. Every test's fixture stops, by pid,
@@ -23,8 +23,7 @@ import pytest
 from fakesky_cleanup import cleanup, fakesky_env, kill, leftovers
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks.backends.scripts import sky_helper_script
-from substrax_tasks.backends.skypilot.client import SkyCallError, SkyClient
+from substrax_tasks.backends.skypilot.client import SKY_SDK_SCRIPT, SkyCallError, SkyClient
 from substrax_tasks.errors import ConfigError
 
 WAIT = 30.0  # seconds for a condition; generous, the machine is noisy
@@ -109,7 +108,7 @@ def launch_and_kill_the_client(home: Path, request: dict[str, Any], env: dict[st
     stdin.write_text(json.dumps(request))
     with stdin.open("rb") as source:
         helper = subprocess.Popen(
-            [sys.executable, str(sky_helper_script()), "launch"], stdin=source,
+            [sys.executable, str(SKY_SDK_SCRIPT), "launch"], stdin=source,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=fakesky_env(home, **env),
         )  # fmt: skip
     try:

@@ -3,7 +3,7 @@ SkyPilot (offline: a fixture catalog, no network).
 
 Each case is a project with its own [tool.substrax.compute.backends.skypilot]
 table; the config is the one SkypilotBackend.launch builds (captured where
-launch hands it to `_validate`), and SkyPilot's verdict is sky_helper/sky_sdk.py's
+launch hands it to `_validate`), and SkyPilot's verdict is skypilot/helper/sky_sdk.py's
 `validate` answer. All cases go through one SkyPilot process (`import sky`
 is ~3 s); two tests go through SkyClient and the backend end to end. The
 provider lists in skypilot_settings.py are compared with SkyPilot's own.
@@ -406,7 +406,7 @@ def test_the_provider_lists_use_skypilots_names(verdicts: dict[str, Any]) -> Non
 def test_sky_client_validates_a_task(
     sky_home: tuple[Path, dict[str, str], Path], generated: dict[str, Generated]
 ) -> None:
-    """sky_helper/sky_sdk.py as SkyClient runs it: its own process and answer."""
+    """skypilot/helper/sky_sdk.py as SkyClient runs it: its own process and answer."""
     _, env, python = sky_home
     client = SkyClient(str(python), env)
     task = generated["everything"].config

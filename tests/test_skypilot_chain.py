@@ -1,7 +1,7 @@
 """remote_step() on the skypilot backend, through the real `doit` and the real
 `substrax-compute`, against the fake SkyPilot (tests/fakesky: the SDK's
 documented behaviour, jobs as real local processes, requests that outlive
-their client) driven by the real sky_helper/sky_sdk.py helper, with the cluster's
+their client) driven by the real skypilot/helper/sky_sdk.py helper, with the cluster's
 ssh served by a real sshd in a network namespace (rsync and the manifests
 go through it) and real bubblewrap.
 

@@ -1,15 +1,11 @@
-"""Where the scripts run outside this process are.
+"""Where the scripts run outside this process are: `remote/`, the
+stdlib-only scripts (worker, control, proctree, sandbox, hints, manifest,
+gpus, env) shipped to the machines a run uses, Python 3.8+; the local
+backend loads control.py and env.py into this process (`remote_module`).
 
-* `remote/`: the stdlib-only scripts (worker, control, proctree, sandbox,
-  hints, manifest, gpus, env) shipped to the machines a run uses, Python
-  3.8+; the local backend loads control.py and env.py into this process
-  (`remote_module`).
-* `sky_helper/`: `sky_sdk.py`, run here in SkyPilot's own interpreter (it
-  imports `sky`, so it is neither stdlib-only nor shipped to a host).
-
-In a wheel they are packed inside the package as `substrax_tasks/_remote/`
-and `substrax_tasks/_sky_helper/`; in a source checkout (editable install)
-they are the repo's folders of those names.
+In a wheel they are packed inside the package as `substrax_tasks/_remote/`;
+in a source checkout (editable install) they are the repo's `remote/`.
+(SkyPilot's SDK helper is the SkyPilot backend's own: skypilot/client.py.)
 """
 
 from __future__ import annotations
@@ -115,7 +111,3 @@ def env() -> Env:
     """`remote/env.py`: the one recipe of the locked environment."""
     return cast("Env", remote_module("env"))
 
-
-def sky_helper_script() -> Path:
-    """`sky_sdk.py`, SkyPilot's SDK one call per process (see _sky.py)."""
-    return _folder("_sky_helper", "sky_helper", "sky_sdk.py") / "sky_sdk.py"

@@ -59,7 +59,7 @@ class SlurmBedInfo:
 
     root: Path
     client_home: Path  # SkyPilot's HOME: ~/.slurm/config, ~/.sky
-    env: dict[str, str]  # run SkyPilot (its python, `sky`, sky_helper/sky_sdk.py) with this
+    env: dict[str, str]  # run SkyPilot (its python, `sky`, skypilot/helper/sky_sdk.py) with this
     sky_python: Path
     infra: str  # a task's resources.infra: "slurm/<alias>"
     stock_infra: str  # the same cluster through a login sshd with a stock AcceptEnv, SkyPilot's tmpdir set

@@ -1,5 +1,5 @@
 """A trivial task's whole life on a real Slurm cluster, through substrax's
-SkyPilot helper (sky_helper/sky_sdk.py via SkyClient): launch (the cluster's
+SkyPilot helper (skypilot/helper/sky_sdk.py via SkyClient): launch (the cluster's
 first runtime install included), its log, its status, down, and nothing
 left on Slurm afterwards."""
 

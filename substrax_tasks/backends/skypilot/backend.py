@@ -8,8 +8,8 @@ builds the locked environment; its run is the worker, in the foreground, so
 SkyPilot's job status is the run's and SkyPilot's cancel reaches its tree.
 Launch also arms SkyPilot's autodown, so an idle cluster goes by itself.
 
-Every SkyPilot call is one process of sky_helper/sky_sdk.py in SkyPilot's own
-interpreter (_sky.py). Outputs come back as from an SSH host (_remote_run.py,
+Every SkyPilot call is one process of helper/sky_sdk.py in SkyPilot's own
+interpreter (client.py). Outputs come back as from an SSH host (_remote_run.py,
 over the ssh config SkyPilot writes) or from the bucket the worker wrote.
 
 State in the handle: cluster, job_id, remote paths; in the run's folder:
@@ -125,7 +125,7 @@ class SkypilotBackend(Backend):
         """Have SkyPilot (re)write the cluster's ssh config here, as its
         `sky status` does: the one a local API server writes while it
         provisions reaches a Slurm cluster's login node, not the job (see
-        sky_helper/sky_sdk.py), and a remote API server writes none here."""
+        helper/sky_sdk.py), and a remote API server writes none here."""
         cluster = self.cluster(handle)
         self._ssh_config_written.add(cluster)
         try:

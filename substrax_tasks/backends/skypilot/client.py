@@ -1,4 +1,4 @@
-"""Calling SkyPilot: `sky_helper/sky_sdk.py` in SkyPilot's own interpreter.
+"""Calling SkyPilot: `helper/sky_sdk.py` in SkyPilot's own interpreter.
 
 substrax_tasks never imports `sky`: each operation is one process of the
 helper script under `sky_python` (by default the python beside the `sky`
@@ -18,12 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from substrax_tasks.backends.scripts import sky_helper_script
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, ConfigError
 from substrax_tasks.interrupts import check_interrupted
 
 SETTING = "[tool.substrax.compute.backends.skypilot] sky_python"
+# Run by path, never imported (it imports `sky`); in a wheel as in a checkout.
+SKY_SDK_SCRIPT = Path(__file__).parent / "helper" / "sky_sdk.py"
 # The helper's own start-up (import sky) is a few seconds; a call that
 # waits on a request (launch, down) gets no limit.
 DEFAULT_TIMEOUT = 300.0
@@ -103,7 +104,7 @@ class SkyClient:
     ) -> Any:
         """Run one operation; `while_waiting` is called about twice a second
         while the helper runs (to relay a launch log, say)."""
-        argv = [self.python(), str(sky_helper_script()), operation]
+        argv = [self.python(), str(SKY_SDK_SCRIPT), operation]
         started = time.monotonic()
         try:
             proc = subprocess.Popen(

@@ -1,5 +1,5 @@
 """A fake `sky` (SkyPilot 0.14.1's public SDK) for tests: what
-sky_helper/sky_sdk.py uses, with the real signatures, run on this machine.
+skypilot/helper/sky_sdk.py uses, with the real signatures, run on this machine.
 
 Clusters are folders under $HOME/.fakesky/clusters/, jobs real local
 processes (`bash -c` of setup then run), requests detached processes that

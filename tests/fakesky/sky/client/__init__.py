@@ -1,1 +1,1 @@
-"""The fake's stand-in for `sky.client` (only what sky_helper/sky_sdk.py uses)."""
+"""The fake's stand-in for `sky.client` (only what skypilot/helper/sky_sdk.py uses)."""

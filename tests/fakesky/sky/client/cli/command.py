@@ -1,4 +1,4 @@
-"""The one helper of SkyPilot 0.14.1's CLI that sky_helper/sky_sdk.py calls:
+"""The one helper of SkyPilot 0.14.1's CLI that skypilot/helper/sky_sdk.py calls:
 what `sky status CLUSTER` does to the client's ssh config. The real one
 (re)writes `~/.sky/generated/ssh/<cluster>` for each cluster that is UP,
 through the API server's proxy where the cloud needs it (Slurm,

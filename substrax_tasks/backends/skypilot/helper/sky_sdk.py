@@ -3,7 +3,11 @@
 
 Runs in SkyPilot's own interpreter (the `sky_python` setting), never in
 substrax_tasks' process: `import sky` takes seconds, writes ~/.sky and pins
-its own dependencies. Stdlib + sky only.
+its own dependencies. Stdlib + sky only, Python 3.9+ (SkyPilot's own
+floor). A script, not a module of the package: nothing imports it, and its
+folder holds no other Python file, so that none can shadow a module of
+SkyPilot's from the folder Python puts first on a script's sys.path. Its
+strict mypy check runs against SkyPilot's venv (mypy.ini beside it).
 
     python sky_sdk.py OPERATION  < request.json  > answer (one JSON line)
 
@@ -23,13 +27,21 @@ import os
 import sys
 import tempfile
 import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import sky
-import sky.exceptions  # noqa: F401 - exceptions are named in answers
+import sky.exceptions  # exceptions are named in answers
+
+if TYPE_CHECKING:
+    from sky.server.common import RequestId
+
+# A request as the client sends it: JSON, read as SkyPilot's SDK takes it.
+Request = dict[str, Any]
+T = TypeVar("T")
 
 
-def jsonable(value):
-    # type: (object) -> object
+def jsonable(value: object) -> object:  # noqa: PLR0911 - one return per kind of value
     """SkyPilot's records as JSON: enums by name, objects by their fields."""
     if isinstance(value, enum.Enum):
         return value.name
@@ -46,36 +58,31 @@ def jsonable(value):
     return str(value)
 
 
-def write_atomic(path, data):
-    # type: (str, dict) -> None
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".request-")
+def write_atomic(path: str, data: dict[str, str]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=Path(path).absolute().parent, prefix=".request-")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    Path(tmp).replace(path)
 
 
-def _record_request(request, request_id, name):
-    # type: (dict, str, str) -> None
+def _record_request(request: Request, request_id: str, name: str) -> None:
     path = request.get("request_file")
     if path:
         write_atomic(path, {"request_id": str(request_id), "name": name})
 
 
-def _wait(request, request_id):
-    # type: (dict, str) -> object
+def _wait(request: Request, request_id: RequestId[T]) -> T:
     """Wait for a request, its log going to `log_file` when one is named."""
     log_file = request.get("log_file")
     if not log_file:
         return sky.get(request_id)
-    with open(log_file, "a") as out:
+    with Path(log_file).open("a") as out:
         return sky.stream_and_get(request_id, output_stream=out)
 
 
-def op_launch(request):
-    # type: (dict) -> object
+def op_launch(request: Request) -> object:
     secrets = request.get("secrets") or {}
     # Secrets come on stdin, never from the task file on disk.
     task = sky.Task.from_yaml_config(request["task"], secrets_overrides=list(secrets.items()) or None)
@@ -90,8 +97,7 @@ def op_launch(request):
     return _job_of(_wait(request, request_id))
 
 
-def op_exec(request):
-    # type: (dict) -> object
+def op_exec(request: Request) -> object:
     """Queue a job on a cluster that is up: no setup, no file mounts synced
     (the client rsyncs the run's files first)."""
     secrets = request.get("secrets") or {}
@@ -101,94 +107,78 @@ def op_exec(request):
     return _job_of(_wait(request, request_id))
 
 
-def _job_of(result):
-    # type: (object) -> dict
+def _job_of(result: object) -> dict[str, object]:
     job_id = None
     if isinstance(result, (tuple, list)) and result:
         job_id = result[0]
     return {"job_id": job_id}
 
 
-def op_wait_launch(request):
-    # type: (dict) -> object
-    """Reattach to a launch request a killed client left running."""
+def op_wait_launch(request: Request) -> object:
+    """Reattach to a launch request a killed client left running, by the
+    id `launch` wrote down (a plain str: SkyPilot's RequestId is a str
+    subclass typed by the request's result)."""
     return _job_of(_wait(request, request["request_id"]))
 
 
-def op_request_status(request):
-    # type: (dict) -> object
+def op_request_status(request: Request) -> object:
     records = sky.api_status(request_ids=list(request["request_ids"]), all_status=True)
-    answer = []
-    for record in records:
-        data = jsonable(record)
-        answer.append({
-            "request_id": data.get("request_id"),
-            "name": data.get("name"),
-            "status": data.get("status"),
-        })
-    return answer
+    return [
+        {"request_id": record.request_id, "name": record.name, "status": jsonable(record.status)}
+        for record in records
+    ]
 
 
-def op_api_cancel(request):
-    # type: (dict) -> object
+def op_api_cancel(request: Request) -> object:
     return jsonable(sky.get(sky.api_cancel(list(request["request_ids"]), silent=True)))
 
 
-def op_job_status(request):
-    # type: (dict) -> object
+def op_job_status(request: Request) -> object:
     statuses = sky.get(sky.job_status(request["cluster_name"], job_ids=list(request["job_ids"])))
     return {str(k): jsonable(v) for k, v in (statuses or {}).items()}
 
 
-def op_queue(request):
-    # type: (dict) -> object
+def op_queue(request: Request) -> object:
     return jsonable(sky.get(sky.queue(request["cluster_name"], skip_finished=False)))
 
 
-def op_cancel(request):
-    # type: (dict) -> object
+def op_cancel(request: Request) -> object:
     return jsonable(sky.get(sky.cancel(request["cluster_name"], job_ids=list(request["job_ids"]))))
 
 
-def op_down(request):
-    # type: (dict) -> object
+def op_down(request: Request) -> object:
     request_id = sky.down(request["cluster_name"])
     _record_request(request, request_id, "down")
     return jsonable(sky.get(request_id))
 
 
-def op_autostop(request):
-    # type: (dict) -> object
+def op_autostop(request: Request) -> object:
     return jsonable(sky.get(sky.autostop(
         request["cluster_name"], int(request["idle_minutes"]), down=bool(request.get("down", True)))))
 
 
-def op_cluster_status(request):
-    # type: (dict) -> object
+def op_cluster_status(request: Request) -> object:
     """The named clusters' records; every cluster of this user's without names."""
     names = request.get("cluster_names")
     records = sky.get(sky.status(cluster_names=None if names is None else list(names)))
     return [{"name": field(r, "name"), "status": jsonable(field(r, "status"))} for r in (records or [])]
 
 
-def field(record, name):
-    # type: (object, str) -> object
+def field(record: object, name: str) -> object:
     """A field of a record that is a dict in some releases, a model in others."""
     if isinstance(record, dict):
         return record.get(name)
     return getattr(record, name, None)
 
 
-def op_tail_logs(request):
-    # type: (dict) -> object
-    with open(request["output_file"], "a") as out:
+def op_tail_logs(request: Request) -> object:
+    with Path(request["output_file"]).open("a") as out:
         code = sky.tail_logs(request["cluster_name"], request["job_id"], bool(request.get("follow")),
                              tail=int(request.get("tail", 0)), output_stream=out)
     return {"exit_code": code}
 
 
-def op_ssh_config(request):
-    # type: (dict) -> object
+def op_ssh_config(request: Request) -> object:
     """The ssh config for a cluster (`ssh -F FILE CLUSTER`).
 
     With `write`, (re)written first as the `sky status` command writes it on
@@ -202,7 +192,7 @@ def op_ssh_config(request):
     config already there is all there is.
     """
     name = request["cluster_name"]
-    path = os.path.expanduser(os.path.join("~", ".sky", "generated", "ssh", name))
+    path = Path("~", ".sky", "generated", "ssh", name).expanduser()
     if request.get("write"):
         writer = None
         try:
@@ -216,11 +206,10 @@ def op_ssh_config(request):
 
             with contextlib.redirect_stdout(sys.stderr):  # one JSON line on stdout, nothing else
                 writer([name])
-    return {"path": path if os.path.isfile(path) else None}
+    return {"path": str(path) if path.is_file() else None}
 
 
-def op_validate(request):
-    # type: (dict) -> object
+def op_validate(request: Request) -> object:
     """The task config as SkyPilot reads it, checked offline; and, for bucket
     mounts, whether the chosen cloud can mount buckets at all."""
     task = sky.Task.from_yaml_config(request["task"])
@@ -238,7 +227,7 @@ def op_validate(request):
     return {"valid": True}
 
 
-OPERATIONS = {
+OPERATIONS: dict[str, Callable[[Request], object]] = {
     "launch": op_launch,
     "exec": op_exec,
     "wait_launch": op_wait_launch,
@@ -256,8 +245,7 @@ OPERATIONS = {
 }
 
 
-def die_with_parent():
-    # type: () -> None
+def die_with_parent() -> None:
     """A client killed while it waits takes this helper along (Linux); the
     request itself goes on in SkyPilot's API server, its id on disk."""
     parent = os.getppid()
@@ -273,12 +261,11 @@ def die_with_parent():
         os._exit(1)
 
 
-def main(argv=None):
-    # type: (list | None) -> int
+def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     die_with_parent()
     if len(args) != 1 or args[0] not in OPERATIONS:
-        sys.stderr.write("usage: sky_sdk.py {%s} < request.json\n" % ",".join(sorted(OPERATIONS)))
+        sys.stderr.write(f"usage: sky_sdk.py {{{','.join(sorted(OPERATIONS))}}} < request.json\n")
         return 2
     request = json.load(sys.stdin)
     try:
