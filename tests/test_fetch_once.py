@@ -113,6 +113,28 @@ def test_the_cli_and_doit_refuse_outputs_no_manifest_accepts_alike(tmp_path: Pat
     assert not list(root.glob("out/*")), "nothing that did not verify is promoted"
 
 
+NOT_MADE = """
+def task_half():
+    yield from remote_step("half", shell="echo made > made.txt", outputs=["made.txt", "never.txt"])
+"""
+
+
+def test_the_cli_and_doit_name_an_output_the_run_did_not_make_alike(tmp_path: Path) -> None:
+    """Before, the CLI called it a copy that does not match the manifest."""
+    root = make_project(tmp_path, NOT_MADE, default_tasks=["half"])
+    chain = doit(root)
+    said = "the run did not produce declared output(s) never.txt; nothing was promoted"
+    assert chain.returncode == 1 and said in chain.stdout + chain.stderr, show(chain)
+    project = Project.open(root)
+    handle = submit(project, ["sh", "-c", "echo made > made.txt"], step="half", sandbox="bwrap",
+                    outputs=["made.txt", "never.txt"])  # fmt: skip
+    assert wait_final(project, handle) == "succeeded"
+    fetched = compute(root, "fetch", handle.run_id)
+    assert fetched.returncode == 1, show(fetched)
+    assert f"error: run {handle.run_id}: {said}" in fetched.stderr, show(fetched)
+    assert not (root / "made.txt").exists(), "nothing of a run that did not make its outputs is promoted"
+
+
 # Unsandboxed, so that the command sees the gate the test makes in the project.
 GATED = """
 def task_step():
