@@ -1,9 +1,11 @@
-"""One contract, every transport: what substrax_tasks.transports.base promises
-(and the backends rely on), run against each implementation over a real
-server: RsyncTransport against a throwaway sshd in a network namespace,
-BucketTransport against `rclone serve s3`.
+"""One contract, every transport: what substrax_tasks.transports.base.Transport
+promises (and the backends rely on), run against each implementation over a
+real server: RsyncTransport against a throwaway sshd in a network namespace,
+BucketTransport against `rclone serve s3`. The download tests reach each one
+only through the `Transport` interface.
 
-Add a transport by adding a parameter to the `bound` fixture. What only one
+Add a transport by adding a parameter to the `bound` fixture (a test fails
+until every implementation of `Transport` has one). What only one
 transport can do (uploads, modes and symlinks through rsync; empty folders,
 manifests and endpoints of buckets) is tested here with rsync alone, or in
 that transport's own tests.
@@ -11,6 +13,8 @@ that transport's own tests.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,7 +25,9 @@ from s3_server import S3Server
 from ssh_helpers import needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
 
+from substrax_tasks import transports as transports_package
 from substrax_tasks.errors import BackendError
+from substrax_tasks.transports.base import Transport
 from substrax_tasks.transports.bucket import BucketTransport
 from substrax_tasks.transports.openssh import SshTarget
 from substrax_tasks.transports.rsync import RsyncTransport
@@ -44,7 +50,7 @@ class Bound:
     read that root behind the transport's back."""
 
     name: str
-    transport: RsyncTransport | BucketTransport
+    transport: Transport
     remote_root: str
     put: Callable[[str, bytes], None]
     get: Callable[[str], bytes | None]  # None: not there
@@ -93,6 +99,10 @@ def _bucket_bound(server: S3Server) -> Bound:
     return Bound("bucket", transport, f"s3://{prefix}", put, get)
 
 
+# Each implementation of Transport, by the name its binding goes by.
+BOUND_IMPLEMENTATIONS = {"rsync": RsyncTransport, "bucket": BucketTransport}
+
+
 @pytest.fixture(
     params=[
         pytest.param("rsync", id="rsync", marks=[needs_sshd, needs_root]),
@@ -101,8 +111,30 @@ def _bucket_bound(server: S3Server) -> Bound:
 )
 def bound(request: pytest.FixtureRequest) -> Bound:
     if request.param == "rsync":
-        return _rsync_bound(request.getfixturevalue("host"), request.getfixturevalue("ssh_target"))
-    return _bucket_bound(request.getfixturevalue("s3_server"))
+        found = _rsync_bound(request.getfixturevalue("host"), request.getfixturevalue("ssh_target"))
+    else:
+        found = _bucket_bound(request.getfixturevalue("s3_server"))
+    assert type(found.transport) is BOUND_IMPLEMENTATIONS[request.param]
+    return found
+
+
+def test_every_transport_is_bound_to_this_suite() -> None:
+    """A transport added to the package is held to the contract here too:
+    every implementation of `Transport` in substrax_tasks.transports has a
+    binding above."""
+    package = Path(transports_package.__file__).parent
+    for module in sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__"):
+        importlib.import_module(f"{transports_package.__name__}.{module}")
+    implemented = {cls for cls in _subclasses(Transport) if not inspect.isabstract(cls)}
+    assert implemented == set(BOUND_IMPLEMENTATIONS.values())
+
+
+def _subclasses(cls: type) -> list[type]:
+    found: list[type] = []
+    direct_ones: list[type] = cls.__subclasses__()
+    for direct in direct_ones:
+        found += [direct, *_subclasses(direct)]
+    return found
 
 
 def make_tree(root: Path, tree: dict[str, bytes] = TREE) -> Path:

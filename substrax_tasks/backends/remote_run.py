@@ -36,9 +36,8 @@ from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
 from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.store.handle import RunHandle
-from substrax_tasks.transports.base import checked_manifest
+from substrax_tasks.transports.base import Transport, checked_manifest
 from substrax_tasks.transports.openssh import MAX_ANSWER_BYTES, AnswerTooBig, RemoteResult
-from substrax_tasks.transports.rsync import RsyncTransport
 
 MANIFEST_FILE = "manifest.json"  # in the run's folder, written by the worker as the command ended
 LOG_CHUNK = 1 << 20
@@ -334,7 +333,7 @@ class RemoteRun:
         return manifest
 
     def fetch(
-        self, transport: RsyncTransport, outputs: list[str], staging: Path, outputs_root: object = None
+        self, transport: Transport, outputs: list[str], staging: Path, outputs_root: object = None
     ) -> Fetched:
         """The manifest, then a copy of the outputs into `staging` (made
         afresh: a killed copy leaves temp files, and a file since deleted

@@ -236,8 +236,9 @@ def member_failure(handle: RunHandle, exc: Exception) -> SubstraxError:
 
 
 def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
-    from substrax_tasks.run.promote import JOURNAL, make_safe, promote, safe_manifest
-    from substrax_tasks.uptodate import manifests as manifest_cache
+    from substrax_tasks.run.promote import JOURNAL, NotProduced, promote_verified, verify_staged
+    from substrax_tasks.run.steplock import StepLock
+    from substrax_tasks.uptodate.manifests import ManifestError
 
     handle = project.store.read(args.run)
     backend = project.backend_for(handle)
@@ -246,32 +247,41 @@ def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Con
         raise BackendError(
             f"run {handle.run_id} is {status.state}: only a succeeded run has outputs to fetch"
         )
-    if not backend.outputs_available(handle):
-        raise BackendError(
-            f"run {handle.run_id}: its outputs are no longer where it ran (torn down, or its "
-            "lifetime ran out); `doit` reruns the step"
-        )
-    fetched = backend.fetch(handle)
-    outputs = list(handle.spec.outputs)
-    base = Path(str(handle.state.get("project") or project.root))
-    dest = Path(args.to).resolve() if args.to else base
-    cache = project.store.run_dir(handle.run_id) / "fetch-cache.json"
-    in_place = fetched.root.resolve() == base.resolve()
-    make_safe(fetched.root, outputs)  # no setuid bit, ...: as the chain's promotion does
-    problems = manifest_cache.verify_outputs(fetched.root, outputs, safe_manifest(fetched.manifest), cache)
-    if problems:
-        raise BackendError(
-            f"run {handle.run_id}: the fetched outputs do not match its manifest; nothing was "
-            "moved into place:\n  " + "\n  ".join(problems)
-        )
-    if in_place and dest == base:
-        out.print(f"run {handle.run_id}: its outputs are in place and verified", highlight=False)
-        return 0
-    if in_place:
-        raise BackendError(
-            f"run {handle.run_id} wrote its outputs in place (no sandbox); copy them from {base}"
-        )
-    promote(fetched.root, dest, outputs, project.store.run_dir(handle.run_id) / JOURNAL)
+    # The run's staging folder is one client's at a time (promote.verify_staged):
+    # a doit driving the step holds this lock too.
+    lock = StepLock(project.store.step_lock(handle.step), handle.step)
+    lock.acquire()
+    try:
+        if not backend.outputs_available(handle):
+            raise BackendError(
+                f"run {handle.run_id}: its outputs are no longer where it ran (torn down, or its "
+                "lifetime ran out); `doit` reruns the step"
+            )
+        outputs = list(handle.spec.outputs)
+        base = Path(str(handle.state.get("project") or project.root))
+        dest = Path(args.to).resolve() if args.to else base
+        cache = project.store.run_dir(handle.run_id) / "fetch-cache.json"
+        try:
+            verified = verify_staged(backend.fetch(handle), outputs, cache, f"run {handle.run_id}")
+        except (ManifestError, NotProduced) as exc:  # as the chain says it
+            raise SubstraxError(f"run {handle.run_id}: {exc}; nothing was promoted") from None
+        in_place = verified.root.resolve() == base.resolve()
+        if in_place and dest == base:
+            out.print(f"run {handle.run_id}: its outputs are in place and verified", highlight=False)
+            return 0
+        if in_place:
+            raise BackendError(
+                f"run {handle.run_id} wrote its outputs in place (no sandbox); copy them from {base}"
+            )
+        try:
+            promote_verified(verified, dest, outputs, project.store.run_dir(handle.run_id) / JOURNAL, cache)
+        except OSError as exc:
+            raise SubstraxError(
+                f"run {handle.run_id}: could not move its outputs into place under {dest} ({exc}); "
+                "fix that, then fetch it again"
+            ) from None
+    finally:
+        lock.release()
     out.print(
         f"run {handle.run_id}: {len(outputs)} output(s) fetched into {dest}, verified against its manifest",
         highlight=False,

@@ -1,12 +1,13 @@
 """The phases that bring a run's outputs home: fetch (copy them into
-staging, verified against the run's manifest by the backend) and promote
-(verify what a fetch or a restore from the run cache staged, move it into
-place, and write the step record that says where it came from)."""
+staging and verify them against the run's manifest) and promote (move what
+a fetch verified, or a restore from the run cache staged, into place, and
+write the step record that says where it came from). Both go through
+promote.py's `verify_staged` and `promote_verified`, as
+`substrax-compute fetch` does."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,14 +16,20 @@ from doit.exceptions import TaskFailed
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.cache.run_cache import cache_key
 from substrax_tasks.console import emit
-from substrax_tasks.errors import OutputsRefused
-from substrax_tasks.run.promote import JOURNAL, make_safe, promote, recover, safe_manifest
+from substrax_tasks.errors import OutputsRefused, SubstraxError
+from substrax_tasks.run.promote import (
+    JOURNAL,
+    NotProduced,
+    Verified,
+    promote_verified,
+    recover,
+    verify_staged,
+)
 from substrax_tasks.step import doit_db
 from substrax_tasks.uptodate import check as uptodate
 from substrax_tasks.uptodate import manifests as manifest_cache
 
 if TYPE_CHECKING:
-    from substrax_tasks.backends.base import Fetched
     from substrax_tasks.run.step_driver import StepDriver
     from substrax_tasks.uptodate.check import Step
 
@@ -41,36 +48,26 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
     backend = driver.backend(handle)
     step = driver.spec.step
 
-    def fetch_verified() -> Fetched:
-        """One fetch, its copy verified here against the run's manifest."""
+    def fetch_verified() -> Verified:
+        """One fetch, its copy verified here against the run's manifest:
+        the one verification of what the promotion moves (promote.verify_staged)."""
         try:
             fetched = backend.fetch(handle)
-            if fetched.manifest.get("missing"):
-                return fetched  # judged below: the command did not make them, nothing was changed
-            outputs = list(driver.spec.outputs)
-            try:
-                make_safe(fetched.root, outputs)  # as the promotion checks them: no setuid bit, ...
-            except OSError:
-                return fetched  # the promotion says so, and promotes nothing
-            problems = manifest_cache.verify_outputs(
-                fetched.root, outputs, safe_manifest(fetched.manifest), driver.step.files.outputs_cache
-            )
-            if problems:
-                raise OutputsRefused(
-                    f"the fetched outputs of run {handle.run_id} do not match its manifest; nothing was "
-                    "promoted:\n  " + "\n  ".join(problems)
-                )
+            return verify_staged(fetched, driver.spec.outputs, driver.step.files.outputs_cache,
+                                 f"run {handle.run_id}")  # fmt: skip
         except OutputsRefused:
             seen = (driver.handle or handle).state.get("fetch_refusals")
             driver._save(handle, fetch_refusals=int(seen or 0) + 1)
             raise
-        return fetched
 
     try:
-        fetched = driver._retrying("fetch", fetch_verified)
+        verified = driver._retrying("fetch", fetch_verified)
     except manifest_cache.ManifestError as exc:
         driver._save(handle, verdict={"state": "failed", "message": str(exc)})
         return TaskFailed(f"step {step!r}: {exc}; nothing was promoted")
+    except NotProduced as exc:
+        driver._save(handle, verdict={"state": "failed", "message": str(exc)})
+        return TaskFailed(f"step {step!r}: run {handle.run_id}: {exc}; nothing was promoted")
     except OutputsRefused as exc:
         current = driver.handle or handle
         if int(current.state.get("fetch_refusals") or 0) < REFUSALS_BEFORE_GIVING_UP:
@@ -87,20 +84,14 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
             f"step {step!r}: {exc}\nRefused again: run {handle.run_id} is recorded damaged and torn "
             f"down, nothing of it promoted; `doit {step}` starts a new run"
         )
-    missing = fetched.manifest.get("missing") or []
-    if missing:
-        message = f"the run did not produce declared output(s) {', '.join(missing)}"
-        driver._save(handle, verdict={"state": "failed", "message": message})
-        return TaskFailed(f"step {driver.spec.step!r}: run {handle.run_id}: {message}; nothing was promoted")
-    # The modes the outputs will have here (no setuid bit, ...): the
-    # manifest kept, and every later check, agree with the promoted files.
-    fetched = dataclasses.replace(fetched, manifest=safe_manifest(fetched.manifest))
+    # The manifest kept has the modes the outputs have here (no setuid
+    # bit, ...): every later check agrees with the promoted files.
     # compact: a manifest of 20,000 files is 3 MB, 4x slower to indent
-    write_json_atomic(driver.project.store.manifest_file(handle.run_id), fetched.manifest, indent=None)
-    driver.fetched = fetched
+    write_json_atomic(driver.project.store.manifest_file(handle.run_id), verified.manifest, indent=None)
+    driver.fetched = verified
     # A copy that verified ends the count: a later refusal (outputs changed
     # here, fetched again) starts it anew.
-    driver._save(handle, phase="fetched", manifest_digest=fetched.manifest["digest"], fetch_refusals=0)
+    driver._save(handle, phase="fetched", manifest_digest=verified.manifest["digest"], fetch_refusals=0)
     return None
 
 
@@ -109,45 +100,32 @@ def promote_outputs(driver: StepDriver) -> TaskFailed | None:
     if fetched is None or (handle is None and restored is None):
         return None  # no run driven here (a rerun that found nothing to do)
     source = restored.label if restored is not None else f"run {handle.run_id}"  # type: ignore[union-attr]
-    outputs = list(driver.spec.outputs)
-    # Outputs carry no privileges, whatever brought them (promote.py): made
-    # safe here, before they are verified, never trusting a transport did it.
-    try:
-        make_safe(fetched.root, outputs)
-    except OSError as exc:
-        return TaskFailed(f"step {step!r}: could not clear the setuid and world-writable bits of the "
-                          f"outputs of {source} ({exc}); nothing was promoted")
-    fetched = driver.fetched = dataclasses.replace(fetched, manifest=safe_manifest(fetched.manifest))
-    digest = str(fetched.manifest["digest"])
     cache = driver.step.files.outputs_cache
-    problems = manifest_cache.verify_outputs(fetched.root, outputs, fetched.manifest, cache)
-    if problems:
-        return TaskFailed(
-            f"step {step!r}: the fetched outputs of {source} do not match "
-            "its manifest; nothing was promoted:\n  " + "\n  ".join(problems)
-        )
-    renamed = False
-    if fetched.root.resolve() != driver.root.resolve():
+    verified = fetched
+    if not isinstance(verified, Verified):
+        # A restore from the run cache, checked by the cache against its
+        # entry: made safe and verified here, its hash cache filled by the
+        # restore (a stat per file, nothing read again).
         try:
-            where = journal(driver, handle.run_id if handle is not None else None)
-            renamed = promote(fetched.root, driver.root, outputs, where)
-        except OSError as exc:
-            if doit_db.no_space_left(exc, str(exc.filename or driver.root)):
-                raise  # the phase's own message: where, what is kept, the fix
-            return TaskFailed(
-                f"step {step!r}: could not move the outputs of {source} into place "
-                f"({exc}); fix that, then `doit {step}` promotes them without running "
-                "the command again"
-            )
-    # Renames moved the very files just verified; a copy (another file
-    # system) or outputs verified in place are checked where they stand.
-    if not renamed and not manifest_cache.outputs_match(driver.root, outputs, digest, cache):
-        return TaskFailed(f"step {step!r}: outputs changed while they were promoted")
-    if renamed:
-        manifest_cache.renamed_into_place(driver.root, outputs, cache)
+            verified = driver.fetched = verify_staged(fetched, driver.spec.outputs, cache, source)
+        except SubstraxError as exc:
+            return TaskFailed(f"step {step!r}: {exc}")
+    try:
+        where = journal(driver, handle.run_id if handle is not None else None)
+        promote_verified(verified, driver.root, driver.spec.outputs, where, cache)
+    except OSError as exc:
+        if doit_db.no_space_left(exc, str(exc.filename or driver.root)):
+            raise  # the phase's own message: where, what is kept, the fix
+        return TaskFailed(
+            f"step {step!r}: could not move the outputs of {source} into place "
+            f"({exc}); fix that, then `doit {step}` promotes them without running "
+            "the command again"
+        )
+    except SubstraxError as exc:  # a copy onto another file system that does not match
+        return TaskFailed(f"step {step!r}: {exc}")
     if handle is not None:
         driver._save(handle, phase="promoted")
-    uptodate.write_record(driver.step, **record_of(driver, digest))
+    uptodate.write_record(driver.step, **record_of(driver, str(verified.manifest["digest"])))
     return None
 
 

@@ -18,6 +18,13 @@ bit and is not world-writable (`safe_mode`). The transports already copy
 with that rule (rsync's `--chmod`, the bucket's and the cache's modes), but
 the promotion applies it again (`make_safe`, `safe_manifest`): every path
 into the project goes through it, and it never trusts an earlier step.
+
+`verify_staged` and `promote_verified` are the one way staged outputs
+reach their final paths, for the chain (outputs_phases.py) and for
+`substrax-compute fetch` alike: a promotion takes only `Verified` outputs.
+Staged outputs are verified once, as they are fetched, and not again at
+their promotion: see `verify_staged` for why nothing can change them in
+between.
 """
 
 from __future__ import annotations
@@ -29,10 +36,14 @@ import secrets
 import shutil
 import stat
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from substrax_tasks.atomic import write_json_atomic
+from substrax_tasks.backends.base import Fetched
+from substrax_tasks.errors import OutputsRefused, SubstraxError
+from substrax_tasks.uptodate import manifests as manifest_cache
 from substrax_tasks.uptodate.manifests import manifest_module
 
 JOURNAL = "promotion.json"
@@ -133,6 +144,74 @@ def _make_entry_safe(dir_fd: int, name: str) -> None:
                 os.close(listing)
     finally:
         os.close(fd)
+
+
+class NotProduced(SubstraxError):
+    """The run's manifest names declared outputs its command did not make."""
+
+
+@dataclass(frozen=True)
+class Verified(Fetched):
+    """Staged outputs that match their run's manifest, their modes made
+    safe (`manifest` says so too): the only thing a promotion moves. Made
+    by `verify_staged`."""
+
+
+def verify_staged(fetched: Fetched, outputs: Sequence[str], cache: Path, source: str) -> Verified:
+    """The one verification of staged outputs: made safe, then compared
+    with the manifest of `source` (a run, or a cache entry), named in each
+    message. Raises NotProduced, OutputsRefused (the copy differs: nothing
+    is promoted, the run stays for a fetch again), or a SubstraxError when
+    the unsafe bits cannot be cleared.
+
+    Nothing checks them again before their promotion, because nothing but
+    this client writes them in between. The staging folder is made afresh
+    by the backend's fetch in the run's private folder, and its transport
+    has finished writing it (rsync has exited, the bucket's copies are
+    joined). Only one client stages a run at a time: `doit` holds the step's
+    lock from launch to the chain's end, and `substrax-compute fetch` takes
+    it too (a fetch while doit drives the step is refused). The local
+    backend stages hard links to the sandbox's own outputs: the command
+    could write those, but a run is final only once every process of it
+    has been killed (remote/worker.py). tests/test_fetch_once.py holds
+    these to account."""
+    missing = list(fetched.manifest.get("missing") or [])
+    if missing:
+        raise NotProduced(f"the run did not produce declared output(s) {', '.join(missing)}")
+    try:
+        make_safe(fetched.root, outputs)
+    except OSError as exc:
+        raise SubstraxError(
+            f"could not clear the setuid and world-writable bits of the outputs of {source} ({exc}); "
+            "nothing was promoted"
+        ) from exc
+    manifest = safe_manifest(fetched.manifest)
+    problems = manifest_cache.verify_outputs(fetched.root, outputs, manifest, cache)
+    if problems:
+        raise OutputsRefused(
+            f"the fetched outputs of {source} do not match its manifest; nothing was promoted:\n  "
+            + "\n  ".join(problems)
+        )
+    return Verified(fetched.root, manifest, fetched.saw_whole_project)
+
+
+def promote_verified(
+    verified: Verified, dest: Path, outputs: Sequence[str], journal: Path, cache: Path
+) -> None:
+    """Move verified outputs to `dest` (journaled in `journal`); outputs
+    verified where they stand (written in place) stay. Moved by renames,
+    they are the very files verified; copied (another file system), the
+    copies are checked where they now stand. Raises OSError from the moves,
+    SubstraxError if a copy does not match."""
+    if verified.root.resolve() == dest.resolve():
+        # Written in place (no sandbox): the project is anyone's to write,
+        # now as after; a check again here would close no window, and every
+        # later up-to-date check sees a change.
+        return
+    if promote(verified.root, dest, list(outputs), journal):
+        manifest_cache.renamed_into_place(dest, outputs, cache)
+    elif not manifest_cache.outputs_match(dest, outputs, str(verified.manifest["digest"]), cache):
+        raise SubstraxError("outputs changed while they were promoted")
 
 
 def remove_path(path: Path) -> None:

@@ -1,12 +1,6 @@
-"""What the transports share (rsync.py, bucket.py): their figures, their
-progress bar and the check of a manifest they bring back.
-
-Paths on both sides are relative to a root folder; a transport never
-decides which files matter (the backend lists them) and never promotes
-anything (the chain verifies and promotes what it brought back). Its
-`download(remote_root, rel_paths, local_root)` copies each path that exists
-there (verification against the manifest names the others) and raises
-BackendError if the copy broke off.
+"""The transports' contract (`Transport`, which rsync.py and bucket.py
+implement) and what they share: their figures, their progress bar and the
+check of a manifest they bring back.
 
 Progress goes to one rich bar (`progress`) when stderr is a terminal, and
 to one summary line otherwise, whatever the transport.
@@ -15,7 +9,9 @@ to one summary line otherwise, whatever the transport.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks.errors import BackendError, OutputsRefused
@@ -39,6 +35,27 @@ class TransferStats:
         rate = self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
         size = f"{self.bytes / 1e6:.1f} MB"
         return f"{what}: {self.files} files, {size} in {self.seconds:.1f} s ({rate:.1f} MB/s)"
+
+
+class Transport(ABC):
+    """How a run's outputs come from where it ran to this machine.
+
+    Paths on both sides are relative to a root folder; a transport never
+    decides which files matter (the backend lists them) and never promotes
+    anything (the chain verifies and promotes what it brought back).
+    tests/test_transport_contract.py holds every implementation to this.
+    """
+
+    @abstractmethod
+    def download(self, remote_root: str, rel_paths: list[str], local_root: Path) -> TransferStats:
+        """Called by a backend's fetch, once the run's manifest is read:
+        copy `remote_root/<rel>` (a file, or a folder with everything under
+        it; a folder with or without its trailing slash) to
+        `local_root/<rel>`, making `local_root` if needed and replacing
+        what is there. A path that is not there is skipped (verification
+        against the manifest names it) and leaves nothing half-made.
+        Returns what was copied; raises BackendError if the copy broke off.
+        Progress: a bar on a terminal, else one `fetch: ...` summary line."""
 
 
 def progress(what: str) -> Progress:

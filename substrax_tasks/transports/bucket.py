@@ -50,7 +50,13 @@ from typing import Any
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError
 from substrax_tasks.run.promote import safe_mode
-from substrax_tasks.transports.base import MAX_MANIFEST_BYTES, TransferStats, checked_manifest, progress
+from substrax_tasks.transports.base import (
+    MAX_MANIFEST_BYTES,
+    TransferStats,
+    Transport,
+    checked_manifest,
+    progress,
+)
 
 MAX_WORKERS = 8  # parts copied at once: one request each, so small files do not go one by one
 # A big object moves as ranged parts, several at once (as rclone does); the
@@ -71,7 +77,7 @@ class Changed(BackendError):
     """An object that is not of its listed size: changed, truncated or replaced."""
 
 
-class BucketTransport:
+class BucketTransport(Transport):
     def __init__(
         self,
         endpoint_url: str | None = None,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError
 from substrax_tasks.run.promote import RSYNC_SAFE_CHMOD
-from substrax_tasks.transports.base import TransferStats, progress
+from substrax_tasks.transports.base import TransferStats, Transport, progress
 from substrax_tasks.transports.openssh import master_in_use
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class SshEndpoint(Protocol):
     def drop_master(self) -> None: ...
 
 
-class RsyncTransport:
+class RsyncTransport(Transport):
     def __init__(
         self, target: SshEndpoint, excludes: list[str] | None = None, show_progress: bool | None = None
     ) -> None:
