@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.run_store import RunStore
 from substrax_tasks.uptodate import check as uptodate
@@ -27,7 +28,7 @@ RACY = 0.05
 
 @pytest.fixture(autouse=True)
 def short_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manifest_cache.manifest_module(), "RACY_SECONDS", RACY)
+    monkeypatch.setattr(remote_manifest, "RACY_SECONDS", RACY)
 
 
 def make_step(
