@@ -34,10 +34,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.uptodate.manifests import (
     HashCache,
     build_manifest,
-    manifest_module,
     outputs_match,
 )
 
@@ -120,7 +120,7 @@ def bench_noop(base: Path, count: int, repeats: int) -> list[Row]:
     cache_file = base / "state" / "hashes.json"
     # A file younger than RACY_SECONDS is hashed but not cached (a later
     # write could hide inside its timestamps): let the tree age first.
-    time.sleep(manifest_module().RACY_SECONDS + 0.2)
+    time.sleep(remote_manifest.RACY_SECONDS + 0.2)
     t_cold = timed(lambda: build_manifest(base, outputs))
     digest = build_manifest(base, outputs)["digest"]
     assert outputs_match(base, outputs, digest, cache_file)

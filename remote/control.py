@@ -11,7 +11,8 @@ printing one JSON line:
     python3 control.py watchdog RUN_DIR SECONDS [--poweroff]
     python3 control.py remove RUN_DIR
 
-It imports no sibling, so loading it shadows no module of the user's.
+It imports one sibling, runfiles.py (the status file's definition), which
+imports none.
 `follow` streams the run's log instead (raw bytes from OFFSET, at most
 LIMIT) until the run has ended or its stdin closes (the client went): one
 follower per wait, not a status command every fraction of a second.
@@ -35,7 +36,15 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, cast
+
+# Imported by the client as substrax_tasks._remote.control; run as a script
+# (or imported by worker.py) on a host, beside its siblings.
+PACKAGED = bool(__package__)
+if PACKAGED:
+    from . import runfiles
+else:
+    import runfiles
 
 FINAL_STATES = ("succeeded", "failed", "timed_out", "cancelled")
 STATUS_FILE = "status.json"
@@ -55,7 +64,7 @@ def now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
-def write_json_atomic(path: str, data: dict[str, Any]) -> None:
+def write_json_atomic(path: str, data: Mapping[str, Any]) -> None:
     """temp file + fsync + rename: a reader sees the old or the new file, whole."""
     tmp = "%s.%d.tmp" % (path, os.getpid())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -227,7 +236,7 @@ def read_status(run_dir: str) -> dict[str, Any] | None:
     return read_json(os.path.join(run_dir, STATUS_FILE))
 
 
-def status(run_dir: str) -> dict[str, Any]:
+def status(run_dir: str) -> runfiles.StatusAnswer:
     """The worker's status, plus whether its worker is alive right now. A
     status file that is there but damaged is said so (`damaged`), with the
     workers of the run still going (`worker_pids`)."""
@@ -245,7 +254,7 @@ def status(run_dir: str) -> dict[str, Any]:
         record = read_status(run_dir) or record  # it may have just ended
     record["worker_alive"] = worker_alive
     record["exists"] = True
-    return record
+    return cast(runfiles.StatusAnswer, record)
 
 
 # What the worker writes in each field (remote/worker.py); the times and
@@ -260,6 +269,10 @@ def damage_of(record: dict[str, Any] | None) -> str | None:
     or None. The file is written whole (by rename): damage is from outside."""
     if record is None:
         return "is not a JSON object"
+    # None: written before the status file had a version, in the same shape
+    if record.get("version", runfiles.STATUS_VERSION) != runfiles.STATUS_VERSION:
+        return "is of version %r, and this reads version %d (written by another release)" % (
+            record.get("version"), runfiles.STATUS_VERSION)
     if record.get("state") not in STATES:
         return "names no state the worker writes (state %r)" % (record.get("state"),)
     for key in INT_FIELDS:
@@ -276,7 +289,7 @@ def damage_of(record: dict[str, Any] | None) -> str | None:
 
 # A worker runs as `worker.py JOB`, or forked by the local backend's
 # spawner (then its command line is the spawner's).
-WORKER_SCRIPTS = ("worker.py", "_spawner.py")
+WORKER_SCRIPTS = ("worker.py", "spawner.py")
 
 
 def workers_of(run_dir: str) -> list[int]:
@@ -300,7 +313,7 @@ def workers_of(run_dir: str) -> list[int]:
     return found
 
 
-def ended(record: dict[str, Any]) -> bool:
+def ended(record: runfiles.StatusAnswer) -> bool:
     """Whether a status() says the run is over: finished, its worker gone
     without an end (lost), or its folder gone."""
     state = record.get("state")
@@ -410,7 +423,8 @@ def end_before_start(run_dir: str) -> bool:
         if read_status(run_dir) is not None:
             return False
         write_json_atomic(os.path.join(run_dir, STATUS_FILE), {
-            "state": "cancelled", "message": "cancelled before the command started",
+            "version": runfiles.STATUS_VERSION, "state": "cancelled",
+            "message": "cancelled before the command started",
             "exit_code": None, "started_at": None, "ended_at": now_iso()})
         return True
 
@@ -499,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     command, run_dir = args[0], args[1]
     if command == "follow" and len(args) >= 4:
         return follow(run_dir, int(args[2]), int(args[3]))
+    result: Mapping[str, Any]
     if command == "status":
         result = status(run_dir)
     elif command == "cancel":

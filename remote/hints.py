@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, Mapping
 
 # How much of the end of a failed run's log is read for the cause of a write
 # refused by the read-only sandbox: the error that ended a command is last.
@@ -47,7 +47,7 @@ def refused_writes(text: str, cwd: str) -> list[str] | None:
     return paths
 
 
-def log_tail(job: dict[str, Any]) -> str:
+def log_tail(job: Mapping[str, Any]) -> str:
     """The end of the run's log: the error that ended a command is last."""
     try:
         with open(job["log_file"], "rb") as log:
@@ -57,7 +57,7 @@ def log_tail(job: dict[str, Any]) -> str:
         return ""
 
 
-def left_out_hint(job: dict[str, Any], tail: str) -> str | None:
+def left_out_hint(job: Mapping[str, Any], tail: str) -> str | None:
     """For a failed run: the project entries its view left out (see
     project_view.py) that its log mentions, by path (absolute too: "can't
     open file '/.../x.py'"), name, or a module's or package's quoted name
@@ -79,7 +79,7 @@ def left_out_hint(job: dict[str, Any], tail: str) -> str | None:
             % (", ".join(named[:5]), "is" if one else "are", them, them))
 
 
-def erofs_hint(job: dict[str, Any], tail: str | None = None) -> str | None:
+def erofs_hint(job: Mapping[str, Any], tail: str | None = None) -> str | None:
     """For a failed sandboxed run: what the end of its log (`tail`) says the
     sandbox refused to write, and the fix; None when it names no EROFS."""
     paths = refused_writes(log_tail(job) if tail is None else tail, job["cwd"])
@@ -98,7 +98,7 @@ def erofs_hint(job: dict[str, Any], tail: str | None = None) -> str | None:
     return message + "; write under $TMPDIR"
 
 
-def unix_socket_hint(job: dict[str, Any], tail: str) -> str | None:
+def unix_socket_hint(job: Mapping[str, Any], tail: str) -> str | None:
     """For a failed run under network_isolation whose log ends with a
     refused socket: why (no Unix sockets there), and the ways around it."""
     if not job.get("network_isolation") or NO_UNIX_SOCKETS_TEXT not in tail:

@@ -32,7 +32,7 @@ import os
 import stat
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 VERSION = 1
 BUFFER_SIZE = 1 << 20
@@ -124,7 +124,7 @@ def kind_of(mode: int) -> str:
     return "special file"
 
 
-def check_outputs(outputs: List[str]) -> List[Tuple[str, bool]]:
+def check_outputs(outputs: Sequence[str]) -> List[Tuple[str, bool]]:
     """[(relative path without trailing slash, is folder output)], refusing
     absolute paths, empty, "." and ".." components, and overlaps."""
     if isinstance(outputs, str):
@@ -167,7 +167,7 @@ def _lstat_output(base: str, rel: str) -> Optional[os.stat_result]:
         return None
 
 
-def build_manifest(base: str | os.PathLike[str], outputs: List[str], cache: Optional[Cache] = None
+def build_manifest(base: str | os.PathLike[str], outputs: Sequence[str], cache: Optional[Cache] = None
                    ) -> Dict[str, Any]:
     """The manifest of `outputs` (project-relative POSIX paths, a trailing
     "/" marking a folder) under the folder `base`. Missing outputs are listed

@@ -287,7 +287,7 @@ def seccomp_fd(machine: str) -> int:
     return read_end
 
 
-def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev",
+def bwrap_argv(bwrap: str, job: Mapping[str, Any], staging: str, dev: str = "/dev",
                home: str | None = None, filter_fd: int | None = None) -> list[str]:
     """The bubblewrap prefix: system and project read-only, /tmp replaced by
     an empty private tmpfs, home (the "hide" folders) by an empty read-only
@@ -355,7 +355,7 @@ def bwrap_argv(bwrap: str, job: dict[str, Any], staging: str, dev: str = "/dev",
     return [*argv, "--chdir", job["cwd"], "--"]
 
 
-def task_home(job: dict[str, Any], environ: Mapping[str, str]) -> str:
+def task_home(job: Mapping[str, Any], environ: Mapping[str, str]) -> str:
     """Where the task's home is in the sandbox: at the path its $HOME names
     when that is a folder the job hides (the real home: then `~`, the
     user's passwd entry and paths written under the home agree), else at
@@ -368,7 +368,7 @@ def task_home(job: dict[str, Any], environ: Mapping[str, str]) -> str:
     return str(job["home_dir"])
 
 
-def home_settings(job: dict[str, Any], environ: Mapping[str, str]) -> dict[str, str]:
+def home_settings(job: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, str]:
     """$HOME and the variables of HOME_VARS, for a task in the sandbox."""
     home = task_home(job, environ)
     settings = {"HOME": home}
@@ -376,7 +376,7 @@ def home_settings(job: dict[str, Any], environ: Mapping[str, str]) -> dict[str, 
     return settings
 
 
-def make_home(job: dict[str, Any]) -> None:
+def make_home(job: Mapping[str, Any]) -> None:
     """The run's empty home folder, and the kept cache folders (made on
     their first run, then reused)."""
     remove_home(job)  # never a leftover: the home starts empty
@@ -385,7 +385,7 @@ def make_home(job: dict[str, Any]) -> None:
         os.makedirs(kept["kept"], mode=0o700, exist_ok=True)
 
 
-def remove_home(job: dict[str, Any]) -> None:
+def remove_home(job: Mapping[str, Any]) -> None:
     """Remove the run's home folder once nothing runs in it, also what the
     task made unwritable: its folders are made writable first (links are
     never followed, and the kept cache folders are not in it on the host:
@@ -404,7 +404,7 @@ def remove_home(job: dict[str, Any]) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def sandboxed_command(job: dict[str, Any], note: Callable[[str], None],
+def sandboxed_command(job: Mapping[str, Any], note: Callable[[str], None],
                       environ: Mapping[str, str]) -> tuple[list[str], str, str, list[int]]:
     """(argv, sandbox name, folder the outputs end up in, fds the argv
     names) for the job's `sandbox` setting; a setting this machine cannot

@@ -27,14 +27,22 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Mapping, cast
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # even under PYTHONSAFEPATH
-import control  # noqa: E402
-import gpus  # noqa: E402
-import hints  # noqa: E402
-import proctree  # noqa: E402
-import sandbox  # noqa: E402
+# Run as a script on a host, beside its siblings; imported as
+# substrax_tasks._remote.worker only by the project's own checks.
+PACKAGED = bool(__package__)
+if PACKAGED:
+    from . import control, gpus, hints, manifest, proctree, runfiles, sandbox
+else:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # even under PYTHONSAFEPATH
+    import control
+    import gpus
+    import hints
+    import manifest
+    import proctree
+    import runfiles
+    import sandbox
 
 POLL_SECONDS = 0.5  # only an upper bound: SIGCHLD and signals wake the loop
 SETTLE_SECONDS = 0.2  # how long a finished command's exiting helpers may take
@@ -47,7 +55,7 @@ PATH_FIELDS = ("cwd", "project", "staging", "home_dir", "status_file", "log_file
 PATH_LIST_FIELDS = ("hide", "extra_ro", "path_prepend")
 
 
-def task_environment(job: dict[str, Any], inherited: dict[str, str], secrets: dict[str, str],
+def task_environment(job: runfiles.Job, inherited: dict[str, str], secrets: dict[str, str],
                      ours: dict[str, str] | None = None) -> dict[str, str]:
     """The command's environment: plain settings passed through, `ours`
     (the sandbox's home, the GPUs the run holds), the step's env, its named
@@ -68,7 +76,7 @@ def task_environment(job: dict[str, Any], inherited: dict[str, str], secrets: di
 class Worker:
     """One run: claim its start, start the command, watch it, end it."""
 
-    def __init__(self, job: dict[str, Any], secrets: dict[str, str] | None = None) -> None:
+    def __init__(self, job: runfiles.Job, secrets: dict[str, str] | None = None) -> None:
         self.job = job
         self.run_dir = os.path.dirname(job["status_file"])
         self.secrets = secrets or {}  # values only in memory, never written
@@ -80,8 +88,8 @@ class Worker:
         self.child: subprocess.Popen[bytes] | None = None
         self.gpu_locks: list[int] = []  # open while the run lasts: they hold its GPUs
         self.gpu_env: dict[str, str] = {}
-        self.status: dict[str, Any] = {
-            "state": "starting", "worker_pid": os.getpid(),
+        self.status: runfiles.Status = {
+            "version": runfiles.STATUS_VERSION, "state": "starting", "worker_pid": os.getpid(),
             "worker_start_ticks": control.start_ticks(os.getpid()),
             "pid": None, "start_ticks": None, "exit_code": None, "signal": None,
             "started_at": None, "ended_at": None, "sandbox": None, "outputs_root": None, "message": None,
@@ -99,7 +107,7 @@ class Worker:
     def write_status(self, **changes: Any) -> None:
         """On a disk the command filled, the room kept (keep_room) is given
         back for it: the run's end is always recorded."""
-        self.status.update(changes)
+        self.status = cast(runfiles.Status, {**self.status, **changes})
         try:
             control.write_json_atomic(self.job["status_file"], self.status)
         except OSError as exc:
@@ -188,8 +196,9 @@ class Worker:
         if ready_fd is not None:  # the detached parent may return now
             os.write(ready_fd, b"started")
             os.close(ready_fd)
-        if started:
-            self.watch(self.status["pid"], self.status["outputs_root"])
+        pid, outputs_root = self.status.get("pid"), self.status.get("outputs_root")
+        if started and pid is not None and outputs_root is not None:  # start_command recorded both
+            self.watch(pid, outputs_root)
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.run_dir, RESERVE_FILE))
         os.close(self.log_fd)
@@ -309,8 +318,6 @@ class Worker:
         fetch verifies its copy against it (the bucket transport fetches its
         `manifest_copy` with the outputs)."""
         try:
-            import manifest  # the stdlib-only manifest.py shipped beside this file
-
             outputs = [o["path"] + ("/" if o["kind"] == "dir" else "") for o in self.job["outputs"]]
             taken = manifest.build_manifest(outputs_root, outputs)
             control.write_json_atomic(os.path.join(self.run_dir, "manifest.json"), taken)
@@ -341,10 +348,10 @@ def disk_full(path: str) -> bool:
     return found.f_bavail * found.f_frsize < RESERVE_BYTES
 
 
-def absolute_paths(job: dict[str, Any], base: str) -> dict[str, Any]:
+def absolute_paths(raw: Mapping[str, Any], base: str) -> runfiles.Job:
     """A job written before its machine's home folder was known (SkyPilot)
     names its folders relative to where the worker starts: resolve them."""
-    job = dict(job)
+    job = dict(raw)
     for key in PATH_FIELDS:
         if job.get(key):
             job[key] = os.path.normpath(os.path.join(base, job[key]))
@@ -354,12 +361,37 @@ def absolute_paths(job: dict[str, Any], base: str) -> dict[str, Any]:
     if job.get("cache_dirs"):
         job["cache_dirs"] = [{**kept, "kept": os.path.normpath(os.path.join(base, kept["kept"]))}
                              for kept in job["cache_dirs"]]
-    return job
+    return cast(runfiles.Job, job)
 
 
-def detach(job: dict[str, Any], secrets: dict[str, str]) -> int:
+def refused(job: Mapping[str, Any]) -> bool:
+    """Refuse a job of another version (runfiles.job_refusal), saying why
+    where the client looks: in the run's status (failed) and log, and on
+    stderr. A status already there (another worker's run) is left alone."""
+    reason = runfiles.job_refusal(job)
+    if reason is None:
+        return False
+    sys.stderr.write("substrax-worker: %s\n" % reason)
+    log_file, status_file = job.get("log_file"), job.get("status_file")
+    if isinstance(log_file, str):
+        with contextlib.suppress(OSError), open(log_file, "a") as log:
+            log.write("[substrax-worker %s] %s\n" % (control.now_iso(), reason))
+    if isinstance(status_file, str) and os.path.isdir(os.path.dirname(status_file)):
+        with control.start_lock(os.path.dirname(status_file)):
+            if control.read_json(status_file) is None:
+                now = control.now_iso()
+                ended: runfiles.Status = {"version": runfiles.STATUS_VERSION, "state": "failed",
+                                          "message": reason, "exit_code": None, "started_at": now,
+                                          "ended_at": now}
+                control.write_json_atomic(status_file, ended)
+    return True
+
+
+def detach(job: runfiles.Job, secrets: dict[str, str]) -> int:
     """Start a worker as a daemon; return once it has written its first
     status, so the caller learns at once whether the command started."""
+    if refused(job):
+        return 1
     answer = control.daemon(lambda ready: Worker(job, secrets).run(ready_fd=ready))
     return {b"started": 0, b"busy": BUSY}.get(answer, 1)
 
@@ -377,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         job = absolute_paths(json.load(f), os.getcwd())
     if "--detach" in args:
         return detach(job, secrets)
+    if refused(job):
+        return 1
     code = Worker(job, secrets).run()
     # --exit-status: exit 0 only if the command succeeded, so a runner that
     # reads exit codes (SkyPilot's job status) sees the run's outcome.

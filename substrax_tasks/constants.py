@@ -1,5 +1,5 @@
 """Names the whole package agrees on: the configuration table, the
-environment variables it reads, the lock files of an environment.
+environment variables it reads, what an environment's lock file needs.
 A leaf: it imports nothing, so any layer may read it without importing the
 layer that uses the name most (configuration, the key, the backends)."""
 
@@ -9,10 +9,9 @@ BACKEND_ENV = "SUBSTRAX_BACKEND"  # names the default backend
 # A TOML file whose [tool.substrax.compute] is laid over the project's: for
 # machine-specific settings (hosts, keys) kept out of the repository.
 CONFIG_ENV = "SUBSTRAX_CONFIG"
-# The lock files a backend builds the run's environment from, first found
-# wins; part of every step's key, so known without importing a backend.
-ENV_LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")
-# What a lock is read with: `uv sync --frozen` reads uv.lock only beside the
-# project's pyproject.toml, so a run's view holds it too, and the key covers it.
+# The lock files themselves are remote/env.py's LOCK_FILES (that recipe
+# builds the environment on every machine). What a lock is read with:
+# `uv sync --frozen` reads uv.lock only beside the project's pyproject.toml,
+# so a run's view holds it too, and the key covers it.
 LOCK_COMPANIONS = {"uv.lock": ("pyproject.toml",)}
 CACHE_FOLDER = "substrax"  # the private folder of the cached resolutions

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
+from substrax_tasks._remote import control
 from substrax_tasks.backends.job import STATUS_FILE
-from substrax_tasks.backends.scripts import control
 from substrax_tasks.config.pyproject import cache_file
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.handle import RunHandle
@@ -93,7 +93,7 @@ def marked_pids(marker: str) -> list[int]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if needle in cmdline and control().start_ticks(int(entry)) is not None:
+        if needle in cmdline and control.start_ticks(int(entry)) is not None:
             found.append(int(entry))
     return found
 
@@ -123,13 +123,13 @@ def stop_worker(status_file: Path) -> None:
     except (OSError, ValueError):
         return
     pid, ticks = record.get("worker_pid"), record.get("worker_start_ticks")
-    if not control().alive(pid, ticks):
+    if not control.alive(pid, ticks):
         return
     kill_pid(pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
-    while control().alive(pid, ticks) and time.monotonic() < deadline:
+    while control.alive(pid, ticks) and time.monotonic() < deadline:
         time.sleep(0.02)
-    if control().alive(pid, ticks):
+    if control.alive(pid, ticks):
         kill_pid(pid)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from conftest import marked_pids
 
-from substrax_tasks.backends.scripts import control
+from substrax_tasks._remote import control
 
 BIN = Path(sys.executable).parent
 DOIT = BIN / "doit"
@@ -251,7 +251,7 @@ def wait_for(condition: Callable[[], object], what: str, timeout: float = WAIT) 
 
 def pid_alive(pid: int) -> bool:
     """Alive and not a zombie."""
-    return control().start_ticks(pid) is not None
+    return control.start_ticks(pid) is not None
 
 
 def pids_with(marker: str) -> list[int]:

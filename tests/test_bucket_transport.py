@@ -20,6 +20,7 @@ import pytest
 from conftest import on_a_terminal
 from s3_server import S3Server
 
+from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.errors import BackendError
 from substrax_tasks.transports.base import MAX_MANIFEST_BYTES
 from substrax_tasks.transports.bucket import BucketTransport
@@ -204,7 +205,7 @@ def test_a_manifest_that_lists_a_special_file_is_refused_before_anything_is_fetc
     run, manifest = finished_run(s3_env, tmp_path)
     odd = {"path": "reports/odd", "type": kind, "size": 0, "mode": 0o666, "sha256": None, "target": None}
     manifest["entries"] = sorted([*manifest["entries"], odd], key=lambda e: e["path"])
-    manifest["digest"] = manifest_cache.manifest_module().entries_digest(manifest["entries"])
+    manifest["digest"] = remote_manifest.entries_digest(manifest["entries"])
     write_object(s3_env, f"{run}/outputs/reports/odd", b"")
     write_object(s3_env, f"{run}/manifest.json", json.dumps(manifest).encode())
     staging = tmp_path / "fetched"

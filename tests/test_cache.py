@@ -512,7 +512,7 @@ def _make_entry_privileged(entry_file: Path, objects: Path) -> None:
     """Rewrite an entry as a writer of the store could: its manifest gives
     setuid, sticky and world-writable modes (its digest taken again, so the
     entry is whole), and its objects get them too."""
-    from substrax_tasks.uptodate.manifests import manifest_module
+    from substrax_tasks._remote import manifest as remote_manifest
 
     entry = json.loads(entry_file.read_text())
     manifest = entry["manifest"]
@@ -520,7 +520,7 @@ def _make_entry_privileged(entry_file: Path, objects: Path) -> None:
         item["mode"] = PRIVILEGED.get(item["path"], item["mode"])
         if item["type"] == "file":
             (objects / item["sha256"][:2] / item["sha256"]).chmod(0o6755)
-    manifest["digest"] = manifest_module().entries_digest(manifest["entries"])
+    manifest["digest"] = remote_manifest.entries_digest(manifest["entries"])
     entry_file.write_text(json.dumps(entry))
 
 

@@ -31,7 +31,7 @@ from dodo_helpers import (
 from ssh_helpers import build_wheel, make_ssh_project, needs_root, needs_sshd, one_step, write_ssh_dodo
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks.backends.scripts import remote_module
+from substrax_tasks._remote import hints
 
 WHEELS = 'pip_args = ["--no-index", "--find-links", "wheels"]\n'
 WRITE_V = "import sys, sxtiny; open('out/v.txt', 'w').write(sxtiny.VALUE + ' ' + sys.prefix)"
@@ -141,7 +141,6 @@ VIEW = "data/in.txt data/more/deep.txt src/main.py"
 
 @pytest.mark.unit
 def test_a_failure_names_the_left_out_entries_its_log_mentions_only() -> None:
-    hints = remote_module("hints")
     job = {"left_out": ["helper.py", "data", "notes.txt", "pkg/util.py"]}
     tail = (
         "ModuleNotFoundError: No module named 'helper'\n"

@@ -40,9 +40,7 @@ from ssh_helpers import SANDBOX, make_ssh_project, needs_root, needs_sshd
 from test_sandbox_gpu import CUDA_QUERY, free_gid, make_dev_script, nvidia_smi_gpus
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks.backends.scripts import remote_module
-
-gpus = remote_module("gpus")
+from substrax_tasks._remote import gpus
 
 FAKE_SMI = """#!/bin/sh
 [ "$1" = "-L" ] || exit 2

@@ -47,8 +47,8 @@ from dodo_helpers import (
 )
 from lost_tree import kill_recorded, kill_worker, overlap, status_of, step_argv, wait_tree_up, write_command
 
+from substrax_tasks._remote import control
 from substrax_tasks.backends.local import backend as local_backend
-from substrax_tasks.backends.scripts import control, remote_module
 from substrax_tasks.errors import BackendError
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.handle import RunHandle
@@ -228,7 +228,7 @@ def test_signal_to_worker_finishes_cleanup_before_it_exits(
     record = status_record(project, handle)
     worker, ticks = record["worker_pid"], record["worker_start_ticks"]
     os.kill(worker, sig)
-    wait_for(lambda: not control().alive(worker, ticks), f"the worker to exit after {sig.name}")
+    wait_for(lambda: not control.alive(worker, ticks), f"the worker to exit after {sig.name}")
     # Gone only after the tree was stopped and the final status written.
     record = status_record(project, handle)
     assert record["state"] == "cancelled"
@@ -420,7 +420,7 @@ def test_the_lifetime_timer_stops_what_a_killed_worker_left_and_removes_its_cgro
         record = status_record(project, handle)
         kill_worker(record)
         assert all(pid_alive(pid) for pid in old)
-        fired = remote_module("control").watchdog(str(run_dir(project, handle)), 0)
+        fired = control.watchdog(str(run_dir(project, handle)), 0)
         assert fired == {"fired": True}
         assert not [pid for pid in old if pid_alive(pid)]
         assert not run_dir(project, handle).exists()
@@ -436,18 +436,18 @@ def test_a_process_with_a_runs_mark_that_is_older_than_its_worker_is_never_taken
     """The mark alone proves nothing about a process started before the
     run's worker (its pid may have been reused): it is neither found nor
     signalled; started no earlier than the worker, it is the run's."""
-    ctl = remote_module("control")
     mark = uuid.uuid4().hex
-    env = {**os.environ, ctl.RUN_MARK: mark}
+    env = {**os.environ, control.RUN_MARK: mark}
     older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker], env=env)
     try:
-        wait_for(lambda: ctl.start_ticks(older.pid) is not None, "the process to start")
-        ticks = ctl.start_ticks(older.pid)
+        wait_for(lambda: control.start_ticks(older.pid) is not None, "the process to start")
+        ticks = control.start_ticks(older.pid)
+        assert ticks is not None
         later_worker = {"state": "running", "mark": mark, "worker_start_ticks": ticks + 1}
-        assert ctl.leftovers(later_worker) == []
-        assert ctl.stop_leftovers(later_worker, 1.0) == []
+        assert control.leftovers(later_worker) == []
+        assert control.stop_leftovers(later_worker, 1.0) == []
         assert older.poll() is None
-        assert ctl.leftovers({**later_worker, "worker_start_ticks": ticks}) == [older.pid]
+        assert control.leftovers({**later_worker, "worker_start_ticks": ticks}) == [older.pid]
     finally:
         older.kill()
         older.wait(timeout=30)

@@ -16,13 +16,13 @@ from typing import Any, cast
 
 import pytest
 
+from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.backends.scripts import remote_script
 from substrax_tasks.uptodate.manifests import (
     HashCache,
     ManifestError,
     build_manifest,
     diff_manifests,
-    manifest_module,
     outputs_match,
     verify_outputs,
 )
@@ -47,7 +47,7 @@ def short_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
     """A racy window of 50 ms, here and in the scripts these tests start:
     a ctime cannot be set into the past, so a test waits the window out
     (`age`) instead of 2 s. Tests of the racy rule itself set their own."""
-    monkeypatch.setattr(manifest_module(), "RACY_SECONDS", 0.05)
+    monkeypatch.setattr(remote_manifest, "RACY_SECONDS", 0.05)
     monkeypatch.setenv("SUBSTRAX_RACY_SECONDS", "0.05")
 
 
@@ -266,7 +266,7 @@ def test_bad_output_paths_are_refused(project: Path, outputs: list[str], message
 @pytest.mark.unit
 def test_outputs_must_be_a_list_not_a_string(project: Path) -> None:
     with pytest.raises(ManifestError, match="not the string"):
-        manifest_module().build_manifest(project, "out/")
+        remote_manifest.build_manifest(project, "out/")
     with pytest.raises(ManifestError, match="not the string"):
         build_manifest(project, "out/")
     assert not outputs_match(project, "out/", "0" * 64, project / "cache.json")  # refused: no match
@@ -599,12 +599,10 @@ print(json.dumps({"a": a, "c": c}))
 
 
 @pytest.mark.unit
-def test_module_is_loaded_once_from_remote_script() -> None:
-    mod = manifest_module()
-    assert mod is manifest_module()
-    assert sys.modules["substrax_remote_manifest"] is mod
-    assert Path(sys.modules["substrax_remote_manifest"].__file__ or "") == remote_script("manifest.py")
-    assert ManifestError is mod.ManifestError
+def test_this_side_imports_the_very_file_shipped_to_hosts() -> None:
+    assert sys.modules["substrax_tasks._remote.manifest"] is remote_manifest
+    assert Path(remote_manifest.__file__ or "").resolve() == remote_script("manifest.py").resolve()
+    assert ManifestError is remote_manifest.ManifestError
 
 
 @pytest.mark.unit
@@ -708,7 +706,7 @@ def test_verify_outputs_notices_a_damaged_digest(project: Path, tmp_path: Path) 
 def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
     """Trust timestamps of files written a moment ago (tests write and
     check within milliseconds; the real window is RACY_SECONDS)."""
-    monkeypatch.setattr(manifest_module(), "RACY_SECONDS", 0)
+    monkeypatch.setattr(remote_manifest, "RACY_SECONDS", 0)
 
 
 @pytest.mark.usefixtures("no_racy_window")
@@ -725,7 +723,7 @@ def test_outputs_match_of_an_untouched_tree_reads_no_file(
     def boom(*args: object, **kwargs: object) -> str:
         raise AssertionError("a file was read although nothing changed")
 
-    monkeypatch.setattr(cast(Any, manifest_module()), "hash_file", boom)
+    monkeypatch.setattr(cast(Any, remote_manifest), "hash_file", boom)
     assert outputs_match(project, outputs, digest, cache_file)
     assert not outputs_match(project, outputs, "0" * 64, cache_file)
 
@@ -791,7 +789,7 @@ def test_promoted_files_match_their_staged_manifest(tmp_path: Path) -> None:
 def test_the_digest_is_of_the_whole_canonical_json_taken_in_chunks(count: int) -> None:
     """A manifest's digest is the sha256 of its entries' canonical JSON,
     whatever the chunk boundaries (paths with quotes and non-ASCII text)."""
-    mod = manifest_module()
+    mod = remote_manifest
     entries = [
         {"path": f'out/é{i}"x', "type": "file", "size": i, "mode": 0o644, "sha256": sha(b"%d" % i),
          "target": None}
@@ -807,7 +805,7 @@ def test_the_digest_of_20000_entries_holds_no_copy_of_their_json() -> None:
     entries were alive; in chunks it holds a few hundred KB."""
     import tracemalloc
 
-    mod = manifest_module()
+    mod = remote_manifest
     entries = [
         {"path": f"out/d{i % 20:03d}/f{i:06d}", "type": "file", "size": 4000 + i % 96, "mode": 0o644,
          "sha256": sha(b"%d" % i), "target": None}

@@ -1,6 +1,8 @@
 """The wheel carries remote/ as substrax_tasks/_remote, and SkyPilot's SDK
 helper in the SkyPilot backend's package: an installed, non-editable package
-runs its worker and its helper without the source checkout."""
+runs its worker and its helper without the source checkout, and imports the
+scripts by that namespaced name only (nothing named plain `remote` is
+installed)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ BUILD_SECONDS = 300  # building and installing fetch packages through pip
 
 # Runs in the installed venv, from a folder outside the checkout.
 SUBMIT_SCRIPT = """
-import json, sys, time
+import importlib.util, json, sys, time
 from pathlib import Path
 import substrax_tasks
+from substrax_tasks._remote import control
 from substrax_tasks.backends.scripts import remote_script
 from substrax_tasks.backends.skypilot.client import SKY_SDK_SCRIPT
 from substrax_tasks.store.project import Project
@@ -37,6 +40,8 @@ status = project.backend_for(handle).wait(handle)
 print(json.dumps({
     "package": substrax_tasks.__file__,
     "worker": str(remote_script("worker.py")),
+    "control": control.__file__,
+    "plain_remote": importlib.util.find_spec("remote") is not None,
     "sky_helper": str(SKY_SDK_SCRIPT),
     "state": status.state,
     "log": project.backend_for(handle).read_log(handle, 0).decode(),
@@ -95,6 +100,9 @@ def test_installed_wheel_runs_its_worker(tmp_path: Path) -> None:
     assert Path(report["package"]).is_relative_to(site), report["package"]  # not the checkout
     assert Path(report["worker"]).is_relative_to(site), report["worker"]
     assert Path(report["worker"]).parent.name == "_remote"
+    assert Path(report["control"]) == Path(report["worker"]).with_name("control.py")
+    assert not report["plain_remote"]
+    assert not (own_site / "remote").exists()
     assert Path(report["sky_helper"]).is_relative_to(site), report["sky_helper"]
     # the installed helper answers, with the fake SkyPilot as its `sky`
     home = tmp_path / "home"

@@ -28,7 +28,7 @@ from ssh_helpers import (
 )
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks.uptodate import manifests as manifest_cache
+from substrax_tasks._remote import manifest as remote_manifest
 
 pytestmark = [needs_sshd, needs_root]
 
@@ -41,7 +41,7 @@ def alter(manifest: Path, how: str) -> None:
     (entry,) = [e for e in data["entries"] if e["path"] == "out.txt"]
     entry["sha256"] = "0" * 64
     if how == "rewritten":
-        data["digest"] = manifest_cache.manifest_module().entries_digest(data["entries"])
+        data["digest"] = remote_manifest.entries_digest(data["entries"])
     manifest.write_text(json.dumps(data))
 
 

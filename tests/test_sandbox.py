@@ -16,7 +16,6 @@ import struct
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import (
@@ -33,18 +32,16 @@ from conftest import (
 )
 from dodo_helpers import doit, doit_ok, make_project, show, write_pyproject
 
+from substrax_tasks._remote import runfiles, sandbox
 from substrax_tasks.backends.job import WorkerPaths, build_job
-from substrax_tasks.backends.scripts import remote_module
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.project import Project
-
-sandbox = remote_module("sandbox")
 
 # ------------------------------------------------- the argv, without bubblewrap
 
 
 def job_for(project: Path, outputs: Sequence[str], *, network_isolation: bool = False,
-            hide: Sequence[str] = (), extra_ro: Sequence[str] = ()) -> dict[str, Any]:
+            hide: Sequence[str] = (), extra_ro: Sequence[str] = ()) -> runfiles.Job:
     """A job file's content, made by the code the backends use."""
     spec = make_spec("step", ["true"], project, outputs=outputs)
     paths = WorkerPaths(project=str(project), run_dir=str(project / ".substrax" / "runs" / "r1"))

@@ -29,10 +29,9 @@ from conftest import log_text, needs_bwrap, submit, wait_final
 from test_sandbox import job_for
 from test_sandbox_escape import SYSTEM_PYTHON, Bed, free_uid
 
-from substrax_tasks.backends.scripts import remote_module
+from substrax_tasks._remote import sandbox
 from substrax_tasks.store.project import Project
 
-sandbox = remote_module("sandbox")
 pytestmark = needs_bwrap
 
 # What `--dev /dev` gives every task, GPU or not.

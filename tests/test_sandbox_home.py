@@ -31,15 +31,12 @@ from test_sandbox import job_for
 from test_sandbox_escape import Bed, bed  # noqa: F401 - bed: a fixture
 from testbeds.sshd_host import SshHost
 
+from substrax_tasks._remote import hints, sandbox
 from substrax_tasks.backends.job import WorkerPaths, build_job
-from substrax_tasks.backends.scripts import remote_module
 from substrax_tasks.config.settings import validate
 from substrax_tasks.errors import ConfigError
 from substrax_tasks.step.spec import canonical_digest, make_spec, settings_in_key
 from substrax_tasks.store.project import Project
-
-sandbox = remote_module("sandbox")
-hints = remote_module("hints")
 
 # ------------------------------------------------- without bubblewrap
 
@@ -107,6 +104,7 @@ PROJECT = "/work/proj"
 )  # fmt: skip
 def test_refused_writes_reads_the_path_of_common_erofs_messages(line: str, paths: list[str]) -> None:
     found = hints.refused_writes("a line before\n" + line + "\n", PROJECT)
+    assert found is not None
     assert [p[len(PROJECT) + 1 :] if p.startswith(PROJECT + "/") else p for p in found] == paths
     assert hints.refused_writes("no such error here\n", PROJECT) is None
 

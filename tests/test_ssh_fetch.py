@@ -25,6 +25,8 @@ from dodo_helpers import compute, doit_ok, show, step_ran, unsafe_modes
 from ssh_helpers import make_ssh_project, needs_root, needs_sshd, one_step, remote_run_dir
 from testbeds.sshd_host import SshHost
 
+from substrax_tasks._remote import manifest as remote_manifest
+from substrax_tasks._remote import runfiles
 from substrax_tasks.backends import base
 from substrax_tasks.backends import remote_run as _remote_run
 from substrax_tasks.backends.base import Fetched
@@ -166,7 +168,7 @@ def test_the_status_is_not_asked_again_once_the_run_was_seen_to_end(
     asked: list[str] = []
     original = RemoteRun.status
 
-    def counting(run: RemoteRun) -> dict[str, Any]:
+    def counting(run: RemoteRun) -> runfiles.StatusAnswer:
         asked.append(run.run_dir)
         return original(run)
 
@@ -244,7 +246,7 @@ def test_a_manifest_that_lists_a_device_is_refused_before_anything_is_copied(
         "target": None,
     }
     manifest["entries"] = sorted([*manifest["entries"], node], key=lambda e: e["path"])
-    manifest["digest"] = manifest_cache.manifest_module().entries_digest(manifest["entries"])
+    manifest["digest"] = remote_manifest.entries_digest(manifest["entries"])
     worker_manifest(handle).write_text(json.dumps(manifest))
     with pytest.raises(
         BackendError, match=r"lists 'out/node' as a 'char device': outputs are files, folders"

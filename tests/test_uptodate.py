@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.run_store import RunStore
 from substrax_tasks.uptodate import check as uptodate
@@ -30,7 +31,7 @@ RACY = 0.05
 
 @pytest.fixture(autouse=True)
 def short_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manifest_cache.manifest_module(), "RACY_SECONDS", RACY)
+    monkeypatch.setattr(remote_manifest, "RACY_SECONDS", RACY)
 
 
 def make_step(
@@ -308,12 +309,12 @@ def test_a_kept_proof_answers_first_and_moves_with_any_change(
 ) -> None:
     kept = proof_file(root / ".state" / "cache" / "up-to-date.json")
     # files younger than the racy window: up to date, and no proof kept
-    monkeypatch.setattr(manifest_cache.manifest_module(), "RACY_SECONDS", 3600)
+    monkeypatch.setattr(remote_manifest, "RACY_SECONDS", 3600)
     step = make_step(root)
     verified(root, step)
     assert uptodate.status(step, None).up_to_date
     assert not kept.holds("fit", uptodate.proof(step)[0])  # type: ignore[index]
-    monkeypatch.setattr(manifest_cache.manifest_module(), "RACY_SECONDS", RACY)
+    monkeypatch.setattr(remote_manifest, "RACY_SECONDS", RACY)
     time.sleep(RACY + 0.02)
     assert uptodate.status(step, None).up_to_date
     now = uptodate.proof(step)

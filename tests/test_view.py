@@ -35,7 +35,7 @@ from dodo_helpers import (
     write_pyproject,
 )
 
-from substrax_tasks.backends.scripts import remote_module
+from substrax_tasks._remote import hints
 from substrax_tasks.errors import SpecError
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.step.view import check_command_in_view, project_view
@@ -261,7 +261,6 @@ def test_the_command_check_names_an_undeclared_project_path(
 
 @pytest.mark.unit
 def test_a_failure_hint_names_a_module_a_package_folder_and_a_script_left_out() -> None:
-    hints = remote_module("hints")
     job = {"left_out": ["helper.py", "mypkg", "tools/x.py", "notes.txt"]}
     assert hints.left_out_hint(job, "ModuleNotFoundError: No module named 'mypkg'\n") == (
         "the run sees the step's declared inputs only, and mypkg is not declared; declare it in inputs=[...] "

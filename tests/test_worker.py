@@ -29,7 +29,10 @@ from conftest import (
     wait_for,
 )
 
+from substrax_tasks._remote import control, runfiles
 from substrax_tasks.backends.job import WorkerPaths, build_job
+from substrax_tasks.backends.remote_run import script_digests
+from substrax_tasks.backends.scripts import REMOTE_SCRIPTS
 from substrax_tasks.step.spec import make_spec
 
 
@@ -61,7 +64,7 @@ class Job:
         self.run_dir = tmp_path / "run"
         paths = WorkerPaths(project=str(self.project), run_dir=str(self.run_dir))
         spec = make_spec("job", list(argv), self.project, outputs=outputs, timeout=timeout)
-        self.data: dict[str, Any] = build_job(
+        self.data: runfiles.Job = build_job(
             spec, paths, sandbox=sandbox, network_isolation=False, grace_seconds=GRACE, hide=list(hide)
         )
         self.run_dir.mkdir(parents=True)
@@ -116,6 +119,61 @@ def test_worker_runs_command_and_writes_status(tmp_path: Path, worker_python: st
     assert "to-stderr" in log
     assert not list(job.run_dir.glob("*.tmp"))  # atomic writes leave no temp file
     assert job.status_file.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("detach", [False, True], ids=["attached", "detached"])
+def test_a_job_of_another_version_is_refused_by_name_and_nothing_runs(
+    tmp_path: Path, worker_python: str, detach: bool
+) -> None:
+    """A worker on a host given a job written by another release of the
+    client (here: a newer one) runs nothing, and says why where the client
+    looks: the run's status (failed), its log, and stderr."""
+    job = Job(tmp_path, ["sh", "-c", "touch ran"])
+    newer = runfiles.JOB_VERSION + 1
+    job.data["version"] = newer
+    job.path.write_text(json.dumps(job.data))
+    argv = [worker_python, str(WORKER), str(job.path), *(["--detach"] if detach else [])]
+    done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=WAIT,
+                          check=False)  # fmt: skip
+    said = f"job version {newer}, this worker reads {runfiles.JOB_VERSION}: "
+    assert done.returncode == 1, done.stderr
+    assert said in done.stderr
+    status = job.status()
+    assert status["state"] == "failed"
+    assert said in status["message"]
+    assert status["version"] == runfiles.STATUS_VERSION
+    assert said in job.log()
+    assert not (job.project / "ran").exists()
+
+
+def test_the_status_a_worker_writes_has_every_field_of_its_definition(tmp_path: Path) -> None:
+    """remote/runfiles.py's Status is what the worker writes, not a copy
+    of it that could drift: every field it has is declared there."""
+    job = Job(tmp_path, ["true"], outputs=[])
+    assert finish(job.start(sys.executable)) == 0
+    status = job.status()
+    assert status["version"] == runfiles.STATUS_VERSION
+    declared = set(runfiles.Status.__annotations__) | set(runfiles.StatusAnswer.__annotations__)
+    assert set(status) <= declared, set(status) - declared
+    assert set(job.data) <= set(runfiles.Job.__annotations__)
+
+
+def test_a_status_file_of_another_version_reads_as_damaged_naming_both_versions(tmp_path: Path) -> None:
+    job = Job(tmp_path, ["true"])
+    job.status_file.write_text(json.dumps({"version": runfiles.STATUS_VERSION + 1, "state": "succeeded"}))
+    answer = control.status(str(job.run_dir))
+    assert answer["state"] is None
+    said = f"is of version {runfiles.STATUS_VERSION + 1}, and this reads version {runfiles.STATUS_VERSION}"
+    assert said in (answer.get("damaged") or "")
+
+
+def test_every_module_of_remote_is_shipped_and_checked() -> None:
+    """A host gets (and CHECKED_RUN checks) every remote/*.py, runfiles.py
+    among them: the worker imports it, so a list that missed it would
+    break every run there."""
+    assert set(REMOTE_SCRIPTS) == {p.name for p in WORKER.parent.glob("*.py")}
+    assert {"worker.py", "control.py", "runfiles.py"} <= set(REMOTE_SCRIPTS)
+    assert set(script_digests()) == set(REMOTE_SCRIPTS)
 
 
 def test_worker_task_runs_in_its_own_session(tmp_path: Path, worker_python: str) -> None:

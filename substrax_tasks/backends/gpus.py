@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from substrax_tasks._remote import runfiles
 from substrax_tasks.errors import StartLater, SubstraxError
 from substrax_tasks.step.spec import StepSpec
 
@@ -40,7 +41,7 @@ def requested(spec: StepSpec) -> int | None:
 
 def job_gpus(
     spec: StepSpec, hide_unasked: bool, host: Callable[[], dict[str, Any]], lock_dir: str, where: str
-) -> dict[str, Any] | None:
+) -> runfiles.JobGpus | None:
     """The job's `gpus` entry; None leaves the task's GPUs as they are. A
     step asking for more GPUs than `host()` finds fails here, naming them."""
     count = requested(spec)
@@ -63,7 +64,7 @@ def job_gpus(
     return {"count": count, "kind": found["kind"], "ids": [d["id"] for d in devices], "lock_dir": lock_dir}
 
 
-def busy(gpus: dict[str, Any], where: str) -> StartLater:
+def busy(gpus: runfiles.JobGpus, where: str) -> StartLater:
     """What a run is told while the GPUs it asks for are held by others."""
     return StartLater(
         f"{gpus['count']} of the {len(gpus['ids'])} GPU(s) of {where} must be free to start, "

@@ -1,7 +1,8 @@
 """The job file `remote/worker.py` reads, and how its status file reads back.
 
 Shared by every backend that runs the worker (local, ssh, skypilot): they
-differ only in where the folders are and how the files travel.
+differ only in where the folders are and how the files travel. Both files
+are defined once, in remote/runfiles.py, which the worker imports too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+from substrax_tasks._remote import runfiles
 from substrax_tasks.console import emit
 from substrax_tasks.errors import HandleError
 from substrax_tasks.step.spec import StepSpec
@@ -73,8 +75,8 @@ def build_job(
     project_hidden: Sequence[str] = (),
     project_shown: Sequence[str] | None = None,
     left_out: Sequence[str] = (),
-    gpus: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    gpus: runfiles.JobGpus | None = None,
+) -> runfiles.Job:
     """The job; `env_dir`: the environment built from the project's lock
     file, first on the task's PATH and readable in the sandbox;
     `project_hidden`: project paths the sandbox hides (a local run sees
@@ -85,11 +87,12 @@ def build_job(
     `cache_dirs` (validated "~/..." folders of the sandbox's home) are kept
     across runs under `cache_root`, at the same paths below it; `gpus`:
     what the worker takes and shows the task (_gpus.job_gpus)."""
-    job: dict[str, Any] = {
+    job: runfiles.Job = {
+        "version": runfiles.JOB_VERSION,
         "argv": list(spec.command),
         "cwd": paths.project,
         "project": paths.project,
-        "outputs": spec.output_entries(),
+        "outputs": [runfiles.Output(path=o["path"], kind=o["kind"]) for o in spec.output_entries()],
         "staging": paths.staging,
         "status_file": paths.status,
         "log_file": paths.log,
@@ -134,7 +137,7 @@ def env_dir_of(step: str, answer: dict[str, Any]) -> str | None:
     return str(answer["env_dir"])
 
 
-def damaged_status(record: dict[str, Any], host: str | None = None) -> RunStatus:
+def damaged_status(record: runfiles.StatusAnswer, host: str | None = None) -> RunStatus:
     """A run whose status file is damaged (control.py's `status` said so):
     lost when no worker of it is going, so its step is launched again;
     while one is, a HandleError naming it, since the run's state cannot be
@@ -153,7 +156,7 @@ def damaged_status(record: dict[str, Any], host: str | None = None) -> RunStatus
     )
 
 
-def status_from_record(record: dict[str, Any] | None, worker_alive: bool) -> RunStatus:
+def status_from_record(record: runfiles.StatusAnswer | None, worker_alive: bool) -> RunStatus:
     """Read the worker's status file. A `running` record whose worker is
     gone means the worker was killed before it could say how things ended."""
     from substrax_tasks.backends.base import RunStatus  # pydantic: kept off a no-op doit's path

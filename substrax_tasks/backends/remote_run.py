@@ -29,8 +29,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, cast
 
+from substrax_tasks._remote import runfiles
 from substrax_tasks.backends.base import MAX_LOG_BYTES, Backend, Fetched, RunStatus, log_cut_note
 from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
 from substrax_tasks.errors import BackendError, HostRefused
@@ -234,7 +235,7 @@ class RemoteRun:
             raise BackendError(f"{what}: unexpected answer {data!r}")
         return data
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> runfiles.StatusAnswer:
         """The run's status record; `exists` False once its folder is gone,
         even with the scripts gone too (the host restarted with an empty
         scratch disk, or its whole remote root was removed)."""
@@ -251,7 +252,8 @@ class RemoteRun:
                 return {"state": None, "exists": False}
             self.refuse_damaged(result)
             raise result.failure(what, self.remote.host)
-        return self.answer(result, what)
+        # control.py's `status` answer, checked there (damage_of) as on any backend
+        return cast("runfiles.StatusAnswer", self.answer(result, what))
 
     def follow_argv(self, offset: int, limit: int) -> list[str]:
         """remote/control.py's follower: the log from `offset` until the run

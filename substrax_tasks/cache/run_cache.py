@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks import __version__
+from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.atomic import write_bytes_atomic, write_json_atomic
 from substrax_tasks.backends.base import Fetched
 from substrax_tasks.cache.storage import (
@@ -265,7 +266,7 @@ class RunCache:
         if not store.writable:
             return
         drop_entry(store, key)
-        hash_file, buffer = manifest_cache.manifest_module().hash_file, memoryview(bytearray(BUFFER))
+        hash_file, buffer = remote_manifest.hash_file, memoryview(bytearray(BUFFER))
         for item in _files(manifest) if manifest else []:  # empty: the entry was not whole
             copy = f"{staging}/{item['path']}"
             try:

@@ -43,9 +43,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.atomic import write_bytes_atomic
 from substrax_tasks.errors import BackendError
-from substrax_tasks.uptodate.manifests import CacheEntries, HashCache, manifest_module
+from substrax_tasks.uptodate.manifests import CacheEntries, HashCache
 
 if TYPE_CHECKING:
     from filelock import FileLock
@@ -56,7 +57,7 @@ ACCOUNT_VERSION = 1
 NAMESPACE = "substrax-cache"  # of the SSH signatures: a key's other signatures do not count
 UPLOADS = 8  # objects sent to a shared store at once: one request each
 BUFFER = 1 << 20  # one reused buffer per restore: no allocation per file
-RACY_NS = int(manifest_module().RACY_SECONDS * 1e9)
+RACY_NS = int(remote_manifest.RACY_SECONDS * 1e9)
 TRUSTED_SIZE = 1 << 20  # objects whose stat is recorded (see copy_object)
 FICLONE = 0x40049409  # linux/fs.h: make dst share src's blocks
 # An upload sends 50 MiB parts 4 at once: s3fs's 10 would hold 500 MB in

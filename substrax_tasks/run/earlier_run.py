@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from substrax_tasks.backends.scripts import control
+from substrax_tasks._remote import control
 from substrax_tasks.console import emit
 from substrax_tasks.errors import HandleError, SubstraxError
 from substrax_tasks.store.run_store import SET_ASIDE
@@ -68,7 +68,7 @@ def last_run(driver: StepDriver) -> RunHandle | None:
 def ended_by_its_worker(run_dir: Path) -> bool:
     """The run's worker wrote its final status here (the local backend's;
     a remote run's is on its host, out of reach without its handle)."""
-    record = control().read_json(str(run_dir / "status.json"))
+    record = control.read_json(str(run_dir / "status.json"))
     return isinstance(record, dict) and record.get("state") in ENDED_BY_ITS_WORKER
 
 

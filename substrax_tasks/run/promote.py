@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.backends.base import Fetched
 from substrax_tasks.errors import OutputsRefused, SubstraxError
 from substrax_tasks.uptodate import manifests as manifest_cache
-from substrax_tasks.uptodate.manifests import manifest_module
 
 JOURNAL = "promotion.json"
 # What no output keeps: a setuid file made by a host's user (or a root
@@ -72,7 +72,7 @@ def safe_manifest(manifest: Mapping[str, Any]) -> dict[str, Any]:
         for e in entries
     ):
         return dict(manifest)
-    digest = manifest_module().entries_digest
+    digest = remote_manifest.entries_digest
     if manifest.get("digest") != digest(list(entries)):
         return dict(manifest)  # damaged: left as it is for verification to refuse, never mended here
     kept = ("file", "dir")

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from substrax_tasks.constants import ENV_LOCK_FILES, LOCK_COMPANIONS
+from substrax_tasks._remote.env import LOCK_FILES as ENV_LOCK_FILES
+from substrax_tasks.constants import LOCK_COMPANIONS
 from substrax_tasks.errors import SpecError
 from substrax_tasks.step.spec import StepSpec
 

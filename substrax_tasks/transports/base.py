@@ -82,7 +82,7 @@ def checked_manifest(data: bytes, where: str) -> dict[str, Any]:
     damaged one (cut short, or entries that do not give its digest) is an
     OutputsRefused (a BackendError) naming `where`, never a verdict on the
     outputs it lists."""
-    from substrax_tasks.uptodate.manifests import manifest_module
+    from substrax_tasks._remote import manifest as remote_manifest
 
     if len(data) > MAX_MANIFEST_BYTES:
         raise BackendError(
@@ -90,7 +90,7 @@ def checked_manifest(data: bytes, where: str) -> dict[str, Any]:
             "nothing was fetched (outputs of more than about 300,000 entries: declare fewer, larger "
             "files, an archive for example; otherwise the host is broken or hostile)"
         )
-    mod = manifest_module()
+    mod = remote_manifest
     try:
         manifest = json.loads(data)
     except ValueError:

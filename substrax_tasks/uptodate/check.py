@@ -33,8 +33,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks import __version__
+from substrax_tasks._remote import manifest as remote_manifest
+from substrax_tasks._remote.env import LOCK_FILES as ENV_LOCK_FILES
 from substrax_tasks.atomic import write_json_atomic
-from substrax_tasks.constants import ENV_LOCK_FILES, LOCK_COMPANIONS
+from substrax_tasks.constants import LOCK_COMPANIONS
 from substrax_tasks.errors import HandleError, SubstraxError
 from substrax_tasks.step.spec import StepSpec, canonical_digest, settings_in_key
 from substrax_tasks.uptodate import manifests as manifest_cache
@@ -141,7 +143,7 @@ class Step:
         (a folder walked however it was declared), the outputs (walked
         where declared folders) and every candidate lock file, present or
         not (one appearing is a change). None when a path is refused."""
-        check = manifest_cache.manifest_module().check_outputs
+        check = remote_manifest.check_outputs
         try:
             inputs = check([*self.spec.inputs, *self.tracked])
             outputs = check(list(self.spec.outputs))
@@ -285,7 +287,7 @@ def status(step: Step, values: dict[str, Any] | None, *, every_reason: bool = Fa
         reasons = () if first is None else (first,)
     if reasons:
         return Verdict(reasons)
-    racy_limit = time.time_ns() - int(manifest_cache.manifest_module().RACY_SECONDS * 1e9)
+    racy_limit = time.time_ns() - int(remote_manifest.RACY_SECONDS * 1e9)
     if now is not None and now[1] < racy_limit and proof(step) == now:
         proofs.record(step.name, now[0])
     return UP_TO_DATE

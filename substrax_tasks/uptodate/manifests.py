@@ -1,8 +1,8 @@
 """Local use of `remote/manifest.py`: verify outputs against a manifest.
 
 There is one implementation of manifests, the stdlib-only `remote/manifest.py`
-that also runs on the remote machine; this module loads that very file (as the
-module ``substrax_remote_manifest``) and adds what only this side needs:
+that also runs on the remote machine; this module imports that very file (as
+``substrax_tasks._remote.manifest``) and adds what only this side needs:
 
 * `HashCache`: the per-file hash cache (rel path -> [size, mtime_ns,
   ctime_ns, inode, device, sha256]) kept in a JSON file (mode 0600, written
@@ -17,49 +17,24 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any
 
+from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.atomic import write_json_atomic
-from substrax_tasks.backends.scripts import remote_module
 
 CACHE_VERSION = 2  # 2: entries keyed on ctime and device too
 
 CacheEntries = dict[str, list[Any]]
 Manifest = dict[str, Any]
 
-
-if TYPE_CHECKING:
-
-    class ManifestModule(Protocol):
-        """The parts of `remote/manifest.py` used here."""
-
-        RACY_SECONDS: float
-        ManifestError: type[Exception]
-
-        def build_manifest(
-            self, base: str | os.PathLike[str], outputs: Sequence[str], cache: CacheEntries | None = None
-        ) -> Manifest: ...
-
-        def check_outputs(self, outputs: Sequence[str]) -> list[tuple[str, bool]]: ...
-
-        def entries_digest(self, entries: list[dict[str, Any]]) -> str: ...
-
-        def hash_file(self, path: str, st: os.stat_result, buf: memoryview) -> str: ...
-
-
-def manifest_module() -> ManifestModule:
-    """`remote/manifest.py`, loaded once (as `substrax_remote_manifest`)."""
-    return cast("ManifestModule", remote_module("manifest"))
-
-
-ManifestError: type[Exception] = manifest_module().ManifestError
+ManifestError = remote_manifest.ManifestError
 
 
 def build_manifest(
     base: str | os.PathLike[str], outputs: Sequence[str], cache: CacheEntries | None = None
 ) -> Manifest:
     """`remote/manifest.py`'s `build_manifest` (see there)."""
-    return manifest_module().build_manifest(base, outputs, cache)
+    return remote_manifest.build_manifest(base, outputs, cache)
 
 
 def _valid_entry(value: object) -> bool:
@@ -117,7 +92,7 @@ def _manifest_cached(
 ) -> Manifest:
     cache = cache_file if isinstance(cache_file, HashCache) else HashCache.load(cache_file)
     try:
-        return manifest_module().build_manifest(base, outputs, cache.entries)
+        return remote_manifest.build_manifest(base, outputs, cache.entries)
     finally:
         cache.save()
 
@@ -134,10 +109,9 @@ def verify_outputs(
     manifest (a symlink escape, an output of the wrong kind) and an output
     that is missing, or was already missing when `expected_manifest` was
     taken, are differences too."""
-    mod = manifest_module()
     try:
         actual = _manifest_cached(base, outputs, cache_file)
-    except mod.ManifestError as exc:
+    except remote_manifest.ManifestError as exc:
         return [f"refused: {exc}"]
     never = list(expected_manifest.get("missing", []))
     same = actual["digest"] == expected_manifest.get("digest")
@@ -149,7 +123,7 @@ def verify_outputs(
     problems += diff_manifests(expected_manifest, actual)
     if not problems and not same:
         # equal entries but another digest: the record itself is damaged
-        recorded = mod.entries_digest(list(expected_manifest["entries"]))
+        recorded = remote_manifest.entries_digest(list(expected_manifest["entries"]))
         problems.append(
             f"the expected manifest's digest {expected_manifest.get('digest')!r} does not match its "
             f"own entries ({recorded}): the record is damaged"
@@ -164,7 +138,7 @@ def outputs_match(
     a tree the manifest refuses does not match."""
     try:
         manifest = _manifest_cached(base, outputs, cache_file)
-    except manifest_module().ManifestError:
+    except remote_manifest.ManifestError:
         return False
     return not manifest["missing"] and manifest["digest"] == expected_digest
 

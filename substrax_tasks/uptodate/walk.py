@@ -15,7 +15,7 @@ import stat
 from collections.abc import Sequence
 from typing import Any
 
-from substrax_tasks.uptodate.manifests import manifest_module
+from substrax_tasks._remote import manifest as remote_manifest
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a folder, never through a symlink
 
@@ -42,7 +42,7 @@ def stat_walk(
     are declared folders.
     A caller checking several trees in one go (a step's inputs and outputs)
     hashes them once, with `stamp_of`."""
-    paths = manifest_module().check_outputs(outputs)
+    paths = remote_manifest.check_outputs(outputs)
     checked = [(rel, is_dir, is_dir or any_folder) for rel, is_dir in paths]
     return walk_checked(os.fspath(base), checked, items)
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from substrax_tasks._remote import control, env, gpus, sandbox
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
@@ -37,7 +38,7 @@ from substrax_tasks.backends.job import (
 )
 from substrax_tasks.backends.local.program import resolve_program
 from substrax_tasks.backends.local.settings import LocalSettings
-from substrax_tasks.backends.scripts import control, env, remote_dir, remote_module
+from substrax_tasks.backends.scripts import remote_dir
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.hardlinks import link_tree
 from substrax_tasks.poll import wait_readable
@@ -74,11 +75,10 @@ class LocalBackend(Backend):
             raise BackendError(f"run {handle.run_id}: its handle names no project folder")
         paths = self.paths(handle)
         Path(paths.staging).mkdir(parents=True, exist_ok=True)
-        recipe = env()
         try:  # the interpreter running doit makes the venv, as the user's own would
-            built = recipe.ensure(str(project), str(self.store.envs_dir), sys.executable,
+            built = env.ensure(str(project), str(self.store.envs_dir), sys.executable,
                                   self.settings.pip_args)  # fmt: skip
-        except recipe.BuildFailed as exc:  # the lock (or pip_args) cannot be met: the step fails, exit 1
+        except env.BuildFailed as exc:  # the lock (or pip_args) cannot be met: the step fails, exit 1
             raise SubstraxError(
                 f"run {handle.run_id}: building the environment: {exc}; fix the lock file or pip_args"
             ) from None
@@ -100,7 +100,7 @@ class LocalBackend(Backend):
             project_shown=view.files,
             left_out=view.left_out,
             gpus=_gpus.job_gpus(
-                handle.spec, self.settings.hide_gpus_when_unasked, remote_module("gpus").host_gpus,
+                handle.spec, self.settings.hide_gpus_when_unasked, gpus.host_gpus,
                 # where ssh runs keep theirs by default: one holder per GPU of this machine
                 str(Path.home() / ".substrax-remote" / "gpus"), "this machine",
             ),
@@ -133,10 +133,10 @@ class LocalBackend(Backend):
         return self.store.update_state(handle, phase="started")
 
     def _record(self, handle: RunHandle) -> dict[str, Any] | None:
-        return control().read_json(self.paths(handle).status)
+        return control.read_json(self.paths(handle).status)
 
     def poll(self, handle: RunHandle) -> RunStatus:
-        record = control().status(str(self.store.run_dir(handle.run_id)))
+        record = control.status(str(self.store.run_dir(handle.run_id)))
         if record.get("damaged"):
             return damaged_status(record)
         if record.get("state") is None:
@@ -167,7 +167,7 @@ class LocalBackend(Backend):
             time.sleep(seconds)
             return False
         try:
-            if not control().alive(pid, record.get("worker_start_ticks")):
+            if not control.alive(pid, record.get("worker_start_ticks")):
                 return True
             return wait_readable(fd, seconds)
         finally:
@@ -178,7 +178,7 @@ class LocalBackend(Backend):
         if status.final and status.state != "lost":  # a lost run's tree may still be alive
             return False
         wait = self.settings.grace_seconds + CANCEL_MARGIN_SECONDS
-        answer = control().cancel(str(self.store.run_dir(handle.run_id)), wait)
+        answer = control.cancel(str(self.store.run_dir(handle.run_id)), wait)
         if answer.get("cancelled"):
             return True
         if answer.get("reason") in ("finished", "not started"):  # ended meanwhile, or no run folder
@@ -204,7 +204,7 @@ class LocalBackend(Backend):
             raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
         outputs = list(handle.spec.outputs)
         # The manifest the worker took as the command ended, if any (else one taken now).
-        manifest = control().read_json(str(self.store.run_dir(handle.run_id) / "manifest.json"))
+        manifest = control.read_json(str(self.store.run_dir(handle.run_id) / "manifest.json"))
         if manifest is None or "digest" not in manifest:
             manifest = manifest_cache.build_manifest(Path(root), outputs)
         if record.get("sandbox") == "none":  # written in place: the root is the project's own
@@ -311,7 +311,7 @@ _SPAWNER = Spawner()
 def worker_environment() -> dict[str, str]:
     """This process's environment as a worker may hold it."""
     return {
-        **remote_module("sandbox").plain_settings(os.environ),
+        **sandbox.plain_settings(os.environ),
         **{name: value for name, value in os.environ.items() if name.startswith("SUBSTRAX_")},
     }
 

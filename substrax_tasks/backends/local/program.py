@@ -18,8 +18,8 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
+from substrax_tasks._remote import runfiles
 from substrax_tasks.errors import SubstraxError
 
 PYTHON = re.compile(r"python[0-9.]*")
@@ -33,7 +33,7 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
-def _shown(path: str, job: dict[str, Any]) -> bool:
+def _shown(path: str, job: runfiles.Job) -> bool:
     """Whether the sandbox shows `path` as it is here (remote/sandbox.py:
     the hidden folders and /tmp go, the project's view and extra_ro come
     back)."""
@@ -60,7 +60,7 @@ def _shebang(path: str) -> str | None:
     return words[0] if words else None
 
 
-def _ask_python(program: str, job: dict[str, Any], environ: dict[str, str]) -> list[str]:
+def _ask_python(program: str, job: runfiles.Job, environ: dict[str, str]) -> list[str]:
     """[executable, prefix, base prefix] of the interpreter `program` runs,
     run as the step would be here (a pyenv shim reads its version from the
     environment and the project's .python-version)."""
@@ -89,7 +89,7 @@ def _asked(program: str, cwd: str, environ: tuple[tuple[str, str], ...]) -> tupl
     return done.stderr.strip()[-500:], tuple(done.stdout.splitlines()) if done.returncode == 0 else ()
 
 
-def resolve_program(job: dict[str, Any], environ: dict[str, str]) -> None:
+def resolve_program(job: runfiles.Job, environ: dict[str, str]) -> None:
     """Name the job's program by the path it has on `environ`'s PATH (after
     the job's path_prepend), and add to `extra_ro` what the sandbox must
     show of it: a Python's installation (a shim is replaced by the

@@ -30,6 +30,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel
 
+from substrax_tasks._remote import runfiles
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.backends import remote_run as _remote_run
 from substrax_tasks.backends.base import FINAL_STATES, LOG_POLL_SECONDS, Backend, Fetched, Leak, RunStatus
@@ -617,7 +618,7 @@ def _kept(backend: SkypilotBackend, handle: RunHandle) -> RunStatus | None:
     return RunStatus(**cached) if isinstance(cached, dict) else None
 
 
-def worker_record(backend: SkypilotBackend, handle: RunHandle) -> dict[str, Any] | None:
+def worker_record(backend: SkypilotBackend, handle: RunHandle) -> runfiles.StatusAnswer | None:
     """The worker's status record on the cluster (remote/control.py's), or
     None while there is none or the cluster is out of reach."""
     try:
@@ -663,7 +664,7 @@ def _launch_status(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
 
 
 def _from_worker(
-    backend: SkypilotBackend, handle: RunHandle, status: RunStatus, record: dict[str, Any] | None
+    backend: SkypilotBackend, handle: RunHandle, status: RunStatus, record: runfiles.StatusAnswer | None
 ) -> RunStatus:
     """The worker's own record says more (timed out, exit code, times);
     it must agree with SkyPilot's verdict, or SkyPilot's stands. `record`:

@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from substrax_tasks._remote import env, runfiles
 from substrax_tasks.backends.job import WorkerPaths, build_job, project_key
 from substrax_tasks.backends.remote_run import checked_script, scripts_digest
-from substrax_tasks.backends.scripts import env
 from substrax_tasks.backends.skypilot.client import SkyCallError, SkyClient
 from substrax_tasks.backends.skypilot.settings import NO_AUTODOWN, SkypilotSettings, cloud_of
 from substrax_tasks.errors import SubstraxError
@@ -137,11 +137,10 @@ def environment(
     settings: SkypilotSettings, layout: ClusterLayout, project: Path
 ) -> tuple[str | None, str | None]:
     """The lock file the environment is built from, and its folder (None, None: no lock)."""
-    recipe = env()
-    lock = recipe.lock_file(str(project))
+    lock = env.lock_file(str(project))
     if lock is None:
         return None, None
-    return lock, layout.env_dir(recipe.digest(str(project), lock, settings.python, settings.pip_args))
+    return lock, layout.env_dir(env.digest(str(project), lock, settings.python, settings.pip_args))
 
 
 def worker_job(
@@ -150,7 +149,7 @@ def worker_job(
     layout: ClusterLayout,
     env_dir: str | None,
     left_out: list[str] | None = None,
-) -> dict[str, Any]:
+) -> runfiles.Job:
     """The worker's job, its folders relative to the home folder (the worker
     resolves them where it starts: the home is unknown until launch)."""
     job = build_job(
