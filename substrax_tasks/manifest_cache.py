@@ -77,6 +77,33 @@ def _valid_entry(value: object) -> bool:
     )
 
 
+class _Entries(dict[str, list[Any]]):
+    """A hash cache's entries, noting whether one changed. The walk changes
+    them only by item assignment, `pop` and `del` (remote/manifest.py); a
+    copy kept to compare with instead cost a dict slot per file."""
+
+    changed = False
+
+    def __setitem__(self, key: str, value: list[Any]) -> None:
+        if self.get(key) != value:
+            self.changed = True
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.changed = True
+        super().__delitem__(key)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key in self:
+            self.changed = True
+        return super().pop(key, *default)
+
+    def _refused(self, *_args: Any, **_kwargs: Any) -> None:
+        raise TypeError("a hash cache's entries change by item assignment, pop and del only")
+
+    update = setdefault = popitem = clear = __ior__ = _refused  # type: ignore[assignment]
+
+
 class HashCache:
     """The hash cache of a step's files, kept in a JSON file, paths relative
     to the base folder. A missing, unreadable or other-version file loads as
@@ -85,8 +112,8 @@ class HashCache:
 
     def __init__(self, path: Path, entries: Mapping[str, list[Any]] | None = None) -> None:
         self.path = path
-        self.entries: CacheEntries = dict(entries or {})
-        self._saved: CacheEntries | None = None  # what the file holds, when it holds exactly that
+        self.entries: CacheEntries = _Entries(entries or {})
+        self._on_disk = False  # the file holds exactly these entries
 
     @classmethod
     def load(cls, path: Path) -> HashCache:
@@ -98,14 +125,13 @@ class HashCache:
         if not isinstance(raw, dict):
             return cls(path)
         cache = cls(path, {k: v for k, v in raw.items() if _valid_entry(v)})
-        if len(cache.entries) == len(raw):  # else rewrite it without the bad ones
-            cache._saved = dict(cache.entries)
+        cache._on_disk = len(cache.entries) == len(raw)  # else rewrite it without the bad ones
         return cache
 
     @property
     def changed(self) -> bool:
         """Something to write: the file is missing or stale, or an entry changed."""
-        return self.entries != self._saved
+        return not self._on_disk or cast("_Entries", self.entries).changed
 
     def save(self) -> None:
         if not self.changed:
@@ -113,7 +139,8 @@ class HashCache:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # compact: a cache of 20,000 files is 2 MB, 4x slower to indent
         write_json_atomic(self.path, {"version": CACHE_VERSION, "entries": self.entries}, indent=None)
-        self._saved = dict(self.entries)
+        self._on_disk = True
+        cast("_Entries", self.entries).changed = False
 
 
 def _manifest_cached(
