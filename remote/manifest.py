@@ -179,7 +179,7 @@ def build_manifest(base: str | os.PathLike[str], outputs: List[str], cache: Opti
     base = os.fspath(base)
     missing, rows = _walk(base, check_outputs(outputs), cache)
     with _read_errors(base):
-        entries = [_entry(row) for row in rows]
+        entries = list(rows)
     return {"version": VERSION, "entries": entries, "missing": missing, "digest": entries_digest(entries)}
 
 
@@ -192,20 +192,14 @@ def tree_digest(base: str | os.PathLike[str], outputs: List[str], cache: Optiona
     base = os.fspath(base)
     missing, rows = _walk(base, check_outputs(outputs), cache)
     with _read_errors(base):
-        digest = _digest_of(_entry(row) for row in rows)
+        digest = _digest_of(rows)
     return digest, missing
 
 
-# path, type, size, mode, sha256, target: an entry before it becomes a dict
-Row = Tuple[str, str, int, int, Optional[str], Optional[str]]
-# one name of a folder's listing: sort key, name, lstat, True for "the
-# folder's contents" (then its key ends with "/"), its output's components
-Listed = Tuple[str, str, os.stat_result, bool, List[str]]
-
-
-def _entry(row: Row) -> Entry:
-    path, kind, size, mode, sha256, target = row
-    return {"path": path, "type": kind, "size": size, "mode": mode, "sha256": sha256, "target": target}
+# one name of a folder's listing: sort key, name, listed as a folder, True
+# for "the folder's contents" (then its key ends with "/"), its output's
+# path components
+Listed = Tuple[str, str, bool, bool, List[str]]
 
 
 @contextlib.contextmanager
@@ -219,7 +213,7 @@ def _read_errors(base: str) -> Iterator[None]:
 
 
 def _walk(base: str, checked: List[Tuple[str, bool]], cache: Optional[Cache]
-          ) -> Tuple[List[str], Iterator[Row]]:
+          ) -> Tuple[List[str], Iterator[Entry]]:
     """(missing outputs, the entries under the others in path order). The
     outputs themselves are checked here; what lies under them as the rows
     are drawn, which may raise ManifestError or OSError."""
@@ -244,24 +238,27 @@ def _walk(base: str, checked: List[Tuple[str, bool]], cache: Optional[Cache]
             if not is_dir and not stat.S_ISREG(st.st_mode):
                 raise ManifestError("output %s is a %s, not a file" % (rel, kind_of(st.st_mode)))
             out_parts = rel.split("/")
-            tops.append((rel, rel, st, False, out_parts))
+            tops.append((rel, rel, is_dir, False, out_parts))
             if is_dir:
-                tops.append((rel + "/", rel, st, True, out_parts))
+                tops.append((rel + "/", rel, is_dir, True, out_parts))
     return missing, _rows(base, checked, tops, cache)
 
 
 def _rows(base: str, checked: List[Tuple[str, bool]], tops: List[Listed], cache: Optional[Cache]
-          ) -> Iterator[Row]:
+          ) -> Iterator[Entry]:
     """The entries, sorted by path as strings, one folder listed at a time.
     A folder's own entry sorts by its name and its contents by its name and
     "/", among its siblings (`a`, `a-b`, `a.txt`, `a/x`): no sibling's path
     falls between two paths under it, so each folder's contents come out
-    whole, at their place, from the folder's own sorted listing."""
+    whole, at their place, from the folder's own sorted listing. A listing
+    holds names only (a folder of 100,000 files would hold 100,000 stat
+    results, and walks slower for it): each is taken with `lstat` when its
+    turn comes, and refused if it is no longer of the kind listed."""
     buf = memoryview(bytearray(BUFFER_SIZE))  # one read buffer for every file of the manifest
     racy_ns = time.time_ns() - int(RACY_SECONDS * 1e9)
     seen = 0  # cached files seen: fewer than the cache holds means some are gone
 
-    def row(path: str, rel: str, st: os.stat_result, out_parts: List[str]) -> Row:
+    def row(path: str, rel: str, st: os.stat_result, out_parts: List[str]) -> Entry:
         nonlocal seen
         mode = st.st_mode
         if stat.S_ISREG(mode):
@@ -277,9 +274,11 @@ def _rows(base: str, checked: List[Tuple[str, bool]], tops: List[Listed], cache:
                     seen += 1
                 elif cache is not None:
                     cache.pop(rel, None)  # the racy rule: a file changed inside the window is not remembered
-            return (rel, "file", st.st_size, mode & 0o7777, digest, None)
+            return {"path": rel, "type": "file", "size": st.st_size, "mode": mode & 0o7777, "sha256": digest,
+                    "target": None}
         if stat.S_ISDIR(mode):
-            return (rel, "dir", 0, mode & 0o7777, None, None)
+            return {"path": rel, "type": "dir", "size": 0, "mode": mode & 0o7777, "sha256": None,
+                    "target": None}
         if not stat.S_ISLNK(mode):
             raise ManifestError("%s is a %s: outputs may hold only files, folders and symlinks"
                                 % (rel, kind_of(mode)))
@@ -290,7 +289,8 @@ def _rows(base: str, checked: List[Tuple[str, bool]], tops: List[Listed], cache:
         if why is not None:
             raise ManifestError("symlink %s -> %s %s (%s): refused, never followed" % (
                 rel, target, "is a loop" if why == _LOOP else "points outside its output", why))
-        return (rel, "symlink", len(os.fsencode(target)), 0o777, None, target)
+        return {"path": rel, "type": "symlink", "size": len(os.fsencode(target)), "mode": 0o777,
+                "sha256": None, "target": target}
 
     tops.sort(key=lambda item: item[0])
     # each folder being listed: (its path + "/", its relative path + "/", its sorted listing)
@@ -301,9 +301,13 @@ def _rows(base: str, checked: List[Tuple[str, bool]], tops: List[Listed], cache:
         if item is None:
             stack.pop()
             continue
-        _key, name, st, contents, out_parts = item
+        _key, name, listed_dir, contents, out_parts = item
         path, rel = prefix + name, rel_prefix + name
         if not contents:
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode) != listed_dir:
+                raise ManifestError("%s changed while the manifest was taken (it is %sa folder now)"
+                                    % (rel, "not " if listed_dir else ""))
             yield row(path, rel, st, out_parts)
             continue
         try:
@@ -313,10 +317,10 @@ def _rows(base: str, checked: List[Tuple[str, bool]], tops: List[Listed], cache:
         inside: List[Listed] = []
         with folder:
             for de in folder:
-                est = de.stat(follow_symlinks=False)
-                inside.append((de.name, de.name, est, False, out_parts))
-                if stat.S_ISDIR(est.st_mode):
-                    inside.append((de.name + "/", de.name, est, True, out_parts))
+                is_dir = de.is_dir(follow_symlinks=False)  # from the listing, no lstat
+                inside.append((de.name, de.name, is_dir, False, out_parts))
+                if is_dir:
+                    inside.append((de.name + "/", de.name, True, True, out_parts))
         inside.sort(key=lambda item: item[0])
         stack.append((path + "/", rel + "/", iter(inside)))
     if cache is not None and len(cache) != seen:

@@ -913,3 +913,20 @@ def test_a_hash_cache_is_saved_when_an_entry_changed_and_only_then(tmp_path: Pat
     assert loaded.changed
     with pytest.raises(TypeError, match="item assignment, pop and del only"):
         loaded.entries.update({"c": entry})
+
+
+def test_a_file_that_becomes_a_folder_under_the_walk_is_refused(tmp_path: Path) -> None:
+    """A folder's listing holds names only, each taken with lstat in its
+    turn: a name listed as a file that is a folder by then would leave its
+    contents out of the manifest, and is refused instead."""
+    write(tmp_path / "out/a", b"a")
+    write(tmp_path / "out/b", b"b")
+    mod = manifest_module()
+    missing, rows = mod._walk(str(tmp_path), mod.check_outputs(["out/"]), None)  # type: ignore[attr-defined]
+    assert missing == []
+    assert next(rows)["path"] == "out"
+    assert next(rows)["path"] == "out/a"  # out/ is listed by now
+    (tmp_path / "out/b").unlink()
+    write(tmp_path / "out/b/inside", b"x")
+    with pytest.raises(ManifestError, match=r"out/b changed while the manifest was taken \(it is a folder"):
+        next(rows)
