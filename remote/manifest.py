@@ -20,7 +20,7 @@ read. ctime is in the key because nothing short of moving the clock back
 sets it back (``os.utime`` moves it). A file whose ctime is younger than
 ``RACY_SECONDS`` is hashed but not cached: a second write in the same tick
 would leave every value unchanged (git's "racily clean" problem). The cache
-is changed only by item assignment and ``del`` (substrax_tasks/
+is changed only by item assignment, ``pop`` and ``del`` (substrax_tasks/
 manifest_cache.py tracks changes that way).
 """
 
