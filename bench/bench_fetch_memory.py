@@ -59,7 +59,8 @@ DOIT_CONFIG = doit_config()
 
 
 def task_write():
-    yield from remote_step("write", command=["python3", "write.py", "{files}", "out"], outputs=["out/"])
+    yield from remote_step("write", command=["python3", "write.py", "{files}", "out"],
+                           inputs=["write.py"], outputs=["out/"])
 """
 
 BASELINE_DODO = """\

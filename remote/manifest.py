@@ -20,19 +20,21 @@ read. ctime is in the key because nothing short of moving the clock back
 sets it back (``os.utime`` moves it). A file whose ctime is younger than
 ``RACY_SECONDS`` is hashed but not cached: a second write in the same tick
 would leave every value unchanged (git's "racily clean" problem). The cache
-is changed only by item assignment and ``del`` (substrax_tasks/
+is changed only by item assignment, ``pop`` and ``del`` (substrax_tasks/
 manifest_cache.py tracks changes that way).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
 import os
 import stat
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 VERSION = 1
 BUFFER_SIZE = 1 << 20
@@ -175,47 +177,108 @@ def build_manifest(base: str | os.PathLike[str], outputs: Sequence[str], cache: 
     ManifestError, and so does a tree that cannot be read or changes under
     the walk. `cache` (see above) is read and updated in place."""
     base = os.fspath(base)
-    checked = check_outputs(outputs)
-    try:
-        entries, missing = _walk(base, checked, cache)
-    except OSError as exc:
-        raise ManifestError("cannot read %s: %s (did it change while the manifest was taken?)"
-                            % (base if exc.filename is None else exc.filename, exc.strerror or exc)) from exc
-    entries.sort(key=lambda entry: str(entry["path"]))
+    missing, rows = _walk(base, check_outputs(outputs), cache)
+    with _read_errors(base):
+        entries = list(rows)
     return {"version": VERSION, "entries": entries, "missing": missing, "digest": entries_digest(entries)}
 
 
+def tree_digest(base: str | os.PathLike[str], outputs: Sequence[str], cache: Optional[Cache] = None
+                ) -> Tuple[str, List[str]]:
+    """(digest, missing) of the manifest `build_manifest` would return, taken
+    without holding its entries: the walk yields them in order and they are
+    hashed as they come, so verifying a tree costs memory per folder, not
+    per file (a dict of six keys is ~500 bytes; 200,000 files held 100 MB)."""
+    base = os.fspath(base)
+    missing, rows = _walk(base, check_outputs(outputs), cache)
+    with _read_errors(base):
+        digest = _digest_of(rows)
+    return digest, missing
+
+
+# one name of a folder's listing: sort key, name, listed as a folder, True
+# for "the folder's contents" (then its key ends with "/"), its output's
+# path components
+Listed = Tuple[str, str, bool, bool, List[str]]
+
+
+@contextlib.contextmanager
+def _read_errors(base: str) -> Iterator[None]:
+    """An OSError of the walk, as the ManifestError that names it."""
+    try:
+        yield
+    except OSError as exc:
+        raise ManifestError("cannot read %s: %s (did it change while the manifest was taken?)" % (
+            base if exc.filename is None else exc.filename, exc.strerror or exc)) from exc
+
+
 def _walk(base: str, checked: List[Tuple[str, bool]], cache: Optional[Cache]
-          ) -> Tuple[List[Entry], List[str]]:
-    entries: List[Entry] = []
+          ) -> Tuple[List[str], Iterator[Entry]]:
+    """(missing outputs, the entries under the others in path order). The
+    outputs themselves are checked here; what lies under them as the rows
+    are drawn, which may raise ManifestError or OSError."""
     missing: List[str] = []
+    tops: List[Listed] = []
+    with _read_errors(base):
+        for rel, is_dir in checked:
+            st = _lstat_output(base, rel)
+            if st is None:
+                missing.append(rel + "/" if is_dir else rel)
+                continue
+            if is_dir and not stat.S_ISDIR(st.st_mode):
+                link = stat.S_ISLNK(st.st_mode)
+                raise ManifestError("output %s/ is declared as a folder but is a %s%s" % (
+                    rel, kind_of(st.st_mode), ": refused, never followed" if link else ""))
+            if not is_dir and stat.S_ISDIR(st.st_mode):
+                raise ManifestError(
+                    "output %s is declared as a file but is a folder: declare it as %s/" % (rel, rel))
+            if not is_dir and stat.S_ISLNK(st.st_mode):
+                raise ManifestError("output %s is a symlink -> %s, which points outside the output: refused, "
+                                    "never followed" % (rel, os.readlink(os.path.join(base, rel))))
+            if not is_dir and not stat.S_ISREG(st.st_mode):
+                raise ManifestError("output %s is a %s, not a file" % (rel, kind_of(st.st_mode)))
+            out_parts = rel.split("/")
+            tops.append((rel, rel, is_dir, False, out_parts))
+            if is_dir:
+                tops.append((rel + "/", rel, is_dir, True, out_parts))
+    return missing, _rows(base, checked, tops, cache)
+
+
+def _rows(base: str, checked: List[Tuple[str, bool]], tops: List[Listed], cache: Optional[Cache]
+          ) -> Iterator[Entry]:
+    """The entries, sorted by path as strings, one folder listed at a time.
+    A folder's own entry sorts by its name and its contents by its name and
+    "/", among its siblings (`a`, `a-b`, `a.txt`, `a/x`): no sibling's path
+    falls between two paths under it, so each folder's contents come out
+    whole, at their place, from the folder's own sorted listing. A listing
+    holds names only (a folder of 100,000 files would hold 100,000 stat
+    results, and walks slower for it): each is taken with `lstat` when its
+    turn comes, and refused if it is no longer of the kind listed."""
     buf = memoryview(bytearray(BUFFER_SIZE))  # one read buffer for every file of the manifest
     racy_ns = time.time_ns() - int(RACY_SECONDS * 1e9)
-    seen = set()
+    seen = 0  # cached files seen: fewer than the cache holds means some are gone
 
-    def add(path: str, rel: str, st: os.stat_result, out_parts: List[str]) -> bool:
-        """Describe one entry under an output; True for a folder to walk."""
+    def row(path: str, rel: str, st: os.stat_result, out_parts: List[str]) -> Entry:
+        nonlocal seen
         mode = st.st_mode
         if stat.S_ISREG(mode):
             key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
             hit = None if cache is None else cache.get(rel)
             if isinstance(hit, list) and len(hit) == 6 and hit[:5] == key:
                 digest = hit[5]
-                seen.add(rel)
+                seen += 1
             else:
                 digest = hash_file(path, st, buf)
                 if cache is not None and st.st_ctime_ns < racy_ns:
                     cache[rel] = key + [digest]
-                    seen.add(rel)
+                    seen += 1
                 elif cache is not None:
                     cache.pop(rel, None)  # the racy rule: a file changed inside the window is not remembered
-            entries.append({"path": rel, "type": "file", "size": st.st_size, "mode": mode & 0o7777,
-                            "sha256": digest, "target": None})
-            return False
+            return {"path": rel, "type": "file", "size": st.st_size, "mode": mode & 0o7777, "sha256": digest,
+                    "target": None}
         if stat.S_ISDIR(mode):
-            entries.append({"path": rel, "type": "dir", "size": 0, "mode": mode & 0o7777, "sha256": None,
-                            "target": None})
-            return True
+            return {"path": rel, "type": "dir", "size": 0, "mode": mode & 0o7777, "sha256": None,
+                    "target": None}
         if not stat.S_ISLNK(mode):
             raise ManifestError("%s is a %s: outputs may hold only files, folders and symlinks"
                                 % (rel, kind_of(mode)))
@@ -226,60 +289,87 @@ def _walk(base: str, checked: List[Tuple[str, bool]], cache: Optional[Cache]
         if why is not None:
             raise ManifestError("symlink %s -> %s %s (%s): refused, never followed" % (
                 rel, target, "is a loop" if why == _LOOP else "points outside its output", why))
-        entries.append({"path": rel, "type": "symlink", "size": len(os.fsencode(target)), "mode": 0o777,
-                        "sha256": None, "target": target})
-        return False
+        return {"path": rel, "type": "symlink", "size": len(os.fsencode(target)), "mode": 0o777,
+                "sha256": None, "target": target}
 
-    for rel, is_dir in checked:
-        top = os.path.join(base, rel)
-        st = _lstat_output(base, rel)
-        if st is None:
-            missing.append(rel + "/" if is_dir else rel)
+    tops.sort(key=lambda item: item[0])
+    # each folder being listed: (its path + "/", its relative path + "/", its sorted listing)
+    stack = [(os.path.join(base, ""), "", iter(tops))]
+    while stack:
+        prefix, rel_prefix, listing = stack[-1]
+        item = next(listing, None)
+        if item is None:
+            stack.pop()
             continue
-        if is_dir and not stat.S_ISDIR(st.st_mode):
-            raise ManifestError("output %s/ is declared as a folder but is a %s%s" % (
-                rel, kind_of(st.st_mode), ": refused, never followed" if stat.S_ISLNK(st.st_mode) else ""))
-        if not is_dir and stat.S_ISDIR(st.st_mode):
-            raise ManifestError(
-                "output %s is declared as a file but is a folder: declare it as %s/" % (rel, rel))
-        if not is_dir and stat.S_ISLNK(st.st_mode):
-            raise ManifestError("output %s is a symlink -> %s, which points outside the output: refused, "
-                                "never followed" % (rel, os.readlink(top)))
-        if not is_dir and not stat.S_ISREG(st.st_mode):
-            raise ManifestError("output %s is a %s, not a file" % (rel, kind_of(st.st_mode)))
-        out_parts = rel.split("/")
-        stack = [(top, rel)] if add(top, rel, st, out_parts) else []
-        while stack:
-            folder, folder_rel = stack.pop()
-            try:
-                listing = os.scandir(folder)
-            except OSError as exc:
-                raise ManifestError("cannot list %s: %s" % (folder_rel, exc.strerror or exc)) from exc
-            with listing:
-                for de in listing:
-                    erel = folder_rel + "/" + de.name
-                    if add(de.path, erel, de.stat(follow_symlinks=False), out_parts):
-                        stack.append((de.path, erel))
-    if cache is not None and len(cache) != len(seen):  # forget files under these outputs no longer there
-        prefixes = tuple(rel + "/" for rel, is_dir in checked if is_dir)
-        singles = set(rel for rel, is_dir in checked if not is_dir)
-        for k in [k for k in cache if k not in seen and (k in singles or k.startswith(prefixes))]:
-            del cache[k]
-    return entries, missing
+        _key, name, listed_dir, contents, out_parts = item
+        path, rel = prefix + name, rel_prefix + name
+        if not contents:
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode) != listed_dir:
+                raise ManifestError("%s changed while the manifest was taken (it is %sa folder now)"
+                                    % (rel, "not " if listed_dir else ""))
+            yield row(path, rel, st, out_parts)
+            continue
+        try:
+            folder = os.scandir(path)
+        except OSError as exc:
+            raise ManifestError("cannot list %s: %s" % (rel, exc.strerror or exc)) from exc
+        inside: List[Listed] = []
+        with folder:
+            for de in folder:
+                is_dir = de.is_dir(follow_symlinks=False)  # from the listing, no lstat
+                inside.append((de.name, de.name, is_dir, False, out_parts))
+                if is_dir:
+                    inside.append((de.name + "/", de.name, True, True, out_parts))
+        inside.sort(key=lambda item: item[0])
+        stack.append((path + "/", rel + "/", iter(inside)))
+    if cache is not None and len(cache) != seen:
+        _forget_gone(base, checked, cache, seen)
+
+
+def _forget_gone(base: str, outputs: List[Tuple[str, bool]], cache: Cache, seen: int) -> None:
+    """Drop the cache entries under `outputs` ((path, is folder)) whose file
+    is no longer the one they describe (gone, or replaced), when there are
+    more of them than the walk saw (`seen`)."""
+    prefixes = tuple(rel + "/" for rel, is_dir in outputs if is_dir)
+    singles = set(rel for rel, is_dir in outputs if not is_dir)
+    under = [rel for rel in cache if rel in singles or rel.startswith(prefixes)]
+    if len(under) == seen:
+        return  # the others are another tree's
+    for rel in under:
+        try:
+            st = os.lstat(os.path.join(base, rel))
+        except OSError:
+            del cache[rel]
+            continue
+        hit = cache[rel]
+        if not stat.S_ISREG(st.st_mode) or not isinstance(hit, list) or hit[:5] != [
+                st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]:
+            del cache[rel]
 
 
 DIGEST_CHUNK = 250  # entries encoded at a time (json builds 1 KB of fragments for each)
 
 
 def entries_digest(entries: List[Entry]) -> str:
-    """sha256 of the canonical JSON of a manifest's entries, fed to the hash
+    """sha256 of the canonical JSON of a manifest's entries."""
+    return _digest_of(iter(entries))
+
+
+def _digest_of(entries: Iterator[Entry]) -> str:
+    """sha256 of the canonical JSON of the list of `entries`, fed to the hash
     a chunk of entries at a time: the same bytes as the whole list encoded
     at once (a list's items are joined by ","), without holding them (6 MiB
     for 20,000 files, in text and bytes)."""
     digest = hashlib.sha256(b"[")
-    for at in range(0, len(entries), DIGEST_CHUNK):
-        chunk = canonical_json(entries[at:at + DIGEST_CHUNK])[1:-1]  # without its [ ]
-        digest.update(("," + chunk if at else chunk).encode())
+    first = True
+    while True:
+        chunk = list(itertools.islice(entries, DIGEST_CHUNK))
+        if not chunk:
+            break
+        text = canonical_json(chunk)[1:-1]  # without its [ ]
+        digest.update((text if first else "," + text).encode())
+        first = False
     digest.update(b"]")
     return digest.hexdigest()
 

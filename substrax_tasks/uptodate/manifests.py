@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.atomic import write_json_atomic
@@ -48,6 +48,33 @@ def _valid_entry(value: object) -> bool:
     )
 
 
+class _Entries(dict[str, list[Any]]):
+    """A hash cache's entries, noting whether one changed. The walk changes
+    them only by item assignment, `pop` and `del` (remote/manifest.py); a
+    copy kept to compare with instead cost a dict slot per file."""
+
+    changed = False
+
+    def __setitem__(self, key: str, value: list[Any]) -> None:
+        if self.get(key) != value:
+            self.changed = True
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.changed = True
+        super().__delitem__(key)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key in self:
+            self.changed = True
+        return super().pop(key, *default)
+
+    def _refused(self, *_args: Any, **_kwargs: Any) -> None:
+        raise TypeError("a hash cache's entries change by item assignment, pop and del only")
+
+    update = setdefault = popitem = clear = __ior__ = _refused  # type: ignore[assignment]
+
+
 class HashCache:
     """The hash cache of a step's files, kept in a JSON file, paths relative
     to the base folder. A missing, unreadable or other-version file loads as
@@ -56,8 +83,8 @@ class HashCache:
 
     def __init__(self, path: Path, entries: Mapping[str, list[Any]] | None = None) -> None:
         self.path = path
-        self.entries: CacheEntries = dict(entries or {})
-        self._saved: CacheEntries | None = None  # what the file holds, when it holds exactly that
+        self.entries: CacheEntries = _Entries(entries or {})
+        self._on_disk = False  # the file holds exactly these entries
 
     @classmethod
     def load(cls, path: Path) -> HashCache:
@@ -69,14 +96,13 @@ class HashCache:
         if not isinstance(raw, dict):
             return cls(path)
         cache = cls(path, {k: v for k, v in raw.items() if _valid_entry(v)})
-        if len(cache.entries) == len(raw):  # else rewrite it without the bad ones
-            cache._saved = dict(cache.entries)
+        cache._on_disk = len(cache.entries) == len(raw)  # else rewrite it without the bad ones
         return cache
 
     @property
     def changed(self) -> bool:
         """Something to write: the file is missing or stale, or an entry changed."""
-        return self.entries != self._saved
+        return not self._on_disk or cast("_Entries", self.entries).changed
 
     def save(self) -> None:
         if not self.changed:
@@ -84,7 +110,8 @@ class HashCache:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # compact: a cache of 20,000 files is 2 MB, 4x slower to indent
         write_json_atomic(self.path, {"version": CACHE_VERSION, "entries": self.entries}, indent=None)
-        self._saved = dict(self.entries)
+        self._on_disk = True
+        cast("_Entries", self.entries).changed = False
 
 
 def _manifest_cached(
@@ -93,6 +120,17 @@ def _manifest_cached(
     cache = cache_file if isinstance(cache_file, HashCache) else HashCache.load(cache_file)
     try:
         return remote_manifest.build_manifest(base, outputs, cache.entries)
+    finally:
+        cache.save()
+
+
+def _digest_cached(
+    base: str | os.PathLike[str], outputs: Sequence[str], cache_file: Path | HashCache
+) -> tuple[str, list[str]]:
+    """(digest, missing) of the outputs' manifest, its entries never held."""
+    cache = cache_file if isinstance(cache_file, HashCache) else HashCache.load(cache_file)
+    try:
+        return remote_manifest.tree_digest(base, outputs, cache.entries)
     finally:
         cache.save()
 
@@ -109,14 +147,17 @@ def verify_outputs(
     manifest (a symlink escape, an output of the wrong kind) and an output
     that is missing, or was already missing when `expected_manifest` was
     taken, are differences too."""
+    never = list(expected_manifest.get("missing", []))
     try:
-        actual = _manifest_cached(base, outputs, cache_file)
+        # the digest alone first: a copy that verifies (the usual case)
+        # never holds its manifest's entries
+        digest, missing = _digest_cached(base, outputs, cache_file)
+        if digest == expected_manifest.get("digest") and not never and not missing:
+            return []
+        actual = _manifest_cached(base, outputs, cache_file)  # to name the differences
     except remote_manifest.ManifestError as exc:
         return [f"refused: {exc}"]
-    never = list(expected_manifest.get("missing", []))
     same = actual["digest"] == expected_manifest.get("digest")
-    if same and not never and not actual["missing"]:
-        return []
     problems = [f"output never produced: {out}" for out in never]
     problems += [f"missing output: {out}" for out in actual["missing"] if out not in never]
 
@@ -137,10 +178,10 @@ def outputs_match(
     """True if every output exists and their manifest has `expected_digest`;
     a tree the manifest refuses does not match."""
     try:
-        manifest = _manifest_cached(base, outputs, cache_file)
+        digest, missing = _digest_cached(base, outputs, cache_file)
     except remote_manifest.ManifestError:
         return False
-    return not manifest["missing"] and manifest["digest"] == expected_digest
+    return not missing and digest == expected_digest
 
 
 def renamed_into_place(base: str | os.PathLike[str], outputs: Sequence[str], cache_file: Path) -> None:
