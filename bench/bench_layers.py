@@ -39,6 +39,8 @@ Layers (what is removed):
 * stat-loop: tree.walk_checked as plain Python: `os.scandir` on the
   folder's descriptor, `stat.S_ISDIR`, `max()`, no memo of parent folders.
 * memo-projects: step.project_of's dicts: each step opens its project.
+* memo-roots: only step.project_of's resolved roots: each step resolves
+  its project's path again (the projects are still kept).
 * memo-program: _program's lru_cache: each step asks its program (`--python
   NAME`) which interpreter it runs.
 * memo-lock: uptodate's digests of lock files: hashed at each key.
@@ -184,6 +186,12 @@ MEMO_PROJECTS: list[Edit] = [
     ("substrax_tasks/step.py", "    return project\n", ""),
 ]
 
+MEMO_ROOTS: list[Edit] = [
+    ("substrax_tasks/step.py",
+     "    root = _ROOTS.get(where)\n    if root is None:\n        root = _ROOTS[where] = ",
+     "    root = "),
+]
+
 MEMO_PROGRAM: list[Edit] = [("substrax_tasks/_program.py", "@functools.lru_cache(maxsize=64)\n", "")]
 
 MEMO_LOCK: list[Edit] = [
@@ -204,6 +212,7 @@ LAYERS: dict[str, list[Edit]] = {
     "config-cache": CONFIG_CACHE,
     "stat-loop": STAT_LOOP,
     "memo-projects": MEMO_PROJECTS,
+    "memo-roots": MEMO_ROOTS,
     "memo-program": MEMO_PROGRAM,
     "memo-lock": MEMO_LOCK,
     "memo-bwrap": MEMO_BWRAP,
@@ -217,11 +226,12 @@ def plain_copy(layer: str, dest: Path) -> None:
     for rel, where, new in LAYERS[layer]:
         path = dest / rel
         text = path.read_text()
-        old = where
         if isinstance(where, Span):
             start = text.find(where.start)
             end = text.find(where.end, start + 1)
             old = text[start:end] if start != -1 and end != -1 else where.start
+        else:
+            old = where
         if text.count(old) != 1:
             raise SystemExit(f"{layer}: the edit of {rel} no longer applies (its text is not there once); "
                              "update LAYERS in bench/bench_layers.py")
