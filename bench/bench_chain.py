@@ -502,6 +502,13 @@ def print_report(rows: Sequence[Row]) -> None:
             s = median(row.src.times)
             print(f"{row.steps:>6} steps, wall: --src {s:.3f} s ({s / median(row.baseline.times):.2f}x the "
                   f"baseline; remote/--src {median(row.remote.times) / s:.3f})")
+            # each repeat ran both one after the other: the ratio within a
+            # repeat moves less with the machine's load than either time
+            for what, mine, theirs in (("wall", row.remote.times, row.src.times),
+                                       ("CPU", row.remote.cpu, row.src.cpu)):
+                pairs = sorted(m / o for m, o in zip(mine, theirs, strict=True))
+                print(f"{row.steps:>6} steps, remote/--src {what} per repeat: median {median(pairs):.3f} "
+                      f"({pairs[0]:.3f}-{pairs[-1]:.3f}, {len(pairs)} repeats)")
     print(f"({load_average()} at the end)")
     print(
         "\nper step +: the remote project's extra no-op time per step; 1st no-op: the first run after the "

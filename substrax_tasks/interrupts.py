@@ -20,7 +20,6 @@ START_LATER_SECONDS = 1.0  # how often a run that must wait (its GPUs are held) 
 # waiting on its queue, is never interrupted (that ended in a traceback).
 INTERRUPTED = threading.Event()
 _threaded = [False]  # a phase has run in a worker thread of this process
-_mapped = [False]  # the main thread's signals were mapped (once per process)
 
 
 def _interrupt(signum: int, _frame: object) -> None:
@@ -42,9 +41,6 @@ def map_termination_signals() -> None:
     if threading.current_thread() is not threading.main_thread():
         _threaded[0] = True
         return
-    if _mapped[0]:  # each step's check calls this: 3 getsignal() were ~7 us a step
-        return
-    _mapped[0] = True
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
             signal.signal(sig, _interrupt)

@@ -299,12 +299,6 @@ DOIT_MISTAKES = [
         "did you mean default_backend under [tool.substrax.compute]?",
         id="key-under-substrax",
     ),
-    pytest.param(
-        "[tool.substrax.compute\ndefault_backend = 'local'\n",
-        "pyproject.toml: not valid TOML (Expected ']' at the end of a table declaration (at line 1, "
-        "column 23)); fix the file and run again",
-        id="invalid-toml",  # doit itself reads pyproject.toml before the dodo file
-    ),
 ]
 
 
@@ -321,14 +315,32 @@ def test_doit_names_a_config_mistake_in_one_line(tmp_path: Path, text: str, mess
     assert doit(root).returncode == 0
 
 
-def test_other_uncaught_errors_keep_their_traceback(tmp_path: Path) -> None:
-    """The interpreter hook that tells doit's TOML error in one line
-    (substrax_tasks/step/doit_errors.py) leaves every other error as it was,
-    a TOML error outside doit included."""
-    done = subprocess.run(
-        [sys.executable, "-c", "import tomllib; tomllib.loads('[x')"],
-        capture_output=True, text=True, check=False, cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 1
-    assert done.stderr.startswith("Traceback (most recent call last):"), done.stderr
-    assert "tomllib.TOMLDecodeError" in done.stderr
+def test_a_pyproject_that_is_not_toml_is_told_in_one_line_where_substrax_reads_it(tmp_path: Path) -> None:
+    """doit reads pyproject.toml (for [tool.doit]) in the folder it starts
+    in, before it loads the dodo file: there a file that is not TOML is
+    doit's own error, and no code of the package has run (nothing hooks the
+    interpreter to reword it). Wherever substrax reads the file itself it
+    says so in one line naming the file: the dodo file loaded from another
+    folder (`doit -f project/dodo.py`: doit reads no pyproject.toml there),
+    and the CLI."""
+    root = make_project(tmp_path, STEP, default_tasks=["step"])
+    (root / "pyproject.toml").write_text("[tool.substrax.compute\ndefault_backend = 'local'\n")
+    message = (
+        f"{root / 'pyproject.toml'}: not valid TOML (Expected ']' at the end of a table declaration "
+        "(at line 1, column 23)); fix the file and run again\n"
+    )
+    in_the_project = doit(root)
+    assert in_the_project.returncode == 1, show(in_the_project)
+    assert "TOMLDecodeError" in in_the_project.stderr, show(in_the_project)  # doit's, as doit says it
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    from_elsewhere = doit(outside, "-f", str(root / "dodo.py"))
+    assert from_elsewhere.returncode == 1, show(from_elsewhere)
+    assert from_elsewhere.stderr == f"substrax: error: {message}", show(from_elsewhere)
+    status = cli(root, "status")
+    assert status.returncode == 1
+    assert status.stderr.endswith(message) and "Traceback" not in status.stderr, status.stderr
+    assert not (root / ".substrax").exists()
+    (root / "pyproject.toml").write_text("[tool.substrax.compute]\n")  # fixed: it runs
+    assert doit(outside, "-f", str(root / "dodo.py")).returncode == 0
+    assert (root / "out.txt").read_text() == "ok\n"
