@@ -238,7 +238,7 @@ def test_worker_refuses_isolation_without_sandbox(project: Project) -> None:
 
 
 MODULES = ["config.pyproject", "config.settings", "store.run_store", "store.project", "store.handle",
-           "driver.steplock", "cli.main", "uptodate.check", "driver.step_driver", "step.tasks", "backends",
+           "run.steplock", "cli.main", "uptodate.check", "run.step_driver", "step.tasks", "backends",
            "backends.local.backend", "backends.ssh.backend", "backends.skypilot.backend",
            "backends.skypilot.settings"]
 
