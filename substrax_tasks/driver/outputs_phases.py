@@ -19,11 +19,12 @@ from substrax_tasks.errors import OutputsRefused
 from substrax_tasks.outputs import manifests as manifest_cache
 from substrax_tasks.outputs.promote import JOURNAL, make_safe, promote, recover, safe_manifest
 from substrax_tasks.step import doit_db
+from substrax_tasks.store.phase import Phase
 from substrax_tasks.uptodate import check as uptodate
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import Fetched
-    from substrax_tasks.driver.step_driver import StepDriver
+    from substrax_tasks.driver.run import DrivenRun
     from substrax_tasks.uptodate.check import Step
 
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 REFUSALS_BEFORE_GIVING_UP = 2
 
 
-def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
+def fetch_outputs(driver: DrivenRun) -> TaskFailed | None:
     handle = driver.handle
     if handle is None:
         return None
@@ -62,14 +63,14 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
                 )
         except OutputsRefused:
             seen = (driver.handle or handle).state.get("fetch_refusals")
-            driver._save(handle, fetch_refusals=int(seen or 0) + 1)
+            driver.save(handle, fetch_refusals=int(seen or 0) + 1)
             raise
         return fetched
 
     try:
-        fetched = driver._retrying("fetch", fetch_verified)
+        fetched = driver.retrying("fetch", fetch_verified)
     except manifest_cache.ManifestError as exc:
-        driver._save(handle, verdict={"state": "failed", "message": str(exc)})
+        driver.save(handle, verdict={"state": "failed", "message": str(exc)})
         return TaskFailed(f"step {step!r}: {exc}; nothing was promoted")
     except OutputsRefused as exc:
         current = driver.handle or handle
@@ -82,7 +83,7 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
             "damaged: what it left where it ran was refused twice (its manifest or outputs changed "
             "after the command ended); given up and torn down"
         )
-        driver._save(handle, verdict={"state": "failed", "message": message})
+        driver.save(handle, verdict={"state": "failed", "message": message})
         return TaskFailed(
             f"step {step!r}: {exc}\nRefused again: run {handle.run_id} is recorded damaged and torn "
             f"down, nothing of it promoted; `doit {step}` starts a new run"
@@ -90,7 +91,7 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
     missing = fetched.manifest.get("missing") or []
     if missing:
         message = f"the run did not produce declared output(s) {', '.join(missing)}"
-        driver._save(handle, verdict={"state": "failed", "message": message})
+        driver.save(handle, verdict={"state": "failed", "message": message})
         return TaskFailed(f"step {driver.spec.step!r}: run {handle.run_id}: {message}; nothing was promoted")
     # The modes the outputs will have here (no setuid bit, ...): the
     # manifest kept, and every later check, agree with the promoted files.
@@ -100,11 +101,11 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
     driver.fetched = fetched
     # A copy that verified ends the count: a later refusal (outputs changed
     # here, fetched again) starts it anew.
-    driver._save(handle, phase="fetched", manifest_digest=fetched.manifest["digest"], fetch_refusals=0)
+    driver.advance(handle, Phase.FETCHED, manifest_digest=fetched.manifest["digest"], fetch_refusals=0)
     return None
 
 
-def promote_outputs(driver: StepDriver) -> TaskFailed | None:
+def promote_outputs(driver: DrivenRun) -> TaskFailed | None:
     handle, fetched, restored, step = driver.handle, driver.fetched, driver.restored, driver.spec.step
     if fetched is None or (handle is None and restored is None):
         return None  # no run driven here (a rerun that found nothing to do)
@@ -146,12 +147,12 @@ def promote_outputs(driver: StepDriver) -> TaskFailed | None:
     if renamed:
         manifest_cache.renamed_into_place(driver.root, outputs, cache)
     if handle is not None:
-        driver._save(handle, phase="promoted")
+        driver.advance(handle, Phase.PROMOTED)
     uptodate.write_record(driver.step, **record_of(driver, digest))
     return None
 
 
-def record_of(driver: StepDriver, digest: str) -> dict[str, Any]:
+def record_of(driver: DrivenRun, digest: str) -> dict[str, Any]:
     """What the step record says of outputs just verified and promoted."""
     handle, restored, parts = driver.handle, driver.restored, driver.parts
     verified = {"key": uptodate.key(parts), "key_parts": parts, "digest": digest,
@@ -180,7 +181,7 @@ def acknowledge(step: Step, run_id: str) -> None:
             uptodate.write_record(step, acknowledged=run_id)
 
 
-def journal(driver: StepDriver, run_id: str | None) -> Path:
+def journal(driver: DrivenRun, run_id: str | None) -> Path:
     """Where a promotion is journaled: the run's folder, or beside the
     step record for a restore from the run cache (no run folder)."""
     if run_id is None:
@@ -189,7 +190,7 @@ def journal(driver: StepDriver, run_id: str | None) -> Path:
     return driver.project.store.run_dir(run_id) / JOURNAL
 
 
-def recover_promotion(driver: StepDriver) -> None:
+def recover_promotion(driver: DrivenRun) -> None:
     """A promotion of the step's last run (or restore) that a kill
     interrupted is finished first: nothing reads the outputs half old."""
     run_id = uptodate.read_record(driver.step).get("run_id")

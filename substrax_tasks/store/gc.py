@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks.errors import SubstraxError
+from substrax_tasks.store.phase import Phase
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import Backend, Leak
@@ -62,7 +63,7 @@ def removable(project: Project, handles: list[RunHandle]) -> list[Path]:
             status = project.backend_for(handle).status(handle)
         except SubstraxError:
             continue
-        outputs_home = handle.state.get("phase") == "promoted" or status.state != "succeeded"
+        outputs_home = Phase.of(handle.state) is Phase.PROMOTED or status.state != "succeeded"
         if status.final and outputs_home:
             for path in sorted(store.run_dir(handle.run_id).iterdir()):
                 kept = path.name in KEPT_IN_RUN or path.name.endswith(".log") or str(path) in referenced
