@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from substrax_tasks.backends.base import ENDED_BY_ITS_WORKER, FINAL_STATES
+from substrax_tasks.backends.scripts import remote_module
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.phase import Phase, PhaseError, moved_to, progress, reached
 from substrax_tasks.store.run_store import RunStore
@@ -77,3 +79,10 @@ def test_the_store_checks_the_move_against_the_phase_on_disk_and_update_state_wr
     store.advance(created, Phase.REFETCH)  # the stale copy's state is merged under the disk's
     assert store.read(created.run_id).state == {"phase": "refetch", "refetches": 1}
 
+
+def test_the_clients_final_states_are_the_workers_and_lost() -> None:
+    """remote/control.py runs on hosts and imports nothing of the package:
+    the client's list is checked against the very file the worker runs."""
+    assert frozenset(remote_module("control").FINAL_STATES) == ENDED_BY_ITS_WORKER
+    assert ENDED_BY_ITS_WORKER | {"lost"} == FINAL_STATES
+    assert [s for s in remote_module("control").STATES if s not in FINAL_STATES] == ["starting", "running"]

@@ -25,7 +25,15 @@ if TYPE_CHECKING:  # pydantic: not imported by a restore from the run cache, whi
     from substrax_tasks.store.handle import RunHandle
     from substrax_tasks.store.run_store import RunStore
 
-FINAL_STATES = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost"})
+# The states a run's worker writes as its command ends: remote/control.py's
+# FINAL_STATES (a script that runs on hosts and imports nothing of this
+# package; tests/test_phase.py holds the two equal). A run in one is over,
+# whatever else of its records is damaged.
+ENDED_BY_ITS_WORKER = frozenset({"succeeded", "failed", "timed_out", "cancelled"})
+# The one final state only the client concludes: the worker vanished without
+# writing one (it may have left its command's tree behind).
+LOST = "lost"
+FINAL_STATES = ENDED_BY_ITS_WORKER | {LOST}
 LOG_POLL_SECONDS = 0.2
 # The most of one run's log shown or kept here: a host that streams without
 # end (a run.log replaced by /dev/zero) cannot fill this machine's disk or

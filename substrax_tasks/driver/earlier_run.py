@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from substrax_tasks.backends.base import ENDED_BY_ITS_WORKER
 from substrax_tasks.backends.scripts import control
 from substrax_tasks.console import emit
 from substrax_tasks.errors import HandleError, SubstraxError
@@ -19,13 +20,6 @@ if TYPE_CHECKING:
     from substrax_tasks.backends.base import RunStatus
     from substrax_tasks.driver.run import DrivenRun
     from substrax_tasks.store.handle import RunHandle
-
-# The states only a worker writes, as its command ended: a run whose
-# status file says one is over, whatever else of its records is damaged.
-# ("lost" is not one: a worker killed without a sandbox may leave its
-# command's tree behind.)
-ENDED_BY_ITS_WORKER = frozenset({"succeeded", "failed", "timed_out", "cancelled"})
-
 
 def last_run(driver: DrivenRun) -> RunHandle | None:
     """The step's last run. A damaged step record or handle is moved aside
@@ -151,7 +145,7 @@ def reusable_run(driver: DrivenRun, key: str) -> RunHandle | None:
         return None
     same_key = handle.state.get("key") == key
     status = earlier_status(driver, handle, same_key)
-    if status is None or not same_key or status.state in ("lost", "failed", "timed_out", "cancelled"):
+    if status is None or not same_key or (status.final and status.state != "succeeded"):
         return None
     backend = driver.backend(handle)
     if not status.final:
