@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from substrax_tasks.backends.base import ENDED_BY_ITS_WORKER
-from substrax_tasks.backends.scripts import control
 from substrax_tasks.console import emit
 from substrax_tasks.errors import HandleError, SubstraxError
 from substrax_tasks.store.phase import Phase, reached
@@ -55,6 +53,10 @@ def last_run(driver: DrivenRun) -> RunHandle | None:
 def ended_by_its_worker(run_dir: Path) -> bool:
     """The run's worker wrote its final status here (the local backend's;
     a remote run's is on its host, out of reach without its handle)."""
+    # Not on a no-op's path: the driver is imported by every doit, this only by a launch.
+    from substrax_tasks.backends.base import ENDED_BY_ITS_WORKER
+    from substrax_tasks.backends.scripts import control
+
     record = control().read_json(str(run_dir / "status.json"))
     return isinstance(record, dict) and record.get("state") in ENDED_BY_ITS_WORKER
 
