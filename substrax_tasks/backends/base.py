@@ -212,6 +212,28 @@ class Backend(ABC):
         """Whether a finished run's outputs can still be fetched again."""
         return False
 
+    def ran_on(self, handle: RunHandle) -> str:
+        """Where the run ran, in words a user knows (a host, a cluster): the
+        provenance of an entry of the run cache. Default: this machine."""
+        import socket
+
+        return socket.gethostname()
+
+    # -- what the run holds, read from its handle alone: asked of runs whose
+    # pinned settings this release may not accept, so no backend is built.
+    @classmethod
+    def released(cls, handle: RunHandle) -> bool:
+        """The run was torn down: it holds nothing where it ran any more.
+        Default: it never held anything there but its folder here."""
+        return False
+
+    @classmethod
+    def lifetime_left(cls, handle: RunHandle, now: float | None = None) -> float | None:
+        """Seconds until the run's lifetime timer ends it and what it holds
+        (negative: overdue); None for a run that holds no machine (never
+        armed, torn down, or a backend with no timer)."""
+        return None
+
     @abstractmethod
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         """Remove what the run holds (folders, machines). Keeps the handle

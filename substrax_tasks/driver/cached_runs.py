@@ -4,7 +4,6 @@ say in the step record where the outputs came from, keep a promoted run."""
 from __future__ import annotations
 
 import shutil
-import socket
 import threading
 from typing import TYPE_CHECKING
 
@@ -75,8 +74,8 @@ def keep_after(driver: DrivenRun, fetched: Fetched) -> None:
     if fetched.saw_whole_project:
         _say_once_not_kept(driver.step.name, handle.run_id)
         return
-    host = handle.settings.get("host") or handle.state.get("cluster") or socket.gethostname()
-    provenance = {"run_id": handle.run_id, "backend": handle.backend, "host": str(host)}
+    where = driver.backend(handle).ran_on(handle)
+    provenance = {"run_id": handle.run_id, "backend": handle.backend, "host": where}
     try:
         key = cache_key(driver.parts, run_cache.settings.key_backend)
         run_cache.save(driver.step, key, manifest, provenance)

@@ -83,7 +83,7 @@ def _places(project: Project, handles: list[RunHandle]) -> Iterator[tuple[str, C
     seen: set[str] = set()
     for handle in handles:
         key = repr((handle.backend, sorted(handle.settings.items())))
-        if key not in seen and not handle.state.get("torn_down"):
+        if key not in seen and not _released(handle):
             seen.add(key)
             yield handle.backend, functools.partial(project.backend_for, handle)
     for name, pinned in project.settings.items():
@@ -91,6 +91,16 @@ def _places(project: Project, handles: list[RunHandle]) -> Iterator[tuple[str, C
         if key not in seen:
             seen.add(key)
             yield name, functools.partial(_configured, project, name)
+
+
+def _released(handle: RunHandle) -> bool:
+    """The run was torn down (a backend this release does not know: not)."""
+    from substrax_tasks.backends.registry import backend_class
+
+    try:
+        return backend_class(handle.backend).released(handle)
+    except KeyError:
+        return False
 
 
 def _configured(project: Project, name: str) -> Backend:
