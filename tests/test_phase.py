@@ -1,6 +1,7 @@
 """A run's durable phase (store/phase.py): one order, only forward, a refetch
 its own phase; recorded by the chain through RunStore.advance, which checks
-the move against the phase on disk, and by no backend."""
+the move against the phase on disk, and by no backend. And the one list of
+final states, the worker's and the client's."""
 
 from __future__ import annotations
 
