@@ -1,59 +1,104 @@
 #!/usr/bin/env python3
-"""The size figures of issue 20: how much code there is to read.
+"""The package's lines by concept (issue 30): how much code each word of the
+design holds, and where it was before a move.
 
-    .venv/bin/python bench/bench_lines.py [--strict]
+    .venv/bin/python bench/bench_lines.py [--before REV]
 
-Counts lines as `wc -l` does (newline characters) in the package
-(`find substrax_tasks -name "*.py" | xargs cat | wc -l`, goal <= 4,800), in
-`remote/` (`cat remote/*.py | wc -l`, goal <= 1,400) and in each module of
-both (goal: none over 400). Prints a table, the largest modules first;
-`--strict` exits 1 when a goal is missed.
+Counts lines as `wc -l` does (newline characters) in each concept package
+of `substrax_tasks/` (its top-level folders; `backends/` split into the shared
+contract and one row per backend), the leaves at its top level, and the
+worker's `remote/`. With `--before REV` (a commit, e.g. the one before a move)
+a second pair of columns counts that commit's files, each put under the
+concept its file belongs to now: git's rename detection (`git diff -M`)
+follows each file from REV to the working tree's commit; a file that was
+deleted or merged away is counted under "(gone)".
+It measures and prints; it asserts nothing (the old line caps are withdrawn:
+a module is as large as its one concept).
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
-import sys
+import subprocess
+from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGE_GOAL = 4800
-REMOTE_GOAL = 1400
-MODULE_GOAL = 400
-SHOWN = 8  # the largest modules listed
+PACKAGE = "substrax_tasks"
+BACKENDS = ("local", "ssh", "skypilot")
 
 
-def lines(path: Path) -> int:
-    return path.read_bytes().count(b"\n")
+def concept(path: str) -> str:
+    """The row a file of the repository counts under."""
+    parts = Path(path).parts
+    if parts[0] == "remote":
+        return "remote/ (the worker)"
+    if len(parts) == 2:
+        return "top level (leaves)"
+    if parts[1] == "backends" and len(parts) > 3 and parts[2] in BACKENDS:
+        return f"backends/{parts[2]}"
+    return f"{parts[1]}/"
 
 
-def main() -> int:
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
+def tracked_now() -> dict[str, int]:
+    files = git("ls-files", "--", PACKAGE, "remote").split()
+    return {f: (REPO / f).read_bytes().count(b"\n") for f in files if f.endswith(".py")}
+
+
+def tracked_at(rev: str) -> dict[str, int]:
+    files = git("ls-tree", "-r", "--name-only", rev, "--", PACKAGE, "remote").split()
+    return {f: git("show", f"{rev}:{f}").count("\n") for f in files if f.endswith(".py")}
+
+
+def where_now(rev: str) -> dict[str, str | None]:
+    """Each file of `rev` -> its path now (None: deleted)."""
+    moved: dict[str, str | None] = {}
+    for line in git("diff", "-M30%", "--name-status", rev, "HEAD", "--", PACKAGE, "remote").splitlines():
+        status, *paths = line.split("\t")
+        if status.startswith("R"):
+            moved[paths[0]] = paths[1]
+        elif status.startswith("D"):
+            moved[paths[0]] = None
+    return moved
+
+
+def table(counts: dict[str, int], rows: dict[str, str | None]) -> dict[str, tuple[int, int]]:
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for path, n in counts.items():
+        now = rows.get(path, path)
+        row = "(gone)" if now is None else concept(now)
+        out[row][0] += 1
+        out[row][1] += n
+    return {row: (m, n) for row, (m, n) in out.items()}
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
+    parser.add_argument("--before", metavar="REV", help="also count this commit, by today's concepts")
     args = parser.parse_args()
-
-    package = sorted((REPO / "substrax_tasks").rglob("*.py"))
-    remote = sorted((REPO / "remote").glob("*.py"))
-    sizes = {path.relative_to(REPO).as_posix(): lines(path) for path in package + remote}
-    over = {name: n for name, n in sizes.items() if n > MODULE_GOAL}
-    figures = [
-        ("substrax_tasks/**/*.py", sum(lines(p) for p in package), f"<= {PACKAGE_GOAL:,}",
-         sum(lines(p) for p in package) <= PACKAGE_GOAL),
-        ("remote/*.py", sum(lines(p) for p in remote), f"<= {REMOTE_GOAL:,}",
-         sum(lines(p) for p in remote) <= REMOTE_GOAL),
-        (f"modules over {MODULE_GOAL} lines", len(over), "0", not over),
-    ]  # fmt: skip
-
-    print(f"{'figure':<28} {'value':>7}  {'goal':<9} met")
-    for name, value, goal, met in figures:
-        print(f"{name:<28} {value:>7,}  {goal:<9} {'yes' if met else 'NO'}")
-    print(f"\nthe {SHOWN} largest modules:")
-    for name, n in sorted(sizes.items(), key=lambda item: -item[1])[:SHOWN]:
-        print(f"  {n:>5}  {name}{'  (over the goal)' if n > MODULE_GOAL else ''}")
-    return 1 if args.strict and not all(met for *_, met in figures) else 0
+    now = table(tracked_now(), {})
+    before = table(tracked_at(args.before), where_now(args.before)) if args.before else {}
+    rows = sorted(set(now) | set(before), key=lambda r: (r.startswith(("top", "remote", "(")), r))
+    head = f"{'concept':<26}{'modules':>9}{'lines':>8}"
+    if args.before:
+        head += f"{'modules':>12}{'lines':>8}   (before: {args.before})"
+    print(head)
+    for row in [*rows, "total"]:
+        if row == "total":
+            m_now, n_now = (sum(v[i] for v in now.values()) for i in (0, 1))
+            m_was, n_was = (sum(v[i] for v in before.values()) for i in (0, 1))
+        else:
+            m_now, n_now = now.get(row, (0, 0))
+            m_was, n_was = before.get(row, (0, 0))
+        line = f"{row:<26}{m_now:>9}{n_now:>8}"
+        if args.before:
+            line += f"{m_was:>12}{n_was:>8}"
+        print(line)
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly, as for any Unix tool
-    sys.exit(main())
+    main()

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from substrax_tasks.outputs.manifests import (
+from substrax_tasks.uptodate.manifests import (
     HashCache,
     build_manifest,
     manifest_module,

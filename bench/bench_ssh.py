@@ -98,18 +98,18 @@ from typing import Any, Protocol
 
 from _common import cli_argv, fmt_s, load_average, marker_processes, median, read_cmdline, scratch_parent
 
-import substrax_tasks.outputs.promote as promote_module
+import substrax_tasks.run.promote as promote_module
 from substrax_tasks.backends.remote_run import RemoteRun
 from substrax_tasks.backends.ssh.backend import SshBackend
 from substrax_tasks.backends.ssh.connection import SshConnection
-from substrax_tasks.driver.step_driver import StepDriver
 from substrax_tasks.errors import BackendError
-from substrax_tasks.outputs import manifests as manifest_cache
+from substrax_tasks.run.step_driver import StepDriver
 from substrax_tasks.step.spec import make_spec, safe_name
 from substrax_tasks.step.tasks import project_of
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.project import Project
 from substrax_tasks.transports.rsync import RsyncTransport
+from substrax_tasks.uptodate import manifests as manifest_cache
 from substrax_tasks.uptodate.check import DOIT_VALUE, Step
 
 REPO = Path(__file__).resolve().parents[1]

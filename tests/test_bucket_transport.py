@@ -21,9 +21,9 @@ from conftest import on_a_terminal
 from s3_server import S3Server
 
 from substrax_tasks.errors import BackendError
-from substrax_tasks.outputs import manifests as manifest_cache
 from substrax_tasks.transports.base import MAX_MANIFEST_BYTES
 from substrax_tasks.transports.bucket import BucketTransport
+from substrax_tasks.uptodate import manifests as manifest_cache
 
 ROOT = os.geteuid() == 0
 OUTPUTS = ["model.bin", "reports/", "logs/", "never.txt"]

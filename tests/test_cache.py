@@ -512,7 +512,7 @@ def _make_entry_privileged(entry_file: Path, objects: Path) -> None:
     """Rewrite an entry as a writer of the store could: its manifest gives
     setuid, sticky and world-writable modes (its digest taken again, so the
     entry is whole), and its objects get them too."""
-    from substrax_tasks.outputs.manifests import manifest_module
+    from substrax_tasks.uptodate.manifests import manifest_module
 
     entry = json.loads(entry_file.read_text())
     manifest = entry["manifest"]

@@ -14,7 +14,7 @@ from dodo_helpers import wait_for
 from ssh_helpers import needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks.backends.ssh.openssh import ClusterTarget
+from substrax_tasks.transports.openssh import ClusterTarget
 
 pytestmark = [needs_sshd, needs_root]
 

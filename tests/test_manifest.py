@@ -1,5 +1,5 @@
 """Manifests of output trees (remote/manifest.py) and their local use
-(substrax_tasks.outputs.manifests), on real files."""
+(substrax_tasks.uptodate.manifests), on real files."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any, cast
 import pytest
 
 from substrax_tasks.backends.scripts import remote_script
-from substrax_tasks.outputs.manifests import (
+from substrax_tasks.uptodate.manifests import (
     HashCache,
     ManifestError,
     build_manifest,

@@ -139,7 +139,7 @@ def test_a_private_runtime_dir_is_preferred_and_a_loose_one_passed_over(
 def test_the_control_folder_falls_back_to_tmp_when_the_temp_folder_is_long(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from substrax_tasks.backends.ssh.openssh import CONTROL_DIR_MAX
+    from substrax_tasks.transports.openssh import CONTROL_DIR_MAX
 
     long_base = tmp_path / ("x" * 80)
     monkeypatch.setattr(tempfile, "tempdir", str(long_base))

@@ -251,8 +251,8 @@ code = DoitMain(DodoTaskLoader()).run([])
 print(sorted(sys.modules))
 sys.exit(code)
 """
-NOT_ON_A_NOOP = ("pydantic", "filelock", "uuid", "substrax_tasks.outputs.promote",
-                 "substrax_tasks.driver.steplock", "substrax_tasks.backends.job", "substrax_tasks.backends")
+NOT_ON_A_NOOP = ("pydantic", "filelock", "uuid", "substrax_tasks.run.promote",
+                 "substrax_tasks.run.steplock", "substrax_tasks.backends.job", "substrax_tasks.backends")
 
 
 # After the run, is anything still holding doit's tasks? (The runners stay in

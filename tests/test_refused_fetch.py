@@ -28,7 +28,7 @@ from ssh_helpers import (
 )
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks.outputs import manifests as manifest_cache
+from substrax_tasks.uptodate import manifests as manifest_cache
 
 pytestmark = [needs_sshd, needs_root]
 

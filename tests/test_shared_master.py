@@ -18,12 +18,12 @@ from dodo_helpers import wait_for
 from ssh_helpers import held_sessions, needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks.backends.ssh.openssh import SshTarget
+from substrax_tasks.transports.openssh import SshTarget
 
 FETCH = """
 import json, sys
 from pathlib import Path
-from substrax_tasks.backends.ssh.openssh import SshTarget
+from substrax_tasks.transports.openssh import SshTarget
 from substrax_tasks.transports.rsync import RsyncTransport
 target = SshTarget(**json.loads(sys.argv[1]))
 RsyncTransport(target, show_progress=False).download(sys.argv[2], ["a.txt"], Path(sys.argv[3]))

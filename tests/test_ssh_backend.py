@@ -38,10 +38,10 @@ from ssh_helpers import (
 )
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks.backends.ssh.openssh import SshTarget
 from substrax_tasks.backends.ssh.settings import SshSettings
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.project import Project
+from substrax_tasks.transports.openssh import SshTarget
 
 STEP = one_step(shell="mkdir -p out && echo made-remotely > out/x.txt", outputs=["out/"], retries=2)
 
@@ -229,7 +229,7 @@ def test_cancel_after_the_worker_was_killed_stops_the_orphaned_tree(
 PROGRESS_SCRIPT = """
 import json, sys
 from pathlib import Path
-from substrax_tasks.backends.ssh.openssh import SshTarget
+from substrax_tasks.transports.openssh import SshTarget
 from substrax_tasks.transports.rsync import RsyncTransport
 target = SshTarget(**json.loads(sys.argv[1]))
 try:

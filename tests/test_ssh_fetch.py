@@ -31,14 +31,14 @@ from substrax_tasks.backends.base import Fetched
 from substrax_tasks.backends.remote_run import RemoteRun
 from substrax_tasks.backends.ssh.backend import SshBackend
 from substrax_tasks.errors import BackendError, HostRefused
-from substrax_tasks.outputs import manifests as manifest_cache
-from substrax_tasks.outputs.manifests import ManifestError
-from substrax_tasks.outputs.promote import RSYNC_SAFE_CHMOD, safe_mode
+from substrax_tasks.run.promote import RSYNC_SAFE_CHMOD, safe_mode
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.project import Project
 from substrax_tasks.transports.base import TransferStats
 from substrax_tasks.transports.rsync import RsyncTransport
+from substrax_tasks.uptodate import manifests as manifest_cache
+from substrax_tasks.uptodate.manifests import ManifestError
 
 pytestmark = [needs_sshd, needs_root]
 

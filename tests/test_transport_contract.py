@@ -21,11 +21,11 @@ from s3_server import S3Server
 from ssh_helpers import needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks.backends.ssh.openssh import SshTarget
 from substrax_tasks.errors import BackendError
-from substrax_tasks.outputs import manifests as manifest_cache
 from substrax_tasks.transports.bucket import BucketTransport
+from substrax_tasks.transports.openssh import SshTarget
 from substrax_tasks.transports.rsync import RsyncTransport
+from substrax_tasks.uptodate import manifests as manifest_cache
 
 TREE = {
     "a.txt": b"alpha\n",

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from substrax_tasks.outputs import manifests as manifest_cache
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.run_store import RunStore
 from substrax_tasks.uptodate import check as uptodate
+from substrax_tasks.uptodate import manifests as manifest_cache
 from substrax_tasks.uptodate import walk as tree
 from substrax_tasks.uptodate.check import DOIT_VALUE, Step
 from substrax_tasks.uptodate.proofs import proof_file

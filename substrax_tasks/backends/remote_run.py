@@ -33,11 +33,11 @@ from typing import IO, Any, Protocol
 
 from substrax_tasks.backends.base import MAX_LOG_BYTES, Backend, Fetched, RunStatus, log_cut_note
 from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
-from substrax_tasks.backends.ssh.openssh import MAX_ANSWER_BYTES, AnswerTooBig, RemoteResult
 from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.transports.base import checked_manifest
+from substrax_tasks.transports.openssh import MAX_ANSWER_BYTES, AnswerTooBig, RemoteResult
 from substrax_tasks.transports.rsync import RsyncTransport
 
 MANIFEST_FILE = "manifest.json"  # in the run's folder, written by the worker as the command ended
@@ -322,7 +322,7 @@ class RemoteRun:
                                 what="taking the outputs' manifest", timeout=None, limit=MAX_ANSWER_BYTES)
         said = taken.stderr.decode(errors="replace").strip()
         if taken.returncode == 1 and said.startswith("manifest.py:"):
-            from substrax_tasks.outputs.manifests import ManifestError
+            from substrax_tasks.uptodate.manifests import ManifestError
 
             raise ManifestError(said)
         if taken.returncode != 0:

@@ -47,9 +47,9 @@ from substrax_tasks.cache.storage import (
     write_entry,
 )
 from substrax_tasks.console import emit
-from substrax_tasks.outputs import manifests as manifest_cache
-from substrax_tasks.outputs.promote import safe_manifest
+from substrax_tasks.run.promote import safe_manifest
 from substrax_tasks.step.spec import canonical_digest, safe_name
+from substrax_tasks.uptodate import manifests as manifest_cache
 
 if TYPE_CHECKING:
     from substrax_tasks.store.run_store import RunStore

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from substrax_tasks.atomic import write_bytes_atomic
 from substrax_tasks.errors import BackendError
-from substrax_tasks.outputs.manifests import CacheEntries, HashCache, manifest_module
+from substrax_tasks.uptodate.manifests import CacheEntries, HashCache, manifest_module
 
 if TYPE_CHECKING:
     from filelock import FileLock

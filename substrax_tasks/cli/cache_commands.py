@@ -12,7 +12,7 @@ from substrax_tasks.cache.run_cache import CacheOptions, RunCache
 from substrax_tasks.cache.storage import Damaged
 from substrax_tasks.cli.arguments import arg, command, flag
 from substrax_tasks.errors import BackendError, SubstraxError
-from substrax_tasks.outputs.promote import remove_path
+from substrax_tasks.run.promote import remove_path
 from substrax_tasks.store.gc import removable, remove_leaks, verified_records
 from substrax_tasks.store.project import Project
 

@@ -236,8 +236,8 @@ def member_failure(handle: RunHandle, exc: Exception) -> SubstraxError:
 
 
 def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
-    from substrax_tasks.outputs import manifests as manifest_cache
-    from substrax_tasks.outputs.promote import JOURNAL, make_safe, promote, safe_manifest
+    from substrax_tasks.run.promote import JOURNAL, make_safe, promote, safe_manifest
+    from substrax_tasks.uptodate import manifests as manifest_cache
 
     handle = project.store.read(args.run)
     backend = project.backend_for(handle)

@@ -14,8 +14,8 @@ from doit import doit_cmd
 from doit.dependency import Dependency, SqliteDB
 from doit.loader import get_module, load_tasks
 
-from substrax_tasks.driver.step_driver import StepDriver
 from substrax_tasks.errors import SubstraxError
+from substrax_tasks.run.step_driver import StepDriver
 from substrax_tasks.step.tasks import DRIVERS
 
 if sys.version_info >= (3, 11):

@@ -28,9 +28,9 @@ from typing import Any
 from doit.dependency import UptodateCalculator
 
 from substrax_tasks.config.pyproject import config_key, config_stamp
-from substrax_tasks.driver.step_driver import StepDriver
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.interrupts import map_termination_signals
+from substrax_tasks.run.step_driver import StepDriver
 from substrax_tasks.step.args import check_doit_arguments, name_list, path_list
 from substrax_tasks.step.spec import ArgvItem, PathIndex, StepSpec, make_spec
 from substrax_tasks.store.project import Project
@@ -284,7 +284,7 @@ class CleanOutputs:
 
     def __call__(self, dryrun: bool = False) -> None:  # `dryrun`: doit passes it under `clean -n`
         from substrax_tasks.console import emit
-        from substrax_tasks.outputs.promote import remove_path
+        from substrax_tasks.run.promote import remove_path
 
         for out in self.step.spec.outputs:
             path = self.step.root / out.rstrip("/")

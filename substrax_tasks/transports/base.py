@@ -65,7 +65,7 @@ def checked_manifest(data: bytes, where: str) -> dict[str, Any]:
     damaged one (cut short, or entries that do not give its digest) is an
     OutputsRefused (a BackendError) naming `where`, never a verdict on the
     outputs it lists."""
-    from substrax_tasks.outputs.manifests import manifest_module
+    from substrax_tasks.uptodate.manifests import manifest_module
 
     if len(data) > MAX_MANIFEST_BYTES:
         raise BackendError(

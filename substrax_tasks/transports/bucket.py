@@ -49,7 +49,7 @@ from typing import Any
 
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError
-from substrax_tasks.outputs.promote import safe_mode
+from substrax_tasks.run.promote import safe_mode
 from substrax_tasks.transports.base import MAX_MANIFEST_BYTES, TransferStats, checked_manifest, progress
 
 MAX_WORKERS = 8  # parts copied at once: one request each, so small files do not go one by one

@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from substrax_tasks.backends.ssh.openssh import master_in_use
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError
-from substrax_tasks.outputs.promote import RSYNC_SAFE_CHMOD
+from substrax_tasks.run.promote import RSYNC_SAFE_CHMOD
 from substrax_tasks.transports.base import TransferStats, progress
+from substrax_tasks.transports.openssh import master_in_use
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID

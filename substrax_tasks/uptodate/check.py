@@ -33,8 +33,8 @@ from substrax_tasks import __version__
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.constants import ENV_LOCK_FILES, LOCK_COMPANIONS
 from substrax_tasks.errors import SubstraxError
-from substrax_tasks.outputs import manifests as manifest_cache
 from substrax_tasks.step.spec import StepSpec, canonical_digest, settings_in_key
+from substrax_tasks.uptodate import manifests as manifest_cache
 from substrax_tasks.uptodate import walk as tree
 from substrax_tasks.uptodate.proofs import proof_file
 

@@ -15,7 +15,7 @@ import stat
 from collections.abc import Sequence
 from typing import Any
 
-from substrax_tasks.outputs.manifests import manifest_module
+from substrax_tasks.uptodate.manifests import manifest_module
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a folder, never through a symlink
 

@@ -39,10 +39,11 @@ from substrax_tasks.backends.local.program import resolve_program
 from substrax_tasks.backends.local.settings import LocalSettings
 from substrax_tasks.backends.scripts import control, env, remote_dir, remote_module
 from substrax_tasks.errors import BackendError, SubstraxError
-from substrax_tasks.outputs import manifests as manifest_cache
+from substrax_tasks.hardlinks import link_tree
 from substrax_tasks.poll import wait_readable
 from substrax_tasks.step.view import project_view
 from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.uptodate import manifests as manifest_cache
 
 START_TIMEOUT_SECONDS = 30.0  # worker start-up; bubblewrap probe included
 CANCEL_MARGIN_SECONDS = 10.0  # beyond the grace period, for the SIGKILL and reap
@@ -313,28 +314,6 @@ def worker_environment() -> dict[str, str]:
         **remote_module("sandbox").plain_settings(os.environ),
         **{name: value for name, value in os.environ.items() if name.startswith("SUBSTRAX_")},
     }
-
-
-def link_tree(source: Path, dest: Path) -> None:
-    """Hard-link a file or tree (symlinks copied as links; copies across
-    file systems). What is already at `dest` stays."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if source.is_dir() and not source.is_symlink():
-        shutil.copytree(source, dest, symlinks=True, copy_function=_link_or_copy, dirs_exist_ok=True)
-    elif source.exists() or source.is_symlink():
-        _link_or_copy(str(source), str(dest))
-
-
-def _link_or_copy(source: str, dest: str) -> None:
-    if os.path.lexists(dest):
-        return
-    if Path(source).is_symlink():
-        Path(dest).symlink_to(Path(source).readlink())
-        return
-    try:
-        os.link(source, dest)
-    except OSError:
-        shutil.copy2(source, dest)
 
 
 def interpreter_paths() -> list[str]:

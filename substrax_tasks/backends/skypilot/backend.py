@@ -46,7 +46,6 @@ from substrax_tasks.backends.skypilot.client import (
     job_state,
 )
 from substrax_tasks.backends.skypilot.settings import SkypilotSettings
-from substrax_tasks.backends.ssh.openssh import ClusterTarget
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.interrupts import check_interrupted
@@ -54,6 +53,7 @@ from substrax_tasks.slots import Pool
 from substrax_tasks.step.spec import canonical_digest, settings_in_key
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
+from substrax_tasks.transports.openssh import ClusterTarget
 from substrax_tasks.transports.rsync import RsyncTransport
 
 if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only

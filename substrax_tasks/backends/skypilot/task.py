@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from substrax_tasks.backends.job import WorkerPaths, build_job, project_key
-from substrax_tasks.backends.local.backend import link_tree
 from substrax_tasks.backends.remote_run import checked_script, scripts_digest
 from substrax_tasks.backends.scripts import env
 from substrax_tasks.backends.skypilot.client import SkyCallError, SkyClient
 from substrax_tasks.backends.skypilot.settings import NO_AUTODOWN, SkypilotSettings, cloud_of
 from substrax_tasks.errors import SubstraxError
+from substrax_tasks.hardlinks import link_tree
 from substrax_tasks.step.view import project_view
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore

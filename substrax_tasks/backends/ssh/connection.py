@@ -16,15 +16,15 @@ from pathlib import Path
 
 import paramiko
 
-from substrax_tasks.backends.ssh.openssh import (
+from substrax_tasks.errors import BackendError, SubstraxError
+from substrax_tasks.poll import wait_readable
+from substrax_tasks.transports.openssh import (
     MAX_ANSWER_BYTES,
     STREAM_TICK,
     RemoteResult,
     SshTarget,
     answer_too_big,
 )
-from substrax_tasks.errors import BackendError, SubstraxError
-from substrax_tasks.poll import wait_readable
 
 # Long-lived commands (followers) at once on one connection: sshd lets one
 # connection hold MaxSessions (10 by default) sessions, and the short

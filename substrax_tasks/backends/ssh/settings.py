@@ -19,7 +19,7 @@ from substrax_tasks.backends.settings import (
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing's own from Python 3.11
 
-    from substrax_tasks.backends.ssh.openssh import SshTarget
+    from substrax_tasks.transports.openssh import SshTarget
 
 
 class SshCopySettings(Strict):
@@ -84,7 +84,7 @@ class SshSettings(RemoteSettings):
         )
 
     def target(self) -> SshTarget:
-        from substrax_tasks.backends.ssh.openssh import SshTarget  # paramiko: not to read a configuration
+        from substrax_tasks.transports.openssh import SshTarget  # paramiko: not to read a configuration
 
         return SshTarget(
             host=self.host,

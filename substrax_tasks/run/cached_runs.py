@@ -15,7 +15,7 @@ from substrax_tasks.store.phase import Phase
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import Fetched
-    from substrax_tasks.driver.run import DrivenRun
+    from substrax_tasks.run.driven_run import DrivenRun
 
 # Said once per doit, not per step: the first run not kept (a list, so no global statement).
 _SAID_NOT_KEPT: list[str] = []

@@ -16,15 +16,15 @@ from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.cache.run_cache import cache_key
 from substrax_tasks.console import emit
 from substrax_tasks.errors import OutputsRefused
-from substrax_tasks.outputs import manifests as manifest_cache
-from substrax_tasks.outputs.promote import JOURNAL, make_safe, promote, recover, safe_manifest
+from substrax_tasks.run.promote import JOURNAL, make_safe, promote, recover, safe_manifest
 from substrax_tasks.step import doit_db
 from substrax_tasks.store.phase import Phase
 from substrax_tasks.uptodate import check as uptodate
+from substrax_tasks.uptodate import manifests as manifest_cache
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import Fetched
-    from substrax_tasks.driver.run import DrivenRun
+    from substrax_tasks.run.driven_run import DrivenRun
     from substrax_tasks.uptodate.check import Step
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from substrax_tasks.atomic import write_json_atomic
-from substrax_tasks.outputs.manifests import manifest_module
+from substrax_tasks.uptodate.manifests import manifest_module
 
 JOURNAL = "promotion.json"
 # What no output keeps: a setuid file made by a host's user (or a root

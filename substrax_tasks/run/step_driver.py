@@ -25,8 +25,6 @@ from typing import IO, TYPE_CHECKING, Any, cast
 from doit.exceptions import TaskError, TaskFailed
 
 from substrax_tasks.console import TextSink, emit
-from substrax_tasks.driver.earlier_run import retire_unlaunched, reusable_run
-from substrax_tasks.driver.run import DrivenRun
 from substrax_tasks.errors import BackendError, HandleError, HostRefused, RunFolderDeleted, SubstraxError
 from substrax_tasks.interrupts import (
     INTERRUPTED,
@@ -34,6 +32,8 @@ from substrax_tasks.interrupts import (
     start_when_free,
     started_holding_signals,
 )
+from substrax_tasks.run.driven_run import DrivenRun
+from substrax_tasks.run.earlier_run import retire_unlaunched, reusable_run
 from substrax_tasks.step import doit_db
 from substrax_tasks.step.spec import check_inputs_exist, check_outputs_inside
 from substrax_tasks.store.phase import Phase, reached
@@ -42,7 +42,7 @@ from substrax_tasks.uptodate.check import DOIT_VALUE, Step
 
 if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
     from substrax_tasks.backends.base import Backend
-    from substrax_tasks.driver.steplock import StepLock
+    from substrax_tasks.run.steplock import StepLock
     from substrax_tasks.slots import Slot
     from substrax_tasks.store.handle import RunHandle
     from substrax_tasks.store.project import Project
@@ -156,7 +156,7 @@ class StepDriver(DrivenRun):
         with self._lock:
             fetched, self.fetched = self.fetched, None
         if fetched is not None:  # a run's or a restore's
-            from substrax_tasks.driver.cached_runs import keep_after
+            from substrax_tasks.run.cached_runs import keep_after
 
             keep_after(self, fetched)
 
@@ -221,7 +221,7 @@ class StepDriver(DrivenRun):
         return self._action(self._launch)
 
     def _launch(self) -> None:
-        from substrax_tasks.driver.steplock import StepLock
+        from substrax_tasks.run.steplock import StepLock
 
         self._set(RunState.OPEN)
         self._step_lock = StepLock(self.step.files.lock, self.spec.step)
@@ -231,7 +231,7 @@ class StepDriver(DrivenRun):
         from substrax_tasks.step.view import check_command_in_view  # not on a no-op's path
 
         check_command_in_view(self.spec, self.root)
-        from substrax_tasks.driver.outputs_phases import recover_promotion  # not on a no-op's path
+        from substrax_tasks.run.outputs_phases import recover_promotion  # not on a no-op's path
 
         recover_promotion(self)
         unset = [name for name in self.spec.forward_env if name not in os.environ]
@@ -244,7 +244,7 @@ class StepDriver(DrivenRun):
         key = uptodate.key(parts)
         handle = reusable_run(self, key)
         if handle is None:
-            from substrax_tasks.driver.cached_runs import restored_from_cache
+            from substrax_tasks.run.cached_runs import restored_from_cache
 
             if restored_from_cache(self):  # no run: the later phases find no handle and pass
                 return
@@ -331,7 +331,7 @@ class StepDriver(DrivenRun):
             )
 
     def fetch(self) -> Any:
-        from substrax_tasks.driver.outputs_phases import fetch_outputs  # not on a no-op's path
+        from substrax_tasks.run.outputs_phases import fetch_outputs  # not on a no-op's path
 
         return self._action(lambda: fetch_outputs(self))
 
@@ -340,7 +340,7 @@ class StepDriver(DrivenRun):
         A phase, not the public task's action: a step's outputs are home as
         soon as its own run is fetched, whatever doit does with the other
         tasks of the run (it stops dispatching at the first failure)."""
-        from substrax_tasks.driver.outputs_phases import promote_outputs  # not on a no-op's path
+        from substrax_tasks.run.outputs_phases import promote_outputs  # not on a no-op's path
 
         try:
             return self._action(lambda: promote_outputs(self))
@@ -356,7 +356,7 @@ class StepDriver(DrivenRun):
             # Acknowledged only once doit holds that value (it saves its DB
             # before the process exits): without it, a later doit that finds
             # no value for this task trusts the record, as after a SIGKILL.
-            from substrax_tasks.driver.outputs_phases import acknowledge
+            from substrax_tasks.run.outputs_phases import acknowledge
 
             atexit.register(acknowledge, self.step, run_id)
         return {DOIT_VALUE: run_id}

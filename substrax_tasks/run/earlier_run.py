@@ -16,7 +16,7 @@ from substrax_tasks.uptodate import check as uptodate
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import RunStatus
-    from substrax_tasks.driver.run import DrivenRun
+    from substrax_tasks.run.driven_run import DrivenRun
     from substrax_tasks.store.handle import RunHandle
 
 def last_run(driver: DrivenRun) -> RunHandle | None:
