@@ -486,6 +486,24 @@ def test_status_logs_fetch_cancel_teardown_use_the_pinned_settings(
     assert not remote_run_dir(fast).is_dir()
 
 
+def test_outputs_changed_here_are_fetched_again_from_the_kept_run_each_time_as_a_phase_of_its_own(
+    tmp_path: Path, host: SshHost
+) -> None:
+    step = one_step(shell="mkdir -p out; echo made > out/a.txt", outputs=["out/"])
+    root = make_ssh_project(tmp_path, host, step, keep_remote=True)
+    doit_ok(root)
+    run_id = only_handle(root)["run_id"]
+    for refetches in (1, 2):
+        (root / "out" / "a.txt").write_text("edited here\n")
+        again = doit_ok(root)
+        said = again.stdout + again.stderr
+        assert f"outputs changed here; fetching run {run_id} again" in said, show(again)
+        assert (root / "out" / "a.txt").read_text() == "made\n"
+        state = only_handle(root)["state"]  # the same run, its command not run again
+        # The refetch is recorded as a round of its own, not as the run's start again.
+        assert (state["phase"], state["refetches"]) == ("promoted", refetches), state
+
+
 SWEEP = """
 def task_fit():
     for m in range(8):

@@ -25,7 +25,15 @@ if TYPE_CHECKING:  # pydantic: not imported by a restore from the run cache, whi
     from substrax_tasks.store.handle import RunHandle
     from substrax_tasks.store.run_store import RunStore
 
-FINAL_STATES = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost"})
+# The states a run's worker writes as its command ends: remote/control.py's
+# FINAL_STATES (a script that runs on hosts and imports nothing of this
+# package; tests/test_phase.py holds the two equal). A run in one is over,
+# whatever else of its records is damaged.
+ENDED_BY_ITS_WORKER = frozenset({"succeeded", "failed", "timed_out", "cancelled"})
+# The one final state only the client concludes: the worker vanished without
+# writing one (it may have left its command's tree behind).
+LOST = "lost"
+FINAL_STATES = ENDED_BY_ITS_WORKER | {LOST}
 LOG_POLL_SECONDS = 0.2
 # The most of one run's log shown or kept here: a host that streams without
 # end (a run.log replaced by /dev/zero) cannot fill this machine's disk or
@@ -203,6 +211,28 @@ class Backend(ABC):
     def outputs_available(self, handle: RunHandle) -> bool:
         """Whether a finished run's outputs can still be fetched again."""
         return False
+
+    def ran_on(self, handle: RunHandle) -> str:
+        """Where the run ran, in words a user knows (a host, a cluster): the
+        provenance of an entry of the run cache. Default: this machine."""
+        import socket
+
+        return socket.gethostname()
+
+    # -- what the run holds, read from its handle alone: asked of runs whose
+    # pinned settings this release may not accept, so no backend is built.
+    @classmethod
+    def released(cls, handle: RunHandle) -> bool:
+        """The run was torn down: it holds nothing where it ran any more.
+        Default: it never held anything there but its folder here."""
+        return False
+
+    @classmethod
+    def lifetime_left(cls, handle: RunHandle, now: float | None = None) -> float | None:
+        """Seconds until the run's lifetime timer ends it and what it holds
+        (negative: overdue); None for a run that holds no machine (never
+        armed, torn down, or a backend with no timer)."""
+        return None
 
     @abstractmethod
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:

@@ -381,8 +381,6 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
     log's limit is taken, whatever the host sends: the stream is closed
     there and the cut noted once, as for any log that long; nor is the
     follower waited on past the run's lifetime."""
-    from substrax_tasks.store.handle import lifetime_left
-
     room = max(MAX_LOG_BYTES - offset, 0)
     sent = 0
     left = lifetime_left(handle)
@@ -426,3 +424,20 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
     # blip must not fail a run that goes on there; a host that stays out of
     # reach fails the polling's reads) or, not expected, it ended early.
     return Backend.stream_log(backend, handle, out, follow=not status.final, offset=offset)
+
+
+def released(handle: RunHandle) -> bool:
+    """The run's teardown recorded that it holds nothing there any more."""
+    return bool(handle.state.get("torn_down"))
+
+
+def lifetime_left(handle: RunHandle, now: float | None = None) -> float | None:
+    """From the lifetime timer the launch armed where the run runs (its
+    `watchdog` record: when, for how long), until the run is torn down."""
+    timer = handle.state.get("watchdog")
+    if released(handle) or not isinstance(timer, dict):
+        return None
+    armed, seconds = timer.get("armed_at"), timer.get("seconds")
+    if not isinstance(armed, (int, float)) or not isinstance(seconds, (int, float)):
+        return None
+    return float(armed) + float(seconds) - (time.time() if now is None else now)

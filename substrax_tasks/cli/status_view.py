@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from substrax_tasks.backends.base import Leak, RunStatus
-from substrax_tasks.store.handle import RunHandle, lifetime_left
+from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import Unreadable
 from substrax_tasks.store.selection import group_of
 
@@ -22,6 +22,17 @@ def plain_table(headers: list[str], rows: list[list[str]]) -> str:
         for line in [headers, *rows]
     ]
     return "\n".join(lines)
+
+
+def lifetime_left(handle: RunHandle) -> float | None:
+    """Seconds until the run's lifetime timer ends it, as its backend reads
+    it from the handle; None for a backend this release does not know."""
+    from substrax_tasks.backends.registry import backend_class
+
+    try:
+        return backend_class(handle.backend).lifetime_left(handle)
+    except KeyError:
+        return None
 
 
 def run_record(handle: RunHandle, status: RunStatus, *, latest: bool) -> dict[str, Any]:

@@ -4,7 +4,6 @@ say in the step record where the outputs came from, keep a promoted run."""
 from __future__ import annotations
 
 import shutil
-import socket
 import threading
 from typing import TYPE_CHECKING
 
@@ -12,22 +11,23 @@ from substrax_tasks.cache.run_cache import CacheOptions, RunCache, cache_key
 from substrax_tasks.cache.storage import Damaged
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError
+from substrax_tasks.store.phase import Phase
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import Fetched
-    from substrax_tasks.run.step_driver import StepDriver
+    from substrax_tasks.run.driven_run import DrivenRun
 
 # Said once per doit, not per step: the first run not kept (a list, so no global statement).
 _SAID_NOT_KEPT: list[str] = []
 _SAID_LOCK = threading.Lock()
 
 
-def run_cache_of(driver: StepDriver) -> RunCache | None:
+def run_cache_of(driver: DrivenRun) -> RunCache | None:
     options = CacheOptions(**driver.project.cache)
     return RunCache(options, driver.root, driver.project.store) if options.enabled else None
 
 
-def restored_from_cache(driver: StepDriver) -> bool:
+def restored_from_cache(driver: DrivenRun) -> bool:
     """Whether the driver's step was restored from the cache (its outputs
     staged and verified, to be promoted), unless the step's own check held
     (`doit -a`, or a user's uptodate item, asked for a real run, which then
@@ -54,7 +54,7 @@ def _say_once_not_kept(step: str, run_id: str) -> None:
     )
 
 
-def keep_after(driver: StepDriver, fetched: Fetched) -> None:
+def keep_after(driver: DrivenRun, fetched: Fetched) -> None:
     """As the chain ends, after the outputs are home: drop a restore's staging
     folder, or keep a run just promoted (its `fetched` outputs) as an entry
     (never delaying its promotion). A failure to keep it is one line; the
@@ -69,13 +69,13 @@ def keep_after(driver: StepDriver, fetched: Fetched) -> None:
                 emit(f"{driver.step.name}: could not keep {restored.label} locally: {exc}", err=True)
         return
     manifest = fetched.manifest
-    if run_cache is None or handle is None or handle.state.get("phase") != "promoted":
+    if run_cache is None or handle is None or Phase.of(handle.state) is not Phase.PROMOTED:
         return
     if fetched.saw_whole_project:
         _say_once_not_kept(driver.step.name, handle.run_id)
         return
-    host = handle.settings.get("host") or handle.state.get("cluster") or socket.gethostname()
-    provenance = {"run_id": handle.run_id, "backend": handle.backend, "host": str(host)}
+    where = driver.backend(handle).ran_on(handle)
+    provenance = {"run_id": handle.run_id, "backend": handle.backend, "host": where}
     try:
         key = cache_key(driver.parts, run_cache.settings.key_backend)
         run_cache.save(driver.step, key, manifest, provenance)

@@ -8,33 +8,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from substrax_tasks._remote import control
 from substrax_tasks.console import emit
 from substrax_tasks.errors import HandleError, SubstraxError
+from substrax_tasks.store.phase import Phase, reached
 from substrax_tasks.store.run_store import SET_ASIDE
 from substrax_tasks.uptodate import check as uptodate
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import RunStatus
-    from substrax_tasks.run.step_driver import StepDriver
+    from substrax_tasks.run.driven_run import DrivenRun
     from substrax_tasks.store.handle import RunHandle
 
-# The phases a run's handle records, in order: a run is picked up where it stopped.
-PHASES = ("created", "launched", "set_up", "synced", "started", "fetched", "promoted")
-
-
-def phase_index(phase: object) -> int:
-    return PHASES.index(phase) if isinstance(phase, str) and phase in PHASES else -1
-
-
-# The states only a worker writes, as its command ended: a run whose
-# status file says one is over, whatever else of its records is damaged.
-# ("lost" is not one: a worker killed without a sandbox may leave its
-# command's tree behind.)
-ENDED_BY_ITS_WORKER = frozenset({"succeeded", "failed", "timed_out", "cancelled"})
-
-
-def last_run(driver: StepDriver) -> RunHandle | None:
+def last_run(driver: DrivenRun) -> RunHandle | None:
     """The step's last run. A damaged step record or handle is moved aside
     when the run it may name is provably over; otherwise it is an error
     (that run may be going on: a second must not start beside it)."""
@@ -68,11 +53,15 @@ def last_run(driver: StepDriver) -> RunHandle | None:
 def ended_by_its_worker(run_dir: Path) -> bool:
     """The run's worker wrote its final status here (the local backend's;
     a remote run's is on its host, out of reach without its handle)."""
+    # Not on a no-op's path: the driver is imported by every doit, this only by a launch.
+    from substrax_tasks._remote import control
+    from substrax_tasks.backends.base import ENDED_BY_ITS_WORKER
+
     record = control.read_json(str(run_dir / "status.json"))
     return isinstance(record, dict) and record.get("state") in ENDED_BY_ITS_WORKER
 
 
-def no_run_going(driver: StepDriver) -> bool:
+def no_run_going(driver: DrivenRun) -> bool:
     """No run of the step can be going: each readable handle of it says its
     run ended (a lost one only once what it left was stopped), and each
     unreadable one (whose step cannot be known) has its worker's final
@@ -91,7 +80,7 @@ def no_run_going(driver: StepDriver) -> bool:
     return all(ended_by_its_worker(record.path.parent) for record in unreadable)
 
 
-def set_aside(driver: StepDriver, path: Path, what: str, proof: str) -> None:
+def set_aside(driver: DrivenRun, path: Path, what: str, proof: str) -> None:
     """Keep a damaged record under a name of its own beside it, and say so:
     what it said cannot be read, and the run it names is over."""
     aside = path.with_name(f"{path.name}{SET_ASIDE}{time.strftime('%Y%m%dT%H%M%S')}")
@@ -99,16 +88,16 @@ def set_aside(driver: StepDriver, path: Path, what: str, proof: str) -> None:
     emit(f"{driver.spec.step}: {what} was damaged and {proof}: moved aside to {aside}; going on")
 
 
-def retire_unlaunched(driver: StepDriver) -> None:
+def retire_unlaunched(driver: DrivenRun) -> None:
     """The step's previous run, if its launch never succeeded, would read
     `pending` for ever: record that it was given up."""
     old = last_run(driver)
-    never_launched = old is not None and phase_index(old.state.get("phase")) < phase_index("launched")
+    never_launched = old is not None and not reached(old.state, Phase.LAUNCHED)
     if old is not None and never_launched and not old.state.get("verdict"):
-        driver._save(old, verdict={"state": "failed", "message": "never launched; a newer run replaced it"})
+        driver.save(old, verdict={"state": "failed", "message": "never launched; a newer run replaced it"})
 
 
-def stop_lost(driver: StepDriver, handle: RunHandle, said: str) -> None:
+def stop_lost(driver: DrivenRun, handle: RunHandle, said: str) -> None:
     """A run whose worker died without ending it (killed by the OOM killer,
     say) may have left its command running: that tree is stopped (the
     backend's cancel, control.py's on every backend: found by its cgroup,
@@ -127,12 +116,12 @@ def stop_lost(driver: StepDriver, handle: RunHandle, said: str) -> None:
             f"a new run would start beside it. Stop it (`substrax-compute cancel {handle.run_id}`), "
             "then run again"
         ) from None
-    driver._save(handle, verdict={"state": "lost", "message": said})
+    driver.save(handle, verdict={"state": "lost", "message": said})
     emit(f"{driver.spec.step}: run {handle.run_id} was lost ({said}); stopped what was left of it; "
          "launching a new run")
 
 
-def earlier_status(driver: StepDriver, handle: RunHandle, same_key: bool) -> RunStatus | None:
+def earlier_status(driver: DrivenRun, handle: RunHandle, same_key: bool) -> RunStatus | None:
     """The status of the step's last run, what is left of it stopped if it
     was lost. None: a run of other inputs or settings whose machine cannot
     be asked (it may be gone for good); for a run of today's key that is an
@@ -149,7 +138,7 @@ def earlier_status(driver: StepDriver, handle: RunHandle, same_key: bool) -> Run
     return status
 
 
-def reusable_run(driver: StepDriver, key: str) -> RunHandle | None:
+def reusable_run(driver: DrivenRun, key: str) -> RunHandle | None:
     """The step's last run, if it has today's key and is worth keeping:
     still going (reattach), or finished but not yet fetched. A lost run,
     whatever its key, has what is left of it stopped first."""
@@ -158,16 +147,16 @@ def reusable_run(driver: StepDriver, key: str) -> RunHandle | None:
         return None
     same_key = handle.state.get("key") == key
     status = earlier_status(driver, handle, same_key)
-    if status is None or not same_key or status.state in ("lost", "failed", "timed_out", "cancelled"):
+    if status is None or not same_key or (status.final and status.state != "succeeded"):
         return None
     backend = driver.backend(handle)
     if not status.final:
         emit(f"{driver.spec.step}: reattaching to run {handle.run_id} ({status.state})")
         return handle
-    if handle.state.get("phase") != "promoted":
+    if Phase.of(handle.state) is not Phase.PROMOTED:
         emit(f"{driver.spec.step}: run {handle.run_id} finished; fetching its outputs again")
         return handle
     if not driver.check_held and backend.outputs_available(handle):  # else asked for a real run
         emit(f"{driver.spec.step}: outputs changed here; fetching run {handle.run_id} again")
-        return driver._save(handle, phase="started")
+        return driver.advance(handle, Phase.REFETCH)
     return None

@@ -26,11 +26,12 @@ from substrax_tasks.run.promote import (
     verify_staged,
 )
 from substrax_tasks.step import doit_db
+from substrax_tasks.store.phase import Phase
 from substrax_tasks.uptodate import check as uptodate
 from substrax_tasks.uptodate import manifests as manifest_cache
 
 if TYPE_CHECKING:
-    from substrax_tasks.run.step_driver import StepDriver
+    from substrax_tasks.run.driven_run import DrivenRun
     from substrax_tasks.uptodate.check import Step
 
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 REFUSALS_BEFORE_GIVING_UP = 2
 
 
-def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
+def fetch_outputs(driver: DrivenRun) -> TaskFailed | None:
     handle = driver.handle
     if handle is None:
         return None
@@ -57,16 +58,16 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
                                  f"run {handle.run_id}")  # fmt: skip
         except OutputsRefused:
             seen = (driver.handle or handle).state.get("fetch_refusals")
-            driver._save(handle, fetch_refusals=int(seen or 0) + 1)
+            driver.save(handle, fetch_refusals=int(seen or 0) + 1)
             raise
 
     try:
-        verified = driver._retrying("fetch", fetch_verified)
+        verified = driver.retrying("fetch", fetch_verified)
     except manifest_cache.ManifestError as exc:
-        driver._save(handle, verdict={"state": "failed", "message": str(exc)})
+        driver.save(handle, verdict={"state": "failed", "message": str(exc)})
         return TaskFailed(f"step {step!r}: {exc}; nothing was promoted")
     except NotProduced as exc:
-        driver._save(handle, verdict={"state": "failed", "message": str(exc)})
+        driver.save(handle, verdict={"state": "failed", "message": str(exc)})
         return TaskFailed(f"step {step!r}: run {handle.run_id}: {exc}; nothing was promoted")
     except OutputsRefused as exc:
         current = driver.handle or handle
@@ -79,7 +80,7 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
             "damaged: what it left where it ran was refused twice (its manifest or outputs changed "
             "after the command ended); given up and torn down"
         )
-        driver._save(handle, verdict={"state": "failed", "message": message})
+        driver.save(handle, verdict={"state": "failed", "message": message})
         return TaskFailed(
             f"step {step!r}: {exc}\nRefused again: run {handle.run_id} is recorded damaged and torn "
             f"down, nothing of it promoted; `doit {step}` starts a new run"
@@ -91,11 +92,11 @@ def fetch_outputs(driver: StepDriver) -> TaskFailed | None:
     driver.fetched = verified
     # A copy that verified ends the count: a later refusal (outputs changed
     # here, fetched again) starts it anew.
-    driver._save(handle, phase="fetched", manifest_digest=verified.manifest["digest"], fetch_refusals=0)
+    driver.advance(handle, Phase.FETCHED, manifest_digest=verified.manifest["digest"], fetch_refusals=0)
     return None
 
 
-def promote_outputs(driver: StepDriver) -> TaskFailed | None:
+def promote_outputs(driver: DrivenRun) -> TaskFailed | None:
     handle, fetched, restored, step = driver.handle, driver.fetched, driver.restored, driver.spec.step
     if fetched is None or (handle is None and restored is None):
         return None  # no run driven here (a rerun that found nothing to do)
@@ -124,12 +125,12 @@ def promote_outputs(driver: StepDriver) -> TaskFailed | None:
     except SubstraxError as exc:  # a copy onto another file system that does not match
         return TaskFailed(f"step {step!r}: {exc}")
     if handle is not None:
-        driver._save(handle, phase="promoted")
+        driver.advance(handle, Phase.PROMOTED)
     uptodate.write_record(driver.step, **record_of(driver, str(verified.manifest["digest"])))
     return None
 
 
-def record_of(driver: StepDriver, digest: str) -> dict[str, Any]:
+def record_of(driver: DrivenRun, digest: str) -> dict[str, Any]:
     """What the step record says of outputs just verified and promoted."""
     handle, restored, parts = driver.handle, driver.restored, driver.parts
     verified = {"key": uptodate.key(parts), "key_parts": parts, "digest": digest,
@@ -158,7 +159,7 @@ def acknowledge(step: Step, run_id: str) -> None:
             uptodate.write_record(step, acknowledged=run_id)
 
 
-def journal(driver: StepDriver, run_id: str | None) -> Path:
+def journal(driver: DrivenRun, run_id: str | None) -> Path:
     """Where a promotion is journaled: the run's folder, or beside the
     step record for a restore from the run cache (no run folder)."""
     if run_id is None:
@@ -167,7 +168,7 @@ def journal(driver: StepDriver, run_id: str | None) -> Path:
     return driver.project.store.run_dir(run_id) / JOURNAL
 
 
-def recover_promotion(driver: StepDriver) -> None:
+def recover_promotion(driver: DrivenRun) -> None:
     """A promotion of the step's last run (or restore) that a kill
     interrupted is finished first: nothing reads the outputs half old."""
     run_id = uptodate.read_record(driver.step).get("run_id")

@@ -19,9 +19,8 @@ import contextlib
 import enum
 import os
 import threading
-import time
 from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from doit.exceptions import TaskError, TaskFailed
 
@@ -33,22 +32,20 @@ from substrax_tasks.interrupts import (
     start_when_free,
     started_holding_signals,
 )
-from substrax_tasks.run.earlier_run import phase_index, retire_unlaunched, reusable_run
+from substrax_tasks.run.driven_run import DrivenRun
+from substrax_tasks.run.earlier_run import retire_unlaunched, reusable_run
 from substrax_tasks.step import doit_db
 from substrax_tasks.step.spec import check_inputs_exist, check_outputs_inside
+from substrax_tasks.store.phase import Phase, reached
 from substrax_tasks.uptodate import check as uptodate
 from substrax_tasks.uptodate.check import DOIT_VALUE, Step
 
 if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
-    from substrax_tasks.backends.base import Backend, Fetched
-    from substrax_tasks.cache.run_cache import Restored
+    from substrax_tasks.backends.base import Backend
     from substrax_tasks.run.steplock import StepLock
     from substrax_tasks.slots import Slot
     from substrax_tasks.store.handle import RunHandle
     from substrax_tasks.store.project import Project
-
-RETRY_BACKOFF_SECONDS = 2.0
-_T = TypeVar("_T")
 
 
 class RunState(enum.Enum):
@@ -59,31 +56,17 @@ class RunState(enum.Enum):
     TORN_DOWN = "torn_down"  # teardown done; nothing more happens
 
 
-class StepDriver:
+class StepDriver(DrivenRun):
     """The phases of one step in one doit process, as doit actions."""
 
     def __init__(self, step: Step, project: Project, *, retries: int = 0) -> None:
-        self.step = step
-        self.spec = step.spec
-        self.root = step.root
-        self.project = project
-        self.retries = retries
+        super().__init__(step, project, retries=retries)
         self.state = RunState.IDLE
-        self.handle: RunHandle | None = None
-        self.fetched: Fetched | None = None
-        self.restored: Restored | None = None  # the outputs came from the run cache, not a run
-        # The step's own check held in this doit (step.StepCheck): a run now
-        # is asked for by `-a` or a user's uptodate item, and is a real one.
-        self.check_held = False
-        self.parts: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._step_lock: StepLock | None = None
         self._slot: Slot | None = None  # of the backend's max_parallel pool, from launch to the chain's end
         self._slot_shared = False
         self.pid = os.getpid()
-
-    def backend(self, handle: RunHandle) -> Backend:
-        return self.project.backend_for(handle)
 
     def _set(self, state: RunState) -> None:
         with self._lock:
@@ -140,7 +123,7 @@ class StepDriver:
         self._slot_shared = pool.shared
         if not pool.shared or isinstance(bound, dict):
             return handle
-        return self._save(handle, slot={"pool": pool.name, "index": slot.index})
+        return self.save(handle, slot={"pool": pool.name, "index": slot.index})
 
     def _command_running(self, run_id: str) -> bool:
         """Whether the run `run_id`, which a slot names, has its command
@@ -233,26 +216,6 @@ class StepDriver:
         prefix = f"step {self.spec.step!r}"
         return text if text.startswith(prefix) else f"{prefix}: {text}"
 
-    def _retrying(self, what: str, call: Callable[[], _T]) -> _T:
-        """Retry failures of the machinery, never a failed command."""
-        for attempt in range(self.retries + 1):
-            try:
-                return call()
-            except BackendError as exc:
-                if attempt == self.retries:
-                    raise
-                wait = RETRY_BACKOFF_SECONDS * (attempt + 1)
-                emit(
-                    f"{self.spec.step}: {what} failed ({exc}); "
-                    f"retry {attempt + 1} of {self.retries} in {wait:.0f} s"
-                )
-                time.sleep(wait)
-        raise AssertionError("unreachable")
-
-    def _save(self, handle: RunHandle, **changes: Any) -> RunHandle:
-        self.handle = self.project.store.update_state(handle, **changes)
-        return self.handle
-
     # ------------------------------------------------------------ phases
     def launch(self) -> Any:
         return self._action(self._launch)
@@ -286,30 +249,31 @@ class StepDriver:
             if restored_from_cache(self):  # no run: the later phases find no handle and pass
                 return
             retire_unlaunched(self)
-            handle = self.project.new_run(self.spec, self.step.backend, phase="created", key=key,
-                                          key_parts=parts)  # fmt: skip
+            handle = self.project.new_run(self.spec, self.step.backend, key=key, key_parts=parts)
             uptodate.write_record(self.step, run_id=handle.run_id)
             emit(f"{self.spec.step}: new run {handle.run_id} on {self.step.backend}")
         self.handle = handle
         backend = self.backend(handle)
-        if phase_index(handle.state.get("phase")) < phase_index("launched"):
+        if not reached(handle.state, Phase.LAUNCHED):
             handle = self._take_slot(backend, handle)
-            self._save(self._retrying("launch", lambda: backend.launch(handle)), phase="launched")
+            self.advance(self.retrying("launch", lambda: backend.launch(handle)), Phase.LAUNCHED)
         elif not (status := backend.poll(handle)).final:  # reattached: it holds a slot as a new run does
             self._take_slot(backend, handle, running=status.state == "running")
 
     def setup(self) -> Any:
-        return self._action(lambda: self._advance("set_up", "setup", lambda b, h: b.setup(h)))
+        return self._action(lambda: self._backend_phase(Phase.SET_UP, "setup", lambda b, h: b.setup(h)))
 
     def sync(self) -> Any:
-        return self._action(lambda: self._advance("synced", "sync", lambda b, h: b.sync(h)))
+        return self._action(lambda: self._backend_phase(Phase.SYNCED, "sync", lambda b, h: b.sync(h)))
 
-    def _advance(self, phase: str, what: str, call: Callable[[Backend, RunHandle], RunHandle]) -> None:
+    def _backend_phase(
+        self, phase: Phase, what: str, call: Callable[[Backend, RunHandle], RunHandle]
+    ) -> None:
         handle = self.handle
-        if handle is None or phase_index(handle.state.get("phase")) >= phase_index(phase):
+        if handle is None or reached(handle.state, phase):
             return
         backend = self.backend(handle)
-        self._save(self._retrying(what, lambda: call(backend, handle)), phase=phase)
+        self.advance(self.retrying(what, lambda: call(backend, handle)), phase)
 
     def run(self) -> Any:
         return self._action(self._run)
@@ -320,21 +284,21 @@ class StepDriver:
             return None
         backend = self.backend(handle)
         try:
-            if phase_index(handle.state.get("phase")) < phase_index("started"):
+            if not reached(handle.state, Phase.STARTED):
                 if backend.poll(handle).state == "pending":
                     pending = handle
                     handle = start_when_free(
-                        lambda: self._retrying(
+                        lambda: self.retrying(
                             "start", lambda: started_holding_signals(lambda: backend.start(pending))
                         ),
                         lambda said: emit(f"{self.spec.step}: {said}; waiting"),
                     )
-                handle = self._save(handle, phase="started")
+                handle = self.advance(handle, Phase.STARTED)
             status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)
         except RunFolderDeleted:
             return TaskFailed(f"step {self.spec.step!r}: {self._forget(backend, handle)}")
         except HostRefused as exc:  # as a refused manifest: the run failed, its machine goes
-            self._save(handle, verdict={"state": "failed", "message": str(exc)})
+            self.save(handle, verdict={"state": "failed", "message": str(exc)})
             with contextlib.suppress(BackendError, HostRefused):  # else its lifetime timer ends it
                 if not backend.poll(handle).final:
                     backend.cancel(handle)
@@ -457,9 +421,9 @@ class StepDriver:
             interrupted = True
             self._on_interrupt(backend, handle)
             status = backend.status(handle)
-        launched = phase_index(handle.state.get("phase")) >= phase_index("launched")
+        launched = reached(handle.state, Phase.LAUNCHED)
         done = (
-            handle.state.get("phase") == "promoted"
+            Phase.of(handle.state) is Phase.PROMOTED
             or (status.final and status.state != "succeeded")
             or (status.state == "pending" and launched)  # setup or sync failed: nothing to keep
         )

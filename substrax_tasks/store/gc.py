@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks.errors import SubstraxError
+from substrax_tasks.store.phase import Phase
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import Backend, Leak
@@ -62,7 +63,7 @@ def removable(project: Project, handles: list[RunHandle]) -> list[Path]:
             status = project.backend_for(handle).status(handle)
         except SubstraxError:
             continue
-        outputs_home = handle.state.get("phase") == "promoted" or status.state != "succeeded"
+        outputs_home = Phase.of(handle.state) is Phase.PROMOTED or status.state != "succeeded"
         if status.final and outputs_home:
             for path in sorted(store.run_dir(handle.run_id).iterdir()):
                 kept = path.name in KEPT_IN_RUN or path.name.endswith(".log") or str(path) in referenced
@@ -82,7 +83,7 @@ def _places(project: Project, handles: list[RunHandle]) -> Iterator[tuple[str, C
     seen: set[str] = set()
     for handle in handles:
         key = repr((handle.backend, sorted(handle.settings.items())))
-        if key not in seen and not handle.state.get("torn_down"):
+        if key not in seen and not _released(handle):
             seen.add(key)
             yield handle.backend, functools.partial(project.backend_for, handle)
     for name, pinned in project.settings.items():
@@ -90,6 +91,16 @@ def _places(project: Project, handles: list[RunHandle]) -> Iterator[tuple[str, C
         if key not in seen:
             seen.add(key)
             yield name, functools.partial(_configured, project, name)
+
+
+def _released(handle: RunHandle) -> bool:
+    """The run was torn down (a backend this release does not know: not)."""
+    from substrax_tasks.backends.registry import backend_class
+
+    try:
+        return backend_class(handle.backend).released(handle)
+    except KeyError:
+        return False
 
 
 def _configured(project: Project, name: str) -> Backend:

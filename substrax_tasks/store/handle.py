@@ -8,7 +8,6 @@ Where it lives and how it is written: store.py.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +60,3 @@ def read_handle(path: Path) -> RunHandle:
             f"remove {path.parent} to forget this run"
         ) from None
 
-
-def lifetime_left(handle: RunHandle, now: float | None = None) -> float | None:
-    """Seconds until the run's lifetime timer ends it (negative: overdue);
-    None for a run that holds no machine (local, never armed, torn down)."""
-    timer = handle.state.get("watchdog")
-    if handle.state.get("torn_down") or not isinstance(timer, dict):
-        return None
-    armed, seconds = timer.get("armed_at"), timer.get("seconds")
-    if not isinstance(armed, (int, float)) or not isinstance(seconds, (int, float)):
-        return None
-    return float(armed) + float(seconds) - (time.time() if now is None else now)

@@ -136,8 +136,11 @@ class Project:
     ) -> RunHandle:
         """Create the handle, then launch, set up, sync and start the run.
         Returns once the command has started; the run is detached."""
+        from substrax_tasks.store.phase import Phase
+
         handle = self.new_run(spec, backend, settings)
         runner = self.backend_for(handle)
-        for phase in (runner.launch, runner.setup, runner.sync, runner.start):
-            handle = phase(handle)
+        for act, reached in ((runner.launch, Phase.LAUNCHED), (runner.setup, Phase.SET_UP),
+                             (runner.sync, Phase.SYNCED), (runner.start, Phase.STARTED)):  # fmt: skip
+            handle = self.store.advance(act(handle), reached)
         return handle

@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.errors import HandleError, NoSuchRun, RunFolderDeleted
 from substrax_tasks.step.spec import StepSpec, canonical_digest, safe_name, settings_in_key
+from substrax_tasks.store.phase import Phase, moved_to
 
 if TYPE_CHECKING:
     from substrax_tasks.store.handle import RunHandle
@@ -49,6 +51,7 @@ SET_ASIDE_HANDLES = f"{HANDLE_FILE}{SET_ASIDE}*"
 PROOFS_FILE = "up-to-date.json"
 CLIENT_ID_FILE = "client-id"
 CLIENT_ID = re.compile(r"[0-9a-f]{32}")
+PHASE_KEYS = frozenset({"phase", "refetches"})
 
 
 @dataclass(frozen=True)
@@ -179,17 +182,32 @@ class RunStore:
             spec=spec,
             spec_digest=run_digest(spec, backend, settings),
             created_at=now.isoformat(timespec="milliseconds"),
-            state=state,
+            state={**state, "phase": Phase.CREATED.value},
         )
         write_json_atomic(self.handle_path(run_id), handle.model_dump(mode="json"))
         return handle
 
     def update_state(self, handle: RunHandle, **changes: Any) -> RunHandle:
-        """Merge `changes` into the backend state and write it at once. The
+        """Merge `changes` into the handle's state and write it at once. The
         state on disk is the base (another process, `doit` or `substrax-compute
         cancel`, may have recorded something since `handle` was read), the
         given handle's state the fallback. The handle's lock makes the
-        read-merge-write one step for every process."""
+        read-merge-write one step for every process. The phase is not among
+        the changes: `advance` records it, checked against the one on disk."""
+        if PHASE_KEYS & changes.keys():
+            raise ValueError(f"run {handle.run_id}: its phase is recorded by RunStore.advance alone")
+        return self._merge(handle, lambda current: {**current, **changes})
+
+    def advance(self, handle: RunHandle, phase: Phase, **changes: Any) -> RunHandle:
+        """Record that the chain reached `phase` (with `changes`), never going
+        back from the phase on disk (PhaseError). Only the chain calls it."""
+        return self._merge(
+            handle, lambda current: {**current, **changes, **moved_to(current, phase, handle.run_id)}
+        )
+
+    def _merge(self, handle: RunHandle, merged: Callable[[dict[str, Any]], dict[str, Any]]) -> RunHandle:
+        """Write the handle with its state `merged` from the state on disk
+        (the given handle's filling in what the disk lacks), under its lock."""
         from filelock import FileLock
 
         path = self.handle_path(handle.run_id)
@@ -205,7 +223,7 @@ class RunStore:
                     current = _read(path).state
                 except HandleError:
                     current = {}
-                updated = handle.model_copy(update={"state": {**handle.state, **current, **changes}})
+                updated = handle.model_copy(update={"state": merged({**handle.state, **current})})
                 write_json_atomic(path, updated.model_dump(mode="json"))
         except FileNotFoundError:  # deleted meanwhile
             raise gone from None

@@ -108,7 +108,7 @@ class LocalBackend(Backend):
         if self.settings.sandbox != "none":  # without one, the worker finds what doit would
             resolve_program(job, {**os.environ, **handle.spec.env})
         write_json_atomic(Path(paths.job), job)
-        return self.store.update_state(handle, phase="launched")
+        return handle
 
     def start(self, handle: RunHandle) -> RunHandle:
         paths = self.paths(handle)
@@ -130,7 +130,7 @@ class LocalBackend(Backend):
             raise BackendError(
                 f"run {handle.run_id}: the worker failed to start ({problem or f'exit {code}'}): {tail}"
             )
-        return self.store.update_state(handle, phase="started")
+        return handle
 
     def _record(self, handle: RunHandle) -> dict[str, Any] | None:
         return control.read_json(self.paths(handle).status)

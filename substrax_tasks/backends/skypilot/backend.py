@@ -335,6 +335,17 @@ class SkypilotBackend(Backend):
         manifest = BucketTransport().fetch_run(run_folder, list(handle.spec.outputs), staging)
         return Fetched(staging, manifest)
 
+    def ran_on(self, handle: RunHandle) -> str:
+        return self.cluster(handle)
+
+    @classmethod
+    def released(cls, handle: RunHandle) -> bool:
+        return _remote_run.released(handle)
+
+    @classmethod
+    def lifetime_left(cls, handle: RunHandle, now: float | None = None) -> float | None:
+        return _remote_run.lifetime_left(handle, now)
+
     def outputs_available(self, handle: RunHandle) -> bool:
         if self.settings.bucket is not None:
             from substrax_tasks.transports.bucket import BucketTransport

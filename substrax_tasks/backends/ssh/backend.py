@@ -261,6 +261,17 @@ class SshBackend(Backend):
             self.transport(), list(handle.spec.outputs), staging, handle.state.get("outputs_root")
         )
 
+    def ran_on(self, handle: RunHandle) -> str:
+        return self.settings.host
+
+    @classmethod
+    def released(cls, handle: RunHandle) -> bool:
+        return _remote_run.released(handle)
+
+    @classmethod
+    def lifetime_left(cls, handle: RunHandle, now: float | None = None) -> float | None:
+        return _remote_run.lifetime_left(handle, now)
+
     def outputs_available(self, handle: RunHandle) -> bool:
         if handle.state.get("torn_down") or "remote_run_dir" not in handle.state:
             return False
