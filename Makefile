@@ -157,13 +157,13 @@ test: system-deps install sky-venv $(MYPY38)
 	@echo "==> pytest"
 	@$(BIN)/python -m pytest --ignore=tests/e2e -n 2 --dist loadfile $(PYTEST_ARGS)
 
-# The tests marked `unit` run in this process only (tests/unit_tier.py makes
+# The tests marked `unit` run in this process only (tests/support/unit_tier.py makes
 # spawning a process or opening a connection fail them): no apt, no SkyPilot.
 test-fast: install
-	@$(BIN)/python -m pytest -m unit -p no:cacheprovider $(PYTEST_ARGS)
+	@$(BIN)/python -m pytest tests/unit -p no:cacheprovider $(PYTEST_ARGS)
 
 # The end-to-end tier (root only): a one-node Slurm cluster on this machine
-# (tests/testbeds/slurm_cluster.py: munge, slurmctld, slurmd, an sshd and a
+# (tests/support/testbeds/slurm_cluster.py: munge, slurmctld, slurmd, an sshd and a
 # throwaway cluster user), SkyPilot launching on it through its SDK helper.
 # The bed goes down again even when a test fails or make is interrupted; its
 # own output goes to $(E2E_BED).log, shown when something fails (and the bed's
@@ -175,7 +175,7 @@ E2E_PYTEST_ARGS ?= -rA
 test-e2e: system-deps install sky-venv
 	@echo "==> Slurm test bed up in $(E2E_BED) (its log: $(E2E_BED).log)"
 	@set +e; \
-	bed=tests/testbeds/slurm_cluster.py; log="$(E2E_BED).log"; \
+	bed=tests/support/testbeds/slurm_cluster.py; log="$(E2E_BED).log"; \
 	trap 'exit 130' INT; trap 'exit 143' TERM; \
 	trap 'rc=$$?; trap "" INT TERM; keep=(); [ $$rc -eq 0 ] || keep=(--keep-logs); \
 	  if ! $(BIN)/python "$$bed" down --root "$(E2E_BED)" "$${keep[@]}" >>"$$log" 2>&1; then \

@@ -11,7 +11,7 @@ local big-file row is shown again less a 1-file restore). The
 local big-file row times repeated restores: the first restore of an entry
 (untimed here) hashes each object as it copies it. Baselines:
 `cp --reflink=auto` of the entry's object (local), `rclone copyto` of the
-object from the same S3 server (tests/s3_server.py: rclone serve s3 on
+object from the same S3 server (tests/support/s3_server.py: rclone serve s3 on
 loopback), `rclone copy` of the 20,000-file tree (the issue's baseline: a
 copy that checks each file's size and checksum too) and, as a floor that
 checks nothing, `cp -r --reflink=auto` of it, and a no-op `doit` of 20

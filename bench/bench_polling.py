@@ -4,7 +4,7 @@ started on the host while `doit` waits for a run.
 
     .venv/bin/python bench/bench_polling.py [--seconds SHORT LONG] [--doit PATH]
 
-As root: the test bed's throwaway sshd (tests/testbeds/sshd_host.py) in a
+As root: the test bed's throwaway sshd (tests/support/testbeds/sshd_host.py) in a
 network namespace of its own, a user made for the bench. One step whose
 command sleeps `--seconds` runs through the real `doit` (`--doit` picks the
 installation, e.g. /work/main/.venv/bin/doit for the release before). Once

@@ -1,5 +1,5 @@
 """A SkyPilot sweep with `reuse = true` against one cluster per step, on the
-Slurm test bed (tests/testbeds/slurm_cluster.py; as root, about 15 min).
+Slurm test bed (tests/support/testbeds/slurm_cluster.py; as root, about 15 min).
 
 Each variant is one serial `doit` of STEPS steps that each `sleep SECONDS`,
 on a project of its own (copy transport, bubblewrap), timed from start to

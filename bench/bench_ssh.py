@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_ssh.py [--repeats N] [--trials N] [--login user|root]
 
 It measures and prints; it asserts nothing (unless --strict). The host is the
-test bed's throwaway sshd (tests/testbeds/sshd_host.py): as root in a network
+test bed's throwaway sshd (tests/support/testbeds/sshd_host.py): as root in a network
 namespace of its own, joined by a veth pair (loopback otherwise). By default
 it logs in as a user made for the bench (`sxbench`, no shell start-up files)
 whose home and scratch folder are on tmpfs (/dev/shm); `--login root` logs in
@@ -150,7 +150,7 @@ class BenchError(RuntimeError):
 
 
 class Host(Protocol):
-    """The parts of the test bed's SshHost (tests/testbeds/sshd_host.py) used here."""
+    """The parts of the test bed's SshHost (tests/support/testbeds/sshd_host.py) used here."""
 
     address: str
     port: int
@@ -165,7 +165,7 @@ class Host(Protocol):
 
 
 def load_testbed() -> ModuleType:
-    """tests/testbeds/sshd_host.py, loaded from its file (it is no installed
+    """tests/support/testbeds/sshd_host.py, loaded from its file (it is no installed
     module; loading it by path keeps mypy and the bench independent of
     sys.path). Its functions: start_host, stop_host, ssh_options, missing_tools."""
     name = "substrax_bench_sshd_host"

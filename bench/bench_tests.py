@@ -25,7 +25,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 # About 100 s in one process on a quiet 2-core machine: a doit-heavy module,
 # the worker's process trees, the up-to-date explanations, the run cache.
-DEFAULT_FILES = ["tests/test_why.py", "tests/test_worker.py", "tests/test_cache.py", "tests/test_proofs.py"]
+DEFAULT_FILES = [
+    "tests/integration/chain/test_why.py",
+    "tests/integration/local/test_worker.py",
+    "tests/integration/cache/test_cache.py",
+    "tests/integration/chain/test_proofs.py",
+]
 
 
 def run(files: list[str], extra: list[str]) -> float:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pydantic: not imported by a restore from the run cache, whi
 
 # The states a run's worker writes as its command ends: remote/control.py's
 # FINAL_STATES (a script that runs on hosts and imports nothing of this
-# package; tests/test_phase.py holds the two equal). A run in one is over,
+# package; tests/unit/test_phase.py holds the two equal). A run in one is over,
 # whatever else of its records is damaged.
 ENDED_BY_ITS_WORKER = frozenset({"succeeded", "failed", "timed_out", "cancelled"})
 # The one final state only the client concludes: the worker vanished without

@@ -173,7 +173,7 @@ def verify_staged(fetched: Fetched, outputs: Sequence[str], cache: Path, source:
     it too (a fetch while doit drives the step is refused). The local
     backend stages hard links to the sandbox's own outputs: the command
     could write those, but a run is final only once every process of it
-    has been killed (remote/worker.py). tests/test_fetch_once.py holds
+    has been killed (remote/worker.py). tests/integration/chain/test_fetch_once.py holds
     these to account."""
     missing = list(fetched.manifest.get("missing") or [])
     if missing:

@@ -43,7 +43,7 @@ class Transport(ABC):
     Paths on both sides are relative to a root folder; a transport never
     decides which files matter (the backend lists them) and never promotes
     anything (the chain verifies and promotes what it brought back).
-    tests/test_transport_contract.py holds every implementation to this.
+    tests/contract/test_transport_contract.py holds every implementation to this.
     """
 
     @abstractmethod

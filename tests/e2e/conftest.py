@@ -1,5 +1,5 @@
 """The end-to-end tier: SkyPilot against a real one-node Slurm cluster on
-this machine (tests/testbeds/slurm_cluster.py), through substrax's own
+this machine (tests/support/testbeds/slurm_cluster.py), through substrax's own
 SkyPilot helper.
 
 It runs with `make test-e2e`, which brings the bed up in SUBSTRAX_E2E_BED,

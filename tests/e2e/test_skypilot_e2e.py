@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import marked_pids
 from dodo_helpers import (
     BIN,
     COMPUTE,
@@ -41,6 +40,7 @@ from dodo_helpers import (
     step_ran,
     step_skipped,
 )
+from local_runs import marked_pids
 
 from e2e.conftest import SlurmBedInfo
 from substrax_tasks.backends.skypilot.client import SkyClient

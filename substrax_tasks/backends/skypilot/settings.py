@@ -21,7 +21,7 @@ TABLE = f"{COMPUTE_TABLE}.backends.skypilot"
 
 # Clouds whose instances cannot mount buckets (each cloud's
 # _CLOUD_UNSUPPORTED_FEATURES in SkyPilot 0.14: STORAGE_MOUNTING). Checked
-# against the installed SkyPilot by tests/test_sky_validation.py.
+# against the installed SkyPilot by tests/integration/skypilot/test_sky_validation.py.
 NO_BUCKET_MOUNTS = frozenset({"runpod", "vast", "hyperbolic", "shadeform", "seeweb", "verda", "yotta"})
 # Clouds where SkyPilot cannot autodown: the node's own timer powers it off.
 NO_AUTODOWN = frozenset({"hyperbolic", "primeintellect", "verda", "yotta"})

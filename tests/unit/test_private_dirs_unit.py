@@ -1,0 +1,161 @@
+"""Private folders on a shared machine (issue 18, item 3): the folder of
+ssh's control sockets and the one of the cached resolved configuration are
+used only when they are real folders, ours, writable by no one else; a
+cached configuration is trusted only when it is ours alone.
+
+The unit tests point the temp folder at a folder of the test's own (never
+the real /tmp/substrax-<uid>); the others do what a user does, with TMPDIR
+set: `doit` and an ssh step against a real sshd.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from substrax_tasks import private as _private
+from substrax_tasks.config.pyproject import cache_file, config_stamp
+from substrax_tasks.private import UnsafeFolder, private_dir
+from substrax_tasks.store.project import Project
+
+ROOT = os.geteuid() == 0
+needs_root_to_chown = pytest.mark.skipif(not ROOT, reason="FOREIGN-OWNED FOLDER NOT TESTED: chown needs root")
+OTHER_UID = 65534  # nobody
+UID = os.getuid()
+
+
+@pytest.fixture
+def temp_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The temp folder of this process, for the unit tests: a folder of the test's."""
+    base = tmp_path / "tmp"
+    base.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    return base
+
+
+def plant(base: Path, name: str, how: str) -> Path:
+    """What another user could leave at base/name before we come."""
+    folder = base / name
+    if how == "symlink":
+        target = base / "elsewhere"
+        target.mkdir(mode=0o700)
+        folder.symlink_to(target)
+    elif how == "file":
+        folder.write_text("")
+    else:
+        folder.mkdir()
+        if how == "foreign":
+            os.chown(folder, OTHER_UID, OTHER_UID)
+            folder.chmod(0o700)
+        else:  # "world-writable"
+            folder.chmod(0o777)
+    return folder
+
+
+PLANTED = [
+    pytest.param("foreign", f"belongs to uid {OTHER_UID}, not to you", id="foreign-owned",
+                 marks=needs_root_to_chown),
+    pytest.param("world-writable", "is writable by others (mode 0777)", id="world-writable"),
+    pytest.param("symlink", "is a symlink", id="symlink"),
+    pytest.param("file", "is not a folder", id="file"),
+]  # fmt: skip
+
+
+# ---------------------------------------------------------------- the helper
+
+
+@pytest.mark.unit
+def test_a_new_private_folder_is_ours_and_closed(temp_base: Path) -> None:
+    folder = private_dir("substrax")
+    assert folder == temp_base / f"substrax-{UID}"
+    st = folder.lstat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (UID, 0o700)
+    assert private_dir("substrax") == folder  # found again and accepted
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("how", "fragment"), PLANTED)
+def test_a_planted_folder_is_refused_with_the_fix(temp_base: Path, how: str, fragment: str) -> None:
+    planted = plant(temp_base, f"substrax-ssh-{UID}", how)
+    with pytest.raises(UnsafeFolder) as caught:
+        private_dir("substrax-ssh")
+    message = str(caught.value)
+    assert str(planted) in message and fragment in message
+    assert "set XDG_RUNTIME_DIR or TMPDIR to a folder only you can write" in message
+    if how == "symlink":
+        assert not list((temp_base / "elsewhere").iterdir())  # nothing was put where it leads
+
+
+@pytest.mark.unit
+def test_our_own_folder_that_others_may_only_read_is_closed(temp_base: Path) -> None:
+    """Others could not have put anything in it: its mode is fixed, not refused."""
+    folder = temp_base / f"substrax-{UID}"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    assert private_dir("substrax") == folder
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+
+@pytest.mark.unit
+def test_a_private_runtime_dir_is_preferred_and_a_loose_one_passed_over(
+    temp_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = tmp_path / "run-user"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert private_dir("substrax") == runtime / "substrax"
+    runtime.chmod(0o755)  # not private: the temp folder is used instead
+    assert private_dir("substrax") == temp_base / f"substrax-{UID}"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "relative/path")
+    assert private_dir("substrax") == temp_base / f"substrax-{UID}"
+
+
+@pytest.mark.unit
+def test_the_control_folder_falls_back_to_tmp_when_the_temp_folder_is_long(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from substrax_tasks.transports.openssh import CONTROL_DIR_MAX
+
+    long_base = tmp_path / ("x" * 80)
+    monkeypatch.setattr(tempfile, "tempdir", str(long_base))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    assert _private.private_path("substrax-ssh", CONTROL_DIR_MAX) == Path(f"/tmp/substrax-ssh-{UID}")
+
+
+# --------------------------------------------------- the cached configuration
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("how", ["group-writable", pytest.param("foreign", marks=needs_root_to_chown)])
+def test_a_cached_configuration_not_ours_alone_is_not_trusted(
+    temp_base: Path, tmp_path: Path, how: str
+) -> None:
+    """A cache with the right stamp naming another state_dir, as someone
+    could leave it: validated again, the configured state_dir stands."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "pyproject.toml").write_text('[tool.substrax.compute]\nstate_dir = "mine"\n')
+    assert Project.open(root).store.root == root / "mine"  # made the cache
+    path = cache_file(root)
+    data = json.loads(path.read_text())
+    assert data["stamp"] == config_stamp(root)
+    path.write_text(json.dumps({**data, "state_dir": str(tmp_path / "theirs")}))
+    if how == "foreign":
+        os.chown(path, OTHER_UID, OTHER_UID)
+    else:
+        path.chmod(0o620)
+    assert Project.open(root).store.root == root / "mine"
+    st = path.stat()  # and replaced by one of ours
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (UID, 0o600)
+    assert json.loads(path.read_text())["state_dir"] == str(root / "mine")
+
+
+# ------------------------------------------------------------ as a user sees it
+
+

@@ -1,0 +1,136 @@
+"""A run sees only what its step declares (issue 28, item 1): its inputs and
+the environment's lock file. So every file the run could see is covered by
+the up-to-date key and the run cache's key: a second clone whose undeclared
+helper differs never gets the first clone's output, an edit of a declared
+helper reruns the step and `why` names it, an edit of an undeclared file
+reruns nothing, and a command naming an undeclared project file is refused
+before anything is launched. A local run without the sandbox could read
+anything, so it is never kept in the run cache.
+
+Real `doit`, real git clones, real bubblewrap; the ssh and skypilot views
+are held to the same rule in test_env_parity.py and test_skypilot_chain.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from dodo_helpers import (
+    DEFAULT_SANDBOX,
+    make_project,
+    write_pyproject,
+)
+
+from substrax_tasks._remote import hints
+from substrax_tasks.errors import SpecError
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.step.view import check_command_in_view, project_view
+
+WORK = (
+    'import os, helper\nos.makedirs("out", exist_ok=True)\n'
+    'open("out/result.txt", "w").write(helper.VALUE)\n'
+)
+
+
+def work_step(inputs: list[str]) -> str:
+    return f"""
+def task_work():
+    yield from remote_step("work", command=["python3", "work.py"], inputs={inputs!r},
+                           outputs=["out/result.txt"])
+"""
+
+
+def git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, timeout=60)
+
+
+def clone(tmp_path: Path, name: str, value: str, inputs: list[str], sandbox: str = DEFAULT_SANDBOX) -> Path:
+    """The issue's project: work.py imports helper.py; every file tracked by
+    git; the run cache on, in the one $XDG_CACHE_HOME of the test."""
+    (tmp_path / name).mkdir()
+    files = {"work.py": WORK, "helper.py": f'VALUE = "{value}"\n', "README.md": "a pipeline\n",
+             ".gitignore": ".substrax/\n.doit.db*\n"}  # fmt: skip
+    root = make_project(tmp_path / name, work_step(inputs), ["work"], sandbox=sandbox, files=files)
+    write_pyproject(root, sandbox, cache="")  # the cache as shipped: on, in $XDG_CACHE_HOME
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    return root
+
+
+# ------------------------------------------------------------ the pieces
+
+
+@pytest.mark.unit
+def test_the_view_is_the_inputs_and_the_lock_and_hides_the_rest_at_the_coarsest_level(tmp_path: Path) -> None:
+    made = ["src/main.py", "src/lib/util.py", "src/lib/other.py", "src/scratch.py", "README.md",
+            "requirements.txt", "out/old.txt", ".substrax/runs/x", ".git/HEAD", "data/a.csv"]  # fmt: skip
+    for rel in made:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    view = project_view(tmp_path, tmp_path / ".substrax", ["src/main.py", "src/lib/"], ["out/"])
+    assert view.files == ["src/main.py", "src/lib", "requirements.txt"]
+    assert view.hidden == [".git", ".substrax", "README.md", "data", "out", "src/scratch.py"]
+    assert view.left_out == ["README.md", "data", "src/scratch.py"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["python3", "work.py"], "work.py"),
+        (["python3", "{root}/work.py"], "work.py"),  # absolute, inside the project
+        (["python3", "src/run.py", "--config=conf/a.yaml"], "conf/a.yaml"),
+        (["sh", "tools"], "tools"),  # a folder
+        (["python3", "src/run.py", "data"], None),  # a folder holding an input
+        (["python3", "src/run.py", "out/x.txt", "requirements.txt", "missing.py", "-c", "1", "."], None),
+        (["python3", "/usr/bin/env"], None),  # outside the project
+    ],
+)
+def test_the_command_check_names_an_undeclared_project_path(
+    tmp_path: Path, argv: list[str], named: str | None
+) -> None:
+    made = ["work.py", "src/run.py", "conf/a.yaml", "tools/t.sh", "data/in.csv", "requirements.txt",
+            "out/x.txt"]  # fmt: skip
+    for rel in made:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    command = [a.format(root=tmp_path) for a in argv]
+    spec = make_spec("work", command, tmp_path, inputs=["src/run.py", "data/in.csv"], outputs=["out/"])
+    if named is None:
+        check_command_in_view(spec, tmp_path)
+        return
+    with pytest.raises(SpecError, match=f"its command names {named}, a project file the run would not see"):
+        check_command_in_view(spec, tmp_path)
+
+
+@pytest.mark.unit
+def test_a_failure_hint_names_a_module_a_package_folder_and_a_script_left_out() -> None:
+    job = {"left_out": ["helper.py", "mypkg", "tools/x.py", "notes.txt"]}
+    assert hints.left_out_hint(job, "ModuleNotFoundError: No module named 'mypkg'\n") == (
+        "the run sees the step's declared inputs only, and mypkg is not declared; declare it in inputs=[...] "
+        "(in outputs=[...] if the command writes it)"
+    )
+    tail = "python3: can't open file '/work/proj/tools/x.py': [Errno 2] No such file or directory\n"
+    assert "and tools/x.py is not declared" in str(hints.left_out_hint(job, tail))
+    both = "No module named 'helper'\nNo module named 'mypkg'\n"
+    assert hints.left_out_hint(job, both) == (
+        "the run sees the step's declared inputs only, and helper.py, mypkg are not declared; "
+        "declare them in inputs=[...] (in outputs=[...] if the command writes them)"
+    )
+
+
+@pytest.mark.unit
+def test_with_a_uv_lock_the_view_and_the_key_hold_the_pyproject_uv_reads_it_with(tmp_path: Path) -> None:
+    from substrax_tasks.uptodate.check import environment_lock
+
+    for rel in ["uv.lock", "pyproject.toml", "README.md"]:
+        (tmp_path / rel).write_text(rel)
+    assert project_view(tmp_path, tmp_path / ".substrax", []).files == ["uv.lock", "pyproject.toml"]
+    before = environment_lock(tmp_path)
+    assert set(before) == {"uv.lock", "pyproject.toml"}
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'changed'\n")
+    assert environment_lock(tmp_path)["pyproject.toml"] != before["pyproject.toml"]
+    (tmp_path / "uv.lock").unlink()
+    assert project_view(tmp_path, tmp_path / ".substrax", []).files == []
