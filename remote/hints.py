@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 # How much of the end of a failed run's log is read for the cause of a write
 # refused by the read-only sandbox: the error that ended a command is last.
@@ -108,3 +108,31 @@ def unix_socket_hint(job: Mapping[str, Any], tail: str) -> str | None:
             "method (not \"forkserver\", the default from Python 3.14) and no Manager, call "
             "torch.multiprocessing.set_sharing_strategy(\"file_system\") for DataLoader workers, "
             "or set network_isolation = false" % NO_UNIX_SOCKETS_TEXT)
+
+
+# How a program that is on no folder of PATH fails: sh, bash and env exit
+# 127; a Python subprocess raises FileNotFoundError naming the bare name.
+NOT_FOUND_EXIT = 127
+NOT_FOUND_TEXT = re.compile(r"(?:: not found|: command not found|No such file or directory: '[^/']+')\s*$",
+                            re.MULTILINE)
+
+
+def not_found_hint(job: Mapping[str, Any], tail: str, exit_code: Optional[int], path: str,
+                   boxed: bool) -> Optional[str]:
+    """For a failed run whose command (or a program it ran) was not found:
+    the PATH the task had and, in the sandbox, what was hidden of it."""
+    if exit_code != NOT_FOUND_EXIT and not NOT_FOUND_TEXT.search(tail):
+        return None
+    said = "a program the step ran was not found (%s): the step's PATH was %s" % (
+        "exit %d" % NOT_FOUND_EXIT if exit_code == NOT_FOUND_EXIT else "FileNotFoundError", path or "unset")
+    if boxed:
+        hidden = [h for h in job.get("hide", []) if h] + ["/tmp", "/var/tmp"]
+        shown = [p for p in job.get("extra_ro", [])
+                 if any(p == h or p.startswith(h.rstrip("/") + "/") for h in hidden)]
+        also = " (of them it shows, read-only, only %s)" % ", ".join(shown) if shown else ""
+        said += "; the sandbox hides %s%s" % (", ".join(hidden), also)
+        said += ("; install the program in a folder of that PATH outside them, set PATH in the step's env, "
+                 "or name the program by its path")
+    else:
+        said += "; install the program in a folder of that PATH, or name it by its path"
+    return said
