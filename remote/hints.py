@@ -110,21 +110,19 @@ def unix_socket_hint(job: Mapping[str, Any], tail: str) -> str | None:
             "or set network_isolation = false" % NO_UNIX_SOCKETS_TEXT)
 
 
-# How a program that is on no folder of PATH fails: sh, bash and env exit
-# 127; a Python subprocess raises FileNotFoundError naming the bare name.
+# How sh, bash and env end when the program they were to run is on no
+# folder of PATH. Only the exit code is read: a log's "No such file or
+# directory" is as often a missing data file.
 NOT_FOUND_EXIT = 127
-NOT_FOUND_TEXT = re.compile(r"(?:: not found|: command not found|No such file or directory: '[^/']+')\s*$",
-                            re.MULTILINE)
 
 
-def not_found_hint(job: Mapping[str, Any], tail: str, exit_code: Optional[int], path: str,
-                   boxed: bool) -> Optional[str]:
-    """For a failed run whose command (or a program it ran) was not found:
-    the PATH the task had and, in the sandbox, what was hidden of it."""
-    if exit_code != NOT_FOUND_EXIT and not NOT_FOUND_TEXT.search(tail):
+def not_found_hint(job: Mapping[str, Any], exit_code: Optional[int], path: str, boxed: bool) -> Optional[str]:
+    """For a run that ended with exit 127 (a program not found): the PATH
+    the task had and, in the sandbox, what was hidden of it."""
+    if exit_code != NOT_FOUND_EXIT:
         return None
-    said = "a program the step ran was not found (%s): the step's PATH was %s" % (
-        "exit %d" % NOT_FOUND_EXIT if exit_code == NOT_FOUND_EXIT else "FileNotFoundError", path or "unset")
+    said = "a program the step ran was not found (exit %d): the step's PATH was %s" % (
+        NOT_FOUND_EXIT, path or "unset")
     if boxed:
         hidden = [h for h in job.get("hide", []) if h] + ["/tmp", "/var/tmp"]
         shown = [p for p in job.get("extra_ro", [])

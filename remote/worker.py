@@ -307,7 +307,7 @@ class Worker:
             # Left out of a copy (remote), or hidden by the sandbox (local).
             if boxed or not self.job.get("project_hidden"):
                 said.append(hints.left_out_hint(self.job, tail))
-            said.append(hints.not_found_hint(self.job, tail, returncode, self.task_path, boxed))
+            said.append(hints.not_found_hint(self.job, returncode, self.task_path, boxed))
             message = "; ".join(h for h in said if h) or None
         if state == "failed" and disk_full(outputs_root):
             message = ("no space left on device where its outputs go (%s): the command filled the disk; "

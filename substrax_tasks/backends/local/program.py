@@ -179,11 +179,12 @@ def _venv_home(cfg: Path) -> Path | None:
 
 
 def _holds_credentials(path: str, job: runfiles.Job) -> bool:
-    """Whether showing `path` would show a hidden folder whole (the home on
-    PATH) or a place that holds credentials."""
-    for hidden in [h for h in job.get("hide", []) if h]:
-        if _inside(hidden, path):
-            return True
+    """Whether showing `path` would show a hidden folder whole (the home or
+    /tmp on PATH) or a place that holds credentials."""
+    hidden_folders = [h for h in job.get("hide", []) if h]
+    if any(_inside(hidden, path) for hidden in [*hidden_folders, *ALWAYS_HIDDEN]):
+        return True
+    for hidden in hidden_folders:
         for name in CREDENTIALS:
             secret = str(Path(hidden) / name)
             if _inside(path, secret) or _inside(secret, path):
@@ -199,21 +200,24 @@ def show_toolchains(job: runfiles.Job, environ: dict[str, str]) -> None:
     version from PYENV_VERSION and `.python-version` files: passed on too."""
     path = [*job.get("path_prepend", []), *environ.get("PATH", os.defpath).split(os.pathsep)]
     shown: list[str] = []
+    pyenv = False  # a pyenv-like root on PATH, hidden or not: its shims read the version here
     for entry in dict.fromkeys(Path(os.path.normpath(p)) for p in path if p.startswith("/")):
-        if _shown(str(entry), job) or not entry.is_dir():
+        if not entry.is_dir():
             continue
-        for needed in [entry, *_installation(entry, environ)]:
+        needs = _installation(entry, environ)
+        pyenv = pyenv or any((n / "shims").is_dir() and (n / "versions").is_dir() for n in needs)
+        if _shown(str(entry), job):
+            continue
+        for needed in [entry, *needs]:
             folder = os.path.normpath(needed)
             if Path(folder).exists() and not _shown(folder, job) and not _holds_credentials(folder, job):
                 shown.append(folder)
-    if not shown:
-        return
-    # A folder inside another shown one adds nothing.
-    kept = [f for f in dict.fromkeys(shown) if not any(o != f and _inside(f, o) for o in shown)]
-    if any((Path(f) / "shims").is_dir() for f in kept):  # a pyenv-like root
-        kept += _python_version_files(job)
+    if pyenv:
+        shown += _python_version_files(job)
         if "PYENV_VERSION" in environ and "PYENV_VERSION" not in job["env"]:
             job["env"]["PYENV_VERSION"] = environ["PYENV_VERSION"]
+    # A folder inside another shown one adds nothing.
+    kept = [f for f in dict.fromkeys(shown) if not any(o != f and _inside(f, o) for o in shown)]
     job["extra_ro"] = [*job.get("extra_ro", []), *kept]
 
 
