@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 # How much of the end of a failed run's log is read for the cause of a write
 # refused by the read-only sandbox: the error that ended a command is last.
@@ -108,3 +108,29 @@ def unix_socket_hint(job: Mapping[str, Any], tail: str) -> str | None:
             "method (not \"forkserver\", the default from Python 3.14) and no Manager, call "
             "torch.multiprocessing.set_sharing_strategy(\"file_system\") for DataLoader workers, "
             "or set network_isolation = false" % NO_UNIX_SOCKETS_TEXT)
+
+
+# How sh, bash and env end when the program they were to run is on no
+# folder of PATH. Only the exit code is read: a log's "No such file or
+# directory" is as often a missing data file.
+NOT_FOUND_EXIT = 127
+
+
+def not_found_hint(job: Mapping[str, Any], exit_code: Optional[int], path: str, boxed: bool) -> Optional[str]:
+    """For a run that ended with exit 127 (a program not found): the PATH
+    the task had and, in the sandbox, what was hidden of it."""
+    if exit_code != NOT_FOUND_EXIT:
+        return None
+    said = "a program the step ran was not found (exit %d): the step's PATH was %s" % (
+        NOT_FOUND_EXIT, path or "unset")
+    if boxed:
+        hidden = [h for h in job.get("hide", []) if h] + ["/tmp", "/var/tmp"]
+        shown = [p for p in job.get("extra_ro", [])
+                 if any(p == h or p.startswith(h.rstrip("/") + "/") for h in hidden)]
+        also = " (of them it shows, read-only, only %s)" % ", ".join(shown) if shown else ""
+        said += "; the sandbox hides %s%s" % (", ".join(hidden), also)
+        said += ("; install the program in a folder of that PATH outside them, set PATH in the step's env, "
+                 "or name the program by its path")
+    else:
+        said += "; install the program in a folder of that PATH, or name it by its path"
+    return said

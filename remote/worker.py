@@ -88,6 +88,7 @@ class Worker:
         self.child: subprocess.Popen[bytes] | None = None
         self.gpu_locks: list[int] = []  # open while the run lasts: they hold its GPUs
         self.gpu_env: dict[str, str] = {}
+        self.task_path = ""  # the command's PATH, named when a program was not found
         self.status: runfiles.Status = {
             "version": runfiles.STATUS_VERSION, "state": "starting", "worker_pid": os.getpid(),
             "worker_start_ticks": control.start_ticks(os.getpid()),
@@ -227,6 +228,7 @@ class Worker:
                 # exited reaps it, and the poll loop would never see its end.
                 env = task_environment(job, dict(os.environ), self.secrets, {**home, **self.gpu_env})
                 env[control.RUN_MARK] = self.status["mark"]  # last: no setting of the step's replaces it
+                self.task_path = env.get("PATH", "")
                 self.child = subprocess.Popen(
                     argv, cwd=job["cwd"], env=env,
                     stdin=subprocess.DEVNULL, stdout=self.log_fd, stderr=self.log_fd,
@@ -305,6 +307,7 @@ class Worker:
             # Left out of a copy (remote), or hidden by the sandbox (local).
             if boxed or not self.job.get("project_hidden"):
                 said.append(hints.left_out_hint(self.job, tail))
+            said.append(hints.not_found_hint(self.job, returncode, self.task_path, boxed))
             message = "; ".join(h for h in said if h) or None
         if state == "failed" and disk_full(outputs_root):
             message = ("no space left on device where its outputs go (%s): the command filled the disk; "

@@ -23,6 +23,7 @@ from local_runs import (
 
 from substrax_tasks._remote import runfiles
 from substrax_tasks.backends.job import WorkerPaths, build_job
+from substrax_tasks.backends.local.program import show_toolchains
 from substrax_tasks.step.spec import make_spec
 
 
@@ -44,6 +45,7 @@ def verdicts(log: str) -> dict[str, str]:
 
 
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")  # one every uid can run
+SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 TOOLS = ("mount", "umount", "nsenter", "unshare", "bash")
@@ -79,9 +81,11 @@ class Bed:
     def home(self) -> Path:
         return self.base / "home"
 
-    def start(self, script: str, marker: str, *,
-              network_isolation: bool) -> tuple[subprocess.Popen[str], WorkerPaths]:  # fmt: skip
-        """Start `script` through the worker (which returns when it ends)."""
+    def start(self, script: str, marker: str, *, network_isolation: bool,
+              path: str = SYSTEM_PATH) -> tuple[subprocess.Popen[str], WorkerPaths]:  # fmt: skip
+        """Start `script` through the worker (which returns when it ends),
+        with `path` as the PATH of doit and the task (its toolchains shown
+        as the local backend shows them)."""
         run_dir = self.base / "runs" / marker[-8:]
         run_dir.mkdir(parents=True)
         spec = make_spec("escape", ["sh", "-c", script, marker], self.project,
@@ -89,9 +93,10 @@ class Bed:
         paths = WorkerPaths(project=str(self.project), run_dir=str(run_dir))
         job = build_job(spec, paths, sandbox="bwrap", network_isolation=network_isolation,
                         grace_seconds=GRACE, hide=[str(self.home)])  # fmt: skip
+        env = {"PATH": path, "HOME": str(self.home), "SUBSTRAX_LEAK": SECRET}
+        show_toolchains(job, env)
         Path(paths.job).write_text(json.dumps(job))
         chown_tree(self.base, self.uid)
-        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.home), "SUBSTRAX_LEAK": SECRET}
         assert SYSTEM_PYTHON is not None
         worker = subprocess.Popen(
             [*self.prefix, SYSTEM_PYTHON, str(WORKER), paths.job], env=env,
@@ -111,9 +116,10 @@ class Bed:
         assert worker.returncode == 0, err
         return Path(paths.log).read_text(errors="replace"), json.loads(Path(paths.status).read_text())
 
-    def run(self, script: str, marker: str, *, network_isolation: bool) -> tuple[str, dict[str, object]]:
+    def run(self, script: str, marker: str, *, network_isolation: bool,
+            path: str = SYSTEM_PATH) -> tuple[str, dict[str, object]]:  # fmt: skip
         """Run `script` through the worker; its log and final status."""
-        return self.finish(*self.start(script, marker, network_isolation=network_isolation))
+        return self.finish(*self.start(script, marker, network_isolation=network_isolation, path=path))
 
 
 def chown_tree(root: Path, uid: int) -> None:

@@ -36,7 +36,7 @@ from substrax_tasks.backends.job import (
     env_dir_of,
     status_from_record,
 )
-from substrax_tasks.backends.local.program import resolve_program
+from substrax_tasks.backends.local.program import resolve_program, show_toolchains
 from substrax_tasks.backends.local.settings import LocalSettings
 from substrax_tasks.backends.scripts import remote_dir
 from substrax_tasks.errors import BackendError, SubstraxError
@@ -106,7 +106,10 @@ class LocalBackend(Backend):
             ),
         )
         if self.settings.sandbox != "none":  # without one, the worker finds what doit would
+            # The argv's program first, as asked here; then what a shell or
+            # a script finds on the task's PATH in the sandbox.
             resolve_program(job, {**os.environ, **handle.spec.env})
+            show_toolchains(job, {**os.environ, **handle.spec.env})
         write_json_atomic(Path(paths.job), job)
         return handle
 

@@ -8,6 +8,12 @@ found here, on this process's PATH, and the job names it by its path, with
 what it needs shown read-only; a program that cannot be shown whole fails
 the launch, naming both paths. Local backend only: over ssh and SkyPilot
 the argv runs on a machine whose PATH this process does not know.
+
+A `shell=` step, or a script the step runs, finds its programs on the
+task's PATH inside the sandbox: so the toolchains on that PATH that the
+sandbox hides (pyenv's shims, a conda env, ~/.local/bin, ~/.cargo/bin) are
+shown too, read-only, with the installation each needs (show_toolchains);
+never a folder holding credentials, nor the home itself.
 """
 
 from __future__ import annotations
@@ -27,6 +33,13 @@ PYTHON = re.compile(r"python[0-9.]*")
 ASK_PYTHON = "import sys; print(sys.executable); print(sys.prefix); print(sys.base_prefix)"
 ASK_SECONDS = 60
 ALWAYS_HIDDEN = ("/tmp", "/var/tmp")  # noqa: S108 - emptied in the sandbox, as the hidden home
+# What of a hidden folder stays hidden whatever the PATH names: where tools
+# keep credentials. A PATH entry in one of these, or holding one (the home
+# itself on PATH), is not shown.
+CREDENTIALS = (
+    ".ssh", ".aws", ".config", ".gnupg", ".docker", ".kube", ".azure", ".netrc", ".git-credentials",
+    ".pypirc", ".cargo/credentials", ".cargo/credentials.toml", ".local/share/keyrings",
+)  # fmt: skip
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -123,3 +136,99 @@ def resolve_program(job: runfiles.Job, environ: dict[str, str]) -> None:
             )
         shown = [str(Path(found).parent), str(real.parent)]
     job["extra_ro"] = [*job.get("extra_ro", []), *dict.fromkeys(p for p in shown if not _shown(p, job))]
+
+
+def _installation(entry: Path, environ: dict[str, str]) -> list[Path]:
+    """What the programs of PATH folder `entry` need besides the folder:
+    a pyenv-like root (its shims run libexec/pyenv and versions/; the
+    libexec of Homebrew's pyenv lives elsewhere, as rbenv's and nodenv's
+    roots have the same shape), a Python prefix (a conda or mamba env or
+    install, a venv and its base), pip --user's lib/python* beside a bin
+    folder, rustup's home for cargo's proxies."""
+    parent = entry.parent
+    needs: list[Path] = []
+    pyenv_root = (parent / "libexec" / "pyenv").is_file() or (
+        entry.name == "shims" and (parent / "versions").is_dir()
+    )
+    if pyenv_root or (parent / "conda-meta").is_dir():
+        needs.append(parent)
+    elif (parent / "pyvenv.cfg").is_file():
+        needs.append(parent)
+        base = _venv_home(parent / "pyvenv.cfg")
+        if base is not None:
+            needs.append(base.parent)
+    elif entry.name == "bin":
+        needs += sorted(parent.glob("lib/python*"))
+    if (entry / "rustup").is_file():
+        home = Path(environ.get("HOME") or Path.home())
+        needs.append(Path(environ.get("RUSTUP_HOME") or home / ".rustup"))
+    return needs
+
+
+def _venv_home(cfg: Path) -> Path | None:
+    """The bin folder of a venv's base interpreter (pyvenv.cfg's `home`)."""
+    try:
+        lines = cfg.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        key, _, value = line.partition("=")
+        if key.strip() == "home" and value.strip():
+            return Path(os.path.normpath(value.strip()))
+    return None
+
+
+def _holds_credentials(path: str, job: runfiles.Job) -> bool:
+    """Whether showing `path` would show a hidden folder whole (the home or
+    /tmp on PATH) or a place that holds credentials."""
+    hidden_folders = [h for h in job.get("hide", []) if h]
+    if any(_inside(hidden, path) for hidden in [*hidden_folders, *ALWAYS_HIDDEN]):
+        return True
+    for hidden in hidden_folders:
+        for name in CREDENTIALS:
+            secret = str(Path(hidden) / name)
+            if _inside(path, secret) or _inside(secret, path):
+                return True
+    return False
+
+
+def show_toolchains(job: runfiles.Job, environ: dict[str, str]) -> None:
+    """Show read-only the folders of the task's PATH (`environ`'s, after the
+    job's path_prepend) that the sandbox hides, with what their programs
+    need (_installation), so that a `shell=` step or a script finds the
+    program plain doit would; none that holds credentials. pyenv picks its
+    version from PYENV_VERSION and `.python-version` files: passed on too."""
+    path = [*job.get("path_prepend", []), *environ.get("PATH", os.defpath).split(os.pathsep)]
+    shown: list[str] = []
+    pyenv = False  # a pyenv-like root on PATH, hidden or not: its shims read the version here
+    for entry in dict.fromkeys(Path(os.path.normpath(p)) for p in path if p.startswith("/")):
+        if not entry.is_dir():
+            continue
+        needs = _installation(entry, environ)
+        pyenv = pyenv or any((n / "shims").is_dir() and (n / "versions").is_dir() for n in needs)
+        if _shown(str(entry), job):
+            continue
+        for needed in [entry, *needs]:
+            folder = os.path.normpath(needed)
+            if Path(folder).exists() and not _shown(folder, job) and not _holds_credentials(folder, job):
+                shown.append(folder)
+    if pyenv:
+        shown += _python_version_files(job)
+        if "PYENV_VERSION" in environ and "PYENV_VERSION" not in job["env"]:
+            job["env"]["PYENV_VERSION"] = environ["PYENV_VERSION"]
+    # A folder inside another shown one adds nothing.
+    kept = [f for f in dict.fromkeys(shown) if not any(o != f and _inside(f, o) for o in shown)]
+    job["extra_ro"] = [*job.get("extra_ro", []), *kept]
+
+
+def _python_version_files(job: runfiles.Job) -> list[str]:
+    """The `.python-version` files pyenv reads (`pyenv local`, in the
+    project's folder or one above it) that the sandbox hides: the project's
+    own is hidden by its view unless declared, and a shim there would pick
+    another version than the one `resolve_program` asked here."""
+    folder = Path(os.path.normpath(job["cwd"]))
+    candidates = [folder / ".python-version", *(f / ".python-version" for f in folder.parents)]
+    return [
+        str(c) for c in candidates
+        if c.is_file() and not _shown(str(c), job) and not _holds_credentials(str(c), job)
+    ]  # fmt: skip

@@ -15,18 +15,34 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from dodo_helpers import BWRAP, doit, doit_ok, make_project, run_dirs, show
-from sandbox_beds import SYSTEM_PYTHON
+from dodo_helpers import BWRAP, doit, doit_ok, make_project, run_dirs, show, step_skipped
+from sandbox_beds import SYSTEM_PATH, SYSTEM_PYTHON, Bed
 
 pytestmark = pytest.mark.skipif(not BWRAP, reason="SANDBOX NOT TESTED: bubblewrap is missing or unusable")
 
 VERSION = "3.99.0"
-# What pyenv writes in ~/.pyenv/shims: a script naming its root, which
-# picks the version and execs that version's program.
+LOCAL_VERSION = "3.98.0"  # what `pyenv local` names in a project
+# What pyenv writes in ~/.pyenv/shims: a script naming its root, which runs
+# the root's libexec/pyenv.
 SHIM = """#!/bin/sh
 export PYENV_ROOT="{root}"
-read -r version < "$PYENV_ROOT/version"
-exec "$PYENV_ROOT/versions/$version/bin/${{0##*/}}" "$@"
+exec "{root}/libexec/pyenv" exec "${{0##*/}}" "$@"
+"""
+# `pyenv exec PROGRAM ARGS`, as pyenv picks the version: PYENV_VERSION, a
+# .python-version in the working folder or above it, the root's version file.
+PYENV = """#!/bin/sh
+shift
+program=$1
+shift
+version=$PYENV_VERSION
+dir=$PWD
+while [ -z "$version" ]; do
+    if [ -f "$dir/.python-version" ]; then read -r version < "$dir/.python-version"; fi
+    if [ "$dir" = / ]; then break; fi
+    dir=$(dirname "$dir")
+done
+if [ -z "$version" ]; then read -r version < "$PYENV_ROOT/version"; fi
+exec "$PYENV_ROOT/versions/$version/bin/$program" "$@"
 """
 PREFIX_STEP = """
 def task_which():
@@ -38,22 +54,28 @@ def task_which():
 """
 
 
-def pyenv_home(base: Path) -> tuple[dict[str, str], Path]:
-    """A home with a pyenv-style install (a venv stands in for a built
-    Python); the client's environment, and that version's folder."""
+def pyenv_home(base: Path, versions: tuple[str, ...] = (VERSION,)) -> tuple[dict[str, str], Path]:
+    """A home with a pyenv-style install (a venv stands in for each built
+    Python, the first the global one); the client's environment, and the
+    global version's folder."""
     if SYSTEM_PYTHON is None:
         pytest.skip("SHIM CASE NOT TESTED: no python3 in /usr/bin to make the version from")
     home = base / "home"
     root = home / ".pyenv"
-    version = root / "versions" / VERSION
-    subprocess.run([SYSTEM_PYTHON, "-m", "venv", "--without-pip", str(version)], check=True, timeout=120)
-    (root / "version").write_text(VERSION + "\n")
+    for version in versions:
+        made = root / "versions" / version
+        subprocess.run([SYSTEM_PYTHON, "-m", "venv", "--without-pip", str(made)], check=True, timeout=120)
+    (root / "version").write_text(versions[0] + "\n")
+    (root / "libexec").mkdir()
+    (root / "libexec" / "pyenv").write_text(PYENV)
+    (root / "libexec" / "pyenv").chmod(0o755)
     (root / "shims").mkdir()
     for name in ("python", "python3"):
         shim = root / "shims" / name
         shim.write_text(SHIM.format(root=root))
         shim.chmod(0o755)
-    return {"HOME": str(home), "PATH": f"{root / 'shims'}:{os.environ['PATH']}"}, version
+    client = {"HOME": str(home), "PATH": f"{root / 'shims'}:{os.environ['PATH']}"}
+    return client, root / "versions" / versions[0]
 
 
 def test_a_pyenv_shim_under_the_hidden_home_runs_the_version_it_picks_here(tmp_path: Path) -> None:
@@ -116,3 +138,115 @@ def task_missing():
     assert done.returncode == 1, show(done)
     assert "the step's program 'substrax-no-such-program' is not on PATH here" in done.stdout + done.stderr
     assert all(not (run / "status.json").exists() for run in run_dirs(root)), "a worker started"
+
+
+# ------------------------------------------- the toolchains on the task's PATH (issue 33)
+
+# Three ways a step reaches `python3`/`python` by name: the argv, a shell
+# line, a script the step runs; each writes the prefix of the Python it got.
+THREE_WAYS = """
+def task_argv():
+    yield from remote_step("argv", outputs=["out/argv.txt"], command=[
+        "python3", "-c", "import sys; open('out/argv.txt', 'w').write(sys.prefix)"])
+
+def task_shell():
+    yield from remote_step("shell", outputs=["out/shell.txt"],
+                           shell="python3 -c 'import sys; sys.stdout.write(sys.prefix)' > out/shell.txt")
+
+def task_script():
+    yield from remote_step("script", inputs=["job.sh"], outputs=["out/script3.txt", "out/script.txt"],
+                           command=["sh", "job.sh"])
+"""
+SCRIPT = """#!/bin/sh
+set -e
+python3 -c 'import sys; sys.stdout.write(sys.prefix)' > out/script3.txt
+python -c 'import sys; sys.stdout.write(sys.prefix)' > out/script.txt
+"""
+OUTPUTS = ("argv.txt", "shell.txt", "script3.txt", "script.txt")
+
+
+def test_a_shell_step_and_a_script_run_the_python_of_the_pyenv_shims_as_the_argv_does(tmp_path: Path) -> None:
+    env, version = pyenv_home(tmp_path)
+    root = make_project(tmp_path, THREE_WAYS, ["argv", "shell", "script"], sandbox="bwrap",
+                        files={"job.sh": SCRIPT})  # fmt: skip
+    done = doit_ok(root, env=env)
+    got = {name: (root / "out" / name).read_text() for name in OUTPUTS}
+    assert got == dict.fromkeys(OUTPUTS, str(version)), show(done)
+    # What a run sees of the toolchain is not in the key: as for /usr/bin's
+    # python3, a step is not stale because the PATH changed.
+    again = doit_ok(root, env={**env, "PATH": os.environ["PATH"]})
+    assert all(step_skipped(again, step) for step in ("argv", "shell", "script")), show(again)
+
+
+def test_pyenv_local_in_the_project_picks_the_same_python_for_a_shell_step_as_for_the_argv(
+    tmp_path: Path,
+) -> None:
+    env, _global = pyenv_home(tmp_path, (VERSION, LOCAL_VERSION))
+    root = make_project(tmp_path, THREE_WAYS, ["argv", "shell", "script"], sandbox="bwrap",
+                        files={"job.sh": SCRIPT, ".python-version": LOCAL_VERSION + "\n"})  # fmt: skip
+    done = doit_ok(root, env=env)
+    local = tmp_path / "home" / ".pyenv" / "versions" / LOCAL_VERSION
+    got = {name: (root / "out" / name).read_text() for name in OUTPUTS}
+    assert got == dict.fromkeys(OUTPUTS, str(local)), show(done)
+
+
+CREDENTIAL_PROBES = """
+def task_probe():
+    yield from remote_step("probe", outputs=["out/"], shell=(
+        "for f in ~/.ssh/id_x ~/.aws/credentials ~/.config/tool/bin/tool ~/notes.txt; do "
+        "if cat $f > /dev/null 2>&1; then echo READ $f; else echo HIDDEN $f; fi; done > out/seen.txt; "
+        "python3 -c 'import sys; print(sys.prefix)' >> out/seen.txt"
+    ))
+"""
+
+
+def test_the_home_and_its_credentials_stay_hidden_whatever_the_path_names(tmp_path: Path) -> None:
+    env, version = pyenv_home(tmp_path)
+    home = Path(env["HOME"])
+    for rel, text in {".ssh/id_x": "KEY", ".aws/credentials": "AWS", ".config/tool/bin/tool": "#!/bin/sh\n",
+                      "notes.txt": "private"}.items():  # fmt: skip
+        (home / rel).parent.mkdir(parents=True, exist_ok=True)
+        (home / rel).write_text(text)
+    # The home itself and folders holding credentials on PATH: none is shown.
+    path = f"{home}:{home / '.ssh'}:{home / '.config' / 'tool' / 'bin'}:{env['PATH']}"
+    root = make_project(tmp_path, CREDENTIAL_PROBES, ["probe"], sandbox="bwrap")
+    done = doit_ok(root, env={**env, "PATH": path})
+    seen = (root / "out" / "seen.txt").read_text().splitlines()
+    probed = (".ssh/id_x", ".aws/credentials", ".config/tool/bin/tool", "notes.txt")
+    assert seen == [*(f"HIDDEN {home / rel}" for rel in probed), str(version)], show(done)
+
+
+MISSING_INTERPRETER = """
+def task_old():
+    yield from remote_step("old", outputs=["out/"], shell="python3.7 -c 'print(1)' > out/one.txt")
+"""
+
+
+def test_an_interpreter_not_found_names_the_steps_path_and_what_the_sandbox_hid(tmp_path: Path) -> None:
+    env, _version = pyenv_home(tmp_path)
+    root = make_project(tmp_path, MISSING_INTERPRETER, ["old"], sandbox="bwrap")
+    done = doit(root, env=env)
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, show(done)
+    assert f"a program the step ran was not found (exit 127): the step's PATH was {env['PATH']}" in said, (
+        show(done)
+    )
+    assert f"the sandbox hides {env['HOME']}, /tmp, /var/tmp (of them it shows, read-only, only " in said
+    assert str(Path(env["HOME"]) / ".pyenv") in said
+
+
+def test_over_the_worker_as_root_and_as_another_user_the_shims_run_and_the_key_stays_hidden(
+    bed: Bed, marker: str
+) -> None:
+    """The worker and bubblewrap as root and as a uid with no account: a
+    shell line finds the shims' Python; the home's key stays unreadable."""
+    env, version = pyenv_home(bed.base)  # bed.home: the home the sandbox hides
+    (bed.home / ".ssh").mkdir()
+    (bed.home / ".ssh" / "id_x").write_text("KEY")
+    script = ('python3 -c "import sys; print(\'PREFIX\', sys.prefix)"; '
+              'if cat ~/.ssh/id_x; then echo READ; else echo HIDDEN; fi')  # fmt: skip
+    shims = env["PATH"].split(":")[0]
+    log, status = bed.run(script, marker, network_isolation=False, path=f"{shims}:{SYSTEM_PATH}")
+    assert status["state"] == "succeeded", log
+    assert f"PREFIX {version}" in log.splitlines(), log
+    assert "HIDDEN" in log.splitlines() and "KEY" not in log, log
