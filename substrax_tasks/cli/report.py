@@ -135,9 +135,9 @@ def gather(project: Project, word: str | None, every: bool) -> Report:
                                 "the latest run of each step is shown, without phase times.")  # fmt: skip
         report.runs = [row_of(project, h) for h in latest_per_step(handles)]
         return report
-    latest = max(ids)  # ids begin with the time their doit started
-    started = parse(latest.split("Z-")[0])
-    when = f"started {clock(started)}" if started else latest
+    latest = max(ids)  # ids sort as their doits began to act
+    started = parse(latest.split("Z-")[0])  # the id begins with when that doit first acted
+    when = f"acting from {clock(started)}" if started else latest
     report = Report("latest doit", f"the runs of the latest doit ({when})")
     report.runs = [row_of(project, h) for h in handles if latest in doits_of(h)]
     report.restored = [r for v, r in restores if v.get("doit") == latest]

@@ -30,8 +30,9 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
-# This process's doit: its start time (so ids sort as the doits started) and
-# its pid and a random part (so two doits started in the same second differ).
+# This process's doit: the time it first drove a phase (this module is
+# imported then, never by a no-op), so ids sort as the doits began to act;
+# its pid and a random part, so two doits of the same moment differ.
 DOIT_ID = (
     f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S.%f}Z-{os.getpid()}-{os.urandom(3).hex()}"
 )
