@@ -110,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
         arg("step", help="the step's name, as given to remote_step()"),
         arg("--dodo", metavar="FILE", help="the dodo file (default: dodo.py in the project)"),
     )  # fmt: skip
+    command(
+        commands, "report", cmd_report, "write an HTML report of the latest doit's runs",
+        "Write one self-contained HTML file (no network needed to open it): a timeline of the runs "
+        "of the latest doit, each phase (launch, setup, sync, run, fetch, verify + promote) a bar, "
+        "where each ran, the steps restored from the cache, and each failure with the end of its log. "
+        f"With RUN, that run, step or group instead; with --all, every run. {WORD_HELP}",
+        arg("run", nargs="?", metavar="RUN", help="a run id, step, group or run-id prefix"),
+        flag("--all", help="every run in the store"),
+        arg("-o", "--output", metavar="FILE", help="where to write it (default: substrax-report.html here)"),
+    )  # fmt: skip
     from substrax_tasks.cli.cache_commands import add_commands
 
     add_commands(commands)
@@ -293,6 +303,16 @@ def cmd_teardown(project: Project, args: argparse.Namespace, out: Console, err: 
     handle = project.store.read(args.run)
     project.backend_for(handle).teardown(handle, force=True)
     out.print(f"run {handle.run_id}: torn down (handle and logs kept)", highlight=False)
+    return 0
+
+
+def cmd_report(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
+    if args.run and args.all:
+        args.parser.error("give RUN or --all, not both")
+    from substrax_tasks.cli.report import write_report
+
+    path = write_report(project, args.run, args.all, Path(args.output) if args.output else None)
+    out.print(f"report written to {escape(str(path))}", highlight=False)
     return 0
 
 

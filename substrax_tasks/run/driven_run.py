@@ -25,6 +25,11 @@ if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a 
     from substrax_tasks.uptodate.check import Step
 
 RETRY_BACKOFF_SECONDS = 2.0
+# The durable phase (store/phase.py) each phase of the chain ends with, when
+# it ends well; the run phase ends with the command, which moves no phase.
+ENDED_BY = {
+    "launch": "launched", "setup": "set_up", "sync": "synced", "fetch": "fetched", "promote": "promoted",
+}
 _T = TypeVar("_T")
 
 
@@ -44,6 +49,10 @@ class DrivenRun:
         # is asked for by `-a` or a user's uptodate item, and is a real one.
         self.check_held = False
         self.parts: dict[str, Any] = {}
+        # The phase being driven and when it started, until its time is
+        # recorded in the handle (by `advance` into the phase that ends it,
+        # or `end_phase`); None between phases.
+        self.clock: tuple[str, str] | None = None
 
     def backend(self, handle: RunHandle) -> Backend:
         return self.project.backend_for(handle)
@@ -54,9 +63,33 @@ class DrivenRun:
         return self.handle
 
     def advance(self, handle: RunHandle, phase: Phase, **changes: Any) -> RunHandle:
-        """Record that the run reached `phase` (only ever forward), with `changes`."""
+        """Record that the run reached `phase` (only ever forward), with
+        `changes`; and, in the same write, the time of the phase being
+        driven when `phase` is the one it ends with."""
+        if self.clock is not None and ENDED_BY.get(self.clock[0]) == phase.value:
+            from substrax_tasks.run.timeline import with_phase_time  # a phase acts: not on a no-op's path
+
+            changes["times"] = with_phase_time(handle.state, self.clock[0], self.clock[1], "ok")
+            self.clock = None
         self.handle = self.project.store.advance(handle, phase, **changes)
         return self.handle
+
+    def start_phase(self, name: str) -> None:
+        from substrax_tasks.run.timeline import now  # a phase acts: not on a no-op's path
+
+        self.clock = (name, now())
+
+    def end_phase(self, outcome: str) -> RunHandle | None:
+        """Record the time of the phase being driven, which ended with
+        `outcome` without moving the run's phase (the command ended; the
+        phase failed or was interrupted). The handle held from now on is the
+        one on disk, with what the backend noted meanwhile."""
+        clock, self.clock = self.clock, None
+        if clock is None or self.handle is None:
+            return self.handle
+        from substrax_tasks.run.timeline import with_phase_time
+
+        return self.save(self.handle, times=with_phase_time(self.handle.state, clock[0], clock[1], outcome))
 
     def retrying(self, what: str, call: Callable[[], _T]) -> _T:
         """Retry failures of the machinery, never a failed command."""

@@ -17,6 +17,7 @@ from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.cache.run_cache import cache_key
 from substrax_tasks.console import emit
 from substrax_tasks.errors import OutputsRefused, SubstraxError
+from substrax_tasks.run import timeline
 from substrax_tasks.run.promote import (
     JOURNAL,
     NotProduced,
@@ -144,8 +145,9 @@ def record_of(driver: DrivenRun, digest: str) -> dict[str, Any]:
     assert driver.fetched is not None  # the restore's, its modes made safe by the promotion
     write_json_atomic(manifest_file, driver.fetched.manifest, indent=None)
     run_id = str(restored.provenance.get("run_id") or restored.key[:16])
+    # When and by which doit, for the report (a restore has no handle to time).
     verified.update(run_id=run_id, manifest_file=str(manifest_file), restored_from=restored.label,
-                    provenance=restored.provenance)
+                    provenance=restored.provenance, restored_at=timeline.now(), doit=timeline.DOIT_ID)
     return {"run_id": run_id, "verified": verified}
 
 

@@ -161,9 +161,11 @@ class StepDriver(DrivenRun):
             keep_after(self, fetched)
 
     # ------------------------------------------------------------ doit glue
-    def _action(self, body: Callable[[], Any]) -> Any:
-        """A phase as a doit action: our errors become doit failures with
-        their message, and a failure closes the chain (doit runs no later phase)."""
+    def _action(self, phase: str, body: Callable[[], Any]) -> Any:
+        """The `phase` as a doit action: our errors become doit failures with
+        their message, and a failure closes the chain (doit runs no later
+        phase). Its time goes into the run's handle for the report: as it
+        moves the run's phase, or here when it failed or was interrupted."""
         if os.getpid() != self.pid:
             return TaskError(
                 f"step {self.spec.step!r}: remote steps cannot run in doit's worker processes "
@@ -171,6 +173,7 @@ class StepDriver(DrivenRun):
                 "Run them concurrently with threads: `doit -n N -P thread`"
             )
         map_termination_signals()  # in a worker thread: notes that steps run in threads
+        self.start_phase(phase)
         try:
             if INTERRUPTED.is_set():  # a phase doit dispatches after an interrupt does nothing
                 raise KeyboardInterrupt("interrupted")
@@ -181,6 +184,7 @@ class StepDriver(DrivenRun):
             result = TaskFailed(self._named(exc))
         except OSError as exc:
             if not doit_db.no_space_left(exc, str(exc.filename or self.root)):
+                self._end_phase("failed")
                 self._close()
                 raise
             result = TaskFailed(self._named_full(exc))
@@ -188,16 +192,26 @@ class StepDriver(DrivenRun):
             # The chain stays open (or INTERRUPTED, from the run phase): the
             # teardown that doit runs next detaches from a run that goes on,
             # or cancels it, as the backend's capabilities say.
+            self._end_phase("interrupted")
             if threading.current_thread() is threading.main_thread() and not INTERRUPTED.is_set():
                 raise
             # doit's worker threads cannot pass an interrupt on: a failure can
             result = TaskError(f"step {self.spec.step!r}: interrupted")
         except BaseException:
+            self._end_phase("failed")
             self._close()
             raise
         if isinstance(result, (TaskFailed, TaskError)):
+            self._end_phase("failed")
             self._close()
+        self.clock = None  # a phase with nothing to do (done before) has no time of its own
         return result
+
+    def _end_phase(self, outcome: str) -> None:
+        """The phase's time, if it can be written: a report is not worth
+        hiding why the phase ended."""
+        with contextlib.suppress(SubstraxError, OSError):
+            self.end_phase(outcome)
 
     def _named_full(self, exc: OSError) -> str:
         """A phase that found the disk full: where, what is kept, the fix.
@@ -218,7 +232,7 @@ class StepDriver(DrivenRun):
 
     # ------------------------------------------------------------ phases
     def launch(self) -> Any:
-        return self._action(self._launch)
+        return self._action("launch", self._launch)
 
     def _launch(self) -> None:
         from substrax_tasks.run.steplock import StepLock
@@ -261,10 +275,12 @@ class StepDriver(DrivenRun):
             self._take_slot(backend, handle, running=status.state == "running")
 
     def setup(self) -> Any:
-        return self._action(lambda: self._backend_phase(Phase.SET_UP, "setup", lambda b, h: b.setup(h)))
+        return self._action(
+            "setup", lambda: self._backend_phase(Phase.SET_UP, "setup", lambda b, h: b.setup(h))
+        )
 
     def sync(self) -> Any:
-        return self._action(lambda: self._backend_phase(Phase.SYNCED, "sync", lambda b, h: b.sync(h)))
+        return self._action("sync", lambda: self._backend_phase(Phase.SYNCED, "sync", lambda b, h: b.sync(h)))
 
     def _backend_phase(
         self, phase: Phase, what: str, call: Callable[[Backend, RunHandle], RunHandle]
@@ -276,7 +292,7 @@ class StepDriver(DrivenRun):
         self.advance(self.retrying(what, lambda: call(backend, handle)), phase)
 
     def run(self) -> Any:
-        return self._action(self._run)
+        return self._action("run", self._run)
 
     def _run(self) -> Any:
         handle = self.handle
@@ -315,8 +331,9 @@ class StepDriver(DrivenRun):
                 + (f": {status.message}" if status.message else "")
                 + f"\nlast lines of its log (substrax-compute logs {handle.run_id}):\n{tail}"
             )
-        # What the backend noted as the run ended (its final status, where its outputs are).
-        self.handle = self.project.store.read(handle.run_id)
+        # The run phase's time, with what the backend noted as the run ended
+        # (its final status, where its outputs are).
+        self.end_phase("ok")
         return None
 
     def _on_interrupt(self, backend: Backend, handle: RunHandle) -> None:
@@ -333,7 +350,7 @@ class StepDriver(DrivenRun):
     def fetch(self) -> Any:
         from substrax_tasks.run.outputs_phases import fetch_outputs  # not on a no-op's path
 
-        return self._action(lambda: fetch_outputs(self))
+        return self._action("fetch", lambda: fetch_outputs(self))
 
     def promote(self) -> Any:
         """The last phase: verify the fetched outputs, promote them, record.
@@ -343,7 +360,7 @@ class StepDriver(DrivenRun):
         from substrax_tasks.run.outputs_phases import promote_outputs  # not on a no-op's path
 
         try:
-            return self._action(lambda: promote_outputs(self))
+            return self._action("promote", lambda: promote_outputs(self))
         finally:
             self._close()
 
