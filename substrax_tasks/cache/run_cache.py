@@ -300,8 +300,8 @@ class RunCache:
         log: bytes | None = None,
     ) -> None:  # fmt: skip
         """Keep the promoted outputs of a run as the entry `key`: locally,
-        and in the shared store in readwrite mode, with the tail of its `log`
-        (at most LOG_KEPT bytes). Outputs changed since they were verified
+        and in the shared store in readwrite mode, with its `log` (the tail
+        cached_runs.log_tail keeps). Outputs changed since they were verified
         are not kept."""
         if not self._local_writable() or not self._keep_objects(step, manifest):
             return
@@ -312,7 +312,7 @@ class RunCache:
                                                       "tool_version": __version__}}  # fmt: skip
         data = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
         if log is not None:
-            self.local.write(log_path(key), log[-LOG_KEPT:])
+            self.local.write(log_path(key), log)
         else:  # an older run's log is not this one's
             self.local.remove(log_path(key))
         write_entry(self.local, key, data, sign(data, self.signing_key) if self.signing_key else None)

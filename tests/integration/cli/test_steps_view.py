@@ -178,6 +178,31 @@ def test_logs_of_a_restored_step_show_the_log_of_the_run_that_made_it(tmp_path: 
     assert "Traceback" not in gone.stderr
 
 
+CHATTY = """
+def task_chatty():
+    yield from remote_step("chatty", shell="seq 1 40000 && mkdir -p out && echo c > out/c.txt",
+                           outputs=["out/c.txt"])
+"""
+
+
+@needs_bwrap
+def test_a_cache_entry_keeps_only_the_end_of_a_long_log(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    first = make_project(tmp_path / "a", CHATTY)
+    write_pyproject(first, cache="")
+    doit_ok(first, "chatty")
+    (tmp_path / "b").mkdir()
+    root = make_project(tmp_path / "b", CHATTY)
+    write_pyproject(root, cache="")
+    assert "restored from cache entry" in doit_ok(root, "chatty").stdout
+    done = compute(root, "logs", "chatty")
+    assert done.returncode == 0, show(done)
+    whole = "".join(f"{n}\n" for n in range(1, 40001))  # 228,894 bytes
+    note, _, kept = done.stdout.partition("\n")
+    assert note == f"[substrax: the last 64 KiB of the run's log of {len(whole)} bytes]"
+    assert len(kept) == 64 << 10 and whole.endswith(kept)
+
+
 def test_status_says_where_restored_steps_are_shown_when_it_has_no_runs(tmp_path: Path) -> None:
     root = clone(tmp_path, "a")
     done = compute(root, "status")
