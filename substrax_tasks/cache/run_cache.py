@@ -41,6 +41,7 @@ from substrax_tasks.cache.storage import (
     drop_entry,
     entry_path,
     is_part,
+    log_path,
     materialize,
     object_path,
     refused_signature,
@@ -68,6 +69,9 @@ _READ_ONLY: set[str] = set()  # local folders this process said it cannot store 
 _WARN_LOCK = threading.Lock()  # one warning per store, whatever the threads of `doit -n N -P thread`
 _STATS_LOCK = threading.Lock()
 _DIGEST = re.compile("[0-9a-f]{64}")  # an object's name: checked for each file of an entry
+# What an entry keeps of the log of the run that made it: its end, where a
+# run says how it finished. Bounded, so a chatty step costs the cache little.
+LOG_KEPT = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -291,10 +295,14 @@ class RunCache:
         return {k: v for k, v in data.items() if isinstance(v, int)} if isinstance(data, dict) else {}
 
     # ------------------------------------------------------------ store
-    def save(self, step: Step, key: str, manifest: dict[str, Any], provenance: dict[str, Any]) -> None:
+    def save(
+        self, step: Step, key: str, manifest: dict[str, Any], provenance: dict[str, Any],
+        log: bytes | None = None,
+    ) -> None:  # fmt: skip
         """Keep the promoted outputs of a run as the entry `key`: locally,
-        and in the shared store in readwrite mode. Outputs changed since
-        they were verified are not kept."""
+        and in the shared store in readwrite mode, with its `log` (the tail
+        cached_runs.log_tail keeps). Outputs changed since they were verified
+        are not kept."""
         if not self._local_writable() or not self._keep_objects(step, manifest):
             return
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -303,6 +311,10 @@ class RunCache:
                                                       "client": socket.gethostname(),
                                                       "tool_version": __version__}}  # fmt: skip
         data = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
+        if log is not None:
+            self.local.write(log_path(key), log)
+        else:  # an older run's log is not this one's
+            self.local.remove(log_path(key))
         write_entry(self.local, key, data, sign(data, self.signing_key) if self.signing_key else None)
         if self.shared is not None and self.shared.writable and self.shared.name not in _UNREACHABLE:
             try:
@@ -360,8 +372,31 @@ class RunCache:
         manifest = _parsed(data, key)["manifest"]
         needed = self.shared.missing(sorted({object_path(e["sha256"]) for e in _files(manifest)}))
         self.shared.put([(self.local.root / rel, rel) for rel in needed])
+        log = self.local.read(log_path(key))
+        if log is not None:
+            self.shared.write(log_path(key), log)
         write_entry(self.shared, key, data, self.local.read(entry_path(key) + ".sig"))
         return len(needed)
+
+    def kept_log(self, key: str) -> tuple[bytes, dict[str, Any]] | str:
+        """The log kept with entry `key` and the entry's provenance, from the
+        first store that holds both; else why there is none."""
+        why = f"cache entry {key[:16]} is in the cache no more (removed by a trim, `gc` or `cache forget`)"
+        for store in self._stores():
+            try:
+                data = store.read(entry_path(key))
+                if data is None:
+                    continue
+                provenance = _parsed(data, key).get("provenance") or {}
+                log = store.read(log_path(key))
+            except Exception as exc:  # noqa: BLE001 - unreachable or unreadable: try the next store
+                why = f"cache entry {key[:16]} in {store.name} cannot be read ({type(exc).__name__}: {exc})"
+                continue
+            if log is not None:
+                return log, provenance
+            why = (f"cache entry {key[:16]} in {store.name} keeps no log (it was made by a release that "
+                   "kept none)")  # fmt: skip
+        return why
 
     def forget(self, key: str) -> list[str]:
         """Remove entry `key` from the local folder (and the shared store

@@ -5,6 +5,7 @@ entries.
     entries/<key>.json       the entry: manifest, outputs, provenance
     entries/<key>.json.sig   its signature (`ssh-keygen -Y sign`), if signed
     entries/<key>.json.stats the stat of its objects when last hashed (local folder only)
+    entries/<key>.log        the tail of the log of the run that made it (shown by `logs`, never restored)
     objects/<ab>/<sha256>    file contents, by digest: shared by every entry
     size.json                the local folder's account: its objects' total size
     size.lock                held while objects come and go (flock: threads and processes)
@@ -79,6 +80,11 @@ def entry_path(key: str) -> str:
     return f"entries/{key}.json"
 
 
+def log_path(key: str) -> str:
+    """The tail of the log of the run an entry was made by."""
+    return f"entries/{key}.log"
+
+
 def stats_path(key: str) -> str:
     """The local folder's hash cache of an entry's objects (see copy_object)."""
     return f"entries/{key}.json.stats"
@@ -113,7 +119,7 @@ def stat_key(st: os.stat_result) -> list[int]:
 
 
 def drop_entry(store: Folder | Shared, key: str) -> None:
-    for rel in (entry_path(key), entry_path(key) + ".sig", stats_path(key)):
+    for rel in (entry_path(key), entry_path(key) + ".sig", stats_path(key), log_path(key)):
         store.remove(rel)
 
 

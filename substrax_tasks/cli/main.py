@@ -8,6 +8,8 @@ current pyproject.toml.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -72,10 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
         flag("--machines", help="also ask each ssh host and SkyPilot for leaked run folders and clusters"),
     )  # fmt: skip
     command(
+        commands, "steps", cmd_steps, "show every step of the dodo file and where it stands",
+        "Load the project's dodo file and show each of its remote steps: up to date, restored "
+        "(from which cache entry, made by which run), stale (with the first reason `why` gives), "
+        "running, failed, or never run; a one-line count of each above. The check is the one "
+        "`doit` makes: what shows stale here is what `doit` would run. Exit 0 either way "
+        "(1 if a run record cannot be read).",
+        arg("--dodo", metavar="FILE", help="the dodo file (default: dodo.py in the project)"),
+        flag("--json", help='print {"summary": {STATE: COUNT, ...}, "steps": [...]}'),
+    )  # fmt: skip
+    command(
         commands, "logs", cmd_logs, "print a run's log",
         "Print a run's log (stdout and stderr of its command, and the worker's notes). "
         f"{WORD_HELP} For a group, the log of each member's latest run under a header "
-        "(==> STEP (RUN) <==); --follow needs one run.",
+        "(==> STEP (RUN) <==); --follow needs one run. For a step restored from the run cache, "
+        "the log of the run that made the cache entry, as the entry keeps it (its last 64 KiB).",
         RUN_WORD, flag("--follow", "-f", help="keep printing until the run ends"),
     )  # fmt: skip
     command(
@@ -158,6 +171,9 @@ def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Co
         print(status_json(rows, unreadable, leaks, latest))
         return 1 if unreadable else 0
     print_status_table(rows)
+    if not handles and not (args.run or args.step):
+        err.print("(steps restored from the run cache have no run here: `substrax-compute steps` "
+                  "shows every step of the dodo file)", highlight=False)  # fmt: skip
     for line in machine_lines(handles, leaks or []) + [f"could not look for leaks: {p}" for p in problems]:
         err.print(escape(line), highlight=False)
     for record in unreadable:
@@ -169,7 +185,60 @@ def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Co
     return 1 if unreadable else 0
 
 
+def cmd_steps(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
+    from substrax_tasks.cli.steps_view import step_state, steps_json, steps_table
+    from substrax_tasks.step.dodo import load_dodo  # imports doit: only here
+
+    loaded = load_dodo(project.root, Path(args.dodo) if args.dodo else None)
+    every, unreadable = project.store.read_all()
+    latest = {h.step: h for h in latest_per_step(every)}
+    states = [
+        step_state(project, driver, loaded.values[name], latest.get(name))
+        for name, driver in loaded.drivers.items()
+    ]
+    print(steps_json(states) if args.json else steps_table(states))
+    for record in unreadable:
+        message = f"[bold red]unreadable[/] {escape(str(record.path))}: {escape(record.reason)}"
+        err.print(message, highlight=False)
+    return 1 if unreadable else 0
+
+
+def restored_step_log(project: Project, word: str, err: Console) -> bool:
+    """`logs STEP` of a step whose outputs were restored from the run cache
+    (and not run here since): the log the cache entry keeps of the run that
+    made it, printed; False if `word` names no such step."""
+    try:
+        record = json.loads(project.store.step_record(word).read_text())
+    except (OSError, ValueError):
+        return False
+    verified = record.get("verified") if isinstance(record, dict) else None
+    if not isinstance(verified, dict) or not verified.get("restored_from"):
+        return False
+    if record.get("run_id") != verified.get("run_id"):  # a run was launched here since
+        return False
+    from substrax_tasks.cli.cache_commands import run_cache
+
+    made_by, key = verified.get("run_id"), str(verified.get("cache_key") or "")
+    kept = run_cache(project).kept_log(key) if key else "its record names no cache entry"
+    if isinstance(kept, str):
+        raise SubstraxError(
+            f"{word} was restored from {verified['restored_from']}, made by run {made_by}, and its log "
+            f"cannot be shown: {kept}. `doit {word} -a` runs the step here, with a log of its own"
+        )
+    log, provenance = kept
+    err.print(escape(f"{word}: restored from {verified['restored_from']}; the log of run "
+                     f"{provenance.get('run_id')} on {provenance.get('backend')} ({provenance.get('host')}), "
+                     "as the cache entry keeps it"), highlight=False)  # fmt: skip
+    sys.stdout.buffer.write(log)
+    sys.stdout.buffer.flush()
+    return True
+
+
 def cmd_logs(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
+    if restored_step_log(project, args.run, err):
+        if args.follow:
+            err.print(f"{args.run} is not running: it was restored from the run cache", highlight=False)
+        return 0
     selected = select(project.store, args.run)
     if selected.kind != "group":
         handle = selected.latest()[0]
@@ -349,6 +418,17 @@ def console(stream: TextIO) -> Console:
     return Console(file=stream, soft_wrap=True, width=width, emoji=False)
 
 
+def reader_went_away() -> int:
+    """stdout's reader closed the pipe (`status | head -1`): what it read
+    was all it wanted. Nothing more is printed, no traceback; stdout goes to
+    /dev/null so the interpreter's last flush cannot fail on it. Exit 1, as
+    a program killed by SIGPIPE would not have exited 0 either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out, err = console(sys.stdout), console(sys.stderr)
@@ -362,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 highlight=False,
             )
         code: int = args.func(project, args, out, err)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
     except SubstraxError as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return 1
@@ -373,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print("interrupted", highlight=False)
         return 1
+    except BrokenPipeError:
+        return reader_went_away()
     # status reports on everything: a broken configuration fails it
     return 1 if project.config_error is not None and args.func is cmd_status else code
 

@@ -75,7 +75,8 @@ def machine_lines(handles: list[RunHandle], leaks: list[Leak]) -> list[str]:
     for handle in handles:
         left = lifetime_left(handle)
         if left is not None:
-            when = f"in {clock(left)}" if left > 0 else f"{clock(-left)} ago (overdue)"
+            late = f"{clock(-left, tenths=False)} ago (overdue)"
+            when = f"in {clock(left, tenths=False)}" if left > 0 else late
             lines.append(f"run {handle.run_id} may still hold a machine: its lifetime timer ends it {when}")
     for leak in leaks:
         fix = ("`substrax-compute gc --machines` removes it" if leak.ours else
@@ -99,19 +100,31 @@ def short_time(value: str | None) -> str:
     return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S") if moment else "-"
 
 
-def duration(status: RunStatus) -> str:
-    start = parse_time(status.started_at)
+def seconds_between(started_at: str | None, ended_at: str | None) -> float | None:
+    """How long a run took, or has taken so far (no end yet); None if it has not started."""
+    start = parse_time(started_at)
     if start is None:
-        return "-"
-    end = parse_time(status.ended_at) or datetime.datetime.now(datetime.timezone.utc)
-    return clock((end - start).total_seconds())
+        return None
+    end = parse_time(ended_at) or datetime.datetime.now(datetime.timezone.utc)
+    return (end - start).total_seconds()
 
 
-def clock(seconds: float) -> str:
-    """[h:]mm:ss"""
-    hours, rest = divmod(max(0, int(seconds)), 3600)
+def duration(status: RunStatus) -> str:
+    seconds = seconds_between(status.started_at, status.ended_at)
+    return "-" if seconds is None else clock(seconds, tenths=True)
+
+
+def clock(seconds: float, *, tenths: bool = True) -> str:
+    """[h:]mm:ss.s, or [h:]mm:ss without `tenths` (a timer's time left):
+    a step of a sweep takes a second or two, which whole seconds show as 0:00."""
+    if tenths:
+        whole, tenth = divmod(round(max(0.0, seconds) * 10), 10)
+    else:
+        whole, tenth = max(0, int(seconds)), 0
+    hours, rest = divmod(whole, 3600)
     minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+    text = f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+    return f"{text}.{tenth}" if tenths else text
 
 
 def print_status_table(rows: list[tuple[RunHandle, RunStatus]]) -> None:

@@ -3,19 +3,22 @@ say in the step record where the outputs came from, keep a promoted run."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 from typing import TYPE_CHECKING
 
-from substrax_tasks.cache.run_cache import CacheOptions, RunCache, cache_key
+from substrax_tasks.backends.base import MAX_LOG_BYTES
+from substrax_tasks.cache.run_cache import LOG_KEPT, CacheOptions, RunCache, cache_key
 from substrax_tasks.cache.storage import Damaged
 from substrax_tasks.console import emit
-from substrax_tasks.errors import BackendError
+from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.store.phase import Phase
 
 if TYPE_CHECKING:
-    from substrax_tasks.backends.base import Fetched
+    from substrax_tasks.backends.base import Backend, Fetched
     from substrax_tasks.run.driven_run import DrivenRun
+    from substrax_tasks.store.handle import RunHandle
 
 # Said once per doit, not per step: the first run not kept (a list, so no global statement).
 _SAID_NOT_KEPT: list[str] = []
@@ -54,6 +57,20 @@ def _say_once_not_kept(step: str, run_id: str) -> None:
     )
 
 
+def log_tail(backend: Backend, handle: RunHandle) -> bytes:
+    """The last LOG_KEPT bytes of the run's log, with a note when its start
+    was left out."""
+    tail, offset = bytearray(), 0
+    while offset < MAX_LOG_BYTES and (chunk := backend.read_log(handle, offset)):
+        offset += len(chunk)
+        tail += chunk
+        del tail[:-LOG_KEPT]
+    if offset > len(tail):
+        note = f"[substrax: the last {LOG_KEPT >> 10} KiB of the run's log of {offset} bytes]\n"
+        return note.encode() + bytes(tail)
+    return bytes(tail)
+
+
 def keep_after(driver: DrivenRun, fetched: Fetched) -> None:
     """As the chain ends, after the outputs are home: drop a restore's staging
     folder, or keep a run just promoted (its `fetched` outputs) as an entry
@@ -74,11 +91,18 @@ def keep_after(driver: DrivenRun, fetched: Fetched) -> None:
     if fetched.saw_whole_project:
         _say_once_not_kept(driver.step.name, handle.run_id)
         return
-    where = driver.backend(handle).ran_on(handle)
-    provenance = {"run_id": handle.run_id, "backend": handle.backend, "host": where}
+    backend = driver.backend(handle)
+    provenance: dict[str, str | None] = {
+        "run_id": handle.run_id, "backend": handle.backend, "host": backend.ran_on(handle),
+    }  # fmt: skip
+    log = None
+    with contextlib.suppress(SubstraxError, OSError):  # the entry is kept without them
+        ended = backend.poll(handle)  # the run is over: its status is recorded, no machine asked
+        provenance.update(started_at=ended.started_at, ended_at=ended.ended_at)
+        log = log_tail(backend, handle)
     try:
         key = cache_key(driver.parts, run_cache.settings.key_backend)
-        run_cache.save(driver.step, key, manifest, provenance)
+        run_cache.save(driver.step, key, manifest, provenance, log)
     except (OSError, Damaged, BackendError) as exc:
         emit(f"{driver.step.name}: could not keep run {handle.run_id} in the cache: {exc}", err=True)
 
