@@ -212,6 +212,23 @@ def task_step():
     assert run_count(root) == 3
 
 
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_a_missing_output_names_what_the_run_wrote_instead(tmp_path: Path, sandbox: str) -> None:
+    """A typo in the command (reslt for result): the failure names the file
+    written under a near name, so the user sees the typo, not only the
+    absence. A name far from it is not offered."""
+    shell = "mkdir -p out && echo 1 > out/reslt.txt && echo 1 > out/other.log"
+    body = one_step(shell=shell, outputs=["out/result.txt"])
+    root = make_project(tmp_path, body, ["step"], sandbox=sandbox)
+    done = doit(root)
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, show(done)
+    assert "did not produce declared output(s) out/result.txt (it wrote out/reslt.txt instead of " \
+        "out/result.txt" in said, show(done)
+    assert "other.log" not in said, show(done)
+    assert "Traceback" not in said, show(done)
+
+
 def test_failed_command_fails_the_step_with_its_log(tmp_path: Path) -> None:
     root = make_project(
         tmp_path, one_step(shell="echo boom-on-stderr >&2; exit 3", outputs=["o.txt"], retries=2), ["step"]
