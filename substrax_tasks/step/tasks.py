@@ -23,6 +23,7 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from doit.dependency import UptodateCalculator
@@ -128,6 +129,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
                 f"step {name!r}: unknown argument(s) {', '.join(unknown)}; doit keys passed "
                 f"through are {', '.join(PASSTHROUGH_KEYS)}, plus file_dep, task_dep and uptodate"
             )
+        _refuse_own_group_task(spec.step)
         producers = _check_against_others(proj.root, spec)
         backend_name, settings = proj.settings_for(backend)
         step = Step(spec, proj.root, backend_name, settings, proj.store, tracked=tracked)
@@ -137,6 +139,39 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     driver = StepDriver(step, proj, retries=retries)
     DRIVERS[(str(proj.root), spec.step)] = driver
     yield from step_tasks(driver, producers, dependencies, list(uptodate), task_keys)
+
+
+def _refuse_own_group_task(name: str) -> None:
+    """Refuse a sweep whose dodo also declares the group task itself
+    (`def task_fit(): return {"actions": None, "task_dep": [...]}`, as
+    versions before sweeps were doit groups needed): doit makes the group,
+    and would stop on the second one with "Task names must be unique" and
+    no hint. The dodo is the module of the first caller outside this one;
+    its `task_<group>` is fine when it is the function declaring the step."""
+    group, colon, _member = name.partition(":")
+    if not colon:
+        return
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_globals is globals():
+        frame = frame.f_back
+    if frame is None:
+        return
+    declared = frame.f_globals.get(f"task_{group}")
+    code = getattr(declared, "__code__", None)
+    if code is None:
+        return
+    caller: FrameType | None = frame
+    while caller is not None:
+        if caller.f_code is code:
+            return  # the group's own function declares its members
+        caller = caller.f_back
+    where = f"{code.co_filename}:{code.co_firstlineno}"
+    raise SubstraxError(
+        f"step {name!r} is a member of the sweep {group!r}, and doit makes the group task {group!r} "
+        f"itself; the dodo also declares its own task_{group} ({where}), the workaround older versions "
+        f"needed: remove task_{group}: `doit {group}` runs every member and task_dep=[{group!r}] waits "
+        "for them all"
+    )
 
 
 def step_tasks(
