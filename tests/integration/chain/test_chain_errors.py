@@ -184,6 +184,19 @@ def test_argument_of_the_wrong_type_is_refused_with_the_fix(
     assert_refused(root, "substrax: error: step 'step': ", message)
 
 
+def test_a_path_naming_a_folder_output_is_refused_before_the_command_runs(tmp_path: Path) -> None:
+    """A pathlib.Path drops the trailing "/": before, the command ran and
+    only its manifest refused the folder as a file."""
+    body = """
+def task_step():
+    yield from remote_step("step", shell="touch ran.txt; mkdir -p out && echo 1 > out/a.txt",
+                           outputs=[Path("out"), Path("ran.txt")])
+"""
+    root = make_project(tmp_path, body, ["step"], files={"out/old.txt": "old\n"})
+    assert_refused(root, "output out is a folder, but it is given as a pathlib.Path", 'write "out/"')
+    assert not (root / "ran.txt").exists()
+
+
 # --------------------------------------------------------- failed runs
 
 
