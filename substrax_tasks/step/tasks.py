@@ -43,6 +43,7 @@ _INDEXES: dict[str, PathIndex] = {}
 _DECLARED_LOCK = threading.Lock()
 # The driver of each step declared in this process, for `substrax-compute why`.
 DRIVERS: dict[tuple[str, str], StepDriver] = {}
+CLEAN_LABEL_CHARS = 60  # the outputs named in `doit clean`'s label of a step, beyond which it lists two
 PASSTHROUGH_KEYS = ("doc", "title", "verbosity", "clean", "getargs", "params", "pos_arg", "watch")
 
 
@@ -329,7 +330,13 @@ class CleanOutputs:
                     remove_path(path)
 
     def __str__(self) -> str:
-        return f"<remove the outputs of step {self.step.name}: {', '.join(self.step.spec.outputs)}"
+        # One line however many outputs (a step of 100 outputs made a label
+        # of 1,400 characters): each output removed has a line of its own.
+        outputs = self.step.spec.outputs
+        listed = ", ".join(outputs)
+        if len(listed) > CLEAN_LABEL_CHARS:
+            listed = f"{', '.join(outputs[:2])}, ... ({len(outputs)} in all)"
+        return f"<remove the outputs of step {self.step.name}: {listed}"
 
 
 _PROJECTS: dict[tuple[Path, tuple[Any, ...]], Project] = {}

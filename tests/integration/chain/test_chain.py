@@ -319,6 +319,26 @@ def test_clean_dry_run_removes_nothing(tmp_path: Path) -> None:
     assert "would remove out/" in done.stdout and "functools" not in done.stdout, show(done)
 
 
+def test_clean_dry_run_of_a_step_of_many_outputs_prints_a_short_label(tmp_path: Path) -> None:
+    """Before, doit's label listed every output: 1,400 characters for a
+    step of 100. The label is one short line; each output has its own."""
+    body = """
+def task_subjects():
+    yield from remote_step("subjects", shell="for i in $(seq -w 1 100); do echo $i > sub-$i.csv; done",
+                           outputs=[f"sub-{i:03d}.csv" for i in range(1, 101)], clean=True)
+"""
+    root = make_project(tmp_path, body, ["subjects"])
+    doit_ok(root)
+    done = doit_ok(root, "clean", "--dry-run", "subjects")
+    (label,) = [line for line in done.stdout.splitlines() if "executing" in line]
+    assert label == (
+        "subjects - executing 'Python: remove the outputs of step subjects: "
+        "sub-001.csv, sub-002.csv, ... (100 in all)'"
+    ), show(done)
+    assert done.stdout.count("would remove sub-") == 100, show(done)
+    assert (root / "sub-100.csv").exists()
+
+
 def test_list_shows_public_tasks_and_info_works(tmp_path: Path) -> None:
     body = BASIC + """
 def task_plain():
