@@ -365,6 +365,20 @@ def task_plain():
     assert "up-to-date" in info.stdout, show(info)
 
 
+def test_info_shows_a_folder_input(tmp_path: Path) -> None:
+    """doit's file_dep takes files only: before, `doit info` did not name
+    a folder input at all."""
+    body = """
+def task_step():
+    yield from remote_step("step", shell="cat data/d/x data/f.txt > res.txt",
+                           inputs=["data/d/", "data/f.txt"], outputs=["res.txt"])
+"""
+    root = make_project(tmp_path, body, ["step"], files={"data/d/x": "x\n", "data/f.txt": "f\n"})
+    info = doit(root, "info", "step")
+    assert info.returncode == 1, show(info)
+    assert "meta       : {'inputs': ['data/d/', 'data/f.txt']}" in info.stdout, show(info)
+
+
 # -------------------------------------------------- fits ordinary dodo files
 
 NAMES = ["fit:lr0.1", "a,b", "with space", "sub/ject 01"]
