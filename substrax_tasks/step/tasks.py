@@ -31,7 +31,7 @@ from doit.dependency import UptodateCalculator
 from substrax_tasks.config.pyproject import config_key, config_stamp
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.interrupts import map_termination_signals
-from substrax_tasks.run.step_driver import StepDriver
+from substrax_tasks.run.step_driver import RunState, StepDriver
 from substrax_tasks.step.args import check_doit_arguments, name_list, path_list
 from substrax_tasks.step.spec import ArgvItem, PathIndex, StepSpec, make_spec
 from substrax_tasks.store.project import Project
@@ -263,6 +263,13 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
         _freeze_what_loading_made()
         dep_manager, self._dep_manager = self._dep_manager, None  # no cycle through doit's tasks
         public = task.name == self.step.name
+        if public and self.driver.state is not RunState.IDLE:
+            # The phases acted in this doit before the public task was
+            # checked: doit ran the hidden task on its own (plain `doit`
+            # with no default_tasks selects it too). The public task runs to
+            # save the verified run, and is not reported as up to date
+            # right after the step's run.
+            return False
         if not public and dep_manager is not None:
             values = dep_manager.get_values(self.step.name)
         try:

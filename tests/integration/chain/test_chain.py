@@ -379,6 +379,32 @@ def task_step():
     assert "meta       : {'inputs': ['data/d/', 'data/f.txt']}" in info.stdout, show(info)
 
 
+@pytest.mark.parametrize("threads", [[], ["-n", "2", "-P", "thread"]], ids=["serial", "threads"])
+def test_a_step_run_again_after_an_edited_output_is_not_called_up_to_date(
+    tmp_path: Path, threads: list[str]
+) -> None:
+    """Plain `doit` with no default_tasks selects the hidden task of the
+    phases too, before the public one: before, the public task was then
+    checked after the new run and printed `-- square` (up to date) right
+    after `new run ...`, and the closing line said nothing ran."""
+    body = """
+DOIT_CONFIG = doit_config()  # no default_tasks: plain `doit` selects every task
+
+def task_square():
+    yield from remote_step("square", shell="echo 4 > sq.txt", outputs=["sq.txt"])
+"""
+    root = make_project(tmp_path, body)
+    assert step_ran(doit_ok(root, *threads), "square")
+    (root / "sq.txt").write_text("5\n")
+    again = doit_ok(root, *threads)
+    assert "square: new run square-" in again.stdout, show(again)
+    assert step_ran(again, "square") and not step_skipped(again, "square"), show(again)
+    assert "ran 1 of 1 tasks" in again.stdout, show(again)
+    assert (root / "sq.txt").read_text() == "4\n"
+    assert run_count(root) == 2
+    assert step_skipped(doit_ok(root, *threads), "square")
+
+
 # -------------------------------------------------- fits ordinary dodo files
 
 NAMES = ["fit:lr0.1", "a,b", "with space", "sub/ject 01"]
