@@ -27,6 +27,7 @@ manifest_cache.py tracks changes that way).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import itertools
 import json
@@ -180,7 +181,38 @@ def build_manifest(base: str | os.PathLike[str], outputs: Sequence[str], cache: 
     missing, rows = _walk(base, check_outputs(outputs), cache)
     with _read_errors(base):
         entries = list(rows)
-    return {"version": VERSION, "entries": entries, "missing": missing, "digest": entries_digest(entries)}
+    taken = {"version": VERSION, "entries": entries, "missing": missing, "digest": entries_digest(entries)}
+    near = near_names(base, missing, outputs)
+    if near:
+        taken["near"] = near
+    return taken
+
+
+def near_names(base: str, missing: Sequence[str], outputs: Sequence[str]) -> Dict[str, List[str]]:
+    """For each missing output, the names written where it should be that
+    look like it (``out/reslt.txt`` for ``out/result.txt``): a typo in the
+    command or in ``outputs=`` is then named, not only the absence. Only
+    the first missing component of the path is compared, among the names of
+    the deepest folder above it that exists; declared outputs are never
+    offered."""
+    declared = {o.rstrip("/") for o in outputs}
+    near: Dict[str, List[str]] = {}
+    for out in missing:
+        parts = out.rstrip("/").split("/")
+        depth = len(parts) - 1
+        while depth > 0 and not os.path.isdir(os.path.join(base, *parts[:depth])):
+            depth -= 1
+        folder = os.path.join(base, *parts[:depth]) if depth else base
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        prefix = "".join(p + "/" for p in parts[:depth])
+        found = [prefix + n for n in difflib.get_close_matches(parts[depth], names, n=3, cutoff=0.75)]
+        found = [f for f in found if f not in declared]
+        if found:
+            near[out] = found
+    return near
 
 
 def tree_digest(base: str | os.PathLike[str], outputs: Sequence[str], cache: Optional[Cache] = None

@@ -177,7 +177,7 @@ def verify_staged(fetched: Fetched, outputs: Sequence[str], cache: Path, source:
     these to account."""
     missing = list(fetched.manifest.get("missing") or [])
     if missing:
-        raise NotProduced(f"the run did not produce declared output(s) {', '.join(missing)}")
+        raise NotProduced(f"the run did not produce declared output(s) {', '.join(missing)}{_near(fetched)}")
     try:
         make_safe(fetched.root, outputs)
     except OSError as exc:
@@ -193,6 +193,20 @@ def verify_staged(fetched: Fetched, outputs: Sequence[str], cache: Path, source:
             + "\n  ".join(problems)
         )
     return Verified(fetched.root, manifest, fetched.saw_whole_project)
+
+
+def _near(fetched: Fetched) -> str:
+    """What the run wrote instead of its missing outputs, where a name is
+    close (the manifest's "near"), said after them."""
+    near = fetched.manifest.get("near")
+    if not isinstance(near, dict):
+        return ""
+    said = [
+        f"{', '.join(str(n) for n in names)} instead of {out}"
+        for out, names in near.items()
+        if isinstance(names, list) and names
+    ]
+    return f" (it wrote {'; '.join(said)}: a typo in the command or in outputs=?)" if said else ""
 
 
 def promote_verified(

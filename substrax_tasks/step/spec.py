@@ -185,6 +185,7 @@ def make_spec(
     output_paths = [relative_path(o, project, f"step {step!r}: output") for o in output_list]
     if len(output_paths) > 1:  # one output cannot overlap itself
         check_no_overlap(step, output_paths)
+    _refuse_path_folders(step, output_list, output_paths, project)
     for name in forwarded:
         if not name or "=" in name or name in env_checked:
             raise SpecError(
@@ -201,6 +202,22 @@ def make_spec(
         resources=resource_values,
         forward_env=forwarded,
     )
+
+
+def _refuse_path_folders(
+    step: str, given: list[str | os.PathLike[str]], outputs: list[str], project: Path
+) -> None:
+    """A `pathlib.Path` drops the trailing "/" that declares a folder output:
+    one naming a folder of the project is refused now, before its command
+    runs only to have its manifest refuse the folder as a file. Only Paths
+    are looked at (a stat each): a string says what it means."""
+    for raw, rel in zip(given, outputs, strict=True):
+        if isinstance(raw, os.PathLike) and not rel.endswith("/") and (project / rel).is_dir():
+            raise SpecError(
+                f"step {step!r}: output {rel} is a folder, but it is given as a pathlib.Path, which "
+                'drops the trailing "/" that declares a folder output: '
+                f'write "{rel}/" (a string, or str(path) + "/")'
+            )
 
 
 def check_inputs_exist(spec: StepSpec, project: Path) -> None:

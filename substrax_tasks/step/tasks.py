@@ -23,6 +23,7 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from doit.dependency import UptodateCalculator
@@ -30,7 +31,7 @@ from doit.dependency import UptodateCalculator
 from substrax_tasks.config.pyproject import config_key, config_stamp
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.interrupts import map_termination_signals
-from substrax_tasks.run.step_driver import StepDriver
+from substrax_tasks.run.step_driver import RunState, StepDriver
 from substrax_tasks.step.args import check_doit_arguments, name_list, path_list
 from substrax_tasks.step.spec import ArgvItem, PathIndex, StepSpec, make_spec
 from substrax_tasks.store.project import Project
@@ -42,6 +43,7 @@ _INDEXES: dict[str, PathIndex] = {}
 _DECLARED_LOCK = threading.Lock()
 # The driver of each step declared in this process, for `substrax-compute why`.
 DRIVERS: dict[tuple[str, str], StepDriver] = {}
+CLEAN_LABEL_CHARS = 60  # the outputs named in `doit clean`'s label of a step, beyond which it lists two
 PASSTHROUGH_KEYS = ("doc", "title", "verbosity", "clean", "getargs", "params", "pos_arg", "watch")
 
 
@@ -128,6 +130,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
                 f"step {name!r}: unknown argument(s) {', '.join(unknown)}; doit keys passed "
                 f"through are {', '.join(PASSTHROUGH_KEYS)}, plus file_dep, task_dep and uptodate"
             )
+        _refuse_own_group_task(spec.step)
         producers = _check_against_others(proj.root, spec)
         backend_name, settings = proj.settings_for(backend)
         step = Step(spec, proj.root, backend_name, settings, proj.store, tracked=tracked)
@@ -137,6 +140,39 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     driver = StepDriver(step, proj, retries=retries)
     DRIVERS[(str(proj.root), spec.step)] = driver
     yield from step_tasks(driver, producers, dependencies, list(uptodate), task_keys)
+
+
+def _refuse_own_group_task(name: str) -> None:
+    """Refuse a sweep whose dodo also declares the group task itself
+    (`def task_fit(): return {"actions": None, "task_dep": [...]}`, as
+    versions before sweeps were doit groups needed): doit makes the group,
+    and would stop on the second one with "Task names must be unique" and
+    no hint. The dodo is the module of the first caller outside this one;
+    its `task_<group>` is fine when it is the function declaring the step."""
+    group, colon, _member = name.partition(":")
+    if not colon:
+        return
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_globals is globals():
+        frame = frame.f_back
+    if frame is None:
+        return
+    declared = frame.f_globals.get(f"task_{group}")
+    code = getattr(declared, "__code__", None)
+    if code is None:
+        return
+    caller: FrameType | None = frame
+    while caller is not None:
+        if caller.f_code is code:
+            return  # the group's own function declares its members
+        caller = caller.f_back
+    where = f"{code.co_filename}:{code.co_firstlineno}"
+    raise SubstraxError(
+        f"step {name!r} is a member of the sweep {group!r}, and doit makes the group task {group!r} "
+        f"itself; the dodo also declares its own task_{group} ({where}), the workaround older versions "
+        f"needed: remove task_{group}: `doit {group}` runs every member and task_dep=[{group!r}] waits "
+        "for them all"
+    )
 
 
 def step_tasks(
@@ -175,6 +211,10 @@ def step_tasks(
         "doc": task_keys.pop("doc", None) or f"remote step {spec.step}: {' '.join(spec.command)[:60]}",
         "verbosity": 2,
     }
+    if spec.inputs:
+        # `doit info` lists file_dep, which holds files only: the inputs,
+        # folders included, are shown there through doit's `meta`.
+        public["meta"] = {"inputs": list(spec.inputs)}
     if task_keys.get("clean") is True:
         # doit's clean=True leaves a non-empty folder output: remove outputs whole
         task_keys["clean"] = [CleanOutputs(step)]
@@ -223,6 +263,13 @@ class StepCheck(UptodateCalculator):  # type: ignore[misc]  # doit is untyped
         _freeze_what_loading_made()
         dep_manager, self._dep_manager = self._dep_manager, None  # no cycle through doit's tasks
         public = task.name == self.step.name
+        if public and self.driver.state is not RunState.IDLE:
+            # The phases acted in this doit before the public task was
+            # checked: doit ran the hidden task on its own (plain `doit`
+            # with no default_tasks selects it too). The public task runs to
+            # save the verified run, and is not reported as up to date
+            # right after the step's run.
+            return False
         if not public and dep_manager is not None:
             values = dep_manager.get_values(self.step.name)
         try:
@@ -294,7 +341,13 @@ class CleanOutputs:
                     remove_path(path)
 
     def __str__(self) -> str:
-        return f"<remove the outputs of step {self.step.name}: {', '.join(self.step.spec.outputs)}"
+        # One line however many outputs (a step of 100 outputs made a label
+        # of 1,400 characters): each output removed has a line of its own.
+        outputs = self.step.spec.outputs
+        listed = ", ".join(outputs)
+        if len(listed) > CLEAN_LABEL_CHARS:
+            listed = f"{', '.join(outputs[:2])}, ... ({len(outputs)} in all)"
+        return f"<remove the outputs of step {self.step.name}: {listed}"
 
 
 _PROJECTS: dict[tuple[Path, tuple[Any, ...]], Project] = {}

@@ -378,7 +378,9 @@ def _part_changes(
             "so the step runs once more under that rule"
         )
     for field in KEY_FIELDS:
-        if field != "backend" and old.get(field) != new.get(field):
+        if field == "environment" and old.get(field) != new.get(field):
+            yield _environment_change(old.get(field) or {}, new.get(field) or {})
+        elif field != "backend" and old.get(field) != new.get(field):
             yield f"{field} changed: was {old.get(field)!r}, now {new.get(field)!r}"
     if not moved and old.get("settings") != new.get("settings"):
         yield _settings_change(step, _pinned_settings(step, str(verified.get("run_id"))))
@@ -395,6 +397,21 @@ def _part_changes(
     for path in new["missing_inputs"]:
         if path not in was_missing:
             yield f"input missing: {path}"
+
+
+def _environment_change(old: dict[str, str], new: dict[str, str]) -> str:
+    """Which lock file changed, in words: the key holds their sha256s, which
+    tell a user nothing."""
+    was = next((name for name in old if name in ENV_LOCK_FILES), None)
+    now = next((name for name in new if name in ENV_LOCK_FILES), None)
+    if was is None:
+        return f"environment changed: {now} appeared, the environment is built from it now"
+    if now is None:
+        return f"environment changed: {was} is gone, the step now runs without a locked environment"
+    if was != now:
+        return f"environment changed: it is built from {now} now, no longer from {was}"
+    changed = [name for name in [was, *sorted(set(old) | set(new))] if old.get(name) != new.get(name)]
+    return f"environment changed: {', '.join(dict.fromkeys(changed))} changed"
 
 
 def _pinned_settings(step: Step, run_id: str) -> dict[str, Any] | None:

@@ -319,6 +319,26 @@ def test_clean_dry_run_removes_nothing(tmp_path: Path) -> None:
     assert "would remove out/" in done.stdout and "functools" not in done.stdout, show(done)
 
 
+def test_clean_dry_run_of_a_step_of_many_outputs_prints_a_short_label(tmp_path: Path) -> None:
+    """Before, doit's label listed every output: 1,400 characters for a
+    step of 100. The label is one short line; each output has its own."""
+    body = """
+def task_subjects():
+    yield from remote_step("subjects", shell="for i in $(seq -w 1 100); do echo $i > sub-$i.csv; done",
+                           outputs=[f"sub-{i:03d}.csv" for i in range(1, 101)], clean=True)
+"""
+    root = make_project(tmp_path, body, ["subjects"])
+    doit_ok(root)
+    done = doit_ok(root, "clean", "--dry-run", "subjects")
+    (label,) = [line for line in done.stdout.splitlines() if "executing" in line]
+    assert label == (
+        "subjects - executing 'Python: remove the outputs of step subjects: "
+        "sub-001.csv, sub-002.csv, ... (100 in all)'"
+    ), show(done)
+    assert done.stdout.count("would remove sub-") == 100, show(done)
+    assert (root / "sub-100.csv").exists()
+
+
 def test_list_shows_public_tasks_and_info_works(tmp_path: Path) -> None:
     body = BASIC + """
 def task_plain():
@@ -343,6 +363,46 @@ def task_plain():
     doit_ok(root)
     info = doit_ok(root, "info", "step")
     assert "up-to-date" in info.stdout, show(info)
+
+
+def test_info_shows_a_folder_input(tmp_path: Path) -> None:
+    """doit's file_dep takes files only: before, `doit info` did not name
+    a folder input at all."""
+    body = """
+def task_step():
+    yield from remote_step("step", shell="cat data/d/x data/f.txt > res.txt",
+                           inputs=["data/d/", "data/f.txt"], outputs=["res.txt"])
+"""
+    root = make_project(tmp_path, body, ["step"], files={"data/d/x": "x\n", "data/f.txt": "f\n"})
+    info = doit(root, "info", "step")
+    assert info.returncode == 1, show(info)
+    assert "meta       : {'inputs': ['data/d/', 'data/f.txt']}" in info.stdout, show(info)
+
+
+@pytest.mark.parametrize("threads", [[], ["-n", "2", "-P", "thread"]], ids=["serial", "threads"])
+def test_a_step_run_again_after_an_edited_output_is_not_called_up_to_date(
+    tmp_path: Path, threads: list[str]
+) -> None:
+    """Plain `doit` with no default_tasks selects the hidden task of the
+    phases too, before the public one: before, the public task was then
+    checked after the new run and printed `-- square` (up to date) right
+    after `new run ...`, and the closing line said nothing ran."""
+    body = """
+DOIT_CONFIG = doit_config()  # no default_tasks: plain `doit` selects every task
+
+def task_square():
+    yield from remote_step("square", shell="echo 4 > sq.txt", outputs=["sq.txt"])
+"""
+    root = make_project(tmp_path, body)
+    assert step_ran(doit_ok(root, *threads), "square")
+    (root / "sq.txt").write_text("5\n")
+    again = doit_ok(root, *threads)
+    assert "square: new run square-" in again.stdout, show(again)
+    assert step_ran(again, "square") and not step_skipped(again, "square"), show(again)
+    assert "ran 1 of 1 tasks" in again.stdout, show(again)
+    assert (root / "sq.txt").read_text() == "4\n"
+    assert run_count(root) == 2
+    assert step_skipped(doit_ok(root, *threads), "square")
 
 
 # -------------------------------------------------- fits ordinary dodo files

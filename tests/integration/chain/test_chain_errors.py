@@ -184,6 +184,19 @@ def test_argument_of_the_wrong_type_is_refused_with_the_fix(
     assert_refused(root, "substrax: error: step 'step': ", message)
 
 
+def test_a_path_naming_a_folder_output_is_refused_before_the_command_runs(tmp_path: Path) -> None:
+    """A pathlib.Path drops the trailing "/": before, the command ran and
+    only its manifest refused the folder as a file."""
+    body = """
+def task_step():
+    yield from remote_step("step", shell="touch ran.txt; mkdir -p out && echo 1 > out/a.txt",
+                           outputs=[Path("out"), Path("ran.txt")])
+"""
+    root = make_project(tmp_path, body, ["step"], files={"out/old.txt": "old\n"})
+    assert_refused(root, "output out is a folder, but it is given as a pathlib.Path", 'write "out/"')
+    assert not (root / "ran.txt").exists()
+
+
 # --------------------------------------------------------- failed runs
 
 
@@ -210,6 +223,50 @@ def task_step():
     again = doit(root, "step", "c=mkdir -p out && echo 2 > out/a.txt")
     assert again.returncode == 1
     assert run_count(root) == 3
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_a_missing_output_names_what_the_run_wrote_instead(tmp_path: Path, sandbox: str) -> None:
+    """A typo in the command (reslt for result): the failure names the file
+    written under a near name, so the user sees the typo, not only the
+    absence. A name far from it is not offered."""
+    shell = "mkdir -p out && echo 1 > out/reslt.txt && echo 1 > out/other.log"
+    body = one_step(shell=shell, outputs=["out/result.txt"])
+    root = make_project(tmp_path, body, ["step"], sandbox=sandbox)
+    done = doit(root)
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, show(done)
+    assert "did not produce declared output(s) out/result.txt (it wrote out/reslt.txt instead of " \
+        "out/result.txt" in said, show(done)
+    assert "other.log" not in said, show(done)
+    assert "Traceback" not in said, show(done)
+
+
+LEAVES_NO_FOLDERS = """
+def task_bx():
+    yield from remote_step("bx", shell="exit 3", outputs=["bx/", "deep/er/f.txt", "kept/g.txt"])
+
+def task_bt():
+    yield from remote_step("bt", shell="sleep 30", outputs=["bt/"], timeout=0.5)
+
+def task_bm():
+    yield from remote_step("bm", shell="true", outputs=["bm/x.txt", "empty/"])
+"""
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_a_failed_step_leaves_no_empty_output_folders_it_made(tmp_path: Path, sandbox: str) -> None:
+    """An exit 3, a timeout and a missing output: the folders the runs made
+    for their outputs go with them (even an empty folder output of the run
+    that missed another); a folder that was there stays."""
+    root = make_project(tmp_path, LEAVES_NO_FOLDERS, ["bx", "bt", "bm"], sandbox=sandbox)
+    (root / "kept").mkdir()
+    done = doit(root, "--continue")
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, show(done)
+    assert "exit code 3" in said and "timed_out" in said and "bm/x.txt" in said, show(done)
+    left = sorted(p.name for p in root.iterdir() if p.name not in (".substrax", ".doit.db"))
+    assert left == ["dodo.py", "kept", "pyproject.toml"], left
 
 
 def test_failed_command_fails_the_step_with_its_log(tmp_path: Path) -> None:

@@ -125,3 +125,40 @@ def test_each_step_is_promoted_as_soon_as_it_is_fetched_whatever_fails_later(
     again = doit(root, *args, "subject:s1", "subject:s2")
     assert again.returncode == 0, show(again)
     assert run_count(root) == runs  # nothing ran again: their outputs were home
+
+
+OWN_GROUP = """
+def task_fits():
+    for m in ["a", "b"]:
+        yield from remote_step(f"fit:{m}", shell=f"echo {m} > fit-{m}.txt", outputs=[f"fit-{m}.txt"])
+
+def task_fit():
+    return {"actions": None, "task_dep": ["fit:a", "fit:b"]}
+"""
+
+HELPER = """
+def sweep():
+    for m in ["a", "b"]:
+        yield from remote_step(f"fit:{m}", shell=f"echo {m} > fit-{m}.txt", outputs=[f"fit-{m}.txt"])
+
+def task_fit():
+    yield from sweep()
+"""
+
+
+def test_a_dodo_declaring_its_own_group_task_is_told_what_to_remove(tmp_path: Path) -> None:
+    """The workaround older versions needed: before, doit stopped with
+    `Task names must be unique. fit` and no hint."""
+    root = make_project(tmp_path, OWN_GROUP)
+    done = doit(root, "fit")
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, show(done)
+    assert "doit makes the group task 'fit' itself" in said, show(done)
+    assert f"declares its own task_fit ({root / 'dodo.py'}:" in said and "remove task_fit" in said, show(done)
+    assert "Traceback" not in said and run_count(root) == 0, show(done)
+
+
+def test_a_group_s_own_function_may_declare_its_members_through_a_helper(tmp_path: Path) -> None:
+    root = make_project(tmp_path, HELPER)
+    done = doit_ok(root, "fit")
+    assert step_ran(done, "fit:a") and step_ran(done, "fit:b"), show(done)

@@ -106,6 +106,13 @@ def test_why_and_doit_agree_once_the_verified_run_s_folder_is_removed(root: Path
     assert_up_to_date(root)
 
 
+def test_a_lock_file_that_appears_is_named_in_words(root: Path) -> None:
+    """Before, `why` printed the key's two dicts of sha256 digests."""
+    (root / "requirements.lock").write_text("numpy==2.0.0\n")
+    said = "environment changed: requirements.lock appeared, the environment is built from it now"
+    assert reasons(root) == [said]
+
+
 def test_after_doit_forget(root: Path) -> None:
     doit_ok(root, "forget", "step")
     found = reasons(root)

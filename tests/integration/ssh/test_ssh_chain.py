@@ -826,3 +826,33 @@ def lost_tree_on(target: SshHost, tmp_path: Path, marker: str, user: str) -> Non
         shutil.rmtree(remote_root, ignore_errors=True)
         for pid in control_master_pids(handle) if handle is not None else []:
             kill_pid(pid)
+
+
+MAKES_24 = "mkdir -p out-{0} && for i in $(seq 24); do echo $i > out-{0}/$i; done; ls -A"
+CHAIN_OF_THREE = f"""
+def task_a():
+    yield from remote_step("a", shell={MAKES_24.format("a")!r}, inputs=["data/in.txt"], outputs=["out-a/"])
+
+def task_b():
+    yield from remote_step("b", shell={MAKES_24.format("b")!r}, inputs=["data/in.txt"], outputs=["out-b/"],
+                           task_dep=["a"])
+
+def task_c():
+    yield from remote_step("c", shell={MAKES_24.format("c")!r}, inputs=["data/in.txt"], outputs=["out-c/"],
+                           task_dep=["b"])
+"""
+
+
+def test_each_step_uploads_its_view_only_not_the_earlier_steps_outputs(tmp_path: Path, host: SshHost) -> None:
+    """A project outside git, three steps in a row: each uploads its
+    declared inputs only (before, each upload held the outputs the steps
+    before it had brought home: 217 -> 241 -> 265 files)."""
+    root = make_ssh_project(tmp_path, host, CHAIN_OF_THREE, ["c"], files={"data/in.txt": "in\n"})
+    assert not (root / ".git").exists()
+    done = doit_ok(root)
+    uploads = [int(n) for n in re.findall(r"^upload: (\d+) files, ", done.stderr, re.M)]
+    assert uploads == [1, 1, 1], show(done)  # data/in.txt, each time
+    for step in "abc":
+        assert len(list((root / f"out-{step}").iterdir())) == 24
+    # c's `ls -A` sees no earlier step's output
+    assert "out-a" not in done.stdout.split("c: new run")[-1], show(done)
