@@ -13,6 +13,8 @@
 # written, and `SUBSTRAX_CONFIG=<overlay> SUBSTRAX_BACKEND=ssh doit fit` runs
 # after `doit forget fit`, so the remote path really runs. Otherwise `doit
 # fit` runs as configured (it reruns only what changed).
+# Either way the run cache is off for that doit (SUBSTRAX_CACHE=off): a step
+# another run made (`make demo`, locally) is run on the host, not restored.
 #
 # Environment: BIN (the venv's bin, default .venv/bin), REMOTE_RUN_TASK
 # (default fit), REMOTE_RUN_USER (the login user as root, default sxdemo).
@@ -46,9 +48,14 @@ else:
 EOF
 )
 
+# Neither restored from the cache nor kept in it: this shows the remote path.
+export SUBSTRAX_CACHE=off
+cache_note="==> the run cache is off for this run (SUBSTRAX_CACHE=off): $TASK runs on the host whatever the cache holds"
+
 if [ "$mode" = configured ]; then
   echo "==> backend: ${SUBSTRAX_BACKEND:-as configured in pyproject.toml}${SUBSTRAX_CONFIG:+ (overlay $SUBSTRAX_CONFIG)}"
   echo "    (\`$BIN/doit forget $TASK\` first to force a rerun)"
+  echo "$cache_note"
   exec "$BIN/doit" "$TASK"
 fi
 
@@ -148,5 +155,6 @@ print(f"==> backend: ssh to {host['user']}@{host['address']} port {host['port']}
 EOF
 
 export SUBSTRAX_CONFIG="$overlay" SUBSTRAX_BACKEND=ssh
+echo "$cache_note"
 "$BIN/doit" forget "$TASK"
 "$BIN/doit" "$TASK"
