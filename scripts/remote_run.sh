@@ -7,7 +7,7 @@
 #   - SUBSTRAX_BACKEND is unset and pyproject.toml's default_backend is "local", or
 #   - the backend (SUBSTRAX_BACKEND, else default_backend) is "ssh" and
 #     pyproject.toml has no [tool.substrax.compute.backends.ssh] table.
-# Then tests/testbeds/sshd_host.py starts an sshd (as root: in a network
+# Then tests/support/testbeds/sshd_host.py starts an sshd (as root: in a network
 # namespace of its own, logging in as a user it creates and removes again;
 # otherwise on 127.0.0.1 as you), a TOML overlay with its settings is
 # written, and `SUBSTRAX_CONFIG=<overlay> SUBSTRAX_BACKEND=ssh doit fit` runs
@@ -23,7 +23,7 @@ set -euo pipefail
 BIN=${BIN:-.venv/bin}
 TASK=${REMOTE_RUN_TASK:-fit}
 LOGIN=${REMOTE_RUN_USER:-sxdemo}
-TESTBED=tests/testbeds/sshd_host.py
+TESTBED=tests/support/testbeds/sshd_host.py
 
 mode=$("$BIN/python" - <<'EOF'
 import os
