@@ -7,12 +7,14 @@
 #   - SUBSTRAX_BACKEND is unset and pyproject.toml's default_backend is "local", or
 #   - the backend (SUBSTRAX_BACKEND, else default_backend) is "ssh" and
 #     pyproject.toml has no [tool.substrax.compute.backends.ssh] table.
-# Then tests/testbeds/sshd_host.py starts an sshd (as root: in a network
+# Then tests/support/testbeds/sshd_host.py starts an sshd (as root: in a network
 # namespace of its own, logging in as a user it creates and removes again;
 # otherwise on 127.0.0.1 as you), a TOML overlay with its settings is
 # written, and `SUBSTRAX_CONFIG=<overlay> SUBSTRAX_BACKEND=ssh doit fit` runs
 # after `doit forget fit`, so the remote path really runs. Otherwise `doit
 # fit` runs as configured (it reruns only what changed).
+# Either way the run cache is off for that doit (SUBSTRAX_CACHE=off): a step
+# another run made (`make demo`, locally) is run on the host, not restored.
 #
 # Environment: BIN (the venv's bin, default .venv/bin), REMOTE_RUN_TASK
 # (default fit), REMOTE_RUN_USER (the login user as root, default sxdemo).
@@ -21,7 +23,7 @@ set -euo pipefail
 BIN=${BIN:-.venv/bin}
 TASK=${REMOTE_RUN_TASK:-fit}
 LOGIN=${REMOTE_RUN_USER:-sxdemo}
-TESTBED=tests/testbeds/sshd_host.py
+TESTBED=tests/support/testbeds/sshd_host.py
 
 mode=$("$BIN/python" - <<'EOF'
 import os
@@ -46,9 +48,14 @@ else:
 EOF
 )
 
+# Neither restored from the cache nor kept in it: this shows the remote path.
+export SUBSTRAX_CACHE=off
+cache_note="==> the run cache is off for this run (SUBSTRAX_CACHE=off): $TASK runs on the host whatever the cache holds"
+
 if [ "$mode" = configured ]; then
   echo "==> backend: ${SUBSTRAX_BACKEND:-as configured in pyproject.toml}${SUBSTRAX_CONFIG:+ (overlay $SUBSTRAX_CONFIG)}"
   echo "    (\`$BIN/doit forget $TASK\` first to force a rerun)"
+  echo "$cache_note"
   exec "$BIN/doit" "$TASK"
 fi
 
@@ -148,5 +155,6 @@ print(f"==> backend: ssh to {host['user']}@{host['address']} port {host['port']}
 EOF
 
 export SUBSTRAX_CONFIG="$overlay" SUBSTRAX_BACKEND=ssh
+echo "$cache_note"
 "$BIN/doit" forget "$TASK"
 "$BIN/doit" "$TASK"

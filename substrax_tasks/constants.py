@@ -9,6 +9,9 @@ BACKEND_ENV = "SUBSTRAX_BACKEND"  # names the default backend
 # A TOML file whose [tool.substrax.compute] is laid over the project's: for
 # machine-specific settings (hosts, keys) kept out of the repository.
 CONFIG_ENV = "SUBSTRAX_CONFIG"
+# `off` turns the run cache off for one doit (nothing restored, nothing kept),
+# whatever [tool.substrax.compute.cache] says: `make remote-run` uses it.
+CACHE_ENV = "SUBSTRAX_CACHE"
 # The lock files themselves are remote/env.py's LOCK_FILES (that recipe
 # builds the environment on every machine). What a lock is read with:
 # `uv sync --frozen` reads uv.lock only beside the project's pyproject.toml,

@@ -38,6 +38,7 @@ from substrax_tasks.cache.storage import (
     Folder,
     ForeignCache,
     Shared,
+    disk_use,
     drop_entry,
     entry_path,
     is_part,
@@ -49,6 +50,8 @@ from substrax_tasks.cache.storage import (
     write_entry,
 )
 from substrax_tasks.console import emit
+from substrax_tasks.constants import CACHE_ENV
+from substrax_tasks.errors import ConfigError
 from substrax_tasks.run.promote import safe_manifest
 from substrax_tasks.step.spec import canonical_digest, safe_name
 from substrax_tasks.uptodate import manifests as manifest_cache
@@ -97,6 +100,14 @@ class CacheOptions:
     signing_key: str | None
     key_backend: bool
 
+    def used(self) -> bool:
+        """Whether this doit uses the cache: `enabled`, unless SUBSTRAX_CACHE=off."""
+        value = os.environ.get(CACHE_ENV, "")
+        if value not in {"", "off"}:
+            raise ConfigError(f"{CACHE_ENV}={value!r} is not understood: set it to off to turn the "
+                              "run cache off for this doit, or unset it to use the cache as configured")
+        return self.enabled and value != "off"
+
     def folder(self, project: Path) -> Path:
         if self.path:
             return project / Path(self.path).expanduser()
@@ -120,6 +131,7 @@ class RunCache:
         self.signers = _absolute(project, settings.allowed_signers)
         self.signing_key = _absolute(project, settings.signing_key)
         self.stats_file = store.run_cache_stats
+        self.introduced = store.run_cache_introduced
         self.staging_root = store.restore_dir
 
     def _stores(self) -> list[Folder | Shared]:
@@ -250,8 +262,25 @@ class RunCache:
         prov = entry.get("provenance") or {}
         emit(f"{step.name}: restored from {label}: run {prov.get('run_id')} on {prov.get('backend')} "
              f"({prov.get('host')}, {prov.get('time')}); nothing launched")  # fmt: skip
+        self._introduce()
         shared = (data, signature) if store is self.shared else None
         return Restored(Fetched(staging, manifest), key, label, prov, shared)
+
+    def _introduce(self) -> None:
+        """The first time this project stores or restores an entry, one line:
+        where the cache is, how big it may grow, how to turn it off. A marker
+        in the project's state folder, made exclusively, says it once
+        whatever the threads and doits."""
+        try:
+            self.introduced.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.close(os.open(self.introduced, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        except OSError:  # said before (FileExistsError), or no state folder to remember it in
+            return
+        shared = f", and the shared store {self.shared.name}" if self.shared is not None else ""
+        emit(f"note: verified runs are kept in the run cache {self.local.name}{shared}, shared by your "
+             f"projects and trimmed to max_size {human_size(self.settings.max_bytes)} (oldest first); "
+             "`substrax-compute cache status` shows it; to turn it off set enabled = false under "
+             f"[tool.substrax.compute.cache], or {CACHE_ENV}=off for one doit (docs/cache.md)")
 
     def _bad_marker(self, data: bytes) -> Path:
         """Where an entry found damaged is marked, by its contents: skipped from then on."""
@@ -316,6 +345,7 @@ class RunCache:
         else:  # an older run's log is not this one's
             self.local.remove(log_path(key))
         write_entry(self.local, key, data, sign(data, self.signing_key) if self.signing_key else None)
+        self._introduce()
         if self.shared is not None and self.shared.writable and self.shared.name not in _UNREACHABLE:
             try:
                 self.push(key)
@@ -411,7 +441,7 @@ class RunCache:
     # ------------------------------------------------------------ size
     def usage(self) -> tuple[list[tuple[float, str, set[str]]], dict[str, tuple[int, float]]]:
         """The local entries (mtime, key, objects, oldest first) and objects
-        (size, mtime). An entry or object that goes while they are read (a
+        (disk use, mtime). An entry or object that goes while they are read (a
         part file renamed, another trim) is left out."""
         entries: list[tuple[float, str, set[str]]] = []
         for path in (self.local.root / "entries").glob("*.json"):
@@ -434,7 +464,7 @@ class RunCache:
                 st = (self.local.root / rel).stat()
             except FileNotFoundError:
                 continue
-            objects[rel] = (st.st_size, st.st_mtime)
+            objects[rel] = (disk_use(st), st.st_mtime)
         return sorted(entries), objects
 
     def trim(self, dry_run: bool = False, older_than_days: float | None = None) -> list[str]:
@@ -472,6 +502,15 @@ class RunCache:
             self.local.unlink_objects(dropped)
             self.local.set_account(total)
         return removed
+
+
+def human_size(n: float) -> str:
+    """`n` bytes as B, KiB, MiB or GiB."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def _absolute(project: Path, path: str | None) -> str | None:

@@ -7,7 +7,7 @@ entries.
     entries/<key>.json.stats the stat of its objects when last hashed (local folder only)
     entries/<key>.log        the tail of the log of the run that made it (shown by `logs`, never restored)
     objects/<ab>/<sha256>    file contents, by digest: shared by every entry
-    size.json                the local folder's account: its objects' total size
+    size.json                the local folder's account: its objects' total disk use
     size.lock                held while objects come and go (flock: threads and processes)
 
 An entry is written last, after every object it names: a store never holds
@@ -54,7 +54,9 @@ if TYPE_CHECKING:
 
 ACCOUNT = "size.json"
 ACCOUNT_LOCK = "size.lock"
-ACCOUNT_VERSION = 1
+# 2: the account counts disk use (st_blocks), not st_size; an account of
+# version 1 is counted again.
+ACCOUNT_VERSION = 2
 NAMESPACE = "substrax-cache"  # of the SSH signatures: a key's other signatures do not count
 UPLOADS = 8  # objects sent to a shared store at once: one request each
 BUFFER = 1 << 20  # one reused buffer per restore: no allocation per file
@@ -111,6 +113,13 @@ def copy_fd(src: int, dst: int, size: int) -> None:
 def is_part(rel: str) -> bool:
     """A part file of an object being written (Folder.put), not an object."""
     return rel.rsplit("/", 1)[-1].startswith(".")
+
+
+def disk_use(st: os.stat_result) -> int:
+    """The bytes a file takes on disk: its blocks, not its length. A 10-byte
+    file takes a whole block (4 KiB on ext4 and tmpfs), and max_size is about
+    the disk the cache takes."""
+    return st.st_blocks * 512
 
 
 def stat_key(st: os.stat_result) -> list[int]:
@@ -341,7 +350,7 @@ class Folder:
         return FileLock(str(self.root / ACCOUNT_LOCK), mode=0o600, thread_local=False, is_singleton=False)
 
     def size(self) -> int:
-        """The objects' total size in bytes, from the account."""
+        """The objects' total disk use in bytes, from the account."""
         with self.account_lock():
             return self.move_account(0)
 
@@ -368,21 +377,21 @@ class Folder:
         write_bytes_atomic(self.root / ACCOUNT, data)
 
     def recount(self) -> int:
-        """The objects' total size, from a stat of each (part files left out)."""
+        """The objects' total disk use, from a stat of each (part files left out)."""
         total = 0
         for rel in self.objects():
             if not is_part(rel):
                 with contextlib.suppress(FileNotFoundError):
-                    total += (self.root / rel).stat().st_size
+                    total += disk_use((self.root / rel).stat())
         return total
 
     def unlink_objects(self, rels: list[str]) -> int:
-        """Remove objects (the account's lock held); the bytes they held."""
+        """Remove objects (the account's lock held); the disk they took."""
         freed = 0
         for rel in rels:
             path = self.root / rel
             try:
-                size = path.lstat().st_size
+                size = disk_use(path.lstat())
                 path.unlink()
             except FileNotFoundError:
                 continue
@@ -432,7 +441,7 @@ class Folder:
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
                 with source.open("rb") as src, open(os.open(part, flags, 0o600), "wb") as dst:  # noqa: PTH123
                     copy_fd(src.fileno(), dst.fileno(), os.fstat(src.fileno()).st_size)
-                    parts[-1] = (part, rel, os.fstat(dst.fileno()).st_size)
+                    parts[-1] = (part, rel, disk_use(os.fstat(dst.fileno())))
             added, grown = [], 0
             with self.account_lock():
                 for part, rel, size in parts:

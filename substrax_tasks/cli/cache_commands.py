@@ -8,9 +8,10 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from substrax_tasks.cache.run_cache import CacheOptions, RunCache
+from substrax_tasks.cache.run_cache import CacheOptions, RunCache, human_size
 from substrax_tasks.cache.storage import Damaged
 from substrax_tasks.cli.arguments import arg, command, flag
+from substrax_tasks.constants import CACHE_ENV
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.run.promote import remove_path
 from substrax_tasks.store.gc import removable, remove_leaks, verified_records
@@ -73,8 +74,8 @@ def cmd_cache(project: Project, args: argparse.Namespace, out: Console, err: Con
         entries, objects = cache.usage()
         size = sum(s for s, _ in objects.values())
         settings = cache.settings
-        out.print(f"local: {cache.local.name}: {len(entries)} entries, {_size(size)} of objects "
-                  f"(max_size {_size(settings.max_bytes)}){'' if settings.enabled else '; disabled'}",
+        out.print(f"local: {cache.local.name}: {len(entries)} entries, {human_size(size)} on disk "
+                  f"(max_size {human_size(settings.max_bytes)}){_off(settings)}",
                   highlight=False)  # fmt: skip
         shared = f"{settings.shared} ({settings.mode})" if settings.shared else "none"
         out.print(f"shared: {escape(shared)}", highlight=False)
@@ -101,12 +102,10 @@ def cmd_cache(project: Project, args: argparse.Namespace, out: Console, err: Con
     return 0
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
+def _off(settings: CacheOptions) -> str:
+    if not settings.enabled:
+        return "; disabled"
+    return "" if settings.used() else f"; off here ({CACHE_ENV}=off)"
 
 
 # ------------------------------------------------------------------ gc

@@ -401,7 +401,8 @@ def cmd_why(project: Project, args: argparse.Namespace, out: Console, err: Conso
     from substrax_tasks.cli.cache_commands import run_cache
     from substrax_tasks.uptodate.check import key_parts
 
-    found = run_cache(project).find(key_parts(driver.step)) if project.cache["enabled"] else None
+    cache = run_cache(project)
+    found = cache.find(key_parts(driver.step)) if cache.settings.used() else None
     if found:
         said = f"  it would be restored from {found} (`doit {args.step} -a` runs it)"
         out.print(escape(said), highlight=False)

@@ -27,7 +27,7 @@ _SAID_LOCK = threading.Lock()
 
 def run_cache_of(driver: DrivenRun) -> RunCache | None:
     options = CacheOptions(**driver.project.cache)
-    return RunCache(options, driver.root, driver.project.store) if options.enabled else None
+    return RunCache(options, driver.root, driver.project.store) if options.used() else None
 
 
 def restored_from_cache(driver: DrivenRun) -> bool:

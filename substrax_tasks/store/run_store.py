@@ -117,6 +117,11 @@ class RunStore:
         return self.root / "cache" / "run-cache.json"
 
     @property
+    def run_cache_introduced(self) -> Path:
+        """Made when `doit` first said where the run cache is (once per project)."""
+        return self.root / "cache" / "run-cache-introduced"
+
+    @property
     def envs_dir(self) -> Path:
         return self.root / "envs"
 

@@ -173,11 +173,13 @@ def stop(proc: subprocess.Popen[str]) -> None:
     proc.wait(timeout=30)
 
 
-def compute(root: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def compute(
+    root: Path, *args: str, timeout: float = 60, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(COMPUTE), "--project", str(root), *args],
         cwd=root,
-        env=clean_env(),
+        env=clean_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,

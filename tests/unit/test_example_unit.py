@@ -4,6 +4,7 @@ real `make` and `doit` (the virtualenv is this one, so make installs nothing).""
 
 from __future__ import annotations
 
+import re
 import runpy
 import shutil
 import subprocess
@@ -48,3 +49,12 @@ def test_loading_the_example_declares_its_tasks_and_runs_nothing(example: Path) 
     assert sorted(p.name for p in example.iterdir()) == before
 
 
+
+
+@pytest.mark.unit
+def test_make_remote_run_starts_its_throwaway_host_with_a_script_that_exists() -> None:
+    """`make remote-run` without a configured remote runs the ssh test bed's
+    script by its path (it was left behind when tests/ moved: `can't open file`)."""
+    text = (REPO / "scripts" / "remote_run.sh").read_text()
+    (script,) = re.findall(r"^TESTBED=(\S+)$", text, re.MULTILINE)
+    assert (REPO / script).is_file(), script

@@ -20,6 +20,7 @@ import pytest
 from dodo_helpers import (
     clean_env,
     compute,
+    doit,
     doit_ok,
     handles,
     make_project,
@@ -666,7 +667,8 @@ def account(folder: Path) -> int:
 
 
 def object_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in (folder / "objects").rglob("*") if p.is_file())
+    """The disk the objects take (their blocks): what the account counts."""
+    return sum(p.stat().st_blocks * 512 for p in (folder / "objects").rglob("*") if p.is_file())
 
 
 def test_keeping_a_run_reads_the_account_not_the_other_entries(tmp_path: Path) -> None:
@@ -676,17 +678,19 @@ def test_keeping_a_run_reads_the_account_not_the_other_entries(tmp_path: Path) -
     entry once), below max_size, the oldest first, and the account made exact."""
     folder = tmp_path / "team-cache"
     others = old_entries(folder, 50, 1000)
-    (folder / "size.json").write_text(json.dumps({"version": 1, "bytes": 0}))  # says: nearly empty
-    root = project(tmp_path, "a", folder_cache(tmp_path) + 'max_size = "20000"\n')
+    old = object_bytes(folder)
+    block = old // 50  # what one object of 1,000 bytes takes on disk
+    (folder / "size.json").write_text(json.dumps({"version": 2, "bytes": 0}))  # says: nearly empty
+    root = project(tmp_path, "a", folder_cache(tmp_path) + f"max_size = {20 * block}\n")
     doit_ok(root)
-    assert len(entries(folder)) == 51  # the 50,000 bytes the account does not know were not looked for
+    assert len(entries(folder)) == 51  # the 50 objects the account does not know were not looked for
     grown = account(folder)
-    assert 0 < grown < 100 and all(p.exists() for p in others)  # the new run's objects only
-    (folder / "size.json").write_text(json.dumps({"version": 1, "bytes": 50_000 + grown}))  # the truth
-    doit_ok(root, "-a", "make")  # over 20,000 bytes: trimmed to 18,000, the oldest first
+    assert grown == object_bytes(folder) - old > 0 and all(p.exists() for p in others)  # the new run's only
+    (folder / "size.json").write_text(json.dumps({"version": 2, "bytes": old + grown}))  # the truth
+    doit_ok(root, "-a", "make")  # over 20 blocks: trimmed to 18, the oldest first
     left = [p for p in others if p.exists()]
     assert left == others[-(len(left)):] and 15 <= len(left) <= 17, len(left)
-    assert account(folder) == object_bytes(folder) <= 18_000
+    assert account(folder) == object_bytes(folder) <= 18 * block
     (folder / "size.json").write_text("{damaged")
     shutil.rmtree(root / "out")
     assert restored(doit_ok(root))
@@ -721,3 +725,86 @@ def test_threads_keeping_runs_at_once_never_say_one_was_not_kept(tmp_path: Path)
     kept = [json.loads(p.read_text())["step"] for p in entries(folder)]
     assert len(kept) >= 10 and set(kept) <= set(names), kept  # trimmed from 40 MB, the old ones first
     assert account(folder) == object_bytes(folder) <= 40_000_000
+
+
+def test_substrax_cache_off_neither_restores_nor_keeps_and_a_bad_value_is_refused(tmp_path: Path) -> None:
+    """What `make remote-run` sets: the step runs for real whatever the cache
+    holds, `why` does not promise a restore, and the entry stays the first run's."""
+    root = project(tmp_path, "a", folder_cache(tmp_path))
+    doit_ok(root)
+    (entry,) = entries(tmp_path / "team-cache")
+    kept = entry.read_bytes()
+    shutil.rmtree(root / "out")
+    doit_ok(root, "forget", "make")
+    off = {"SUBSTRAX_CACHE": "off"}
+    why = compute(root, "why", "make", env=off)
+    assert why.returncode == 0 and "not up to date" in why.stdout and "restored" not in why.stdout, show(why)
+    done = doit_ok(root, env=off)
+    assert not restored(done) and step_ran(done, "make") and run_count(root) == 2, show(done)
+    assert entry.read_bytes() == kept  # not replaced: nothing kept either
+    assert "off here (SUBSTRAX_CACHE=off)" in compute(root, "cache", "status", env=off).stdout
+    shutil.rmtree(root / "out")
+    bad = doit(root, env={"SUBSTRAX_CACHE": "no"})
+    said = bad.stdout + bad.stderr
+    assert bad.returncode != 0 and "SUBSTRAX_CACHE='no' is not understood" in said, show(bad)
+    assert run_count(root) == 2  # nothing launched
+
+
+TWO_STEPS = """
+def task_two():
+    for name in ("one", "two"):
+        yield from remote_step(name, shell="printf %s > out/%s.txt" % (name, name),
+                               outputs=["out/%s.txt" % name])
+"""
+
+INTRODUCED = "note: verified runs are kept in the run cache"
+
+
+def test_the_first_store_says_where_the_cache_is_once_per_project(tmp_path: Path) -> None:
+    cache = folder_cache(tmp_path) + 'max_size = "3GiB"\n'
+    root = project(tmp_path, "a", cache, body=TWO_STEPS)
+    done = doit_ok(root, "-n", "2", "-P", "thread", "one", "two")
+    said = [line for line in done.stdout.splitlines() if INTRODUCED in line]
+    assert len(entries(tmp_path / "team-cache")) == 2
+    assert len(said) == 1, show(done)
+    assert f"{tmp_path / 'team-cache'}" in said[0] and "max_size 3.0 GiB" in said[0], said
+    assert "enabled = false" in said[0] and "SUBSTRAX_CACHE=off" in said[0], said
+    again = doit_ok(root, "-a", "one", "two")  # stored again: not said again
+    assert step_ran(again, "one") and INTRODUCED not in again.stdout, show(again)
+    # another project on the same folder restores: its first use, said there once
+    other = project(tmp_path, "b", cache, body=TWO_STEPS)
+    done = doit_ok(other, "one", "two")
+    assert restored(done) and done.stdout.count(INTRODUCED) == 1, show(done)
+
+
+SMALL_FILES = """
+def task_small():
+    yield from remote_step("small", outputs=["out/"],
+                           shell="mkdir -p out && for i in $(seq 2000); do printf %010d $i > out/f$i; done")
+"""
+
+
+def disk_use(folder: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in folder.rglob("*") if p.is_file())
+
+
+def test_status_and_max_size_count_the_disk_small_files_take(tmp_path: Path) -> None:
+    """2,000 outputs of 10 bytes (all different) take a block each in the
+    cache too: `cache status` and max_size count those blocks, not 20,000 bytes."""
+    folder = tmp_path / "team-cache"
+    root = project(tmp_path, "a", folder_cache(tmp_path), body=SMALL_FILES)
+    doit_ok(root, "small")
+    own = disk_use(root / "out")
+    assert own >= 2000 * 512  # at least a sector each, whatever the file system
+    status = compute(root, "cache", "status")
+    shown = status.stdout.split("1 entries, ", 1)[1].split(" on disk", 1)[0]
+    number, unit = shown.split()
+    reported = float(number) * {"B": 1, "KiB": 1024, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
+    assert reported >= own * 0.99 and account(folder) == disk_use(folder / "objects") >= own, show(status)
+    # a max_size above their length (20,000 bytes) but below their disk use: trimmed
+    limit = own // 2
+    small = f'path = "{tmp_path / "small-cache"}"\nmax_size = {limit}\n'
+    other = project(tmp_path, "b", small, body=SMALL_FILES)
+    done = doit_ok(other, "small")
+    assert step_ran(done, "small") and entries(tmp_path / "small-cache") == [], show(done)
+    assert account(tmp_path / "small-cache") <= limit

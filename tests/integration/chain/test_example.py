@@ -86,3 +86,15 @@ def test_make_remote_run_runs_the_remote_step(example: Path) -> None:
     assert step_ran(done, "fit"), show(done)
     assert not step_ran(done, "report"), show(done)  # the remote step alone
     assert [h["step"] for h in handles(example)] == ["fit"]
+
+
+def test_make_remote_run_runs_the_step_whatever_the_cache_holds(example: Path) -> None:
+    """After `make demo` kept fit in the run cache, `make remote-run` runs it
+    for real (here on the configured backend, local: the throwaway ssh host
+    sets the same SUBSTRAX_CACHE=off) and says so, instead of restoring it."""
+    make(example, "demo")
+    doit_ok(example, "forget", "fit")  # fit must run again: the cache holds its outputs
+    done = make(example, "remote-run", env={"SUBSTRAX_BACKEND": "local"})
+    assert step_ran(done, "fit") and "restored from cache" not in done.stdout, show(done)
+    assert "the run cache is off for this run (SUBSTRAX_CACHE=off)" in done.stdout, show(done)
+    assert run_count(example) == 2
