@@ -222,3 +222,39 @@ def test_ctrl_c_mid_sweep_says_interrupted_and_how_many_ran(tmp_path: Path, thre
     assert (
         len(re.findall(r"fit:[abc](?::| \|) \[[234]/4\] interrupted on local in \d+\.\d s", said)) == going
     ), said
+
+
+# ------------------------------------------------------------- long phases
+
+TWO_WITH_AN_ENVIRONMENT = """
+def task_fit():
+    for n in "ab":
+        yield from remote_step(f"fit:{n}", command=["/bin/sh", "-c", f"echo x > out{n}.txt"],
+                               outputs=[f"out{n}.txt"])
+"""
+
+
+def test_an_environment_build_says_when_it_starts(tmp_path: Path) -> None:
+    root = make_project(tmp_path, TWO_WITH_AN_ENVIRONMENT, ["fit"], files={"requirements.txt": "# none\n"})
+    done = doit_ok(root, "-n", "2", "-P", "thread")
+    lines = done.stdout.splitlines()
+    starts = [
+        i
+        for i, line in enumerate(lines)
+        if re.fullmatch(r"fit:[ab] \| building the environment from requirements.txt", line)
+    ]
+    built = [
+        i
+        for i, line in enumerate(lines)
+        if re.fullmatch(r"fit:[ab] \| built the environment from requirements.txt \(\w+\)", line)
+    ]
+    assert starts and built, done.stdout
+    assert min(starts) < min(built), done.stdout
+    # Built: the next doit reuses it and says no build starts.
+    for n in "ab":
+        (root / f"out{n}.txt").unlink()
+    again = doit_ok(root, "-n", "2", "-P", "thread")
+    assert "building the environment" not in again.stdout, again.stdout
+    assert (
+        len(re.findall(r"^fit:[ab] \| reusing the environment for requirements.txt", again.stdout, re.M)) == 2
+    )
