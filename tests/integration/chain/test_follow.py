@@ -26,6 +26,7 @@ from dodo_helpers import (
     run_dirs,
     stop,
     wait_for,
+    write_pyproject,
 )
 
 STEPS = 6
@@ -258,3 +259,18 @@ def test_an_environment_build_says_when_it_starts(tmp_path: Path) -> None:
     assert (
         len(re.findall(r"^fit:[ab] \| reusing the environment for requirements.txt", again.stdout, re.M)) == 2
     )
+
+
+def test_a_step_restored_from_the_cache_says_so_in_its_end_line(tmp_path: Path) -> None:
+    root = sweep_project(tmp_path)
+    write_pyproject(root, cache="[tool.substrax.compute.cache]\n")  # on, as users get it
+    env = {"XDG_CACHE_HOME": str(tmp_path / "xdg-cache")}  # the test's own cache folder
+    doit_ok(root, "-n", "3", "-P", "thread", env=env)
+    for n in range(STEPS):
+        (root / f"out{n}.txt").unlink()
+    done = doit_ok(root, "-n", "3", "-P", "thread", env=env)
+    for n in range(STEPS):
+        assert re.search(
+            rf"^fit:lr{n} \| \[\d/{STEPS}\] restored from the cache on local in \d+\.\d s$", done.stdout, re.M
+        ), done.stdout
+    assert "result lr" not in done.stdout, done.stdout  # nothing ran
