@@ -154,6 +154,11 @@ class Sweep:
             self._names = self._planned() if self._planned is not None else []
         return self._names
 
+    def _place(self, step: str) -> int:
+        """The step's place (lock held): given the first time it is asked
+        for, in the order steps are reached, and kept."""
+        return self._places.setdefault(step, len(self._places) + 1)
+
     def reached(self, step: str) -> str:
         """`[i/N]` for a step that starts or is found up to date now (its
         place kept if it was reached before); "" when the sweep is unknown
@@ -162,16 +167,21 @@ class Sweep:
             total = len(self._steps())
             if not total:
                 return ""
-            place = self._places.setdefault(step, min(len(self._places) + 1, total))
-        return f"[{place}/{total}]"
+            return f"[{min(self._place(step), total)}/{total}]"
+
+    def passed(self, step: str) -> None:
+        """A step found up to date: it takes its place, and nothing is
+        counted (a no-op doit walks no task list)."""
+        with self._lock:
+            self._place(step)
 
     def lines(self, step: str) -> StepLines:
         """How `step`'s lines are marked: its name padded to the longest of
-        the sweep, its colour by its place."""
+        the sweep, its colour by its place (which this gives it, as its
+        first phase starts: two steps starting at once get two colours)."""
         with self._lock:
-            names = self._steps()
-            width = max([len(step), *map(len, names)])
-            place = self._places.get(step) or len(self._places) + 1
+            width = max([len(step), *map(len, self._steps())])
+            place = self._place(step)
         return StepLines(step, width, COLOURS[(place - 1) % len(COLOURS)])
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from doit.reporter import ConsoleReporter
 
+from substrax_tasks.console import SWEEP
 from substrax_tasks.interrupts import INTERRUPTED
 from substrax_tasks.step import doit_db
 
@@ -54,8 +55,6 @@ class SummaryReporter(ConsoleReporter):  # type: ignore[misc]  # doit is untyped
         self._planned: Callable[[], list[Any]] | None = None
 
     def initialize(self, tasks: Any, selected_tasks: Any) -> None:
-        from substrax_tasks.console import SWEEP
-
         def planned() -> list[Any]:
             if not self._selected:
                 self._selected = selected_closure(tasks, selected_tasks)
@@ -79,9 +78,7 @@ class SummaryReporter(ConsoleReporter):  # type: ignore[misc]  # doit is untyped
             with self._lock:
                 self._up_to_date.add(task.name)
             if task.meta and task.meta.get(REMOTE_STEP):
-                from substrax_tasks.console import SWEEP
-
-                SWEEP.reached(task.name)
+                SWEEP.passed(task.name)
 
     def complete_run(self) -> None:
         super().complete_run()

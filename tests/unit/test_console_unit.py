@@ -41,9 +41,11 @@ def test_a_place_is_given_once_per_step_in_the_order_steps_are_reached() -> None
 
     sweep.plan(steps)
     assert not asked  # counted only when a step asks
-    assert sweep.reached("b") == "[1/3]"
-    assert sweep.reached("a") == "[2/3]"
-    assert sweep.reached("b") == "[1/3]"
+    sweep.passed("c")  # up to date: placed, nothing counted
+    assert not asked
+    assert sweep.reached("b") == "[2/3]"
+    assert sweep.reached("a") == "[3/3]"
+    assert sweep.reached("b") == "[2/3]"
     assert asked == [1]
 
 
