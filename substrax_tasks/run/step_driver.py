@@ -76,10 +76,10 @@ class StepDriver(DrivenRun):
             self.state = state
 
     def _say_started(self) -> None:
-        """The step's start line: `fit:lr3: [5/14] started on local`."""
+        """The step's start line: `fit:lr3: [5/14] starting on local`."""
         place = SWEEP.reached(self.spec.step)
         self._started = (place, time.monotonic())
-        emit(f"{self.spec.step}: {place + ' ' if place else ''}started on {self.step.backend}")
+        emit(f"{self.spec.step}: {place + ' ' if place else ''}starting on {self.step.backend}")
 
     def _say_ended(self, outcome: str) -> None:
         """The step's end line, once: its place, outcome, backend and time."""

@@ -61,7 +61,9 @@ def assert_followed(text: str) -> None:
         assert len(own) == 3, text
         assert all(line.startswith(f"{name} | result lr{n} ") for line in own), text
         started = [
-            m for line in lines if (m := re.fullmatch(rf"{name} \| \[(\d+)/{STEPS}\] started on local", line))
+            m
+            for line in lines
+            if (m := re.fullmatch(rf"{name} \| \[(\d+)/{STEPS}\] starting on local", line))
         ]
         ended = [
             m for line in lines
@@ -87,7 +89,7 @@ def test_a_serial_sweep_says_each_steps_place_and_time_unprefixed(tmp_path: Path
     root = sweep_project(tmp_path)
     done = doit_ok(root)
     for n in range(STEPS):
-        assert re.search(rf"^fit:lr{n}: \[{n + 1}/{STEPS}\] started on local$", done.stdout, re.M), (
+        assert re.search(rf"^fit:lr{n}: \[{n + 1}/{STEPS}\] starting on local$", done.stdout, re.M), (
             done.stdout
         )
         assert re.search(rf"^fit:lr{n}: \[{n + 1}/{STEPS}\] succeeded on local in \d+\.\d s$", done.stdout,
@@ -95,7 +97,7 @@ def test_a_serial_sweep_says_each_steps_place_and_time_unprefixed(tmp_path: Path
         assert re.search(rf"^result lr{n} first$", done.stdout, re.M), done.stdout
     # Nothing ran: nothing said but doit's lines and the closing one.
     again = doit_ok(root)
-    assert "started" not in again.stdout
+    assert "starting" not in again.stdout
     assert f"nothing to do: all {STEPS} tasks up to date" in again.stdout
 
 
