@@ -36,7 +36,7 @@ MYPY38 := $(MYPY38_VENV)/bin/mypy
 REMOTE_RUN_TASK ?= fit
 
 # Tools the tests need, as `tool:debian-package` pairs.
-TEST_TOOLS := bwrap:bubblewrap rsync:rsync sshd:openssh-server ssh:openssh-client ip:iproute2 strace:strace chromium:chromium
+TEST_TOOLS := bwrap:bubblewrap rsync:rsync sshd:openssh-server ssh:openssh-client ip:iproute2 strace:strace chromium:chromium tmux:tmux
 # The example pipeline needs the sandbox and rsync only.
 DEMO_TOOLS := bwrap:bubblewrap rsync:rsync
 

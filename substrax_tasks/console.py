@@ -1,33 +1,194 @@
-"""Progress lines from the chain and the backends, one writer at a time.
+"""What the user is told while steps run: one writer at a time, each line
+of a step named when several steps print at once, and each step's place in
+the sweep.
 
 Under `doit -n N -P thread` several steps print at once, and concurrent
 writes to one text stream crashed CPython 3.11 (SIGSEGV in TextIOWrapper,
 gh-119506): every line goes through this lock.
+
+Steps running in doit's worker threads (`-n N -P thread`) have every line
+they print (their progress lines, their command's log, the `upload:` and
+`fetch:` lines) prefixed with their name, `fit:lr3 | ...`, as docker
+compose and Nextflow do, so that interleaved lines can be told apart. The
+name is coloured, one colour per step, on a terminal, and plain when the
+stream is piped or NO_COLOR is set (https://no-color.org). A serial doit
+prints one step at a time under doit's own `.  step` lines, unprefixed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import threading
+from collections.abc import Callable, Iterator
+from typing import TextIO
 
 OUTPUT_LOCK = threading.Lock()
+
+# docker compose's colours for its service prefixes: cyan, yellow, green,
+# magenta, blue, and their bright variants (red is left to failures).
+COLOURS = ("36", "33", "32", "35", "34", "96", "93", "92", "95", "94")
+_RESET = "\033[0m"
+
+_current = threading.local()  # .step: the StepLines of the step this thread drives
+
+
+class StepLines:
+    """How the lines of one step running beside others are marked: its name,
+    padded to the longest name of the sweep, and its colour."""
+
+    def __init__(self, name: str, width: int, colour: str) -> None:
+        self.name = name
+        self.label = name.ljust(width)
+        self.colour = colour
+        self._own = f"{name}: "
+
+    def mark(self, text: str, stream: TextIO) -> str:
+        """`text` with each of its lines prefixed; a line that names the step
+        already (`fit:lr3: new run ...`) is not named twice."""
+        prefix = (
+            f"\033[{self.colour}m{self.label} |{_RESET} " if coloured(stream) else f"{self.label} | "
+        )
+        lines = text.split("\n")
+        return "\n".join(
+            prefix + (line[len(self._own):] if line.startswith(self._own) else line) if line else line
+            for line in lines
+        )  # fmt: skip
+
+
+def coloured(stream: TextIO) -> bool:
+    """Colour on a terminal only, and never with NO_COLOR set or TERM=dumb."""
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a stream doit swapped in, or one closed
+        return False
+
+
+@contextlib.contextmanager
+def lines_of(step: str) -> Iterator[None]:
+    """While a phase of `step` runs in a worker thread of `doit -n N -P
+    thread`, every line this thread prints is marked with the step's name.
+    In the main thread (a serial doit) nothing changes."""
+    if threading.current_thread() is threading.main_thread():
+        yield
+        return
+    _current.step = SWEEP.lines(step)
+    try:
+        yield
+    finally:
+        _current.step = None
+
+
+def marking() -> bool:
+    """Whether this thread's lines are marked (a step runs beside others):
+    a progress bar, which redraws its own line, is not drawn then."""
+    return getattr(_current, "step", None) is not None
 
 
 def emit(text: str, *, err: bool = False) -> None:
     with OUTPUT_LOCK:
         stream = sys.stderr if err else sys.stdout
+        step: StepLines | None = getattr(_current, "step", None)
+        if step is not None:
+            text = step.mark(text, stream)
         stream.write(text if text.endswith("\n") else text + "\n")
         stream.flush()
 
 
 class TextSink:
-    """Log bytes to doit's (possibly captured, text-only) stdout."""
+    """Log bytes to doit's (possibly captured, text-only) stdout. When the
+    step runs beside others, whole lines only, each marked with its name.
+    `close()` ends a last line the log did not end."""
+
+    def __init__(self) -> None:
+        self._step: StepLines | None = getattr(_current, "step", None)
+        self._partial = ""
 
     def write(self, data: bytes) -> int:
+        text = data.decode(errors="replace")
         with OUTPUT_LOCK:
-            sys.stdout.write(data.decode(errors="replace"))
+            if self._step is None:
+                sys.stdout.write(text)
+                self._partial = text.rpartition("\n")[2] if "\n" in text else self._partial + text
+                return len(data)
+            *whole, self._partial = (self._partial + text).split("\n")
+            if whole:
+                sys.stdout.write(self._step.mark("\n".join(whole), sys.stdout) + "\n")
         return len(data)
 
     def flush(self) -> None:
         with OUTPUT_LOCK:
             sys.stdout.flush()
+
+    def close(self) -> None:
+        with OUTPUT_LOCK:
+            if self._partial:  # the log's last line had no newline: end it, so the next line is a line
+                sys.stdout.write(self._step.mark(self._partial, sys.stdout) + "\n" if self._step else "\n")
+                self._partial = ""
+            sys.stdout.flush()
+
+
+class Sweep:
+    """The remote steps this doit was asked to run (the selected tasks and
+    what they depend on), for each step's place, `[5/14]`: the 5th of the
+    14 to be reached, by running or by being found up to date. doit's
+    reporter says which tasks are selected before any runs; they are counted
+    only when a step first asks, so a no-op counts nothing."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._planned: Callable[[], list[str]] | None = None
+        self._names: list[str] | None = None
+        self._places: dict[str, int] = {}
+
+    def plan(self, steps: Callable[[], list[str]]) -> None:
+        with self._lock:
+            self._planned, self._names, self._places = steps, None, {}
+
+    def _steps(self) -> list[str]:
+        """The planned steps' names (lock held); [] outside a planned doit."""
+        if self._names is None:
+            self._names = self._planned() if self._planned is not None else []
+        return self._names
+
+    def _place(self, step: str) -> int:
+        """The step's place (lock held): given the first time it is asked
+        for, in the order steps are reached, and kept."""
+        return self._places.setdefault(step, len(self._places) + 1)
+
+    def reached(self, step: str) -> str:
+        """`[i/N]` for a step that starts or is found up to date now (its
+        place kept if it was reached before); "" when the sweep is unknown
+        (a dodo run with another reporter than substrax's)."""
+        with self._lock:
+            total = len(self._steps())
+            if not total:
+                return ""
+            return f"[{min(self._place(step), total)}/{total}]"
+
+    def passed(self, step: str) -> None:
+        """A step found up to date: it takes its place, and nothing is
+        counted (a no-op doit walks no task list)."""
+        with self._lock:
+            self._place(step)
+
+    def lines(self, step: str) -> StepLines:
+        """How `step`'s lines are marked: its name padded to the longest of
+        the sweep, its colour by its place (which this gives it, as its
+        first phase starts: two steps starting at once get two colours)."""
+        with self._lock:
+            width = max([len(step), *map(len, self._steps())])
+            place = self._place(step)
+        return StepLines(step, width, COLOURS[(place - 1) % len(COLOURS)])
+
+
+SWEEP = Sweep()
+
+
+def elapsed(seconds: float) -> str:
+    """A step's time, to a tenth of a second: `4.2 s`, `3 min 7.5 s`."""
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)} min {rest:.1f} s" if minutes else f"{rest:.1f} s"

@@ -19,12 +19,13 @@ import contextlib
 import enum
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from doit.exceptions import TaskError, TaskFailed
 
-from substrax_tasks.console import TextSink, emit
+from substrax_tasks.console import SWEEP, TextSink, elapsed, emit, lines_of
 from substrax_tasks.errors import BackendError, HandleError, HostRefused, RunFolderDeleted, SubstraxError
 from substrax_tasks.interrupts import (
     INTERRUPTED,
@@ -67,12 +68,29 @@ class StepDriver(DrivenRun):
         self._slot: Slot | None = None  # of the backend's max_parallel pool, from launch to the chain's end
         self._slot_shared = False
         self.pid = os.getpid()
+        # The step's start line said (its place in the sweep and when), for its end line
+        self._started: tuple[str, float] | None = None
 
     def _set(self, state: RunState) -> None:
         with self._lock:
             self.state = state
 
-    def _close(self) -> None:
+    def _say_started(self) -> None:
+        """The step's start line: `fit:lr3: [5/14] starting on local`."""
+        place = SWEEP.reached(self.spec.step)
+        self._started = (place, time.monotonic())
+        emit(f"{self.spec.step}: {place + ' ' if place else ''}starting on {self.step.backend}")
+
+    def _say_ended(self, outcome: str) -> None:
+        """The step's end line, once: its place, outcome, backend and time."""
+        with self._lock:
+            started, self._started = self._started, None
+        if started is not None:
+            place, at = started
+            emit(f"{self.spec.step}: {place + ' ' if place else ''}{outcome} on {self.step.backend} "
+                 f"in {elapsed(time.monotonic() - at)}")  # fmt: skip
+
+    def _close(self, outcome: str = "succeeded") -> None:
         """The chain ended here: promoted, failed, or given up (an interrupted
         one stays INTERRUPTED). What it holds goes now, not as doit ends (doit
         runs teardowns only then, so a sweep would hold a lock and a run
@@ -83,6 +101,7 @@ class StepDriver(DrivenRun):
         with self._lock:
             if self.state is RunState.OPEN:
                 self.state = RunState.CLOSED
+        self._say_ended("restored from the cache" if outcome == "succeeded" and self.restored else outcome)
         if self._slot_shared:
             try:
                 self._keep()
@@ -177,7 +196,8 @@ class StepDriver(DrivenRun):
         try:
             if INTERRUPTED.is_set():  # a phase doit dispatches after an interrupt does nothing
                 raise KeyboardInterrupt("interrupted")
-            result = body()
+            with lines_of(self.spec.step):
+                result = body()
         except BackendError as exc:
             result = TaskError(self._named(exc))
         except SubstraxError as exc:
@@ -193,17 +213,20 @@ class StepDriver(DrivenRun):
             # teardown that doit runs next detaches from a run that goes on,
             # or cancels it, as the backend's capabilities say.
             self._end_phase("interrupted")
+            with lines_of(self.spec.step):
+                self._say_ended("interrupted")
             if threading.current_thread() is threading.main_thread() and not INTERRUPTED.is_set():
                 raise
             # doit's worker threads cannot pass an interrupt on: a failure can
             result = TaskError(f"step {self.spec.step!r}: interrupted")
         except BaseException:
             self._end_phase("failed")
-            self._close()
+            self._close("failed")
             raise
         if isinstance(result, (TaskFailed, TaskError)):
             self._end_phase("failed")
-            self._close()
+            with lines_of(self.spec.step):
+                self._close("failed")
         self.clock = None  # a phase with nothing to do (done before) has no time of its own
         return result
 
@@ -238,6 +261,7 @@ class StepDriver(DrivenRun):
         from substrax_tasks.run.steplock import StepLock
 
         self._set(RunState.OPEN)
+        self._say_started()
         self._step_lock = StepLock(self.step.files.lock, self.spec.step)
         self._step_lock.acquire()
         check_inputs_exist(self.spec, self.root)
@@ -310,7 +334,11 @@ class StepDriver(DrivenRun):
                         lambda said: emit(f"{self.spec.step}: {said}; waiting"),
                     )
                 handle = self.advance(handle, Phase.STARTED)
-            status = backend.stream_log(handle, cast(IO[bytes], TextSink()), follow=True)
+            sink = TextSink()
+            try:
+                status = backend.stream_log(handle, cast(IO[bytes], sink), follow=True)
+            finally:
+                sink.close()
         except RunFolderDeleted:
             return TaskFailed(f"step {self.spec.step!r}: {self._forget(backend, handle)}")
         except HostRefused as exc:  # as a refused manifest: the run failed, its machine goes
@@ -362,7 +390,8 @@ class StepDriver(DrivenRun):
         try:
             return self._action("promote", lambda: promote_outputs(self))
         finally:
-            self._close()
+            with lines_of(self.spec.step):
+                self._close()
 
     def recorded(self) -> Any:
         """The public task's action: what doit saves for it is the verified

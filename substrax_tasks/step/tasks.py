@@ -33,6 +33,7 @@ from substrax_tasks.errors import SubstraxError
 from substrax_tasks.interrupts import map_termination_signals
 from substrax_tasks.run.step_driver import RunState, StepDriver
 from substrax_tasks.step.args import check_doit_arguments, name_list, path_list
+from substrax_tasks.step.reporter import REMOTE_STEP
 from substrax_tasks.step.spec import ArgvItem, PathIndex, StepSpec, make_spec
 from substrax_tasks.store.project import Project
 from substrax_tasks.uptodate.check import DOIT_VALUE, Step, status
@@ -207,6 +208,7 @@ def step_tasks(
         "targets": [o.rstrip("/") for o in spec.outputs],
         "task_dep": task_dep + producers,
         "setup": [hidden],
+        "meta": {REMOTE_STEP: True},  # the reporter counts the remote steps of a sweep
         "uptodate": [StepCheck(driver), *user_uptodate],
         "doc": task_keys.pop("doc", None) or f"remote step {spec.step}: {' '.join(spec.command)[:60]}",
         "verbosity": 2,

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from substrax_tasks.console import emit
+from substrax_tasks.console import emit, marking
 from substrax_tasks.errors import BackendError
 from substrax_tasks.run.promote import safe_mode
 from substrax_tasks.transports.base import (
@@ -200,7 +200,9 @@ class BucketTransport(Transport):
         stop = threading.Event()
         lock = threading.Lock()
         done = [0, 0]  # files, bytes: counted from many threads
-        bar = progress("fetch") if self.show_progress else None
+        bar = progress("fetch") if self.show_progress and not marking() else None  # as rsync.py's
+        if bar is None:
+            emit(f"fetch: started, {len(copies)} files", err=True)
         task = bar.add_task("fetch", total=sum(c.size for c in copies), files="") if bar is not None else None
         objects = [_Object(copy) for copy in copies]
 
@@ -236,7 +238,7 @@ class BucketTransport(Transport):
                 for obj in objects:
                     obj.drop()
         stats = TransferStats(files=done[0], bytes=done[1], seconds=time.monotonic() - started)
-        if not self.show_progress:
+        if bar is None:
             emit(stats.summary("fetch"), err=True)
         return stats, {obj.copy.dest: obj.digest for obj in objects}
 

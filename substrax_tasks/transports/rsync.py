@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from substrax_tasks.console import emit
+from substrax_tasks.console import emit, marking
 from substrax_tasks.errors import BackendError
 from substrax_tasks.run.promote import RSYNC_SAFE_CHMOD
 from substrax_tasks.transports.base import TransferStats, Transport, progress
@@ -131,7 +131,12 @@ class RsyncTransport(Transport):
         listing = b"".join(p.rstrip("/").encode() + b"\0" for p in rel_paths)
         started = time.monotonic()
         output = bytearray()
-        bar = progress(what) if self.show_progress else None
+        # No bar while steps run beside each other: bars redrawn from several
+        # threads garble the terminal; a start and an end line, marked, instead.
+        bar = progress(what) if self.show_progress and not marking() else None
+        if bar is None:  # a long copy says when it starts, not only when it ends
+            where = f"{len(rel_paths)} files to" if what == "upload" else f"{len(rel_paths)} outputs from"
+            emit(f"{what}: started, {where} {self.target.host}", err=True)
         # stderr to a file: a pipe read only at the end could fill up and
         # stall rsync; `with` closes stdout and reaps rsync on any error.
         with (
@@ -171,7 +176,7 @@ class RsyncTransport(Transport):
             bytes=_number(size.group(1)) if size else 0,
             seconds=time.monotonic() - started,
         )
-        if not self.show_progress:
+        if bar is None:
             emit(stats.summary(what), err=True)
         return stats, text
 

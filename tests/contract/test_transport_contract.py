@@ -236,7 +236,7 @@ def test_download_skips_a_path_that_is_not_there_and_brings_the_others(bound: Bo
     assert not [p for p in staging.rglob("*") if p.name.endswith(".part")]
 
 
-def test_no_terminal_gives_one_summary_line(
+def test_no_terminal_gives_a_start_and_a_summary_line(
     bound: Bound, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     put_tree(bound)
@@ -244,6 +244,7 @@ def test_no_terminal_gives_one_summary_line(
     bound.transport.download(bound.remote_root, ASKED, tmp_path / "staging")
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("fetch:")]
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"fetch: {len(ASKED_FILES)} files, "), err
+    assert len(lines) == 2, err  # when it starts, and what it copied
+    assert lines[0].startswith("fetch: started, "), err
+    assert lines[1].startswith(f"fetch: {len(ASKED_FILES)} files, "), err
     assert "━" not in err

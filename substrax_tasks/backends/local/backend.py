@@ -39,6 +39,7 @@ from substrax_tasks.backends.job import (
 from substrax_tasks.backends.local.program import resolve_program, show_toolchains
 from substrax_tasks.backends.local.settings import LocalSettings
 from substrax_tasks.backends.scripts import remote_dir
+from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.hardlinks import link_tree
 from substrax_tasks.poll import wait_readable
@@ -75,6 +76,10 @@ class LocalBackend(Backend):
             raise BackendError(f"run {handle.run_id}: its handle names no project folder")
         paths = self.paths(handle)
         Path(paths.staging).mkdir(parents=True, exist_ok=True)
+        lock = env.lock_file(str(project))
+        built_as = env.digest(str(project), lock, sys.executable, self.settings.pip_args) if lock else ""
+        if lock is not None and not (Path(self.store.envs_dir) / built_as / env.READY).is_file():
+            emit(f"{handle.step}: building the environment from {lock}")  # said before its wait
         try:  # the interpreter running doit makes the venv, as the user's own would
             built = env.ensure(str(project), str(self.store.envs_dir), sys.executable,
                                   self.settings.pip_args)  # fmt: skip

@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from substrax_tasks._remote import env
 from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends import remote_run as _remote_run
 from substrax_tasks.backends.base import Backend, Fetched, RunStatus
@@ -39,6 +40,7 @@ from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun, forwarded
 from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
 from substrax_tasks.backends.ssh.connection import NoSession, SshConnection, connection
 from substrax_tasks.backends.ssh.settings import SshSettings
+from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.slots import Pool
 from substrax_tasks.step.view import project_view
@@ -144,6 +146,10 @@ class SshBackend(Backend):
         stats = self.transport().upload(project, files, f"{self._state(handle, 'remote_run_dir')}/project")
         run = self.remote_run(handle)
         envs = f"{self._state(handle, 'remote_root')}/envs"
+        lock = env.lock_file(str(project))
+        if lock is not None:  # a build there says nothing until it ends: said before
+            emit(f"{handle.step}: environment from {lock} on {self.settings.host}: checking it "
+                 "(built there if it is new)")  # fmt: skip
         result = run.run_script("env.py", f"{run.run_dir}/project", envs, self.settings.python,
                                 *self.settings.pip_args, what="building the environment", timeout=None)
         if result.returncode != 0:

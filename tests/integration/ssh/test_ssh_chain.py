@@ -135,6 +135,11 @@ def test_full_chain_then_a_noop_rerun_that_connects_to_nothing(
     # one summary line per transfer when not on a terminal, no progress bars
     assert len(re.findall(r"^upload: \d+ files, .* MB/s\)$", done.stderr, re.M)) == 1, show(done)
     assert len(re.findall(r"^fetch: 6 files, .* MB/s\)$", done.stderr, re.M)) == 1, show(done)
+    # each says when it starts, before it ends
+    said = done.stderr
+    assert re.search(r"^upload: started, \d+ files to \S+$", said, re.M), show(done)
+    assert re.search(r"^fetch: started, \d+ outputs from \S+$", said, re.M), show(done)
+    assert said.index("fetch: started, ") < said.index("fetch: 6 files, "), show(done)
     assert "\r" not in done.stderr and "\x1b" not in done.stderr
 
     # verified, promoted, torn down: the remote run folder is gone
