@@ -38,7 +38,7 @@ def task_fit():
 
 def test_a_sweep_with_reuse_takes_turns_on_two_clusters_and_leaves_nothing(
     slurm_bed: SlurmBedInfo,
-    project_factory: Callable[[str], SkyProject],  # noqa: F811
+    project_factory: Callable[[str], SkyProject],
 ) -> None:
     project = project_factory("sxe-sw")
     # 30 minutes of lifetime: a first launch on a fresh bed (its runtime install) takes several

@@ -7,20 +7,11 @@ What every transport must do is in test_transport_contract.py.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from substrax_tasks.errors import BackendError
 from substrax_tasks.transports.bucket import BucketTransport
-
-OUTPUTS = ["model.bin", "reports/", "logs/", "never.txt"]
-
-
-def fetch(transport: BucketTransport, run: str, staging: Path) -> dict[str, Any]:
-    """What the SkyPilot backend's bucket fetch does."""
-    return transport.fetch_run(run, OUTPUTS, staging)
-
 
 # --------------------------------------------------------------- the fetch
 

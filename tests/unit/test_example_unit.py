@@ -6,33 +6,13 @@ from __future__ import annotations
 
 import re
 import runpy
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from dodo_helpers import BIN, REPO, clean_env, show
-
-
-@pytest.fixture
-def example(tmp_path: Path) -> Path:
-    """A fresh copy of what `make demo` needs: Makefile, dodo.py, scripts/, pyproject.toml."""
-    root = tmp_path / "example"
-    root.mkdir()
-    for name in ("Makefile", "dodo.py", "pyproject.toml"):
-        shutil.copy2(REPO / name, root / name)
-    shutil.copytree(REPO / "scripts", root / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
-    return root
-
-
-def make(root: Path, target: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`make TARGET` in the copy, with this virtualenv taken as installed."""
-    done = subprocess.run(
-        ["make", "-o", "install", "-o", "demo-deps", f"VENV={BIN.parent}", target],
-        cwd=root, env=clean_env(env), capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, show(done)
-    return done
+from dodo_helpers import REPO
+from example_parts import (
+    example,  # noqa: F401 - fixtures
+    )
 
 
 @pytest.mark.unit
@@ -47,8 +27,6 @@ def test_loading_the_example_declares_its_tasks_and_runs_nothing(example: Path) 
     assert fit["targets"] == dodo["MODEL"]
     assert set(dodo["task_report"]()["file_dep"]) >= set(fit["targets"])
     assert sorted(p.name for p in example.iterdir()) == before
-
-
 
 
 @pytest.mark.unit

@@ -6,9 +6,8 @@ that nothing of the tree is left; with and without bubblewrap.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from local_backend_parts import path_without_bwrap  # noqa: F401 - fixtures
 from local_runs import (
     submit,
 )
@@ -35,14 +34,6 @@ def test_cancel_of_a_run_that_never_started(project: Project) -> None:
 
 
 # ------------------------------------------------- without bubblewrap at hand
-
-
-@pytest.fixture
-def path_without_bwrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A PATH on which bubblewrap cannot be found (commands use absolute paths)."""
-    empty = tmp_path / "empty-bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
 
 
 @pytest.mark.usefixtures("path_without_bwrap")

@@ -11,24 +11,15 @@ from __future__ import annotations
 
 import json
 import stat
-import time
 from pathlib import Path
 
 import pytest
-from dodo_helpers import (
-    RACY_SECONDS,
-    doit_ok,
-    make_project,
-    step_ran,
-    step_skipped,
-)
+from proofs_parts import FILE_NAME
 
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.run_store import RunStore
 from substrax_tasks.uptodate.check import Step
 from substrax_tasks.uptodate.proofs import VERSION, ProofFile, proof_file
-
-FILE_NAME = "up-to-date.json"
 
 # ------------------------------------------------------------ the file
 
@@ -120,37 +111,6 @@ def test_one_object_per_project_in_a_process(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------- the chain
-
-BODY = """
-def task_step():
-    yield from remote_step(
-        "step",
-        command=["/bin/sh", "-c", "mkdir -p out && cp data/in.txt out/a.txt && cp data/dir/x out/x"],
-        inputs=["data/in.txt", "data/dir"],
-        outputs=["out/"],
-    )
-"""
-
-
-def wait_out_racy_window() -> None:
-    time.sleep(float(RACY_SECONDS) + 0.1)
-
-
-def proven(root: Path) -> dict[str, str]:
-    path = root / ".substrax" / "cache" / FILE_NAME
-    data: dict[str, dict[str, str]] = json.loads(path.read_text())
-    return data["proofs"]
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    """A step that ran, then a no-op that recorded its proof."""
-    project = make_project(tmp_path, BODY, ["step"], files={"data/in.txt": "in\n", "data/dir/x": "x\n"})
-    assert step_ran(doit_ok(project), "step")
-    wait_out_racy_window()
-    assert step_skipped(doit_ok(project), "step")
-    assert set(proven(project)) == {"step"}
-    return project
 
 
 # ------------------------------------------- what loading a dodo installs

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from skypilot_config_parts import COPY, TABLE, write
 
 from substrax_tasks.backends.skypilot import task as sky_task
 from substrax_tasks.backends.skypilot.client import JOB_STATES, job_state, resolve_sky_python
@@ -16,15 +17,6 @@ from substrax_tasks.config.pyproject import load_config
 from substrax_tasks.errors import BackendError, ConfigError
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.project import Project
-
-TABLE = "[tool.substrax.compute.backends.skypilot]"
-COPY = "[tool.substrax.compute.backends.skypilot.copy]"
-
-
-def write(root: Path, tables: str) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "pyproject.toml").write_text('[tool.substrax.compute]\ndefault_backend = "skypilot"\n' + tables)
-    return root
 
 
 @pytest.mark.unit

@@ -5,35 +5,15 @@ real `make` and `doit` (the virtualenv is this one, so make installs nothing).""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
-import pytest
-from dodo_helpers import BIN, REPO, clean_env, doit_ok, handles, run_count, show, step_ran, step_skipped
+from dodo_helpers import doit_ok, handles, run_count, show, step_ran, step_skipped
+from example_parts import (
+    example,  # noqa: F401 - fixtures
+    make,
+)
 
 TASKS = ("data", "fit", "report")
-
-
-@pytest.fixture
-def example(tmp_path: Path) -> Path:
-    """A fresh copy of what `make demo` needs: Makefile, dodo.py, scripts/, pyproject.toml."""
-    root = tmp_path / "example"
-    root.mkdir()
-    for name in ("Makefile", "dodo.py", "pyproject.toml"):
-        shutil.copy2(REPO / name, root / name)
-    shutil.copytree(REPO / "scripts", root / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
-    return root
-
-
-def make(root: Path, target: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`make TARGET` in the copy, with this virtualenv taken as installed."""
-    done = subprocess.run(
-        ["make", "-o", "install", "-o", "demo-deps", f"VENV={BIN.parent}", target],
-        cwd=root, env=clean_env(env), capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, show(done)
-    return done
 
 
 def test_make_demo_runs_three_steps_then_nothing(example: Path) -> None:

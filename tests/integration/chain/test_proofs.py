@@ -12,65 +12,34 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from dodo_helpers import (
     DEFAULT_SANDBOX,
-    RACY_SECONDS,
     clean_env,
     doit_ok,
-    make_project,
     run_count,
     show,
     step_ran,
     step_skipped,
     write_pyproject,
 )
+from proofs_parts import (
+    FILE_NAME,
+    proven,
+    root,  # noqa: F401 - fixtures
+)
 
 from substrax_tasks.step.dodo import find_step
 from substrax_tasks.uptodate import check as uptodate
 from substrax_tasks.uptodate.check import DOIT_VALUE, Step
 
-FILE_NAME = "up-to-date.json"
-
 # ------------------------------------------------------------ the file
 
 
 # ----------------------------------------------------------- the chain
-
-BODY = """
-def task_step():
-    yield from remote_step(
-        "step",
-        command=["/bin/sh", "-c", "mkdir -p out && cp data/in.txt out/a.txt && cp data/dir/x out/x"],
-        inputs=["data/in.txt", "data/dir"],
-        outputs=["out/"],
-    )
-"""
-
-
-def wait_out_racy_window() -> None:
-    time.sleep(float(RACY_SECONDS) + 0.1)
-
-
-def proven(root: Path) -> dict[str, str]:
-    path = root / ".substrax" / "cache" / FILE_NAME
-    data: dict[str, dict[str, str]] = json.loads(path.read_text())
-    return data["proofs"]
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    """A step that ran, then a no-op that recorded its proof."""
-    project = make_project(tmp_path, BODY, ["step"], files={"data/in.txt": "in\n", "data/dir/x": "x\n"})
-    assert step_ran(doit_ok(project), "step")
-    wait_out_racy_window()
-    assert step_skipped(doit_ok(project), "step")
-    assert set(proven(project)) == {"step"}
-    return project
 
 
 def test_a_kept_proof_answers_without_the_full_check(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,6 @@ set: `doit` and an ssh step against a real sshd.
 
 from __future__ import annotations
 
-import os
 import shutil
 import stat
 import tempfile
@@ -19,13 +18,10 @@ from pathlib import Path
 
 import pytest
 from dodo_helpers import doit, make_project, run_count, show
+from private_dirs_parts import PLANTED, UID, plant
 from ssh_helpers import make_ssh_project, needs_root, needs_sshd, one_step
 from testbeds.sshd_host import SshHost
 
-ROOT = os.geteuid() == 0
-needs_root_to_chown = pytest.mark.skipif(not ROOT, reason="FOREIGN-OWNED FOLDER NOT TESTED: chown needs root")
-OTHER_UID = 65534  # nobody
-UID = os.getuid()
 STEP = one_step("step", command=["sh", "-c", "echo ok > out.txt"], outputs=["out.txt"])
 LOCAL_STEP = """
 def task_step():
@@ -40,34 +36,6 @@ def short_base() -> Iterator[Path]:
     base = Path(tempfile.mkdtemp(prefix="sx-", dir="/tmp"))
     yield base
     shutil.rmtree(base, ignore_errors=True)
-
-
-def plant(base: Path, name: str, how: str) -> Path:
-    """What another user could leave at base/name before we come."""
-    folder = base / name
-    if how == "symlink":
-        target = base / "elsewhere"
-        target.mkdir(mode=0o700)
-        folder.symlink_to(target)
-    elif how == "file":
-        folder.write_text("")
-    else:
-        folder.mkdir()
-        if how == "foreign":
-            os.chown(folder, OTHER_UID, OTHER_UID)
-            folder.chmod(0o700)
-        else:  # "world-writable"
-            folder.chmod(0o777)
-    return folder
-
-
-PLANTED = [
-    pytest.param("foreign", f"belongs to uid {OTHER_UID}, not to you", id="foreign-owned",
-                 marks=needs_root_to_chown),
-    pytest.param("world-writable", "is writable by others (mode 0777)", id="world-writable"),
-    pytest.param("symlink", "is a symlink", id="symlink"),
-    pytest.param("file", "is not a folder", id="file"),
-]  # fmt: skip
 
 
 # ---------------------------------------------------------------- the helper

@@ -28,6 +28,7 @@ from dodo_helpers import (
     stop,
     unsafe_modes,
 )
+from local_backend_parts import path_without_bwrap  # noqa: F401 - fixtures
 from local_runs import (
     SANDBOXES,
     cli,
@@ -262,14 +263,6 @@ def test_teardown_cancels_a_running_run_first(project: Project, marker: str) -> 
 
 
 # ------------------------------------------------- without bubblewrap at hand
-
-
-@pytest.fixture
-def path_without_bwrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A PATH on which bubblewrap cannot be found (commands use absolute paths)."""
-    empty = tmp_path / "empty-bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
 
 
 @pytest.mark.usefixtures("path_without_bwrap")

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 from local_runs import cli
+from skypilot_config_parts import COPY, TABLE, write
 
 from substrax_tasks.config.pyproject import load_config
 from substrax_tasks.errors import ConfigError
 
-TABLE = "[tool.substrax.compute.backends.skypilot]"
-COPY = "[tool.substrax.compute.backends.skypilot.copy]"
 BUCKET = "[tool.substrax.compute.backends.skypilot.bucket]"
 
 # (id, the skypilot tables, fragments the message must hold)
@@ -87,12 +86,6 @@ BAD = [
         ["network_isolation = true needs the sandbox"],
     ),
 ]
-
-
-def write(root: Path, tables: str) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "pyproject.toml").write_text('[tool.substrax.compute]\ndefault_backend = "skypilot"\n' + tables)
-    return root
 
 
 @pytest.mark.parametrize(("tables", "fragments"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])

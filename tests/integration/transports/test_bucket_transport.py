@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bucket_transport_parts import OUTPUTS, fetch
 from local_runs import on_a_terminal
 from s3_server import S3Server
 
@@ -27,7 +28,6 @@ from substrax_tasks.transports.bucket import BucketTransport
 from substrax_tasks.uptodate import manifests as manifest_cache
 
 ROOT = os.geteuid() == 0
-OUTPUTS = ["model.bin", "reports/", "logs/", "never.txt"]
 TREE = {
     "model.bin": os.urandom(300_000),
     "reports/summary.json": b'{"ok": true}\n',
@@ -66,11 +66,6 @@ def put_tree(server: S3Server, uri: str, tree: dict[str, bytes]) -> None:
     """Objects as a worker writes them to its mounted bucket."""
     for rel, data in tree.items():
         write_object(server, f"{uri}/{rel}", data)
-
-
-def fetch(transport: BucketTransport, run: str, staging: Path) -> dict[str, Any]:
-    """What the SkyPilot backend's bucket fetch does."""
-    return transport.fetch_run(run, OUTPUTS, staging)
 
 
 # --------------------------------------------------------------- the fetch
