@@ -148,6 +148,13 @@ class Sweep:
         with self._lock:
             self._planned, self._names, self._places = steps, None, {}
 
+    def forget(self) -> None:
+        """doit's run ended: hold nothing of its tasks (held, the whole task
+        graph of a 1,000-step no-op was left to the interpreter's exit to
+        free, +0.1 s); the names already counted stay."""
+        with self._lock:
+            self._planned = None
+
     def _steps(self) -> list[str]:
         """The planned steps' names (lock held); [] outside a planned doit."""
         if self._names is None:

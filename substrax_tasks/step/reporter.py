@@ -81,6 +81,13 @@ class SummaryReporter(ConsoleReporter):  # type: ignore[misc]  # doit is untyped
                 SWEEP.passed(task.name)
 
     def complete_run(self) -> None:
+        try:
+            self._complete_run()
+        finally:  # doit's tasks are not held past its run (see Sweep.forget)
+            self._planned, self._selected = None, []
+            SWEEP.forget()
+
+    def _complete_run(self) -> None:
         super().complete_run()
         if doit_db.save_failed():
             # doit saved no DB (doit_db said why): exit status 1 once its
