@@ -216,7 +216,7 @@ def step_tasks(
     if spec.inputs:
         # `doit info` lists file_dep, which holds files only: the inputs,
         # folders included, are shown there through doit's `meta`.
-        public["meta"] = {"inputs": list(spec.inputs)}
+        public["meta"] = {**public["meta"], "inputs": list(spec.inputs)}
     if task_keys.get("clean") is True:
         # doit's clean=True leaves a non-empty folder output: remove outputs whole
         task_keys["clean"] = [CleanOutputs(step)]
