@@ -359,18 +359,17 @@ def task_make():
 MIB = 1 << 20
 
 
-def _flip_a_byte(path: Path, at: int) -> None:
-    with path.open("r+b") as f:
-        f.seek(at)
-        old = f.read(1)
-        f.seek(at)
-        f.write(bytes([old[0] ^ 1]))
+def _flipped(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :]
 
 
-S3_TAMPERING: dict[str, Callable[[Path], object]] = {  # an object of 40 MiB: parts of 16, 16 and 8 MiB
-    "middle-part-changed": lambda p: _flip_a_byte(p, 20 * MIB),
-    "truncated": lambda p: p.write_bytes(p.read_bytes()[: 20 * MIB]),
-    "grown": lambda p: p.write_bytes(p.read_bytes() + b"more"),
+# An object of 40 MiB: parts of 16, 16 and 8 MiB. Changed through the S3
+# server, as another client would: rclone lists the size it last saw, so a
+# file grown behind its back was read at its old size (whole and right).
+S3_TAMPERING: dict[str, Callable[[bytes], bytes]] = {
+    "middle-part-changed": lambda data: _flipped(data, 20 * MIB),
+    "truncated": lambda data: data[: 20 * MIB],
+    "grown": lambda data: data + b"more",
 }
 
 
@@ -384,7 +383,9 @@ def test_a_big_object_damaged_in_an_s3_store_is_a_damaged_entry(
     shared = f'shared = "s3://{s3_env.bucket}/{prefix}"\nmode = "readwrite"\n'
     doit_ok(project(tmp_path, "a", f'path = "{tmp_path}/cache-a"\n{shared}', body=PARTS))
     (objects,) = [o for o in (s3_env.data_dir / s3_env.bucket / prefix / "objects").rglob("*") if o.is_file()]
-    S3_TAMPERING[how](objects)
+    key = f"{s3_env.bucket}/{objects.relative_to(s3_env.data_dir / s3_env.bucket)}"
+    fs = s3_env.filesystem()
+    fs.pipe_file(key, S3_TAMPERING[how](fs.cat_file(key)))
     second = project(tmp_path, "b", f'path = "{tmp_path}/cache-b"\n{shared}', body=PARTS)
     done = doit_ok(second)
     assert f"in s3://{s3_env.bucket}/{prefix} is damaged" in done.stdout, show(done)
