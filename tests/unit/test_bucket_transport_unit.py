@@ -1,8 +1,5 @@
-"""The bucket transport against a real S3 server (`rclone serve s3`, which
-checks signatures): the run folder a worker leaves in the bucket, its
-manifest, and what a fetch does when the bucket is not as the manifest says.
-What every transport must do is in test_transport_contract.py.
-"""
+"""The unit half of tests/integration/transports/test_bucket_transport.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

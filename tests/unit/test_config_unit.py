@@ -1,4 +1,5 @@
-"""`[tool.substrax.compute]`: defaults, and one clear message per mistake."""
+"""The unit half of tests/integration/config/test_config.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""One environment and one project view on every backend (issue 17).
-
-The local backend builds the locked environment as ssh does (remote/env.py,
-offline from a wheel folder made here), and its sandbox shows the project
-as ssh uploads it: the declared inputs and the lock file, nothing else.
-An undeclared helper the command imports fails alike on both, naming the
-file.
-"""
+"""The unit half of tests/integration/chain/test_env_parity.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The repository's own example pipeline (dodo.py + scripts/), as `make demo`
-and `make remote-run` run it: in a copy of the repository's files, with the
-real `make` and `doit` (the virtualenv is this one, so make installs nothing)."""
+"""The unit half of tests/integration/chain/test_example.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

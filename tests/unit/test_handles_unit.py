@@ -1,4 +1,5 @@
-"""Run handles: pinned settings, versions, damaged records, private files."""
+"""The unit half of tests/integration/store/test_handles.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

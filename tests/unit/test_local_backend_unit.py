@@ -1,8 +1,5 @@
-"""The local backend end to end: detached workers whose whole task tree stops.
-
-Each stop test checks by pid, through the marker in every process's argv,
-that nothing of the tree is left; with and without bubblewrap.
-"""
+"""The unit half of tests/integration/local/test_local_backend.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

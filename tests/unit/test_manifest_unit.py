@@ -1,5 +1,5 @@
-"""Manifests of output trees (remote/manifest.py) and their local use
-(substrax_tasks.uptodate.manifests), on real files."""
+"""The unit half of tests/integration/manifests/test_manifest.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Private folders on a shared machine (issue 18, item 3): the folder of
-ssh's control sockets and the one of the cached resolved configuration are
-used only when they are real folders, ours, writable by no one else; a
-cached configuration is trusted only when it is ours alone.
-
-The unit tests point the temp folder at a folder of the test's own (never
-the real /tmp/substrax-<uid>); the others do what a user does, with TMPDIR
-set: `doit` and an ssh step against a real sshd.
-"""
+"""The unit half of tests/integration/config/test_private_dirs.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

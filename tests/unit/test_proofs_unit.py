@@ -1,11 +1,5 @@
-"""The up-to-date proofs (proofs.py): one file per project that lets a
-no-op `doit` skip the full check of a step, and never a change.
-
-A proof is kept only for a step whose inputs, outputs and record are older
-than the racy window, so the chain tests here wait it out once before the
-no-op that records the proof (the tests' doit runs with a short window,
-dodo_helpers.RACY_SECONDS).
-"""
+"""The unit half of tests/integration/chain/test_proofs.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

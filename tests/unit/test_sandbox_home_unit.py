@@ -1,12 +1,5 @@
-"""The sandbox's home (issue 17): a writable, empty home for each run that
-leaves nothing in the real one and is gone when the run ends; `cache_dirs`
-kept across runs of a project; and a write the sandbox refused named in the
-run's failure with the fix.
-
-First what needs no bubblewrap (the argv, the log scan, the settings), then
-runs of the real worker under real bubblewrap, through `doit` on the local
-backend, as an unprivileged user, and once over ssh.
-"""
+"""The unit half of tests/integration/local/test_sandbox_home.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

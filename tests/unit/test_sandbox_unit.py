@@ -1,9 +1,5 @@
-"""The bubblewrap sandbox: the argv remote/sandbox.py builds (no bubblewrap
-needed), then local runs under real bubblewrap.
-
-In the second part the task tries each thing and prints ALLOWED/DENIED per
-attempt; the test reads that from the log and checks the host's files too.
-"""
+"""The unit half of tests/integration/local/test_sandbox.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

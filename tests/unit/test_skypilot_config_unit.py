@@ -1,5 +1,5 @@
-"""`[tool.substrax.compute.backends.skypilot]`: judged when the configuration
-is read, before SkyPilot is started or anything is launched."""
+"""The unit half of tests/integration/skypilot/test_skypilot_config.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

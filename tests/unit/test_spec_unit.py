@@ -1,5 +1,5 @@
-"""Declarations checked at load: paths made clean, overlaps found (in-process;
-the same refusals through `doit` are in test_chain_errors.py)."""
+"""The unit half of tests/integration/config/test_spec.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

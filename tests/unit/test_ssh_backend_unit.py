@@ -1,10 +1,5 @@
-"""The ssh backend's own guarantees against a real sshd in a network
-namespace (tests/support/testbeds/sshd_host.py): host keys are verified (an unknown
-key is refused unless trusting it on first use is opted in, a changed key is
-always refused, and each message names the command that fixes it), settings
-are parsed as documented, and a run cancelled before its command started
-never starts it.
-"""
+"""The unit half of tests/integration/ssh/test_ssh_backend.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""A run sees only what its step declares (issue 28, item 1): its inputs and
-the environment's lock file. So every file the run could see is covered by
-the up-to-date key and the run cache's key: a second clone whose undeclared
-helper differs never gets the first clone's output, an edit of a declared
-helper reruns the step and `why` names it, an edit of an undeclared file
-reruns nothing, and a command naming an undeclared project file is refused
-before anything is launched. A local run without the sandbox could read
-anything, so it is never kept in the run cache.
-
-Real `doit`, real git clones, real bubblewrap; the ssh and skypilot views
-are held to the same rule in test_env_parity.py and test_skypilot_chain.py.
-"""
+"""The unit half of tests/integration/chain/test_view.py: the same subject, the
+tests that start no process and open no connection (see its docstring)."""
 
 from __future__ import annotations
 
