@@ -7,7 +7,6 @@ without running bubblewrap.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
@@ -15,7 +14,7 @@ import shutil
 import stat
 import struct
 import subprocess
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 # Own namespaces for everything bubblewrap can give one. The user namespace
 # without capabilities is what holds root in: the task is still uid 0 (or the
@@ -76,7 +75,7 @@ def bwrap_usable(bwrap: str) -> bool:
     return probe.returncode == 0
 
 
-def writable_dirs(outputs: Sequence[Mapping[str, Any]]) -> list[str]:
+def writable_dirs(outputs: list[dict[str, str]]) -> list[str]:
     """Project-relative folders the task may write in: each folder output,
     and the folder holding each file output. Outer folders first."""
     dirs = set()
@@ -84,33 +83,6 @@ def writable_dirs(outputs: Sequence[Mapping[str, Any]]) -> list[str]:
         path = out["path"].rstrip("/")
         dirs.add(path if out["kind"] == "dir" else os.path.dirname(path) or ".")
     return sorted(dirs, key=outer_first)
-
-
-def absent_dirs(project: str, outputs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The project's folders the run will make for its outputs (see
-    `writable_dirs`) that do not exist yet, each level of each, outer first:
-    `remove_made_dirs` takes away those still empty once the run ended."""
-    absent = set()
-    for rel in writable_dirs(outputs):
-        parts = [] if rel == "." else rel.split("/")
-        for depth in range(1, len(parts) + 1):
-            sub = "/".join(parts[:depth])
-            if not os.path.lexists(os.path.join(project, sub)):
-                absent.add(sub)
-    return sorted(absent, key=outer_first)
-
-
-def remove_made_dirs(project: str, made: list[str], outputs: Sequence[Mapping[str, Any]], succeeded: bool
-                     ) -> None:
-    """Remove the folders of `made` (see `absent_dirs`) that are still
-    empty, inner first, so that a failed run leaves no empty `out/` in the
-    project. After a success, an empty folder output stays: it is the
-    output, or (in the sandbox) the place its promotion takes."""
-    kept = {o["path"].rstrip("/") for o in outputs if o["kind"] == "dir"} if succeeded else set()
-    for rel in sorted(made, key=outer_first, reverse=True):
-        if rel not in kept:
-            with contextlib.suppress(OSError):  # not empty (the run wrote there) or already gone
-                os.rmdir(os.path.join(project, rel))
 
 
 def gpu_devices(dev: str = "/dev") -> list[str]:

@@ -89,7 +89,6 @@ class Worker:
         self.gpu_locks: list[int] = []  # open while the run lasts: they hold its GPUs
         self.gpu_env: dict[str, str] = {}
         self.task_path = ""  # the command's PATH, named when a program was not found
-        self.made_dirs: list[str] = []  # the project's folders this run makes for its outputs
         self.status: runfiles.Status = {
             "version": runfiles.STATUS_VERSION, "state": "starting", "worker_pid": os.getpid(),
             "worker_start_ticks": control.start_ticks(os.getpid()),
@@ -211,7 +210,6 @@ class Worker:
         that cannot start is recorded as the run's failure."""
         job = self.job
         try:
-            self.made_dirs = sandbox.absent_dirs(job["project"], job["outputs"])
             argv, sandbox_name, outputs_root, passed_fds = sandbox.sandboxed_command(
                 job, self.note, os.environ)
             try:
@@ -244,7 +242,6 @@ class Worker:
         except Exception as exc:  # any start failure is the run's failure
             self.note("could not start the command: %s" % exc)
             sandbox.remove_home(job)
-            sandbox.remove_made_dirs(job["project"], self.made_dirs, job["outputs"], succeeded=False)
             now = control.now_iso()
             self.write_status(state="failed", message=str(exc), started_at=now, ended_at=now)
             return False
@@ -299,9 +296,8 @@ class Worker:
         # end is recorded, so an ended run never leaves one behind.
         sandbox.remove_home(self.job)
         message = None
-        whole = False
         if state == "succeeded":
-            whole = self.write_manifest(outputs_root)
+            self.write_manifest(outputs_root)
         elif state == "failed":
             # Said in the status, so every backend's failure shows it.
             tail = hints.log_tail(self.job)
@@ -316,17 +312,14 @@ class Worker:
         if state == "failed" and disk_full(outputs_root):
             message = ("no space left on device where its outputs go (%s): the command filled the disk; "
                        "free space (or make the outputs smaller) and run again" % outputs_root)
-        # A failed run leaves no empty output folders in the project, nor
-        # does one that missed an output (the client fails it).
-        sandbox.remove_made_dirs(self.job["project"], self.made_dirs, self.job["outputs"], succeeded=whole)
         signame = signal.Signals(-returncode).name if returncode is not None and returncode < 0 else None
         self.write_status(state=state, exit_code=returncode, signal=signame, ended_at=control.now_iso(),
                           message=message)
 
-    def write_manifest(self, outputs_root: str) -> bool:
+    def write_manifest(self, outputs_root: str) -> None:
         """The outputs' manifest, taken now that nothing can touch them: the
         fetch verifies its copy against it (the bucket transport fetches its
-        `manifest_copy` with the outputs). Whether it lists every output."""
+        `manifest_copy` with the outputs)."""
         try:
             outputs = [o["path"] + ("/" if o["kind"] == "dir" else "") for o in self.job["outputs"]]
             taken = manifest.build_manifest(outputs_root, outputs)
@@ -335,8 +328,6 @@ class Worker:
                 control.write_json_atomic(self.job["manifest_copy"], taken)
         except Exception as exc:  # the fetch then takes its own and says what is wrong
             self.note("could not take the outputs' manifest: %s" % exc)
-            return True  # not known to miss one: its folders stay
-        return not taken["missing"]
 
 
 def stale_cgroup(name: str) -> bool:

@@ -242,33 +242,6 @@ def test_a_missing_output_names_what_the_run_wrote_instead(tmp_path: Path, sandb
     assert "Traceback" not in said, show(done)
 
 
-LEAVES_NO_FOLDERS = """
-def task_bx():
-    yield from remote_step("bx", shell="exit 3", outputs=["bx/", "deep/er/f.txt", "kept/g.txt"])
-
-def task_bt():
-    yield from remote_step("bt", shell="sleep 30", outputs=["bt/"], timeout=0.5)
-
-def task_bm():
-    yield from remote_step("bm", shell="true", outputs=["bm/x.txt", "empty/"])
-"""
-
-
-@pytest.mark.parametrize("sandbox", SANDBOXES)
-def test_a_failed_step_leaves_no_empty_output_folders_it_made(tmp_path: Path, sandbox: str) -> None:
-    """An exit 3, a timeout and a missing output: the folders the runs made
-    for their outputs go with them (even an empty folder output of the run
-    that missed another); a folder that was there stays."""
-    root = make_project(tmp_path, LEAVES_NO_FOLDERS, ["bx", "bt", "bm"], sandbox=sandbox)
-    (root / "kept").mkdir()
-    done = doit(root, "--continue")
-    said = done.stdout + done.stderr
-    assert done.returncode == 1, show(done)
-    assert "exit code 3" in said and "timed_out" in said and "bm/x.txt" in said, show(done)
-    left = sorted(p.name for p in root.iterdir() if p.name not in (".substrax", ".doit.db"))
-    assert left == ["dodo.py", "kept", "pyproject.toml"], left
-
-
 def test_failed_command_fails_the_step_with_its_log(tmp_path: Path) -> None:
     root = make_project(
         tmp_path, one_step(shell="echo boom-on-stderr >&2; exit 3", outputs=["o.txt"], retries=2), ["step"]
