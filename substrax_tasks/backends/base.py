@@ -22,6 +22,7 @@ from substrax_tasks.slots import Pool
 if TYPE_CHECKING:  # pydantic: not imported by a restore from the run cache, which needs Fetched only
     from pydantic import BaseModel
 
+    from substrax_tasks.backends.state import BackendState
     from substrax_tasks.store.handle import RunHandle
     from substrax_tasks.store.run_store import RunStore
 
@@ -114,6 +115,8 @@ class Leak:
 class Backend(ABC):
     name: ClassVar[str]
     Settings: ClassVar[type[BaseModel]]
+    # What it keeps in the handle (`handle.backend_state`), read as `State.of(handle)`.
+    State: ClassVar[type[BackendState]]
     capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init__(self, settings: BaseModel, store: RunStore) -> None:
@@ -137,6 +140,11 @@ class Backend(ABC):
                 f"{store.run_dir(handle.run_id)} to forget it"
             ) from None
         return cls(settings, store)
+
+    def save_state(self, handle: RunHandle, **changes: Any) -> RunHandle:
+        """Record `changes` in the backend's part of the handle, checked
+        against `State` (an undeclared key is refused)."""
+        return self.store.update_backend_state(handle, self.State, **changes)
 
     def slot_pool(self, handle: RunHandle) -> Pool | None:
         """The pool a new run of `handle` takes a slot in before its launch,
@@ -245,7 +253,7 @@ class Backend(ABC):
     def status(self, handle: RunHandle) -> RunStatus:
         """poll(), except where the chain has since judged the run: a run
         whose command succeeded but did not produce its outputs is failed."""
-        verdict = handle.state.get("verdict")
+        verdict = handle.state.verdict
         status = self.poll(handle)
         if isinstance(verdict, dict) and (status.final or status.state == "pending"):
             return replace(status, state=str(verdict.get("state", status.state)),
