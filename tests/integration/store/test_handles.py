@@ -98,7 +98,7 @@ def test_handle_files_are_private_and_written_whole(project: Project) -> None:
     assert not [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("version", [1, 4])
 def test_handle_of_another_version_is_refused(project: Project, version: int) -> None:
     handle = submit(project, ["true"])
     wait_final(project, handle)
