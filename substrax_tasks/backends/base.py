@@ -76,6 +76,14 @@ class Capabilities:
     interrupt_cancels: Ctrl-C in the client cancels the run (it runs on
     this machine, tied to the client); otherwise the client detaches and the
     run goes on, reachable again by a rerun or the CLI.
+
+    What the core needs to know of one run it asks the backend, never its
+    part of the handle (`backend_state`, which the core does not read):
+    whether its outputs stay where it ran until teardown
+    (`outputs_available`), whether it wrote them in place (`fetch`'s root
+    is the project's), where it ran (`ran_on`), whether it still holds a
+    machine and for how long (`released`, `lifetime_left`). The contract
+    tests bind each for every backend.
     """
 
     interrupt_cancels: bool = False
