@@ -170,8 +170,8 @@ class Backend(ABC):
     @abstractmethod
     def launch(self, handle: RunHandle) -> RunHandle:
         """Called once, right after the handle was written: provision,
-        connect or prepare the run's folder. Records what it made in the
-        handle's state before returning."""
+        connect or prepare the run's folder. Records what it made in its
+        part of the handle (`save_state`) before returning."""
 
     def setup(self, handle: RunHandle) -> RunHandle:
         """Prepare the machine (setup commands). Default: nothing to do."""
