@@ -34,6 +34,7 @@ from typing import IO, Any, Protocol, cast
 from substrax_tasks._remote import runfiles
 from substrax_tasks.backends.base import MAX_LOG_BYTES, Backend, Fetched, RunStatus, log_cut_note
 from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
+from substrax_tasks.backends.state import RemoteState
 from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.store.handle import RunHandle
@@ -383,7 +384,7 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
     follower waited on past the run's lifetime."""
     room = max(MAX_LOG_BYTES - offset, 0)
     sent = 0
-    left = lifetime_left(handle)
+    left = backend.lifetime_left(handle)
     deadline = None if left is None else time.monotonic() + left + FOLLOW_PAST_LIFETIME_SECONDS
 
     def tick() -> None:
@@ -426,16 +427,11 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
     return Backend.stream_log(backend, handle, out, follow=not status.final, offset=offset)
 
 
-def released(handle: RunHandle) -> bool:
-    """The run's teardown recorded that it holds nothing there any more."""
-    return bool(handle.state.get("torn_down"))
-
-
-def lifetime_left(handle: RunHandle, now: float | None = None) -> float | None:
+def lifetime_left(state: RemoteState, now: float | None = None) -> float | None:
     """From the lifetime timer the launch armed where the run runs (its
     `watchdog` record: when, for how long), until the run is torn down."""
-    timer = handle.state.get("watchdog")
-    if released(handle) or not isinstance(timer, dict):
+    timer = state.watchdog
+    if state.torn_down or timer is None:
         return None
     armed, seconds = timer.get("armed_at"), timer.get("seconds")
     if not isinstance(armed, (int, float)) or not isinstance(seconds, (int, float)):

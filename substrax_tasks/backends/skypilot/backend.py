@@ -47,6 +47,7 @@ from substrax_tasks.backends.skypilot.client import (
     job_state,
 )
 from substrax_tasks.backends.skypilot.settings import SkypilotSettings
+from substrax_tasks.backends.skypilot.state import SkypilotState
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.interrupts import check_interrupted
@@ -74,8 +75,8 @@ def cluster_leaks(backend: SkypilotBackend, handles: list[RunHandle]) -> list[Le
     may be another client's (the prefix is shared by default, and so may be
     the project's path), so are listed, never removed."""
     runs = [h for h in handles if h.backend == backend.name]
-    live = {h.state.get("cluster") for h in runs if not h.state.get("torn_down")}
-    named = {h.state.get("cluster") for h in runs}
+    live = {SkypilotState.of(h).cluster for h in runs if not SkypilotState.of(h).torn_down}
+    named = {SkypilotState.of(h).cluster for h in runs}
     prefix, client = backend.settings.cluster_prefix, backend.store.client_id()
     return [
         Leak(backend.name, "SkyPilot", name, name in named or sky_task.made_by(name, prefix, client),
@@ -89,6 +90,7 @@ def cluster_leaks(backend: SkypilotBackend, handles: list[RunHandle]) -> list[Le
 class SkypilotBackend(Backend):
     name = "skypilot"
     Settings = SkypilotSettings
+    State = SkypilotState
     settings: SkypilotSettings
 
     def __init__(self, settings: BaseModel, store: RunStore) -> None:
@@ -100,7 +102,7 @@ class SkypilotBackend(Backend):
         return SkyClient(self.settings.sky_python)
 
     def cluster(self, handle: RunHandle) -> str:
-        recorded = handle.state.get("cluster")
+        recorded = SkypilotState.of(handle).cluster
         if isinstance(recorded, str):
             return recorded
         return sky_task.cluster_name(self.settings, handle, self.store.client_id())
@@ -161,7 +163,7 @@ class SkypilotBackend(Backend):
 
     # ------------------------------------------------------------- launch
     def launch(self, handle: RunHandle) -> RunHandle:
-        project = Path(str(handle.state["project"]))
+        project = Path(str(handle.state.project))
         layout = self.layout(handle)
         lock, env_dir = sky_task.environment(self.settings, layout, project)
         upload = self.run_file(handle, "upload")
@@ -176,7 +178,7 @@ class SkypilotBackend(Backend):
         cluster = self.cluster(handle)
         # The intent, before any paid call: what would be launched, and where.
         write_json_atomic(self.run_file(handle, TASK_FILE), config)
-        handle = self.store.update_state(
+        handle = self.save_state(
             handle, cluster=cluster, remote_run=layout.run, bin_digest=layout.bin_digest
         )
         log = self.run_file(handle, "launch.log")
@@ -190,7 +192,7 @@ class SkypilotBackend(Backend):
                                      timeout=None, while_waiting=relay)  # fmt: skip
         elif not (warm and (result := exec_on(self, handle, warm, config, upload)) is not None):
             sky_task.validate(self.sky(), self.settings, config)  # a warm cluster ran this shape already
-            handle = self.store.update_state(handle, cluster=cluster, job_home=None)  # not the warm one tried
+            handle = self.save_state(handle, cluster=cluster, job_home=None)  # not the warm one tried
             warm = None
             record_launch(self, handle, cluster, env_dir)
             emit(f"{handle.step}: launching cluster {cluster} (SkyPilot; `substrax-compute cancel "
@@ -214,16 +216,16 @@ class SkypilotBackend(Backend):
         job_id = result.get("job_id") if isinstance(result, dict) else None
         if not isinstance(job_id, int):
             raise BackendError(f"run {handle.run_id}: SkyPilot launched {cluster} but submitted no job")
-        handle = self.store.update_state(handle, job_id=job_id)
+        handle = self.save_state(handle, job_id=job_id)
         if not warm:
             timer = sky_task.lifetime_timer(self.settings)  # armed by the task's setup, before this
-            handle = self.store.update_state(handle, watchdog=timer)
+            handle = self.save_state(handle, watchdog=timer)
             self._write_ssh_config(handle)
         return handle
 
     def start(self, handle: RunHandle) -> RunHandle:
         """The launch submitted the job already (SkyPilot runs setup, then it)."""
-        if not isinstance(handle.state.get("job_id"), int):
+        if not isinstance(SkypilotState.of(handle).job_id, int):
             raise BackendError(f"run {handle.run_id}: it was never launched")
         return handle
 
@@ -241,7 +243,7 @@ class SkypilotBackend(Backend):
             return False
         # Told first: a client waiting on the run reads SkyPilot's failures
         # while the cluster goes as the cancel they are (_status_after_error).
-        handle = self.store.update_state(handle, cancel_requested=True)
+        handle = self.save_state(handle, cancel_requested=True)
         cluster = self.cluster(handle)
         failures: list[Exception] = []
         rid = self.request_id(handle)
@@ -251,20 +253,20 @@ class SkypilotBackend(Backend):
                     self.sky().call("api_cancel", {"request_ids": [rid]})
             except SubstraxError as exc:
                 failures.append(BackendError(f"cancelling launch request {rid}: {exc}"))
-        job_id = handle.state.get("job_id")
+        job_id = SkypilotState.of(handle).job_id
         if isinstance(job_id, int):
             try:
                 self.sky().call("cancel", {"cluster_name": cluster, "job_ids": [job_id]})
             except SubstraxError as exc:  # a cluster gone or going: the down below ends it all the same
                 if not (isinstance(exc, SkyCallError) and exc.kind in CLUSTER_GONE):
                     failures.append(BackendError(f"cancelling job {job_id} on {cluster}: {exc}"))
-        shared = "slot" in handle.state and isinstance(job_id, int)  # a reused cluster: the job only
+        shared = handle.state.slot is not None and isinstance(job_id, int)  # a reused cluster: the job only
         if shared and not failures:
             ended = RunStatus("cancelled", message=f"job cancelled; cluster {cluster} stays for other runs")
-            self.store.update_state(handle, final_status=ended.__dict__)
+            self.save_state(handle, final_status=ended.__dict__)
         elif not shared and self._down(handle, failures):
             ended = RunStatus("cancelled", message="cancelled; its cluster was taken down")
-            self.store.update_state(handle, final_status=ended.__dict__, torn_down=True)
+            self.save_state(handle, final_status=ended.__dict__, torn_down=True)
         if failures:
             raise ExceptionGroup(f"run {handle.run_id}: {len(failures)} cancel step(s) failed", failures)
         return True
@@ -289,7 +291,7 @@ class SkypilotBackend(Backend):
         kept = _remote_run.read_kept_log(self.run_file(handle, "run.log"), offset)
         if kept is not None:
             return kept
-        if not isinstance(handle.state.get("job_id"), int) or handle.state.get("torn_down"):
+        if not isinstance(SkypilotState.of(handle).job_id, int) or SkypilotState.of(handle).torn_down:
             return b""
         try:
             return self.remote_run(handle).read_log(offset)
@@ -340,11 +342,11 @@ class SkypilotBackend(Backend):
 
     @classmethod
     def released(cls, handle: RunHandle) -> bool:
-        return _remote_run.released(handle)
+        return SkypilotState.of(handle).torn_down
 
     @classmethod
     def lifetime_left(cls, handle: RunHandle, now: float | None = None) -> float | None:
-        return _remote_run.lifetime_left(handle, now)
+        return _remote_run.lifetime_left(SkypilotState.of(handle), now)
 
     def outputs_available(self, handle: RunHandle) -> bool:
         if self.settings.bucket is not None:
@@ -357,7 +359,7 @@ class SkypilotBackend(Backend):
             except SubstraxError:
                 return False
             return True
-        if handle.state.get("torn_down"):
+        if SkypilotState.of(handle).torn_down:
             return False
         try:
             return bool(self.remote_run(handle).status().get("exists"))
@@ -366,12 +368,12 @@ class SkypilotBackend(Backend):
 
     # ----------------------------------------------------------- teardown
     def forget(self, handle: RunHandle) -> str:
-        cluster = handle.state.get("cluster")
-        if not isinstance(cluster, str) or handle.state.get("torn_down"):
+        cluster = SkypilotState.of(handle).cluster
+        if not isinstance(cluster, str) or SkypilotState.of(handle).torn_down:
             return "no cluster of it was launched"
         run = self.remote_run(handle)
         run.remove()  # its tree stopped first, as teardown cancels before the cluster goes
-        if "slot" in handle.state:  # a warm cluster other steps take turns on: only this run goes
+        if handle.state.slot is not None:  # a warm cluster other steps take turns on: only this run goes
             return f"stopped it and removed its folder {run.run_dir} on cluster {cluster}"
         failures: list[Exception] = []
         if not self.down_cluster(cluster, failures):
@@ -381,9 +383,9 @@ class SkypilotBackend(Backend):
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
         """Take the cluster down (keeping the handle and a copy of the log)."""
         shutil.rmtree(self.run_file(handle, "fetched"), ignore_errors=True)  # as the ssh backend
-        if handle.state.get("torn_down"):
+        if SkypilotState.of(handle).torn_down:
             return
-        if "cluster" not in handle.state:
+        if SkypilotState.of(handle).cluster is None:
             return  # never launched: nothing was made
         try:
             running, damaged = not self.poll(handle).final, False
@@ -398,11 +400,11 @@ class SkypilotBackend(Backend):
         with contextlib.suppress(SubstraxError, OSError):
             self.remote_run(handle).keep_log(self.run_file(handle, "run.log"))
         failures: list[Exception] = []
-        if "slot" in handle.state and not (force or damaged):
+        if handle.state.slot is not None and not (force or damaged):
             leave(self, handle)
         elif not self._down(handle, failures):
             raise failures[0]
-        self.store.update_state(handle, torn_down=True)
+        self.save_state(handle, torn_down=True)
 
 
 # ---- SkyPilot clusters reused across steps (`reuse = true`).
@@ -419,7 +421,7 @@ def shape(backend: SkypilotBackend, handle: RunHandle) -> str:
 
 
 def record_path(backend: SkypilotBackend, handle: RunHandle) -> Path | None:
-    slot = handle.state.get("slot")
+    slot = handle.state.slot
     if not isinstance(slot, dict):
         return None
     return backend.store.slots_dir(str(slot["pool"])) / f"{slot['index']}.json"
@@ -445,7 +447,7 @@ def record_launch(backend: SkypilotBackend, handle: RunHandle, cluster: str, env
         return
     transport = backend.settings.transport
     deadline = time.time() + (transport.lifetime_minutes - backend.settings.idle_minutes) * 60
-    bin_digest = handle.state.get("bin_digest")
+    bin_digest = SkypilotState.of(handle).bin_digest
     write_json_atomic(path, {"cluster": cluster, "deadline": deadline, "bin_digest": bin_digest,
                              "env_dir": env_dir, "run_id": handle.run_id})  # fmt: skip
 
@@ -460,7 +462,7 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle, env_dir: str | Non
     timeout = handle.spec.timeout
     left = float(record.get("deadline", 0)) - time.time()
     reason = None
-    if record.get("bin_digest") != handle.state.get("bin_digest") or record.get("env_dir") != env_dir:
+    if record.get("bin_digest") != SkypilotState.of(handle).bin_digest or record.get("env_dir") != env_dir:
         reason = "its scripts or environment are not this run's"
     elif timeout is None:
         reason = "the step has no timeout, so no lifetime left is known to be enough"
@@ -504,7 +506,7 @@ def exec_on(backend: SkypilotBackend, handle: RunHandle, record: dict[str, Any],
     cluster, seconds = str(record["cluster"]), max(float(record["deadline"]) - time.time(), 1.0)
     timer = {"armed_at": time.time(), "seconds": seconds}  # what this job arms: the cluster's time left
     home = {"job_home": record["job_home"]} if "job_home" in record else {}
-    handle = backend.store.update_state(handle, cluster=cluster, watchdog=timer, **home)
+    handle = backend.save_state(handle, cluster=cluster, watchdog=timer, **home)
     layout = backend.layout(handle)
     there = sky_task.at_job_home(layout, backend.sky(), backend.store, handle, cluster)
     emit(f"{handle.step}: queued on warm cluster {cluster} (SkyPilot exec; `substrax-compute cancel "
@@ -514,7 +516,7 @@ def exec_on(backend: SkypilotBackend, handle: RunHandle, record: dict[str, Any],
         transport.upload(upload, ["in", "project"], there.run)
         sources = backend.settings.copy_.source_paths() if backend.settings.copy_ is not None else []
         if sources:
-            transport.upload(Path(str(handle.state["project"])), sources, there.project)
+            transport.upload(Path(str(handle.state.project)), sources, there.project)
     except SubstraxError as exc:  # a cluster gone between two runs reads as unreachable
         emit(f"{handle.step}: cluster {cluster} is out of reach ({exc}); launching a new one")
         return None
@@ -545,7 +547,7 @@ def leave(backend: SkypilotBackend, handle: RunHandle) -> None:
     record = read_record(path)
     if path is None or record is None or record.get("cluster") != cluster:
         return  # the step that replaced it in the slot took it down
-    slot = try_take(path.parent, int(handle.state["slot"]["index"]))
+    slot = try_take(path.parent, int((handle.state.slot or {})["index"]))
     if slot is None:
         emit(f"{handle.step}: cluster {cluster} is left to the step holding its slot (SkyPilot takes "
              f"it down {backend.settings.idle_minutes} min after its last job)")  # fmt: skip
@@ -573,7 +575,7 @@ def poll(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
     ended = _kept(backend, handle)
     if ended is not None:
         return ended
-    job_id = handle.state.get("job_id")
+    job_id = SkypilotState.of(handle).job_id
     if not isinstance(job_id, int):
         return _launch_status(backend, handle)
     record = worker_record(backend, handle)
@@ -597,10 +599,10 @@ def poll(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
     # a record that says the run ended holds still; another is read again
     final_record = record if record is not None and record.get("state") in FINAL_STATES else None
     status = _from_worker(backend, handle, status, final_record)
-    if "slot" in handle.state:  # kept now: another run's teardown may take the shared cluster down
+    if handle.state.slot is not None:  # kept now: another run's teardown may take the shared cluster down
         with contextlib.suppress(SubstraxError, OSError):
             backend.remote_run(handle).keep_log(backend.run_file(handle, "run.log"))
-    backend.store.update_state(handle, final_status=status.__dict__)
+    backend.save_state(handle, final_status=status.__dict__)
     return status
 
 
@@ -622,10 +624,10 @@ def _from_queue(answer: Any, job_id: int, cluster: str) -> RunStatus:
 def _kept(backend: SkypilotBackend, handle: RunHandle) -> RunStatus | None:
     """The final status kept in the handle. A caller's copy may predate the
     end: once the cluster is down, the store's record is all that tells it."""
-    cached = handle.state.get("final_status")
+    cached = SkypilotState.of(handle).final_status
     if not isinstance(cached, dict):
         with contextlib.suppress(SubstraxError):
-            cached = backend.store.read(handle.run_id).state.get("final_status")
+            cached = SkypilotState.of(backend.store.read(handle.run_id)).final_status
     return RunStatus(**cached) if isinstance(cached, dict) else None
 
 
@@ -647,11 +649,11 @@ def _after_error(backend: SkypilotBackend, handle: RunHandle, exc: SkyCallError)
     tells the end."""
     with contextlib.suppress(SubstraxError):
         handle = backend.store.read(handle.run_id)
-    final = handle.state.get("final_status")
+    final = SkypilotState.of(handle).final_status
     if isinstance(final, dict):
         return RunStatus(**final)
     cluster = backend.cluster(handle)
-    if handle.state.get("cancel_requested"):
+    if SkypilotState.of(handle).cancel_requested:
         if exc.kind in CLUSTER_GONE:
             return RunStatus("cancelled", message=f"cancelled; its cluster {cluster} was taken down")
         return RunStatus("running", message=f"being cancelled (SkyPilot: {exc.kind})")
@@ -670,7 +672,7 @@ def _launch_status(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
         return RunStatus("pending", message=f"launch request {rid}: {state or 'unknown'}")
     verdict = "cancelled" if state == "CANCELLED" else "failed"
     ended = RunStatus(verdict, message=f"launch request {rid}: {state}")
-    backend.store.update_state(handle, final_status=ended.__dict__)
+    backend.save_state(handle, final_status=ended.__dict__)
     return ended
 
 

@@ -47,7 +47,7 @@ def sweep(project: Sky, steps: int, timeout: float, max_parallel: int) -> None:
 
 def clusters_used(project: Sky) -> list[str]:
     runs = project.root / ".substrax" / "runs"
-    return [json.loads(p.read_text())["state"]["cluster"] for p in sorted(runs.glob("*/handle.json"))]
+    return [json.loads(p.read_text())["backend_state"]["cluster"] for p in sorted(runs.glob("*/handle.json"))]
 
 
 def test_a_threaded_sweep_takes_turns_on_at_most_max_parallel_clusters_and_leaves_none(sky: Sky) -> None:
@@ -133,12 +133,12 @@ def test_steps_queued_on_a_warm_cluster_reach_the_home_its_jobs_run_in(sky: Sky)
     assert done.stdout.count("queued on warm cluster") == 2, show(done)
     runs = sky.root / ".substrax" / "runs"
     handles = [json.loads(p.read_text()) for p in sorted(runs.glob("*/handle.json"))]
-    (cluster,) = {h["state"]["cluster"] for h in handles}
+    (cluster,) = {h["backend_state"]["cluster"] for h in handles}
     home = sky.home / ".fakesky" / "clusters" / cluster / "home"
-    assert {h["state"]["job_home"] for h in handles} == {str(home.resolve())}, show(done)
-    launched = next(h for h in handles if h["step"] == "fit:m0")["state"]["watchdog"]
+    assert {h["backend_state"]["job_home"] for h in handles} == {str(home.resolve())}, show(done)
+    launched = next(h for h in handles if h["step"] == "fit:m0")["backend_state"]["watchdog"]
     for h in handles:
-        timer = h["state"]["watchdog"]
+        timer = h["backend_state"]["watchdog"]
         assert timer["armed_at"] + timer["seconds"] <= launched["armed_at"] + launched["seconds"]
     assert sky.clusters() == []
 
@@ -146,7 +146,7 @@ def test_steps_queued_on_a_warm_cluster_reach_the_home_its_jobs_run_in(sky: Sky)
 def queued_job(project: Sky, step: str) -> dict[str, Any] | None:
     """The handle of `step`'s run while its job waits in SkyPilot's queue."""
     for handle in live_handles(project.root):
-        state = handle["state"]
+        state = handle["backend_state"]
         if handle["step"] != step or not isinstance(state.get("job_id"), int):
             continue
         job = project.home / ".fakesky" / "clusters" / state["cluster"] / "jobs" / f"{state['job_id']}.json"
@@ -204,7 +204,7 @@ def test_a_job_cancelled_in_skypilots_queue_before_it_started_ends_its_step_as_c
         # Two reads of the queue since: the first said PENDING before the cancel below.
         reads = job_status_reads(sky)
         wait_for(lambda: job_status_reads(sky) >= reads + 2, "the client to read the job's status")
-        state = handle["state"]
+        state = handle["backend_state"]
         cancel = f"import sky; sky.get(sky.cancel({state['cluster']!r}, job_ids=[{state['job_id']}]))"
         done = subprocess.run([sys.executable, "-c", cancel], env=clean_env(sky.env), capture_output=True,
                               text=True, timeout=120, check=False)  # fmt: skip
