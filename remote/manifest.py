@@ -14,9 +14,10 @@ outside its output is refused, resolved component by component through the
 tree's other links (``a -> .`` then ``b -> a/../x`` escapes though ``b``
 looks harmless); loops are refused.
 
-The optional ``cache`` maps a relative path to ``[size, mtime_ns, ctime_ns,
-inode, device, sha256]``: a file whose lstat gives those five values is not
-read. ctime is in the key because nothing short of moving the clock back
+The optional ``cache`` maps a relative path to a packed record of ``size,
+mtime_ns, ctime_ns, inode, device, sha256`` (`cache_record`, 72 bytes: a
+list of five ints and the hex digest took 450 bytes a file): a file whose
+lstat gives those five values is not read. ctime is in the key because nothing short of moving the clock back
 sets it back (``os.utime`` moves it). A file whose ctime is younger than
 ``RACY_SECONDS`` is hashed but not cached: a second write in the same tick
 would leave every value unchanged (git's "racily clean" problem). The cache
@@ -33,6 +34,7 @@ import itertools
 import json
 import os
 import stat
+import struct
 import sys
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -46,7 +48,44 @@ _LOOP = "too many levels of symbolic links"
 _O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK
 
 Entry = Dict[str, Any]
-Cache = Dict[str, List[Any]]
+Cache = Dict[str, bytes]
+
+# a hash cache's record: size, mtime_ns, ctime_ns, inode, device, then the
+# sha256's 32 bytes
+_STAT_KEY = struct.Struct("<QqqQQ")
+RECORD_SIZE = _STAT_KEY.size + 32
+
+
+def stat_key(st: os.stat_result) -> bytes:
+    """The packed stat values a hash cache record starts with: any write
+    changes them."""
+    return _STAT_KEY.pack(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
+def stat_key_of(size: int, mtime_ns: int, ctime_ns: int, inode: int, device: int) -> bytes:
+    """`stat_key` of these values; ValueError if no stat gives them."""
+    try:
+        return _STAT_KEY.pack(size, mtime_ns, ctime_ns, inode, device)
+    except struct.error as exc:
+        raise ValueError("not a file's stat: %s" % exc) from None
+
+
+def cache_record(key: bytes, digest: str) -> bytes:
+    """A hash cache's record of a file: its `stat_key` and its sha256 (hex)."""
+    return key + bytes.fromhex(digest)
+
+
+def cached_digest(record: Optional[bytes], key: bytes) -> Optional[str]:
+    """The sha256 (hex) `record` holds if it is of a file whose `stat_key`
+    is `key`, else None."""
+    if isinstance(record, bytes) and len(record) == RECORD_SIZE and record.startswith(key):
+        return record[_STAT_KEY.size:].hex()
+    return None
+
+
+def record_values(record: bytes) -> Tuple[List[int], str]:
+    """([size, mtime_ns, ctime_ns, inode, device], sha256 hex) of a record."""
+    return list(_STAT_KEY.unpack_from(record)), record[_STAT_KEY.size:].hex()
 
 
 class ManifestError(Exception):
@@ -294,15 +333,14 @@ def _rows(base: str, checked: List[Tuple[str, bool]], tops: List[Listed], cache:
         nonlocal seen
         mode = st.st_mode
         if stat.S_ISREG(mode):
-            key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-            hit = None if cache is None else cache.get(rel)
-            if isinstance(hit, list) and len(hit) == 6 and hit[:5] == key:
-                digest = hit[5]
+            key = stat_key(st)
+            digest = None if cache is None else cached_digest(cache.get(rel), key)
+            if digest is not None:
                 seen += 1
             else:
                 digest = hash_file(path, st, buf)
                 if cache is not None and st.st_ctime_ns < racy_ns:
-                    cache[rel] = key + [digest]
+                    cache[rel] = cache_record(key, digest)
                     seen += 1
                 elif cache is not None:
                     cache.pop(rel, None)  # the racy rule: a file changed inside the window is not remembered
@@ -374,9 +412,7 @@ def _forget_gone(base: str, outputs: List[Tuple[str, bool]], cache: Cache, seen:
         except OSError:
             del cache[rel]
             continue
-        hit = cache[rel]
-        if not stat.S_ISREG(st.st_mode) or not isinstance(hit, list) or hit[:5] != [
-                st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]:
+        if not stat.S_ISREG(st.st_mode) or cached_digest(cache[rel], stat_key(st)) is None:
             del cache[rel]
 
 
