@@ -27,9 +27,11 @@ manifest_cache.py tracks changes that way).
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import difflib
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -37,7 +39,8 @@ import stat
 import struct
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from array import array
+from typing import IO, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, overload
 
 VERSION = 1
 BUFFER_SIZE = 1 << 20
@@ -419,8 +422,10 @@ def _forget_gone(base: str, outputs: List[Tuple[str, bool]], cache: Cache, seen:
 DIGEST_CHUNK = 250  # entries encoded at a time (json builds 1 KB of fragments for each)
 
 
-def entries_digest(entries: List[Entry]) -> str:
+def entries_digest(entries: Sequence[Entry]) -> str:
     """sha256 of the canonical JSON of a manifest's entries."""
+    if isinstance(entries, PackedEntries):
+        return entries.digest()
     return _digest_of(iter(entries))
 
 
@@ -440,6 +445,230 @@ def _digest_of(entries: Iterator[Entry]) -> str:
         first = False
     digest.update(b"]")
     return digest.hexdigest()
+
+
+ENTRY_TYPES = ("file", "dir", "symlink")
+_KINDS = {"file": 1, "dir": 2, "symlink": 3}  # 0: an entry kept as its canonical JSON
+_TYPE_OF = {kind: name for name, kind in _KINDS.items()}
+# an entry's record: kind, mode, size, the path's length and the extra's
+# (file: the sha256's 32 bytes, symlink: the target), then path and extra
+_RECORD = struct.Struct("<BHQHI")
+_HEX = frozenset("0123456789abcdef")
+_KEYS = frozenset(("path", "type", "size", "mode", "sha256", "target"))
+_WINDOW = 1 << 20  # characters of a manifest's text decoded at a time
+
+
+def _packed(entry: Entry) -> bytes:
+    """The record of `entry`: compact when it is an entry this module
+    makes (it decodes to an equal dict), else its canonical JSON."""
+    kind = _KINDS.get(entry["type"], 0) if entry.keys() == _KEYS and isinstance(entry["type"], str) else 0
+    mode, size, path = entry.get("mode"), entry.get("size"), entry.get("path")
+    sha, target = entry.get("sha256"), entry.get("target")
+    extra = b""
+    if kind == 1 and isinstance(sha, str) and len(sha) == 64 and _HEX.issuperset(sha) and target is None:
+        extra = bytes.fromhex(sha)
+    elif kind == 3 and isinstance(target, str) and sha is None:
+        extra = target.encode("utf-8", "surrogatepass")
+    elif kind != 2 or sha is not None or target is not None:
+        kind = 0
+    if kind and type(mode) is int and 0 <= mode <= 0xFFFF and type(size) is int \
+            and 0 <= size < 1 << 64 and isinstance(path, str):
+        raw_path = path.encode("utf-8", "surrogatepass")
+        if len(raw_path) <= 0xFFFF:
+            return _RECORD.pack(kind, mode, size, len(raw_path), len(extra)) + raw_path + extra
+    text = canonical_json(entry).encode()
+    return _RECORD.pack(0, 0, 0, 0, len(text)) + text
+
+
+def _unpacked(records: bytearray, at: int) -> Entry:
+    """The entry whose record starts at `at` in `records`."""
+    kind, mode, size, path_size, extra_size = _RECORD.unpack_from(records, at)
+    start = at + _RECORD.size + path_size
+    if kind == 0:
+        entry: Entry = json.loads(records[start:start + extra_size])
+        return entry
+    path = records[at + _RECORD.size:start].decode("utf-8", "surrogatepass")
+    extra = bytes(records[start:start + extra_size])
+    return {"path": path, "type": _TYPE_OF[kind], "size": size, "mode": mode,
+            "sha256": extra.hex() if kind == 1 else None,
+            "target": extra.decode("utf-8", "surrogatepass") if kind == 3 else None}
+
+
+class ManifestFormatError(ValueError):
+    """A manifest document whose entries are not entries (`load_manifest`)."""
+
+
+class PackedEntries(Sequence[Entry]):
+    """A manifest's entries, each packed into one record of bytes (about
+    70 bytes for a file, where a dict per entry took 590) and decoded when
+    it is read. Its digest and its JSON are those of the list of entries.
+    Read-only once made."""
+
+    def __init__(self, entries: Iterable[Entry] = ()) -> None:
+        self._records = bytearray()
+        self._starts = array("Q")  # where each entry's record starts
+        for entry in entries:
+            self._append(entry)
+
+    def _append(self, entry: Entry) -> None:
+        self._starts.append(len(self._records))
+        self._records += _packed(entry)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    @overload
+    def __getitem__(self, i: int) -> Entry: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> List[Entry]: ...
+
+    def __getitem__(self, i: Union[int, slice]) -> Union[Entry, List[Entry]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("entry index out of range")
+        return _unpacked(self._records, self._starts[i])
+
+    def __iter__(self) -> Iterator[Entry]:
+        for start in self._starts:
+            yield _unpacked(self._records, start)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedEntries):
+            return self._records == other._records
+        if isinstance(other, list):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other))  # noqa: B905
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like a list
+
+    def __repr__(self) -> str:
+        return "PackedEntries(<%d entries>)" % len(self)
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of the entries."""
+        return _digest_of(iter(self))
+
+    def json_pieces(self) -> Iterator[str]:
+        """The canonical JSON of the list of entries, DIGEST_CHUNK entries
+        at a time."""
+        yield "["
+        entries = iter(self)
+        first = True
+        while True:
+            chunk = list(itertools.islice(entries, DIGEST_CHUNK))
+            if not chunk:
+                break
+            text = canonical_json(chunk)[1:-1]
+            yield text if first else "," + text
+            first = False
+        yield "]"
+
+
+def plain_entries(value: object) -> List[Entry]:
+    """`json.dumps`'s ``default`` for a document that holds PackedEntries:
+    the list of their entries, decoded."""
+    if isinstance(value, PackedEntries):
+        return list(value)
+    raise TypeError("Object of type %s is not JSON serializable" % type(value).__name__)
+
+
+class _Text:
+    """A manifest's text read a window at a time: `at` in `text`, and
+    `more` to read on (False at the end)."""
+
+    def __init__(self, source: IO[bytes]) -> None:
+        self.source = source
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+        self.text, self.at, self.ended = "", 0, False
+
+    def more(self) -> bool:
+        if self.ended:
+            return False
+        chunk = self.source.read(_WINDOW)
+        self.ended = not chunk
+        self.text = self.text[self.at:] + self.decoder.decode(chunk, final=self.ended)
+        self.at = 0
+        return True
+
+    def skip_space(self) -> None:
+        while True:
+            while self.at < len(self.text) and self.text[self.at] in " \t\n\r":
+                self.at += 1
+            if self.at < len(self.text) or not self.more():
+                return
+
+    def expect(self, char: str) -> None:
+        self.skip_space()
+        if self.text[self.at:self.at + 1] != char:
+            raise ValueError("expected %r in the manifest" % char)
+        self.at += 1
+
+    def next_is(self, char: str) -> bool:
+        self.skip_space()
+        return self.text[self.at:self.at + 1] == char
+
+    def value(self, decoder: json.JSONDecoder) -> Any:
+        """The JSON value at `at`: one that ends at the window's end is
+        taken only at the end of the text (a number may go on)."""
+        self.skip_space()
+        while True:
+            try:
+                found, end = decoder.raw_decode(self.text, self.at)
+            except ValueError:
+                if self.more():
+                    continue
+                raise
+            if end < len(self.text) or not self.more():
+                self.at = end
+                return found
+
+
+def load_manifest(data: Union[bytes, IO[bytes]]) -> Dict[str, Any]:
+    """The manifest JSON document in `data` (or read from the binary file
+    `data`, a window at a time), its entries packed (`PackedEntries`) as they
+    are read: a dict per entry of 200,000 files held 120 MB, and their text
+    30 MB. Each entry must be an object with a ``path`` and a ``type`` of
+    ENTRY_TYPES (else ManifestFormatError, which says so); a document that
+    is not a JSON object raises ValueError. Nothing else is checked (the
+    digest is the caller's)."""
+    text = _Text(io.BytesIO(data) if isinstance(data, bytes) else data)
+    decoder = json.JSONDecoder()
+    manifest: Dict[str, Any] = {}
+    text.expect("{")
+    while not text.next_is("}"):
+        if manifest:
+            text.expect(",")
+        key = text.value(decoder)
+        if not isinstance(key, str):
+            raise ValueError("a manifest's keys are strings")
+        text.expect(":")
+        if key != "entries":
+            manifest[key] = text.value(decoder)
+            continue
+        entries = manifest[key] = PackedEntries()
+        if not text.next_is("["):
+            raise ManifestFormatError("its entries are not a list of entries")
+        text.expect("[")
+        while not text.next_is("]"):
+            if len(entries):
+                text.expect(",")
+            entry = text.value(decoder)
+            if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+                raise ManifestFormatError("its entries are not a list of entries")
+            if entry.get("type") not in ENTRY_TYPES:  # a device, fifo or socket is never an output
+                raise ManifestFormatError("it lists %r as a %r: outputs are files, folders and symlinks"
+                                          % (entry["path"], entry.get("type")))
+            entries._append(entry)
+        text.expect("]")
+    text.expect("}")
+    text.skip_space()
+    if text.at < len(text.text):
+        raise ValueError("text after the manifest")
+    return manifest
 
 
 def canonical_json(value: object) -> str:

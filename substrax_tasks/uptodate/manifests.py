@@ -43,6 +43,19 @@ def build_manifest(
     return remote_manifest.build_manifest(base, outputs, cache)
 
 
+def read_manifest_file(path: Path) -> Manifest | None:
+    """The manifest in the file `path`, read a window at a time, its
+    entries packed (`remote_manifest.PackedEntries`: ~70 bytes a file held,
+    where a dict per entry took 590); None if the file is missing,
+    unreadable or not a manifest."""
+    try:
+        with path.open("rb") as f:
+            manifest = remote_manifest.load_manifest(f)
+    except (OSError, ValueError):
+        return None
+    return manifest if "digest" in manifest and isinstance(manifest.get("entries"), Sequence) else None
+
+
 def _record_of(value: object, *, hexed: bool) -> bytes | None:
     """The record a cache file's entry holds: (version 3) the hex of the
     record, or (version 2) [size, mtime_ns, ctime_ns, inode, device, sha256

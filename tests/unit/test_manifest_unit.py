@@ -671,3 +671,68 @@ def test_a_hash_cache_is_saved_when_an_entry_changed_and_only_then(tmp_path: Pat
         loaded.entries.update({"c": entry})
 
 
+
+
+# ----------------------------------------------------------------- packed entries
+
+ODD_ENTRIES: list[dict[str, Any]] = [
+    {"path": "out", "type": "dir", "size": 0, "mode": 0o755, "sha256": None, "target": None},
+    {"path": "out/a", "type": "file", "size": 5, "mode": 0o644, "sha256": "ab" * 32, "target": None},
+    {"path": "out/B", "type": "file", "size": 5, "mode": 0o644, "sha256": "AB" * 32, "target": None},
+    {"path": "out/é\udcff\n", "type": "symlink", "size": 3, "mode": 0o777, "sha256": None,
+     "target": "é\udcfe"},
+    {"path": "out/x", "type": "file", "size": 5, "mode": 0o644, "sha256": "ab" * 32, "target": None,
+     "more": 1},
+    {"path": "out/y", "type": "file", "size": True, "mode": 0o644, "sha256": "ab" * 32, "target": None},
+    {"path": "out/z", "type": "file", "size": 5, "mode": 0o644, "sha256": None, "target": None},
+    {"path": "out/w", "type": "dir", "size": 0, "mode": 0o755, "sha256": None},
+]
+
+
+@pytest.mark.unit
+def test_packed_entries_give_back_every_entry_as_it_was() -> None:
+    """Entries are packed into compact records when they are what a
+    manifest holds, and kept as their JSON otherwise (an upper-case digest,
+    a key more or less, a bool for a size, a path that is not UTF-8): what
+    comes back, its digest and its JSON are those of the entries given."""
+    packed = remote_manifest.PackedEntries(ODD_ENTRIES)
+    assert list(packed) == ODD_ENTRIES
+    assert packed == ODD_ENTRIES
+    assert (packed[3], packed[-1], packed[1:3]) == (ODD_ENTRIES[3], ODD_ENTRIES[-1], ODD_ENTRIES[1:3])
+    assert [type(e["size"]) for e in packed] == [type(e["size"]) for e in ODD_ENTRIES]
+    assert remote_manifest.entries_digest(packed) == remote_manifest.entries_digest(ODD_ENTRIES)
+    assert "".join(packed.json_pieces()) == remote_manifest.canonical_json(ODD_ENTRIES)
+
+
+@pytest.mark.parametrize("window", [1, 2, 7, 64, 1 << 20])
+@pytest.mark.unit
+def test_a_manifest_reads_the_same_whatever_the_window(window: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read a window at a time, a value cut by the window's end (a number
+    that may go on, a string, an entry) is read again with more text."""
+    monkeypatch.setattr(remote_manifest, "_WINDOW", window)
+    doc = {"version": 1, "entries": ODD_ENTRIES, "missing": ["q/"], "near": {"q/": ["r"]},
+           "digest": remote_manifest.entries_digest(ODD_ENTRIES)}  # fmt: skip
+    for text in (remote_manifest.canonical_json(doc), json.dumps(doc, indent=2)):
+        read = remote_manifest.load_manifest(text.encode())
+        assert read == {**doc, "entries": read["entries"]}
+        assert read["entries"] == ODD_ENTRIES
+    assert remote_manifest.load_manifest(b'{"version": 12345678, "entries": []}')["version"] == 12345678
+    whole = remote_manifest.canonical_json(doc).encode()
+    for cut in range(0, len(whole), 5):
+        with pytest.raises(ValueError):  # any cut is refused, whatever it cut
+            remote_manifest.load_manifest(whole[:cut])
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (b'{"entries": {"a": 1}}', "its entries are not a list of entries"),
+        (b'{"entries": [1]}', "its entries are not a list of entries"),
+        (b'{"entries": [{"type": "file"}]}', "its entries are not a list of entries"),
+        (b'{"entries": [{"path": "out/p", "type": "fifo"}]}', "it lists 'out/p' as a 'fifo'"),
+    ],
+)
+@pytest.mark.unit
+def test_a_manifest_whose_entries_are_not_entries_is_refused_as_it_is_read(text: bytes, said: str) -> None:
+    with pytest.raises(remote_manifest.ManifestFormatError, match=said):
+        remote_manifest.load_manifest(text)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from manifest_parts import OLD_NS, age, project, record, sha, short_racy_window, write  # noqa: F401 - fixtures
@@ -166,6 +167,71 @@ def test_the_digest_of_20000_entries_holds_no_copy_of_their_json() -> None:
     finally:
         tracemalloc.stop()
     assert peak < whole / 4, f"the digest held {peak:,} bytes; the JSON is {whole:,}"
+
+
+def _manifest_of_20000_files() -> dict[str, Any]:
+    entries = [
+        {"path": f"out/d{i % 20:03d}/f{i:06d}", "type": "file", "size": 4000 + i % 96, "mode": 0o644,
+         "sha256": sha(b"%d" % i), "target": None}
+        for i in range(20_000)
+    ]
+    digest = remote_manifest.entries_digest(entries)
+    return {"version": remote_manifest.VERSION, "entries": entries, "missing": [], "digest": digest}
+
+
+def test_a_fetched_manifest_of_20000_files_holds_a_small_record_per_file(tmp_path: Path) -> None:
+    """Issue 29: the manifest a fetch verifies against (read from the run's
+    folder here, received from a host or a bucket there) was parsed whole,
+    a dict per entry (~590 bytes a file and 3 MB of text at once) held from
+    the fetch to the end of the chain. Its entries are packed as they are
+    read now: ~80 bytes a file, the file read a window at a time."""
+    import tracemalloc
+
+    from substrax_tasks.transports.base import checked_manifest
+    from substrax_tasks.uptodate.manifests import read_manifest_file
+
+    manifest = _manifest_of_20000_files()
+    path = tmp_path / "manifest.json"
+    path.write_text(remote_manifest.canonical_json(manifest))
+    data = path.read_bytes()
+    del manifest
+    tracemalloc.start()
+    try:
+        read = read_manifest_file(path)
+        read_held, read_peak = tracemalloc.get_traced_memory()
+        del read
+        tracemalloc.reset_peak()
+        before, _peak = tracemalloc.get_traced_memory()
+        received = checked_manifest(data, "on the host")
+        received_held, received_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert read_held < 20_000 * 120, f"a manifest of 20,000 files read held {read_held:,} bytes"
+    # the window of text read (1 MiB) and its bytes
+    assert read_peak < 20_000 * 120 + 4 * 2**20, f"reading it took {read_peak:,} bytes at its peak"
+    held = received_held - before
+    assert held < 20_000 * 120, f"a manifest of 20,000 files received held {held:,} bytes"
+    assert received_peak - before < 20_000 * 120 + 4 * 2**20 + len(data), (
+        f"receiving it took {received_peak - before:,} bytes at its peak"
+    )
+    assert received["digest"] == remote_manifest.entries_digest(received["entries"])
+    assert received["entries"][7] == {"path": "out/d007/f000007", "type": "file", "size": 4007, "mode": 0o644,
+                                      "sha256": sha(b"7"), "target": None}  # fmt: skip
+
+
+def test_a_fetched_manifest_is_written_again_byte_for_byte(tmp_path: Path) -> None:
+    """The manifest a verified fetch keeps (the run folder's, modes made
+    safe) is the one it read, written from its packed entries in chunks."""
+    from substrax_tasks.atomic import write_json_atomic
+    from substrax_tasks.uptodate.manifests import read_manifest_file
+
+    manifest = _manifest_of_20000_files()
+    path = tmp_path / "manifest.json"
+    path.write_text(remote_manifest.canonical_json(manifest) + "\n")
+    read = read_manifest_file(path)
+    assert read is not None
+    write_json_atomic(tmp_path / "again.json", read, indent=None)
+    assert (tmp_path / "again.json").read_bytes() == path.read_bytes()
 
 
 def test_entries_come_out_in_path_order_whatever_the_names(tmp_path: Path) -> None:
