@@ -453,7 +453,6 @@ _TYPE_OF = {kind: name for name, kind in _KINDS.items()}
 # an entry's record: kind, mode, size, the path's length and the extra's
 # (file: the sha256's 32 bytes, symlink: the target), then path and extra
 _RECORD = struct.Struct("<BHQHI")
-_HEX = frozenset("0123456789abcdef")
 _KEYS = frozenset(("path", "type", "size", "mode", "sha256", "target"))
 _WINDOW = 1 << 20  # characters of a manifest's text decoded at a time
 
@@ -465,8 +464,9 @@ def _packed(entry: Entry) -> bytes:
     mode, size, path = entry.get("mode"), entry.get("size"), entry.get("path")
     sha, target = entry.get("sha256"), entry.get("target")
     extra = b""
-    if kind == 1 and isinstance(sha, str) and len(sha) == 64 and _HEX.issuperset(sha) and target is None:
-        extra = bytes.fromhex(sha)
+    if kind == 1 and isinstance(sha, str) and len(sha) == 64 and target is None:
+        extra = _raw_sha(sha)
+        kind = kind if extra else 0
     elif kind == 3 and isinstance(target, str) and sha is None:
         extra = target.encode("utf-8", "surrogatepass")
     elif kind != 2 or sha is not None or target is not None:
@@ -478,6 +478,16 @@ def _packed(entry: Entry) -> bytes:
             return _RECORD.pack(kind, mode, size, len(raw_path), len(extra)) + raw_path + extra
     text = canonical_json(entry).encode()
     return _RECORD.pack(0, 0, 0, 0, len(text)) + text
+
+
+def _raw_sha(sha: str) -> bytes:
+    """The 32 bytes of a lower-case hex sha256, or b"" for any other text
+    (which would not come back as it was)."""
+    try:
+        raw = bytes.fromhex(sha)
+    except ValueError:
+        return b""
+    return raw if raw.hex() == sha else b""
 
 
 def _unpacked(records: bytearray, at: int) -> Entry:
