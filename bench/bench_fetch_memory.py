@@ -24,8 +24,12 @@ Side by side, with their peak memory (ru_maxrss, from wait4):
 * `rsync -a` of the outputs into a fresh folder on the same file system
   (the copy a fetch makes, without the verification).
 
-The extra over the plain doit, divided by N, is the memory a fetch holds per
-file. `--sandbox none` runs in place (no fetch folder: verification only).
+The extra over the plain doit, divided by N, mixes two costs: what the
+package and its run cost whatever N (its imports, the backend's settings
+models: ~15 MiB over plain doit) and what grows with N. So the same remote
+step is also run with 100 files, and the growth per file is
+(peak(N) - peak(100)) / (N - 100): the memory a fetch holds per file.
+`--sandbox none` runs in place (no fetch folder: verification only).
 """
 
 from __future__ import annotations
@@ -120,6 +124,9 @@ def project(root: Path, dodo: str, files: int, sandbox: str) -> Path:
     return root
 
 
+SMALL = 100  # files of the remote step that gives the fixed cost
+
+
 def measure(scratch: Path, files: int, sandbox: str) -> tuple[int, int, int]:
     remote = project(scratch / f"remote-{files}", REMOTE_DODO, files, sandbox)
     baseline = project(scratch / f"baseline-{files}", BASELINE_DODO, files, sandbox)
@@ -150,16 +157,19 @@ def main() -> int:
           f"files in {scratch}, sandbox {args.sandbox!r}, {load_average()}")
     rows = []
     try:
+        small_kib = measure(scratch, SMALL, args.sandbox)[0]
         for files in counts:
             rows.append((files, *measure(scratch, files, args.sandbox)))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"\n{'files':>8} {'remote doit':>12} {'plain doit':>11} {'rsync -a':>9} {'extra a file':>13}"
-          "  (peak memory, MiB)")
+          f" {'growth a file':>14}  (peak memory, MiB)")
+    print(f"(the remote doit of {SMALL} files: {small_kib / 1024:.1f} MiB)")
     for files, remote_kib, baseline_kib, rsync_kib in rows:
         per_file = (remote_kib - baseline_kib) * 1024 / files
+        growth = (remote_kib - small_kib) * 1024 / max(1, files - SMALL)
         print(f"{files:>8,} {remote_kib / 1024:>12.1f} {baseline_kib / 1024:>11.1f} {rsync_kib / 1024:>9.1f} "
-              f"{per_file:>9.0f} B")
+              f"{per_file:>11.0f} B {growth:>12.0f} B")
     return 0
 
 

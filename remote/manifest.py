@@ -14,9 +14,10 @@ outside its output is refused, resolved component by component through the
 tree's other links (``a -> .`` then ``b -> a/../x`` escapes though ``b``
 looks harmless); loops are refused.
 
-The optional ``cache`` maps a relative path to ``[size, mtime_ns, ctime_ns,
-inode, device, sha256]``: a file whose lstat gives those five values is not
-read. ctime is in the key because nothing short of moving the clock back
+The optional ``cache`` maps a relative path to a packed record of ``size,
+mtime_ns, ctime_ns, inode, device, sha256`` (`cache_record`, 72 bytes: a
+list of five ints and the hex digest took 450 bytes a file): a file whose
+lstat gives those five values is not read. ctime is in the key because nothing short of moving the clock back
 sets it back (``os.utime`` moves it). A file whose ctime is younger than
 ``RACY_SECONDS`` is hashed but not cached: a second write in the same tick
 would leave every value unchanged (git's "racily clean" problem). The cache
@@ -26,16 +27,20 @@ manifest_cache.py tracks changes that way).
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import difflib
 import hashlib
+import io
 import itertools
 import json
 import os
 import stat
+import struct
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from array import array
+from typing import IO, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, overload
 
 VERSION = 1
 BUFFER_SIZE = 1 << 20
@@ -46,7 +51,44 @@ _LOOP = "too many levels of symbolic links"
 _O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK
 
 Entry = Dict[str, Any]
-Cache = Dict[str, List[Any]]
+Cache = Dict[str, bytes]
+
+# a hash cache's record: size, mtime_ns, ctime_ns, inode, device, then the
+# sha256's 32 bytes
+_STAT_KEY = struct.Struct("<QqqQQ")
+RECORD_SIZE = _STAT_KEY.size + 32
+
+
+def stat_key(st: os.stat_result) -> bytes:
+    """The packed stat values a hash cache record starts with: any write
+    changes them."""
+    return _STAT_KEY.pack(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
+def stat_key_of(size: int, mtime_ns: int, ctime_ns: int, inode: int, device: int) -> bytes:
+    """`stat_key` of these values; ValueError if no stat gives them."""
+    try:
+        return _STAT_KEY.pack(size, mtime_ns, ctime_ns, inode, device)
+    except struct.error as exc:
+        raise ValueError("not a file's stat: %s" % exc) from None
+
+
+def cache_record(key: bytes, digest: str) -> bytes:
+    """A hash cache's record of a file: its `stat_key` and its sha256 (hex)."""
+    return key + bytes.fromhex(digest)
+
+
+def cached_digest(record: Optional[bytes], key: bytes) -> Optional[str]:
+    """The sha256 (hex) `record` holds if it is of a file whose `stat_key`
+    is `key`, else None."""
+    if isinstance(record, bytes) and len(record) == RECORD_SIZE and record.startswith(key):
+        return record[_STAT_KEY.size:].hex()
+    return None
+
+
+def record_values(record: bytes) -> Tuple[List[int], str]:
+    """([size, mtime_ns, ctime_ns, inode, device], sha256 hex) of a record."""
+    return list(_STAT_KEY.unpack_from(record)), record[_STAT_KEY.size:].hex()
 
 
 class ManifestError(Exception):
@@ -294,15 +336,14 @@ def _rows(base: str, checked: List[Tuple[str, bool]], tops: List[Listed], cache:
         nonlocal seen
         mode = st.st_mode
         if stat.S_ISREG(mode):
-            key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-            hit = None if cache is None else cache.get(rel)
-            if isinstance(hit, list) and len(hit) == 6 and hit[:5] == key:
-                digest = hit[5]
+            key = stat_key(st)
+            digest = None if cache is None else cached_digest(cache.get(rel), key)
+            if digest is not None:
                 seen += 1
             else:
                 digest = hash_file(path, st, buf)
                 if cache is not None and st.st_ctime_ns < racy_ns:
-                    cache[rel] = key + [digest]
+                    cache[rel] = cache_record(key, digest)
                     seen += 1
                 elif cache is not None:
                     cache.pop(rel, None)  # the racy rule: a file changed inside the window is not remembered
@@ -374,17 +415,17 @@ def _forget_gone(base: str, outputs: List[Tuple[str, bool]], cache: Cache, seen:
         except OSError:
             del cache[rel]
             continue
-        hit = cache[rel]
-        if not stat.S_ISREG(st.st_mode) or not isinstance(hit, list) or hit[:5] != [
-                st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]:
+        if not stat.S_ISREG(st.st_mode) or cached_digest(cache[rel], stat_key(st)) is None:
             del cache[rel]
 
 
 DIGEST_CHUNK = 250  # entries encoded at a time (json builds 1 KB of fragments for each)
 
 
-def entries_digest(entries: List[Entry]) -> str:
+def entries_digest(entries: Sequence[Entry]) -> str:
     """sha256 of the canonical JSON of a manifest's entries."""
+    if isinstance(entries, PackedEntries):
+        return entries.digest()
     return _digest_of(iter(entries))
 
 
@@ -404,6 +445,240 @@ def _digest_of(entries: Iterator[Entry]) -> str:
         first = False
     digest.update(b"]")
     return digest.hexdigest()
+
+
+ENTRY_TYPES = ("file", "dir", "symlink")
+_KINDS = {"file": 1, "dir": 2, "symlink": 3}  # 0: an entry kept as its canonical JSON
+_TYPE_OF = {kind: name for name, kind in _KINDS.items()}
+# an entry's record: kind, mode, size, the path's length and the extra's
+# (file: the sha256's 32 bytes, symlink: the target), then path and extra
+_RECORD = struct.Struct("<BHQHI")
+_KEYS = frozenset(("path", "type", "size", "mode", "sha256", "target"))
+_WINDOW = 1 << 20  # characters of a manifest's text decoded at a time
+
+
+def _packed(entry: Entry) -> bytes:
+    """The record of `entry`: compact when it is an entry this module
+    makes (it decodes to an equal dict), else its canonical JSON."""
+    kind = _KINDS.get(entry["type"], 0) if entry.keys() == _KEYS and isinstance(entry["type"], str) else 0
+    mode, size, path = entry.get("mode"), entry.get("size"), entry.get("path")
+    sha, target = entry.get("sha256"), entry.get("target")
+    extra = b""
+    if kind == 1 and isinstance(sha, str) and len(sha) == 64 and target is None:
+        extra = _raw_sha(sha)
+        kind = kind if extra else 0
+    elif kind == 3 and isinstance(target, str) and sha is None:
+        extra = target.encode("utf-8", "surrogatepass")
+    elif kind != 2 or sha is not None or target is not None:
+        kind = 0
+    if kind and type(mode) is int and 0 <= mode <= 0xFFFF and type(size) is int \
+            and 0 <= size < 1 << 64 and isinstance(path, str):
+        raw_path = path.encode("utf-8", "surrogatepass")
+        if len(raw_path) <= 0xFFFF:
+            return _RECORD.pack(kind, mode, size, len(raw_path), len(extra)) + raw_path + extra
+    text = canonical_json(entry).encode()
+    return _RECORD.pack(0, 0, 0, 0, len(text)) + text
+
+
+def _raw_sha(sha: str) -> bytes:
+    """The 32 bytes of a lower-case hex sha256, or b"" for any other text
+    (which would not come back as it was)."""
+    try:
+        raw = bytes.fromhex(sha)
+    except ValueError:
+        return b""
+    return raw if raw.hex() == sha else b""
+
+
+def _unpacked(records: bytearray, at: int) -> Entry:
+    """The entry whose record starts at `at` in `records`."""
+    kind, mode, size, path_size, extra_size = _RECORD.unpack_from(records, at)
+    start = at + _RECORD.size + path_size
+    if kind == 0:
+        entry: Entry = json.loads(records[start:start + extra_size])
+        return entry
+    path = records[at + _RECORD.size:start].decode("utf-8", "surrogatepass")
+    extra = bytes(records[start:start + extra_size])
+    return {"path": path, "type": _TYPE_OF[kind], "size": size, "mode": mode,
+            "sha256": extra.hex() if kind == 1 else None,
+            "target": extra.decode("utf-8", "surrogatepass") if kind == 3 else None}
+
+
+class ManifestFormatError(ValueError):
+    """A manifest document whose entries are not entries (`load_manifest`)."""
+
+
+class PackedEntries(Sequence[Entry]):
+    """A manifest's entries, each packed into one record of bytes (about
+    70 bytes for a file, where a dict per entry took 590) and decoded when
+    it is read. Its digest and its JSON are those of the list of entries.
+    Read-only once made."""
+
+    def __init__(self, entries: Iterable[Entry] = ()) -> None:
+        self._records = bytearray()
+        self._starts = array("Q")  # where each entry's record starts
+        for entry in entries:
+            self._append(entry)
+
+    def _append(self, entry: Entry) -> None:
+        self._starts.append(len(self._records))
+        self._records += _packed(entry)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    @overload
+    def __getitem__(self, i: int) -> Entry: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> List[Entry]: ...
+
+    def __getitem__(self, i: Union[int, slice]) -> Union[Entry, List[Entry]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("entry index out of range")
+        return _unpacked(self._records, self._starts[i])
+
+    def __iter__(self) -> Iterator[Entry]:
+        for start in self._starts:
+            yield _unpacked(self._records, start)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedEntries):
+            return self._records == other._records
+        if isinstance(other, list):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other))  # noqa: B905
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like a list
+
+    def __repr__(self) -> str:
+        return "PackedEntries(<%d entries>)" % len(self)
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of the entries."""
+        return _digest_of(iter(self))
+
+    def json_pieces(self) -> Iterator[str]:
+        """The canonical JSON of the list of entries, DIGEST_CHUNK entries
+        at a time."""
+        yield "["
+        entries = iter(self)
+        first = True
+        while True:
+            chunk = list(itertools.islice(entries, DIGEST_CHUNK))
+            if not chunk:
+                break
+            text = canonical_json(chunk)[1:-1]
+            yield text if first else "," + text
+            first = False
+        yield "]"
+
+
+def plain_entries(value: object) -> List[Entry]:
+    """`json.dumps`'s ``default`` for a document that holds PackedEntries:
+    the list of their entries, decoded."""
+    if isinstance(value, PackedEntries):
+        return list(value)
+    raise TypeError("Object of type %s is not JSON serializable" % type(value).__name__)
+
+
+class _Text:
+    """A manifest's text read a window at a time: `at` in `text`, and
+    `more` to read on (False at the end)."""
+
+    def __init__(self, source: IO[bytes]) -> None:
+        self.source = source
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+        self.text, self.at, self.ended = "", 0, False
+
+    def more(self) -> bool:
+        if self.ended:
+            return False
+        chunk = self.source.read(_WINDOW)
+        self.ended = not chunk
+        self.text = self.text[self.at:] + self.decoder.decode(chunk, final=self.ended)
+        self.at = 0
+        return True
+
+    def skip_space(self) -> None:
+        while True:
+            while self.at < len(self.text) and self.text[self.at] in " \t\n\r":
+                self.at += 1
+            if self.at < len(self.text) or not self.more():
+                return
+
+    def expect(self, char: str) -> None:
+        self.skip_space()
+        if self.text[self.at:self.at + 1] != char:
+            raise ValueError("expected %r in the manifest" % char)
+        self.at += 1
+
+    def next_is(self, char: str) -> bool:
+        self.skip_space()
+        return self.text[self.at:self.at + 1] == char
+
+    def value(self, decoder: json.JSONDecoder) -> Any:
+        """The JSON value at `at`: one that ends at the window's end is
+        taken only at the end of the text (a number may go on)."""
+        self.skip_space()
+        while True:
+            try:
+                found, end = decoder.raw_decode(self.text, self.at)
+            except ValueError:
+                if self.more():
+                    continue
+                raise
+            if end < len(self.text) or not self.more():
+                self.at = end
+                return found
+
+
+def load_manifest(data: Union[bytes, IO[bytes]]) -> Dict[str, Any]:
+    """The manifest JSON document in `data` (or read from the binary file
+    `data`, a window at a time), its entries packed (`PackedEntries`) as they
+    are read: a dict per entry of 200,000 files held 120 MB, and their text
+    30 MB. Each entry must be an object with a ``path`` and a ``type`` of
+    ENTRY_TYPES (else ManifestFormatError, which says so); a document that
+    is not a JSON object raises ValueError. Nothing else is checked (the
+    digest is the caller's)."""
+    text = _Text(io.BytesIO(data) if isinstance(data, bytes) else data)
+    decoder = json.JSONDecoder()
+    manifest: Dict[str, Any] = {}
+    text.expect("{")
+    while not text.next_is("}"):
+        if manifest:
+            text.expect(",")
+        key = text.value(decoder)
+        if not isinstance(key, str):
+            raise ValueError("a manifest's keys are strings")
+        text.expect(":")
+        if key != "entries":
+            manifest[key] = text.value(decoder)
+            continue
+        entries = manifest[key] = PackedEntries()
+        if not text.next_is("["):
+            raise ManifestFormatError("its entries are not a list of entries")
+        text.expect("[")
+        while not text.next_is("]"):
+            if len(entries):
+                text.expect(",")
+            entry = text.value(decoder)
+            if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+                raise ManifestFormatError("its entries are not a list of entries")
+            if entry.get("type") not in ENTRY_TYPES:  # a device, fifo or socket is never an output
+                raise ManifestFormatError("it lists %r as a %r: outputs are files, folders and symlinks"
+                                          % (entry["path"], entry.get("type")))
+            entries._append(entry)
+        text.expect("]")
+    text.expect("}")
+    text.skip_space()
+    if text.at < len(text.text):
+        raise ValueError("text after the manifest")
+    return manifest
 
 
 def canonical_json(value: object) -> str:

@@ -7,7 +7,16 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class JsonPieces(Protocol):
+    """A value that writes its own compact JSON, a piece at a time (a
+    manifest's packed entries, a hash cache's records): a large one is then
+    never held whole in text, nor as a structure of Python objects."""
+
+    def json_pieces(self) -> Iterator[str]: ...
 
 
 def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o600, *, tail: bytes = b"") -> None:
@@ -63,13 +72,15 @@ def _compact_json(data: Any) -> Iterator[str]:
         return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
     if not isinstance(data, dict) or not all(isinstance(key, str) for key in data):
-        yield dumps(data) + "\n"
+        yield dumps(data) + "\n"  # never a JsonPieces: those are values of a top-level dict
         return
     yield "{"
     for at, key in enumerate(sorted(data)):
         yield ("," if at else "") + dumps(key) + ":"
         value = data[key]
-        if isinstance(value, list) and len(value) > CHUNK:
+        if isinstance(value, JsonPieces):
+            yield from value.json_pieces()
+        elif isinstance(value, list) and len(value) > CHUNK:
             yield "["
             for start in range(0, len(value), CHUNK):
                 yield ("," if start else "") + dumps(value[start : start + CHUNK])[1:-1]

@@ -339,7 +339,9 @@ class RunCache:
                  "manifest": manifest, "provenance": {**provenance, "time": stamp,
                                                       "client": socket.gethostname(),
                                                       "tool_version": __version__}}  # fmt: skip
-        data = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
+        # the manifest's packed entries are decoded here, the entry being one signed document
+        plain = remote_manifest.plain_entries
+        data = json.dumps(entry, sort_keys=True, separators=(",", ":"), default=plain).encode()
         if log is not None:
             self.local.write(log_path(key), log)
         else:  # an older run's log is not this one's

@@ -69,7 +69,7 @@ S3_PARTS = {"max_concurrency": 4}
 
 # What a restore made of each file: its sha256 and stat, as the outputs'
 # hash cache keys it ([size, mtime_ns, ctime_ns, inode, device, sha256]).
-Made = dict[str, list[Any]]
+Made = dict[str, bytes]
 # Objects to restore: (object, destination, mode, size) each.
 Wanted = list[tuple[str, str, int, int]]
 
@@ -122,9 +122,7 @@ def disk_use(st: os.stat_result) -> int:
     return st.st_blocks * 512
 
 
-def stat_key(st: os.stat_result) -> list[int]:
-    """A file's key in a hash cache (manifest_cache.py): any write changes it."""
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+stat_key = remote_manifest.stat_key  # a file's key in a hash cache (manifest_cache.py): any write changes it
 
 
 def drop_entry(store: Folder | Shared, key: str) -> None:
@@ -207,7 +205,7 @@ def materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path,
 
 def copy_object(  # noqa: PLR0917
     root: str, rel: str, dest: str, mode: int, buffer: bytearray, known: CacheEntries | None
-) -> list[Any]:
+) -> bytes:
     """Copy the object `root + rel` to the new file `dest` with `mode`; the hash
     cache key of `dest`. An object whose stat still matches its key in
     `known` is copied as it is (a reflink where the file system can): its
@@ -222,21 +220,22 @@ def copy_object(  # noqa: PLR0917
         why = _not_ours(root + rel, st)
         if why is not None:
             raise foreign(root.rstrip("/"), why)
-        key = stat_key(st) if known is not None else []
+        key = stat_key(st) if known is not None else b""
         dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o777)
         try:
-            if known is not None and known.get(rel) == [*key, digest]:
-                copy_fd(src, dst, key[0])
+            if known is not None and remote_manifest.cached_digest(known.get(rel), key) == digest:
+                copy_fd(src, dst, st.st_size)
                 made = _made(dst, mode, digest)
-                if stat_key(os.fstat(src)) == key and made[0] == key[0]:
+                if stat_key(os.fstat(src)) == key and remote_manifest.record_values(made)[0][0] == st.st_size:
                     return made
                 os.lseek(src, 0, os.SEEK_SET)  # it changed under the copy: copy again, hashing
                 os.ftruncate(dst, 0)
                 os.lseek(dst, 0, os.SEEK_SET)
             found = _copy_hashed(src, dst, buffer)
-            if known is not None and found == digest and key[2] < time.time_ns() - RACY_NS \
+            if known is not None and found == digest and st.st_ctime_ns < time.time_ns() - RACY_NS \
                     and stat_key(os.fstat(src)) == key:  # fmt: skip
-                known[rel] = [*key, digest]  # the racy rule of manifest_cache: never a young file
+                # the racy rule of manifest_cache: never a young file
+                known[rel] = remote_manifest.cache_record(key, digest)
             return _made(dst, mode, found)
         finally:
             os.close(dst)
@@ -258,7 +257,7 @@ def _copy_hashed(src: int, dst: int, buffer: bytearray) -> str:
     return sha.hexdigest()
 
 
-def made_of(path: str, mode: int, digest: str) -> list[Any]:
+def made_of(path: str, mode: int, digest: str) -> bytes:
     """The hash cache key of a file a download just wrote and hashed, with
     `mode` (an object store keeps none)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -268,12 +267,12 @@ def made_of(path: str, mode: int, digest: str) -> list[Any]:
         os.close(fd)
 
 
-def _made(fd: int, mode: int, digest: str) -> list[Any]:
+def _made(fd: int, mode: int, digest: str) -> bytes:
     st = os.fstat(fd)
     if st.st_mode & 0o7777 != mode:  # the umask took bits off, or a download's file
         os.fchmod(fd, mode)  # last: the stat below is the file's final one
         st = os.fstat(fd)
-    return [*stat_key(st), digest]
+    return remote_manifest.cache_record(stat_key(st), digest)
 
 
 class Folder:

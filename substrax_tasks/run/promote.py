@@ -73,13 +73,16 @@ def safe_manifest(manifest: Mapping[str, Any]) -> dict[str, Any]:
     ):
         return dict(manifest)
     digest = remote_manifest.entries_digest
-    if manifest.get("digest") != digest(list(entries)):
+    if manifest.get("digest") != digest(entries):
         return dict(manifest)  # damaged: left as it is for verification to refuse, never mended here
     kept = ("file", "dir")
-    safe = [
+    made_safe = (
         {**e, "mode": safe_mode(e["mode"])} if e.get("type") in kept and isinstance(e.get("mode"), int) else e
         for e in entries
-    ]
+    )
+    # packed entries stay packed (a fetched manifest of many files)
+    safe = remote_manifest.PackedEntries(made_safe) if isinstance(entries, remote_manifest.PackedEntries) \
+        else list(made_safe)  # fmt: skip
     return {**manifest, "entries": safe, "digest": digest(safe)}
 
 

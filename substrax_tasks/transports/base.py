@@ -8,7 +8,6 @@ to one summary line otherwise, whatever the transport.
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,11 +90,15 @@ def checked_manifest(data: bytes, where: str) -> dict[str, Any]:
             "files, an archive for example; otherwise the host is broken or hostile)"
         )
     mod = remote_manifest
+    problem: str | None = None
+    manifest: dict[str, Any] | None = None
     try:
-        manifest = json.loads(data)
+        manifest = mod.load_manifest(data)  # its entries packed: ~130 bytes a file held, not 590
+    except mod.ManifestFormatError as exc:
+        problem = str(exc)
     except ValueError:
-        manifest = None
-    problem = _problem(manifest, mod)
+        pass
+    problem = problem or _problem(manifest, mod)
     if problem is not None:
         raise OutputsRefused(
             f"the manifest {where} is damaged ({problem}): the run did not finish writing its "
@@ -112,8 +115,8 @@ def _problem(manifest: object, mod: Any) -> str | None:
     missing, digest = manifest.get("missing"), manifest.get("digest")
     checks = [
         (version == mod.VERSION, f"version {version!r}, expected {mod.VERSION}"),
-        (isinstance(entries, list) and all(isinstance(e, dict) and "path" in e for e in entries),
-         "its entries are not a list of entries"),
+        # each entry was checked as it was read
+        (isinstance(entries, mod.PackedEntries), "its entries are not a list of entries"),
         (isinstance(missing, list) and all(isinstance(m, str) for m in missing),
          "its missing outputs are not a list of paths"),
         (isinstance(digest, str), "it has no digest"),
@@ -121,10 +124,6 @@ def _problem(manifest: object, mod: Any) -> str | None:
     problem = next((why for ok, why in checks if not ok), None)
     if problem is not None:
         return problem
-    assert isinstance(entries, list)  # checked above
-    odd = next((e for e in entries if e.get("type") not in ("file", "dir", "symlink")), None)
-    if odd is not None:  # a device, fifo or socket is never an output
-        return f"it lists {odd['path']!r} as a {odd.get('type')!r}: outputs are files, folders and symlinks"
     try:
         own = str(mod.entries_digest(entries))
     except (TypeError, ValueError) as exc:

@@ -4,8 +4,9 @@ There is one implementation of manifests, the stdlib-only `remote/manifest.py`
 that also runs on the remote machine; this module imports that very file (as
 ``substrax_tasks._remote.manifest``) and adds what only this side needs:
 
-* `HashCache`: the per-file hash cache (rel path -> [size, mtime_ns,
-  ctime_ns, inode, device, sha256]) kept in a JSON file (mode 0600, written
+* `HashCache`: the per-file hash cache (rel path -> the packed record of
+  its size, mtime_ns, ctime_ns, inode, device and sha256,
+  `remote_manifest.cache_record`) kept in a JSON file (mode 0600, written
   atomically, only when it changed). Any miss hashes the file.
 * `verify_outputs`: the differences between the outputs and a manifest.
 * `outputs_match`: whether the outputs still have a manifest's digest.
@@ -15,16 +16,21 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.atomic import write_json_atomic
 
-CACHE_VERSION = 2  # 2: entries keyed on ctime and device too
+# 2: entries keyed on ctime and device too; 3: each entry the hex of its
+# packed record (remote_manifest.cache_record), not a list: 105 bytes a file
+# held, not 450. A version 2 file is read and converted.
+CACHE_VERSION = 3
+_LIST_VERSION = 2
+_HEX_SIZE = 2 * remote_manifest.RECORD_SIZE
 
-CacheEntries = dict[str, list[Any]]
+CacheEntries = dict[str, bytes]
 Manifest = dict[str, Any]
 
 ManifestError = remote_manifest.ManifestError
@@ -37,25 +43,65 @@ def build_manifest(
     return remote_manifest.build_manifest(base, outputs, cache)
 
 
-def _valid_entry(value: object) -> bool:
-    """[size, mtime_ns, ctime_ns, inode, device, sha256 hex]"""
-    return (
-        isinstance(value, list)
-        and len(value) == 6
-        and all(type(v) is int for v in value[:5])
-        and isinstance(value[5], str)
-        and len(value[5]) == 64
-    )
+def read_manifest_file(path: Path) -> Manifest | None:
+    """The manifest in the file `path`, read a window at a time, its
+    entries packed (`remote_manifest.PackedEntries`: ~70 bytes a file held,
+    where a dict per entry took 590); None if the file is missing,
+    unreadable or not a manifest."""
+    try:
+        with path.open("rb") as f:
+            manifest = remote_manifest.load_manifest(f)
+    except (OSError, ValueError):
+        return None
+    return manifest if "digest" in manifest and isinstance(manifest.get("entries"), Sequence) else None
 
 
-class _Entries(dict[str, list[Any]]):
+def _record_of(value: object, *, hexed: bool) -> bytes | None:
+    """The record a cache file's entry holds: (version 3) the hex of the
+    record, or (version 2) [size, mtime_ns, ctime_ns, inode, device, sha256
+    hex]; None if it is not one (then the file is hashed again)."""
+    try:
+        if hexed:
+            return bytes.fromhex(value) if isinstance(value, str) and len(value) == _HEX_SIZE else None
+        if (
+            isinstance(value, list)
+            and len(value) == 6
+            and all(type(v) is int for v in value[:5])
+            and isinstance(value[5], str)
+            and len(value[5]) == 64
+        ):
+            return remote_manifest.stat_key_of(*value[:5]) + bytes.fromhex(value[5])
+    except (ValueError, OverflowError):  # not hex, or a value no stat gives
+        pass
+    return None
+
+
+class _HexEntries:
+    """A hash cache's entries as its file says them, `json_pieces` at a
+    time (atomic.write_json_atomic): the hex of each record, never a copy
+    of the whole cache in text."""
+
+    def __init__(self, entries: Mapping[str, bytes]) -> None:
+        self.entries = entries
+
+    def json_pieces(self) -> Iterator[str]:
+        names = sorted(self.entries)
+        yield "{"
+        chunk = remote_manifest.DIGEST_CHUNK
+        for start in range(0, len(names), chunk):
+            part = {name: self.entries[name].hex() for name in names[start : start + chunk]}
+            yield ("," if start else "") + json.dumps(part, sort_keys=True, separators=(",", ":"))[1:-1]
+        yield "}"
+
+
+class _Entries(dict[str, bytes]):
     """A hash cache's entries, noting whether one changed. The walk changes
     them only by item assignment, `pop` and `del` (remote/manifest.py); a
     copy kept to compare with instead cost a dict slot per file."""
 
     changed = False
 
-    def __setitem__(self, key: str, value: list[Any]) -> None:
+    def __setitem__(self, key: str, value: bytes) -> None:
         if self.get(key) != value:
             self.changed = True
         super().__setitem__(key, value)
@@ -81,7 +127,7 @@ class HashCache:
     an empty cache (a cache can always be rebuilt); `save` writes atomically
     with mode 0600, and only if something changed since `load`."""
 
-    def __init__(self, path: Path, entries: Mapping[str, list[Any]] | None = None) -> None:
+    def __init__(self, path: Path, entries: Mapping[str, bytes] | None = None) -> None:
         self.path = path
         self.entries: CacheEntries = _Entries(entries or {})
         self._on_disk = False  # the file holds exactly these entries
@@ -92,11 +138,17 @@ class HashCache:
             data = json.loads(path.read_bytes())
         except (OSError, ValueError):
             return cls(path)
-        raw = data.get("entries") if isinstance(data, dict) and data.get("version") == CACHE_VERSION else None
+        version = data.get("version") if isinstance(data, dict) else 0
+        raw = data.get("entries") if version in (CACHE_VERSION, _LIST_VERSION) else None
         if not isinstance(raw, dict):
             return cls(path)
-        cache = cls(path, {k: v for k, v in raw.items() if _valid_entry(v)})
-        cache._on_disk = len(cache.entries) == len(raw)  # else rewrite it without the bad ones
+        cache, listed = cls(path), len(raw)
+        for rel in list(raw):  # each popped: the file's text and the records are never both whole
+            record = _record_of(raw.pop(rel), hexed=version == CACHE_VERSION)
+            if record is not None:
+                dict.__setitem__(cache.entries, rel, record)
+        # a version 2 file, or bad entries dropped: rewritten at the next save
+        cache._on_disk = version == CACHE_VERSION and len(cache.entries) == listed
         return cache
 
     @property
@@ -109,7 +161,8 @@ class HashCache:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # compact: a cache of 20,000 files is 2 MB, 4x slower to indent
-        write_json_atomic(self.path, {"version": CACHE_VERSION, "entries": self.entries}, indent=None)
+        data = {"version": CACHE_VERSION, "entries": _HexEntries(self.entries)}
+        write_json_atomic(self.path, data, indent=None)
         self._on_disk = True
         cast("_Entries", self.entries).changed = False
 
@@ -200,8 +253,11 @@ def renamed_into_place(base: str | os.PathLike[str], outputs: Sequence[str], cac
             st = (Path(base) / out).lstat()
         except OSError:
             continue
-        if hit is not None and hit[:2] + hit[3:5] == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]:
-            cache.entries[out] = [*hit[:2], st.st_ctime_ns, *hit[3:]]
+        if hit is None:
+            continue
+        (size, mtime_ns, _ctime_ns, inode, device), digest = remote_manifest.record_values(hit)
+        if [size, mtime_ns, inode, device] == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]:
+            cache.entries[out] = remote_manifest.cache_record(remote_manifest.stat_key(st), digest)
     cache.save()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,9 @@ def project(tmp_path: Path) -> Path:
     write(p / "report.txt", b"report\n")
     write(p / "data/input.csv", b"1,2\n")
     return p
+
+
+def record(stat_values: Sequence[int], digest: str) -> bytes:
+    """A hash cache's record of a file whose size, mtime_ns, ctime_ns,
+    inode and device are `stat_values`, with that sha256."""
+    return remote_manifest.cache_record(remote_manifest.stat_key_of(*stat_values), digest)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from manifest_parts import OLD_NS, age, project, sha, short_racy_window, write  # noqa: F401 - fixtures
+from manifest_parts import OLD_NS, age, project, record, sha, short_racy_window, write  # noqa: F401 - fixtures
 
 from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.backends.scripts import remote_script
@@ -124,7 +124,7 @@ def test_digest_is_stable_and_cache_independent(project: Path, tmp_path: Path) -
     outputs = ["out/", "report.txt"]
     first = build_manifest(project, outputs)
     age(project)  # so the cache is filled
-    cache: dict[str, list[Any]] = {}
+    cache: dict[str, bytes] = {}
     cold = build_manifest(project, outputs, cache)
     warm = build_manifest(project, outputs, cache)
     assert cache  # the cache was used
@@ -327,12 +327,12 @@ def test_refused_link_is_never_followed(
 def test_cached_hash_is_reused_while_size_mtime_ctime_inode_and_device_match(project: Path) -> None:
     age(project)
     target = project / "out/a.txt"
-    cache: dict[str, list[Any]] = {}
+    cache: dict[str, bytes] = {}
     first = by_path(build_manifest(project, ["out/"], cache))["out/a.txt"]
     st = target.stat()
-    key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-    assert cache["out/a.txt"] == [*key, sha(b"alpha\n")]
-    cache["out/a.txt"] = [*key, sha(b"what the cache says\n")]
+    key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+    assert cache["out/a.txt"] == record(key, sha(b"alpha\n"))
+    cache["out/a.txt"] = record(key, sha(b"what the cache says\n"))
     reused = by_path(build_manifest(project, ["out/"], cache))["out/a.txt"]
     assert reused["sha256"] == sha(b"what the cache says\n")  # not read again
     assert first["sha256"] == sha(b"alpha\n")
@@ -347,14 +347,15 @@ def test_cached_hash_is_reused_while_size_mtime_ctime_inode_and_device_match(pro
     assert rehashed["sha256"] == sha(b"ALPHA\n")
     time.sleep(0.06)  # out of the racy window: cached again
     build_manifest(project, ["out/"], cache)
-    assert cache["out/a.txt"][5] == sha(b"ALPHA\n")
-    assert cache["out/a.txt"][2] == target.stat().st_ctime_ns
+    stat_values, digest = remote_manifest.record_values(cache["out/a.txt"])
+    assert digest == sha(b"ALPHA\n")
+    assert stat_values[2] == target.stat().st_ctime_ns
 
 
 @pytest.mark.unit
 def test_cache_entry_with_another_inode_is_not_trusted(project: Path) -> None:
     age(project)
-    cache: dict[str, list[Any]] = {}
+    cache: dict[str, bytes] = {}
     build_manifest(project, ["out/"], cache)
     target = project / "out/a.txt"
     st = target.stat()
@@ -372,7 +373,7 @@ def test_cache_entry_with_another_inode_is_not_trusted(project: Path) -> None:
 def test_a_file_modified_just_now_is_hashed_but_not_cached(project: Path) -> None:
     age(project)
     write(project / "out/fresh.txt", b"fresh")
-    cache: dict[str, list[Any]] = {}
+    cache: dict[str, bytes] = {}
     m = build_manifest(project, ["out/"], cache)
     assert by_path(m)["out/fresh.txt"]["sha256"] == sha(b"fresh")
     assert "out/fresh.txt" not in cache
@@ -382,7 +383,7 @@ def test_a_file_modified_just_now_is_hashed_but_not_cached(project: Path) -> Non
 @pytest.mark.unit
 def test_cache_forgets_deleted_files_and_keeps_other_outputs(project: Path) -> None:
     age(project)
-    cache: dict[str, list[Any]] = {"elsewhere/x": [1, 2, 3, "f" * 64]}
+    cache: dict[str, bytes] = {"elsewhere/x": record((1, 2, 3, 4, 5), "f" * 64)}
     build_manifest(project, ["out/", "report.txt"], cache)
     assert "out/sub/b.bin" in cache
     (project / "out/sub/b.bin").unlink()
@@ -396,10 +397,10 @@ def test_cache_forgets_deleted_files_and_keeps_other_outputs(project: Path) -> N
 @pytest.mark.unit
 def test_malformed_cache_entries_are_ignored(project: Path) -> None:
     age(project)
-    cache: dict[str, list[Any]] = {"out/a.txt": "junk", "out/run.sh": [1]}  # type: ignore[dict-item]
+    cache: dict[str, bytes] = {"out/a.txt": "junk", "out/run.sh": b"\1"}  # type: ignore[dict-item]
     got = by_path(build_manifest(project, ["out/"], cache))
     assert got["out/a.txt"]["sha256"] == sha(b"alpha\n")
-    assert cache["out/a.txt"][-1] == sha(b"alpha\n")
+    assert remote_manifest.record_values(cache["out/a.txt"])[1] == sha(b"alpha\n")
 
 
 # ----------------------------------------------------------------- diff_manifests
@@ -477,8 +478,8 @@ def test_hash_cache_file_is_private_atomic_and_written_only_on_change(project: P
     assert verify_outputs(project, ["out/"], expected, cache_file) == []
     assert stat.S_IMODE(cache_file.stat().st_mode) == 0o600
     data = json.loads(cache_file.read_text())
-    assert data["version"] == 2
-    assert data["entries"]["out/a.txt"][-1] == sha(b"alpha\n")
+    assert data["version"] == 3
+    assert data["entries"]["out/a.txt"][-64:] == sha(b"alpha\n")  # the hex of the record, the digest last
     assert not list(cache_file.parent.glob("*.tmp"))
 
     os.utime(cache_file, ns=(OLD_NS, OLD_NS))
@@ -487,13 +488,14 @@ def test_hash_cache_file_is_private_atomic_and_written_only_on_change(project: P
 
     loaded = HashCache.load(cache_file)
     assert not loaded.changed
-    assert loaded.entries["out/a.txt"] == data["entries"]["out/a.txt"]
+    assert loaded.entries["out/a.txt"] == bytes.fromhex(data["entries"]["out/a.txt"])
 
 
 @pytest.mark.unit
 def test_bad_entries_of_a_hash_cache_file_are_dropped(tmp_path: Path) -> None:
     f = tmp_path / "cache.json"
-    good = [4, OLD_NS, OLD_NS, 12, 2049, "a" * 64]
+    good_values, good_digest = (4, OLD_NS, OLD_NS, 12, 2049), "a" * 64
+    good = [*good_values, good_digest]
     bad: list[object] = [
         [4, OLD_NS, 12, "a" * 64],  # the key of version 1: no ctime, no device
         [4, "x", OLD_NS, 12, 2049, "a" * 64],
@@ -504,10 +506,10 @@ def test_bad_entries_of_a_hash_cache_file_are_dropped(tmp_path: Path) -> None:
     entries = {"good": good, **{f"bad{i}": b for i, b in enumerate(bad)}}
     f.write_text(json.dumps({"version": 2, "entries": entries}))
     cache = HashCache.load(f)
-    assert dict(cache.entries) == {"good": good}
+    assert dict(cache.entries) == {"good": record(good_values, good_digest)}
     assert cache.changed
     cache.save()
-    assert json.loads(f.read_text())["entries"] == {"good": good}
+    assert json.loads(f.read_text())["entries"] == {"good": record(good_values, good_digest).hex()}
     assert not HashCache.load(f).changed
 
 
@@ -530,7 +532,7 @@ def test_unreadable_hash_cache_loads_empty(tmp_path: Path, content: bytes) -> No
     assert dict(cache.entries) == {}
     assert cache.changed  # rewritten in the current format on save
     cache.save()
-    assert json.loads(f.read_text()) == {"version": 2, "entries": {}}
+    assert json.loads(f.read_text()) == {"version": 3, "entries": {}}
 
 
 @pytest.mark.unit
@@ -651,12 +653,12 @@ def test_promoted_files_match_their_staged_manifest(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_a_hash_cache_is_saved_when_an_entry_changed_and_only_then(tmp_path: Path) -> None:
-    entry = [4, OLD_NS, OLD_NS, 12, 2049, "a" * 64]
+    entry = record((4, OLD_NS, OLD_NS, 12, 2049), "a" * 64)
     cache = HashCache(tmp_path / "cache.json", {"a": entry, "b": entry})
     assert cache.changed  # no file yet
     cache.save()
     loaded = HashCache.load(tmp_path / "cache.json")
-    loaded.entries["a"] = list(entry)  # the same value again
+    loaded.entries["a"] = bytes(entry)  # the same value again
     loaded.entries.pop("nothing here", None)
     assert not loaded.changed
     loaded.entries.pop("b")
@@ -669,3 +671,68 @@ def test_a_hash_cache_is_saved_when_an_entry_changed_and_only_then(tmp_path: Pat
         loaded.entries.update({"c": entry})
 
 
+
+
+# ----------------------------------------------------------------- packed entries
+
+ODD_ENTRIES: list[dict[str, Any]] = [
+    {"path": "out", "type": "dir", "size": 0, "mode": 0o755, "sha256": None, "target": None},
+    {"path": "out/a", "type": "file", "size": 5, "mode": 0o644, "sha256": "ab" * 32, "target": None},
+    {"path": "out/B", "type": "file", "size": 5, "mode": 0o644, "sha256": "AB" * 32, "target": None},
+    {"path": "out/é\udcff\n", "type": "symlink", "size": 3, "mode": 0o777, "sha256": None,
+     "target": "é\udcfe"},
+    {"path": "out/x", "type": "file", "size": 5, "mode": 0o644, "sha256": "ab" * 32, "target": None,
+     "more": 1},
+    {"path": "out/y", "type": "file", "size": True, "mode": 0o644, "sha256": "ab" * 32, "target": None},
+    {"path": "out/z", "type": "file", "size": 5, "mode": 0o644, "sha256": None, "target": None},
+    {"path": "out/w", "type": "dir", "size": 0, "mode": 0o755, "sha256": None},
+]
+
+
+@pytest.mark.unit
+def test_packed_entries_give_back_every_entry_as_it_was() -> None:
+    """Entries are packed into compact records when they are what a
+    manifest holds, and kept as their JSON otherwise (an upper-case digest,
+    a key more or less, a bool for a size, a path that is not UTF-8): what
+    comes back, its digest and its JSON are those of the entries given."""
+    packed = remote_manifest.PackedEntries(ODD_ENTRIES)
+    assert list(packed) == ODD_ENTRIES
+    assert packed == ODD_ENTRIES
+    assert (packed[3], packed[-1], packed[1:3]) == (ODD_ENTRIES[3], ODD_ENTRIES[-1], ODD_ENTRIES[1:3])
+    assert [type(e["size"]) for e in packed] == [type(e["size"]) for e in ODD_ENTRIES]
+    assert remote_manifest.entries_digest(packed) == remote_manifest.entries_digest(ODD_ENTRIES)
+    assert "".join(packed.json_pieces()) == remote_manifest.canonical_json(ODD_ENTRIES)
+
+
+@pytest.mark.parametrize("window", [1, 2, 7, 64, 1 << 20])
+@pytest.mark.unit
+def test_a_manifest_reads_the_same_whatever_the_window(window: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read a window at a time, a value cut by the window's end (a number
+    that may go on, a string, an entry) is read again with more text."""
+    monkeypatch.setattr(remote_manifest, "_WINDOW", window)
+    doc = {"version": 1, "entries": ODD_ENTRIES, "missing": ["q/"], "near": {"q/": ["r"]},
+           "digest": remote_manifest.entries_digest(ODD_ENTRIES)}  # fmt: skip
+    for text in (remote_manifest.canonical_json(doc), json.dumps(doc, indent=2)):
+        read = remote_manifest.load_manifest(text.encode())
+        assert read == {**doc, "entries": read["entries"]}
+        assert read["entries"] == ODD_ENTRIES
+    assert remote_manifest.load_manifest(b'{"version": 12345678, "entries": []}')["version"] == 12345678
+    whole = remote_manifest.canonical_json(doc).encode()
+    for cut in range(0, len(whole), 5):
+        with pytest.raises(ValueError):  # any cut is refused, whatever it cut
+            remote_manifest.load_manifest(whole[:cut])
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (b'{"entries": {"a": 1}}', "its entries are not a list of entries"),
+        (b'{"entries": [1]}', "its entries are not a list of entries"),
+        (b'{"entries": [{"type": "file"}]}', "its entries are not a list of entries"),
+        (b'{"entries": [{"path": "out/p", "type": "fifo"}]}', "it lists 'out/p' as a 'fifo'"),
+    ],
+)
+@pytest.mark.unit
+def test_a_manifest_whose_entries_are_not_entries_is_refused_as_it_is_read(text: bytes, said: str) -> None:
+    with pytest.raises(remote_manifest.ManifestFormatError, match=said):
+        remote_manifest.load_manifest(text)

@@ -214,8 +214,8 @@ class LocalBackend(Backend):
             raise BackendError(f"run {handle.run_id}: its status names no outputs folder")
         outputs = list(handle.spec.outputs)
         # The manifest the worker took as the command ended, if any (else one taken now).
-        manifest = control.read_json(str(self.store.run_dir(handle.run_id) / "manifest.json"))
-        if manifest is None or "digest" not in manifest:
+        manifest = manifest_cache.read_manifest_file(self.store.run_dir(handle.run_id) / "manifest.json")
+        if manifest is None:
             manifest = manifest_cache.build_manifest(Path(root), outputs)
         if record.get("sandbox") == "none":  # written in place: the root is the project's own
             return Fetched(Path(root), manifest, saw_whole_project=True)

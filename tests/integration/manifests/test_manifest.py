@@ -9,9 +9,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from manifest_parts import OLD_NS, age, project, sha, short_racy_window, write  # noqa: F401 - fixtures
+from manifest_parts import OLD_NS, age, project, record, sha, short_racy_window, write  # noqa: F401 - fixtures
 
 from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.backends.scripts import remote_script
@@ -168,6 +169,76 @@ def test_the_digest_of_20000_entries_holds_no_copy_of_their_json() -> None:
     assert peak < whole / 4, f"the digest held {peak:,} bytes; the JSON is {whole:,}"
 
 
+def _manifest_of_20000_files() -> dict[str, Any]:
+    entries = [
+        {"path": f"out/d{i % 20:03d}/f{i:06d}", "type": "file", "size": 4000 + i % 96, "mode": 0o644,
+         "sha256": sha(b"%d" % i), "target": None}
+        for i in range(20_000)
+    ]
+    digest = remote_manifest.entries_digest(entries)
+    return {"version": remote_manifest.VERSION, "entries": entries, "missing": [], "digest": digest}
+
+
+def test_a_fetched_manifest_of_20000_files_holds_a_small_record_per_file(tmp_path: Path) -> None:
+    """Issue 29: the manifest a fetch verifies against (received from a
+    host or a bucket, `checked_manifest`) was parsed whole, a dict per entry
+    (~590 bytes a file) held from the fetch to the end of the chain. Its
+    entries are packed as they are read now: ~80 bytes a file."""
+    import tracemalloc
+
+    from substrax_tasks.transports.base import checked_manifest
+
+    data = remote_manifest.canonical_json(_manifest_of_20000_files()).encode()
+    tracemalloc.start()
+    try:
+        received = checked_manifest(data, "on the host")
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 20_000 * 120, f"a manifest of 20,000 files received held {held:,} bytes"
+    # its text, decoded a window (1 MiB) at a time
+    assert peak < 20_000 * 120 + 4 * 2**20, f"receiving it took {peak:,} bytes at its peak"
+    assert received["digest"] == remote_manifest.entries_digest(received["entries"])
+    assert received["entries"][7] == {"path": "out/d007/f000007", "type": "file", "size": 4007, "mode": 0o644,
+                                      "sha256": sha(b"7"), "target": None}  # fmt: skip
+
+
+def test_the_manifest_in_a_run_folder_is_read_a_window_at_a_time(tmp_path: Path) -> None:
+    """The local backend reads the manifest the worker left in the run's
+    folder a window at a time: never the file's 3 MB of text at once."""
+    import tracemalloc
+
+    from substrax_tasks.uptodate.manifests import read_manifest_file
+
+    path = tmp_path / "manifest.json"
+    path.write_text(remote_manifest.canonical_json(_manifest_of_20000_files()))
+    tracemalloc.start()
+    try:
+        read = read_manifest_file(path)
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert read is not None
+    assert len(read["entries"]) == 20_000
+    assert held < 20_000 * 120, f"a manifest of 20,000 files read held {held:,} bytes"
+    assert peak < 20_000 * 120 + 3 * 2**20, f"reading it took {peak:,} bytes at its peak"
+
+
+def test_a_fetched_manifest_is_written_again_byte_for_byte(tmp_path: Path) -> None:
+    """The manifest a verified fetch keeps (the run folder's, modes made
+    safe) is the one it read, written from its packed entries in chunks."""
+    from substrax_tasks.atomic import write_json_atomic
+    from substrax_tasks.uptodate.manifests import read_manifest_file
+
+    manifest = _manifest_of_20000_files()
+    path = tmp_path / "manifest.json"
+    path.write_text(remote_manifest.canonical_json(manifest) + "\n")
+    read = read_manifest_file(path)
+    assert read is not None
+    write_json_atomic(tmp_path / "again.json", read, indent=None)
+    assert (tmp_path / "again.json").read_bytes() == path.read_bytes()
+
+
 def test_entries_come_out_in_path_order_whatever_the_names(tmp_path: Path) -> None:
     """The walk yields entries in path order, one folder listed at a time:
     a folder's contents sort after siblings whose names continue its name
@@ -219,14 +290,70 @@ def test_verifying_10000_files_holds_no_entry_per_file(tmp_path: Path) -> None:
     ]
 
 
+def test_a_hash_cache_of_10000_files_holds_a_small_record_per_file(tmp_path: Path) -> None:
+    """Issue 29: a hash cache held a list of five ints and the hex digest
+    per file (~450 bytes and its path); it holds one packed record of 72
+    bytes now, filled by a verification and loaded from its file alike."""
+    import tracemalloc
+
+    base = tmp_path / "proj"
+    for i in range(10_000):
+        write(base / f"out/d{i % 10:03d}/f{i:06d}", b"%d" % i)
+    age(base)
+    expected = build_manifest(base, ["out/"])
+    tracemalloc.start()
+    try:
+        cache = HashCache.load(tmp_path / "cache.json")
+        assert verify_outputs(base, ["out/"], expected, cache) == []
+        filled, _peak = tracemalloc.get_traced_memory()
+        del cache
+        tracemalloc.reset_peak()
+        before, _peak = tracemalloc.get_traced_memory()
+        loaded = HashCache.load(tmp_path / "cache.json")
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(loaded.entries) == 10_000
+    # per file: its path (~65 bytes), its record (105) and its slot in the dict
+    assert filled < 10_000 * 260, f"a hash cache filled with 10,000 files held {filled:,} bytes"
+    assert held - before < 10_000 * 260, f"a hash cache of 10,000 files loaded held {held - before:,} bytes"
+    assert peak - before < 10_000 * 600, f"loading a hash cache of 10,000 files took {peak - before:,} bytes"
+
+
+def test_a_hash_cache_file_of_version_2_is_read_and_rewritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hash cache written before records were packed (version 2, lists)
+    is read as it is: its files are not read again, and it is saved in the
+    current version."""
+    base = tmp_path / "proj"
+    write(base / "out/a.txt", b"alpha\n")
+    age(base)
+    st = (base / "out/a.txt").lstat()
+    cache_file = tmp_path / "cache.json"
+    stat_values = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+    listed = [*stat_values, sha(b"alpha\n")]
+    cache_file.write_text(json.dumps({"version": 2, "entries": {"out/a.txt": listed}}))
+    expected = build_manifest(base, ["out/"])
+
+    def never(*_args: object) -> str:
+        raise AssertionError("a file was read though the hash cache held it")
+
+    monkeypatch.setattr(remote_manifest, "hash_file", never)
+    cache = HashCache.load(cache_file)
+    assert verify_outputs(base, ["out/"], expected, cache) == []
+    rewritten = {"version": 3, "entries": {"out/a.txt": record(stat_values, sha(b"alpha\n")).hex()}}
+    assert json.loads(cache_file.read_text()) == rewritten
+
+
 def test_saving_a_hash_cache_of_20000_files_holds_no_copy_of_its_json(tmp_path: Path) -> None:
     """Issue 29: json.dumps builds every fragment of a document before it
     joins them (+7 MiB for a cache of 20,000 files, whose file is 2.6 MB);
     the file is now written 250 entries at a time, byte for byte the same."""
     import tracemalloc
 
-    entries = {f"out/d{i % 20:03d}/f{i:06d}": [4000 + i % 96, OLD_NS + i, OLD_NS + i, 10**6 + i, 2049,
-                                               sha(b"%d" % i)] for i in range(20_000)}  # fmt: skip
+    entries = {f"out/d{i % 20:03d}/f{i:06d}": record((4000 + i % 96, OLD_NS + i, OLD_NS + i, 10**6 + i, 2049),
+                                                     sha(b"%d" % i)) for i in range(20_000)}  # fmt: skip
     cache = HashCache(tmp_path / "cache.json", entries)
     tracemalloc.start()
     try:
@@ -235,7 +362,8 @@ def test_saving_a_hash_cache_of_20000_files_holds_no_copy_of_its_json(tmp_path: 
     finally:
         tracemalloc.stop()
     text = (tmp_path / "cache.json").read_text()
-    whole = json.dumps({"version": 2, "entries": entries}, sort_keys=True, separators=(",", ":"))
+    as_hex = {rel: value.hex() for rel, value in entries.items()}
+    whole = json.dumps({"version": 3, "entries": as_hex}, sort_keys=True, separators=(",", ":"))
     assert text == whole + "\n"
     assert peak < len(text) / 2, f"saving held {peak:,} bytes; the file is {len(text):,}"
 
