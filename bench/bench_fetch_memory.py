@@ -14,7 +14,8 @@ a fetch folder, makes their modes safe, verifies them against the manifest
 (hashing each file into the step's hash cache), promotes them, writes the
 manifest it keeps and the step record. Only the copy differs: rsync over ssh
 for the SSH backend, in a process of its own. The cache of runs is off
-(it keeps the files in the user's cache, a figure of its own).
+(it keeps the files in the user's cache, a figure of its own; `--cache on` measures
+it too, in a cache of the bench's own).
 
 Side by side, with their peak memory (ru_maxrss, from wait4):
 
@@ -95,13 +96,13 @@ default_backend = "local"
 sandbox = "{sandbox}"
 
 [tool.substrax.compute.cache]
-enabled = false
+enabled = {cache}
 """
 
 
 def peak_of(argv: list[str], cwd: Path) -> tuple[int, str]:
     """(peak resident memory in KiB, output) of the command, which must succeed."""
-    env = {**os.environ}
+    env = {**os.environ, "XDG_CACHE_HOME": str(cwd.parent / "cache")}  # a cache of this bench's own
     env.pop("SUBSTRAX_BACKEND", None)
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
@@ -116,20 +117,20 @@ def peak_of(argv: list[str], cwd: Path) -> tuple[int, str]:
     return usage.ru_maxrss, output
 
 
-def project(root: Path, dodo: str, files: int, sandbox: str) -> Path:
+def project(root: Path, dodo: str, files: int, sandbox: str, cache: bool) -> Path:
     root.mkdir(parents=True)
     (root / "write.py").write_text(WRITE_FILES)
     (root / "dodo.py").write_text(dodo.format(files=files))
-    (root / "pyproject.toml").write_text(PYPROJECT.format(sandbox=sandbox))
+    (root / "pyproject.toml").write_text(PYPROJECT.format(sandbox=sandbox, cache=str(cache).lower()))
     return root
 
 
 SMALL = 100  # files of the remote step that gives the fixed cost
 
 
-def measure(scratch: Path, files: int, sandbox: str) -> tuple[int, int, int]:
-    remote = project(scratch / f"remote-{files}", REMOTE_DODO, files, sandbox)
-    baseline = project(scratch / f"baseline-{files}", BASELINE_DODO, files, sandbox)
+def measure(scratch: Path, files: int, sandbox: str, cache: bool) -> tuple[int, int, int]:
+    remote = project(scratch / f"remote-{files}", REMOTE_DODO, files, sandbox, cache)
+    baseline = project(scratch / f"baseline-{files}", BASELINE_DODO, files, sandbox, cache)
     remote_kib, _ = peak_of(doit_argv(), remote)
     found = sum(len(names) for _f, _d, names in os.walk(remote / "out"))
     if found != files:
@@ -148,18 +149,21 @@ def main() -> int:
     )
     parser.add_argument("--files", default="20000,200000", help="file counts (default 20000,200000)")
     parser.add_argument("--sandbox", choices=("bwrap", "none"), default="bwrap")
+    parser.add_argument("--cache", choices=("on", "off"), default="off",
+                        help="the run cache (a cache of the bench's own): off measures the fetch alone, "
+                             "on adds keeping the run, as users get it")
     args = parser.parse_args()
     counts = [int(part) for part in args.files.split(",") if part.strip()]
     if shutil.which("rsync") is None:
         parser.error("rsync is not installed: it is the baseline")
     scratch = Path(tempfile.mkdtemp(prefix="bench-fetch-memory-", dir=scratch_parent()))
     print(f"bench_fetch_memory: {platform.python_implementation()} {platform.python_version()}, "
-          f"files in {scratch}, sandbox {args.sandbox!r}, {load_average()}")
+          f"files in {scratch}, sandbox {args.sandbox!r}, cache {args.cache}, {load_average()}")
     rows = []
     try:
-        small_kib = measure(scratch, SMALL, args.sandbox)[0]
+        small_kib = measure(scratch, SMALL, args.sandbox, args.cache == "on")[0]
         for files in counts:
-            rows.append((files, *measure(scratch, files, args.sandbox)))
+            rows.append((files, *measure(scratch, files, args.sandbox, args.cache == "on")))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"\n{'files':>8} {'remote doit':>12} {'plain doit':>11} {'rsync -a':>9} {'extra a file':>13}"
