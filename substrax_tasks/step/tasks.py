@@ -86,6 +86,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     resources: Mapping[str, str | int | float] | None = None,
     secrets: Iterable[str] = (),
     retries: int = 0,
+    checkpoints: str | os.PathLike[str] | None = None,
     file_dep: Iterable[str | os.PathLike[str]] = (),
     task_dep: Iterable[str] = (),
     uptodate: Iterable[Any] = (),
@@ -105,6 +106,10 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     secrets: names of environment variables forwarded from this process:
       their values reach the command but never a digest, handle, DB or log.
     retries: how often to retry a failure of the machinery (never of the command).
+    checkpoints: a folder ("ckpt/") the command writes its checkpoints in
+      (by rename) and reads back as it starts: kept in the store, put back
+      in place for the next run of the same step and key, removed once the
+      outputs are promoted (docs/checkpoints.md).
     file_dep: extra files tracked for changes but not uploaded.
     task_dep, uptodate, doc, title, verbosity, clean, ...: passed to doit
       (uptodate is combined with the step's own check: all must hold).
@@ -123,7 +128,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
         argv: Sequence[ArgvItem] = ["/bin/sh", "-c", shell] if shell is not None else (command or [])
         spec = make_spec(
             name, argv, proj.root, inputs=inputs, outputs=outputs, env=env, timeout=timeout,
-            resources=resources, forward_env=secrets,
+            resources=resources, forward_env=secrets, checkpoints=checkpoints,
         )
         unknown = sorted(set(task_keys) - set(PASSTHROUGH_KEYS))
         if unknown:
