@@ -75,9 +75,13 @@ class Capabilities:
     interrupt_cancels: Ctrl-C in the client cancels the run (it runs on
     this machine, tied to the client); otherwise the client detaches and the
     run goes on, reachable again by a rerun or the CLI.
+    checkpoints: a step's `checkpoints` folder is kept across its runs (in
+    the store, or brought home as snapshots) and put back in place for the
+    next; a step declaring one is refused before launch elsewhere.
     """
 
     interrupt_cancels: bool = False
+    checkpoints: bool = False
 
 
 @dataclass(frozen=True)

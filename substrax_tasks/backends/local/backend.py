@@ -56,7 +56,7 @@ SPAWNER_EXIT_SECONDS = 1.0  # it exits as its stdin closes
 class LocalBackend(Backend):
     name = "local"
     Settings = LocalSettings
-    capabilities = Capabilities(interrupt_cancels=True)
+    capabilities = Capabilities(interrupt_cancels=True, checkpoints=True)
     settings: LocalSettings
 
     def paths(self, handle: RunHandle) -> WorkerPaths:

@@ -27,7 +27,7 @@ from typing import IO, TYPE_CHECKING
 from substrax_tasks._remote import env
 from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends import remote_run as _remote_run
-from substrax_tasks.backends.base import Backend, Fetched, RunStatus
+from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
 from substrax_tasks.backends.checkpoints import Snapshots, checkpoints_folder
 from substrax_tasks.backends.job import (
     WorkerPaths,
@@ -68,6 +68,7 @@ class SshBackend(Backend):
     name = "ssh"
     Settings = SshSettings
     settings: SshSettings
+    capabilities = Capabilities(checkpoints=True)
 
     # ---------------------------------------------------------- helpers
     @property
