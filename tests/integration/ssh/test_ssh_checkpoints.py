@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, run_logs, starts
-from dodo_helpers import doit_ok, popen_doit, popen_output, show, stop, wait_for
+from dodo_helpers import doit, doit_ok, popen_doit, popen_output, show, stop, wait_for
 from ssh_helpers import live_handles, make_ssh_project, needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
 
@@ -138,3 +138,19 @@ def test_a_snapshot_pulled_while_the_command_writes_is_never_half_a_file(
         stop(proc)
     assert code == 0, popen_output(root)
     assert len(checked) >= 3, checked  # several snapshots pulled while it wrote, each checked whole
+
+
+def test_two_steps_under_threads_keep_their_snapshots_apart(tmp_path: Path, host: SshHost) -> None:
+    """Each run that failed is pulled once more as it ends: both resume
+    from count 3, each from its own snapshot."""
+    root = counting_project(tmp_path, host,
+                            count_step("a", 5, 0.05, "fail-fresh") + count_step("b", 7, 0.05, "fail-fresh"))
+    failed = doit(root, "-n", "2", "-P", "thread", "a", "b")
+    assert failed.returncode != 0, show(failed)
+    assert kept_state(root, "a") == {"n": 5, "i": 3, "seen": [1, 2, 3]}, show(failed)
+    assert kept_state(root, "b") == {"n": 7, "i": 3, "seen": [1, 2, 3]}, show(failed)
+    done = doit_ok(root, "-n", "2", "-P", "thread", "a", "b")
+    assert starts(run_logs(root, "a")[-1]) == [3], show(done)
+    assert starts(run_logs(root, "b")[-1]) == [3], show(done)
+    assert result_of(root, "a") == (5, [1, 2, 3, 4, 5])
+    assert result_of(root, "b") == (7, list(range(1, 8)))
