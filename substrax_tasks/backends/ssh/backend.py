@@ -69,6 +69,8 @@ class SshBackend(Backend):
     Settings = SshSettings
     settings: SshSettings
     capabilities = Capabilities(checkpoints=True)
+    # The run's checkpoints, pulled between polls while a log is followed by polling.
+    _pulling: _remote_run.CheckpointPuller | None = None
 
     # ---------------------------------------------------------- helpers
     @property
@@ -261,8 +263,12 @@ class SshBackend(Backend):
             except NoSession:
                 # More steps follow runs on this host at once than sshd lets one
                 # connection hold sessions (raised before anything was sent):
-                # this one polls, as before.
-                status = super().stream_log(handle, out, follow=True, offset=offset)
+                # this one polls, as before, pulling the checkpoints between polls.
+                self._pulling = puller
+                try:
+                    status = super().stream_log(handle, out, follow=True, offset=offset)
+                finally:
+                    self._pulling = None
         if puller is not None and status.state in ("failed", "timed_out", "cancelled"):
             # What the command left as it ended is whole now: the next run starts from it.
             try:
@@ -270,6 +276,11 @@ class SshBackend(Backend):
             except BackendError as exc:
                 emit(f"{handle.step}: the last checkpoints were not brought home: {exc}", err=True)
         return status
+
+    def pause(self, handle: RunHandle, seconds: float) -> bool:
+        if self._pulling is not None:
+            self._pulling.when_due()
+        return super().pause(handle, seconds)
 
     def snapshots(self, handle: RunHandle) -> Snapshots | None:
         folder = checkpoints_folder(self.store, handle)

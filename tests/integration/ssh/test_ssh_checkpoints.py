@@ -8,16 +8,25 @@ while the command writes is never half a file."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import signal
+import threading
 import time
 from pathlib import Path
 
+import pytest
 from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, run_logs, starts
 from dodo_helpers import doit, doit_ok, popen_doit, popen_output, show, stop, wait_for
 from ssh_helpers import live_handles, make_ssh_project, needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
+
+from substrax_tasks.backends.ssh.connection import MAX_STREAMS, NoSession, connection
+from substrax_tasks.backends.ssh.settings import SshSettings
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.project import Project
 
 pytestmark = [needs_sshd, needs_root]
 
@@ -154,3 +163,41 @@ def test_two_steps_under_threads_keep_their_snapshots_apart(tmp_path: Path, host
     assert starts(run_logs(root, "b")[-1]) == [3], show(done)
     assert result_of(root, "a") == (5, [1, 2, 3, 4, 5])
     assert result_of(root, "b") == (7, list(range(1, 8)))
+
+
+def test_a_run_followed_by_polling_is_pulled_between_polls(tmp_path: Path, host: SshHost) -> None:
+    """When one connection already holds as many followers as it may (a
+    sweep of many steps on one host), a run is followed by polling: its
+    checkpoints are pulled between the polls all the same."""
+    root = make_ssh_project(tmp_path, host, "", [], files={"count.py": COUNT_PY, "data.txt": "one\n"},
+                            checkpoint_seconds=0.2)  # fmt: skip
+    project = Project.open(root)
+    spec = make_spec("count", ["python3", "count.py", "8", "0.3", "count.txt"], root,
+                     inputs=["count.py", "data.txt"], outputs=["count.txt"], checkpoints="ckpt/")  # fmt: skip
+    backend = project.backend_for(handle := project.submit(spec))
+    conn = connection(SshSettings.model_validate(handle.settings).target())
+    release = threading.Event()
+
+    def tick() -> None:
+        if release.is_set():
+            raise KeyboardInterrupt  # as Ctrl-C in a doit thread: the channel closes
+
+    def held() -> None:
+        with contextlib.suppress(KeyboardInterrupt):
+            conn.stream(["cat"], lambda chunk: None, tick)  # stdin stays open: cat waits
+
+    streams = [threading.Thread(target=held) for _ in range(MAX_STREAMS)]
+    for thread in streams:
+        thread.start()
+    try:
+        with pytest.raises(NoSession):  # every session is held: what follows polls
+            conn.stream(["true"], lambda chunk: None, lambda: None)
+        status = backend.stream_log(handle, io.BytesIO(), follow=True)
+    finally:
+        release.set()
+        for thread in streams:
+            thread.join(timeout=30)
+    assert status.state == "succeeded", status
+    # A run that succeeded is not pulled as it ends: this one was pulled while it ran.
+    pulled = kept_state(root, "count")
+    assert pulled is not None and 1 <= pulled["i"] <= 8, pulled
