@@ -121,3 +121,20 @@ def test_a_backend_that_keeps_no_checkpoints_refuses_the_step_before_launch(tmp_
     assert "checkpoints='ckpt/': the skypilot backend does not keep checkpoints across runs yet" in said, said
     assert "Traceback" not in said
     assert not (root / ".substrax" / "runs").exists() or not any((root / ".substrax" / "runs").iterdir())
+
+
+@pytest.mark.parametrize("checkpoints_first", [True, False], ids=["checkpoints-first", "output-first"])
+def test_a_checkpoints_folder_overlapping_another_steps_output_is_refused_at_load(
+    tmp_path: Path, checkpoints_first: bool
+) -> None:
+    kept = count_step("count", 3, 0.01)
+    other = "    yield from remote_step('other', command=['true'], outputs=['ckpt/x.txt'])\n"
+    root = counting_project(tmp_path, kept + other if checkpoints_first else other + kept)
+    refused = doit(root, "list")
+    assert refused.returncode == 1, show(refused)
+    said = refused.stdout + refused.stderr
+    if checkpoints_first:
+        assert "step 'other': ckpt/x.txt overlaps the checkpoints folder ckpt/ of step 'count'" in said, said
+    else:
+        assert "step 'count': ckpt/ overlaps the output ckpt/x.txt of step 'other'" in said, said
+    assert "a checkpoints folder belongs to its step alone" in said and "Traceback" not in said
