@@ -18,6 +18,7 @@ snapshot of another key is never put in place.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import secrets
@@ -80,8 +81,14 @@ class Snapshots:
         brought by `download(paths, into)` and kept only where the copy
         matches the list; a file changed during the copy keeps its previous
         snapshot's version, if any. Made `latest` once whole; the number of
-        files it holds."""
+        files it holds. One pull at a time (a lock): a `doit` and a
+        `substrax-compute logs --follow` may both pull the same run."""
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with (self.folder / ".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._pull(listed, download)
+
+    def _pull(self, listed: list[dict[str, Any]], download: Callable[[list[str], Path], None]) -> int:
         name = f"snap-{secrets.token_hex(6)}"
         new = self.folder / f".{name}.partial"
         files = new / "files"

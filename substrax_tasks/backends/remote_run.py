@@ -406,7 +406,7 @@ class CheckpointPuller:
         entries = checked_entries(listed, f"{what} on {self.run.remote.host}")
         root = self.root
         kept = self.snapshots.pull(entries, lambda paths, into: self._download(root, paths, into))
-        emit(f"{self.step}: checkpoints brought home ({kept} file(s))")
+        emit(f"{self.step}: checkpoints brought home ({kept} file(s))", err=True)
         return kept
 
     def _download(self, root: str, paths: list[str], into: Path) -> None:
