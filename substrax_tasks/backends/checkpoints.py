@@ -21,11 +21,14 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import os
 import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from substrax_tasks.console import emit
 
 if TYPE_CHECKING:
     from substrax_tasks.store.handle import RunHandle
@@ -50,6 +53,9 @@ def live_folder(store: RunStore, handle: RunHandle) -> str | None:
         return None
     live = folder / LIVE
     live.mkdir(parents=True, exist_ok=True, mode=0o700)
+    left = sum(len(files) for _top, _dirs, files in os.walk(live))
+    if left:  # said, as a resume is on ssh: the user sees the run will not start from nothing
+        emit(f"{handle.step}: checkpoints of an earlier run in place ({left} file(s))")
     return str(live)
 
 

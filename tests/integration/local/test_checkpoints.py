@@ -75,6 +75,7 @@ def test_a_failed_command_leaves_its_checkpoint_for_the_next_doit(tmp_path: Path
 
     done = doit_ok(root, "count")
     assert starts(run_logs(root, "count")[-1]) == [3], show(done)
+    assert "count: checkpoints of an earlier run in place (1 file(s))" in done.stdout + done.stderr
     assert result_of(root, "count") == (6, [1, 2, 3, 4, 5, 6])
 
 
