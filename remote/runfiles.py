@@ -32,6 +32,14 @@ class CacheDir(TypedDict):
     kept: str  # where it is kept across runs
 
 
+class Checkpoints(TypedDict):
+    """The step's checkpoints folder: where the command sees it (`path`,
+    relative to the project) and the folder kept for it across attempts."""
+
+    path: str  # without a trailing "/"
+    kept: str
+
+
 class JobGpus(TypedDict):
     """The GPUs a run takes (substrax_tasks/backends/gpus.py job_gpus): a
     count of 0 hides every GPU from the task."""
@@ -70,6 +78,7 @@ class Job(_JobRequired, total=False):
     gpus: JobGpus
     path_prepend: List[str]  # first on the task's PATH
     manifest_copy: str  # where the bucket transport fetches the outputs' manifest from
+    checkpoints: Checkpoints
 
 
 class _StatusFields(TypedDict, total=False):
@@ -90,6 +99,7 @@ class _StatusFields(TypedDict, total=False):
     mark: str  # in the command's environment (control.RUN_MARK)
     cgroup: Optional[str]
     gpus: List[str]  # the GPUs the run holds
+    checkpoints_root: Optional[str]  # where the command writes its checkpoints now (pulled from there)
 
 
 class Status(_StatusFields):

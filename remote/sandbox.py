@@ -339,6 +339,10 @@ def bwrap_argv(bwrap: str, job: Mapping[str, Any], staging: str, dev: str = "/de
             argv += ["--bind", bound, os.path.normpath(os.path.join(project, rel))]
         else:
             argv += view_argv(project, rel, hidden_set | declared, bound, shown)
+    # The checkpoints folder, kept across attempts, writable at its path.
+    checkpoints = job.get("checkpoints")
+    if checkpoints:
+        argv += ["--bind", checkpoints["kept"], os.path.normpath(os.path.join(project, checkpoints["path"]))]
     # Folders in output folders are shown from the project just above:
     # what is hidden in them goes now. Then every view folder is made
     # read-only, once nothing more is mounted in it.
@@ -425,6 +429,10 @@ def sandboxed_command(job: Mapping[str, Any], note: Callable[[str], None],
         for rel in writable_dirs(job["outputs"]):
             os.makedirs(os.path.join(staging, rel), exist_ok=True)
             os.makedirs(os.path.join(job["project"], rel), exist_ok=True)
+        checkpoints = job.get("checkpoints")
+        if checkpoints:  # bound onto a folder that exists, as the outputs'
+            os.makedirs(checkpoints["kept"], mode=0o700, exist_ok=True)
+            os.makedirs(os.path.join(job["project"], checkpoints["path"]), exist_ok=True)
         make_home(job)
         filter_fd = seccomp_fd(machine) if isolated else None
         try:

@@ -33,9 +33,10 @@ from typing import Any, Mapping, cast
 # substrax_tasks._remote.worker only by the project's own checks.
 PACKAGED = bool(__package__)
 if PACKAGED:
-    from . import control, gpus, hints, manifest, proctree, runfiles, sandbox
+    from . import checkpoints, control, gpus, hints, manifest, proctree, runfiles, sandbox
 else:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # even under PYTHONSAFEPATH
+    import checkpoints
     import control
     import gpus
     import hints
@@ -89,6 +90,7 @@ class Worker:
         self.gpu_locks: list[int] = []  # open while the run lasts: they hold its GPUs
         self.gpu_env: dict[str, str] = {}
         self.task_path = ""  # the command's PATH, named when a program was not found
+        self.checkpoints_root: str | None = None  # where the command writes its checkpoints
         self.status: runfiles.Status = {
             "version": runfiles.STATUS_VERSION, "state": "starting", "worker_pid": os.getpid(),
             "worker_start_ticks": control.start_ticks(os.getpid()),
@@ -226,6 +228,7 @@ class Worker:
                 cgroup = self.cgroup
                 # Kept on self: a Popen object dropped while its process has
                 # exited reaps it, and the poll loop would never see its end.
+                self.checkpoints_root = self.place_checkpoints(sandbox_name)
                 env = task_environment(job, dict(os.environ), self.secrets, {**home, **self.gpu_env})
                 env[control.RUN_MARK] = self.status["mark"]  # last: no setting of the step's replaces it
                 self.task_path = env.get("PATH", "")
@@ -248,8 +251,30 @@ class Worker:
         pid = self.child.pid
         self.write_status(state="running", pid=pid, start_ticks=control.start_ticks(pid),
                           started_at=control.now_iso(), sandbox=sandbox_name, outputs_root=outputs_root,
-                          cgroup=self.cgroup)
+                          cgroup=self.cgroup, checkpoints_root=self.checkpoints_root)
         return True
+
+    def place_checkpoints(self, sandbox_name: str) -> str | None:
+        """Where the command writes its checkpoints: the kept folder itself,
+        bound at its project path in the sandbox; without one, a copy of it
+        at that path in the project (kept back as the command ends)."""
+        wanted = self.job.get("checkpoints")
+        if not wanted:
+            return None
+        os.makedirs(wanted["kept"], mode=0o700, exist_ok=True)
+        if sandbox_name == "bwrap":
+            return wanted["kept"]
+        return checkpoints.put_in_place(wanted["kept"], self.job["project"], wanted["path"])
+
+    def keep_checkpoints(self) -> None:
+        """Without a sandbox: the checkpoints the command left in the
+        project, copied back to the kept folder for the next attempt."""
+        wanted = self.job.get("checkpoints")
+        if wanted and self.checkpoints_root and self.checkpoints_root != wanted["kept"]:
+            try:
+                checkpoints.keep_from_place(self.checkpoints_root, wanted["kept"])
+            except OSError as exc:
+                self.note("could not keep the checkpoints from %s: %s" % (self.checkpoints_root, exc))
 
     def watch(self, child_pid: int, outputs_root: str) -> None:
         """Poll until the command ends, its timeout passes or a signal asks
@@ -295,6 +320,7 @@ class Worker:
         # Nothing runs in the sandbox's home any more; it goes before the
         # end is recorded, so an ended run never leaves one behind.
         sandbox.remove_home(self.job)
+        self.keep_checkpoints()
         message = None
         if state == "succeeded":
             self.write_manifest(outputs_root)
@@ -364,6 +390,9 @@ def absolute_paths(raw: Mapping[str, Any], base: str) -> runfiles.Job:
     if job.get("cache_dirs"):
         job["cache_dirs"] = [{**kept, "kept": os.path.normpath(os.path.join(base, kept["kept"]))}
                              for kept in job["cache_dirs"]]
+    if job.get("checkpoints"):
+        job["checkpoints"] = {**job["checkpoints"],
+                              "kept": os.path.normpath(os.path.join(base, job["checkpoints"]["kept"]))}
     return cast(runfiles.Job, job)
 
 

@@ -84,9 +84,13 @@ class Capabilities:
     is the project's), where it ran (`ran_on`), whether it still holds a
     machine and for how long (`released`, `lifetime_left`). The contract
     tests bind each for every backend.
+    checkpoints: a step's `checkpoints` folder is kept across its runs (in
+    the store, or brought home as snapshots) and put back in place for the
+    next; a step declaring one is refused before launch elsewhere.
     """
 
     interrupt_cancels: bool = False
+    checkpoints: bool = False
 
 
 @dataclass(frozen=True)

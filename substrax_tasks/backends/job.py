@@ -76,6 +76,7 @@ def build_job(
     project_shown: Sequence[str] | None = None,
     left_out: Sequence[str] = (),
     gpus: runfiles.JobGpus | None = None,
+    checkpoints_kept: str | None = None,
 ) -> runfiles.Job:
     """The job; `env_dir`: the environment built from the project's lock
     file, first on the task's PATH and readable in the sandbox;
@@ -86,7 +87,9 @@ def build_job(
     mentions them;
     `cache_dirs` (validated "~/..." folders of the sandbox's home) are kept
     across runs under `cache_root`, at the same paths below it; `gpus`:
-    what the worker takes and shows the task (_gpus.job_gpus)."""
+    what the worker takes and shows the task (_gpus.job_gpus);
+    `checkpoints_kept`: the folder kept for the step's checkpoints on that
+    machine, shown to the task at the spec's `checkpoints` path."""
     job: runfiles.Job = {
         "version": runfiles.JOB_VERSION,
         "argv": list(spec.command),
@@ -115,6 +118,10 @@ def build_job(
         job["project_shown"] = list(project_shown)
     if gpus is not None:
         job["gpus"] = gpus
+    if spec.checkpoints is not None:
+        if checkpoints_kept is None:
+            raise ValueError("a step with checkpoints needs the folder they are kept in")
+        job["checkpoints"] = runfiles.Checkpoints(path=spec.checkpoints.rstrip("/"), kept=checkpoints_kept)
     for folder in cache_dirs:
         if cache_root is None:
             raise ValueError("cache_dirs need a cache_root")

@@ -33,8 +33,10 @@ from typing import IO, Any, Protocol, cast
 
 from substrax_tasks._remote import runfiles
 from substrax_tasks.backends.base import MAX_LOG_BYTES, Backend, Fetched, RunStatus, log_cut_note
+from substrax_tasks.backends.checkpoints import Snapshots
 from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
 from substrax_tasks.backends.state import RemoteState
+from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.store.handle import RunHandle
@@ -363,6 +365,87 @@ class RemoteRun:
         return Fetched(staging, manifest)
 
 
+class CheckpointPuller:
+    """A run's checkpoints brought home while it runs, every `every`
+    seconds, as verified snapshots (backends/checkpoints.py): the worker's
+    `checkpoints.py list` names the finished files there with their
+    sha256, the transport copies them, and only a copy that matches is
+    kept. A pull that fails (the host out of reach a moment) is said and
+    tried again at the next; the run goes on."""
+
+    def __init__(self, run: RemoteRun, transport: Transport, snapshots: Snapshots, every: float,
+                 step: str) -> None:  # fmt: skip
+        self.run = run
+        self.transport = transport
+        self.snapshots = snapshots
+        self.every = every
+        self.step = step
+        self.next_at = time.monotonic() + every
+        self.root: str | None = None  # where the command writes them there (its status says)
+
+    def when_due(self) -> None:
+        if time.monotonic() >= self.next_at:
+            try:
+                self.pull()
+            except BackendError as exc:
+                emit(f"{self.step}: checkpoints not brought home this time: {exc}", err=True)
+            self.next_at = time.monotonic() + self.every
+
+    def pull(self) -> int | None:
+        """One snapshot now; the number of files it holds (None: nothing to pull yet)."""
+        if self.root is None:
+            root = self.run.status().get("checkpoints_root")
+            if not isinstance(root, str):
+                return None
+            self.root = root
+        what = "listing the checkpoints"
+        result = self.run.run_script("checkpoints.py", "list", self.root, what=what, timeout=None,
+                                     limit=MAX_ANSWER_BYTES)  # fmt: skip
+        if result.returncode != 0:
+            raise result.failure(what, self.run.remote.host)
+        listed = self.run.answer(result, what).get("entries")
+        entries = checked_entries(listed, f"{what} on {self.run.remote.host}")
+        root = self.root
+        kept = self.snapshots.pull(entries, lambda paths, into: self._download(root, paths, into))
+        emit(f"{self.step}: checkpoints brought home ({kept} file(s))", err=True)
+        return kept
+
+    def _download(self, root: str, paths: list[str], into: Path) -> None:
+        self.transport.download(root, paths, into)
+
+
+def checked_entries(listed: object, where: str) -> list[dict[str, Any]]:
+    """The host's list of finished checkpoint files, each a plain relative
+    path with a size and a sha256: anything else is refused, never copied."""
+    if not isinstance(listed, list):
+        raise HostRefused(f"{where}: not a list of files")
+    entries = []
+    for entry in listed:
+        path = entry.get("path") if isinstance(entry, dict) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        parts = PurePosixPath(path).parts if isinstance(path, str) else ()
+        if (not parts or path.startswith("/") or ".." in parts or not isinstance(digest, str)  # type: ignore[union-attr]
+                or len(digest) != 64):  # fmt: skip
+            raise HostRefused(f"{where}: refused the entry {str(entry)[:200]}")
+        entries.append({"path": path, "size": entry.get("size"), "sha256": digest})
+    return entries
+
+
+def push_checkpoints(
+    run: RemoteRun, upload: Callable[[Path, list[str], str], object], snapshots: Snapshots, kept: str,
+    step: str,
+) -> None:
+    """The latest verified snapshot put in place there (`upload(local
+    folder, paths, remote folder)`) before the command starts."""
+    run.check(["mkdir", "-p", "-m", "700", kept], "making the checkpoints folder")
+    latest = snapshots.latest()
+    if latest is None:
+        return
+    files, manifest = latest
+    upload(files, sorted(manifest), kept)
+    emit(f"{step}: checkpoints put in place from the last snapshot ({len(manifest)} file(s))")
+
+
 class _LogFull(Exception):
     """The follower sent the log up to its limit (or, from a lying host, past it)."""
 
@@ -371,7 +454,8 @@ class _FollowOverdue(Exception):
     """The follower outlived the run's lifetime."""
 
 
-def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int, run: RemoteRun) -> RunStatus:
+def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int, run: RemoteRun,  # noqa: PLR0917
+               checkpoints: CheckpointPuller | None = None) -> RunStatus:  # fmt: skip
     """A run's log from `offset` to `out` until it ends, through one
     follower there (control.py follow: one channel, the status read there
     each tick) instead of a status and a log read started every fraction of
@@ -392,6 +476,8 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
         backend.check_recorded(handle)  # the store deleted under the run: torn down
         if deadline is not None and time.monotonic() > deadline:
             raise _FollowOverdue
+        if checkpoints is not None:
+            checkpoints.when_due()
 
     def write(chunk: bytes) -> None:
         nonlocal sent

@@ -55,6 +55,9 @@ class BackendSettings(Strict):
         'as "~/.cache/huggingface".',
     )
     max_parallel: int | None = Field(None, ge=1, description=MAX_PARALLEL_HELP + " Default: no limit.")
+    keep_checkpoints: bool = Field(
+        False, description="Keep a step's checkpoints once its outputs are promoted (default: removed)."
+    )
 
     @field_validator("cache_dirs")
     @classmethod
@@ -112,4 +115,7 @@ class RemoteSettings(BackendSettings):
     python: str = Field("python3", description="The machine's Python (3.8+) for the worker.")
     setup_commands: list[str] = Field(
         default_factory=list, description="Shell commands run before the environment is synced."
+    )
+    checkpoint_seconds: float = Field(
+        300.0, gt=0, description="How often a step's checkpoints are brought home while it runs."
     )

@@ -128,6 +128,9 @@ def promote_outputs(driver: DrivenRun) -> TaskFailed | None:
     if handle is not None:
         driver.advance(handle, Phase.PROMOTED)
     uptodate.write_record(driver.step, **record_of(driver, str(verified.manifest["digest"])))
+    if driver.spec.checkpoints is not None and not driver.step.settings.get("keep_checkpoints"):
+        # The outputs are home: the checkpoints that led to them have done their work.
+        driver.project.store.remove_checkpoints(step)
     return None
 
 

@@ -278,6 +278,7 @@ class StepDriver(DrivenRun):
                 f"secret(s) {', '.join(unset)} named in secrets=[...] are not set in this "
                 "environment; set them (their values are forwarded to the command, never stored)"
             )
+        self._refuse_unkept_checkpoints()
         self.parts = parts = uptodate.key_parts(self.step)
         key = uptodate.key(parts)
         handle = reusable_run(self, key)
@@ -297,6 +298,21 @@ class StepDriver(DrivenRun):
             self.advance(self.retrying("launch", lambda: backend.launch(handle)), Phase.LAUNCHED)
         elif not (status := backend.poll(handle)).final:  # reattached: it holds a slot as a new run does
             self._take_slot(backend, handle, running=status.state == "running")
+
+    def _refuse_unkept_checkpoints(self) -> None:
+        """A step whose checkpoints its backend would not keep is refused
+        before anything launches: a run that silently starts from nothing
+        each time is what checkpoints= is there to prevent."""
+        if self.spec.checkpoints is None:
+            return
+        from substrax_tasks.backends.registry import backend_class  # not on a no-op's path
+
+        if not backend_class(self.step.backend).capabilities.checkpoints:
+            raise SubstraxError(
+                f"checkpoints={self.spec.checkpoints!r}: the {self.step.backend} backend does not keep "
+                "checkpoints across runs yet (the local and ssh backends do); run the step on one of "
+                "those (backend=...), or remove checkpoints= to run it without them"
+            )
 
     def setup(self) -> Any:
         return self._action(

@@ -46,10 +46,17 @@ class StepSpec:
     timeout: float | None = None
     resources: dict[str, str | int | float] = field(default_factory=dict)
     forward_env: list[str] = field(default_factory=list)
+    # The folder the command keeps its checkpoints in ("ckpt/"), or None.
+    checkpoints: str | None = None
 
     def model_dump(self, mode: str = "json") -> dict[str, Any]:
-        """The spec as JSON-ready data (the name pydantic models use)."""
-        return dataclasses.asdict(self)
+        """The spec as JSON-ready data (the name pydantic models use). A
+        step without checkpoints dumps as before they existed: its runs'
+        digests, and so the runs a rerun reattaches to, stay the same."""
+        data = dataclasses.asdict(self)
+        if data["checkpoints"] is None:
+            del data["checkpoints"]
+        return data
 
     def output_entries(self) -> list[dict[str, str]]:
         """The outputs as the worker reads them: path and kind."""
@@ -69,7 +76,9 @@ def canonical_digest(data: Any) -> str:
 # up-to-date key and of a run's digest, so adding or changing them reruns
 # nothing (the kept folders' contents are never read for the key either;
 # which GPUs a step sees is where it runs, as which host is).
-NOT_IN_KEY = ("cache_dirs", "hide_gpus_when_unasked", "max_parallel", "reuse")
+NOT_IN_KEY = (
+    "cache_dirs", "checkpoint_seconds", "hide_gpus_when_unasked", "keep_checkpoints", "max_parallel", "reuse",
+)
 
 
 def settings_in_key(settings: dict[str, Any]) -> dict[str, Any]:
@@ -169,6 +178,7 @@ def make_spec(
     timeout: float | None = None,
     resources: Mapping[str, str | int | float] | None = None,
     forward_env: Iterable[str] = (),
+    checkpoints: str | os.PathLike[str] | None = None,
 ) -> StepSpec:
     """Check a step's declaration and turn it into a StepSpec. Each
     argument of a wrong type is named with what was expected and how to
@@ -186,6 +196,7 @@ def make_spec(
     if len(output_paths) > 1:  # one output cannot overlap itself
         check_no_overlap(step, output_paths)
     _refuse_path_folders(step, output_list, output_paths, project)
+    checkpoint_path = _checkpoints_of(step, checkpoints, project, input_paths, output_paths)
     for name in forwarded:
         if not name or "=" in name or name in env_checked:
             raise SpecError(
@@ -201,7 +212,36 @@ def make_spec(
         timeout=seconds,
         resources=resource_values,
         forward_env=forwarded,
+        checkpoints=checkpoint_path,
     )
+
+
+def _checkpoints_of(
+    step: str, raw: object, project: Path, inputs: list[str], outputs: list[str]
+) -> str | None:
+    """The checkpoints folder as a clean project path ending in "/": a
+    folder of the project that is neither an input nor an output, nor holds
+    or lies in one (the command writes it, and it is never promoted)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, (str, os.PathLike)):
+        raise SpecError(
+            f"step {step!r}: checkpoints must be a folder of the project (a str or pathlib.Path), "
+            f'got {shown(raw)}: write checkpoints="ckpt/"'
+        )
+    folder = relative_path(raw, project, f"step {step!r}: checkpoints").rstrip("/") + "/"
+    for kind, paths in (("input", inputs), ("output", outputs)):
+        index = PathIndex()
+        for path in paths:
+            index.add(step, path)
+        hit = index.overlapping(folder)
+        if hit is not None:
+            raise SpecError(
+                f"step {step!r}: checkpoints folder {folder} overlaps the {kind} {hit[1]}; the checkpoints "
+                f"are neither uploaded nor promoted: give them a folder of their own, as "
+                f'checkpoints="ckpt/"'
+            )
+    return folder
 
 
 def _refuse_path_folders(

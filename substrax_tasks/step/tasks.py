@@ -41,6 +41,9 @@ from substrax_tasks.uptodate.check import DOIT_VALUE, Step, status
 # The outputs declared in this process, per project, for cross-step checks
 # (overlapping outputs, producers of inputs).
 _INDEXES: dict[str, PathIndex] = {}
+# The checkpoints folders declared in this process, per project: no step's
+# output may lie in another's (nor hold one).
+_CHECKPOINTS: dict[str, PathIndex] = {}
 _DECLARED_LOCK = threading.Lock()
 # The driver of each step declared in this process, for `substrax-compute why`.
 DRIVERS: dict[tuple[str, str], StepDriver] = {}
@@ -63,6 +66,7 @@ def _check_against_others(project: Path, spec: StepSpec) -> list[str]:
                     f"{theirs if len(theirs) <= len(mine.rstrip('/')) else mine.rstrip('/')}; "
                     "each path may be the output of one step only"
                 )
+        _check_checkpoints_apart(str(project), index, spec)
         producers: list[str] = []
         for path in spec.inputs:
             hit = index.overlapping(path)
@@ -71,6 +75,34 @@ def _check_against_others(project: Path, spec: StepSpec) -> list[str]:
         for out in spec.outputs:
             index.add(spec.step, out)
     return producers
+
+
+def _check_checkpoints_apart(project: str, outputs: PathIndex, spec: StepSpec) -> None:
+    """A checkpoints folder is its step's alone: refused where it overlaps
+    another step's output (or this step's outputs, another's checkpoints).
+    Steps without checkpoints in a project without any check nothing."""
+    folders = _CHECKPOINTS.get(project)
+    if folders is None and spec.checkpoints is None:
+        return
+    folders = _CHECKPOINTS.setdefault(project, PathIndex())
+    folders.remove_step(spec.step)
+    clashes = []
+    if spec.checkpoints is not None:
+        hit = outputs.overlapping(spec.checkpoints)
+        if hit is not None and hit[0] != spec.step:
+            clashes.append((spec.checkpoints, hit[0], f"output {hit[1]}"))
+    for mine in spec.outputs:
+        hit = folders.overlapping(mine)
+        if hit is not None:
+            clashes.append((mine.rstrip("/"), hit[0], f"checkpoints folder {hit[1]}/"))
+    if clashes:
+        what, other, theirs = clashes[0]
+        raise SubstraxError(
+            f"step {spec.step!r}: {what} overlaps the {theirs} of step {other!r}; a checkpoints folder "
+            "belongs to its step alone: give it a folder of its own"
+        )
+    if spec.checkpoints is not None:
+        folders.add(spec.step, spec.checkpoints)
 
 
 def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, command, ...)
@@ -86,6 +118,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     resources: Mapping[str, str | int | float] | None = None,
     secrets: Iterable[str] = (),
     retries: int = 0,
+    checkpoints: str | os.PathLike[str] | None = None,
     file_dep: Iterable[str | os.PathLike[str]] = (),
     task_dep: Iterable[str] = (),
     uptodate: Iterable[Any] = (),
@@ -105,6 +138,10 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     secrets: names of environment variables forwarded from this process:
       their values reach the command but never a digest, handle, DB or log.
     retries: how often to retry a failure of the machinery (never of the command).
+    checkpoints: a folder ("ckpt/") the command writes its checkpoints in
+      (by rename) and reads back as it starts: kept in the store, put back
+      in place for the next run of the same step and key, removed once the
+      outputs are promoted (docs/checkpoints.md).
     file_dep: extra files tracked for changes but not uploaded.
     task_dep, uptodate, doc, title, verbosity, clean, ...: passed to doit
       (uptodate is combined with the step's own check: all must hold).
@@ -123,7 +160,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
         argv: Sequence[ArgvItem] = ["/bin/sh", "-c", shell] if shell is not None else (command or [])
         spec = make_spec(
             name, argv, proj.root, inputs=inputs, outputs=outputs, env=env, timeout=timeout,
-            resources=resources, forward_env=secrets,
+            resources=resources, forward_env=secrets, checkpoints=checkpoints,
         )
         unknown = sorted(set(task_keys) - set(PASSTHROUGH_KEYS))
         if unknown:

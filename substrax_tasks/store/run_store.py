@@ -29,6 +29,7 @@ import functools
 import os
 import re
 import secrets
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,6 +123,21 @@ class RunStore:
     def run_cache_introduced(self) -> Path:
         """Made when `doit` first said where the run cache is (once per project)."""
         return self.root / "cache" / "run-cache-introduced"
+
+    def checkpoints_dir(self, step: str, key: str | None = None) -> Path:
+        """Where a step's checkpoints are kept: a folder per key of the
+        step, so that a changed command or input starts afresh."""
+        folder = self.root / "checkpoints" / safe_name(step)
+        return folder if key is None else folder / key[:16]
+
+    def remove_checkpoints(self, step: str) -> None:
+        """Every checkpoint kept for `step` (its outputs are home). Renamed
+        away first: a folder half removed is never taken for checkpoints."""
+        folder = self.checkpoints_dir(step)
+        if folder.exists():
+            gone = folder.with_name(f".{folder.name}.removed-{os.getpid()}")
+            folder.rename(gone)
+            shutil.rmtree(gone, ignore_errors=True)
 
     @property
     def envs_dir(self) -> Path:

@@ -59,11 +59,15 @@ class SshEndpoint(Protocol):
 
 class RsyncTransport(Transport):
     def __init__(
-        self, target: SshEndpoint, excludes: list[str] | None = None, show_progress: bool | None = None
+        self, target: SshEndpoint, excludes: list[str] | None = None, show_progress: bool | None = None,
+        *, quiet: bool = False,
     ) -> None:
+        """`quiet`: no bar and no start or summary line (the checkpoints'
+        copies, every few minutes while a run goes, say one line of their own)."""
         self.target = target
         self.excludes = list(excludes or [])
-        self.show_progress = sys.stderr.isatty() if show_progress is None else show_progress
+        self.quiet = quiet
+        self.show_progress = not quiet and (sys.stderr.isatty() if show_progress is None else show_progress)
 
     def _argv(self, source: str, dest: str, *extra: str) -> list[str]:
         argv = [
@@ -134,7 +138,7 @@ class RsyncTransport(Transport):
         # No bar while steps run beside each other: bars redrawn from several
         # threads garble the terminal; a start and an end line, marked, instead.
         bar = progress(what) if self.show_progress and not marking() else None
-        if bar is None:  # a long copy says when it starts, not only when it ends
+        if bar is None and not self.quiet:  # a long copy says when it starts, not only when it ends
             where = f"{len(rel_paths)} files to" if what == "upload" else f"{len(rel_paths)} outputs from"
             emit(f"{what}: started, {where} {self.target.host}", err=True)
         # stderr to a file: a pipe read only at the end could fill up and
@@ -176,7 +180,7 @@ class RsyncTransport(Transport):
             bytes=_number(size.group(1)) if size else 0,
             seconds=time.monotonic() - started,
         )
-        if bar is None:
+        if bar is None and not self.quiet:
             emit(stats.summary(what), err=True)
         return stats, text
 

@@ -55,7 +55,9 @@ PROOF_VERSION = f"{__version__}/5"
 # part) may have read an undeclared file: stale once, and no cache entry of
 # that time matches.
 VIEW_RULE = "declared"
-KEY_FIELDS = ("command", "env", "timeout", "outputs", "resources", "secrets", "backend", "environment")
+KEY_FIELDS = (
+    "command", "env", "timeout", "outputs", "checkpoints", "resources", "secrets", "backend", "environment",
+)
 _LOCK_DIGESTS: dict[tuple[str, int, int, int], str] = {}
 # every candidate lock file (and what one is read with), as the proof walks
 # them: present or not, one appearing is a change
@@ -131,6 +133,8 @@ class Step:
             spec.timeout, spec.inputs, spec.outputs, sorted(spec.resources.items()),
             spec.forward_env, self.tracked, self.backend, sorted(self.settings.items()),
         ]
+        if spec.checkpoints is not None:
+            items.append(spec.checkpoints)
         return marshal.dumps(items, 2)
 
     @functools.cached_property
@@ -194,7 +198,11 @@ def key_parts(step: Step) -> dict[str, Any]:
     finally:
         cache.save()
     files = {e["path"]: e.get("sha256") or e.get("target") or e["type"] for e in manifest["entries"]}
+    # Only when declared: the key of a step without checkpoints is the one
+    # it had before they existed (no rerun after an upgrade).
+    declared = {"checkpoints": spec.checkpoints} if spec.checkpoints is not None else {}
     return {
+        **declared,
         "command": spec.command,
         "env": spec.env,
         "timeout": spec.timeout,

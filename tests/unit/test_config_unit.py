@@ -21,7 +21,8 @@ def test_defaults_need_no_configuration(project_dir: Path) -> None:
     name, settings = project.settings_for()
     assert name == "local"
     assert settings == {"sandbox": "auto", "network_isolation": False, "grace_seconds": 5.0, "cache_dirs": [],
-                        "max_parallel": None, "hide_gpus_when_unasked": False, "pip_args": []}  # fmt: skip
+                        "max_parallel": None, "hide_gpus_when_unasked": False, "pip_args": [],
+                        "keep_checkpoints": False}  # fmt: skip
 
 
 @pytest.mark.unit

@@ -53,7 +53,7 @@ def test_handle_records_spec_settings_and_digest(project: Project) -> None:
     assert data["backend"] == "local"
     assert data["settings"] == {
         "sandbox": "none", "network_isolation": False, "grace_seconds": 5.0, "cache_dirs": [],
-        "max_parallel": None, "hide_gpus_when_unasked": False, "pip_args": [],
+        "max_parallel": None, "hide_gpus_when_unasked": False, "pip_args": [], "keep_checkpoints": False,
     }
     assert data["spec"]["command"] == ["sh", "-c", "true"]
     assert data["spec"]["outputs"] == ["out/"]

@@ -155,3 +155,37 @@ def test_a_step_name_is_refused_one_character_over_the_limit(tmp_path: Path) -> 
     )
 
 
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"checkpoints": 5}, 'got the int 5: write checkpoints="ckpt/"'),
+        ({"checkpoints": "../ckpt/"}, "contains '..'"),
+        ({"checkpoints": "data/ckpt/", "inputs": ["data/"]},
+         "checkpoints folder data/ckpt/ overlaps the input data"),
+        ({"checkpoints": "model/", "outputs": ["model/best.pt"]}, "overlaps the output model/best.pt"),
+        ({"checkpoints": "ckpt", "outputs": ["ckpt"]},
+         "checkpoints folder ckpt/ overlaps the output ckpt"),
+    ],
+)
+@pytest.mark.unit
+def test_a_checkpoints_folder_is_a_folder_of_its_own_in_the_project(
+    tmp_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(SpecError) as refused:
+        make_spec("train", ["true"], tmp_path, **kwargs)
+    assert str(refused.value).startswith("step 'train': ")
+    assert message in str(refused.value)
+
+
+@pytest.mark.unit
+def test_checkpoints_are_a_folder_and_in_the_digest_only_when_declared(tmp_path: Path) -> None:
+    """A step without checkpoints dumps as it did before they existed, so
+    an upgrade changes no run's digest; one with them is another step."""
+    plain = make_spec("train", ["true"], tmp_path, outputs=["m.pt"])
+    assert "checkpoints" not in plain.model_dump()
+    kept = make_spec("train", ["true"], tmp_path, outputs=["m.pt"], checkpoints=Path("ckpt"))
+    assert kept.checkpoints == "ckpt/"
+    assert kept.model_dump()["checkpoints"] == "ckpt/"
+    assert make_spec("train", ["true"], tmp_path, checkpoints=str(tmp_path / "ckpt")).checkpoints == "ckpt/"

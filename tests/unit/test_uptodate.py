@@ -380,3 +380,17 @@ def test_the_walk_of_the_outputs_moves_with_any_change_in_them(tmp_path: Path, c
     assert _walk_stamp(tmp_path) == before  # nothing changed: the same stamp
     OUTPUT_CHANGES[change](out)
     assert _walk_stamp(tmp_path) != before
+
+
+@pytest.mark.unit
+def test_checkpoints_are_in_the_key_only_when_declared_and_why_names_them(root: Path, step: Step) -> None:
+    """A step without checkpoints keeps the key it had before they existed
+    (no rerun after an upgrade); declaring them is a change `why` names; the
+    settings about keeping them are not in the key."""
+    assert "checkpoints" not in uptodate.key_parts(step)
+    kept = make_step(root, checkpoints="ckpt/")
+    assert uptodate.key_parts(kept)["checkpoints"] == "ckpt/"
+    assert check_and_why(kept) == ("checkpoints changed: was None, now 'ckpt/'",)
+    settings = {"sandbox": "none", "keep_checkpoints": True, "checkpoint_seconds": 5.0}
+    assert uptodate.key(uptodate.key_parts(make_step(root, settings=settings))) == uptodate.key(
+        uptodate.key_parts(step))

@@ -29,6 +29,7 @@ from substrax_tasks._remote import control, env, gpus, sandbox
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
+from substrax_tasks.backends.checkpoints import live_folder
 from substrax_tasks.backends.job import (
     WorkerPaths,
     build_job,
@@ -57,7 +58,7 @@ class LocalBackend(Backend):
     name = "local"
     Settings = LocalSettings
     State = BackendState  # it keeps nothing in the handle: its run's folder is here
-    capabilities = Capabilities(interrupt_cancels=True)
+    capabilities = Capabilities(interrupt_cancels=True, checkpoints=True)
     settings: LocalSettings
 
     def paths(self, handle: RunHandle) -> WorkerPaths:
@@ -111,6 +112,7 @@ class LocalBackend(Backend):
                 # where ssh runs keep theirs by default: one holder per GPU of this machine
                 str(Path.home() / ".substrax-remote" / "gpus"), "this machine",
             ),
+            checkpoints_kept=live_folder(self.store, handle),
         )
         if self.settings.sandbox != "none":  # without one, the worker finds what doit would
             # The argv's program first, as asked here; then what a shell or

@@ -29,7 +29,8 @@ from pydantic import Field
 from substrax_tasks._remote import env
 from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends import remote_run as _remote_run
-from substrax_tasks.backends.base import Backend, Fetched, RunStatus
+from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
+from substrax_tasks.backends.checkpoints import Snapshots, checkpoints_folder
 from substrax_tasks.backends.job import (
     WorkerPaths,
     build_job,
@@ -85,6 +86,9 @@ class SshBackend(Backend):
     Settings = SshSettings
     State = SshState
     settings: SshSettings
+    capabilities = Capabilities(checkpoints=True)
+    # The run's checkpoints, pulled between polls while a log is followed by polling.
+    _pulling: _remote_run.CheckpointPuller | None = None
 
     # ---------------------------------------------------------- helpers
     @property
@@ -197,7 +201,12 @@ class SshBackend(Backend):
             cache_root=cache_root,
             left_out=own.left_out,
             gpus=own.gpus,
+            checkpoints_kept=f"{run.run_dir}/work/checkpoints",
         )
+        snapshots = self.snapshots(handle)
+        if snapshots is not None:  # before the worker: the command reads them as it starts
+            _remote_run.push_checkpoints(run, self.transport().upload, snapshots, job["checkpoints"]["kept"],
+                                         handle.step)  # fmt: skip
         self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())
         result = run.run_script("worker.py", paths.job, "--detach", "--env-stdin", what="starting the worker",
                                 stdin=json.dumps(forwarded_env(handle)).encode())  # fmt: skip
@@ -266,15 +275,47 @@ class SshBackend(Backend):
         """With follow, one follower on the host streams the log until the
         run ends (_remote_run.follow_log)."""
         status = self.poll(handle)
-        if not follow or status.final or SshState.of(handle).remote_run_dir is None:
+        if not follow or SshState.of(handle).remote_run_dir is None:
             return super().stream_log(handle, out, follow=follow, offset=offset)
-        try:
-            return _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle))
-        except NoSession:
-            # More steps follow runs on this host at once than sshd lets one
-            # connection hold sessions (raised before anything was sent):
-            # this one polls, as before.
-            return super().stream_log(handle, out, follow=True, offset=offset)
+        puller = self.checkpoint_puller(handle)
+        if status.final:
+            status = super().stream_log(handle, out, follow=follow, offset=offset)
+        else:
+            try:
+                status = _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle), puller)
+            except NoSession:
+                # More steps follow runs on this host at once than sshd lets one
+                # connection hold sessions (raised before anything was sent):
+                # this one polls, as before, pulling the checkpoints between polls.
+                self._pulling = puller
+                try:
+                    status = super().stream_log(handle, out, follow=True, offset=offset)
+                finally:
+                    self._pulling = None
+        if puller is not None and status.state in ("failed", "timed_out", "cancelled"):
+            # What the command left as it ended is whole now: the next run starts from it.
+            try:
+                puller.pull()
+            except BackendError as exc:
+                emit(f"{handle.step}: the last checkpoints were not brought home: {exc}", err=True)
+        return status
+
+    def pause(self, handle: RunHandle, seconds: float) -> bool:
+        if self._pulling is not None:
+            self._pulling.when_due()
+        return super().pause(handle, seconds)
+
+    def snapshots(self, handle: RunHandle) -> Snapshots | None:
+        folder = checkpoints_folder(self.store, handle)
+        return None if folder is None else Snapshots(folder)
+
+    def checkpoint_puller(self, handle: RunHandle) -> _remote_run.CheckpointPuller | None:
+        snapshots = self.snapshots(handle)
+        if snapshots is None or SshState.of(handle).torn_down:
+            return None
+        quiet = RsyncTransport(self.settings.target(), quiet=True)
+        return _remote_run.CheckpointPuller(self.remote_run(handle), quiet, snapshots,
+                                            self.settings.checkpoint_seconds, handle.step)  # fmt: skip
 
     def read_log(self, handle: RunHandle, offset: int) -> bytes:
         kept = _remote_run.read_kept_log(self.store.run_dir(handle.run_id) / "run.log", offset)

@@ -55,8 +55,8 @@ BAD_CONFIGS = [
         '[tool.substrax.compute.backends.local]\nsandbx = "none"\n',
         [
             "unknown key 'sandbx' in [tool.substrax.compute.backends.local]",
-            "valid keys: cache_dirs, grace_seconds, hide_gpus_when_unasked, max_parallel, network_isolation, "
-            "pip_args, sandbox",
+            "valid keys: cache_dirs, grace_seconds, hide_gpus_when_unasked, keep_checkpoints, max_parallel, "
+            "network_isolation, pip_args, sandbox",
         ],
     ),
     (
@@ -78,6 +78,11 @@ BAD_CONFIGS = [
         "bad-grace",
         "[tool.substrax.compute.backends.local]\ngrace_seconds = -1\n",
         ["tool.substrax.compute.backends.local.grace_seconds = -1", "greater than 0"],
+    ),
+    (
+        "bad-checkpoint-seconds",
+        '[tool.substrax.compute.backends.ssh]\nhost = "box"\ncheckpoint_seconds = 0\n',
+        ["tool.substrax.compute.backends.ssh.checkpoint_seconds = 0", "greater than 0"],
     ),
     (
         "isolation-without-sandbox",
@@ -175,7 +180,7 @@ def test_configured_values_are_used(project_dir: Path) -> None:
     project = Project.open(project_dir)
     configured = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5,
                   "cache_dirs": ["~/.cache/huggingface"], "max_parallel": None,
-                  "hide_gpus_when_unasked": False, "pip_args": []}  # fmt: skip
+                  "hide_gpus_when_unasked": False, "pip_args": [], "keep_checkpoints": False}  # fmt: skip
     assert project.settings_for() == ("local", configured)
     handle = project.submit(make_spec("configured", ["true"], project_dir))
     assert handle.settings == configured

@@ -48,7 +48,8 @@ def test_settings_stay_pinned_when_the_pyproject_changes(project_dir: Path, mark
     spec = make_spec("pinned", stubborn_tree(marker, "child"), project_dir, outputs=["out/"])
     handle = project.submit(spec)  # no override: the settings come from pyproject.toml
     pinned = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5, "cache_dirs": [],
-              "max_parallel": None, "hide_gpus_when_unasked": False, "pip_args": []}  # fmt: skip
+              "max_parallel": None, "hide_gpus_when_unasked": False, "pip_args": [],
+              "keep_checkpoints": False}  # fmt: skip
     assert handle.settings == pinned
     task_ready, child_ready = ready_files(outputs_root(project, handle), "child")
     wait_for(lambda: task_ready.exists() and child_ready.exists(), "the task tree to start")

@@ -1,0 +1,141 @@
+"""Checkpoints on the local backend (`remote_step(..., checkpoints="ckpt/")`),
+as a user drives them with `doit`: the folder lives in the store, bound
+writable into the sandbox, so a run interrupted by Ctrl-C or failed is
+resumed by the next `doit` from what it had written; a changed input
+starts afresh; once the outputs are promoted the checkpoints go; two steps
+running beside each other keep theirs apart."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+from checkpoint_parts import COUNT_PY, count_step, counts, kept_state, result_of, run_logs, starts
+from dodo_helpers import (
+    DEFAULT_SANDBOX,
+    SANDBOXES,
+    doit,
+    doit_ok,
+    make_project,
+    popen_doit,
+    popen_output,
+    show,
+    stop,
+    wait_for,
+    write_pyproject,
+)
+
+PAUSE = 0.3  # between counts: long enough for a Ctrl-C to land mid-run
+
+
+def counting_project(tmp_path: Path, body: str, sandbox: str = DEFAULT_SANDBOX) -> Path:
+    return make_project(tmp_path, "def task_all():\n" + body, sandbox=sandbox,
+                        files={"count.py": COUNT_PY, "data.txt": "one\n"})  # fmt: skip
+
+
+def test_ctrl_c_then_doit_resumes_from_the_checkpoint(tmp_path: Path) -> None:
+    root = counting_project(tmp_path, count_step("count", 12, PAUSE))
+    proc = popen_doit(root, "count")
+    try:
+        wait_for(lambda: (kept_state(root, "count") or {}).get("i", 0) >= 4, "four counts checkpointed")
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        stop(proc)
+    assert code != 0, popen_output(root)
+    first = run_logs(root, "count")[0]
+    interrupted_at = max(counts(first))
+    assert interrupted_at < 12, first
+    kept = kept_state(root, "count")
+    assert kept is not None and kept["i"] >= 4, kept
+
+    done = doit_ok(root, "count")
+    second = run_logs(root, "count")[-1]
+    assert starts(second) == [kept["i"]], show(done)
+    # A count is redone only if the Ctrl-C landed between its print and its checkpoint.
+    assert interrupted_at - kept["i"] <= 1, (first, second)
+    reached, seen = result_of(root, "count")
+    assert reached == 12
+    assert seen == list(range(1, 13))  # each count once in the state that was carried over
+    # The outputs are home: the checkpoints have done their work.
+    assert not (root / ".substrax" / "checkpoints" / "count").exists()
+    assert kept_state(root, "count") is None
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_a_failed_command_leaves_its_checkpoint_for_the_next_doit(tmp_path: Path, sandbox: str) -> None:
+    """Without a sandbox the command writes in the project, and the worker
+    keeps what it left as it ends."""
+    root = counting_project(tmp_path, count_step("count", 6, 0.01, "fail-fresh"), sandbox)
+    failed = doit(root, "count")
+    assert failed.returncode != 0, show(failed)
+    assert "failed (exit code 3)" in failed.stdout + failed.stderr, show(failed)
+    assert kept_state(root, "count") == {"n": 6, "i": 3, "seen": [1, 2, 3]}
+
+    done = doit_ok(root, "count")
+    assert starts(run_logs(root, "count")[-1]) == [3], show(done)
+    assert "count: checkpoints of an earlier run in place (1 file(s))" in done.stdout + done.stderr
+    assert result_of(root, "count") == (6, [1, 2, 3, 4, 5, 6])
+
+
+def test_a_changed_input_starts_afresh(tmp_path: Path) -> None:
+    root = counting_project(tmp_path, count_step("count", 6, 0.01, "fail-fresh"))
+    assert doit(root, "count").returncode != 0
+    assert kept_state(root, "count") == {"n": 6, "i": 3, "seen": [1, 2, 3]}
+    (root / "data.txt").write_text("two\n")  # another key: the snapshot of the old one is not restored
+    again = doit(root, "count")
+    assert again.returncode != 0, show(again)  # started from nothing, so it failed at 3 again
+    assert starts(run_logs(root, "count")[-1]) == [0], show(again)
+
+
+def test_keep_checkpoints_keeps_them_after_promotion(tmp_path: Path) -> None:
+    root = counting_project(tmp_path, count_step("count", 3, 0.01))
+    write_pyproject(root, extra="keep_checkpoints = true\n")
+    doit_ok(root, "count")
+    assert kept_state(root, "count") == {"n": 3, "i": 3, "seen": [1, 2, 3]}
+
+
+def test_two_steps_under_threads_keep_their_checkpoints_apart(tmp_path: Path) -> None:
+    root = counting_project(
+        tmp_path, count_step("a", 5, 0.05, "fail-fresh") + count_step("b", 8, 0.05, "fail-fresh")
+    )
+    failed = doit(root, "-n", "2", "-P", "thread", "a", "b")
+    assert failed.returncode != 0, show(failed)
+    assert kept_state(root, "a") == {"n": 5, "i": 3, "seen": [1, 2, 3]}
+    assert kept_state(root, "b") == {"n": 8, "i": 3, "seen": [1, 2, 3]}
+    done = doit_ok(root, "-n", "2", "-P", "thread", "a", "b")
+    assert starts(run_logs(root, "a")[-1]) == [3], show(done)
+    assert starts(run_logs(root, "b")[-1]) == [3], show(done)
+    assert result_of(root, "a") == (5, [1, 2, 3, 4, 5])
+    assert result_of(root, "b") == (8, list(range(1, 9)))
+
+
+def test_a_backend_that_keeps_no_checkpoints_refuses_the_step_before_launch(tmp_path: Path) -> None:
+    root = counting_project(tmp_path, count_step("count", 3, 0.01, backend="skypilot"))
+    with (root / "pyproject.toml").open("a") as f:
+        f.write('[tool.substrax.compute.backends.skypilot]\ninfra = "runpod"\n'
+                "[tool.substrax.compute.backends.skypilot.copy]\nlifetime_minutes = 10\n")  # fmt: skip
+    refused = doit(root, "count")
+    assert refused.returncode == 1, show(refused)
+    said = refused.stdout + refused.stderr
+    assert "checkpoints='ckpt/': the skypilot backend does not keep checkpoints across runs yet" in said, said
+    assert "Traceback" not in said
+    assert not (root / ".substrax" / "runs").exists() or not any((root / ".substrax" / "runs").iterdir())
+
+
+@pytest.mark.parametrize("checkpoints_first", [True, False], ids=["checkpoints-first", "output-first"])
+def test_a_checkpoints_folder_overlapping_another_steps_output_is_refused_at_load(
+    tmp_path: Path, checkpoints_first: bool
+) -> None:
+    kept = count_step("count", 3, 0.01)
+    other = "    yield from remote_step('other', command=['true'], outputs=['ckpt/x.txt'])\n"
+    root = counting_project(tmp_path, kept + other if checkpoints_first else other + kept)
+    refused = doit(root, "list")
+    assert refused.returncode == 1, show(refused)
+    said = refused.stdout + refused.stderr
+    if checkpoints_first:
+        assert "step 'other': ckpt/x.txt overlaps the checkpoints folder ckpt/ of step 'count'" in said, said
+    else:
+        assert "step 'count': ckpt/ overlaps the output ckpt/x.txt of step 'other'" in said, said
+    assert "a checkpoints folder belongs to its step alone" in said and "Traceback" not in said

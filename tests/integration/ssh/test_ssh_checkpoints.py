@@ -1,0 +1,203 @@
+"""Checkpoints on the ssh backend, against a real sshd in a network
+namespace (tests/support/testbeds/sshd_host.py), real rsync and bubblewrap
+on the host: the checkpoints are brought home as verified snapshots every
+`checkpoint_seconds` while the run goes; a client killed mid-run reattaches
+on the next `doit`, and a run that failed meanwhile is resumed from the
+last snapshot, put in place before the command starts; a snapshot pulled
+while the command writes is never half a file."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, run_logs, starts
+from dodo_helpers import doit, doit_ok, popen_doit, popen_output, show, stop, wait_for
+from ssh_helpers import live_handles, make_ssh_project, needs_root, needs_sshd
+from testbeds.sshd_host import SshHost
+
+from substrax_tasks.backends.ssh.connection import MAX_STREAMS, NoSession, connection
+from substrax_tasks.backends.ssh.settings import SshSettings
+from substrax_tasks.step.spec import make_spec
+from substrax_tasks.store.project import Project
+
+pytestmark = [needs_sshd, needs_root]
+
+PAUSE = 0.3
+EVERY = 0.5  # checkpoint_seconds
+
+
+def counting_project(tmp_path: Path, host: SshHost, body: str) -> Path:
+    return make_ssh_project(tmp_path, host, "def task_all():\n" + body, ["all"],
+                            files={"count.py": COUNT_PY, "data.txt": "one\n"},
+                            checkpoint_seconds=EVERY)  # fmt: skip
+
+
+def killed_once_pulled(root: Path, step: str, at_least: int) -> None:
+    """`doit STEP` SIGKILLed once a snapshot of `at_least` counts is home."""
+    proc = popen_doit(root, step)
+    try:
+        wait_for(lambda: (kept_state(root, step) or {}).get("i", 0) >= at_least,
+                 f"a snapshot of {at_least} counts", timeout=120)  # fmt: skip
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)
+
+
+def test_a_killed_client_reattaches_and_the_snapshots_go_once_promoted(tmp_path: Path, host: SshHost) -> None:
+    root = counting_project(tmp_path, host, count_step("count", 16, PAUSE))
+    killed_once_pulled(root, "count", 3)
+    snapshot = kept_state(root, "count")
+    assert snapshot is not None and snapshot["n"] == 16
+    # The snapshot is whole and as its manifest says.
+    folder = next((root / ".substrax" / "checkpoints" / "count").glob("*/latest"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [e["path"] for e in manifest["entries"]] == ["state.json"]
+    data = (folder / "files" / "state.json").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == manifest["entries"][0]["sha256"]
+
+    done = doit_ok(root, "count")
+    assert len(live_handles(root, "count")) == 1, show(done)  # reattached, not launched again
+    assert result_of(root, "count") == (16, list(range(1, 17)))
+    assert not (root / ".substrax" / "checkpoints" / "count").exists()
+
+
+def test_a_run_that_failed_without_its_client_resumes_from_the_last_snapshot(
+    tmp_path: Path, host: SshHost
+) -> None:
+    root = counting_project(tmp_path, host, count_step("count", 8, PAUSE, "fail-fresh"))
+    killed_once_pulled(root, "count", 2)
+    # With no client, the command goes on and exits 3 at count 3.
+    wait_for(lambda: any(h["state"].get("remote_run_dir") and
+                         (Path(h["state"]["remote_run_dir"]) / "status.json").exists() and
+                         json.loads((Path(h["state"]["remote_run_dir"]) / "status.json").read_text())
+                         .get("state") == "failed" for h in live_handles(root, "count")),
+             "the run to fail on the host", timeout=60)  # fmt: skip
+    pulled = kept_state(root, "count")
+    assert pulled is not None and pulled["i"] in (2, 3)
+
+    done = doit_ok(root, "count")
+    assert len(live_handles(root, "count")) == 2, show(done)  # the failed run, then a new one
+    started = starts(run_logs(root, "count")[-1])
+    # The new run started from the latest snapshot: the one pulled while the
+    # client lived, or the last one, taken as the failed run was seen to end.
+    assert len(started) == 1 and started[0] >= pulled["i"], show(done)
+    assert "checkpoints put in place from the last snapshot" in done.stdout + done.stderr, show(done)
+    reached, seen = result_of(root, "count")
+    assert reached == 8 and seen == list(range(1, 9))
+
+
+# A command that rewrites two big files for SECONDS, each by rename, every
+# byte of a generation the same.
+WRITER_PY = """\
+import os, sys, time
+size = 4 << 20
+os.makedirs("ckpt", exist_ok=True)
+end = time.time() + float(sys.argv[1])
+generation = 0
+while time.time() < end:
+    generation += 1
+    for name in ("a.bin", "b.bin"):
+        with open("ckpt/" + name + ".tmp", "wb") as f:
+            f.write(bytes([generation % 251]) * size)
+        os.replace("ckpt/" + name + ".tmp", "ckpt/" + name)
+open("done.txt", "w").write(str(generation))
+"""
+
+
+def test_a_snapshot_pulled_while_the_command_writes_is_never_half_a_file(
+    tmp_path: Path, host: SshHost
+) -> None:
+    body = ("    yield from remote_step('write', command=['python3', 'writer.py', '5'], "
+            "inputs=['writer.py'], outputs=['done.txt'], checkpoints='ckpt/')\n")
+    root = make_ssh_project(tmp_path, host, "def task_all():\n" + body, ["all"],
+                            files={"writer.py": WRITER_PY}, checkpoint_seconds=0.2,
+                            keep_checkpoints=True)  # fmt: skip
+    proc = popen_doit(root, "write")
+    checked: set[str] = set()
+    try:
+        folder = root / ".substrax" / "checkpoints" / "write"
+        while proc.poll() is None:
+            time.sleep(0.02)
+            for latest in folder.glob("*/latest"):
+                try:
+                    snapshot = latest.resolve(strict=True)
+                    if snapshot.name in checked:
+                        continue
+                    manifest = json.loads((snapshot / "manifest.json").read_text())
+                    files = {p.name: p.read_bytes() for p in (snapshot / "files").iterdir()}
+                except (FileNotFoundError, NotADirectoryError):  # replaced by a newer one meanwhile
+                    continue
+                checked.add(snapshot.name)
+                listed = {e["path"]: e["sha256"] for e in manifest["entries"]}
+                assert set(files) == set(listed), (files.keys(), listed)  # never a .tmp
+                for name, data in files.items():
+                    assert len(data) == 4 << 20 and data == data[:1] * len(data), name
+                    assert hashlib.sha256(data).hexdigest() == listed[name]
+        code = proc.wait(timeout=300)
+    finally:
+        stop(proc)
+    assert code == 0, popen_output(root)
+    assert len(checked) >= 3, checked  # several snapshots pulled while it wrote, each checked whole
+
+
+def test_two_steps_under_threads_keep_their_snapshots_apart(tmp_path: Path, host: SshHost) -> None:
+    """Each run that failed is pulled once more as it ends: both resume
+    from count 3, each from its own snapshot."""
+    root = counting_project(tmp_path, host,
+                            count_step("a", 5, 0.05, "fail-fresh") + count_step("b", 7, 0.05, "fail-fresh"))
+    failed = doit(root, "-n", "2", "-P", "thread", "a", "b")
+    assert failed.returncode != 0, show(failed)
+    assert kept_state(root, "a") == {"n": 5, "i": 3, "seen": [1, 2, 3]}, show(failed)
+    assert kept_state(root, "b") == {"n": 7, "i": 3, "seen": [1, 2, 3]}, show(failed)
+    done = doit_ok(root, "-n", "2", "-P", "thread", "a", "b")
+    assert starts(run_logs(root, "a")[-1]) == [3], show(done)
+    assert starts(run_logs(root, "b")[-1]) == [3], show(done)
+    assert result_of(root, "a") == (5, [1, 2, 3, 4, 5])
+    assert result_of(root, "b") == (7, list(range(1, 8)))
+
+
+def test_a_run_followed_by_polling_is_pulled_between_polls(tmp_path: Path, host: SshHost) -> None:
+    """When one connection already holds as many followers as it may (a
+    sweep of many steps on one host), a run is followed by polling: its
+    checkpoints are pulled between the polls all the same."""
+    root = make_ssh_project(tmp_path, host, "", [], files={"count.py": COUNT_PY, "data.txt": "one\n"},
+                            checkpoint_seconds=0.2)  # fmt: skip
+    project = Project.open(root)
+    spec = make_spec("count", ["python3", "count.py", "8", "0.3", "count.txt"], root,
+                     inputs=["count.py", "data.txt"], outputs=["count.txt"], checkpoints="ckpt/")  # fmt: skip
+    backend = project.backend_for(handle := project.submit(spec))
+    conn = connection(SshSettings.model_validate(handle.settings).target())
+    release = threading.Event()
+
+    def tick() -> None:
+        if release.is_set():
+            raise KeyboardInterrupt  # as Ctrl-C in a doit thread: the channel closes
+
+    def held() -> None:
+        with contextlib.suppress(KeyboardInterrupt):
+            conn.stream(["cat"], lambda chunk: None, tick)  # stdin stays open: cat waits
+
+    streams = [threading.Thread(target=held) for _ in range(MAX_STREAMS)]
+    for thread in streams:
+        thread.start()
+    try:
+        with pytest.raises(NoSession):  # every session is held: what follows polls
+            conn.stream(["true"], lambda chunk: None, lambda: None)
+        status = backend.stream_log(handle, io.BytesIO(), follow=True)
+    finally:
+        release.set()
+        for thread in streams:
+            thread.join(timeout=30)
+    assert status.state == "succeeded", status
+    # A run that succeeded is not pulled as it ends: this one was pulled while it ran.
+    pulled = kept_state(root, "count")
+    assert pulled is not None and 1 <= pulled["i"] <= 8, pulled

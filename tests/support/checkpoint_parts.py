@@ -1,0 +1,86 @@
+"""What the checkpoint tests share (local and ssh): a step that counts to
+N, one count every PAUSE seconds, writing its checkpoint by rename as a
+training writes `torch.save` to a temporary name then `os.replace`, and
+reading it back as it starts; and how to read what its runs did.
+
+Not collected by pytest (the name does not start with test_).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+# argv: N, PAUSE, RESULT (the output file), then "fail-fresh" to exit 3 at
+# count 3 when it started from nothing (a crash a resume gets past).
+# Prints "start I" and "count I"; the result holds N and every count made.
+COUNT_PY = """\
+import json, os, sys, time
+n = int(sys.argv[1])
+pause = float(sys.argv[2])
+result = sys.argv[3]
+fail_fresh = "fail-fresh" in sys.argv
+path = "ckpt/state.json"
+state = json.load(open(path)) if os.path.exists(path) else {"n": n, "i": 0, "seen": []}
+if state["n"] != n:
+    sys.exit("the checkpoint of another step: %r" % state)
+start = state["i"]
+print("start", start, flush=True)
+while state["i"] < n:
+    time.sleep(pause)
+    state["i"] += 1
+    state["seen"].append(state["i"])
+    print("count", state["i"], flush=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(state, f)
+    os.replace(path + ".tmp", path)
+    if fail_fresh and start == 0 and state["i"] == 3:
+        sys.exit(3)
+with open(result, "w") as f:
+    f.write("%d %s\\n" % (state["i"], ",".join(map(str, state["seen"]))))
+"""
+
+
+def count_step(name: str, n: int, pause: float, *extra: str, backend: str | None = None) -> str:
+    """The dodo lines of one counting step, its result in `<name>.txt`."""
+    argv = ["python3", "count.py", str(n), str(pause), f"{name}.txt", *extra]
+    where = f", backend={backend!r}" if backend else ""
+    return (f"    yield from remote_step({name!r}, command={argv!r}, inputs=['count.py', 'data.txt'], "
+            f"outputs=[{name + '.txt'!r}], checkpoints='ckpt/'{where})\n")
+
+
+def starts(log: str) -> list[int]:
+    return [int(m) for m in re.findall(r"^start (\d+)$", log, re.M)]
+
+
+def counts(log: str) -> list[int]:
+    return [int(m) for m in re.findall(r"^count (\d+)$", log, re.M)]
+
+
+def run_logs(root: Path, step: str) -> list[str]:
+    """The log of each run of `step`, oldest first."""
+    runs = root / ".substrax" / "runs"
+    found = []
+    for folder in runs.iterdir():
+        handle = json.loads((folder / "handle.json").read_text())
+        if handle["step"] == step:
+            log = folder / "run.log"
+            found.append((handle["created_at"], log.read_text() if log.exists() else ""))
+    return [text for _at, text in sorted(found)]
+
+
+def kept_state(root: Path, step: str) -> dict[str, Any] | None:
+    """The checkpoint kept in the store for `step` (any key): the local
+    backend's live folder, or the latest snapshot pulled from a host."""
+    folder = root / ".substrax" / "checkpoints" / step
+    for path in [*folder.glob("*/live/state.json"), *folder.glob("*/latest/files/state.json")]:
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    return None
+
+
+def result_of(root: Path, step: str) -> tuple[int, list[int]]:
+    """The step's result: the count reached and every count made, in order."""
+    reached, seen = (root / f"{step}.txt").read_text().split()
+    return int(reached), [int(c) for c in seen.split(",")]

@@ -1,0 +1,84 @@
+"""The unit half of tests/integration/{local,ssh}/test_checkpoints.py: which
+files of a checkpoints folder are finished (remote/checkpoints.py), and a
+snapshot kept here only where its copy matches the list taken there
+(backends/checkpoints.py). No process, no connection: the copy is a
+function that copies files here."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+from substrax_tasks._remote import checkpoints as remote_checkpoints
+from substrax_tasks.backends.checkpoints import Snapshots
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.unit
+def test_only_finished_files_are_listed(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "model.pt").write_bytes(b"whole")
+    (tmp_path / "state.json").write_bytes(b"{}")
+    for temporary in ["model.pt.tmp", ".model.pt.XyZ12", "opt.part", "x.tmp.pt", "notes~"]:
+        (tmp_path / temporary).write_bytes(b"half")
+    (tmp_path / "link").symlink_to("state.json")
+    listed = remote_checkpoints.finished_files(str(tmp_path))
+    assert listed == [
+        {"path": "state.json", "size": 2, "sha256": sha(b"{}")},
+        {"path": "sub/model.pt", "size": 5, "sha256": sha(b"whole")},
+    ]
+
+
+@pytest.mark.unit
+def test_a_file_changed_during_the_pull_keeps_its_last_verified_version(tmp_path: Path) -> None:
+    there = tmp_path / "there"
+    there.mkdir()
+    snapshots = Snapshots(tmp_path / "kept")
+
+    def copy(paths: list[str], into: Path) -> None:
+        for rel in paths:
+            (into / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(there / rel, into / rel)
+
+    (there / "a.pt").write_bytes(b"a1")
+    (there / "b.pt").write_bytes(b"b1")
+    assert snapshots.pull(remote_checkpoints.finished_files(str(there)), copy) == 2
+    first = snapshots.latest()
+    assert first is not None
+    # Listed as a2 and b2, then b.pt replaced by b3 before it was copied.
+    (there / "a.pt").write_bytes(b"a2")
+    (there / "b.pt").write_bytes(b"b2")
+    listed = remote_checkpoints.finished_files(str(there))
+    (there / "b.pt").write_bytes(b"b3")
+    assert snapshots.pull(listed, copy) == 2
+    latest = snapshots.latest()
+    assert latest is not None
+    files, manifest = latest
+    assert (files / "a.pt").read_bytes() == b"a2"
+    assert (files / "b.pt").read_bytes() == b"b1"  # the last whole one, not b3 (unverified)
+    assert manifest["b.pt"]["sha256"] == sha(b"b1")
+    # The previous snapshot is gone once `latest` names the new one.
+    kept = [p.name for p in (tmp_path / "kept").iterdir() if p.name.startswith("snap-")]
+    assert kept == [files.parent.name]
+
+
+@pytest.mark.unit
+def test_a_pull_that_breaks_off_leaves_the_last_snapshot_in_place(tmp_path: Path) -> None:
+    snapshots = Snapshots(tmp_path / "kept")
+    snapshots.pull([], lambda paths, into: None)
+    before = snapshots.latest()
+
+    def broken(paths: list[str], into: Path) -> None:
+        (into / "half.pt").write_bytes(b"ha")
+        raise OSError("connection lost")
+
+    with pytest.raises(OSError, match="connection lost"):
+        snapshots.pull([{"path": "half.pt", "size": 4, "sha256": sha(b"half")}], broken)
+    assert snapshots.latest() == before
+    assert not [p for p in (tmp_path / "kept").iterdir() if p.name.endswith(".partial")]
