@@ -76,9 +76,9 @@ def test_a_run_that_failed_without_its_client_resumes_from_the_last_snapshot(
     root = counting_project(tmp_path, host, count_step("count", 8, PAUSE, "fail-fresh"))
     killed_once_pulled(root, "count", 2)
     # With no client, the command goes on and exits 3 at count 3.
-    wait_for(lambda: any(h["state"].get("remote_run_dir") and
-                         (Path(h["state"]["remote_run_dir"]) / "status.json").exists() and
-                         json.loads((Path(h["state"]["remote_run_dir"]) / "status.json").read_text())
+    wait_for(lambda: any(h["backend_state"].get("remote_run_dir") and
+                         (Path(h["backend_state"]["remote_run_dir"]) / "status.json").exists() and
+                         json.loads((Path(h["backend_state"]["remote_run_dir"]) / "status.json").read_text())
                          .get("state") == "failed" for h in live_handles(root, "count")),
              "the run to fail on the host", timeout=60)  # fmt: skip
     pulled = kept_state(root, "count")
