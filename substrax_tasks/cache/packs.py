@@ -4,9 +4,11 @@ the concatenation of their contents in pack objects, not one object each.
 A file takes whole blocks on disk (4 KiB on ext4 and tmpfs): 50,000 files of
 10 bytes took 200 MiB as objects, 500 KB as one pack. A pack is an object
 like any other (objects/<ab>/<sha256>, named by its digest, written whole or
-not at all, counted by its disk use); the entry lists each of its packs with
-its digest, size and members (digest and size of each distinct file, in
-order), so the signature of the entry covers them. A restore writes each
+not at all, counted by its disk use). Its members are the manifest's
+distinct files below the entry's `pack_below`, in the manifest's order:
+the entry lists only each pack's digest, size and count of members (the
+manifest names each file's digest already), and its signature covers them
+as it covers the manifest. A restore writes each
 member out hashing it, and the copy is verified against the manifest as a
 copied object is: a pack that is damaged, cut short or grown is a damaged
 entry. Entries made before packs (no `packs`) name one object per file and
@@ -14,6 +16,7 @@ restore as they did.
 
 The layout is a function of the manifest alone (PACK_BELOW, PACK_TARGET,
 the manifest's order): two stores of the same outputs make the same packs.
+An entry made with another PACK_BELOW still restores: it says its own.
 """
 
 from __future__ import annotations
@@ -50,20 +53,27 @@ class Pack:
         return f"objects/{self.sha256[:2]}/{self.sha256}"
 
     def as_json(self) -> dict[str, Any]:
-        return {"sha256": self.sha256, "size": self.size, "members": [list(m) for m in self.members]}
+        return {"sha256": self.sha256, "size": self.size, "count": len(self.members)}
+
+
+def small_files(files: list[dict[str, Any]], below: int) -> list[Member]:
+    """The manifest's files (its entries of type file) below `below` bytes,
+    each distinct digest once, in the manifest's order: what is packed."""
+    members: list[Member] = []
+    seen: set[str] = set()
+    for item in files:
+        digest, size = item["sha256"], int(item.get("size") or 0)
+        if size < below and digest not in seen:
+            seen.add(digest)
+            members.append((digest, size))
+    return members
 
 
 def plan(files: list[dict[str, Any]]) -> list[list[Member]]:
-    """The members of each pack for a manifest's files (its entries of type
-    file): each distinct small digest once, in the manifest's order."""
+    """The members of each pack for a manifest's files."""
     packs: list[list[Member]] = [[]]
-    seen: set[str] = set()
     filled = 0
-    for item in files:
-        digest, size = item["sha256"], int(item.get("size") or 0)
-        if size >= PACK_BELOW or digest in seen:
-            continue
-        seen.add(digest)
+    for digest, size in small_files(files, PACK_BELOW):
         if filled >= PACK_TARGET:
             packs.append([])
             filled = 0
@@ -72,21 +82,27 @@ def plan(files: list[dict[str, Any]]) -> list[list[Member]]:
     return [members for members in packs if members]
 
 
-def parse(entry: dict[str, Any]) -> list[Pack]:
-    """An entry's packs; ValueError if they are not whole (the caller's Damaged)."""
+def parse(entry: dict[str, Any], files: list[dict[str, Any]]) -> list[Pack]:
+    """An entry's packs, their members from its manifest's `files`;
+    ValueError if they are not whole (the caller's Damaged)."""
     found = entry.get("packs", [])
-    if not isinstance(found, list):
-        raise ValueError("its packs are not a list")
-    packs = []
+    below = entry.get("pack_below", PACK_BELOW)
+    if not isinstance(found, list) or not isinstance(below, int):
+        raise ValueError("its packs are not a list with pack_below")
+    members = small_files(files, below) if found else []
+    packs, start = [], 0
     for item in found:
         try:
-            members = [(str(d), int(s)) for d, s in item["members"]]
-            pack = Pack(str(item["sha256"]), int(item["size"]), members)
+            count = int(item["count"])
+            pack = Pack(str(item["sha256"]), int(item["size"]), members[start : start + count])
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"it lists a pack that is not whole: {str(item)[:80]}") from None
-        if sum(size for _, size in members) != pack.size or min((s for _, s in members), default=0) < 0:
+        start += count
+        if count < 1 or len(pack.members) != count or sum(size for _, size in pack.members) != pack.size:
             raise ValueError(f"its pack {pack.sha256[:16]} is not the sum of its members")
         packs.append(pack)
+    if start != len(members):
+        raise ValueError(f"its packs hold {start} of its {len(members)} small files")
     return packs
 
 

@@ -248,7 +248,7 @@ class RunCache:
             # Restored with no setuid, setgid or sticky bit and not
             # world-writable, whatever the entry says (promote.safe_mode).
             manifest = safe_manifest(entry["manifest"])
-            packs = packing.parse(entry)
+            packs = packing.parse(entry, _files(manifest))
             # The copies' digests, taken as they were written, fill the
             # outputs' hash cache: verifying them (here and at promotion)
             # then reads no byte again, only checks each copy's stat.
@@ -351,7 +351,8 @@ class RunCache:
             return
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         entry = {"version": ENTRY_VERSION, "key": key, "step": step.name, "outputs": list(step.spec.outputs),
-                 "manifest": manifest, "packs": [pack.as_json() for pack in packs],
+                 "manifest": manifest, "pack_below": packing.PACK_BELOW,
+                 "packs": [pack.as_json() for pack in packs],
                  "provenance": {**provenance, "time": stamp, "client": socket.gethostname(),
                                 "tool_version": __version__}}  # fmt: skip
         data = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
@@ -562,18 +563,18 @@ def _parsed(data: bytes, key: str) -> dict[str, Any]:
         if item.get("type") == "file" and not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
             raise Damaged(f"its manifest lists file {path} without a sha256")
     try:
-        packs = packing.parse(entry)
+        packs = packing.parse(entry, _files(manifest))
     except ValueError as exc:
         raise Damaged(str(exc)) from None
     for pack in packs:
-        if not all(_DIGEST.fullmatch(d) for d in (pack.sha256, *(m for m, _ in pack.members))):
-            raise Damaged(f"it lists a pack {pack.sha256[:80]!r} not named by digests")
+        if not _DIGEST.fullmatch(pack.sha256):
+            raise Damaged(f"it lists a pack {pack.sha256[:80]!r} not named by its digest")
     return entry
 
 
 def _objects(entry: dict[str, Any]) -> set[str]:
     """The objects a (parsed) entry names: its packs and its files not packed."""
-    packs = packing.parse(entry)
+    packs = packing.parse(entry, _files(entry["manifest"]))
     in_pack = packing.packed(packs)
     files = {object_path(e["sha256"]) for e in _files(entry["manifest"]) if e["sha256"] not in in_pack}
     return files | {pack.rel for pack in packs}
