@@ -32,6 +32,8 @@ from substrax_tasks import __version__
 from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.atomic import write_bytes_atomic, write_json_atomic
 from substrax_tasks.backends.base import Fetched
+from substrax_tasks.cache import packs as packing
+from substrax_tasks.cache.packs import Pack
 from substrax_tasks.cache.storage import (
     BUFFER,
     Damaged,
@@ -60,7 +62,12 @@ if TYPE_CHECKING:
     from substrax_tasks.store.run_store import RunStore
     from substrax_tasks.uptodate.check import Step
 
-ENTRY_VERSION = 1
+KEY_VERSION = 1  # in every key: a new one would miss every entry kept before
+# 2: an entry may list `packs` (packs.py). Entries of version 1 (one object
+# per file) are still restored; a release that knows only 1 refuses a 2 as
+# damaged rather than find its packed objects missing.
+ENTRY_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 WHERE_IT_RAN = ("backend", "settings")  # left out of the key unless key_backend = true
 ORPHAN_SECONDS = 3600  # objects no entry names yet may belong to a store in progress
 # A trim after a store goes below max_size, to this share of it, so the next
@@ -84,6 +91,7 @@ class Restored:
     label: str
     provenance: dict[str, Any]
     shared: tuple[bytes, bytes | None] | None = None  # from the shared store: the entry and its signature
+    packs: tuple[Pack, ...] = ()  # the entry's: kept as they are by `adopt`
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,7 @@ def cache_key(parts: dict[str, Any], key_backend: bool) -> str:
     """The key of a step's entry: its up-to-date key's parts, without where
     it ran unless asked (the same step on local, ssh or skypilot shares one)."""
     kept = {k: v for k, v in parts.items() if key_backend or k not in WHERE_IT_RAN}
-    return canonical_digest({"cache_entry": ENTRY_VERSION, **kept})
+    return canonical_digest({"cache_entry": KEY_VERSION, **kept})
 
 
 class RunCache:
@@ -234,23 +242,25 @@ class RunCache:
         label = f"cache entry {key[:16]} in {store.name}"
         staging = self.staging_root / f"{safe_name(step.name)}-{secrets.token_hex(4)}"
         manifest: dict[str, Any] = {}
+        packs: list[Pack] = []
         try:
             entry = _parsed(data, key)
             # Restored with no setuid, setgid or sticky bit and not
             # world-writable, whatever the entry says (promote.safe_mode).
             manifest = safe_manifest(entry["manifest"])
+            packs = packing.parse(entry, _files(manifest))
             # The copies' digests, taken as they were written, fill the
             # outputs' hash cache: verifying them (here and at promotion)
             # then reads no byte again, only checks each copy's stat.
             hash_cache = manifest_cache.HashCache.load(step.files.outputs_cache)
-            for rel, cache_entry in materialize(store, manifest, staging, key).items():
+            for rel, cache_entry in materialize(store, manifest, staging, key, packs).items():
                 hash_cache.entries[rel] = cache_entry
             problems = manifest_cache.verify_outputs(staging, list(step.spec.outputs), manifest, hash_cache)
             if problems:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise Damaged(f"{problems[0]}{more}")
         except (Damaged, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
-            self._condemn(store, key, data, staging, manifest)
+            self._condemn(store, key, data, staging, manifest, packs)
             shutil.rmtree(staging, ignore_errors=True)
             emit(f"{step.name}: {label} is damaged ({exc}); it is skipped from now on and the step runs")
             return None
@@ -264,7 +274,7 @@ class RunCache:
              f"({prov.get('host')}, {prov.get('time')}); nothing launched")  # fmt: skip
         self._introduce()
         shared = (data, signature) if store is self.shared else None
-        return Restored(Fetched(staging, manifest), key, label, prov, shared)
+        return Restored(Fetched(staging, manifest), key, label, prov, shared, tuple(packs))
 
     def _introduce(self) -> None:
         """The first time this project stores or restores an entry, one line:
@@ -286,12 +296,13 @@ class RunCache:
         """Where an entry found damaged is marked, by its contents: skipped from then on."""
         return self.local.root / "bad" / hashlib.sha256(data).hexdigest()
 
-    def _condemn(
-        self, store: Folder | Shared, key: str, data: bytes, staging: Path, manifest: dict[str, Any]
-    ) -> None:
+    def _condemn(  # noqa: PLR0917
+        self, store: Folder | Shared, key: str, data: bytes, staging: Path, manifest: dict[str, Any],
+        packs: list[Pack],
+    ) -> None:  # fmt: skip
         """Skip a damaged entry from now on; a store we may write also
-        loses it and each object whose copy was not what its name says, so
-        the run that replaces it stores them again."""
+        loses it and each object (or pack) whose copy was not what its name
+        says, so the run that replaces it stores them again."""
         if self.local.writable:  # else it is found damaged again, each time
             marker = self._bad_marker(data)
             self.local.make_folder(marker.parent)
@@ -300,6 +311,7 @@ class RunCache:
             return
         drop_entry(store, key)
         hash_file, buffer = remote_manifest.hash_file, memoryview(bytearray(BUFFER))
+        in_pack = packing.packed(packs)
         for item in _files(manifest) if manifest else []:  # empty: the entry was not whole
             copy = f"{staging}/{item['path']}"
             try:
@@ -307,7 +319,8 @@ class RunCache:
             except (OSError, manifest_cache.ManifestError):  # not copied, or not a plain file
                 bad = True
             if bad:
-                store.remove(object_path(item["sha256"]))
+                pack = in_pack.get(item["sha256"])
+                store.remove(pack.rel if pack is not None else object_path(item["sha256"]))
 
     def _count(self, what: str) -> None:
         with _STATS_LOCK:
@@ -332,13 +345,16 @@ class RunCache:
         and in the shared store in readwrite mode, with its `log` (the tail
         cached_runs.log_tail keeps). Outputs changed since they were verified
         are not kept."""
-        if not self._local_writable() or not self._keep_objects(step, manifest):
+        packs = self._keep_objects(step, manifest, packing.plan(_files(manifest))) \
+            if self._local_writable() else None  # fmt: skip
+        if packs is None:
             return
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         entry = {"version": ENTRY_VERSION, "key": key, "step": step.name, "outputs": list(step.spec.outputs),
-                 "manifest": manifest, "provenance": {**provenance, "time": stamp,
-                                                      "client": socket.gethostname(),
-                                                      "tool_version": __version__}}  # fmt: skip
+                 "manifest": manifest, "pack_below": packing.PACK_BELOW,
+                 "packs": [pack.as_json() for pack in packs],
+                 "provenance": {**provenance, "time": stamp, "client": socket.gethostname(),
+                                "tool_version": __version__}}  # fmt: skip
         # the manifest's packed entries are decoded here, the entry being one signed document
         plain = remote_manifest.plain_entries
         data = json.dumps(entry, sort_keys=True, separators=(",", ":"), default=plain).encode()
@@ -358,8 +374,10 @@ class RunCache:
     def adopt(self, step: Step, restored: Restored) -> None:
         """Keep a hit from the shared store in the local folder too, entry
         and signature as they came: the next restore here reads no network."""
-        if restored.shared is not None and self._local_writable() \
-                and self._keep_objects(step, restored.fetched.manifest):
+        if restored.shared is None or not self._local_writable():
+            return
+        layout = [pack.members for pack in restored.packs]
+        if self._keep_objects(step, restored.fetched.manifest, layout) == list(restored.packs):
             write_entry(self.local, restored.key, *restored.shared)
             self._fit(step)
 
@@ -377,21 +395,29 @@ class RunCache:
             emit(f"{step.name}: could not trim the cache {self.local.name} ({exc}); "
                  "`substrax-compute gc` trims it", err=True)  # fmt: skip
 
-    def _keep_objects(self, step: Step, manifest: dict[str, Any]) -> bool:
-        """Copy the promoted outputs the local folder lacks in as objects;
-        False (nothing kept) if they changed since they were verified."""
+    def _keep_objects(
+        self, step: Step, manifest: dict[str, Any], layout: list[list[packing.Member]]
+    ) -> list[Pack] | None:
+        """Copy the promoted outputs the local folder lacks in: the files
+        `layout` packs as packs, the others as objects; the packs, or None
+        (nothing kept) if the outputs changed since they were verified."""
         root, outputs, cache_file = step.root, list(step.spec.outputs), step.files.outputs_cache
         digest = str(manifest["digest"])
         if not manifest_cache.outputs_match(root, outputs, digest, cache_file):
             emit(f"{step.name}: outputs changed since they were verified; not kept in the cache")
-            return False
-        pairs = {object_path(e["sha256"]): root / e["path"] for e in _files(manifest)}
-        added = self.local.put([(source, rel) for rel, source in pairs.items()])
-        if not manifest_cache.outputs_match(root, outputs, digest, cache_file):  # changed while copied
-            self.local.remove_objects(added)
+            return None
+        in_pack = {member for members in layout for member, _ in members}
+        sources = {e["sha256"]: root / e["path"] for e in _files(manifest)}
+        written = self.local.put_packs(layout, sources)
+        added = [] if written is None else written[1]
+        pairs = [(source, object_path(sha)) for sha, source in sources.items() if sha not in in_pack]
+        if written is not None:
+            added += self.local.put(pairs)
+        if written is None or not manifest_cache.outputs_match(root, outputs, digest, cache_file):
+            self.local.remove_objects(added)  # changed while copied
             emit(f"{step.name}: outputs changed while they were kept; not kept in the cache")
-            return False
-        return True
+            return None
+        return written[0]
 
     def push(self, key: str) -> int:
         """Upload the local entry `key` and the objects the shared store
@@ -401,8 +427,7 @@ class RunCache:
         data = self.local.read(entry_path(key))
         if data is None:
             raise Damaged(f"no local cache entry {key[:16]} in {self.local.name}")
-        manifest = _parsed(data, key)["manifest"]
-        needed = self.shared.missing(sorted({object_path(e["sha256"]) for e in _files(manifest)}))
+        needed = self.shared.missing(sorted(_objects(_parsed(data, key))))
         self.shared.put([(self.local.root / rel, rel) for rel in needed])
         log = self.local.read(log_path(key))
         if log is not None:
@@ -456,7 +481,7 @@ class RunCache:
                 entries.append((0.0, path.stem, set()))  # unreadable: the first to go
                 continue
             try:
-                names = {object_path(e["sha256"]) for e in _files(_parsed(data, path.stem)["manifest"])}
+                names = _objects(_parsed(data, path.stem))
             except Damaged:
                 used, names = 0.0, set()
             entries.append((used, path.stem, names))
@@ -525,7 +550,8 @@ def _parsed(data: bytes, key: str) -> dict[str, Any]:
         entry = json.loads(data)
     except ValueError as exc:
         raise Damaged(f"its JSON is not whole: {exc}") from None
-    if not isinstance(entry, dict) or entry.get("version") != ENTRY_VERSION or entry.get("key") != key:
+    if not isinstance(entry, dict) or entry.get("version") not in READABLE_VERSIONS \
+            or entry.get("key") != key:  # fmt: skip
         raise Damaged(f"it is not an entry of version {ENTRY_VERSION} for key {key[:16]}")
     manifest = entry.get("manifest")
     if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), list) \
@@ -538,7 +564,22 @@ def _parsed(data: bytes, key: str) -> dict[str, Any]:
         digest = item.get("sha256")
         if item.get("type") == "file" and not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
             raise Damaged(f"its manifest lists file {path} without a sha256")
+    try:
+        packs = packing.parse(entry, _files(manifest))
+    except ValueError as exc:
+        raise Damaged(str(exc)) from None
+    for pack in packs:
+        if not _DIGEST.fullmatch(pack.sha256):
+            raise Damaged(f"it lists a pack {pack.sha256[:80]!r} not named by its digest")
     return entry
+
+
+def _objects(entry: dict[str, Any]) -> set[str]:
+    """The objects a (parsed) entry names: its packs and its files not packed."""
+    packs = packing.parse(entry, _files(entry["manifest"]))
+    in_pack = packing.packed(packs)
+    files = {object_path(e["sha256"]) for e in _files(entry["manifest"]) if e["sha256"] not in in_pack}
+    return files | {pack.rel for pack in packs}
 
 
 def _files(manifest: dict[str, Any]) -> list[dict[str, Any]]:

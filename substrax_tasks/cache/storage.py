@@ -6,7 +6,8 @@ entries.
     entries/<key>.json.sig   its signature (`ssh-keygen -Y sign`), if signed
     entries/<key>.json.stats the stat of its objects when last hashed (local folder only)
     entries/<key>.log        the tail of the log of the run that made it (shown by `logs`, never restored)
-    objects/<ab>/<sha256>    file contents, by digest: shared by every entry
+    objects/<ab>/<sha256>    file contents, by digest: shared by every entry; the
+                             small files of an entry are packed together (packs.py)
     size.json                the local folder's account: its objects' total disk use
     size.lock                held while objects come and go (flock: threads and processes)
 
@@ -36,6 +37,7 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 import stat
 import subprocess
 import tempfile
@@ -46,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.atomic import write_bytes_atomic
+from substrax_tasks.cache.packs import Member, Pack, packed, write_pack
 from substrax_tasks.errors import BackendError
 from substrax_tasks.uptodate.manifests import CacheEntries, HashCache
 
@@ -169,15 +172,19 @@ def foreign(folder: str | Path, why: str) -> ForeignCache:
     )
 
 
-def materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path, key: str) -> CacheEntries:
-    """The manifest's tree under `staging`, contents from the objects of
-    entry `key`, each hashed as it is copied unless the store vouches for
-    it (Folder.get); the copies' hash cache entries, by path.
+def materialize(
+    store: Folder | Shared, manifest: dict[str, Any], staging: Path, key: str, packs: list[Pack]
+) -> CacheEntries:
+    """The manifest's tree under `staging`, contents from the objects and
+    `packs` of entry `key`, each hashed as it is copied unless the store
+    vouches for it (Folder.get); the copies' hash cache entries, by path.
     Symlinks come last, so no write can go through one, and the folders'
     modes after the files, so none blocks a write."""
     staging.mkdir(parents=True, mode=0o700)
     base = f"{staging}/"
     wanted, links, folders, made = [], [], [], {str(staging)}
+    in_pack = packed(packs)
+    unpacking: dict[str, dict[str, list[tuple[str, int]]]] = {}  # pack -> member -> (destination, mode)
     for item in manifest["entries"]:
         path, kind = base + item["path"], item.get("type")
         folder = path if kind == "dir" else os.path.dirname(path)  # noqa: PTH120
@@ -188,19 +195,42 @@ def materialize(store: Folder | Shared, manifest: dict[str, Any], staging: Path,
             folders.append((path, item.get("mode")))
         elif kind == "file":
             mode = item.get("mode")
-            wanted.append((object_path(item["sha256"]), path, mode if isinstance(mode, int) else 0o644,
-                           int(item.get("size") or 0)))  # fmt: skip
+            mode = mode if isinstance(mode, int) else 0o644
+            pack = in_pack.get(item["sha256"])
+            if pack is not None:
+                unpacking.setdefault(pack.sha256, {}).setdefault(item["sha256"], []).append((path, mode))
+            else:
+                wanted.append((object_path(item["sha256"]), path, mode, int(item.get("size") or 0)))
         elif kind == "symlink" and isinstance(item.get("target"), str):
             links.append((item["target"], path))
         else:
             raise Damaged(f"its manifest lists {item['path']} of type {kind!r}")
     copies = store.get(wanted, key)
+    copies.update(_unpack_all(store, packs, unpacking, staging))
     for target, path in links:
         os.symlink(target, path)  # noqa: PTH211
     for path, mode in reversed(folders):  # the deepest first
         if isinstance(mode, int):
             os.chmod(path, mode)  # noqa: PTH101
     return {dest[len(base):]: entry for dest, entry in copies.items()}
+
+
+def _unpack_all(
+    store: Folder | Shared, packs: list[Pack], unpacking: dict[str, dict[str, list[tuple[str, int]]]],
+    staging: Path,
+) -> Made:  # fmt: skip
+    """The packed files under `staging` (`unpacking`: by pack, by digest,
+    destinations and modes)."""
+    scratch = staging.with_name(f".{staging.name}.packs")  # a shared store's packs, while unpacked
+    made: Made = {}
+    try:
+        for pack in packs:
+            if pack.sha256 in unpacking:
+                made.update(store.unpack(pack, unpacking[pack.sha256], scratch))
+    finally:
+        if scratch.exists():
+            shutil.rmtree(scratch, ignore_errors=True)
+    return made
 
 
 def copy_object(  # noqa: PLR0917
@@ -255,6 +285,34 @@ def _copy_hashed(src: int, dst: int, buffer: bytearray) -> str:
         if size < len(buffer):  # a regular file reads short only at its end: no read to see it
             break
     return sha.hexdigest()
+
+
+def unpack_fd(fd: int, pack: Pack, wanted: dict[str, list[tuple[str, int]]]) -> Made:
+    """Write the members of `pack` (open as `fd`) that `wanted` names (by
+    digest: destinations and modes) to new files, each hashed as it is
+    read; their hash cache keys, by destination, with the digest found: the
+    verification against the manifest refuses a member that is not what
+    its name says."""
+    size = os.fstat(fd).st_size
+    if size != pack.size:
+        raise Damaged(f"its pack {pack.rel} holds {size} bytes, not the {pack.size} it lists")
+    made, offset = {}, 0
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for digest, length in pack.members:
+        if digest in wanted:
+            data = memoryview(os.pread(fd, length, offset))
+            found = hashlib.sha256(data).hexdigest()
+            for dest, mode in wanted[digest]:
+                out = os.open(dest, flags, mode & 0o777)
+                try:
+                    done = 0
+                    while done < len(data):
+                        done += os.write(out, data[done:])
+                    made[dest] = _made(out, mode, found)
+                finally:
+                    os.close(out)
+        offset += length
+    return made
 
 
 def made_of(path: str, mode: int, digest: str) -> bytes:
@@ -456,6 +514,54 @@ class Folder:
             for part, _, _ in parts:
                 part.unlink(missing_ok=True)
 
+    def unpack(self, pack: Pack, wanted: dict[str, list[tuple[str, int]]], scratch: Path) -> Made:
+        """Write members of `pack` out (unpack_fd), read where it lies."""
+        try:
+            fd = os.open(self.root / pack.rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"pack {pack.rel} is missing") from None
+        try:
+            why = _not_ours(self.root / pack.rel, os.fstat(fd))
+            if why is not None:
+                raise foreign(self.root, why)
+            return unpack_fd(fd, pack, wanted)
+        finally:
+            os.close(fd)
+
+    def put_packs(
+        self, layout: list[list[Member]], sources: dict[str, Path]
+    ) -> tuple[list[Pack], list[str]] | None:
+        """Pack the files `sources` names (by digest) as `layout` says; the
+        packs and the objects this call added, each linked to its name
+        under the account's lock as Folder.put's are. None (nothing added)
+        if a source is not what its digest says any more."""
+        objects = self.root / "objects"
+        self.make_folder(objects)
+        parts: list[tuple[Path, int, Pack]] = []
+        try:
+            for members in layout:
+                made = write_pack(objects, members, sources)
+                if made is None:
+                    return None
+                part, digest, used = made
+                parts.append((part, used, Pack(digest, sum(size for _, size in members), members)))
+            added, grown = [], 0
+            with self.account_lock():
+                for part, used, pack in parts:
+                    final = self.root / pack.rel
+                    self.make_folder(final.parent)
+                    try:
+                        os.link(part, final)
+                    except FileExistsError:
+                        continue
+                    added.append(pack.rel)
+                    grown += used
+                self.move_account(grown)
+            return [pack for _, _, pack in parts], added
+        finally:
+            for part, _, _ in parts:
+                part.unlink(missing_ok=True)
+
     def remove(self, rel: str) -> None:
         if rel.startswith("objects/"):
             self.remove_objects([rel])
@@ -528,6 +634,23 @@ class Shared:
                 raise FileNotFoundError(str(exc)) from None
             raise
         return {dest: made_of(dest, mode, digests[dest]) for _, dest, mode, _ in wanted}
+
+    def unpack(self, pack: Pack, wanted: dict[str, list[tuple[str, int]]], scratch: Path) -> Made:
+        """Download `pack` to `scratch` (hashed as it arrives: it must be what
+        its name says) and write members of it out (unpack_fd)."""
+        scratch.mkdir(mode=0o700, exist_ok=True)
+        local = str(scratch / pack.sha256)
+        try:
+            record = self.get([(pack.rel, local, 0o600, pack.size)], "")[local]
+            if remote_manifest.record_values(record)[1] != pack.sha256:
+                raise Damaged(f"its pack {pack.rel} is not what its name says")
+            fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                return unpack_fd(fd, pack, wanted)
+            finally:
+                os.close(fd)
+        finally:
+            Path(local).unlink(missing_ok=True)
 
     def put(self, pairs: list[tuple[Path, str]]) -> None:
         self._parents([rel for _, rel in pairs])

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.markup import escape
@@ -24,12 +24,12 @@ from substrax_tasks.backends.base import RunStatus
 from substrax_tasks.cli.arguments import arg, command, flag
 from substrax_tasks.cli.status_view import machine_lines, print_status_table, status_json
 from substrax_tasks.config.pyproject import find_project
-from substrax_tasks.errors import BackendError, HandleError, SubstraxError
+from substrax_tasks.errors import BackendError, HandleError, NoSuchRun, SubstraxError
 from substrax_tasks.store.gc import find_leaks
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.project import Project
 from substrax_tasks.store.run_store import Unreadable
-from substrax_tasks.store.selection import latest_per_step, select, shortened
+from substrax_tasks.store.selection import Selection, group_of, latest_per_step, select, shortened
 
 if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only
     from exceptiongroup import ExceptionGroup
@@ -203,32 +203,64 @@ def cmd_steps(project: Project, args: argparse.Namespace, out: Console, err: Con
     return 1 if unreadable else 0
 
 
-def restored_step_log(project: Project, word: str, err: Console) -> bool:
-    """`logs STEP` of a step whose outputs were restored from the run cache
-    (and not run here since): the log the cache entry keeps of the run that
-    made it, printed; False if `word` names no such step."""
+def restored_record(project: Project, step: str) -> dict[str, Any] | None:
+    """What the record of `step` says of its verified outputs, if they were
+    restored from the run cache and no run was launched here since."""
     try:
-        record = json.loads(project.store.step_record(word).read_text())
+        record = json.loads(project.store.step_record(step).read_text())
     except (OSError, ValueError):
-        return False
+        return None
     verified = record.get("verified") if isinstance(record, dict) else None
     if not isinstance(verified, dict) or not verified.get("restored_from"):
-        return False
+        return None
     if record.get("run_id") != verified.get("run_id"):  # a run was launched here since
-        return False
+        return None
+    return verified
+
+
+def restored_members(project: Project, group: str) -> dict[str, dict[str, Any]]:
+    """The members of `group` restored from the run cache (restored_record), by step."""
+    found = {}
+    for path in project.store.step_records():
+        try:
+            step = json.loads(path.read_text()).get("step")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(step, str) and group_of(step) == group:
+            verified = restored_record(project, step)
+            if verified is not None:
+                found[step] = verified
+    return found
+
+
+def kept_log(project: Project, step: str, verified: dict[str, Any]) -> tuple[str, bytes]:
+    """The log the cache entry keeps of the run that made the restored
+    `step`'s outputs, and a line saying so; SubstraxError if it cannot be shown."""
     from substrax_tasks.cli.cache_commands import run_cache
 
     made_by, key = verified.get("run_id"), str(verified.get("cache_key") or "")
     kept = run_cache(project).kept_log(key) if key else "its record names no cache entry"
     if isinstance(kept, str):
         raise SubstraxError(
-            f"{word} was restored from {verified['restored_from']}, made by run {made_by}, and its log "
-            f"cannot be shown: {kept}. `doit {word} -a` runs the step here, with a log of its own"
+            f"{step} was restored from {verified['restored_from']}, made by run {made_by}, and its log "
+            f"cannot be shown: {kept}. `doit -a {step}` runs the step here, with a log of its own"
         )
     log, provenance = kept
-    err.print(escape(f"{word}: restored from {verified['restored_from']}; the log of run "
-                     f"{provenance.get('run_id')} on {provenance.get('backend')} ({provenance.get('host')}), "
-                     "as the cache entry keeps it"), highlight=False)  # fmt: skip
+    said = (f"{step}: restored from {verified['restored_from']}; the log of run "
+            f"{provenance.get('run_id')} on {provenance.get('backend')} ({provenance.get('host')}), "
+            "as the cache entry keeps it")  # fmt: skip
+    return said, log
+
+
+def restored_step_log(project: Project, word: str, err: Console) -> bool:
+    """`logs STEP` of a step whose outputs were restored from the run cache
+    (and not run here since): the log the cache entry keeps of the run that
+    made it, printed; False if `word` names no such step."""
+    verified = restored_record(project, word)
+    if verified is None:
+        return False
+    said, log = kept_log(project, word, verified)
+    err.print(escape(said), highlight=False)
     sys.stdout.buffer.write(log)
     sys.stdout.buffer.flush()
     return True
@@ -239,33 +271,47 @@ def cmd_logs(project: Project, args: argparse.Namespace, out: Console, err: Cons
         if args.follow:
             err.print(f"{args.run} is not running: it was restored from the run cache", highlight=False)
         return 0
-    selected = select(project.store, args.run)
-    if selected.kind != "group":
+    restored = restored_members(project, args.run)
+    try:
+        selected: Selection | None = select(project.store, args.run)
+    except NoSuchRun:
+        if not restored:  # a group all restored has no runs: its members' kept logs
+            raise
+        selected = None
+    if selected is not None and selected.kind != "group":
         handle = selected.latest()[0]
         status = project.backend_for(handle).stream_log(handle, sys.stdout.buffer, follow=args.follow)
         if args.follow and status.state != "succeeded":
             err.print(f"run {handle.run_id} ended: {status.state}", highlight=False)
         return 0
-    members = selected.latest()
+    # Each member's latest run, or the run the cache kept the log of where
+    # its outputs were restored (then after the runs, by name).
+    runs = [h for h in selected.latest() if h.step not in restored] if selected is not None else []
+    members: list[tuple[str, RunHandle | None]] = [(h.step, h) for h in runs]
+    members += [(step, None) for step in sorted(restored)]
     if args.follow:
         raise SubstraxError(
-            f"{selected.name} is a group of {len(members)} steps ({shortened(selected.steps)}); "
-            f"--follow follows one run: substrax-compute logs --follow {members[0].step}"
+            f"{args.run} is a group of {len(members)} steps ({shortened(sorted(s for s, _ in members))}); "
+            f"--follow follows one run: substrax-compute logs --follow {members[0][0]}"
         )
     # One after the other, each under a header as `tail` prints several
     # files: a member whose log cannot be read does not hide the others.
     failures: list[Exception] = []
-    for number, handle in enumerate(members):
-        header = f"==> {handle.step} ({handle.run_id}) <==\n"
+    for number, (step, run) in enumerate(members):
+        which = run.run_id if run is not None else f"restored: {restored[step].get('restored_from')}"
+        header = f"==> {step} ({which}) <==\n"
         sys.stdout.write(header if number == 0 else "\n" + header)
         sys.stdout.flush()  # the header before the log's bytes, written below it
         try:
-            project.backend_for(handle).stream_log(handle, sys.stdout.buffer, follow=False)
+            if run is None:
+                sys.stdout.buffer.write(kept_log(project, step, restored[step])[1])
+            else:
+                project.backend_for(run).stream_log(run, sys.stdout.buffer, follow=False)
         except SubstraxError as exc:
-            failures.append(member_failure(handle, exc))
+            failures.append(member_failure(run, exc) if run is not None else exc)
         sys.stdout.buffer.flush()
     if failures:
-        message = f"{len(failures)} of {len(members)} logs of {selected.name} could not be read"
+        message = f"{len(failures)} of {len(members)} logs of {args.run} could not be read"
         raise ExceptionGroup(message, failures)
     return 0
 
@@ -404,7 +450,7 @@ def cmd_why(project: Project, args: argparse.Namespace, out: Console, err: Conso
     cache = run_cache(project)
     found = cache.find(key_parts(driver.step)) if cache.settings.used() else None
     if found:
-        said = f"  it would be restored from {found} (`doit {args.step} -a` runs it)"
+        said = f"  it would be restored from {found} (`doit -a {args.step}` runs it)"
         out.print(escape(said), highlight=False)
     return 0
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import inspect
 import os
+import re
 import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -26,7 +27,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from doit import loader as doit_loader
 from doit.dependency import UptodateCalculator
+from doit.exceptions import InvalidTask
 
 from substrax_tasks.config.pyproject import config_key, config_stamp
 from substrax_tasks.errors import SubstraxError
@@ -204,13 +207,49 @@ def _refuse_own_group_task(name: str) -> None:
         if caller.f_code is code:
             return  # the group's own function declares its members
         caller = caller.f_back
+    raise SubstraxError(_own_group_said(name, group, f"declares its own task_{group}", code, f"task_{group}"))
+
+
+def _own_group_said(member: str, group: str, what: str, code: Any, remove: str) -> str:
+    """The hint for a dodo that declares the group task of a sweep itself."""
     where = f"{code.co_filename}:{code.co_firstlineno}"
-    raise SubstraxError(
-        f"step {name!r} is a member of the sweep {group!r}, and doit makes the group task {group!r} "
-        f"itself; the dodo also declares its own task_{group} ({where}), the workaround older versions "
-        f"needed: remove task_{group}: `doit {group}` runs every member and task_dep=[{group!r}] waits "
-        "for them all"
+    return (
+        f"step {member!r} is a member of the sweep {group!r}, and doit makes the group task {group!r} "
+        f"itself; the dodo also {what} ({where}), the workaround older versions needed: remove "
+        f"{remove}: `doit {group}` runs every member and task_dep=[{group!r}] waits for them all"
     )
+
+
+# doit's words when a task function yields a task of a name it made a group
+# of (or the other way round): the other form of the workaround above.
+_DUPLICATED = re.compile(r"Task generation '(?P<func>[^']*)' has duplicated definition of '(?P<name>[^']*)'")
+
+
+def _generate_tasks(func_name: str, gen_result: Any, gen_doc: str | None = None) -> Any:
+    """doit's generate_tasks, with the hint of _refuse_own_group_task when a
+    task function yields `{"basename": "fit", ...}` beside its members
+    `remote_step("fit:...")` (doit would say only "duplicated definition").
+    doit has no hook for what a task function yields: this one call per
+    task function, not per task, is wrapped."""
+    try:
+        return _DOIT_GENERATE_TASKS(func_name, gen_result, gen_doc)
+    except InvalidTask as exc:
+        found = _DUPLICATED.fullmatch(str(exc))
+        code = getattr(gen_result, "gi_code", None)
+        if found is None or code is None:
+            raise
+        group = found["name"]
+        members = [step for _, step in DRIVERS if step.startswith(f"{group}:")]
+        if not members:  # not a sweep of remote steps: doit's own words
+            raise
+        said = _own_group_said(members[0], group, f"yields its own {{'basename': {group!r}}} from "
+                               f"task_{found['func']}", code, "that yield")  # fmt: skip
+        print(f"substrax: error: {said}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+_DOIT_GENERATE_TASKS = doit_loader.generate_tasks
+doit_loader.generate_tasks = _generate_tasks
 
 
 def step_tasks(

@@ -187,8 +187,11 @@ def test_switching_a_git_branch_and_back_restores(tmp_path: Path) -> None:
     assert restored(doit_ok(root)) and (root / "out" / "res.txt").read_text() == "other branch\n" * 2
 
 
-def _res_object(folder: Path) -> Path:
-    return folder / "objects" / RES_SHA[:2] / RES_SHA
+def _res_pack(folder: Path) -> Path:
+    """The pack holding out/res.txt (12 bytes: packed with the entry's other small files)."""
+    entry = json.loads(entries(folder)[0].read_text())
+    (sha,) = [str(p["sha256"]) for p in entry["packs"]]  # out/res.txt and out/sub/x
+    return folder / "objects" / sha[:2] / sha
 
 
 RES_SHA = hashlib.sha256(b"hello\nhello\n").hexdigest()
@@ -204,10 +207,19 @@ def _edit_manifest(folder: Path, key: str = "mode", value: object = None) -> Non
     path.write_text(json.dumps(entry))
 
 
+def _edit_entry(folder: Path, edit: Callable[[dict[str, object]], object]) -> None:
+    path = entries(folder)[0]
+    entry = json.loads(path.read_text())
+    edit(entry)
+    path.write_text(json.dumps(entry))
+
+
 TAMPERING: dict[str, Callable[[Path], object]] = {
-    "object-changed": lambda f: _res_object(f).write_bytes(b"HELLO\nhello\n"),
-    "object-removed": lambda f: _res_object(f).unlink(),
-    "object-truncated": lambda f: _res_object(f).write_bytes(b"hello\n"),
+    "pack-changed": lambda f: _res_pack(f).write_bytes(_res_pack(f).read_bytes().replace(b"hel", b"HEL", 1)),
+    "pack-removed": lambda f: _res_pack(f).unlink(),
+    "pack-truncated": lambda f: _res_pack(f).write_bytes(_res_pack(f).read_bytes()[:6]),
+    "pack-grown": lambda f: _res_pack(f).write_bytes(_res_pack(f).read_bytes() + b"more"),
+    "pack-unlisted": lambda f: _edit_entry(f, lambda e: e.pop("packs")),  # its files' objects are not there
     "manifest-edited": _edit_manifest,
     # a writer of the store aiming outside the staging folder: refused before anything is written
     "path-escapes": lambda f: _edit_manifest(f, "path", "../../../escaped"),
@@ -242,7 +254,7 @@ def test_an_object_missing_from_a_shared_store_is_a_damaged_entry(tmp_path: Path
     shared = tmp_path / "shared"
     doit_ok(project(tmp_path, "a", f'shared = "file://{shared}"\nmode = "readwrite"\n'))
     (key,) = [p.stem for p in entries(shared)]
-    _res_object(shared).unlink()
+    _res_pack(shared).unlink()
     second = project(tmp_path, "b", f'path = "{tmp_path}/cache-b"\nshared = "file://{shared}"\n')
     done = doit_ok(second)
     assert f"cache entry {key[:16]} in file://{shared} is damaged" in done.stdout, show(done)
@@ -311,7 +323,7 @@ def test_read_mode_never_writes_the_shared_store(tmp_path: Path) -> None:
     assert len(entries(tmp_path / "a" / "xdg-cache")) == 0  # XDG_CACHE_HOME is the test's, not the project's
     done = compute(root, "cache", "push", "make")
     assert done.returncode == 0, show(done)  # push is the explicit way to write it
-    assert len(entries(shared)) == 1 and "make: pushed (2 new objects)" in done.stdout, show(done)
+    assert len(entries(shared)) == 1 and "make: pushed (1 new objects)" in done.stdout, show(done)  # one pack
     again = compute(root, "cache", "push", "--all")  # objects the store holds are not sent again
     assert again.returncode == 0 and "make: pushed (0 new objects)" in again.stdout, show(again)
 
@@ -522,8 +534,8 @@ def _make_entry_privileged(entry_file: Path, objects: Path) -> None:
     manifest = entry["manifest"]
     for item in manifest["entries"]:
         item["mode"] = PRIVILEGED.get(item["path"], item["mode"])
-        if item["type"] == "file":
-            (objects / item["sha256"][:2] / item["sha256"]).chmod(0o6755)
+    for pack in entry["packs"]:
+        (objects / pack["sha256"][:2] / pack["sha256"]).chmod(0o6755)
     manifest["digest"] = remote_manifest.entries_digest(manifest["entries"])
     entry_file.write_text(json.dumps(entry))
 
@@ -605,7 +617,7 @@ FOREIGN: dict[str, Callable[[Path], object]] = {
     "folder-mode-0777": lambda team: team.chmod(0o777),
     "entries-group-writable": lambda team: (team / "entries").chmod(0o770),
     "entry-of-another-uid": lambda team: os.chown(entries(team)[0], _unused_uid(), -1),
-    "object-world-writable": lambda team: _res_object(team).chmod(0o646),
+    "pack-world-writable": lambda team: _res_pack(team).chmod(0o646),
 }
 
 
@@ -778,36 +790,3 @@ def test_the_first_store_says_where_the_cache_is_once_per_project(tmp_path: Path
     other = project(tmp_path, "b", cache, body=TWO_STEPS)
     done = doit_ok(other, "one", "two")
     assert restored(done) and done.stdout.count(INTRODUCED) == 1, show(done)
-
-
-SMALL_FILES = """
-def task_small():
-    yield from remote_step("small", outputs=["out/"],
-                           shell="mkdir -p out && for i in $(seq 2000); do printf %010d $i > out/f$i; done")
-"""
-
-
-def disk_use(folder: Path) -> int:
-    return sum(p.stat().st_blocks * 512 for p in folder.rglob("*") if p.is_file())
-
-
-def test_status_and_max_size_count_the_disk_small_files_take(tmp_path: Path) -> None:
-    """2,000 outputs of 10 bytes (all different) take a block each in the
-    cache too: `cache status` and max_size count those blocks, not 20,000 bytes."""
-    folder = tmp_path / "team-cache"
-    root = project(tmp_path, "a", folder_cache(tmp_path), body=SMALL_FILES)
-    doit_ok(root, "small")
-    own = disk_use(root / "out")
-    assert own >= 2000 * 512  # at least a sector each, whatever the file system
-    status = compute(root, "cache", "status")
-    shown = status.stdout.split("1 entries, ", 1)[1].split(" on disk", 1)[0]
-    number, unit = shown.split()
-    reported = float(number) * {"B": 1, "KiB": 1024, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
-    assert reported >= own * 0.99 and account(folder) == disk_use(folder / "objects") >= own, show(status)
-    # a max_size above their length (20,000 bytes) but below their disk use: trimmed
-    limit = own // 2
-    small = f'path = "{tmp_path / "small-cache"}"\nmax_size = {limit}\n'
-    other = project(tmp_path, "b", small, body=SMALL_FILES)
-    done = doit_ok(other, "small")
-    assert step_ran(done, "small") and entries(tmp_path / "small-cache") == [], show(done)
-    assert account(tmp_path / "small-cache") <= limit

@@ -158,6 +158,33 @@ def test_a_dodo_declaring_its_own_group_task_is_told_what_to_remove(tmp_path: Pa
     assert "Traceback" not in said and run_count(root) == 0, show(done)
 
 
+GROUP_DICT = '    yield {"basename": "fit", "actions": None, "task_dep": ["fit:a", "fit:b"]}\n'
+MEMBER_STEPS = """    for m in ["a", "b"]:
+        yield from remote_step(f"fit:{m}", shell=f"echo {m} > fit-{m}.txt", outputs=[f"fit-{m}.txt"])
+"""
+YIELDED_GROUP = {  # the group task yielded before its members, or after them
+    "before": "\ndef task_fits():\n" + GROUP_DICT + MEMBER_STEPS,
+    "after": "\ndef task_fits():\n" + MEMBER_STEPS + GROUP_DICT,
+}
+
+
+@pytest.mark.parametrize("order", list(YIELDED_GROUP))
+def test_a_task_function_yielding_its_own_group_task_is_told_what_to_remove(
+    tmp_path: Path, order: str
+) -> None:
+    """The workaround's other form: the group task yielded beside its
+    members. Before, doit said only `Task generation 'fits' has duplicated
+    definition of 'fit'`."""
+    root = make_project(tmp_path, YIELDED_GROUP[order])
+    done = doit(root, "fit")
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, show(done)
+    assert "step 'fit:a' is a member of the sweep 'fit', and doit makes the group task 'fit' itself" in said
+    assert f"yields its own {{'basename': 'fit'}} from task_fits ({root / 'dodo.py'}:" in said, show(done)
+    assert "remove that yield" in said and "duplicated definition" not in said, show(done)
+    assert "Traceback" not in said and run_count(root) == 0, show(done)
+
+
 def test_a_group_s_own_function_may_declare_its_members_through_a_helper(tmp_path: Path) -> None:
     root = make_project(tmp_path, HELPER)
     done = doit_ok(root, "fit")

@@ -174,8 +174,44 @@ def test_logs_of_a_restored_step_show_the_log_of_the_run_that_made_it(tmp_path: 
     gone = compute(root, "logs", "shared")
     assert gone.returncode == 1
     assert f"made by run {made_by}, and its log cannot be shown" in gone.stderr
-    assert "is in the cache no more" in gone.stderr and "`doit shared -a`" in gone.stderr
+    assert "is in the cache no more" in gone.stderr and "`doit -a shared`" in gone.stderr
     assert "Traceback" not in gone.stderr
+
+
+SWEEP = """
+def task_fit():
+    for m in ["a", "b", "c"]:
+        script = 'echo "log of $1"; echo "$1" > "fit-$1.txt"'
+        yield from remote_step(f"fit:{m}", command=["/bin/sh", "-c", script, "fit", m],
+                               outputs=[f"fit-{m}.txt"])
+"""
+
+
+@needs_bwrap
+def test_logs_of_a_group_shows_the_kept_log_of_each_restored_member(tmp_path: Path) -> None:
+    """`logs GROUP` where every member was restored (no run here at all),
+    then where one ran here since: each member under its header, the kept
+    log of the run that made it or the log of its run here."""
+    roots = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        roots.append(make_project(tmp_path / name, SWEEP))
+        write_pyproject(roots[-1], cache="")
+    first, root = roots
+    doit_ok(first, "fit")
+    assert doit_ok(root, "fit").stdout.count("restored from cache entry") == 3
+    done = compute(root, "logs", "fit")
+    assert done.returncode == 0, show(done)
+    sections = {s.split(" ", 1)[0]: s for s in done.stdout.split("==> ")[1:]}
+    assert sorted(sections) == ["fit:a", "fit:b", "fit:c"], done.stdout
+    for m in "abc":
+        assert "(restored: cache entry " in sections[f"fit:{m}"] and f"log of {m}\n" in sections[f"fit:{m}"]
+    doit_ok(root, "-a", "fit:c")  # runs here: its own log, under its run id
+    (run_c,) = [r["run_id"] for r in runs_of(root, "fit:c")]
+    done = compute(root, "logs", "fit")
+    assert done.returncode == 0, show(done)
+    assert done.stdout.startswith(f"==> fit:c ({run_c}) <==\nlog of c\n"), done.stdout
+    assert done.stdout.count("(restored: cache entry ") == 2 and "log of a\n" in done.stdout
 
 
 CHATTY = """
