@@ -47,6 +47,7 @@ from ssh_helpers import (
     SANDBOX,
     build_wheel,
     doit_killed_mid_run,
+    fresh_user,
     launched_status,
     live_handles,
     make_ssh_project,
@@ -536,6 +537,27 @@ def test_a_sweep_of_eight_steps_under_four_threads_on_one_host_finishes(
     assert not [h["run_id"] for h in live_handles(root) if remote_run_dir(h).exists()]
     again = doit_ok(root, "-n", "4", "-P", "thread")
     assert all(step_skipped(again, f"fit:m{m}") for m in range(8)), show(again)
+
+
+def test_a_sweep_under_four_threads_on_a_host_refusing_sessions_waits_for_them_and_finishes(
+    tmp_path: Path
+) -> None:
+    """sshd refuses a connection's sessions past MaxSessions (busy hosts,
+    or a host set low): the threads' commands wait for a free one, however
+    many are refused at once, and no thread takes a refusal for a broken
+    connection and closes the connection the others' commands run on (they
+    failed with exit -1, the step with them)."""
+    with running_host(tmp_path / "sshd", user=fresh_user()) as host:
+        config = host.config.read_text()
+        assert "MaxSessions 64" in config
+        host.config.write_text(config.replace("MaxSessions 64", "MaxSessions 2"))
+        restart_sshd(host)
+        root = make_ssh_project(tmp_path, host, SWEEP, ["fit"], files={"data/in.txt": "in\n"})
+        done = doit(root, "-n", "4", "-P", "thread", timeout=300)
+        assert done.returncode == 0, show(done)
+        assert "broke off" not in done.stdout + done.stderr, show(done)
+        for m in range(8):
+            assert (root / f"fit-{m}.txt").read_text() == f"in\nm{m}\n"
 
 
 def test_ctrl_c_under_four_threads_detaches_every_run_and_the_rerun_reattaches(
