@@ -126,10 +126,20 @@ class SshConnection:
         channel = self._session(command)
         try:
             channel.settimeout(timeout)
-            channel.exec_command(command)
-            if stdin is not None:
+            if stdin is None:
+                # Its stdin closed there, not by an end of input sent from
+                # here: a command done before that end is sent lets sshd
+                # close the channel, and paramiko can put the end of input
+                # on the wire after its own close (it sends it outside the
+                # channel's lock). sshd then drops the whole connection
+                # ("ieof packet referred to nonexistent channel"), and
+                # every thread's command on it failed with exit -1 (seen
+                # under `doit -n 4 -P thread` on a loaded machine).
+                channel.exec_command(command + " </dev/null")
+            else:  # a command given input reads it to its end, so ends after it
+                channel.exec_command(command)
                 channel.sendall(stdin)
-            channel.shutdown_write()
+                channel.shutdown_write()
             out, err = bytearray(), bytearray()
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
