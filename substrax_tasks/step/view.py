@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from substrax_tasks._remote.env import LOCK_FILES as ENV_LOCK_FILES
+from substrax_tasks._remote.env import lock_file
 from substrax_tasks.constants import LOCK_COMPANIONS
 from substrax_tasks.errors import SpecError
 from substrax_tasks.step.spec import StepSpec
@@ -40,7 +40,7 @@ class ProjectView:
 def shown_paths(project: Path, inputs: Sequence[str]) -> list[str]:
     """The inputs (without a folder's "/") and the environment's lock file
     (the first found) with what it is read with, each once."""
-    lock = next((name for name in ENV_LOCK_FILES if (project / name).is_file()), None)
+    lock = lock_file(str(project))
     locks = [lock, *LOCK_COMPANIONS.get(lock, ())] if lock else []
     shown: list[str] = []
     for path in [*(i.rstrip("/") for i in inputs), *locks]:

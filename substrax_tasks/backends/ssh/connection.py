@@ -51,6 +51,8 @@ class SshConnection:
         self._client: paramiko.SSHClient | None = None
         self._lock = threading.Lock()
         self._streams = threading.BoundedSemaphore(MAX_STREAMS)
+        # One session opened at a time (see _open_session).
+        self._opening = threading.Lock()
 
     @property
     def host(self) -> str:
@@ -124,10 +126,20 @@ class SshConnection:
         channel = self._session(command)
         try:
             channel.settimeout(timeout)
-            channel.exec_command(command)
-            if stdin is not None:
+            if stdin is None:
+                # Its stdin closed there, not by an end of input sent from
+                # here: a command done before that end is sent lets sshd
+                # close the channel, and paramiko can put the end of input
+                # on the wire after its own close (it sends it outside the
+                # channel's lock). sshd then drops the whole connection
+                # ("ieof packet referred to nonexistent channel"), and
+                # every thread's command on it failed with exit -1 (seen
+                # under `doit -n 4 -P thread` on a loaded machine).
+                channel.exec_command(command + " </dev/null")
+            else:  # a command given input reads it to its end, so ends after it
+                channel.exec_command(command)
                 channel.sendall(stdin)
-            channel.shutdown_write()
+                channel.shutdown_write()
             out, err = bytearray(), bytearray()
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
@@ -165,13 +177,27 @@ class SshConnection:
         deadline = time.monotonic() + SESSION_WAIT_SECONDS
         while True:
             try:
-                return self.client().get_transport().open_session()  # type: ignore[union-attr]
+                return self._open_session()
             except paramiko.ChannelException as exc:
                 if time.monotonic() > deadline:
                     raise NoSession(f"{self.host} opened no session for `{command[:80]}`: {exc}") from None
                 time.sleep(0.1)
             except (paramiko.SSHException, OSError, EOFError) as exc:
                 raise self._broke_off(command, exc) from None
+
+    def _open_session(self) -> paramiko.Channel:
+        """A new session channel, opened while no other thread opens one.
+        paramiko keeps the reason sshd refused an open (MaxSessions: a
+        ChannelException) in one slot of the transport, which the opening
+        thread reads and clears: two threads refused at once, the first took
+        both reasons and the second, finding none, raised SSHException
+        "Unable to open channel.", which reads as a broken connection. That
+        thread then closed the connection the others share, and every
+        command under way on it failed with exit -1 (a step of a sweep under
+        `doit -n 4 -P thread` failed with a loaded host). An open is one
+        round trip: taking turns costs the threads nothing they notice."""
+        with self._opening:
+            return self.client().get_transport().open_session()  # type: ignore[union-attr]
 
     def stream(self, argv: list[str], out: Callable[[bytes], None], tick: Callable[[], None]) -> RemoteResult:
         """Run argv on the host for as long as it goes, handing its stdout to
@@ -186,7 +212,7 @@ class SshConnection:
         channel = None
         try:
             try:
-                channel = self.client().get_transport().open_session()  # type: ignore[union-attr]
+                channel = self._open_session()
             except paramiko.ChannelException as exc:  # the connection stays: other threads use it
                 raise NoSession(f"{self.host} opened no session for `{command[:80]}`: {exc}") from None
             channel.exec_command(command)

@@ -316,3 +316,22 @@ def test_followers_beyond_the_sessions_one_connection_may_hold_are_refused_and_t
     done = bytearray()
     assert conn.stream(["echo", "again"], done.extend, lambda: None).returncode == 0
     assert bytes(done) == b"again\n"
+
+
+def test_a_command_given_no_input_reads_dev_null_there_and_one_given_input_reads_it_whole(
+    host: SshHost,
+) -> None:
+    """No end of input is sent for a command with none: paramiko could put
+    it on the wire after the channel's close when the command ended at
+    once, and sshd then dropped the connection every thread shares ("ieof
+    packet referred to nonexistent channel"). Its stdin is /dev/null there
+    instead; a command given input still reads it to its end."""
+    from substrax_tasks.backends.ssh.connection import SshConnection
+
+    conn = SshConnection(SshSettings.model_validate(ssh_settings(host)).target())
+    try:
+        assert conn.run(["readlink", "/proc/self/fd/0"]).text() == "/dev/null\n"
+        assert conn.run(["sh", "-c", "cat; echo end"]).text() == "end\n"  # not left waiting
+        assert conn.run(["cat"], stdin=b"given\n").text() == "given\n"
+    finally:
+        conn.close()

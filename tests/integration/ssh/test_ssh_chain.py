@@ -47,6 +47,7 @@ from ssh_helpers import (
     SANDBOX,
     build_wheel,
     doit_killed_mid_run,
+    fresh_user,
     launched_status,
     live_handles,
     make_ssh_project,
@@ -538,6 +539,28 @@ def test_a_sweep_of_eight_steps_under_four_threads_on_one_host_finishes(
     assert all(step_skipped(again, f"fit:m{m}") for m in range(8)), show(again)
 
 
+def test_a_sweep_under_four_threads_on_a_host_refusing_sessions_waits_for_them_and_finishes(
+    tmp_path: Path
+) -> None:
+    """sshd refuses a connection's sessions past MaxSessions (busy hosts,
+    or a host set low): the threads' commands wait for a free one, however
+    many are refused at once, and no thread takes a refusal for a broken
+    connection and closes the connection the others' commands run on (they
+    failed with exit -1, the step with them)."""
+    with running_host(tmp_path / "sshd", user=fresh_user()) as host:
+        config = host.config.read_text()
+        assert "MaxSessions 64" in config
+        host.config.write_text(config.replace("MaxSessions 64", "MaxSessions 2"))
+        restart_sshd(host)
+        sweep = SWEEP.replace("range(8)", "range(4)")  # one step a thread
+        root = make_ssh_project(tmp_path, host, sweep, ["fit"], files={"data/in.txt": "in\n"})
+        done = doit(root, "-n", "4", "-P", "thread", timeout=300)
+        assert done.returncode == 0, show(done)
+        assert "broke off" not in done.stdout + done.stderr, show(done)
+        for m in range(4):
+            assert (root / f"fit-{m}.txt").read_text() == f"in\nm{m}\n"
+
+
 def test_ctrl_c_under_four_threads_detaches_every_run_and_the_rerun_reattaches(
     tmp_path: Path, host: SshHost, marker: str
 ) -> None:
@@ -548,7 +571,11 @@ def test_ctrl_c_under_four_threads_detaches_every_run_and_the_rerun_reattaches(
     root = make_ssh_project(tmp_path, host, sweep, ["fit"], sandbox="none")
     proc = popen_doit(root, "-n", "4", "-P", "thread")
     try:
-        wait_for(lambda: len(marked_pids(marker)) >= 4, "the four runs to be going on the host", timeout=60)
+        try:
+            wait_for(lambda: len(marked_pids(marker)) >= 4, "the four runs to be going on the host", 60)
+        except pytest.fail.Exception:  # a step that failed leaves three going: say why
+            pytest.fail(f"{len(marked_pids(marker))} of the four runs going on the host after 60 s; "
+                        f"doit said:\n{popen_output(root)}")
         started = time.monotonic()
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=30)
