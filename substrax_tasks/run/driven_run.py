@@ -36,7 +36,8 @@ _T = TypeVar("_T")
 class DrivenRun:
     """A step and the run driven for it in this doit process."""
 
-    def __init__(self, step: Step, project: Project, *, retries: int = 0) -> None:
+    def __init__(self, step: Step, project: Project, *, retries: int = 0,
+                 near_another: Callable[[str], bool] = lambda folder: True) -> None:
         self.step = step
         self.spec = step.spec
         self.root = step.root
@@ -53,6 +54,12 @@ class DrivenRun:
         # recorded in the handle (by `advance` into the phase that ends it,
         # or `end_phase`); None between phases.
         self.clock: tuple[str, str] | None = None
+        # The project's folders this process found missing as it launched
+        # the run (its outputs' folders, which the run makes), and whether a
+        # folder is another step's (made_folders.py): without the dodo's
+        # steps at hand, every folder is taken to be.
+        self.made_folders: list[str] = []
+        self.near_another = near_another
 
     def backend(self, handle: RunHandle) -> Backend:
         return self.project.backend_for(handle)
@@ -91,6 +98,18 @@ class DrivenRun:
 
         times = with_phase_time(self.handle.state.times, clock[0], clock[1], outcome)
         return self.save(self.handle, times=times)
+
+    def remove_made_folders(self) -> None:
+        """The run failed (an exit code, a timeout, a missing output): the
+        empty folders it made for its outputs that are no other step's go,
+        and the step says which."""
+        from substrax_tasks.run.made_folders import remove_made_folders  # a run failed: not a no-op's path
+
+        made, self.made_folders = self.made_folders, []
+        removed = remove_made_folders(self.root, made, self.near_another)
+        if removed:
+            emit(f"{self.spec.step}: removed the empty output folder(s) it made: "
+                 + ", ".join(f"{folder}/" for folder in removed))
 
     def retrying(self, what: str, call: Callable[[], _T]) -> _T:
         """Retry failures of the machinery, never a failed command."""

@@ -69,6 +69,7 @@ def fetch_outputs(driver: DrivenRun) -> TaskFailed | None:
         return TaskFailed(f"step {step!r}: {exc}; nothing was promoted")
     except NotProduced as exc:
         driver.save(handle, verdict={"state": "failed", "message": str(exc)})
+        driver.remove_made_folders()
         return TaskFailed(f"step {step!r}: run {handle.run_id}: {exc}; nothing was promoted")
     except OutputsRefused as exc:
         current = driver.handle or handle

@@ -60,8 +60,9 @@ class RunState(enum.Enum):
 class StepDriver(DrivenRun):
     """The phases of one step in one doit process, as doit actions."""
 
-    def __init__(self, step: Step, project: Project, *, retries: int = 0) -> None:
-        super().__init__(step, project, retries=retries)
+    def __init__(self, step: Step, project: Project, *, retries: int = 0,
+                 near_another: Callable[[str], bool] = lambda folder: True) -> None:
+        super().__init__(step, project, retries=retries, near_another=near_another)
         self.state = RunState.IDLE
         self._lock = threading.Lock()
         self._step_lock: StepLock | None = None
@@ -295,6 +296,10 @@ class StepDriver(DrivenRun):
         backend = self.backend(handle)
         if not handle.state.reached(Phase.LAUNCHED):
             handle = self._take_slot(backend, handle)
+            from substrax_tasks.run.made_folders import absent_folders  # a launch: not a no-op's path
+
+            # Before the launch: the folders missing now are the ones this run makes.
+            self.made_folders = absent_folders(self.root, self.spec.outputs)
             self.advance(self.retrying("launch", lambda: backend.launch(handle)), Phase.LAUNCHED)
         elif not (status := backend.poll(handle)).final:  # reattached: it holds a slot as a new run does
             self._take_slot(backend, handle, running=status.state == "running")
@@ -368,6 +373,8 @@ class StepDriver(DrivenRun):
             self._on_interrupt(backend, handle)
             raise
         if status.state != "succeeded":
+            if status.final:
+                self.remove_made_folders()
             tail = backend.read_log(handle, 0)[-1500:].decode(errors="replace")
             return TaskFailed(
                 f"step {self.spec.step!r}: run {handle.run_id} {status.state}"

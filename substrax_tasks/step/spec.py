@@ -332,6 +332,24 @@ class PathIndex:
                 return self.owner[folder], folder
         return None
 
+    def near_another(self, path: str, step: str) -> bool:
+        """Whether `path` is, holds, or lies in an output of a step other
+        than `step`. Asked only as a failed run removes its folders: the
+        scan of the other steps' outputs that `below` (one step per folder)
+        cannot spare is paid then, never as a dodo loads."""
+        clean = path.rstrip("/")
+        for folder in (*_ancestors(clean), clean):
+            if self.owner.get(folder, step) != step:
+                return True
+        if self.below.get(clean, step) != step:
+            return True
+        if clean not in self.below:
+            return False
+        inside = clean + "/"
+        return any(
+            out.startswith(inside) for other, outs in self.by_step.items() if other != step for out in outs
+        )
+
     def add(self, step: str, path: str) -> None:
         clean = path.rstrip("/")
         self.owner[clean] = step

@@ -16,6 +16,7 @@ skipped like the public one.
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import os
@@ -78,6 +79,16 @@ def _check_against_others(project: Path, spec: StepSpec) -> list[str]:
         for out in spec.outputs:
             index.add(spec.step, out)
     return producers
+
+
+def _near_another(project: str, step: str, folder: str) -> bool:
+    """Whether `folder` is, holds or lies in an output or a checkpoints
+    folder of another step the loaded dodo declares: such a folder is never
+    removed by `step`'s failed run, as another step's command may need it
+    (made_folders.py)."""
+    with _DECLARED_LOCK:
+        return any(index.near_another(folder, step)
+                   for index in (_INDEXES.get(project), _CHECKPOINTS.get(project)) if index is not None)
 
 
 def _check_checkpoints_apart(project: str, outputs: PathIndex, spec: StepSpec) -> None:
@@ -178,7 +189,8 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     except SubstraxError as exc:  # a bad declaration stops doit before anything is launched
         print(f"substrax: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
-    driver = StepDriver(step, proj, retries=retries)
+    driver = StepDriver(step, proj, retries=retries,
+                        near_another=functools.partial(_near_another, str(proj.root), spec.step))
     DRIVERS[(str(proj.root), spec.step)] = driver
     yield from step_tasks(driver, producers, dependencies, list(uptodate), task_keys)
 

@@ -69,6 +69,25 @@ def test_the_index_finds_overlaps_with_outputs_declared_file_by_file() -> None:
     assert index.overlapping("out/") == ("b", "out/s2/deep/g.txt")
 
 
+@pytest.mark.unit
+def test_a_folder_near_another_steps_output_is_told_apart_from_ones_own() -> None:
+    """What a failed run of `bad` may remove: a folder only its own outputs
+    are in, never one that is, holds or lies in another step's output, even
+    where `below` names `bad` (it declared first)."""
+    index = PathIndex()
+    index.add("bad", "out/bad/")
+    index.add("bad", "solo/x/f.txt")
+    index.add("w:0", "out/s0.txt")
+    index.add("w:1", "runs/lr1/")
+    assert index.near_another("out", "bad")  # holds w:0's output, though `below` names bad
+    assert not index.near_another("out/bad", "bad")
+    assert not index.near_another("solo", "bad") and not index.near_another("solo/x", "bad")
+    assert index.near_another("runs/lr1", "bad")  # is w:1's output
+    assert index.near_another("runs/lr1/deep", "bad")  # lies in it
+    assert index.near_another("runs", "bad")
+    assert not index.near_another("elsewhere", "bad")
+
+
 # ------------------------------------------- arguments of the wrong type
 
 WRONG_TYPES = [
