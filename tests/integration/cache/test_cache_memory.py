@@ -42,7 +42,8 @@ def _promoted_run(tmp_path: Path) -> tuple[Step, RunCache, dict[str, object]]:
     assert isinstance(manifest["entries"], remote_manifest.PackedEntries)
     assert manifest_cache.outputs_match(root, ["out/"], manifest["digest"], step.files.outputs_cache)
     options = CacheOptions(enabled=True, path=str(tmp_path / "cache"), max_bytes=1 << 30, shared=None,
-                           mode="read", allowed_signers=None, signing_key=None, key_backend=False)  # fmt: skip
+                           mode="read", allowed_signers=None, signing_key=None,
+                           key_backend=False)  # fmt: skip
     return step, RunCache(options, root, store), manifest
 
 
@@ -74,4 +75,26 @@ def test_keeping_a_run_of_20000_files_holds_a_small_record_per_file(tmp_path: Pa
     assert restored is not None
     big = restored.fetched.root / "out" / "large"
     assert big.read_bytes() == b"x" * (100 << 10)
+    assert (restored.fetched.root / "out" / "d007" / "f000007").read_bytes() == b"7"
+
+
+def test_a_restored_entry_of_20000_files_holds_its_manifest_as_packed_records(tmp_path: Path) -> None:
+    """Issue 29: a restore parsed the whole entry, a dict per file held with
+    the restored run until its promotion (~600 bytes a file held); its
+    manifest's entries are packed as they are read now, as a fetch's are."""
+    step, cache, manifest = _promoted_run(tmp_path)
+    parts = {"step": "write", "spec": "restored"}
+    cache.save(step, cache_key(parts, key_backend=False), manifest, {"run_id": "r1"}, None)
+    step.files.outputs_cache.unlink()  # the restore hashes every copy, as on another machine
+    del manifest
+    tracemalloc.start()
+    try:
+        restored = cache.restore(step, parts)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert restored is not None
+    # the packed entries (~80 bytes a file) and the packs' members (~180)
+    assert held < FILES * 400 + 2 * 2**20, f"a restored entry of {FILES:,} files held {held:,} bytes"
+    assert isinstance(restored.fetched.manifest["entries"], remote_manifest.PackedEntries)
     assert (restored.fetched.root / "out" / "d007" / "f000007").read_bytes() == b"7"
