@@ -637,48 +637,65 @@ class _Text:
                 return found
 
 
-def load_manifest(data: Union[bytes, IO[bytes]]) -> Dict[str, Any]:
+def load_manifest(data: Union[bytes, IO[bytes]], within: Optional[str] = None) -> Dict[str, Any]:
     """The manifest JSON document in `data` (or read from the binary file
     `data`, a window at a time), its entries packed (`PackedEntries`) as they
     are read: a dict per entry of 200,000 files held 120 MB, and their text
     30 MB. Each entry must be an object with a ``path`` and a ``type`` of
     ENTRY_TYPES (else ManifestFormatError, which says so); a document that
     is not a JSON object raises ValueError. Nothing else is checked (the
-    digest is the caller's)."""
+    digest is the caller's). With `within`, the document holds a manifest
+    as the value of its key `within` (a run cache entry's "manifest"), and
+    that manifest's entries are the ones packed."""
     text = _Text(io.BytesIO(data) if isinstance(data, bytes) else data)
-    decoder = json.JSONDecoder()
-    manifest: Dict[str, Any] = {}
+    document = _read_object(text, json.JSONDecoder(), within)
+    text.skip_space()
+    if text.at < len(text.text):
+        raise ValueError("text after the manifest")
+    return document
+
+
+def _read_object(text: _Text, decoder: json.JSONDecoder, within: Optional[str]) -> Dict[str, Any]:
+    """The JSON object at `text`: a manifest, its entries packed, or (with
+    `within`) a document holding one as the value of its key `within`."""
+    document: Dict[str, Any] = {}
     text.expect("{")
+    first = True
     while not text.next_is("}"):
-        if manifest:
+        if not first:
             text.expect(",")
+        first = False
         key = text.value(decoder)
         if not isinstance(key, str):
             raise ValueError("a manifest's keys are strings")
         text.expect(":")
-        if key != "entries":
-            manifest[key] = text.value(decoder)
-            continue
-        entries = manifest[key] = PackedEntries()
-        if not text.next_is("["):
-            raise ManifestFormatError("its entries are not a list of entries")
-        text.expect("[")
-        while not text.next_is("]"):
-            if len(entries):
-                text.expect(",")
-            entry = text.value(decoder)
-            if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
-                raise ManifestFormatError("its entries are not a list of entries")
-            if entry.get("type") not in ENTRY_TYPES:  # a device, fifo or socket is never an output
-                raise ManifestFormatError("it lists %r as a %r: outputs are files, folders and symlinks"
-                                          % (entry["path"], entry.get("type")))
-            entries._append(entry)
-        text.expect("]")
+        if within is not None and key == within and text.next_is("{"):
+            document[key] = _read_object(text, decoder, None)
+        elif within is None and key == "entries":
+            document[key] = _read_entries(text, decoder)
+        else:
+            document[key] = text.value(decoder)
     text.expect("}")
-    text.skip_space()
-    if text.at < len(text.text):
-        raise ValueError("text after the manifest")
-    return manifest
+    return document
+
+
+def _read_entries(text: _Text, decoder: json.JSONDecoder) -> PackedEntries:
+    entries = PackedEntries()
+    if not text.next_is("["):
+        raise ManifestFormatError("its entries are not a list of entries")
+    text.expect("[")
+    while not text.next_is("]"):
+        if len(entries):
+            text.expect(",")
+        entry = text.value(decoder)
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise ManifestFormatError("its entries are not a list of entries")
+        if entry.get("type") not in ENTRY_TYPES:  # a device, fifo or socket is never an output
+            raise ManifestFormatError("it lists %r as a %r: outputs are files, folders and symlinks"
+                                      % (entry["path"], entry.get("type")))
+        entries._append(entry)
+    text.expect("]")
+    return entries
 
 
 def canonical_json(value: object) -> str:

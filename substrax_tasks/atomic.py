@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -25,7 +25,19 @@ def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o600, *, tail: byte
     _write_atomic(path, [data, tail], mode)
 
 
-def _write_atomic(path: Path, pieces: Iterable[bytes], mode: int) -> None:
+def write_pieces_atomic(
+    path: Path, pieces: Iterable[bytes], mode: int = 0o600, *,
+    before_rename: Callable[[Path], None] | None = None,
+) -> None:  # fmt: skip
+    """Write `pieces`, as they come, to a temp file beside `path`, fsync,
+    call `before_rename` with the temp file (whole by then: to sign it),
+    rename over `path`: a large document is never held whole."""
+    _write_atomic(path, pieces, mode, before_rename)
+
+
+def _write_atomic(
+    path: Path, pieces: Iterable[bytes], mode: int, before_rename: Callable[[Path], None] | None = None
+) -> None:
     """Write `pieces`, as they come, to a temp file beside `path`, fsync,
     rename over `path`."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -36,6 +48,8 @@ def _write_atomic(path: Path, pieces: Iterable[bytes], mode: int) -> None:
                 f.write(piece)
             f.flush()
             os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename(Path(tmp))
         Path(tmp).replace(path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)

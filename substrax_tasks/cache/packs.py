@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ class Pack:
         return {"sha256": self.sha256, "size": self.size, "count": len(self.members)}
 
 
-def small_files(files: list[dict[str, Any]], below: int) -> list[Member]:
+def small_files(files: Iterable[dict[str, Any]], below: int) -> list[Member]:
     """The manifest's files (its entries of type file) below `below` bytes,
     each distinct digest once, in the manifest's order: what is packed."""
     members: list[Member] = []
@@ -69,7 +70,7 @@ def small_files(files: list[dict[str, Any]], below: int) -> list[Member]:
     return members
 
 
-def plan(files: list[dict[str, Any]]) -> list[list[Member]]:
+def plan(files: Iterable[dict[str, Any]]) -> list[list[Member]]:
     """The members of each pack for a manifest's files."""
     packs: list[list[Member]] = [[]]
     filled = 0
@@ -82,7 +83,7 @@ def plan(files: list[dict[str, Any]]) -> list[list[Member]]:
     return [members for members in packs if members]
 
 
-def parse(entry: dict[str, Any], files: list[dict[str, Any]]) -> list[Pack]:
+def parse(entry: dict[str, Any], files: Iterable[dict[str, Any]]) -> list[Pack]:
     """An entry's packs, their members from its manifest's `files`;
     ValueError if they are not whole (the caller's Damaged)."""
     found = entry.get("packs", [])
@@ -112,11 +113,13 @@ def packed(packs: list[Pack]) -> dict[str, Pack]:
 
 
 def write_pack(
-    objects: Path, members: list[Member], sources: dict[str, Path]
+    objects: Path, members: list[Member], sources: Iterator[tuple[str, Path]]
 ) -> tuple[Path, str, int] | None:
-    """The part file of a pack of `members` (each read from `sources`) under
-    the folder `objects`, its digest and disk use; None (nothing left) if a
-    source is no longer what the manifest says (changed since verified).
+    """The part file of a pack of `members` under the folder `objects`, its
+    digest and disk use; None (nothing left) if a source is no longer what
+    the manifest says (changed since verified). `sources` are the manifest's
+    files, (digest, path), in its order, read on as members are found:
+    members come in that order, and no map of every file is held.
     The part file is named as Folder.put's are (a dot first): a trim never
     takes it for an object."""
     folder = objects / secrets.token_hex(1)
@@ -128,8 +131,9 @@ def write_pack(
     try:
         with open(fd, "wb", buffering=1 << 20) as out:  # noqa: PTH123 - a descriptor, made exclusive
             for digest, size in members:
-                data = sources[digest].read_bytes()
-                if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+                source = next((path for sha, path in sources if sha == digest), None)
+                data = source.read_bytes() if source is not None else b""
+                if source is None or len(data) != size or hashlib.sha256(data).hexdigest() != digest:
                     part.unlink()
                     return None
                 sha.update(data)

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,8 +49,8 @@ from substrax_tasks.cache.storage import (
     materialize,
     object_path,
     refused_signature,
-    sign,
     write_entry,
+    write_entry_pieces,
 )
 from substrax_tasks.console import emit
 from substrax_tasks.constants import CACHE_ENV
@@ -355,14 +356,11 @@ class RunCache:
                  "packs": [pack.as_json() for pack in packs],
                  "provenance": {**provenance, "time": stamp, "client": socket.gethostname(),
                                 "tool_version": __version__}}  # fmt: skip
-        # the manifest's packed entries are decoded here, the entry being one signed document
-        plain = remote_manifest.plain_entries
-        data = json.dumps(entry, sort_keys=True, separators=(",", ":"), default=plain).encode()
         if log is not None:
             self.local.write(log_path(key), log)
         else:  # an older run's log is not this one's
             self.local.remove(log_path(key))
-        write_entry(self.local, key, data, sign(data, self.signing_key) if self.signing_key else None)
+        write_entry_pieces(self.local, key, _entry_json(entry), self.signing_key)
         self._introduce()
         if self.shared is not None and self.shared.writable and self.shared.name not in _UNREACHABLE:
             try:
@@ -406,13 +404,14 @@ class RunCache:
         if not manifest_cache.outputs_match(root, outputs, digest, cache_file):
             emit(f"{step.name}: outputs changed since they were verified; not kept in the cache")
             return None
-        in_pack = {member for members in layout for member, _ in members}
-        sources = {e["sha256"]: root / e["path"] for e in _files(manifest)}
+        # The files are walked from the manifest (its packed records) as
+        # they are copied: no dict or Path is held per file, only the packs'
+        # members and the few files too large to pack.
+        sources = ((e["sha256"], root / e["path"]) for e in _files(manifest))
         written = self.local.put_packs(layout, sources)
         added = [] if written is None else written[1]
-        pairs = [(source, object_path(sha)) for sha, source in sources.items() if sha not in in_pack]
         if written is not None:
-            added += self.local.put(pairs)
+            added += self.local.put(_unpacked_objects(root, manifest, layout))
         if written is None or not manifest_cache.outputs_match(root, outputs, digest, cache_file):
             self.local.remove_objects(added)  # changed while copied
             emit(f"{step.name}: outputs changed while they were kept; not kept in the cache")
@@ -546,16 +545,20 @@ def _absolute(project: Path, path: str | None) -> str | None:
 
 def _parsed(data: bytes, key: str) -> dict[str, Any]:
     """An entry's JSON, checked in shape; Damaged if it is not whole."""
+    # Its manifest's entries are packed as they are read, a window of text
+    # at a time: a dict per file of a large entry took ~1.3 KiB a file.
     try:
-        entry = json.loads(data)
+        entry = remote_manifest.load_manifest(data, within="manifest")
+    except remote_manifest.ManifestFormatError as exc:
+        raise Damaged(f"its manifest is not whole: {exc}") from None
     except ValueError as exc:
         raise Damaged(f"its JSON is not whole: {exc}") from None
-    if not isinstance(entry, dict) or entry.get("version") not in READABLE_VERSIONS \
-            or entry.get("key") != key:  # fmt: skip
+    if entry.get("version") not in READABLE_VERSIONS or entry.get("key") != key:
         raise Damaged(f"it is not an entry of version {ENTRY_VERSION} for key {key[:16]}")
     manifest = entry.get("manifest")
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), list) \
-            or manifest.get("missing"):
+    if not isinstance(manifest, dict) \
+            or not isinstance(manifest.get("entries"), remote_manifest.PackedEntries) \
+            or manifest.get("missing"):  # fmt: skip
         raise Damaged("its manifest is not whole")
     for item in manifest["entries"]:
         path = item.get("path") if isinstance(item, dict) else None
@@ -582,5 +585,44 @@ def _objects(entry: dict[str, Any]) -> set[str]:
     return files | {pack.rel for pack in packs}
 
 
-def _files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    return [e for e in manifest["entries"] if e.get("type") == "file"]
+def _files(manifest: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The manifest's files, each decoded as it comes (its entries may be
+    packed records: remote_manifest.PackedEntries)."""
+    return (e for e in manifest["entries"] if e.get("type") == "file")
+
+
+def _unpacked_objects(
+    root: Path, manifest: dict[str, Any], layout: list[list[packing.Member]]
+) -> list[tuple[Path, str]]:
+    """(source, object) of each distinct file of `manifest` that no pack of
+    `layout` holds: the files kept as objects of their own."""
+    skipped = {digest for members in layout for digest, _ in members}
+    pairs = []
+    for item in _files(manifest):
+        digest = item["sha256"]
+        if digest not in skipped:
+            skipped.add(digest)
+            pairs.append((root / item["path"], object_path(digest)))
+    return pairs
+
+
+def _entry_json(entry: dict[str, Any]) -> Iterator[bytes]:
+    """`json.dumps(entry, sort_keys=True, separators=(",", ":"))`, byte for
+    byte, in pieces: its manifest's entries, when packed, are written from
+    their records a chunk at a time, never decoded all at once nor held whole
+    as text (~1 KiB a file at 200,000 files)."""
+
+    def dumps(value: Any) -> str:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+    manifest = entry["manifest"]
+    entries = manifest["entries"]
+    if not isinstance(entries, remote_manifest.PackedEntries):
+        yield dumps(entry).encode()
+        return
+    marker = f"entries {secrets.token_hex(16)}"  # found nowhere else in the document
+    before, after = dumps({**entry, "manifest": {**manifest, "entries": marker}}).split(dumps(marker))
+    yield before.encode()
+    for piece in entries.json_pieces():
+        yield piece.encode()
+    yield after.encode()

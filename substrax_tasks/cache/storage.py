@@ -42,12 +42,13 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks._remote import manifest as remote_manifest
-from substrax_tasks.atomic import write_bytes_atomic
+from substrax_tasks.atomic import write_bytes_atomic, write_pieces_atomic
 from substrax_tasks.cache.packs import Member, Pack, packed, write_pack
 from substrax_tasks.errors import BackendError
 from substrax_tasks.uptodate.manifests import CacheEntries, HashCache
@@ -140,6 +141,23 @@ def write_entry(store: Folder | Shared, key: str, data: bytes, signature: bytes 
     else:
         store.remove(entry_path(key) + ".sig")
     store.write(entry_path(key), data)  # last: its objects are all in
+
+
+def write_entry_pieces(folder: Folder, key: str, pieces: Iterable[bytes], signing_key: str | None) -> None:
+    """write_entry for a local entry given a piece at a time (a large
+    manifest's entries are never held whole, as text or as dicts): written
+    beside its place, signed from that file, its signature (or none) put
+    first, then renamed into place."""
+    path = folder.root / entry_path(key)
+    folder.make_folder(path.parent)
+
+    def signed(written: Path) -> None:
+        if signing_key is not None:
+            folder.write(entry_path(key) + ".sig", sign(written, signing_key))
+        else:
+            folder.remove(entry_path(key) + ".sig")
+
+    write_pieces_atomic(path, pieces, before_rename=signed)
 
 
 class Damaged(Exception):
@@ -529,9 +547,10 @@ class Folder:
             os.close(fd)
 
     def put_packs(
-        self, layout: list[list[Member]], sources: dict[str, Path]
+        self, layout: list[list[Member]], sources: Iterator[tuple[str, Path]]
     ) -> tuple[list[Pack], list[str]] | None:
-        """Pack the files `sources` names (by digest) as `layout` says; the
+        """Pack the files `sources` names (by digest, in the manifest's
+        order: write_pack) as `layout` says; the
         packs and the objects this call added, each linked to its name
         under the account's lock as Folder.put's are. None (nothing added)
         if a source is not what its digest says any more."""
@@ -665,14 +684,20 @@ class Shared:
 # ------------------------------------------------------------------ signatures
 
 
-def _keygen(data: bytes, *args: str) -> tuple[int, bytes, str]:
-    """`ssh-keygen -Y ARGS` given `data` on its stdin: exit code, stdout, all it said."""
-    done = subprocess.run(["ssh-keygen", "-Y", *args], input=data, capture_output=True, check=False)
+def _keygen(data: bytes | Path, *args: str) -> tuple[int, bytes, str]:
+    """`ssh-keygen -Y ARGS` given `data` (or the file `data`) on its stdin:
+    exit code, stdout, all it said."""
+    argv = ["ssh-keygen", "-Y", *args]
+    if isinstance(data, Path):  # a large entry is read by ssh-keygen, never held here
+        with data.open("rb") as stdin:
+            done = subprocess.run(argv, stdin=stdin, capture_output=True, check=False)
+    else:
+        done = subprocess.run(argv, input=data, capture_output=True, check=False)
     return done.returncode, done.stdout, (done.stdout + done.stderr).decode(errors="replace").strip()
 
 
-def sign(data: bytes, key_file: str) -> bytes:
-    """The SSH signature of `data` by `key_file` (the private key)."""
+def sign(data: bytes | Path, key_file: str) -> bytes:
+    """The SSH signature of `data` (bytes, or a file's) by `key_file` (the private key)."""
     code, signature, said = _keygen(data, "sign", "-q", "-f", key_file, "-n", NAMESPACE)
     if code != 0:
         raise BackendError(f"cannot sign cache entries with signing_key {key_file}: {said}")
