@@ -80,18 +80,56 @@ def cluster_leaks(backend: SkypilotBackend, handles: list[RunHandle]) -> list[Le
     """Clusters of the prefix that no live handle names. Those a handle of
     the client named, or whose name carries its id, are its own; the rest
     may be another client's (the prefix is shared by default, and so may be
-    the project's path), so are listed, never removed."""
+    the project's path), so are listed, never removed. A cluster a slot
+    keeps warm is listed as such, with its lease and lifetime left."""
     runs = [h for h in handles if h.backend == backend.name]
     live = {h.state.get("cluster") for h in runs if not h.state.get("torn_down")}
     named = {h.state.get("cluster") for h in runs}
     prefix, client = backend.settings.cluster_prefix, backend.store.client_id()
+    warm = warm_records(backend)
     return [
         Leak(backend.name, "SkyPilot", name, name in named or sky_task.made_by(name, prefix, client),
-             functools.partial(backend.sky().down, name))
+             functools.partial(backend.sky().down, name),
+             warm=warm_note(backend, warm[name]) if name in warm else None)
         for name in backend.sky().cluster_names()
         if name.startswith(f"{prefix}-") and name not in live
     ]
 
+
+def warm_records(backend: SkypilotBackend) -> dict[str, dict[str, Any]]:
+    """The clusters the project's slots keep warm, by name."""
+    found = {}
+    for path in backend.store.slots_dir("skypilot").parent.glob("skypilot-*/*.json"):
+        record = read_record(path)
+        if record is not None and isinstance(record.get("cluster"), str):
+            found[str(record["cluster"])] = record
+    return found
+
+
+def minutes(seconds: float) -> str:
+    return f"{max(seconds, 0.0) / 60:.1f} min"
+
+
+def warm_note(backend: SkypilotBackend, record: dict[str, Any]) -> str:
+    """What holds a warm cluster and how long: its lease, as remote/lease.py says, and its lifetime."""
+    lifetime = f"{minutes(float(record.get('deadline', 0)) - time.time())} of its lifetime left"
+    cluster = str(record["cluster"])
+    root = backend.settings.remote_root.rstrip("/")
+    if not root.startswith("/"):
+        root = f"{record.get('job_home') or '.'}/{root}"
+    bin_dir = f"{root}/bin-{record.get('bin_digest')}"
+    run = RemoteRun(cluster_target(cluster), backend.settings.python, bin_dir, f"{root}/runs")
+    try:
+        what = f"asking the lease of cluster {cluster}"
+        lease = run.answer(run.checked_script("lease.py", "status", root, cluster, what=what), what)
+    except SubstraxError as exc:
+        return f"its lease could not be asked ({exc}); {lifetime}"
+    if lease.get("state") != "held":
+        return f"its lease has ended (SkyPilot's autodown takes it down); {lifetime}"
+    busy, idle_left = lease.get("busy") or [], lease.get("idle_left")
+    held = (f"its lease holds it for {len(busy)} running step(s)" if busy or idle_left is None else
+            f"its lease holds it {minutes(float(idle_left))} more unless a step comes")  # fmt: skip
+    return f"{held}; {lifetime}"
 
 
 class SkypilotBackend(Backend):
@@ -170,8 +208,8 @@ class SkypilotBackend(Backend):
         """remote/lease.py's answer on the run's cluster."""
         run = self.remote_run(handle)
         what = f"asking the lease of cluster {self.cluster(handle)}"
-        root = self.there(handle).root
-        return run.answer(run.checked_script("lease.py", operation, root, *args, what=what), what)
+        root, cluster = self.there(handle).root, self.cluster(handle)
+        return run.answer(run.checked_script("lease.py", operation, root, cluster, *args, what=what), what)
 
     def slot_pool(self, handle: RunHandle) -> Pool | None:
         """max_parallel clusters per shape; with reuse, a slot is a cluster
@@ -223,11 +261,11 @@ class SkypilotBackend(Backend):
         lock, env_dir = sky_task.environment(self.settings, layout, project)
         upload = self.run_file(handle, "upload")
         sky_task.snapshot(self.settings, handle, project, self.store.root, upload / "project")
+        cluster = self.cluster(handle)
         config = sky_task.task_config(
-            self.settings, handle, layout, upload_dir=upload, remote_dir=remote_dir(),
+            self.settings, handle, layout, cluster=cluster, upload_dir=upload, remote_dir=remote_dir(),
             project=project, lock=lock, env_dir=env_dir,
         )  # fmt: skip
-        cluster = self.cluster(handle)
         # The intent, before any paid call: what would be launched, and where.
         write_json_atomic(self.run_file(handle, TASK_FILE), config)
         sky_task.validate(self.sky(), self.settings, config)

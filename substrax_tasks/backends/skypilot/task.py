@@ -13,7 +13,7 @@ through the worker over ssh. On the cluster, relative to the home the job
 runs in (`remote_root`):
 
     bin-<digest>/            the remote/ scripts (COPY mount)
-    lease/                   the lease's record and lock; the lifetime timer removes it
+    leases/<cluster>/        the lease's record and lock; the lifetime timer removes it
     runs/<run-id>/project/   the first step's snapshot and sources (COPY mounts, then rsync)
     runs/<run-id>/work/outputs/  what the task writes (copy transport)
     mnt/<bucket-key>/<run-id>/   outputs and manifest.json (bucket transport)
@@ -102,9 +102,8 @@ class ClusterLayout:
     def run(self) -> str:
         return f"{self.root}/runs/{self.run_id}"
 
-    @property
-    def lease(self) -> str:
-        return f"{self.root}/lease"
+    def lease(self, cluster: str) -> str:
+        return f"{self.root}/leases/{cluster}"
 
     @property
     def project(self) -> str:
@@ -193,13 +192,13 @@ def lifetime_timer(settings: SkypilotSettings) -> dict[str, float]:
     return {"armed_at": time.time(), "seconds": seconds}
 
 
-def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterLayout,
+def setup_script(settings: SkypilotSettings, layout: ClusterLayout, cluster: str,
                  lock: str | None, env_dir: str | None) -> str:  # fmt: skip
     """Lifetime timer first (nothing outlives lifetime_minutes even if setup
     hangs), then the setup commands, then the locked environment."""
     seconds = lifetime_timer(settings)["seconds"]
     lines = ["set -e", 'cd "$HOME"', "printf 'substrax-job-home:%s:end\\n' \"$(pwd -P)\"",
-             watchdog_line(settings, layout, layout.lease, seconds)]  # fmt: skip
+             watchdog_line(settings, layout, layout.lease(cluster), seconds)]  # fmt: skip
     lines += settings.setup_commands
     if lock and env_dir:
         # The same recipe as every backend's (it prints where the env is: known here already).
@@ -254,10 +253,10 @@ def job_home(sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str) -
     return found[-1]
 
 
-def lease_script(settings: SkypilotSettings, layout: ClusterLayout) -> str:
+def lease_script(settings: SkypilotSettings, layout: ClusterLayout, cluster: str) -> str:
     """The lease in the foreground (remote/lease.py): the cluster's one
     SkyPilot job, holding it until idle_minutes after its last step."""
-    lease = checked_script(settings.python, layout.bin, "lease.py", "hold", layout.root,
+    lease = checked_script(settings.python, layout.bin, "lease.py", "hold", layout.root, cluster,
                            f"{settings.idle_minutes * 60:g}")  # fmt: skip
     return f'cd "$HOME" && {_sh(lease)}\n'
 
@@ -267,14 +266,16 @@ def task_config(
     handle: RunHandle,
     layout: ClusterLayout,
     *,
+    cluster: str,
     upload_dir: Path,
     remote_dir: Path,
     project: Path,
     lock: str | None,
     env_dir: str | None,
 ) -> dict[str, Any]:
-    """The SkyPilot task config (YAML schema, as a dict). Secrets are not in
-    it: they go to SkyPilot on the helper's stdin at launch only."""
+    """The SkyPilot task config (YAML schema, as a dict) of `cluster`, the
+    first step's snapshot in it. Secrets are not in it: a step's go to its
+    worker on its stdin."""
     mount = ClusterLayout.mount_point
     file_mounts: dict[str, Any] = {
         mount(layout.bin): str(remote_dir),
@@ -293,8 +294,8 @@ def task_config(
         "num_nodes": 1,
         "resources": settings.resources(dict(handle.spec.resources)),
         "file_mounts": file_mounts,
-        "setup": setup_script(settings, handle, layout, lock, env_dir),
-        "run": lease_script(settings, layout),
+        "setup": setup_script(settings, layout, cluster, lock, env_dir),
+        "run": lease_script(settings, layout, cluster),
     }
     return config
 

@@ -76,8 +76,8 @@ def skypilot_jobs(sky: Sky, cluster: str) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
 
 
-def lease_record(sky: Sky) -> dict[str, Any]:
-    record: dict[str, Any] = json.loads((sky.remote / "lease" / "lease.json").read_text())
+def lease_record(sky: Sky, cluster: str) -> dict[str, Any]:
+    record: dict[str, Any] = json.loads((sky.remote / "leases" / cluster / "lease.json").read_text())
     return record
 
 
@@ -95,7 +95,7 @@ def test_a_cold_step_then_warm_steps_from_new_doits_run_on_the_cluster_left_warm
     assert requests_named(sky, "launch") == 1 and requests_named(sky, "exec") == 0
     (lease,) = skypilot_jobs(sky, cluster)  # one SkyPilot job: the lease, not one per step
     assert lease["status"] == "RUNNING" and sky.clusters() == [cluster]
-    assert lease_record(sky)["state"] == "held"
+    assert lease_record(sky, cluster)["state"] == "held"
 
 
 def test_a_four_step_sweep_under_threads_takes_turns_on_two_clusters_kept_warm(sky: Sky) -> None:
@@ -137,7 +137,7 @@ def test_a_client_killed_while_a_warm_step_runs_leaves_the_lease_to_hold_then_en
     # the lease holds the cluster while the step runs.
     time.sleep(IDLE_MINUTES * 60 + 2 * MINUTE + 2)
     assert sky.clusters() == [cluster] and marked_pids(marker)
-    assert lease_record(sky)["busy"] == [handle["run_id"]]
+    assert lease_record(sky, cluster)["busy"] == [handle["run_id"]]
     gate.touch()
     wait_for(lambda: not marked_pids(marker), "the step to end", timeout=60)
     wait_for(lambda: sky.clusters() == [], "the lease to end and SkyPilot to take the cluster down",
@@ -168,7 +168,7 @@ def test_a_cluster_whose_lease_ended_is_never_given_a_step(sky: Sky) -> None:
     sky.env["FAKESKY_MINUTE_SECONDS"] = "600"  # SkyPilot takes the old one down only much later
     doit_ok(sky.root, env=sky.env)
     (old,) = sky.clusters()
-    wait_for(lambda: lease_record(sky)["state"] == "ended", "the lease to end", timeout=60)
+    wait_for(lambda: lease_record(sky, old)["state"] == "ended", "the lease to end", timeout=60)
     assert sky.clusters() == [old]
     (sky.root / "data" / "in.txt").write_text("again\n")
     again = doit_ok(sky.root, env=sky.env)
@@ -219,7 +219,9 @@ def test_gc_machines_takes_a_warm_cluster_down(sky: Sky) -> None:
     doit_ok(sky.root, env=sky.env)
     (cluster,) = sky.clusters()
     shown = sky.compute("status", "--machines")
-    assert f"warm cluster {cluster}" in shown.stdout and "lifetime" in shown.stdout, shown.stdout
+    said = shown.stdout + shown.stderr
+    assert f"warm cluster {cluster} on SkyPilot: its lease holds it" in said, said
+    assert "of its lifetime left" in said, said
     done = sky.compute("gc", "--machines")
     assert done.returncode == 0, done.stderr
     assert sky.clusters() == []
