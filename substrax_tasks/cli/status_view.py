@@ -65,8 +65,8 @@ def status_json(
         "unreadable": [{"path": str(u.path), "reason": u.reason} for u in unreadable],
         # null, not "none leaked", when not looked for
         "leaked": None if leaks is None else
-        [{"backend": k.backend, "where": k.where, "name": k.name, "ours": k.ours, "warm": k.warm}
-         for k in leaks],
+        [{"backend": k.backend, "where": k.where, "name": k.name, "ours": k.ours}
+         | ({"warm": k.warm} if k.warm is not None else {}) for k in leaks],
     }, indent=1)  # fmt: skip
 
 
