@@ -300,9 +300,10 @@ class SkypilotBackend(Backend):
             answer = self.lease(handle, "claim", handle.run_id)
             if answer.get("claimed"):
                 return handle
-            if answer.get("state") == "ended":
-                raise BackendError(f"run {handle.run_id}: the lease of cluster {cluster} ended before "
-                                   "the run could claim it")  # fmt: skip
+            left = _remote_run.lifetime_left(handle)
+            if answer.get("state") == "ended" or (left is not None and left <= 0):
+                raise BackendError(f"run {handle.run_id}: the lease of cluster {cluster} ended (or its "
+                                   "lifetime did) before the run could claim it")  # fmt: skip
             check_interrupted()
             time.sleep(LEASE_WAIT_SECONDS)
             if time.monotonic() < next_check:

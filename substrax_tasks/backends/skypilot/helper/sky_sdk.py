@@ -128,6 +128,10 @@ def op_job_status(request: Request) -> object:
     return {str(k): jsonable(v) for k, v in (statuses or {}).items()}
 
 
+def op_cancel(request: Request) -> object:
+    return jsonable(sky.get(sky.cancel(request["cluster_name"], job_ids=list(request["job_ids"]))))
+
+
 def op_down(request: Request) -> object:
     request_id = sky.down(request["cluster_name"])
     _record_request(request, request_id, "down")
@@ -215,6 +219,7 @@ OPERATIONS: dict[str, Callable[[Request], object]] = {
     "request_status": op_request_status,
     "api_cancel": op_api_cancel,
     "job_status": op_job_status,
+    "cancel": op_cancel,
     "down": op_down,
     "autostop": op_autostop,
     "cluster_status": op_cluster_status,
