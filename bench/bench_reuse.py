@@ -100,7 +100,8 @@ def timings(root: Path, env: dict[str, str]) -> tuple[list[float], list[float]]:
     starts, gaps = [], []
     for handle, after in zip(handles, [*handles[1:], None], strict=True):
         run = runs.get(handle["run_id"], {})
-        warm = handle["state"].get("cluster") != _own_cluster(handle, root)  # queued on another run's cluster
+        # queued on another run's cluster
+        warm = handle["backend_state"].get("cluster") != _own_cluster(handle, root)
         if warm and run.get("started_at"):
             starts.append(parse(str(run["started_at"])) - parse(handle["created_at"]))
         if after is not None and run.get("ended_at"):

@@ -361,7 +361,7 @@ class Bed:
 
     def record_path(self, name: str) -> str:
         """The manifest the worker wrote for the fetch."""
-        return f"{self.runs[name].state['remote_run_dir']}/{WORKER_RECORD}"
+        return f"{self.runs[name].backend_state['remote_run_dir']}/{WORKER_RECORD}"
 
     def set_record(self, name: str, record: bytes | None) -> None:
         """The manifest the worker kept in the run folder (None: none)."""
@@ -474,7 +474,7 @@ def make_data(bed: Bed) -> None:
             log = backend.read_log(handle, 0).decode(errors="replace")[-1500:]
             raise BackendError(f"the {name} run {status.state}: {status.message}\n{log}")
         bed.runs[name] = handle = bed.project.store.read(handle.run_id)
-        record = bed.read_remote(f"{handle.state['remote_run_dir']}/status.json")
+        record = bed.read_remote(f"{handle.backend_state['remote_run_dir']}/status.json")
         outputs_root = json.loads(record or b"{}").get("outputs_root")
         if not isinstance(outputs_root, str):
             raise BenchError(f"the {name} run's status names no outputs folder")
@@ -942,8 +942,8 @@ def remote_times(bed: Bed, argv: list[str], repeats: int) -> tuple[float, set[in
 def bench_profile(bed: Bed, repeats: int) -> None:
     backend = bed.backend
     handle = bed.runs["small"]
-    bin_dir = str(handle.state["remote_bin"])
-    run_dir = str(handle.state["remote_run_dir"])
+    bin_dir = str(handle.backend_state["remote_bin"])
+    run_dir = str(handle.backend_state["remote_run_dir"])
     rows: list[list[str]] = []
 
     def add(what: str, seconds: float, note: str = "") -> None:

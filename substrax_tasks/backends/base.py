@@ -22,6 +22,7 @@ from substrax_tasks.slots import Pool
 if TYPE_CHECKING:  # pydantic: not imported by a restore from the run cache, which needs Fetched only
     from pydantic import BaseModel
 
+    from substrax_tasks.backends.state import BackendState
     from substrax_tasks.store.handle import RunHandle
     from substrax_tasks.store.run_store import RunStore
 
@@ -75,6 +76,14 @@ class Capabilities:
     interrupt_cancels: Ctrl-C in the client cancels the run (it runs on
     this machine, tied to the client); otherwise the client detaches and the
     run goes on, reachable again by a rerun or the CLI.
+
+    What the core needs to know of one run it asks the backend, never its
+    part of the handle (`backend_state`, which the core does not read):
+    whether its outputs stay where it ran until teardown
+    (`outputs_available`), whether it wrote them in place (`fetch`'s root
+    is the project's), where it ran (`ran_on`), whether it still holds a
+    machine and for how long (`released`, `lifetime_left`). The contract
+    tests bind each for every backend.
     """
 
     interrupt_cancels: bool = False
@@ -117,6 +126,8 @@ class Leak:
 class Backend(ABC):
     name: ClassVar[str]
     Settings: ClassVar[type[BaseModel]]
+    # What it keeps in the handle (`handle.backend_state`), read as `State.of(handle)`.
+    State: ClassVar[type[BackendState]]
     capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init__(self, settings: BaseModel, store: RunStore) -> None:
@@ -141,6 +152,11 @@ class Backend(ABC):
             ) from None
         return cls(settings, store)
 
+    def save_state(self, handle: RunHandle, **changes: Any) -> RunHandle:
+        """Record `changes` in the backend's part of the handle, checked
+        against `State` (an undeclared key is refused)."""
+        return self.store.update_backend_state(handle, self.State, **changes)
+
     def slot_pool(self, handle: RunHandle) -> Pool | None:
         """The pool a new run of `handle` takes a slot in before its launch,
         held until its chain ends; None: no limit."""
@@ -157,8 +173,8 @@ class Backend(ABC):
     @abstractmethod
     def launch(self, handle: RunHandle) -> RunHandle:
         """Called once, right after the handle was written: provision,
-        connect or prepare the run's folder. Records what it made in the
-        handle's state before returning."""
+        connect or prepare the run's folder. Records what it made in its
+        part of the handle (`save_state`) before returning."""
 
     def setup(self, handle: RunHandle) -> RunHandle:
         """Prepare the machine (setup commands). Default: nothing to do."""
@@ -248,7 +264,7 @@ class Backend(ABC):
     def status(self, handle: RunHandle) -> RunStatus:
         """poll(), except where the chain has since judged the run: a run
         whose command succeeded but did not produce its outputs is failed."""
-        verdict = handle.state.get("verdict")
+        verdict = handle.state.verdict
         status = self.poll(handle)
         if isinstance(verdict, dict) and (status.final or status.state == "pending"):
             return replace(status, state=str(verdict.get("state", status.state)),

@@ -37,10 +37,10 @@ from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends.base import MAX_LOG_BYTES, Backend, Fetched, RunStatus, log_cut_note
 from substrax_tasks.backends.job import damaged_status, status_from_record
 from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
+from substrax_tasks.backends.state import RemoteState
 from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.store.handle import RunHandle
-from substrax_tasks.store.run_store import RunStore
 from substrax_tasks.transports.base import Transport, checked_manifest
 from substrax_tasks.transports.openssh import MAX_ANSWER_BYTES, AnswerTooBig, RemoteResult
 
@@ -387,7 +387,7 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
     follower waited on past the run's lifetime."""
     room = max(MAX_LOG_BYTES - offset, 0)
     sent = 0
-    left = lifetime_left(handle)
+    left = backend.lifetime_left(handle)
     deadline = None if left is None else time.monotonic() + left + FOLLOW_PAST_LIFETIME_SECONDS
 
     def tick() -> None:
@@ -430,16 +430,11 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
     return Backend.stream_log(backend, handle, out, follow=not status.final, offset=offset)
 
 
-def released(handle: RunHandle) -> bool:
-    """The run's teardown recorded that it holds nothing there any more."""
-    return bool(handle.state.get("torn_down"))
-
-
-def lifetime_left(handle: RunHandle, now: float | None = None) -> float | None:
+def lifetime_left(state: RemoteState, now: float | None = None) -> float | None:
     """From the lifetime timer the launch armed where the run runs (its
     `watchdog` record: when, for how long), until the run is torn down."""
-    timer = handle.state.get("watchdog")
-    if released(handle) or not isinstance(timer, dict):
+    timer = state.watchdog
+    if state.torn_down or timer is None:
         return None
     armed, seconds = timer.get("armed_at"), timer.get("seconds")
     if not isinstance(armed, (int, float)) or not isinstance(seconds, (int, float)):
@@ -465,7 +460,7 @@ def start_worker(run: RemoteRun, handle: RunHandle, job_file: str, gpus: Any, wh
         )
 
 
-def worker_status(store: RunStore, handle: RunHandle, run: RemoteRun, where: str) -> RunStatus:
+def worker_status(backend: Backend, handle: RunHandle, run: RemoteRun, where: str) -> RunStatus:
     """The run's status from its worker's record there (remote/control.py's
     status); a final one is kept in the handle."""
     record = run.status()
@@ -481,7 +476,7 @@ def worker_status(store: RunStore, handle: RunHandle, run: RemoteRun, where: str
         # outputs_root too: the fetch then starts without asking for it
         root = record.get("outputs_root")
         noted = {"outputs_root": root} if isinstance(root, str) else {}
-        store.update_state(handle, final_status=status.__dict__, **noted)
+        backend.save_state(handle, final_status=status.__dict__, **noted)
     return status
 
 
@@ -504,7 +499,8 @@ def cancel_worker(backend: Backend, handle: RunHandle, run: RemoteRun, status: R
     # may tear its folder down the moment it sees the end.
     with contextlib.suppress(BackendError):
         backend.poll(handle)
-    if "final_status" not in backend.store.read(handle.run_id).state:
+    kept = backend.State.of(backend.store.read(handle.run_id))
+    if isinstance(kept, RemoteState) and kept.final_status is None:
         ended = RunStatus(str(answer.get("state") or "cancelled"), message=answer.get("reason"))
-        backend.store.update_state(handle, final_status=ended.__dict__)
+        backend.save_state(handle, final_status=ended.__dict__)
     return True

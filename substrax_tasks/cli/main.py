@@ -337,7 +337,7 @@ def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Con
                 "lifetime ran out); `doit` reruns the step"
             )
         outputs = list(handle.spec.outputs)
-        base = Path(str(handle.state.get("project") or project.root))
+        base = Path(str(handle.state.project or project.root))
         dest = Path(args.to).resolve() if args.to else base
         cache = project.store.run_dir(handle.run_id) / "fetch-cache.json"
         try:

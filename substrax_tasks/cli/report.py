@@ -103,7 +103,7 @@ def restored_records(project: Project) -> list[tuple[dict[str, Any], RestoredRow
 
 
 def doits_of(handle: RunHandle) -> set[str]:
-    return {str(t["doit"]) for t in phase_times(handle.state).values() if t.get("doit")}
+    return {str(t["doit"]) for t in phase_times(handle.state.times).values() if t.get("doit")}
 
 
 def gather(project: Project, word: str | None, every: bool) -> Report:
@@ -151,9 +151,9 @@ def row_of(project: Project, handle: RunHandle) -> RunRow:
         where = f"{handle.backend} ({backend.ran_on(handle)})"
     except (BackendError, HandleError) as exc:  # its host unreachable now, settings this release refuses
         unknown = RunStatus("unknown", message=str(exc))
-        return RunRow(handle, unknown, handle.backend, phase_times(handle.state))
-    cost = handle.state.get("cost_usd")
-    row = RunRow(handle, status, where, phase_times(handle.state),
+        return RunRow(handle, unknown, handle.backend, phase_times(handle.state.times))
+    cost = handle.state.cost_usd
+    row = RunRow(handle, status, where, phase_times(handle.state.times),
                  cost=float(cost) if isinstance(cost, (int, float)) else None)  # fmt: skip
     if status.final and status.state != "succeeded":
         try:

@@ -86,7 +86,7 @@ def keep_after(driver: DrivenRun, fetched: Fetched) -> None:
                 emit(f"{driver.step.name}: could not keep {restored.label} locally: {exc}", err=True)
         return
     manifest = fetched.manifest
-    if run_cache is None or handle is None or Phase.of(handle.state) is not Phase.PROMOTED:
+    if run_cache is None or handle is None or handle.state.phase is not Phase.PROMOTED:
         return
     if fetched.saw_whole_project:
         _say_once_not_kept(driver.step.name, handle.run_id)

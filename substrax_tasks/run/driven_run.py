@@ -69,7 +69,7 @@ class DrivenRun:
         if self.clock is not None and ENDED_BY.get(self.clock[0]) == phase.value:
             from substrax_tasks.run.timeline import with_phase_time  # a phase acts: not on a no-op's path
 
-            changes["times"] = with_phase_time(handle.state, self.clock[0], self.clock[1], "ok")
+            changes["times"] = with_phase_time(handle.state.times, self.clock[0], self.clock[1], "ok")
             self.clock = None
         self.handle = self.project.store.advance(handle, phase, **changes)
         return self.handle
@@ -89,7 +89,8 @@ class DrivenRun:
             return self.handle
         from substrax_tasks.run.timeline import with_phase_time
 
-        return self.save(self.handle, times=with_phase_time(self.handle.state, clock[0], clock[1], outcome))
+        times = with_phase_time(self.handle.state.times, clock[0], clock[1], outcome)
+        return self.save(self.handle, times=times)
 
     def retrying(self, what: str, call: Callable[[], _T]) -> _T:
         """Retry failures of the machinery, never a failed command."""

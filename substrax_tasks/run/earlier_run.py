@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from substrax_tasks.console import emit
 from substrax_tasks.errors import HandleError, SubstraxError
-from substrax_tasks.store.phase import Phase, reached
+from substrax_tasks.store.phase import Phase
 from substrax_tasks.store.run_store import SET_ASIDE
 from substrax_tasks.uptodate import check as uptodate
 
@@ -75,7 +75,7 @@ def no_run_going(driver: DrivenRun) -> bool:
         except SubstraxError:  # its host out of reach: not proved
             return False
         # lost, and not yet judged (stop_lost records it once what was left is stopped): its tree may run on
-        if not status.final or (status.state == "lost" and not handle.state.get("verdict")):
+        if not status.final or (status.state == "lost" and not handle.state.verdict):
             return False
     return all(ended_by_its_worker(record.path.parent) for record in unreadable)
 
@@ -92,8 +92,8 @@ def retire_unlaunched(driver: DrivenRun) -> None:
     """The step's previous run, if its launch never succeeded, would read
     `pending` for ever: record that it was given up."""
     old = last_run(driver)
-    never_launched = old is not None and not reached(old.state, Phase.LAUNCHED)
-    if old is not None and never_launched and not old.state.get("verdict"):
+    never_launched = old is not None and not old.state.reached(Phase.LAUNCHED)
+    if old is not None and never_launched and not old.state.verdict:
         driver.save(old, verdict={"state": "failed", "message": "never launched; a newer run replaced it"})
 
 
@@ -143,9 +143,9 @@ def reusable_run(driver: DrivenRun, key: str) -> RunHandle | None:
     still going (reattach), or finished but not yet fetched. A lost run,
     whatever its key, has what is left of it stopped first."""
     handle = last_run(driver)
-    if handle is None or handle.state.get("verdict"):
+    if handle is None or handle.state.verdict:
         return None
-    same_key = handle.state.get("key") == key
+    same_key = handle.state.key == key
     status = earlier_status(driver, handle, same_key)
     if status is None or not same_key or (status.final and status.state != "succeeded"):
         return None
@@ -153,7 +153,7 @@ def reusable_run(driver: DrivenRun, key: str) -> RunHandle | None:
     if not status.final:
         emit(f"{driver.spec.step}: reattaching to run {handle.run_id} ({status.state})")
         return handle
-    if Phase.of(handle.state) is not Phase.PROMOTED:
+    if handle.state.phase is not Phase.PROMOTED:
         emit(f"{driver.spec.step}: run {handle.run_id} finished; fetching its outputs again")
         return handle
     if not driver.check_held and backend.outputs_available(handle):  # else asked for a real run

@@ -58,7 +58,7 @@ def fetch_outputs(driver: DrivenRun) -> TaskFailed | None:
             return verify_staged(fetched, driver.spec.outputs, driver.step.files.outputs_cache,
                                  f"run {handle.run_id}")  # fmt: skip
         except OutputsRefused:
-            seen = (driver.handle or handle).state.get("fetch_refusals")
+            seen = (driver.handle or handle).state.fetch_refusals
             driver.save(handle, fetch_refusals=int(seen or 0) + 1)
             raise
 
@@ -72,7 +72,7 @@ def fetch_outputs(driver: DrivenRun) -> TaskFailed | None:
         return TaskFailed(f"step {step!r}: run {handle.run_id}: {exc}; nothing was promoted")
     except OutputsRefused as exc:
         current = driver.handle or handle
-        if int(current.state.get("fetch_refusals") or 0) < REFUSALS_BEFORE_GIVING_UP:
+        if int(current.state.fetch_refusals or 0) < REFUSALS_BEFORE_GIVING_UP:
             return TaskFailed(
                 f"step {step!r}: {exc}\nThe run is kept: `doit {step}` fetches it again; refused again, "
                 "it is given up and a new run starts"

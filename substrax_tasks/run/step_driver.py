@@ -37,7 +37,7 @@ from substrax_tasks.run.driven_run import DrivenRun
 from substrax_tasks.run.earlier_run import retire_unlaunched, reusable_run
 from substrax_tasks.step import doit_db
 from substrax_tasks.step.spec import check_inputs_exist, check_outputs_inside
-from substrax_tasks.store.phase import Phase, reached
+from substrax_tasks.store.phase import Phase
 from substrax_tasks.uptodate import check as uptodate
 from substrax_tasks.uptodate.check import DOIT_VALUE, Step
 
@@ -124,7 +124,7 @@ class StepDriver(DrivenRun):
         pool = backend.slot_pool(handle)
         if pool is None or self._slot is not None:
             return handle
-        bound = handle.state.get("slot") if pool.shared else None
+        bound = handle.state.slot if pool.shared else None
         try:
             slot = take_in_pool(
                 self.project.store.slots_dir(pool.name), pool, self.spec.step, handle.run_id,
@@ -292,7 +292,7 @@ class StepDriver(DrivenRun):
             emit(f"{self.spec.step}: new run {handle.run_id} on {self.step.backend}")
         self.handle = handle
         backend = self.backend(handle)
-        if not reached(handle.state, Phase.LAUNCHED):
+        if not handle.state.reached(Phase.LAUNCHED):
             handle = self._take_slot(backend, handle)
             self.advance(self.retrying("launch", lambda: backend.launch(handle)), Phase.LAUNCHED)
         elif not (status := backend.poll(handle)).final:  # reattached: it holds a slot as a new run does
@@ -310,7 +310,7 @@ class StepDriver(DrivenRun):
         self, phase: Phase, what: str, call: Callable[[Backend, RunHandle], RunHandle]
     ) -> None:
         handle = self.handle
-        if handle is None or reached(handle.state, phase):
+        if handle is None or handle.state.reached(phase):
             return
         backend = self.backend(handle)
         self.advance(self.retrying(what, lambda: call(backend, handle)), phase)
@@ -324,7 +324,7 @@ class StepDriver(DrivenRun):
             return None
         backend = self.backend(handle)
         try:
-            if not reached(handle.state, Phase.STARTED):
+            if not handle.state.reached(Phase.STARTED):
                 if backend.poll(handle).state == "pending":
                     pending = handle
                     handle = start_when_free(
@@ -467,9 +467,9 @@ class StepDriver(DrivenRun):
             interrupted = True
             self._on_interrupt(backend, handle)
             status = backend.status(handle)
-        launched = reached(handle.state, Phase.LAUNCHED)
+        launched = handle.state.reached(Phase.LAUNCHED)
         done = (
-            Phase.of(handle.state) is Phase.PROMOTED
+            handle.state.phase is Phase.PROMOTED
             or (status.final and status.state != "succeeded")
             or (status.state == "pending" and launched)  # setup or sync failed: nothing to keep
         )

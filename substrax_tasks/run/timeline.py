@@ -38,19 +38,16 @@ DOIT_ID = (
 )
 
 
-def with_phase_time(state: Mapping[str, Any], phase: str, start: str, outcome: str) -> dict[str, Any]:
-    """The handle's `times` with `phase` recorded as ending now."""
-    times = dict(state.get("times") or {})
+def with_phase_time(recorded: Mapping[str, Any], phase: str, start: str, outcome: str) -> dict[str, Any]:
+    """The handle's `times` (`recorded`) with `phase` recorded as ending now."""
+    times = dict(recorded)
     times[phase] = {"start": start, "end": now(), "doit": DOIT_ID, "outcome": outcome}
     return times
 
 
-def phase_times(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """The phase times a handle's state records, those this release can read
-    (an old handle: none)."""
-    times = state.get("times")
-    if not isinstance(times, Mapping):
-        return {}
+def phase_times(times: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Those of the phase times a handle's state records (`times`) that this
+    release can read (an old handle: none)."""
     return {
         phase: dict(entry)
         for phase, entry in times.items()

@@ -63,7 +63,7 @@ def removable(project: Project, handles: list[RunHandle]) -> list[Path]:
             status = project.backend_for(handle).status(handle)
         except SubstraxError:
             continue
-        outputs_home = Phase.of(handle.state) is Phase.PROMOTED or status.state != "succeeded"
+        outputs_home = handle.state.phase is Phase.PROMOTED or status.state != "succeeded"
         if status.final and outputs_home:
             for path in sorted(store.run_dir(handle.run_id).iterdir()):
                 kept = path.name in KEPT_IN_RUN or path.name.endswith(".log") or str(path) in referenced

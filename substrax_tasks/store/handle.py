@@ -1,8 +1,12 @@
 """The handle: the durable record of one run.
 
 Everything needed to reach the run again, from the handle alone: the spec,
-the backend's validated settings (paths absolute), the backend's state.
-Where it lives and how it is written: store.py.
+the backend's validated settings (paths absolute), the core's state (a typed
+`CoreState`) and the backend's state. The backend's state is the backend's
+own: the core carries it and never reads or writes a key of it (each backend
+reads it through its own model, `Backend.State`; tests/unit/test_import_graph.py
+checks the core never indexes it). Where it lives and how it is written:
+run_store.py.
 """
 
 from __future__ import annotations
@@ -11,12 +15,45 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from substrax_tasks.errors import HandleError
 from substrax_tasks.step.spec import StepSpec
+from substrax_tasks.store.phase import Phase
 
-HANDLE_VERSION = 2
+HANDLE_VERSION = 3
+# Version 2 kept the core's keys and the backend's in one `state` dict: it is
+# read and split (`_from_version_2`), and written as 3 the next time.
+MIGRATED_VERSIONS = frozenset({2})
+
+
+class CoreState(BaseModel):
+    """What the core records of a run, and all it reads of the handle's
+    state. Unknown keys are refused: a typo fails at once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    project: str | None = None  # the project folder the run was submitted from
+    phase: Phase | None = None  # how far the chain drove it (phase.py); written by RunStore.advance alone
+    refetches: int = 0  # rounds of `refetch` (phase.py)
+    key: str | None = None  # the step's run key when it was submitted (uptodate)
+    key_parts: dict[str, Any] | None = None
+    times: dict[str, Any] = {}  # phase -> its start and end (run/timeline.py)
+    slot: dict[str, Any] | None = None  # the max_parallel slot it holds: {"pool", "index"}
+    verdict: dict[str, Any] | None = None  # the chain's own end for it: {"state", "message"}
+    fetch_refusals: int = 0  # fetches refused in a row (run/outputs_phases.py)
+    manifest_digest: str | None = None  # of the outputs fetched and verified
+    cost_usd: float | None = None  # what the run cost, where known (`substrax-compute report` shows it)
+
+    @field_validator("phase", mode="before")
+    @classmethod
+    def _phase_known(cls, value: Any) -> Any:
+        """A phase this release does not know reads as none (not yet created)."""
+        return Phase.of({"phase": value})
+
+    def reached(self, phase: Phase) -> bool:
+        """The run's recorded phase is `phase` or one after it."""
+        return self.phase is not None and self.phase.reached(phase)
 
 
 class RunHandle(BaseModel):
@@ -30,7 +67,19 @@ class RunHandle(BaseModel):
     spec: StepSpec
     spec_digest: str
     created_at: str
-    state: dict[str, Any] = {}
+    state: CoreState = CoreState()
+    # The backend's own: carried, never read by the core (Backend.State reads it).
+    backend_state: dict[str, Any] = {}
+
+
+def _from_version_2(data: dict[str, Any]) -> dict[str, Any]:
+    """A version-2 handle as version 3: its one `state` dict split into the
+    core's keys and the backend's (all the others)."""
+    mixed = data.get("state")
+    mixed = mixed if isinstance(mixed, dict) else {}
+    core = {name: value for name, value in mixed.items() if name in CoreState.model_fields}
+    own = {name: value for name, value in mixed.items() if name not in CoreState.model_fields}
+    return {**data, "version": HANDLE_VERSION, "state": core, "backend_state": own}
 
 
 def read_handle(path: Path) -> RunHandle:
@@ -45,7 +94,9 @@ def read_handle(path: Path) -> RunHandle:
             f"remove {path.parent} to forget this run"
         ) from None
     version = data.get("version") if isinstance(data, dict) else None
-    if version != HANDLE_VERSION:
+    if version in MIGRATED_VERSIONS:
+        data = _from_version_2(data)
+    elif version != HANDLE_VERSION:
         raise HandleError(
             f"{path}: handle version {version!r} cannot be used by this release "
             f"(it reads version {HANDLE_VERSION}); reach that run with the release "

@@ -41,6 +41,8 @@ from substrax_tasks.step.spec import StepSpec, canonical_digest, safe_name, sett
 from substrax_tasks.store.phase import Phase, moved_to
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from substrax_tasks.store.handle import RunHandle
 
 HANDLE_FILE = "handle.json"
@@ -173,7 +175,7 @@ class RunStore:
     def new_run(self, spec: StepSpec, backend: str, settings: dict[str, Any], **state: Any) -> RunHandle:
         """Create the run's folder and write its handle (with `state`): the
         first durable record, made before anything slow or paid happens."""
-        from substrax_tasks.store.handle import RunHandle
+        from substrax_tasks.store.handle import CoreState, RunHandle
 
         now = datetime.datetime.now(datetime.timezone.utc)
         run_id = f"{safe_name(spec.step)}-{now:%Y%m%dT%H%M%S}-{os.urandom(3).hex()}"
@@ -187,33 +189,53 @@ class RunStore:
             spec=spec,
             spec_digest=run_digest(spec, backend, settings),
             created_at=now.isoformat(timespec="milliseconds"),
-            state={**state, "phase": Phase.CREATED.value},
+            state=CoreState.model_validate({**state, "phase": Phase.CREATED}),
         )
         write_json_atomic(self.handle_path(run_id), handle.model_dump(mode="json"))
         return handle
 
     def update_state(self, handle: RunHandle, **changes: Any) -> RunHandle:
-        """Merge `changes` into the handle's state and write it at once. The
-        state on disk is the base (another process, `doit` or `substrax-compute
-        cancel`, may have recorded something since `handle` was read), the
-        given handle's state the fallback. The handle's lock makes the
-        read-merge-write one step for every process. The phase is not among
-        the changes: `advance` records it, checked against the one on disk."""
+        """Merge `changes` into the handle's core state (CoreState: an
+        unknown key is refused) and write it at once. The state on disk is
+        the base (another process, `doit` or `substrax-compute cancel`, may
+        have recorded something since `handle` was read), the given handle's
+        state the fallback. The handle's lock makes the read-merge-write one
+        step for every process. The phase is not among the changes: `advance`
+        records it, checked against the one on disk."""
         if PHASE_KEYS & changes.keys():
             raise ValueError(f"run {handle.run_id}: its phase is recorded by RunStore.advance alone")
-        return self._merge(handle, lambda current: {**current, **changes})
+        return self._merge(handle, core=lambda current: {**current, **changes})
 
     def advance(self, handle: RunHandle, phase: Phase, **changes: Any) -> RunHandle:
         """Record that the chain reached `phase` (with `changes`), never going
         back from the phase on disk (PhaseError). Only the chain calls it."""
         return self._merge(
-            handle, lambda current: {**current, **changes, **moved_to(current, phase, handle.run_id)}
+            handle, core=lambda current: {**current, **changes, **moved_to(current, phase, handle.run_id)}
         )
 
-    def _merge(self, handle: RunHandle, merged: Callable[[dict[str, Any]], dict[str, Any]]) -> RunHandle:
-        """Write the handle with its state `merged` from the state on disk
-        (the given handle's filling in what the disk lacks), under its lock."""
+    def update_backend_state(self, handle: RunHandle, model: type[BaseModel], **changes: Any) -> RunHandle:
+        """Merge `changes` into the backend's part of the handle, as
+        `update_state` does the core's; `model` (the backend's `State`) checks
+        the result, so a key the backend does not declare is refused. The
+        store carries the backend's state and reads nothing of it."""
+
+        def merged(current: dict[str, Any]) -> dict[str, Any]:
+            return model.model_validate({**current, **changes}).model_dump(mode="json")
+
+        return self._merge(handle, backend=merged)
+
+    def _merge(
+        self,
+        handle: RunHandle,
+        core: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        backend: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> RunHandle:
+        """Write the handle with its core state `core`-merged and its
+        backend state `backend`-merged from those on disk (the given handle's
+        filling in what the disk lacks), under its lock."""
         from filelock import FileLock
+
+        from substrax_tasks.store.handle import CoreState
 
         path = self.handle_path(handle.run_id)
         gone = RunFolderDeleted(
@@ -225,10 +247,18 @@ class RunStore:
         try:
             with FileLock(path.with_name("handle.lock"), mode=0o600):
                 try:
-                    current = _read(path).state
+                    on_disk: RunHandle | None = _read(path)
                 except HandleError:
-                    current = {}
-                updated = handle.model_copy(update={"state": merged({**handle.state, **current})})
+                    on_disk = None
+                state = handle.state.model_dump(mode="json")
+                own = dict(handle.backend_state)
+                if on_disk is not None:
+                    state.update(on_disk.state.model_dump(mode="json"))
+                    own.update(on_disk.backend_state)
+                updated = handle.model_copy(update={
+                    "state": CoreState.model_validate(core(state) if core else state),
+                    "backend_state": backend(own) if backend else own,
+                })  # fmt: skip
                 write_json_atomic(path, updated.model_dump(mode="json"))
         except FileNotFoundError:  # deleted meanwhile
             raise gone from None

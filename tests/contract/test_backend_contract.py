@@ -12,6 +12,7 @@ and shared by the tests that only look at them.
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -204,6 +205,38 @@ def test_cancel_leaves_a_torn_down_run_alone(torn_down: Finished) -> None:
 
 def test_teardown_leaves_no_outputs_to_fetch(torn_down: Finished) -> None:
     assert torn_down.backend.outputs_available(torn_down.handle) is False
+
+
+# What the core needs of a run it asks the backend, never the handle's
+# backend_state (backends/base.py, Capabilities): whether the outputs stay
+# where it ran until teardown, whether it wrote them in place, where it ran.
+
+
+def wrote_in_place(finished: Finished) -> bool:
+    """A local run without the sandbox writes its outputs in the project itself."""
+    return finished.bound.name == "local" and SANDBOX == "none"
+
+
+def test_outputs_stay_where_the_run_ran_until_teardown(finished: Finished) -> None:
+    handle = finished.bound.reread(finished.handle)
+    assert finished.backend.outputs_available(handle) is not wrote_in_place(finished)
+
+
+def test_fetch_is_in_place_only_for_a_run_that_wrote_in_the_project(finished: Finished) -> None:
+    fetched = finished.backend.fetch(finished.bound.reread(finished.handle))
+    in_place = fetched.root.resolve() == finished.bound.project.root.resolve()
+    assert in_place is wrote_in_place(finished)
+    assert fetched.saw_whole_project is in_place
+
+
+def test_where_the_run_ran_is_this_machine_its_host_or_its_cluster(finished: Finished) -> None:
+    handle = finished.bound.reread(finished.handle)
+    expected = {
+        "local": socket.gethostname(),
+        "ssh": str(getattr(finished.backend.settings, "host", None)),
+        "skypilot": str(handle.backend_state.get("cluster")),
+    }
+    assert finished.backend.ran_on(handle) == expected[finished.bound.name]
 
 
 def test_cancel_stops_a_running_tree_and_then_leaves_it_alone(bound: Bound, marker: str) -> None:

@@ -339,7 +339,7 @@ def test_the_example_runs_its_remote_step_on_the_cluster_then_the_cluster_is_gon
     for task in ("data", "fit", "report"):
         assert step_ran(done, task), show(done)
     handle = project.handle()
-    cluster = handle["state"]["cluster"]
+    cluster = handle["backend_state"]["cluster"]
     assert cluster.startswith(f"{project.prefix}-fit-")
     assert f"launching cluster {cluster}" in done.stdout
     # setup_commands ran on the node, in the cluster's own home, bubblewrap there
@@ -360,7 +360,7 @@ def test_the_example_runs_its_remote_step_on_the_cluster_then_the_cluster_is_gon
     coef = json.loads((root / "demo-data" / "model" / "coef.json").read_text())
     assert abs(coef["slope"] - 3) < 0.1 and abs(coef["intercept"] - 2) < 0.1
     assert "points: 2000" in (root / "demo-data" / "report.md").read_text()
-    assert handle["state"]["phase"] == "promoted" and handle["state"]["torn_down"] is True
+    assert handle["state"]["phase"] == "promoted" and handle["backend_state"]["torn_down"] is True
     # the intent and SkyPilot's request id beside the handle
     task = json.loads(project.run_file(handle, "task.json").read_text())
     assert task["resources"] == {"cpus": 1, "infra": project.bed.infra}
@@ -426,7 +426,7 @@ def test_a_failing_command_reads_as_failed_with_its_log_and_the_cluster_goes(
     assert "net: lo\n" in logs.stdout and "project read-only\n" in logs.stdout, logs.stdout
     assert "about to fail\n" in logs.stdout
     assert not (project.root / "out").exists()
-    project.assert_gone(handle["state"]["cluster"])
+    project.assert_gone(handle["backend_state"]["cluster"])
     project.assert_nothing_runs()
     report(request, "failing", {"doit": seconds})
 
@@ -443,7 +443,7 @@ def test_cancel_mid_run_stops_the_job_and_takes_the_cluster_down(
                       LAUNCH_TIMEOUT, every=0.5)  # fmt: skip
     assert proc.poll() is None, project.output()
     handle = project.handle()
-    cluster = handle["state"]["cluster"]
+    cluster = handle["backend_state"]["cluster"]
     assert [job[2] for job in jobs_named(project.bed, project.prefix)] == ["RUNNING"]
     begun = time.monotonic()
     done = project.compute("cancel", handle["run_id"])
@@ -485,12 +485,12 @@ def test_the_client_killed_mid_launch_then_cancel_finds_the_request_and_leaves_n
     assert "cancelled" in done.stdout, show(done)
     handle = project.handle()
     assert project.run_file(handle, "task.json").is_file()  # the intent, written before waiting
-    assert "job_id" not in handle["state"], "the launch had ended before the client was killed"
+    assert handle["backend_state"].get("job_id") is None, "the launch had ended before the client was killed"
     rid = json.loads(project.run_file(handle, "launch-request.json").read_text())["request_id"]
     # CANCELLED: it was still in flight when cancel found it (a request that
     # had ended would keep its SUCCEEDED or FAILED)
     assert project.request_state(rid) == "CANCELLED"
-    project.assert_gone(handle["state"]["cluster"])
+    project.assert_gone(handle["backend_state"]["cluster"])
     assert project.clusters() == []
     project.assert_nothing_runs()
     assert project.status(handle["run_id"])["state"] == "cancelled"
@@ -518,7 +518,7 @@ def test_the_lifetime_takes_the_cluster_down_with_no_client_present(
     killed = time.monotonic()
     assert marked_pids(marker), "the command did not run on after its client died"
     handle = project.handle()
-    cluster = handle["state"]["cluster"]
+    cluster = handle["backend_state"]["cluster"]
     # First the watchdog stops the run (a minute after setup began) while
     # the cluster stays up; only then does the idle cluster go.
     stopped = wait_for(lambda: marked_pids(marker) == [], "the watchdog to stop the command",
@@ -555,8 +555,8 @@ def test_a_site_whose_sshd_drops_skypilots_env_runs_the_step_in_the_jobs_home(
     assert done.returncode == 0, show(done)
     assert step_ran(done, "step"), show(done)
     handle = project.handle()
-    cluster = handle["state"]["cluster"]
-    job_home = handle["state"]["job_home"]
+    cluster = handle["backend_state"]["cluster"]
+    job_home = handle["backend_state"]["job_home"]
     assert job_home.startswith(f"{project.bed.user.home}/.sky_clusters/{cluster}-"), job_home
     manifest = json.loads(project.run_file(handle, "manifest.json").read_text())
     files = {e["path"]: e["sha256"] for e in manifest["entries"] if e["type"] == "file"}
@@ -564,7 +564,7 @@ def test_a_site_whose_sshd_drops_skypilots_env_runs_the_step_in_the_jobs_home(
     for path, digest in files.items():
         assert sha256(project.root / path) == digest, path
     assert (project.root / "out" / "copy.txt").read_text() == "hello\n"
-    assert handle["state"]["phase"] == "promoted" and handle["state"]["torn_down"] is True
+    assert handle["state"]["phase"] == "promoted" and handle["backend_state"]["torn_down"] is True
     project.assert_gone(cluster)
     project.assert_nothing_runs()
     logs = project.compute("logs", handle["run_id"])  # the sandbox's home is bound at the job's

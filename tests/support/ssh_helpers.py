@@ -193,7 +193,7 @@ def live_handles(root: Path, step: str | None = None) -> list[dict[str, Any]]:
 
 def launched_status(root: Path, step: str | None = None) -> dict[str, Any] | None:
     """The remote status file of the step's first launched run, if any yet."""
-    runs = [h for h in live_handles(root, step) if "remote_run_dir" in h["state"]]
+    runs = [h for h in live_handles(root, step) if h["backend_state"].get("remote_run_dir") is not None]
     return remote_status(runs[0]) if runs else None
 
 
@@ -211,7 +211,7 @@ def last_handle(root: Path, step: str | None = None) -> dict[str, Any]:
 
 def remote_run_dir(handle: Mapping[str, Any]) -> Path:
     """The run's folder on the host: a real folder on this machine."""
-    return Path(str(handle["state"]["remote_run_dir"]))
+    return Path(str(handle["backend_state"]["remote_run_dir"]))
 
 
 def remote_status(handle: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -23,7 +23,7 @@ ARMED = {"pid": 1, "start_ticks": 1, "seconds": 600, "armed_at": 1000.0}
 
 def handle_of(tmp_path: Path, backend: str, **state: Any) -> RunHandle:
     made = RunStore(tmp_path / ".substrax").new_run(make_spec("s", ["true"], tmp_path), backend, {})
-    return made.model_copy(update={"state": {**made.state, **state}})
+    return made.model_copy(update={"backend_state": state})
 
 
 @pytest.mark.parametrize("backend", ["ssh", "skypilot"])

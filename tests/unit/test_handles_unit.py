@@ -47,7 +47,7 @@ def test_handle_records_spec_settings_and_digest(project: Project) -> None:
     )
     handle = project.new_run(spec, settings={"sandbox": "none"})
     data = json.loads((run_dir(project, handle) / HANDLE_FILE).read_text())
-    assert data["version"] == HANDLE_VERSION == 2
+    assert data["version"] == HANDLE_VERSION == 3
     assert data["run_id"] == handle.run_id
     assert data["step"] == "record"
     assert data["backend"] == "local"

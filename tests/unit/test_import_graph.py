@@ -172,3 +172,54 @@ def test_a_loop_made_only_of_lazy_and_typing_imports_is_found(tmp_path: Path) ->
     assert graph["substrax_tasks.cli"] == {
         "substrax_tasks.backends", "substrax_tasks.backends.ssh", "substrax_tasks.backends.ssh.backend"
     }
+
+
+# ---- the core reads no backend's state (store/handle.py: RunHandle.backend_state)
+
+CORE_PACKAGES = ("step", "run", "store", "uptodate", "cache", "cli")
+# The one core module that touches the backend's part: it carries it whole
+# through each write of a handle.
+CARRIER = f"{ROOT}.store.run_store"
+
+
+def backend_state_uses(source: str) -> list[tuple[int, str]]:
+    """Each `.backend_state` in `source`: its line and how it is used
+    ("whole": passed or assigned as it is; "read": indexed, tested with
+    `in`, or a method of it called)."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "backend_state":
+            parent = parents.get(node)
+            read = (
+                (isinstance(parent, ast.Subscript) and parent.value is node)
+                or isinstance(parent, ast.Attribute)  # .get, .items, ...
+                or (isinstance(parent, ast.Compare) and node in parent.comparators)
+            )
+            uses.append((node.lineno, "read" if read else "whole"))
+    return sorted(uses)
+
+
+def test_the_core_never_reads_a_backends_state() -> None:
+    """A backend's keys are its own (Backend.State); the core asks the
+    backend (ran_on, released, lifetime_left, capabilities) instead."""
+    core = {m: p for m, p in MODULES.items() if m.split(".")[1:2] and m.split(".")[1] in CORE_PACKAGES}
+    assert f"{ROOT}.cli.main" in core and CARRIER in core  # the walk sees the core
+    found = sorted(
+        f"{module}:{line} {how}"
+        for module, path in core.items()
+        for line, how in backend_state_uses(path.read_text(encoding="utf-8"))
+        if how == "read" or module != CARRIER
+    )
+    assert found == []
+
+
+def test_a_read_of_the_backends_state_is_found() -> None:
+    source = (
+        "a = handle.backend_state['cluster']\n"
+        "b = handle.backend_state.get('job_id')\n"
+        "c = 'job_id' in handle.backend_state\n"
+        "d = dict(handle.backend_state)\n"
+    )
+    assert backend_state_uses(source) == [(1, "read"), (2, "read"), (3, "read"), (4, "whole")]

@@ -66,7 +66,7 @@ def test_the_store_checks_the_move_against_the_phase_on_disk_and_update_state_wr
 ) -> None:
     store = RunStore(tmp_path / ".substrax")
     created = store.new_run(make_spec("s", ["true"], tmp_path), "local", {})
-    assert created.state == {"phase": "created"}
+    assert created.state.phase is Phase.CREATED
     promoted = created
     for phase in CHAIN:
         promoted = store.advance(promoted, phase)
@@ -76,9 +76,10 @@ def test_the_store_checks_the_move_against_the_phase_on_disk_and_update_state_wr
     with pytest.raises(ValueError, match=r"its phase is recorded by RunStore\.advance alone"):
         store.update_state(promoted, phase="started")  # as a backend once did
     on_disk = json.loads(store.handle_path(created.run_id).read_text())["state"]
-    assert on_disk == {"phase": "promoted"}
+    assert on_disk["phase"] == "promoted"
     store.advance(created, Phase.REFETCH)  # the stale copy's state is merged under the disk's
-    assert store.read(created.run_id).state == {"phase": "refetch", "refetches": 1}
+    again = store.read(created.run_id).state
+    assert again.phase is Phase.REFETCH and again.refetches == 1
 
 
 def test_the_clients_final_states_are_the_workers_and_lost() -> None:

@@ -39,6 +39,7 @@ from substrax_tasks.backends.job import (
 from substrax_tasks.backends.local.program import resolve_program, show_toolchains
 from substrax_tasks.backends.local.settings import LocalSettings
 from substrax_tasks.backends.scripts import remote_dir
+from substrax_tasks.backends.state import BackendState
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.hardlinks import link_tree
@@ -55,12 +56,13 @@ SPAWNER_EXIT_SECONDS = 1.0  # it exits as its stdin closes
 class LocalBackend(Backend):
     name = "local"
     Settings = LocalSettings
+    State = BackendState  # it keeps nothing in the handle: its run's folder is here
     capabilities = Capabilities(interrupt_cancels=True)
     settings: LocalSettings
 
     def paths(self, handle: RunHandle) -> WorkerPaths:
         return WorkerPaths(
-            project=str(handle.state["project"]),
+            project=str(handle.state.project),
             run_dir=str(self.store.run_dir(handle.run_id)),
         )
 
@@ -71,7 +73,7 @@ class LocalBackend(Backend):
                 "is not installed; install it (apt-get install bubblewrap) or set "
                 'sandbox = "auto" to run without it'
             )
-        project = handle.state.get("project")
+        project = handle.state.project
         if not project:
             raise BackendError(f"run {handle.run_id}: its handle names no project folder")
         paths = self.paths(handle)

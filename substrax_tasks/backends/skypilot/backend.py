@@ -19,8 +19,9 @@ job per step, and SkyPilot's queue is never read for a step's state. With
 the project while its lease holds it and its lifetime allows.
 
 Every SkyPilot call is one process of helper/sky_sdk.py in SkyPilot's own
-interpreter (client.py). State in the handle, written through `_record`:
-cluster, lease_job, the run's paths there and the cluster's lifetime timer;
+interpreter (client.py). State in the handle (state.py, written through
+`save_state`): the cluster, its lease job, the run's paths there and the
+cluster's lifetime timer;
 in the run's folder: task.json (the intent, written before launch) and
 launch-request.json (SkyPilot's request id, written the moment it exists).
 """
@@ -54,6 +55,7 @@ from substrax_tasks.backends.skypilot.client import (
     job_state,
 )
 from substrax_tasks.backends.skypilot.settings import AUTODOWN_MINUTES, SkypilotSettings
+from substrax_tasks.backends.skypilot.state import SkypilotState
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, HostRefused, SubstraxError
 from substrax_tasks.interrupts import check_interrupted
@@ -83,8 +85,8 @@ def cluster_leaks(backend: SkypilotBackend, handles: list[RunHandle]) -> list[Le
     the project's path), so are listed, never removed. A cluster a slot
     keeps warm is listed as such, with its lease and lifetime left."""
     runs = [h for h in handles if h.backend == backend.name]
-    live = {h.state.get("cluster") for h in runs if not h.state.get("torn_down")}
-    named = {h.state.get("cluster") for h in runs}
+    live = {SkypilotState.of(h).cluster for h in runs if not SkypilotState.of(h).torn_down}
+    named = {SkypilotState.of(h).cluster for h in runs}
     prefix, client = backend.settings.cluster_prefix, backend.store.client_id()
     warm = warm_records(backend)
     return [
@@ -135,6 +137,7 @@ def warm_note(backend: SkypilotBackend, record: dict[str, Any]) -> str:
 class SkypilotBackend(Backend):
     name = "skypilot"
     Settings = SkypilotSettings
+    State = SkypilotState
     settings: SkypilotSettings
 
     def __init__(self, settings: BaseModel, store: RunStore) -> None:
@@ -145,12 +148,8 @@ class SkypilotBackend(Backend):
     def sky(self) -> SkyClient:
         return SkyClient(self.settings.sky_python)
 
-    def _record(self, handle: RunHandle, **values: Any) -> RunHandle:
-        """The one writer of this backend's state in the handle."""
-        return self.store.update_state(handle, **values)
-
     def cluster(self, handle: RunHandle) -> str:
-        recorded = handle.state.get("cluster")
+        recorded = SkypilotState.of(handle).cluster
         if isinstance(recorded, str):
             return recorded
         return sky_task.cluster_name(self.settings, handle, self.store.client_id())
@@ -228,7 +227,7 @@ class SkypilotBackend(Backend):
         the run's slot (reuse), the one a launch request in flight makes
         (a client killed while it waited), or a new one."""
         layout = self.layout(handle)
-        handle = self._record(handle, remote_run=layout.run, bin_digest=layout.bin_digest)
+        handle = self.save_state(handle, remote_run=layout.run, bin_digest=layout.bin_digest)
         rid = self.request_id(handle)
         if rid is None and self.settings.reuse:
             warm = warm_cluster(self, handle)
@@ -248,15 +247,15 @@ class SkypilotBackend(Backend):
         lease_job = result.get("job_id") if isinstance(result, dict) else None
         if not isinstance(lease_job, int):
             raise BackendError(f"run {handle.run_id}: SkyPilot launched {cluster} but submitted no lease job")
-        if not isinstance(handle.state.get("watchdog"), dict):
-            handle = self._record(handle, watchdog=timer)
-        handle = self._record(handle, cluster=cluster, lease_job=lease_job)
+        if not isinstance(SkypilotState.of(handle).watchdog, dict):
+            handle = self.save_state(handle, watchdog=timer)
+        handle = self.save_state(handle, cluster=cluster, lease_job=lease_job)
         record_cluster(self, handle)
         self._write_ssh_config(handle)
         return self._claim_when_held(handle)
 
     def _launch_cluster(self, handle: RunHandle, relay: LogRelay) -> Any:
-        project = Path(str(handle.state["project"]))
+        project = Path(str(handle.state.project))
         layout = self.layout(handle)
         lock, env_dir = sky_task.environment(self.settings, layout, project)
         upload = self.run_file(handle, "upload")
@@ -269,7 +268,7 @@ class SkypilotBackend(Backend):
         # The intent, before any paid call: what would be launched, and where.
         write_json_atomic(self.run_file(handle, TASK_FILE), config)
         sky_task.validate(self.sky(), self.settings, config)
-        handle = self._record(handle, cluster=cluster, job_home=None)  # not a warm one tried
+        handle = self.save_state(handle, cluster=cluster, job_home=None)  # not a warm one tried
         record_cluster(self, handle)  # before the launch: a killed client's cluster is found
         emit(f"{handle.step}: launching cluster {cluster} (SkyPilot; `substrax-compute cancel "
              f"{handle.run_id}` stops it)")  # fmt: skip
@@ -294,13 +293,14 @@ class SkypilotBackend(Backend):
         ended), then claim the cluster for this run. A setup that failed
         ends the lease's job without a lease: the step fails with its log,
         and the cluster goes."""
-        cluster, job_id = self.cluster(handle), handle.state["lease_job"]
+        cluster, job_id = self.cluster(handle), SkypilotState.of(handle).lease_job
+        assert job_id is not None  # launch() recorded it before this
         next_check = time.monotonic() + self.poll_seconds
         while True:
             answer = self.lease(handle, "claim", handle.run_id)
             if answer.get("claimed"):
                 return handle
-            left = _remote_run.lifetime_left(handle)
+            left = self.lifetime_left(handle)
             if answer.get("state") == "ended" or (left is not None and left <= 0):
                 raise BackendError(f"run {handle.run_id}: the lease of cluster {cluster} ended (or its "
                                    "lifetime did) before the run could claim it")  # fmt: skip
@@ -324,7 +324,7 @@ class SkypilotBackend(Backend):
         failures: list[Exception] = []
         if self.down_cluster(cluster, failures):
             forget_cluster(self, handle)
-            self._record(handle, torn_down=True)
+            self.save_state(handle, torn_down=True)
         # not a BackendError: the step fails, it is not retried
         raise SubstraxError(f"the setup of cluster {cluster} failed (SkyPilot job {value}), so its lease "
                             f"never started and the cluster was taken down:\n{said}")  # fmt: skip
@@ -333,7 +333,7 @@ class SkypilotBackend(Backend):
         """The run's own lifetime timer, with what is left of the cluster's:
         its tree goes when the cluster's lifetime ends (the cluster's setup
         ran once, at launch)."""
-        left = _remote_run.lifetime_left(handle)
+        left = self.lifetime_left(handle)
         seconds = f"{max(left if left is not None else 0.0, 1.0):g}"
         self.remote_run(handle).control("watchdog", seconds, what="arming the run's lifetime timer")
         return handle
@@ -342,7 +342,7 @@ class SkypilotBackend(Backend):
         """The step's view of the project and the sources by rsync (a no-op
         for the first step, whose snapshot the launch brought), then its
         environment by env.py (reused while the lock is the same)."""
-        project = Path(str(handle.state["project"]))
+        project = Path(str(handle.state.project))
         run = self.remote_run(handle)
         there = f"{run.run_dir}/project"
         outputs = {o.rstrip("/") for o in handle.spec.outputs}
@@ -361,14 +361,14 @@ class SkypilotBackend(Backend):
         if result.returncode != 0:
             raise result.failure("building the environment", self.cluster(handle))
         env_dir = env_dir_of(handle.step, run.answer(result, "building the environment"))
-        return self._record(handle, env_dir=env_dir, left_out=view.left_out)
+        return self.save_state(handle, env_dir=env_dir, left_out=view.left_out)
 
     def start(self, handle: RunHandle) -> RunHandle:
-        if not isinstance(handle.state.get("lease_job"), int):
+        if not isinstance(SkypilotState.of(handle).lease_job, int):
             raise BackendError(f"run {handle.run_id}: it was never launched")
         run = self.remote_run(handle)
-        env_dir = handle.state.get("env_dir")
-        left_out = [str(p) for p in handle.state.get("left_out") or []]
+        env_dir = SkypilotState.of(handle).env_dir
+        left_out = [str(p) for p in SkypilotState.of(handle).left_out or []]
         job = sky_task.worker_job(self.settings, handle, self.there(handle),
                                   env_dir if isinstance(env_dir, str) else None, left_out)  # fmt: skip
         path = f"{run.run_dir}/job.json"
@@ -382,11 +382,11 @@ class SkypilotBackend(Backend):
         ended = _kept(self, handle)
         if ended is not None:
             return ended
-        if not isinstance(handle.state.get("lease_job"), int):
+        if not isinstance(SkypilotState.of(handle).lease_job, int):
             return _launch_status(self, handle)
         cluster = self.cluster(handle)
         try:
-            return _remote_run.worker_status(self.store, handle, self.remote_run(handle), cluster)
+            return _remote_run.worker_status(self, handle, self.remote_run(handle), cluster)
         except HostRefused:
             raise
         except BackendError as exc:
@@ -394,10 +394,10 @@ class SkypilotBackend(Backend):
                 raise
             with contextlib.suppress(SubstraxError):
                 handle = self.store.read(handle.run_id)
-            final = handle.state.get("final_status")
+            final = SkypilotState.of(handle).final_status
             if isinstance(final, dict):  # the canceller's record, written as the cluster went
                 return RunStatus(**final)
-            if handle.state.get("cancel_requested"):
+            if SkypilotState.of(handle).cancel_requested:
                 return RunStatus("cancelled", message=f"cancelled; its cluster {cluster} was taken down")
             return RunStatus("lost", message=f"its cluster {cluster} is gone (torn down, or its lifetime "
                              f"ran out): {exc}")  # fmt: skip
@@ -412,10 +412,10 @@ class SkypilotBackend(Backend):
         if status.final and status.state != "lost":
             return False
         # Told first: a client waiting on the run reads the cluster going as the cancel it is.
-        handle = self._record(handle, cancel_requested=True)
+        handle = self.save_state(handle, cancel_requested=True)
         cluster = self.cluster(handle)
         failures: list[Exception] = []
-        if not isinstance(handle.state.get("lease_job"), int):
+        if not isinstance(SkypilotState.of(handle).lease_job, int):
             self._cancel_launch(handle, cluster)
             return True
         if status.state == "lost" and cluster_gone(self, cluster):
@@ -432,10 +432,10 @@ class SkypilotBackend(Backend):
             with contextlib.suppress(SubstraxError, OSError):
                 run.keep_log(self.run_file(handle, "run.log"))
             if self.down_cluster(cluster, failures):
-                self._record(handle, torn_down=True)
-                if "final_status" not in self.store.read(handle.run_id).state:
+                self.save_state(handle, torn_down=True)
+                if SkypilotState.of(self.store.read(handle.run_id)).final_status is None:
                     ended = RunStatus("cancelled", message="cancelled; its cluster was taken down")
-                    self._record(handle, final_status=ended.__dict__)
+                    self.save_state(handle, final_status=ended.__dict__)
         if failures:
             raise ExceptionGroup(f"run {handle.run_id}: {len(failures)} cancel step(s) failed", failures)
         return stopped
@@ -453,7 +453,7 @@ class SkypilotBackend(Backend):
         if self.down_cluster(cluster, failures):
             forget_cluster(self, handle)
             ended = RunStatus("cancelled", message="cancelled; its cluster was taken down")
-            self._record(handle, final_status=ended.__dict__, torn_down=True)
+            self.save_state(handle, final_status=ended.__dict__, torn_down=True)
         if failures:
             raise ExceptionGroup(f"run {handle.run_id}: {len(failures)} cancel step(s) failed", failures)
 
@@ -474,7 +474,7 @@ class SkypilotBackend(Backend):
         kept = _remote_run.read_kept_log(self.run_file(handle, "run.log"), offset)
         if kept is not None:
             return kept
-        if not isinstance(handle.state.get("lease_job"), int) or handle.state.get("torn_down"):
+        if not isinstance(SkypilotState.of(handle).lease_job, int) or SkypilotState.of(handle).torn_down:
             return b""
         try:
             return self.remote_run(handle).read_log(offset)
@@ -491,7 +491,7 @@ class SkypilotBackend(Backend):
         """With follow, one follower on the cluster streams the log until
         the run ends (_remote_run.follow_log), as on an ssh host."""
         status = self.poll(handle)
-        if not follow or status.final or not isinstance(handle.state.get("lease_job"), int):
+        if not follow or status.final or not isinstance(SkypilotState.of(handle).lease_job, int):
             return super().stream_log(handle, out, follow=follow, offset=offset)
         return _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle))
 
@@ -501,7 +501,7 @@ class SkypilotBackend(Backend):
         if self.settings.bucket is None:  # copy: as the SSH backend fetches, over SkyPilot's ssh config
             transport = RsyncTransport(self.target(handle))
             return self.remote_run(handle).fetch(transport, list(handle.spec.outputs), staging,
-                                                 handle.state.get("outputs_root"))  # fmt: skip
+                                                 SkypilotState.of(handle).outputs_root)  # fmt: skip
         from substrax_tasks.transports.bucket import BucketTransport
 
         run_folder = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
@@ -513,11 +513,11 @@ class SkypilotBackend(Backend):
 
     @classmethod
     def released(cls, handle: RunHandle) -> bool:
-        return _remote_run.released(handle)
+        return SkypilotState.of(handle).torn_down
 
     @classmethod
     def lifetime_left(cls, handle: RunHandle, now: float | None = None) -> float | None:
-        return _remote_run.lifetime_left(handle, now)
+        return _remote_run.lifetime_left(SkypilotState.of(handle), now)
 
     def outputs_available(self, handle: RunHandle) -> bool:
         if self.settings.bucket is not None:
@@ -530,7 +530,7 @@ class SkypilotBackend(Backend):
             except SubstraxError:
                 return False
             return True
-        if handle.state.get("torn_down"):
+        if SkypilotState.of(handle).torn_down:
             return False
         try:
             return bool(self.remote_run(handle).status().get("exists"))
@@ -539,8 +539,8 @@ class SkypilotBackend(Backend):
 
     # ----------------------------------------------------------- teardown
     def forget(self, handle: RunHandle) -> str:
-        cluster = handle.state.get("cluster")
-        if not isinstance(cluster, str) or handle.state.get("torn_down"):
+        cluster = SkypilotState.of(handle).cluster
+        if not isinstance(cluster, str) or SkypilotState.of(handle).torn_down:
             return "no cluster of it was launched"
         run = self.remote_run(handle)
         run.remove()  # its tree stopped first, as teardown cancels before the cluster goes
@@ -557,14 +557,14 @@ class SkypilotBackend(Backend):
         `substrax-compute teardown`). A reused cluster stays warm for its
         lease's idle_minutes: doit ending does not take it down."""
         shutil.rmtree(self.run_file(handle, "fetched"), ignore_errors=True)  # as the ssh backend
-        if not isinstance(handle.state.get("cluster"), str):
+        if not isinstance(SkypilotState.of(handle).cluster, str):
             return  # never launched: nothing was made
         cluster = self.cluster(handle)
-        if handle.state.get("torn_down"):  # its folder is gone; the cluster too, unless kept warm in its slot
+        if SkypilotState.of(handle).torn_down:  # the cluster too is gone, unless kept warm in its slot
             if force and holds_cluster(self, handle):
                 self._down_and_forget(handle, cluster)
             return
-        if not isinstance(handle.state.get("lease_job"), int):
+        if not isinstance(SkypilotState.of(handle).lease_job, int):
             self._down_and_forget(handle, cluster)  # a launch that never finished
             return
         try:
@@ -577,7 +577,7 @@ class SkypilotBackend(Backend):
             except ExceptionGroup as group:  # one message for doit and the CLI alike
                 raise BackendError("; ".join(str(e) for e in group.exceptions)) from None
             handle = self.store.read(handle.run_id)
-            if handle.state.get("torn_down"):
+            if SkypilotState.of(handle).torn_down:
                 return
         if not damaged:
             with contextlib.suppress(SubstraxError, OSError):
@@ -585,7 +585,7 @@ class SkypilotBackend(Backend):
                 run.keep_log(self.run_file(handle, "run.log"))
                 if self.settings.reuse and not force:
                     run.remove()
-                    self._record(handle, torn_down=True)
+                    self.save_state(handle, torn_down=True)
                     return
         if self.settings.reuse and not (force or damaged) and not cluster_gone(self, cluster):
             raise BackendError(f"run {handle.run_id}: its folder on cluster {cluster} could not be "
@@ -598,7 +598,7 @@ class SkypilotBackend(Backend):
         if not self.down_cluster(cluster, failures):
             raise failures[0]
         forget_cluster(self, handle)
-        self._record(handle, torn_down=True)
+        self.save_state(handle, torn_down=True)
 
 
 # ---- SkyPilot clusters reused across steps and doits (`reuse = true`).
@@ -618,7 +618,7 @@ def shape(backend: SkypilotBackend, handle: RunHandle) -> str:
 
 def record_path(backend: SkypilotBackend, handle: RunHandle) -> Path | None:
     """The record of the cluster in the run's slot (reuse only)."""
-    slot = handle.state.get("slot")
+    slot = handle.state.slot
     if not isinstance(slot, dict) or not backend.settings.reuse:
         return None
     return backend.store.slots_dir(str(slot["pool"])) / f"{slot['index']}.json"
@@ -643,13 +643,13 @@ def record_cluster(backend: SkypilotBackend, handle: RunHandle) -> None:
     path = record_path(backend, handle)
     if path is None:
         return
-    timer = handle.state.get("watchdog")
+    timer = SkypilotState.of(handle).watchdog
     deadline = (float(timer["armed_at"]) + float(timer["seconds"]) if isinstance(timer, dict)
                 else sky_task.lifetime_timer(backend.settings)["seconds"] + time.time())  # fmt: skip
     write_json_atomic(path, {
         "cluster": backend.cluster(handle), "deadline": deadline, "run_id": handle.run_id,
-        "bin_digest": handle.state.get("bin_digest"), "lease_job": handle.state.get("lease_job"),
-        "job_home": handle.state.get("job_home"),
+        "bin_digest": SkypilotState.of(handle).bin_digest, "lease_job": SkypilotState.of(handle).lease_job,
+        "job_home": SkypilotState.of(handle).job_home,
     })  # fmt: skip
 
 
@@ -679,7 +679,7 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
     cluster, timeout = str(record["cluster"]), handle.spec.timeout
     left = float(record.get("deadline", 0)) - time.time()
     reason, down = None, True
-    if record.get("bin_digest") != handle.state.get("bin_digest"):
+    if record.get("bin_digest") != SkypilotState.of(handle).bin_digest:
         reason = "its scripts are not this release's"
     elif timeout is None:
         reason = "the step has no timeout, so no lifetime left is known to be enough"
@@ -687,7 +687,7 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
         reason = f"{max(left, 0) / 60:.0f} min of its lifetime left, too few for the step's timeout"
     if reason is None:
         timer = {"armed_at": time.time(), "seconds": left}  # the cluster's lifetime, counted from its launch
-        warm = backend._record(handle, cluster=cluster, lease_job=record["lease_job"], watchdog=timer,
+        warm = backend.save_state(handle, cluster=cluster, lease_job=record["lease_job"], watchdog=timer,
                                job_home=record.get("job_home"))  # fmt: skip
         try:
             answer = backend.lease(warm, "claim", handle.run_id)
@@ -696,7 +696,7 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
         if answer.get("claimed"):
             emit(f"{handle.step}: on warm cluster {cluster} (`substrax-compute cancel {handle.run_id}` "
                  "stops this step only)")  # fmt: skip
-            if record.get("job_home") is None and warm.state.get("job_home") is not None:
+            if record.get("job_home") is None and SkypilotState.of(warm).job_home is not None:
                 record_cluster(backend, warm)
             return warm
         reason = str(answer.get("reason"))
@@ -708,7 +708,7 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
     for failure in failures:
         emit(f"{handle.step}: {failure}", err=True)
     path.unlink(missing_ok=True)
-    backend._record(handle, cluster=None, lease_job=None, watchdog=None, job_home=None)
+    backend.save_state(handle, cluster=None, lease_job=None, watchdog=None, job_home=None)
     return None
 
 
@@ -725,10 +725,10 @@ def cluster_gone(backend: SkypilotBackend, cluster: str) -> bool:
 def _kept(backend: SkypilotBackend, handle: RunHandle) -> RunStatus | None:
     """The final status kept in the handle. A caller's copy may predate the
     end: once the cluster is down, the store's record is all that tells it."""
-    cached = handle.state.get("final_status")
+    cached = SkypilotState.of(handle).final_status
     if not isinstance(cached, dict):
         with contextlib.suppress(SubstraxError):
-            cached = backend.store.read(handle.run_id).state.get("final_status")
+            cached = SkypilotState.of(backend.store.read(handle.run_id)).final_status
     return RunStatus(**cached) if isinstance(cached, dict) else None
 
 
@@ -741,5 +741,5 @@ def _launch_status(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
         return RunStatus("pending", message=f"launch request {rid}: {state or 'unknown'}")
     verdict = "cancelled" if state == "CANCELLED" else "failed"
     ended = RunStatus(verdict, message=f"launch request {rid}: {state}")
-    backend.store.update_state(handle, final_status=ended.__dict__)
+    backend.save_state(handle, final_status=ended.__dict__)
     return ended

@@ -42,6 +42,7 @@ from substrax_tasks.backends.skypilot.settings import (
     SkypilotSettings,
     cloud_of,
 )
+from substrax_tasks.backends.skypilot.state import SkypilotState
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.hardlinks import link_tree
 from substrax_tasks.step.view import project_view
@@ -136,7 +137,7 @@ def layout_for(settings: SkypilotSettings, handle: RunHandle) -> ClusterLayout:
     bucket_key = None
     if settings.bucket is not None:
         bucket_key = hashlib.sha256(settings.bucket.outputs_bucket.encode()).hexdigest()[:10]
-    pinned = handle.state.get("bin_digest")
+    pinned = SkypilotState.of(handle).bin_digest
     digest = pinned if isinstance(pinned, str) else scripts_digest()
     return ClusterLayout(settings.remote_root.rstrip("/"), handle.run_id, digest, bucket_key)
 
@@ -169,7 +170,7 @@ def worker_job(
         hide=["."],  # the home folder: its credentials are not the task's
         env_dir=env_dir,
         cache_dirs=settings.cache_dirs,
-        cache_root=f"{layout.root}/cache/{project_key(str(handle.state['project']))}",
+        cache_root=f"{layout.root}/cache/{project_key(str(handle.state.project))}",
         left_out=left_out or [],
     )
     job["staging"] = layout.staging
@@ -234,8 +235,8 @@ def job_home(sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str) -
     for a command."""
     with contextlib.suppress(SubstraxError):
         handle = store.read(handle.run_id)  # a caller's copy may predate it
-    home, job_id = handle.state.get("job_home"), handle.state.get("lease_job")
-    if isinstance(home, str) or not isinstance(job_id, int) or handle.state.get("torn_down"):
+    home, job_id = SkypilotState.of(handle).job_home, SkypilotState.of(handle).lease_job
+    if isinstance(home, str) or not isinstance(job_id, int) or SkypilotState.of(handle).torn_down:
         return home if isinstance(home, str) else None
     log = store.run_dir(handle.run_id) / "job-home.log"
     log.unlink(missing_ok=True)  # the helper appends
@@ -249,7 +250,7 @@ def job_home(sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str) -
         log.unlink(missing_ok=True)
     if not found:
         return None
-    store.update_state(handle, job_home=found[-1])
+    store.update_backend_state(handle, SkypilotState, job_home=found[-1])
     return found[-1]
 
 

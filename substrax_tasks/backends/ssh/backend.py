@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
+
+from pydantic import Field
 
 from substrax_tasks._remote import env
 from substrax_tasks.backends import gpus as _gpus
@@ -37,6 +39,7 @@ from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun
 from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
 from substrax_tasks.backends.ssh.connection import NoSession, SshConnection, connection
 from substrax_tasks.backends.ssh.settings import SshSettings
+from substrax_tasks.backends.state import RemoteState
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.slots import Pool
@@ -60,9 +63,24 @@ LIST_RUNS = (
 )
 
 
+class SshState(RemoteState):
+    """What the ssh backend keeps in a run's handle."""
+
+    remote_root: str | None = None  # absolute, on the host
+    remote_run_dir: str | None = None  # the run's folder there: set once launched
+    remote_bin: str | None = None  # the worker scripts this client sent
+    remote_home: str | None = None  # the login's home, hidden from the sandbox
+    gpus: Any = None  # what the job is given (backends/gpus.py)
+    env_dir: str | None = None  # the environment built there
+    uploaded: int | None = None  # files the sync sent
+    left_out: list[str] = Field(default_factory=list)  # what the project's view left out
+    outputs_root: str | None = None  # where its outputs are there, from its final status
+
+
 class SshBackend(Backend):
     name = "ssh"
     Settings = SshSettings
+    State = SshState
     settings: SshSettings
 
     # ---------------------------------------------------------- helpers
@@ -74,10 +92,15 @@ class SshBackend(Backend):
         return RsyncTransport(self.settings.target(), excludes=self.settings.copy_.excludes)
 
     def _state(self, handle: RunHandle, key: str) -> str:
-        value = handle.state.get(key)
+        value = getattr(SshState.of(handle), key)
         if not isinstance(value, str):
             raise BackendError(f"run {handle.run_id}: no {key} recorded yet (was it launched?)")
         return value
+
+    def _on_host(self, handle: RunHandle) -> bool:
+        """The run has a folder on the host: launched and not torn down."""
+        own = SshState.of(handle)
+        return own.remote_run_dir is not None and not own.torn_down
 
     def remote_run(self, handle: RunHandle) -> RemoteRun:
         return RemoteRun(
@@ -113,7 +136,7 @@ class SshBackend(Backend):
         mark = f"{run_dir}/{OWNER_MARK}{self.store.client_id()}"
         folders = [f"{run_dir}/work/outputs", f"{run_dir}/project", mark]
         conn.check(["mkdir", "-p", "-m", "700", *folders], "mkdir")
-        return self.store.update_state(
+        return self.save_state(
             handle, remote_root=remote_root, remote_run_dir=run_dir, remote_bin=bin_dir, remote_home=home,
             gpus=gpus,
         )
@@ -122,7 +145,7 @@ class SshBackend(Backend):
         # The timer first: even if setup hangs, nothing outlives the lifetime.
         seconds = str(self.settings.lifetime_minutes * 60)
         watchdog = self.remote_run(handle).control("watchdog", seconds, what="arming the lifetime timer")
-        handle = self.store.update_state(handle, watchdog=watchdog)
+        handle = self.save_state(handle, watchdog=watchdog)
         log = self.store.run_dir(handle.run_id) / "setup.log"
         for command in self.settings.setup_commands:
             result = self.conn.run(["sh", "-c", command], timeout=None)
@@ -136,7 +159,7 @@ class SshBackend(Backend):
         return handle
 
     def sync(self, handle: RunHandle) -> RunHandle:
-        project = Path(str(handle.state["project"]))
+        project = Path(str(handle.state.project))
         outputs = {o.rstrip("/") for o in handle.spec.outputs}
         view = project_view(project, self.store.root, handle.spec.inputs, handle.spec.outputs)
         files = [f for f in view.files if f not in outputs]  # the sandbox hides them; the run makes them anew
@@ -152,37 +175,37 @@ class SshBackend(Backend):
         if result.returncode != 0:
             raise result.failure("building the environment", self.settings.host)
         env_dir = env_dir_of(handle.step, run.answer(result, "building the environment"))
-        return self.store.update_state(handle, env_dir=env_dir, uploaded=stats.files, left_out=view.left_out)
+        return self.save_state(handle, env_dir=env_dir, uploaded=stats.files, left_out=view.left_out)
 
     def start(self, handle: RunHandle) -> RunHandle:
         run = self.remote_run(handle)
         paths = WorkerPaths(project=f"{run.run_dir}/project", run_dir=run.run_dir)
-        env_dir = handle.state.get("env_dir")
-        cache_root = f"{self._state(handle, 'remote_root')}/cache/{project_key(str(handle.state['project']))}"
+        own = SshState.of(handle)
+        cache_root = f"{self._state(handle, 'remote_root')}/cache/{project_key(str(handle.state.project))}"
         job = build_job(
             handle.spec,
             paths,
             sandbox=self.settings.sandbox,
             network_isolation=self.settings.copy_.network_isolation,
             grace_seconds=self.settings.grace_seconds,
-            hide=[str(handle.state.get("remote_home") or "")],
-            env_dir=env_dir if isinstance(env_dir, str) else None,
+            hide=[own.remote_home or ""],
+            env_dir=own.env_dir,
             cache_dirs=self.settings.cache_dirs,
             cache_root=cache_root,
-            left_out=[str(p) for p in handle.state.get("left_out") or []],
-            gpus=handle.state.get("gpus"),
+            left_out=own.left_out,
+            gpus=own.gpus,
         )
         self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())
         _remote_run.start_worker(run, handle, paths.job, job.get("gpus"), self.settings.host)
         return handle
 
     def poll(self, handle: RunHandle) -> RunStatus:
-        cached = handle.state.get("final_status")
-        if isinstance(cached, dict):
-            return RunStatus(**cached)
-        if "remote_run_dir" not in handle.state:
+        own = SshState.of(handle)
+        if own.final_status is not None:
+            return RunStatus(**own.final_status)
+        if own.remote_run_dir is None:
             return RunStatus("pending")
-        return _remote_run.worker_status(self.store, handle, self.remote_run(handle), self.settings.host)
+        return _remote_run.worker_status(self, handle, self.remote_run(handle), self.settings.host)
 
     def cancel(self, handle: RunHandle) -> bool:
         status = self.poll(handle)
@@ -198,7 +221,7 @@ class SshBackend(Backend):
         """With follow, one follower on the host streams the log until the
         run ends (_remote_run.follow_log)."""
         status = self.poll(handle)
-        if not follow or status.final or "remote_run_dir" not in handle.state:
+        if not follow or status.final or SshState.of(handle).remote_run_dir is None:
             return super().stream_log(handle, out, follow=follow, offset=offset)
         try:
             return _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle))
@@ -212,14 +235,14 @@ class SshBackend(Backend):
         kept = _remote_run.read_kept_log(self.store.run_dir(handle.run_id) / "run.log", offset)
         if kept is not None:  # torn down: the remote folder and its log are gone
             return kept
-        if "remote_run_dir" not in handle.state:
+        if SshState.of(handle).remote_run_dir is None:
             return b""
         return self.remote_run(handle).read_log(offset)
 
     def fetch(self, handle: RunHandle) -> Fetched:
         staging = self.store.run_dir(handle.run_id) / "fetched"
         return self.remote_run(handle).fetch(
-            self.transport(), list(handle.spec.outputs), staging, handle.state.get("outputs_root")
+            self.transport(), list(handle.spec.outputs), staging, SshState.of(handle).outputs_root
         )
 
     def ran_on(self, handle: RunHandle) -> str:
@@ -227,14 +250,14 @@ class SshBackend(Backend):
 
     @classmethod
     def released(cls, handle: RunHandle) -> bool:
-        return _remote_run.released(handle)
+        return SshState.of(handle).torn_down
 
     @classmethod
     def lifetime_left(cls, handle: RunHandle, now: float | None = None) -> float | None:
-        return _remote_run.lifetime_left(handle, now)
+        return _remote_run.lifetime_left(SshState.of(handle), now)
 
     def outputs_available(self, handle: RunHandle) -> bool:
-        if handle.state.get("torn_down") or "remote_run_dir" not in handle.state:
+        if not self._on_host(handle):
             return False
         try:
             return bool(self.remote_run(handle).status().get("exists"))
@@ -247,7 +270,7 @@ class SshBackend(Backend):
         accounts for."""
         from substrax_tasks.backends.base import Leak
 
-        live = {h.run_id for h in handles if not h.state.get("torn_down")}
+        live = {h.run_id for h in handles if not SshState.of(h).torn_down}
         known = {h.run_id for h in handles}
         runs = f"{self.settings.remote_root}/runs"
         listed = self.conn.check(["sh", "-c", LIST_RUNS, "sh", runs, OWNER_MARK + self.store.client_id()],
@@ -265,7 +288,7 @@ class SshBackend(Backend):
 
     def forget(self, handle: RunHandle) -> str:
         try:
-            if "remote_run_dir" not in handle.state or handle.state.get("torn_down"):
+            if not self._on_host(handle):
                 return "nothing of it was on the host"
             run = self.remote_run(handle)
             run.remove()  # stops what runs there first, as the lifetime timer would
@@ -277,7 +300,7 @@ class SshBackend(Backend):
         # What a fetch left here (a copy refused, or the folders a promotion
         # emptied) is of no use once the run is given up or home.
         shutil.rmtree(self.store.run_dir(handle.run_id) / "fetched", ignore_errors=True)
-        if "remote_run_dir" not in handle.state or handle.state.get("torn_down"):
+        if not self._on_host(handle):
             self.settings.target().stop_master()
             return
         try:
@@ -295,5 +318,5 @@ class SshBackend(Backend):
             run = self.remote_run(handle)
             run.keep_log(self.store.run_dir(handle.run_id) / "run.log")
             run.remove()
-            self.store.update_state(handle, torn_down=True)
+            self.save_state(handle, torn_down=True)
         self.settings.target().stop_master()

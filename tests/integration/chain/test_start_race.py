@@ -78,6 +78,6 @@ def test_a_rerun_while_the_worker_is_starting_reattaches_and_the_command_runs_on
     assert (root / "out.txt").read_text() == "ok\n"
     assert run_count(root) == 1
     handle = only_handle(root)
-    assert handle["state"].get("torn_down"), handle
+    assert handle["backend_state"].get("torn_down"), handle
     sandboxed = [line for line in calls(host).splitlines() if marker in line]
     assert len(sandboxed) == 1, sandboxed  # one sandbox, one command: one worker started it

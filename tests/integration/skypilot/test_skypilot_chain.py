@@ -77,7 +77,7 @@ def test_full_chain_then_a_noop_rerun_that_asks_skypilot_nothing(sky: Sky) -> No
     assert (root / "res.txt").read_text() == "done\n"
     assert "hello from the cluster" in done.stdout  # the task's log, streamed over ssh
     handle = only_handle(root)
-    assert handle["state"]["torn_down"] is True and handle["state"]["phase"] == "promoted"
+    assert handle["backend_state"]["torn_down"] is True and handle["state"]["phase"] == "promoted"
     # the intent and the request id stayed beside the handle
     task = json.loads(sky.run_file(handle, "task.json").read_text())
     assert task["resources"] == {"cpus": 1}
@@ -85,7 +85,7 @@ def test_full_chain_then_a_noop_rerun_that_asks_skypilot_nothing(sky: Sky) -> No
     request = json.loads(sky.run_file(handle, "launch-request.json").read_text())
     assert request["name"] == "launch" and request["request_id"]
     assert sky.clusters() == []  # taken down after the outputs came home
-    assert not (sky.home / ".sky" / "generated" / "ssh" / handle["state"]["cluster"]).exists()
+    assert not (sky.home / ".sky" / "generated" / "ssh" / handle["backend_state"]["cluster"]).exists()
     status = sky.compute("status", handle["run_id"], "--json")
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["runs"][0]["state"] == "succeeded"  # from the local copy
@@ -148,7 +148,7 @@ def test_a_skypilot_queue_lagging_behind_the_workers_end_does_not_hold_the_step_
     root = sky.project()
     done = doit_ok(root, env=sky.env)  # within doit()'s 90 s: the lag did not hold it up
     assert (root / "res.txt").read_text() == "done\n", show(done)
-    assert only_handle(root)["state"]["final_status"]["state"] == "succeeded"
+    assert only_handle(root)["backend_state"]["final_status"]["state"] == "succeeded"
     assert sky.clusters() == []  # and the cluster of the job SkyPilot still ran went
 
 
@@ -164,9 +164,9 @@ def test_a_cluster_whose_ssh_starts_outside_the_jobs_home_is_reached_where_the_j
     assert (root / "res.txt").read_text() == "done\n", show(done)
     assert (root / "out" / "copy.txt").read_text() == "hello\n"
     handle = only_handle(root)
-    cluster_home = sky.home / ".fakesky" / "clusters" / handle["state"]["cluster"] / "home"
-    assert handle["state"]["job_home"] == str(cluster_home.resolve())
-    assert handle["state"]["torn_down"] is True and sky.clusters() == []
+    cluster_home = sky.home / ".fakesky" / "clusters" / handle["backend_state"]["cluster"] / "home"
+    assert handle["backend_state"]["job_home"] == str(cluster_home.resolve())
+    assert handle["backend_state"]["torn_down"] is True and sky.clusters() == []
     assert "hello from the cluster" in sky.compute("logs", handle["run_id"]).stdout
 
 
@@ -224,7 +224,8 @@ def test_client_killed_mid_launch_then_cancel_finds_the_request_and_leaves_nothi
     kill_client_mid_launch(sky, launch_seconds=60)
     handle = only_handle(root)
     assert sky.run_file(handle, "task.json").is_file()  # the intent, written before waiting
-    assert "final_status" not in handle["state"] and "job_id" not in handle["state"]
+    own = handle["backend_state"]
+    assert own.get("final_status") is None and own.get("job_id") is None
     status = sky.compute("status", handle["run_id"], "--json")
     assert json.loads(status.stdout)["runs"][0]["state"] == "pending", popen_output(root)
     done = sky.compute("cancel", handle["run_id"])
@@ -600,7 +601,8 @@ def test_gc_machines_of_a_client_at_the_same_project_path_leaves_anothers_cluste
         write_ssh_dodo(root, GATED_STEP.format(gate=str(gate), marker=f"{marker}-{name}",
                                                resources={"cpus": 1}), ["step"])  # fmt: skip
         doit_killed_mid_run_in_view(root, at, f"{marker}-{name}", env=sky.env)
-    running, lost = only_handle(sky.root)["state"]["cluster"], only_handle(second)["state"]["cluster"]
+    running = only_handle(sky.root)["backend_state"]["cluster"]
+    lost = only_handle(second)["backend_state"]["cluster"]
     assert sorted(sky.clusters()) == sorted([running, lost])
     shutil.rmtree(second / ".substrax" / "runs")  # its handle lost: the cluster is known by its id only
 

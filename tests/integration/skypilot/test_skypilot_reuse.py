@@ -39,7 +39,7 @@ def sweep(project: Sky, steps: int, timeout: float, max_parallel: int) -> None:
 
 def clusters_used(project: Sky) -> list[str]:
     runs = project.root / ".substrax" / "runs"
-    return [json.loads(p.read_text())["state"]["cluster"] for p in sorted(runs.glob("*/handle.json"))]
+    return [json.loads(p.read_text())["backend_state"]["cluster"] for p in sorted(runs.glob("*/handle.json"))]
 
 
 def test_a_threaded_sweep_takes_turns_on_at_most_max_parallel_clusters_left_warm(sky: Sky) -> None:
@@ -89,11 +89,11 @@ def test_steps_on_a_warm_cluster_reach_the_home_its_lease_runs_in(sky: Sky) -> N
     assert done.stdout.count("on warm cluster") == 2, show(done)
     runs = sky.root / ".substrax" / "runs"
     handles = [json.loads(p.read_text()) for p in sorted(runs.glob("*/handle.json"))]
-    (cluster,) = {h["state"]["cluster"] for h in handles}
+    (cluster,) = {h["backend_state"]["cluster"] for h in handles}
     home = sky.home / ".fakesky" / "clusters" / cluster / "home"
-    assert {h["state"]["job_home"] for h in handles} == {str(home.resolve())}, show(done)
-    launched = next(h for h in handles if h["step"] == "fit:m0")["state"]["watchdog"]
+    assert {h["backend_state"]["job_home"] for h in handles} == {str(home.resolve())}, show(done)
+    launched = next(h for h in handles if h["step"] == "fit:m0")["backend_state"]["watchdog"]
     for h in handles:
-        timer = h["state"]["watchdog"]
+        timer = h["backend_state"]["watchdog"]
         assert timer["armed_at"] + timer["seconds"] <= launched["armed_at"] + launched["seconds"] + 1e-3
     assert sky.clusters() == [cluster]

@@ -63,7 +63,7 @@ def warm_project(sky: Sky, body: str, **settings: Any) -> None:
 def clusters_used(sky: Sky) -> list[str]:
     runs = sky.root / ".substrax" / "runs"
     handles = [json.loads(p.read_text()) for p in runs.glob("*/handle.json")]
-    return [h["state"]["cluster"] for h in sorted(handles, key=lambda h: h["created_at"])]
+    return [h["backend_state"]["cluster"] for h in sorted(handles, key=lambda h: h["created_at"])]
 
 
 def requests_named(sky: Sky, name: str) -> int:
@@ -131,8 +131,8 @@ def test_a_client_killed_while_a_warm_step_runs_leaves_the_lease_to_hold_then_en
         proc.wait(timeout=30)
     finally:
         stop(proc)
-    (handle,) = [h for h in live_handles(sky.root) if not h["state"].get("torn_down")]
-    assert handle["state"]["cluster"] == cluster
+    (handle,) = [h for h in live_handles(sky.root) if not h["backend_state"].get("torn_down")]
+    assert handle["backend_state"]["cluster"] == cluster
     # Longer than the lease's idle time and SkyPilot's autodown together:
     # the lease holds the cluster while the step runs.
     time.sleep(IDLE_MINUTES * 60 + 2 * MINUTE + 2)
@@ -187,7 +187,7 @@ def test_cancel_of_a_step_on_a_warm_cluster_stops_its_tree_only_and_the_next_ste
     proc = popen_doit(sky.root, env=sky.env)
     try:
         wait_for(lambda: marked_pids(marker), "the warm step to run", timeout=120)
-        (handle,) = [h for h in live_handles(sky.root) if not h["state"].get("torn_down")]
+        (handle,) = [h for h in live_handles(sky.root) if not h["backend_state"].get("torn_down")]
         cancelled = sky.compute("cancel", handle["run_id"])
         assert cancelled.returncode == 0, cancelled.stderr
         assert proc.wait(timeout=120) != 0

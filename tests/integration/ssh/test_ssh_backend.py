@@ -122,7 +122,7 @@ def test_changed_host_key_is_refused_even_when_trusting_new_keys(
     assert known.read_text() == f"{host.known_hosts_name} {impostor}\n"  # nothing saved over it
     assert not (root / "out").exists()
     run = only_handle(root)
-    assert "remote_run_dir" not in run["state"]  # nothing was made on the host
+    assert run["backend_state"].get("remote_run_dir") is None  # nothing was made on the host
 
     # the advice works: remove the old key ...
     run_advice(quoted_command(text, "ssh-keygen"))

@@ -143,11 +143,11 @@ def test_full_chain_then_a_noop_rerun_that_connects_to_nothing(
     assert "\r" not in done.stderr and "\x1b" not in done.stderr
 
     # verified, promoted, torn down: the remote run folder is gone
-    assert state["phase"] == "promoted" and state["torn_down"] is True
+    assert state["phase"] == "promoted" and run["backend_state"]["torn_down"] is True
     assert not remote_run_dir(run).exists()
     expected_root = Path(remote_root) if remote_root else target.remote_home / ".substrax-remote"
     assert remote_run_dir(run).parent == expected_root / "runs" and expected_root.is_dir()
-    watchdog = state["watchdog"]
+    watchdog = run["backend_state"]["watchdog"]
     assert isinstance(watchdog["pid"], int)
     assert not control_master_pids(run), describe(control_master_pids(run))
 
@@ -302,7 +302,7 @@ def test_outputs_changed_on_the_host_after_the_run_promote_nothing_until_put_bac
     assert not (root / "out").exists()
     run = only_handle(root)
     assert remote_run_dir(run).is_dir(), "the remote folder must stay for the next fetch"
-    assert "verdict" not in run["state"], run["state"]
+    assert run["state"].get("verdict") is None, run["state"]
     big = Path(str(remote_status(run)["outputs_root"])) / "out" / "big.bin"  # type: ignore[index]
     os.truncate(big, BIG)  # as the command left it
 
@@ -382,7 +382,7 @@ def test_failing_setup_command_is_a_clear_error_and_the_lifetime_timer_fires(
     assert "Traceback" not in text and "never-reached" not in text, show(done)
     run = only_handle(root)
     folder = remote_run_dir(run)
-    watchdog = run["state"]["watchdog"]
+    watchdog = run["backend_state"]["watchdog"]
     if time.monotonic() - began < lifetime_minutes * 60 - 1:
         assert folder.is_dir() and is_alive(watchdog["pid"], watchdog["start_ticks"]), "no timer armed"
     # nobody comes back: the timer removes the run folder by itself
@@ -455,7 +455,7 @@ def test_status_logs_fetch_cancel_teardown_use_the_pinned_settings(
     try:
 
         def slow_logged() -> bool:
-            runs = [h for h in live_handles(root, "slow") if "remote_run_dir" in h["state"]]
+            runs = [h for h in live_handles(root, "slow") if h["backend_state"].get("remote_run_dir")]
             log = remote_run_dir(runs[0]) / "run.log" if runs else None
             return log is not None and log.exists() and "slow-log" in log.read_text()
 
@@ -474,7 +474,7 @@ def test_status_logs_fetch_cancel_teardown_use_the_pinned_settings(
         assert project.config.backends["ssh"]["host"] == "bogus.invalid"
         handle = project.store.read(fast["run_id"])
         fetched = project.backend_for(handle).fetch(handle)
-        assert fetched.manifest["digest"] == handle.state["manifest_digest"]
+        assert fetched.manifest["digest"] == handle.state.manifest_digest
         assert (fetched.root / "out" / "f.txt").read_text() == "f\n"
 
         cancelled = compute(root, "cancel", slow["run_id"])
@@ -530,7 +530,7 @@ def test_a_sweep_of_eight_steps_under_four_threads_on_one_host_finishes(
     for m in range(8):
         assert (root / f"fit-{m}.txt").read_text() == f"in\nm{m}\n"
     assert run_count(root) == 8
-    assert all(h["state"].get("torn_down") for h in live_handles(root)), live_handles(root)
+    assert all(h["backend_state"].get("torn_down") for h in live_handles(root)), live_handles(root)
     # every run folder of this sweep torn down (the module's host is shared:
     # other tests keep theirs on purpose)
     assert not [h["run_id"] for h in live_handles(root) if remote_run_dir(h).exists()]
@@ -590,7 +590,7 @@ def test_a_run_whose_log_a_host_swaps_for_a_device_fails_with_a_message_and_goes
     try:
 
         def logging() -> bool:
-            runs = [h for h in live_handles(root) if "remote_run_dir" in h["state"]]
+            runs = [h for h in live_handles(root) if h["backend_state"].get("remote_run_dir") is not None]
             log = remote_run_dir(runs[0]) / "run.log" if runs else None
             return log is not None and log.exists() and "started" in log.read_text()
 

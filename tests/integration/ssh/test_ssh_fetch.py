@@ -76,7 +76,7 @@ def finished_run(
 
 
 def on_host(handle: RunHandle, rel: str) -> Path:
-    return Path(str(handle.state["outputs_root"])) / rel
+    return Path(str(handle.backend_state["outputs_root"])) / rel
 
 
 def worker_manifest(handle: RunHandle) -> Path:
@@ -164,7 +164,7 @@ def test_the_status_is_not_asked_again_once_the_run_was_seen_to_end(
     tmp_path: Path, host: SshHost, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
-    assert isinstance(handle.state.get("outputs_root"), str)
+    assert isinstance(handle.backend_state.get("outputs_root"), str)
     asked: list[str] = []
     original = RemoteRun.status
 
@@ -383,8 +383,8 @@ def test_a_follower_that_outlives_the_runs_lifetime_is_given_up_for_the_status(
     own python lied could run) is waited on only until the run's lifetime
     is over; then the status and the log are read as after a broken link."""
     backend, handle = finished_run(tmp_path, host, MAKE_A, ["out/"])
-    timer = {**handle.state["watchdog"], "armed_at": time.time() - 3600}  # its lifetime long over
-    handle = backend.store.update_state(handle, watchdog=timer)
+    timer = {**handle.backend_state["watchdog"], "armed_at": time.time() - 3600}  # its lifetime long over
+    handle = backend.save_state(handle, watchdog=timer)
     monkeypatch.setattr(RemoteRun, "follow_argv", lambda self, offset, limit: ["cat"])
     out = io.BytesIO()
     ended: list[base.RunStatus] = []

@@ -1,0 +1,22 @@
+"""What the SkyPilot backend keeps in a run's handle."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from substrax_tasks.backends.state import RemoteState
+
+
+class SkypilotState(RemoteState):
+    cluster: str | None = None  # the cluster it runs on: set once launched (or given a warm one)
+    lease_job: int | None = None  # the cluster's one SkyPilot job: its lease (remote/lease.py)
+    remote_run: str | None = None  # the run's folder on the cluster
+    bin_digest: str | None = None  # of the worker scripts the cluster was given
+    job_home: str | None = None  # the home the lease's SkyPilot job runs in, once learnt
+    env_dir: str | None = None  # the environment built there (env.py)
+    left_out: list[str] = Field(default_factory=list)  # what the project's view left out
+    outputs_root: str | None = None  # where its outputs are there, from its final status
+    cancel_requested: bool = False  # a cancel was asked (the cluster going then reads as cancelled)
+    # A SkyPilot job per run, by releases before the lease: read in their
+    # handles, never written now.
+    job_id: int | None = None
