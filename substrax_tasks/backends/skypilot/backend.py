@@ -382,7 +382,7 @@ class SkypilotBackend(Backend):
         ended = _kept(self, handle)
         if ended is not None:
             return ended
-        if not isinstance(SkypilotState.of(handle).lease_job, int):
+        if not isinstance(SkypilotState.of(handle).launched_job, int):
             return _launch_status(self, handle)
         cluster = self.cluster(handle)
         try:
@@ -415,7 +415,7 @@ class SkypilotBackend(Backend):
         handle = self.save_state(handle, cancel_requested=True)
         cluster = self.cluster(handle)
         failures: list[Exception] = []
-        if not isinstance(SkypilotState.of(handle).lease_job, int):
+        if not isinstance(SkypilotState.of(handle).launched_job, int):
             self._cancel_launch(handle, cluster)
             return True
         if status.state == "lost" and cluster_gone(self, cluster):
@@ -474,7 +474,7 @@ class SkypilotBackend(Backend):
         kept = _remote_run.read_kept_log(self.run_file(handle, "run.log"), offset)
         if kept is not None:
             return kept
-        if not isinstance(SkypilotState.of(handle).lease_job, int) or SkypilotState.of(handle).torn_down:
+        if not isinstance(SkypilotState.of(handle).launched_job, int) or SkypilotState.of(handle).torn_down:
             return b""
         try:
             return self.remote_run(handle).read_log(offset)
@@ -491,7 +491,7 @@ class SkypilotBackend(Backend):
         """With follow, one follower on the cluster streams the log until
         the run ends (_remote_run.follow_log), as on an ssh host."""
         status = self.poll(handle)
-        if not follow or status.final or not isinstance(SkypilotState.of(handle).lease_job, int):
+        if not follow or status.final or not isinstance(SkypilotState.of(handle).launched_job, int):
             return super().stream_log(handle, out, follow=follow, offset=offset)
         return _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle))
 
@@ -564,7 +564,7 @@ class SkypilotBackend(Backend):
             if force and holds_cluster(self, handle):
                 self._down_and_forget(handle, cluster)
             return
-        if not isinstance(SkypilotState.of(handle).lease_job, int):
+        if not isinstance(SkypilotState.of(handle).launched_job, int):
             self._down_and_forget(handle, cluster)  # a launch that never finished
             return
         try:

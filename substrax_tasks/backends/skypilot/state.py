@@ -18,5 +18,12 @@ class SkypilotState(RemoteState):
     outputs_root: str | None = None  # where its outputs are there, from its final status
     cancel_requested: bool = False  # a cancel was asked (the cluster going then reads as cancelled)
     # A SkyPilot job per run, by releases before the lease: read in their
-    # handles, never written now.
+    # handles, never written now (launched_job reads either).
     job_id: int | None = None
+
+    @property
+    def launched_job(self) -> int | None:
+        """The SkyPilot job the run's cluster was launched with: its lease,
+        or, in a handle of a release before the lease, the run's own job
+        (its worker's record is read the same way)."""
+        return self.lease_job if self.lease_job is not None else self.job_id

@@ -235,7 +235,7 @@ def job_home(sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str) -
     for a command."""
     with contextlib.suppress(SubstraxError):
         handle = store.read(handle.run_id)  # a caller's copy may predate it
-    home, job_id = SkypilotState.of(handle).job_home, SkypilotState.of(handle).lease_job
+    home, job_id = SkypilotState.of(handle).job_home, SkypilotState.of(handle).launched_job
     if isinstance(home, str) or not isinstance(job_id, int) or SkypilotState.of(handle).torn_down:
         return home if isinstance(home, str) else None
     log = store.run_dir(handle.run_id) / "job-home.log"
