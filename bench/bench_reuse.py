@@ -41,7 +41,7 @@ from typing import Any
 from _common import cli_argv, doit_argv, median
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 
 from testbeds.slurm_cluster import DEFAULT_SKY_VENV, SlurmBed, bed_down, bed_up  # noqa: E402
 
