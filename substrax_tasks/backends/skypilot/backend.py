@@ -34,12 +34,14 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from pydantic import BaseModel
 
 from substrax_tasks.atomic import write_json_atomic
+from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends import remote_run as _remote_run
 from substrax_tasks.backends.base import Backend, Fetched, Leak, RunStatus
 from substrax_tasks.backends.job import env_dir_of
@@ -215,10 +217,12 @@ class SkypilotBackend(Backend):
         steps take turns on, one at a time, kept warm across doits."""
         if self.settings.max_parallel is None:
             return None
-        name, limit = f"skypilot-{shape(self, handle)}", self.settings.max_parallel
+        seats = self.settings.seats(dict(handle.spec.resources))  # steps side by side on one cluster
+        name = f"skypilot-{shape(self, handle)}" + (f"-x{seats}" if seats > 1 else "")
+        limit = self.settings.max_parallel * seats
         resources = self.settings.resources(dict(handle.spec.resources))
         where = "SkyPilot (" + ", ".join(f"{k}={v}" for k, v in sorted(resources.items())) + ")"
-        warm = warm_slots(self.store.slots_dir(name), limit) if self.settings.reuse else ()
+        warm = warm_slots(self.store.slots_dir(name), limit, seats) if self.settings.reuse else ()
         return Pool(name, limit, where, shared=self.settings.reuse, prefer=warm)
 
     # ------------------------------------------------------------- launch
@@ -228,6 +232,10 @@ class SkypilotBackend(Backend):
         (a client killed while it waited), or a new one."""
         layout = self.layout(handle)
         handle = self.save_state(handle, remote_run=layout.run, bin_digest=layout.bin_digest)
+        with launching(self, handle):  # the slots that share the cluster: one launches it
+            return self._launch(handle)
+
+    def _launch(self, handle: RunHandle) -> RunHandle:
         rid = self.request_id(handle)
         if rid is None and self.settings.reuse:
             warm = warm_cluster(self, handle)
@@ -252,7 +260,12 @@ class SkypilotBackend(Backend):
         handle = self.save_state(handle, cluster=cluster, lease_job=lease_job)
         record_cluster(self, handle)
         self._write_ssh_config(handle)
-        return self._claim_when_held(handle)
+        self._claim_when_held(handle)
+        # As the claim left it (it may have learnt the home the lease runs
+        # in): the slot's record keeps that for the next step on the cluster.
+        handle = self.store.read(handle.run_id)
+        record_cluster(self, handle)
+        return handle
 
     def _launch_cluster(self, handle: RunHandle, relay: LogRelay) -> Any:
         project = Path(str(handle.state.project))
@@ -361,16 +374,22 @@ class SkypilotBackend(Backend):
         if result.returncode != 0:
             raise result.failure("building the environment", self.cluster(handle))
         env_dir = env_dir_of(handle.step, run.answer(result, "building the environment"))
-        return self.save_state(handle, env_dir=env_dir, left_out=view.left_out)
+        what = "listing the GPUs"
+
+        def listed() -> dict[str, Any]:
+            return run.answer(run.checked_script("gpus.py", what=what), what)
+
+        locks = f"{self.there(handle).root}/gpus"  # the runs on the cluster hold its GPUs there
+        gpus = _gpus.job_gpus(handle.spec, False, listed, locks, self.cluster(handle))
+        return self.save_state(handle, env_dir=env_dir, left_out=view.left_out, gpus=gpus)
 
     def start(self, handle: RunHandle) -> RunHandle:
         if not isinstance(SkypilotState.of(handle).lease_job, int):
             raise BackendError(f"run {handle.run_id}: it was never launched")
         run = self.remote_run(handle)
-        env_dir = SkypilotState.of(handle).env_dir
-        left_out = [str(p) for p in SkypilotState.of(handle).left_out or []]
-        job = sky_task.worker_job(self.settings, handle, self.there(handle),
-                                  env_dir if isinstance(env_dir, str) else None, left_out)  # fmt: skip
+        own = SkypilotState.of(handle)
+        job = sky_task.worker_job(self.settings, handle, self.there(handle), own.env_dir, own.left_out,
+                                  gpus=own.gpus)  # fmt: skip
         path = f"{run.run_dir}/job.json"
         write = 'umask 077 && cat > "$1.partial" && mv "$1.partial" "$1"'
         run.check(["sh", "-c", write, "sh", path], "writing the job", stdin=json.dumps(job).encode())
@@ -606,8 +625,10 @@ class SkypilotBackend(Backend):
 # A step is given a warm cluster only if, beyond its timeout, this much of
 # the cluster's lifetime is left: for the sync before it and the fetch after.
 MARGIN_SECONDS = 120.0
-# How often a new cluster's lease is asked for while its setup runs.
+# How often a new cluster's lease is asked for while its setup runs, and
+# how often a run waiting for another to launch their cluster looks up.
 LEASE_WAIT_SECONDS = 0.5
+LOG_POLL = 0.5
 
 
 def shape(backend: SkypilotBackend, handle: RunHandle) -> str:
@@ -617,11 +638,37 @@ def shape(backend: SkypilotBackend, handle: RunHandle) -> str:
 
 
 def record_path(backend: SkypilotBackend, handle: RunHandle) -> Path | None:
-    """The record of the cluster in the run's slot (reuse only)."""
+    """The record of the cluster of the run's slot (reuse only): slots
+    i * seats .. (i + 1) * seats - 1 share cluster i."""
     slot = handle.state.slot
     if not isinstance(slot, dict) or not backend.settings.reuse:
         return None
-    return backend.store.slots_dir(str(slot["pool"])) / f"{slot['index']}.json"
+    seats = backend.settings.seats(dict(handle.spec.resources))
+    return backend.store.slots_dir(str(slot["pool"])) / f"{int(slot['index']) // seats}.json"
+
+
+@contextlib.contextmanager
+def launching(backend: SkypilotBackend, handle: RunHandle) -> Iterator[None]:
+    """Held while a run finds or launches the cluster of its slot, when
+    slots share one (seats): the first launches it, the others wait, then
+    find it warm."""
+    path = record_path(backend, handle)
+    if path is None or backend.settings.seats(dict(handle.spec.resources)) == 1:
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(path.with_suffix(".launch.lock")), thread_local=False, is_singleton=False)
+    while True:
+        try:
+            lock.acquire(timeout=LOG_POLL)
+            break
+        except Timeout:
+            check_interrupted()  # Ctrl-C in a doit thread ends the wait
+    try:
+        yield
+    finally:
+        lock.release(force=True)
 
 
 def read_record(path: Path | None) -> dict[str, Any] | None:
@@ -632,9 +679,9 @@ def read_record(path: Path | None) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def warm_slots(folder: Path, limit: int) -> tuple[int, ...]:
-    """The slots that hold a cluster: tried first, so a step waits for a warm one."""
-    return tuple(i for i in range(limit) if (folder / f"{i}.json").is_file())
+def warm_slots(folder: Path, limit: int, seats: int) -> tuple[int, ...]:
+    """The slots whose cluster is up: tried first, so a step waits for a warm one."""
+    return tuple(i for i in range(limit) if (folder / f"{i // seats}.json").is_file())
 
 
 def record_cluster(backend: SkypilotBackend, handle: RunHandle) -> None:
@@ -696,6 +743,7 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
         if answer.get("claimed"):
             emit(f"{handle.step}: on warm cluster {cluster} (`substrax-compute cancel {handle.run_id}` "
                  "stops this step only)")  # fmt: skip
+            warm = backend.store.read(handle.run_id)  # as the claim left it (the home it may have learnt)
             if record.get("job_home") is None and SkypilotState.of(warm).job_home is not None:
                 record_cluster(backend, warm)
             return warm

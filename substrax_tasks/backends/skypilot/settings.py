@@ -202,8 +202,22 @@ class SkypilotSettings(RemoteSettings):
         assert chosen is not None  # the validator above
         return chosen
 
+    def seats(self, step_resources: dict[str, Any]) -> int:
+        """How many steps of these resources run side by side on one reused
+        cluster: its GPUs (`accelerators` here) shared out among steps that
+        each ask for a whole part of them (the worker hands them out, as on
+        an ssh host); 1 otherwise."""
+        mine, asked = gpus_of(self.accelerators), gpus_of(step_resources.get("accelerators"))
+        if not self.reuse or mine is None or asked is None:
+            return 1
+        if asked[0] is not None and mine[0] is not None and asked[0].lower() != mine[0].lower():
+            return 1
+        return max(mine[1] // asked[1], 1)
+
     def resources(self, step_resources: dict[str, Any]) -> dict[str, Any]:
-        """SkyPilot's `resources:` for one step: these defaults, the step's own on top."""
+        """SkyPilot's `resources:` for one step: these defaults, the step's
+        own on top; but a step that shares out a reused cluster's GPUs
+        (seats) gets the cluster these settings name."""
         disk = self.disk_size or (self.copy_.disk_size if self.copy_ is not None else None)
         values: dict[str, Any] = {
             "infra": self.infra, "accelerators": self.accelerators, "cpus": self.cpus,
@@ -212,4 +226,22 @@ class SkypilotSettings(RemoteSettings):
             "labels": dict(self.labels) or None,
         }  # fmt: skip
         values.update({k: v for k, v in step_resources.items() if k in RESOURCE_KEYS})
+        if self.seats(step_resources) > 1:
+            values["accelerators"] = self.accelerators
         return {k: v for k, v in values.items() if v is not None}
+
+
+def gpus_of(accelerators: object) -> tuple[str | None, int] | None:
+    """("A100", 2) for "A100:2" or {"A100": 2}, (None, 2) for "2"; None for
+    no GPUs, or for what names no single kind and whole count."""
+    if isinstance(accelerators, dict):
+        if len(accelerators) != 1:
+            return None
+        ((name, count),) = accelerators.items()
+        return (str(name), count) if isinstance(count, int) and count >= 1 else None
+    if not isinstance(accelerators, str) or "," in accelerators:
+        return None
+    name, colon, number = accelerators.strip().rpartition(":")
+    if not colon:
+        return (None, int(number)) if number.isdigit() else (number, 1) if number else None
+    return (name, int(number)) if number.isdigit() and int(number) >= 1 and name else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 
 from substrax_tasks.backends.state import RemoteState
@@ -16,6 +18,7 @@ class SkypilotState(RemoteState):
     env_dir: str | None = None  # the environment built there (env.py)
     left_out: list[str] = Field(default_factory=list)  # what the project's view left out
     outputs_root: str | None = None  # where its outputs are there, from its final status
+    gpus: Any = None  # what the job is given of the cluster's GPUs (backends/gpus.py)
     cancel_requested: bool = False  # a cancel was asked (the cluster going then reads as cancelled)
     # A SkyPilot job per run, by releases before the lease: read in their
     # handles, never written now (launched_job reads either).

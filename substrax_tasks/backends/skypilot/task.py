@@ -158,6 +158,8 @@ def worker_job(
     layout: ClusterLayout,
     env_dir: str | None,
     left_out: list[str] | None = None,
+    *,
+    gpus: runfiles.JobGpus | None = None,
 ) -> runfiles.Job:
     """The worker's job, its folders relative to the home folder (the worker
     resolves them where it starts: the home is unknown until launch)."""
@@ -172,6 +174,7 @@ def worker_job(
         cache_dirs=settings.cache_dirs,
         cache_root=f"{layout.root}/cache/{project_key(str(handle.state.project))}",
         left_out=left_out or [],
+        gpus=gpus,
     )
     job["staging"] = layout.staging
     if layout.bucket_key is not None:  # the bucket transport fetches it with the outputs

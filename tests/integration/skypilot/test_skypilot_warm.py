@@ -8,8 +8,10 @@ real sshd in a network namespace."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from dodo_helpers import doit, doit_ok, popen_doit, show, stop, wait_for
@@ -225,3 +227,66 @@ def test_gc_machines_takes_a_warm_cluster_down(sky: Sky) -> None:
     done = sky.compute("gc", "--machines")
     assert done.returncode == 0, done.stderr
     assert sky.clusters() == []
+
+
+# Two steps that each ask for one of the cluster's two (fake) GPUs: each
+# notes the GPUs it was given in the test's folder, then waits for its own
+# gate. Filled in with str.format.
+GPU_PAIR = """
+def task_fit():
+    for name in ("a", "b"):
+        yield from remote_step(
+            f"fit:{{name}}", outputs=[f"fit-{{name}}.txt"], timeout=60,
+            resources={{"accelerators": "A100:1"}},
+            command=["/bin/sh", "-c",
+                     f'echo "$CUDA_VISIBLE_DEVICES" > {base}/seen-{{name}}; '
+                     f'while [ ! -e {base}/gate-{{name}} ]; do sleep 0.05; done; '
+                     f'echo {{name}} > fit-{{name}}.txt',
+                     {marker!r}],
+        )
+"""
+FAKE_SMI = """#!/bin/sh
+[ "$1" = "-L" ] || exit 2
+echo "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-1d6e2b7a-0000-0000-0000-000000000000)"
+echo "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-9a41c3f0-0000-0000-0000-000000000000)"
+"""
+
+
+def two_gpu_python(base: Path) -> str:
+    """The cluster's python3, with a fake `nvidia-smi` listing two GPUs first on its PATH."""
+    bin_dir = base / "fake-gpu-bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    python = base / "python-with-gpus"
+    python.write_text(f'#!/bin/sh\nPATH={bin_dir}:$PATH exec {shutil.which("python3")} "$@"\n')
+    python.chmod(0o755)
+    return str(python)
+
+
+def test_two_one_gpu_steps_share_a_two_gpu_warm_cluster_and_a_cancel_stops_one_only(
+    sky: Sky, marker: str
+) -> None:
+    """`accelerators = "A100:2"` for the cluster, "A100:1" for each step:
+    two steps run side by side on one cluster, each given its own GPU by
+    the worker; cancelling one stops its tree, the other goes on."""
+    base = sky.base
+    warm_project(sky, GPU_PAIR.format(base=str(base), marker=marker), sandbox="none",
+                 accelerators="A100:2", python=two_gpu_python(base))  # fmt: skip
+    proc = popen_doit(sky.root, "-n", "2", "-P", "thread", env=sky.env)
+    try:
+        seen = [base / "seen-a", base / "seen-b"]
+        wait_for(lambda: all(p.exists() for p in seen), "both steps to run at once", timeout=90)
+        (cancelled,) = [h for h in live_handles(sky.root) if h["step"] == "fit:b"]
+        done = sky.compute("cancel", cancelled["run_id"])
+        assert done.returncode == 0, done.stderr
+        (base / "gate-a").touch()
+        assert proc.wait(timeout=180) != 0  # fit:b was cancelled
+    finally:
+        stop(proc)
+    assert sorted(p.read_text().strip() for p in seen) == ["0", "1"]  # a GPU each
+    assert (sky.root / "fit-a.txt").read_text() == "a\n" and not (sky.root / "fit-b.txt").exists()
+    assert len(set(clusters_used(sky))) == 1 and len(sky.clusters()) == 1
+    status = json.loads(sky.compute("status", cancelled["run_id"], "--json").stdout)
+    assert status["runs"][0]["state"] == "cancelled", status
+    assert marked_pids(marker) == []
