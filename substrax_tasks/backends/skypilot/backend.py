@@ -310,7 +310,10 @@ class SkypilotBackend(Backend):
         assert job_id is not None  # launch() recorded it before this
         next_check = time.monotonic() + self.poll_seconds
         while True:
-            answer = self.lease(handle, "claim", handle.run_id)
+            # Where the lease's files are is known once the setup has printed
+            # its home (a relative remote_root): until then, nothing to ask.
+            known = self.there(handle).root.startswith("/")
+            answer = self.lease(handle, "claim", handle.run_id) if known else {"state": None}
             if answer.get("claimed"):
                 return handle
             left = self.lifetime_left(handle)
