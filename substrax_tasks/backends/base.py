@@ -121,6 +121,9 @@ class Leak:
     name: str  # the folder's path there, or the cluster's name
     ours: bool  # provably this project's: `gc --machines` removes it
     remove: Callable[[], None] = field(compare=False, repr=False)
+    # Kept on purpose, not leaked: a machine left warm for the next step
+    # (what holds it, and for how long); `gc --machines` removes it all the same.
+    warm: str | None = field(default=None, compare=False)
 
 
 

@@ -19,6 +19,7 @@ make this side write or hold without end.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -32,8 +33,10 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any, Protocol, cast
 
 from substrax_tasks._remote import runfiles
+from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends.base import MAX_LOG_BYTES, Backend, Fetched, RunStatus, log_cut_note
 from substrax_tasks.backends.checkpoints import Snapshots
+from substrax_tasks.backends.job import damaged_status, status_from_record
 from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
 from substrax_tasks.backends.state import RemoteState
 from substrax_tasks.console import emit
@@ -523,3 +526,67 @@ def lifetime_left(state: RemoteState, now: float | None = None) -> float | None:
     if not isinstance(armed, (int, float)) or not isinstance(seconds, (int, float)):
         return None
     return float(armed) + float(seconds) - (time.time() if now is None else now)
+
+
+# ---- A run's worker on a machine over ssh: what the ssh and skypilot
+# backends do alike once the run's folder, files and job are there.
+
+
+def start_worker(run: RemoteRun, handle: RunHandle, job_file: str, gpus: Any, where: str) -> None:
+    """Start the worker of the job in `job_file` there, detached (it
+    outlives this connection); the step's secrets go on its stdin."""
+    result = run.run_script("worker.py", job_file, "--detach", "--env-stdin", what="starting the worker",
+                            stdin=json.dumps(forwarded_env(handle)).encode())  # fmt: skip
+    if result.returncode == _gpus.WORKER_BUSY:
+        raise _gpus.busy(gpus, where)
+    if result.returncode != 0:
+        raise BackendError(
+            f"run {handle.run_id}: the worker did not start on {where}: "
+            + (result.stderr + result.stdout).decode(errors="replace")[-1500:]
+        )
+
+
+def worker_status(backend: Backend, handle: RunHandle, run: RemoteRun, where: str) -> RunStatus:
+    """The run's status from its worker's record there (remote/control.py's
+    status); a final one is kept in the handle."""
+    record = run.status()
+    if record.get("damaged"):
+        return damaged_status(record, where)
+    if record.get("state") is None:
+        if not record.get("exists"):
+            gone = "its remote folder is gone (torn down, the lifetime ran out, or the host restarted)"
+            return RunStatus("lost", message=gone)
+        return RunStatus("pending")
+    status = status_from_record(record, worker_alive=bool(record.get("worker_alive")))
+    if status.final and status.state != "lost":  # a lost run can still be cancelled
+        # outputs_root too: the fetch then starts without asking for it
+        root = record.get("outputs_root")
+        noted = {"outputs_root": root} if isinstance(root, str) else {}
+        backend.save_state(handle, final_status=status.__dict__, **noted)
+    return status
+
+
+def cancel_worker(backend: Backend, handle: RunHandle, run: RemoteRun, status: RunStatus, *, where: str,
+                  grace_seconds: float) -> bool:  # fmt: skip
+    """Stop the run's tree there (its worker, or what is left of it), not
+    the machine; False when there was nothing left to stop."""
+    if status.state == "lost" and not run.status().get("exists"):
+        return False  # its folder is gone (torn down, or the lifetime ran out): nothing left
+    # lost: its worker was killed, but the task's tree may still run
+    answer = run.control("cancel", "--wait", str(grace_seconds + 10), what="cancelling the run")
+    if answer.get("reason") == "not started":
+        return True
+    if answer.get("reason") == "finished":  # it ended meanwhile: left alone
+        backend.poll(handle)
+        return False
+    if not answer.get("cancelled"):
+        raise BackendError(f"run {handle.run_id}: cancel on {where} failed: {answer.get('reason')}")
+    # Recorded from the answer, not polled again: a doit driving the run
+    # may tear its folder down the moment it sees the end.
+    with contextlib.suppress(BackendError):
+        backend.poll(handle)
+    kept = backend.State.of(backend.store.read(handle.run_id))
+    if isinstance(kept, RemoteState) and kept.final_status is None:
+        ended = RunStatus(str(answer.get("state") or "cancelled"), message=answer.get("reason"))
+        backend.save_state(handle, final_status=ended.__dict__)
+    return True

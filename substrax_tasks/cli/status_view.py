@@ -65,7 +65,8 @@ def status_json(
         "unreadable": [{"path": str(u.path), "reason": u.reason} for u in unreadable],
         # null, not "none leaked", when not looked for
         "leaked": None if leaks is None else
-        [{"backend": k.backend, "where": k.where, "name": k.name, "ours": k.ours} for k in leaks],
+        [{"backend": k.backend, "where": k.where, "name": k.name, "ours": k.ours}
+         | ({"warm": k.warm} if k.warm is not None else {}) for k in leaks],
     }, indent=1)  # fmt: skip
 
 
@@ -79,6 +80,10 @@ def machine_lines(handles: list[RunHandle], leaks: list[Leak]) -> list[str]:
             when = f"in {clock(left, tenths=False)}" if left > 0 else late
             lines.append(f"run {handle.run_id} may still hold a machine: its lifetime timer ends it {when}")
     for leak in leaks:
+        if leak.warm is not None:
+            lines.append(f"warm cluster {leak.name} on {leak.where}: {leak.warm}; `substrax-compute gc "
+                         "--machines` takes it down")  # fmt: skip
+            continue
         fix = ("`substrax-compute gc --machines` removes it" if leak.ours else
                "no handle of this project names it: another project's, or leaked before")
         kind = "cluster" if leak.where == "SkyPilot" else "run folder"

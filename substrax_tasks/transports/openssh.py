@@ -32,6 +32,12 @@ from substrax_tasks.private import UnsafeFolder, private_dir
 # aes128-gcm made a 1 GiB copy 1.9x faster than chacha20 here.
 CIPHERS = "aes128-gcm@openssh.com,chacha20-poly1305@openssh.com,aes256-gcm@openssh.com,aes128-ctr,aes256-ctr"
 CONTROL_PERSIST_SECONDS = 30
+# A SkyPilot cluster's ssh may start a process per connection (its proxy
+# through the API server into a Slurm job or a pod): its banner took 12-19 s
+# on the loaded Slurm test bed. So a longer wait for it, and a master kept
+# for the next step on a warm cluster, of this doit or the next.
+CLUSTER_CONNECT_TIMEOUT = 60
+CLUSTER_PERSIST_SECONDS = 600
 # A master whose connection died (a host gone, a network dropped) is noticed
 # within about a minute and exits, rather than holding its clients stalled.
 SERVER_ALIVE = ("-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4")
@@ -150,12 +156,12 @@ class SshTarget(Multiplexed):
         return argv + multiplexing(self.control_path())
 
 
-def multiplexing(control_path: str) -> list[str]:
+def multiplexing(control_path: str, persist: int = CONTROL_PERSIST_SECONDS) -> list[str]:
     """ssh options for one shared connection per target (ControlMaster)."""
     return [
         "-o", "ControlMaster=auto",
         "-o", f"ControlPath={control_path}",
-        "-o", f"ControlPersist={CONTROL_PERSIST_SECONDS}",
+        "-o", f"ControlPersist={persist}",
         *SERVER_ALIVE,
     ]  # fmt: skip
 
@@ -188,9 +194,10 @@ class ClusterTarget(Multiplexed):
         return str(control_dir() / digest)
 
     def ssh_argv(self) -> list[str]:
-        argv = ["ssh", "-F", str(self.config_file), "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"]
+        argv = ["ssh", "-F", str(self.config_file), "-o", "BatchMode=yes",
+                "-o", f"ConnectTimeout={CLUSTER_CONNECT_TIMEOUT}"]  # fmt: skip
         argv += [arg for key in self.home_identities() for arg in ("-i", str(key))]
-        return argv + multiplexing(self.control_path())
+        return argv + multiplexing(self.control_path(), CLUSTER_PERSIST_SECONDS)
 
     def home_identities(self) -> list[Path]:
         """The config's `IdentityFile ~/...` keys, under SkyPilot's HOME.

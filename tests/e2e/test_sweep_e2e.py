@@ -1,7 +1,9 @@
 """A sweep on the real one-node Slurm cluster of the test bed, with
 `reuse = true` and `max_parallel = 2`: four steps under `doit -n 4 -P
-thread` take turns on at most two clusters (SkyPilot's `exec` on the warm
-one), every output is verified here, and nothing is left on the cluster.
+thread` take turns on at most two clusters (each held by its lease, every
+step run by the worker over ssh), every output is verified here; a new
+`doit` after an edit runs every step on the clusters the first left warm,
+with no launch; `gc --machines` then takes them down.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def task_fit():
 """
 
 
-def test_a_sweep_with_reuse_takes_turns_on_two_clusters_and_leaves_nothing(
+def test_a_sweep_with_reuse_takes_turns_on_two_clusters_that_the_next_doit_finds_warm(
     slurm_bed: SlurmBedInfo,
     project_factory: Callable[[str], SkyProject],
 ) -> None:
@@ -63,12 +65,21 @@ def test_a_sweep_with_reuse_takes_turns_on_two_clusters_and_leaves_nothing(
     assert most <= 2, f"{most} clusters at once\n{said}"
     for m in range(4):
         assert (project.root / f"fit-{m}.txt").read_text() == f"hello\nm{m}\n"
-    assert said.count("launching cluster") <= 2 and said.count("queued on warm cluster") >= 2, said
-    # The last user took each cluster down as doit ended: none left, nor a Slurm job.
-    assert project.clusters() == [], said
-    wait_for(lambda: jobs_named(slurm_bed, project.prefix) == [], "the clusters' Slurm jobs to end", 60)
-    asked = api_requests(slurm_bed)
+    assert said.count("launching cluster") <= 2 and said.count("on warm cluster") >= 2, said
+    warm = project.clusters()  # doit ended; its clusters stay warm, held by their leases
+    assert 1 <= len(warm) <= 2, said
+    (project.root / "data" / "in.txt").write_text("edited\n")  # the loop: edit, doit again
     again = project.doit("-n", "4", "-P", "thread")
     assert again.returncode == 0, show(again)
-    assert all(step_skipped(again, f"fit:m{m}") for m in range(4)), show(again)
-    assert api_requests(slurm_bed) == asked and run_count(project.root) == 4
+    assert "launching cluster" not in again.stdout and again.stdout.count("on warm cluster") == 4, show(again)
+    for m in range(4):
+        assert (project.root / f"fit-{m}.txt").read_text() == f"edited\nm{m}\n"
+    gc = project.compute("gc", "--machines")
+    assert gc.returncode == 0, show(gc)
+    assert project.clusters() == [], show(gc)
+    wait_for(lambda: jobs_named(slurm_bed, project.prefix) == [], "the clusters' Slurm jobs to end", 60)
+    asked = api_requests(slurm_bed)
+    noop = project.doit("-n", "4", "-P", "thread")
+    assert noop.returncode == 0, show(noop)
+    assert all(step_skipped(noop, f"fit:m{m}") for m in range(4)), show(noop)
+    assert api_requests(slurm_bed) == asked and run_count(project.root) == 8

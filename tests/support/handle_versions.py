@@ -23,6 +23,12 @@ V2_FIXTURES = {
     "skypilot-cancelled-on-a-shared-cluster.json": "skypilot",
 }
 UNSET: tuple[object, ...] = (None, 0, False, {}, [])
+# Keys a later release records that the release before did not, per backend,
+# and what it recorded instead (None: nothing): the skypilot backend's lease
+# job stands where its run's own SkyPilot job was.
+SINCE_VERSION_2: dict[str, dict[str, str | None]] = {
+    "skypilot": {"lease_job": "job_id", "left_out": None, "outputs_root": None, "env_dir": None},
+}
 
 
 def v2_fixture(name: str) -> dict[str, Any]:
@@ -39,6 +45,10 @@ def write_as_version_2(path: Path) -> dict[str, Any]:
     assert data["version"] == 3, data["version"]
     mixed = {**data.pop("state"), **data.pop("backend_state")}
     state = {key: value for key, value in mixed.items() if value not in UNSET or key == "fetch_refusals"}
+    for key, then in SINCE_VERSION_2.get(data["backend"], {}).items():
+        value = state.pop(key, None)
+        if then is not None and value is not None:
+            state[then] = value
     old = {**data, "version": 2, "state": state}
     # Only keys that release wrote for a run of this backend.
     written = v2_fixture(f"{data['backend']}.json")["state"]

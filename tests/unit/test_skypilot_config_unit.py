@@ -68,7 +68,7 @@ def test_the_generated_task_mounts_read_only_copies_and_arms_the_timer_first(tmp
     layout = backend.layout(handle)  # type: ignore[attr-defined]
     config = sky_task.task_config(
         backend.settings, handle, layout, upload_dir=tmp_path / "up", remote_dir=tmp_path / "bin",  # type: ignore[arg-type]
-        project=root, lock="requirements.txt", env_dir=layout.env_dir("d"),
+        cluster="c1", project=root, lock="requirements.txt", env_dir=layout.env_dir("d"),
     )  # fmt: skip
     # every mount is a plain local source: SkyPilot COPY, never a writable MOUNT
     assert all(isinstance(v, str) for v in config["file_mounts"].values())
@@ -77,8 +77,9 @@ def test_the_generated_task_mounts_read_only_copies_and_arms_the_timer_first(tmp
     watchdog = next(i for i, line in enumerate(setup) if "control.py watchdog" in line)
     assert watchdog < setup.index("echo one") < setup.index("echo two")
     assert any(" env.py " in line for line in setup[setup.index("echo two") :])
-    assert "1500" in setup[watchdog]  # (30 - 5 idle minutes) * 60 seconds
-    assert "--exit-status" in config["run"]
+    # the cluster's timer, on the lease's folder: (30 - SkyPilot's 1-minute autodown) * 60 seconds
+    assert setup[watchdog].endswith(f"control.py watchdog {layout.lease('c1')} 1740")
+    assert "lease.py hold" in config["run"]  # the cluster's one SkyPilot job: its lease
     assert config["resources"] == {"infra": "aws", "cpus": 2}
     name = sky_task.cluster_name(backend.settings, handle, "0123456789abcdef" * 2)  # type: ignore[arg-type]
     assert name.startswith("substrax-fit-a-b-01234567-") and len(name) <= 35

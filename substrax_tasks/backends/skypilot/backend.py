@@ -1,20 +1,29 @@
-"""The SkyPilot backend: the step runs on a cluster SkyPilot launches for it.
+"""The SkyPilot backend: SkyPilot provisions a cluster and bounds its life;
+the project's own worker runs every step on it over ssh, as on an ssh host.
 
-One cluster per run (with `reuse = true`, clusters the steps of one shape
-take turns on: py), launched with one SkyPilot task (sky_task.py): COPY
-file mounts bring the remote scripts, the job file and a snapshot of the
-project; the task's setup arms the lifetime timer, runs setup_commands and
-builds the locked environment; its run is the worker, in the foreground, so
-SkyPilot's job status is the run's and SkyPilot's cancel reaches its tree.
-Launch also arms SkyPilot's autodown, so an idle cluster goes by itself.
+A cluster is launched with one SkyPilot task (task.py): COPY file mounts
+bring the remote scripts and the first step's snapshot; its setup arms the
+cluster's lifetime timer, runs setup_commands and builds the locked
+environment; its run is the lease (remote/lease.py), the cluster's one
+SkyPilot job, which holds it while steps run and ends idle_minutes after
+the last. SkyPilot's autodown, armed at launch with a short idle, then takes
+the cluster down, with or without a client.
+
+Every step, the first included, is given a cluster by a claim on its lease,
+then runs as on an ssh host over the ssh config SkyPilot writes
+(remote_run.py): its files by rsync, its environment by env.py, its worker
+started, followed, cancelled and fetched through control.py; no SkyPilot
+job per step, and SkyPilot's queue is never read for a step's state. With
+`reuse = true` a cluster is kept in a slot of its shape's pool
+(slots/skypilot-<shape>/<i>.json) and serves the next step of any doit of
+the project while its lease holds it and its lifetime allows.
 
 Every SkyPilot call is one process of helper/sky_sdk.py in SkyPilot's own
-interpreter (client.py). Outputs come back as from an SSH host (_remote_run.py,
-over the ssh config SkyPilot writes) or from the bucket the worker wrote.
-
-State in the handle: cluster, job_id, remote paths; in the run's folder:
-task.json (the intent, written before launch) and launch-request.json
-(SkyPilot's request id, written the moment it exists).
+interpreter (client.py). State in the handle (state.py, written through
+`save_state`): the cluster, its lease job, the run's paths there and the
+cluster's lifetime timer;
+in the run's folder: task.json (the intent, written before launch) and
+launch-request.json (SkyPilot's request id, written the moment it exists).
 """
 
 from __future__ import annotations
@@ -25,17 +34,18 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from pydantic import BaseModel
 
-from substrax_tasks._remote import runfiles
 from substrax_tasks.atomic import write_json_atomic
+from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends import remote_run as _remote_run
-from substrax_tasks.backends.base import FINAL_STATES, LOG_POLL_SECONDS, Backend, Fetched, Leak, RunStatus
-from substrax_tasks.backends.job import status_from_record
-from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun, forwarded_env
+from substrax_tasks.backends.base import Backend, Fetched, Leak, RunStatus
+from substrax_tasks.backends.job import env_dir_of
+from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun
 from substrax_tasks.backends.scripts import remote_dir
 from substrax_tasks.backends.skypilot import task as sky_task
 from substrax_tasks.backends.skypilot.client import (
@@ -46,13 +56,14 @@ from substrax_tasks.backends.skypilot.client import (
     SkyClient,
     job_state,
 )
-from substrax_tasks.backends.skypilot.settings import SkypilotSettings
+from substrax_tasks.backends.skypilot.settings import AUTODOWN_MINUTES, SkypilotSettings
 from substrax_tasks.backends.skypilot.state import SkypilotState
 from substrax_tasks.console import emit
-from substrax_tasks.errors import BackendError, SubstraxError
+from substrax_tasks.errors import BackendError, HostRefused, SubstraxError
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.slots import Pool
 from substrax_tasks.step.spec import canonical_digest, settings_in_key
+from substrax_tasks.step.view import project_view
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
 from substrax_tasks.transports.openssh import ClusterTarget
@@ -73,18 +84,56 @@ def cluster_leaks(backend: SkypilotBackend, handles: list[RunHandle]) -> list[Le
     """Clusters of the prefix that no live handle names. Those a handle of
     the client named, or whose name carries its id, are its own; the rest
     may be another client's (the prefix is shared by default, and so may be
-    the project's path), so are listed, never removed."""
+    the project's path), so are listed, never removed. A cluster a slot
+    keeps warm is listed as such, with its lease and lifetime left."""
     runs = [h for h in handles if h.backend == backend.name]
     live = {SkypilotState.of(h).cluster for h in runs if not SkypilotState.of(h).torn_down}
     named = {SkypilotState.of(h).cluster for h in runs}
     prefix, client = backend.settings.cluster_prefix, backend.store.client_id()
+    warm = warm_records(backend)
     return [
         Leak(backend.name, "SkyPilot", name, name in named or sky_task.made_by(name, prefix, client),
-             functools.partial(backend.sky().down, name))
+             functools.partial(backend.sky().down, name),
+             warm=warm_note(backend, warm[name]) if name in warm else None)
         for name in backend.sky().cluster_names()
         if name.startswith(f"{prefix}-") and name not in live
     ]
 
+
+def warm_records(backend: SkypilotBackend) -> dict[str, dict[str, Any]]:
+    """The clusters the project's slots keep warm, by name."""
+    found = {}
+    for path in backend.store.slots_dir("skypilot").parent.glob("skypilot-*/*.json"):
+        record = read_record(path)
+        if record is not None and isinstance(record.get("cluster"), str):
+            found[str(record["cluster"])] = record
+    return found
+
+
+def minutes(seconds: float) -> str:
+    return f"{max(seconds, 0.0) / 60:.1f} min"
+
+
+def warm_note(backend: SkypilotBackend, record: dict[str, Any]) -> str:
+    """What holds a warm cluster and how long: its lease, as remote/lease.py says, and its lifetime."""
+    lifetime = f"{minutes(float(record.get('deadline', 0)) - time.time())} of its lifetime left"
+    cluster = str(record["cluster"])
+    root = backend.settings.remote_root.rstrip("/")
+    if not root.startswith("/"):
+        root = f"{record.get('job_home') or '.'}/{root}"
+    bin_dir = f"{root}/bin-{record.get('bin_digest')}"
+    run = RemoteRun(cluster_target(cluster), backend.settings.python, bin_dir, f"{root}/runs")
+    try:
+        what = f"asking the lease of cluster {cluster}"
+        lease = run.answer(run.checked_script("lease.py", "status", root, cluster, what=what), what)
+    except SubstraxError as exc:
+        return f"its lease could not be asked ({exc}); {lifetime}"
+    if lease.get("state") != "held":
+        return f"its lease has ended (SkyPilot's autodown takes it down); {lifetime}"
+    busy, idle_left = lease.get("busy") or [], lease.get("idle_left")
+    held = (f"its lease holds it for {len(busy)} running step(s)" if busy or idle_left is None else
+            f"its lease holds it {minutes(float(idle_left))} more unless a step comes")  # fmt: skip
+    return f"{held}; {lifetime}"
 
 
 class SkypilotBackend(Backend):
@@ -136,6 +185,13 @@ class SkypilotBackend(Backend):
         except SubstraxError as exc:
             emit(f"{handle.step}: could not write the ssh config of {cluster}: {exc}", err=True)
 
+    def there(self, handle: RunHandle) -> sky_task.ClusterLayout:
+        """The run's layout where the cluster's job runs (absolute once its home is known)."""
+        layout = self.layout(handle)
+        if layout.root.startswith("/"):
+            return layout
+        return sky_task.at_job_home(layout, self.sky(), self.store, handle, self.cluster(handle))
+
     def remote_run(self, handle: RunHandle) -> RemoteRun:
         """The run's folder on the cluster, over the ssh config SkyPilot wrote."""
         target = self.target(handle)
@@ -146,105 +202,268 @@ class SkypilotBackend(Backend):
                 f"run {handle.run_id}: no ssh access to cluster {target.host} "
                 f"({target.config_file} is missing: the cluster is down, or was launched from another home)"
             )
-        layout = self.layout(handle)
-        if not layout.root.startswith("/"):  # where the job runs, not where a shell over ssh starts
-            layout = sky_task.at_job_home(layout, self.sky(), self.store, handle, self.cluster(handle))
+        layout = self.there(handle)
         return RemoteRun(target, self.settings.python, layout.bin, layout.run)
 
+    def lease(self, handle: RunHandle, operation: str, *args: str) -> dict[str, Any]:
+        """remote/lease.py's answer on the run's cluster."""
+        run = self.remote_run(handle)
+        what = f"asking the lease of cluster {self.cluster(handle)}"
+        root, cluster = self.there(handle).root, self.cluster(handle)
+        return run.answer(run.checked_script("lease.py", operation, root, cluster, *args, what=what), what)
+
     def slot_pool(self, handle: RunHandle) -> Pool | None:
-        """max_parallel clusters per shape; with reuse, a slot is a cluster runs take turns on."""
+        """max_parallel clusters per shape; with reuse, a slot is a cluster
+        steps take turns on, one at a time, kept warm across doits."""
         if self.settings.max_parallel is None:
             return None
-        name, limit = f"skypilot-{shape(self, handle)}", self.settings.max_parallel
+        seats = self.settings.seats(dict(handle.spec.resources))  # steps side by side on one cluster
+        name = f"skypilot-{shape(self, handle)}" + (f"-x{seats}" if seats > 1 else "")
+        limit = self.settings.max_parallel * seats
         resources = self.settings.resources(dict(handle.spec.resources))
         where = "SkyPilot (" + ", ".join(f"{k}={v}" for k, v in sorted(resources.items())) + ")"
-        warm = warm_slots(self.store.slots_dir(name), limit) if self.settings.reuse else ()
+        warm = warm_slots(self.store.slots_dir(name), limit, seats) if self.settings.reuse else ()
         return Pool(name, limit, where, shared=self.settings.reuse, prefer=warm)
 
     # ------------------------------------------------------------- launch
     def launch(self, handle: RunHandle) -> RunHandle:
-        project = Path(str(handle.state.project))
+        """A cluster for the run, claimed through its lease: a warm one of
+        the run's slot (reuse), the one a launch request in flight makes
+        (a client killed while it waited), or a new one."""
         layout = self.layout(handle)
-        lock, env_dir = sky_task.environment(self.settings, layout, project)
-        upload = self.run_file(handle, "upload")
-        left_out = sky_task.snapshot(self.settings, handle, project, self.store.root, upload / "project")
-        (upload / "in").mkdir(parents=True, exist_ok=True)
-        job = sky_task.worker_job(self.settings, handle, layout, env_dir, left_out)
-        write_json_atomic(upload / "in" / "job.json", job)
-        config = sky_task.task_config(
-            self.settings, handle, layout, upload_dir=upload, remote_dir=remote_dir(),
-            project=project, lock=lock, env_dir=env_dir,
-        )  # fmt: skip
+        handle = self.save_state(handle, remote_run=layout.run, bin_digest=layout.bin_digest)
+        with launching(self, handle):  # the slots that share the cluster: one launches it
+            return self._launch(handle)
+
+    def _launch(self, handle: RunHandle) -> RunHandle:
+        rid = self.request_id(handle)
+        if rid is None and self.settings.reuse:
+            warm = warm_cluster(self, handle)
+            if warm is not None:
+                return warm
         cluster = self.cluster(handle)
-        # The intent, before any paid call: what would be launched, and where.
-        write_json_atomic(self.run_file(handle, TASK_FILE), config)
-        handle = self.save_state(
-            handle, cluster=cluster, remote_run=layout.run, bin_digest=layout.bin_digest
-        )
         log = self.run_file(handle, "launch.log")
         relay = LogRelay(log, f"{handle.step}: ")
-        rid = self.request_id(handle)
         state = self.sky().request_state(rid) if rid else None
-        warm = warm_cluster(self, handle, env_dir) if self.settings.reuse and not rid else None
+        timer = sky_task.lifetime_timer(self.settings)  # the setup arms it after this: no later
         if rid and state in (*REQUEST_LIVE, "SUCCEEDED"):
             emit(f"{handle.step}: waiting for launch request {rid} of cluster {cluster}")
             result = self.sky().call("wait_launch", {"request_id": rid, "log_file": str(log)},
                                      timeout=None, while_waiting=relay)  # fmt: skip
-        elif not (warm and (result := exec_on(self, handle, warm, config, upload)) is not None):
-            sky_task.validate(self.sky(), self.settings, config)  # a warm cluster ran this shape already
-            handle = self.save_state(handle, cluster=cluster, job_home=None)  # not the warm one tried
-            warm = None
-            record_launch(self, handle, cluster, env_dir)
-            emit(f"{handle.step}: launching cluster {cluster} (SkyPilot; `substrax-compute cancel "
-                 f"{handle.run_id}` stops it)")  # fmt: skip
-            request_file = self.run_file(handle, LAUNCH_REQUEST)
-            request = {
-                "task": config, "cluster_name": cluster, "down": True, "log_file": str(log),
-                "idle_minutes_to_autostop": self.settings.idle_minutes, "request_file": str(request_file),
-                "retry_until_up": self.settings.retry_until_up,
-                "secrets": forwarded_env(handle),  # values read now, sent on stdin: never written to a file
-            }  # fmt: skip
-            try:
-                result = self.sky().call("launch", request, timeout=None, while_waiting=relay)
-            except KeyboardInterrupt:
-                rid = self.request_id(handle)
-                if rid:
-                    emit(f"\n{handle.step}: launch request {rid} goes on in SkyPilot's API server; "
-                         f"`doit {handle.step}` waits for it again, `substrax-compute cancel "
-                         f"{handle.run_id}` stops it and takes the cluster down", err=True)  # fmt: skip
-                raise
-        job_id = result.get("job_id") if isinstance(result, dict) else None
-        if not isinstance(job_id, int):
-            raise BackendError(f"run {handle.run_id}: SkyPilot launched {cluster} but submitted no job")
-        handle = self.save_state(handle, job_id=job_id)
-        if not warm:
-            timer = sky_task.lifetime_timer(self.settings)  # armed by the task's setup, before this
+        else:
+            result = self._launch_cluster(handle, relay)
+        lease_job = result.get("job_id") if isinstance(result, dict) else None
+        if not isinstance(lease_job, int):
+            raise BackendError(f"run {handle.run_id}: SkyPilot launched {cluster} but submitted no lease job")
+        if not isinstance(SkypilotState.of(handle).watchdog, dict):
             handle = self.save_state(handle, watchdog=timer)
-            self._write_ssh_config(handle)
+        handle = self.save_state(handle, cluster=cluster, lease_job=lease_job)
+        record_cluster(self, handle)
+        self._write_ssh_config(handle)
+        self._claim_when_held(handle)
+        # As the claim left it (it may have learnt the home the lease runs
+        # in): the slot's record keeps that for the next step on the cluster.
+        handle = self.store.read(handle.run_id)
+        record_cluster(self, handle)
         return handle
 
+    def _launch_cluster(self, handle: RunHandle, relay: LogRelay) -> Any:
+        project = Path(str(handle.state.project))
+        layout = self.layout(handle)
+        lock, env_dir = sky_task.environment(self.settings, layout, project)
+        upload = self.run_file(handle, "upload")
+        sky_task.snapshot(self.settings, handle, project, self.store.root, upload / "project")
+        cluster = self.cluster(handle)
+        config = sky_task.task_config(
+            self.settings, handle, layout, cluster=cluster, upload_dir=upload, remote_dir=remote_dir(),
+            project=project, lock=lock, env_dir=env_dir,
+        )  # fmt: skip
+        # The intent, before any paid call: what would be launched, and where.
+        write_json_atomic(self.run_file(handle, TASK_FILE), config)
+        sky_task.validate(self.sky(), self.settings, config)
+        handle = self.save_state(handle, cluster=cluster, job_home=None)  # not a warm one tried
+        record_cluster(self, handle)  # before the launch: a killed client's cluster is found
+        emit(f"{handle.step}: launching cluster {cluster} (SkyPilot; `substrax-compute cancel "
+             f"{handle.run_id}` stops it)")  # fmt: skip
+        log = self.run_file(handle, "launch.log")
+        request = {
+            "task": config, "cluster_name": cluster, "down": True, "log_file": str(log),
+            "idle_minutes_to_autostop": AUTODOWN_MINUTES, "retry_until_up": self.settings.retry_until_up,
+            "request_file": str(self.run_file(handle, LAUNCH_REQUEST)),
+        }  # fmt: skip
+        try:
+            return self.sky().call("launch", request, timeout=None, while_waiting=relay)
+        except KeyboardInterrupt:
+            rid = self.request_id(handle)
+            if rid:
+                emit(f"\n{handle.step}: launch request {rid} goes on in SkyPilot's API server; "
+                     f"`doit {handle.step}` waits for it again, `substrax-compute cancel "
+                     f"{handle.run_id}` stops it and takes the cluster down", err=True)  # fmt: skip
+            raise
+
+    def _claim_when_held(self, handle: RunHandle) -> RunHandle:
+        """Wait for the new cluster's lease (it starts once the setup has
+        ended), then claim the cluster for this run. A setup that failed
+        ends the lease's job without a lease: the step fails with its log,
+        and the cluster goes."""
+        cluster, job_id = self.cluster(handle), SkypilotState.of(handle).lease_job
+        assert job_id is not None  # launch() recorded it before this
+        next_check = time.monotonic() + self.poll_seconds
+        while True:
+            # Where the lease's files are is known once the setup has printed
+            # its home (a relative remote_root): until then, nothing to ask.
+            known = self.there(handle).root.startswith("/")
+            answer = self.lease(handle, "claim", handle.run_id) if known else {"state": None}
+            if answer.get("claimed"):
+                return handle
+            left = self.lifetime_left(handle)
+            if answer.get("state") == "ended" or (left is not None and left <= 0):
+                raise BackendError(f"run {handle.run_id}: the lease of cluster {cluster} ended (or its "
+                                   "lifetime did) before the run could claim it")  # fmt: skip
+            check_interrupted()
+            time.sleep(LEASE_WAIT_SECONDS)
+            if time.monotonic() < next_check:
+                continue
+            next_check = time.monotonic() + self.poll_seconds
+            jobs = self.sky().call("job_status", {"cluster_name": cluster, "job_ids": [job_id]})
+            value = (jobs or {}).get(str(job_id))
+            if value is not None and job_state(value) != "running":
+                self._setup_failed(handle, cluster, job_id, str(value))
+
+    def _setup_failed(self, handle: RunHandle, cluster: str, job_id: int, value: str) -> None:
+        log = self.run_file(handle, "setup.log")
+        with contextlib.suppress(SubstraxError, OSError):
+            log.unlink(missing_ok=True)
+            self.sky().call("tail_logs", {"cluster_name": cluster, "job_id": job_id, "follow": False,
+                                          "output_file": str(log)})  # fmt: skip
+        said = log.read_text(errors="replace").strip()[-2000:] if log.is_file() else ""
+        failures: list[Exception] = []
+        if self.down_cluster(cluster, failures):
+            forget_cluster(self, handle)
+            self.save_state(handle, torn_down=True)
+        # not a BackendError: the step fails, it is not retried
+        raise SubstraxError(f"the setup of cluster {cluster} failed (SkyPilot job {value}), so its lease "
+                            f"never started and the cluster was taken down:\n{said}")  # fmt: skip
+
+    def setup(self, handle: RunHandle) -> RunHandle:
+        """The run's own lifetime timer, with what is left of the cluster's:
+        its tree goes when the cluster's lifetime ends (the cluster's setup
+        ran once, at launch)."""
+        left = self.lifetime_left(handle)
+        seconds = f"{max(left if left is not None else 0.0, 1.0):g}"
+        self.remote_run(handle).control("watchdog", seconds, what="arming the run's lifetime timer")
+        return handle
+
+    def sync(self, handle: RunHandle) -> RunHandle:
+        """The step's view of the project and the sources by rsync (a no-op
+        for the first step, whose snapshot the launch brought), then its
+        environment by env.py (reused while the lock is the same)."""
+        project = Path(str(handle.state.project))
+        run = self.remote_run(handle)
+        there = f"{run.run_dir}/project"
+        outputs = {o.rstrip("/") for o in handle.spec.outputs}
+        view = project_view(project, self.store.root, handle.spec.inputs, handle.spec.outputs)
+        sources = self.settings.copy_.source_paths() if self.settings.copy_ is not None else []
+        bucket = self.settings.bucket
+        buckets = {p.strip("/") for p in bucket.buckets} if bucket is not None else set()
+        files = [f for f in view.files if f.rstrip("/") not in outputs | set(sources) | buckets]
+        transport = RsyncTransport(self.target(handle))
+        transport.upload(project, files, there)
+        if sources:
+            transport.upload(project, sources, there)
+        envs = f"{self.there(handle).root}/envs"
+        result = run.run_script("env.py", there, envs, self.settings.python, *self.settings.pip_args,
+                                what="building the environment", timeout=None)  # fmt: skip
+        if result.returncode != 0:
+            raise result.failure("building the environment", self.cluster(handle))
+        env_dir = env_dir_of(handle.step, run.answer(result, "building the environment"))
+        what = "listing the GPUs"
+
+        def listed() -> dict[str, Any]:
+            return run.answer(run.checked_script("gpus.py", what=what), what)
+
+        locks = f"{self.there(handle).root}/gpus"  # the runs on the cluster hold its GPUs there
+        gpus = _gpus.job_gpus(handle.spec, False, listed, locks, self.cluster(handle))
+        return self.save_state(handle, env_dir=env_dir, left_out=view.left_out, gpus=gpus)
+
     def start(self, handle: RunHandle) -> RunHandle:
-        """The launch submitted the job already (SkyPilot runs setup, then it)."""
-        if not isinstance(SkypilotState.of(handle).job_id, int):
+        if not isinstance(SkypilotState.of(handle).lease_job, int):
             raise BackendError(f"run {handle.run_id}: it was never launched")
+        run = self.remote_run(handle)
+        own = SkypilotState.of(handle)
+        job = sky_task.worker_job(self.settings, handle, self.there(handle), own.env_dir, own.left_out,
+                                  gpus=own.gpus)  # fmt: skip
+        path = f"{run.run_dir}/job.json"
+        write = 'umask 077 && cat > "$1.partial" && mv "$1.partial" "$1"'
+        run.check(["sh", "-c", write, "sh", path], "writing the job", stdin=json.dumps(job).encode())
+        _remote_run.start_worker(run, handle, path, job.get("gpus"), self.cluster(handle))
         return handle
 
     # ------------------------------------------------------------- status
     def poll(self, handle: RunHandle) -> RunStatus:
-        return poll(self, handle)
+        ended = _kept(self, handle)
+        if ended is not None:
+            return ended
+        if not isinstance(SkypilotState.of(handle).launched_job, int):
+            return _launch_status(self, handle)
+        cluster = self.cluster(handle)
+        try:
+            return _remote_run.worker_status(self, handle, self.remote_run(handle), cluster)
+        except HostRefused:
+            raise
+        except BackendError as exc:
+            if not cluster_gone(self, cluster):
+                raise
+            with contextlib.suppress(SubstraxError):
+                handle = self.store.read(handle.run_id)
+            final = SkypilotState.of(handle).final_status
+            if isinstance(final, dict):  # the canceller's record, written as the cluster went
+                return RunStatus(**final)
+            if SkypilotState.of(handle).cancel_requested:
+                return RunStatus("cancelled", message=f"cancelled; its cluster {cluster} was taken down")
+            return RunStatus("lost", message=f"its cluster {cluster} is gone (torn down, or its lifetime "
+                             f"ran out): {exc}")  # fmt: skip
 
     # ------------------------------------------------------------- cancel
     def cancel(self, handle: RunHandle) -> bool:
-        """Cancel the launch request if still in flight, the job, then the
-        cluster; every step is attempted, and the failures are raised
-        together as an ExceptionGroup."""
+        """A launch in flight: its request cancelled and its cluster taken
+        down, every step attempted and the failures raised together as an
+        ExceptionGroup. A run: its tree stopped (control.py cancel); the
+        cluster, if it is the run's own (reuse = false), taken down."""
         status = self.poll(handle)
         if status.final and status.state != "lost":
             return False
-        # Told first: a client waiting on the run reads SkyPilot's failures
-        # while the cluster goes as the cancel they are (_status_after_error).
+        # Told first: a client waiting on the run reads the cluster going as the cancel it is.
         handle = self.save_state(handle, cancel_requested=True)
         cluster = self.cluster(handle)
+        failures: list[Exception] = []
+        if not isinstance(SkypilotState.of(handle).launched_job, int):
+            self._cancel_launch(handle, cluster)
+            return True
+        if status.state == "lost" and cluster_gone(self, cluster):
+            return False
+        run = self.remote_run(handle)
+        grace, stopped = self.settings.grace_seconds, True
+        try:
+            stopped = _remote_run.cancel_worker(self, handle, run, status, where=cluster, grace_seconds=grace)
+        except SubstraxError as exc:
+            if self.settings.reuse:  # the cluster is not the run's to take down: nothing else to try
+                raise
+            failures.append(exc)
+        if not self.settings.reuse:  # the run's own cluster: nothing else will use it
+            with contextlib.suppress(SubstraxError, OSError):
+                run.keep_log(self.run_file(handle, "run.log"))
+            if self.down_cluster(cluster, failures):
+                self.save_state(handle, torn_down=True)
+                if SkypilotState.of(self.store.read(handle.run_id)).final_status is None:
+                    ended = RunStatus("cancelled", message="cancelled; its cluster was taken down")
+                    self.save_state(handle, final_status=ended.__dict__)
+        if failures:
+            raise ExceptionGroup(f"run {handle.run_id}: {len(failures)} cancel step(s) failed", failures)
+        return stopped
+
+    def _cancel_launch(self, handle: RunHandle, cluster: str) -> None:
+        """The launch request, if still in flight, and the cluster it makes."""
         failures: list[Exception] = []
         rid = self.request_id(handle)
         if rid is not None:
@@ -253,26 +472,12 @@ class SkypilotBackend(Backend):
                     self.sky().call("api_cancel", {"request_ids": [rid]})
             except SubstraxError as exc:
                 failures.append(BackendError(f"cancelling launch request {rid}: {exc}"))
-        job_id = SkypilotState.of(handle).job_id
-        if isinstance(job_id, int):
-            try:
-                self.sky().call("cancel", {"cluster_name": cluster, "job_ids": [job_id]})
-            except SubstraxError as exc:  # a cluster gone or going: the down below ends it all the same
-                if not (isinstance(exc, SkyCallError) and exc.kind in CLUSTER_GONE):
-                    failures.append(BackendError(f"cancelling job {job_id} on {cluster}: {exc}"))
-        shared = handle.state.slot is not None and isinstance(job_id, int)  # a reused cluster: the job only
-        if shared and not failures:
-            ended = RunStatus("cancelled", message=f"job cancelled; cluster {cluster} stays for other runs")
-            self.save_state(handle, final_status=ended.__dict__)
-        elif not shared and self._down(handle, failures):
+        if self.down_cluster(cluster, failures):
+            forget_cluster(self, handle)
             ended = RunStatus("cancelled", message="cancelled; its cluster was taken down")
             self.save_state(handle, final_status=ended.__dict__, torn_down=True)
         if failures:
             raise ExceptionGroup(f"run {handle.run_id}: {len(failures)} cancel step(s) failed", failures)
-        return True
-
-    def _down(self, handle: RunHandle, failures: list[Exception]) -> bool:
-        return self.down_cluster(self.cluster(handle), failures)
 
     def down_cluster(self, cluster: str, failures: list[Exception]) -> bool:
         try:
@@ -291,7 +496,7 @@ class SkypilotBackend(Backend):
         kept = _remote_run.read_kept_log(self.run_file(handle, "run.log"), offset)
         if kept is not None:
             return kept
-        if not isinstance(SkypilotState.of(handle).job_id, int) or SkypilotState.of(handle).torn_down:
+        if not isinstance(SkypilotState.of(handle).launched_job, int) or SkypilotState.of(handle).torn_down:
             return b""
         try:
             return self.remote_run(handle).read_log(offset)
@@ -300,29 +505,16 @@ class SkypilotBackend(Backend):
 
     @property
     def poll_seconds(self) -> float:
-        return self.settings.poll_seconds  # each read may be a process that imports sky
+        return self.settings.poll_seconds  # each read before the run goes may be a process that imports sky
 
     def stream_log(
         self, handle: RunHandle, out: IO[bytes], follow: bool = False, offset: int = 0
     ) -> RunStatus:
-        """With follow, one follower on the cluster streams the log until the
-        run ends (_remote_run.follow_log), once the worker's record says the
-        run started. Not before: a job still waits in SkyPilot's queue (a
-        reused cluster runs one after another), and SkyPilot may cancel it
-        there, with no worker to end a follower; until then the status is
-        read every poll_seconds."""
-        if not follow:
-            return super().stream_log(handle, out, offset=offset)
+        """With follow, one follower on the cluster streams the log until
+        the run ends (_remote_run.follow_log), as on an ssh host."""
         status = self.poll(handle)
-        next_poll = time.monotonic() + self.poll_seconds
-        while not status.final and not worker_started(status):
-            check_interrupted()
-            time.sleep(LOG_POLL_SECONDS)  # Ctrl-C in a doit thread is seen within this
-            if time.monotonic() >= next_poll:
-                status = self.poll(handle)
-                next_poll = time.monotonic() + self.poll_seconds
-        if status.final:
-            return super().stream_log(handle, out, offset=offset)
+        if not follow or status.final or not isinstance(SkypilotState.of(handle).launched_job, int):
+            return super().stream_log(handle, out, follow=follow, offset=offset)
         return _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle))
 
     # -------------------------------------------------------------- fetch
@@ -330,7 +522,8 @@ class SkypilotBackend(Backend):
         staging = self.run_file(handle, "fetched")
         if self.settings.bucket is None:  # copy: as the SSH backend fetches, over SkyPilot's ssh config
             transport = RsyncTransport(self.target(handle))
-            return self.remote_run(handle).fetch(transport, list(handle.spec.outputs), staging)
+            return self.remote_run(handle).fetch(transport, list(handle.spec.outputs), staging,
+                                                 SkypilotState.of(handle).outputs_root)  # fmt: skip
         from substrax_tasks.transports.bucket import BucketTransport
 
         run_folder = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
@@ -373,7 +566,7 @@ class SkypilotBackend(Backend):
             return "no cluster of it was launched"
         run = self.remote_run(handle)
         run.remove()  # its tree stopped first, as teardown cancels before the cluster goes
-        if handle.state.slot is not None:  # a warm cluster other steps take turns on: only this run goes
+        if self.settings.reuse:  # a warm cluster steps take turns on: only this run goes
             return f"stopped it and removed its folder {run.run_dir} on cluster {cluster}"
         failures: list[Exception] = []
         if not self.down_cluster(cluster, failures):
@@ -381,12 +574,21 @@ class SkypilotBackend(Backend):
         return f"stopped it and took its cluster {cluster} down"
 
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:
-        """Take the cluster down (keeping the handle and a copy of the log)."""
+        """The run's folder removed (a copy of its log kept here); the
+        cluster taken down if it is the run's own, or if asked (`force`:
+        `substrax-compute teardown`). A reused cluster stays warm for its
+        lease's idle_minutes: doit ending does not take it down."""
         shutil.rmtree(self.run_file(handle, "fetched"), ignore_errors=True)  # as the ssh backend
-        if SkypilotState.of(handle).torn_down:
-            return
-        if SkypilotState.of(handle).cluster is None:
+        if not isinstance(SkypilotState.of(handle).cluster, str):
             return  # never launched: nothing was made
+        cluster = self.cluster(handle)
+        if SkypilotState.of(handle).torn_down:  # the cluster too is gone, unless kept warm in its slot
+            if force and holds_cluster(self, handle):
+                self._down_and_forget(handle, cluster)
+            return
+        if not isinstance(SkypilotState.of(handle).launched_job, int):
+            self._down_and_forget(handle, cluster)  # a launch that never finished
+            return
         try:
             running, damaged = not self.poll(handle).final, False
         except DamagedHost:  # its scripts were changed there: nothing on it is run, it goes down whole
@@ -396,22 +598,40 @@ class SkypilotBackend(Backend):
                 self.cancel(handle)
             except ExceptionGroup as group:  # one message for doit and the CLI alike
                 raise BackendError("; ".join(str(e) for e in group.exceptions)) from None
-            return
-        with contextlib.suppress(SubstraxError, OSError):
-            self.remote_run(handle).keep_log(self.run_file(handle, "run.log"))
+            handle = self.store.read(handle.run_id)
+            if SkypilotState.of(handle).torn_down:
+                return
+        if not damaged:
+            with contextlib.suppress(SubstraxError, OSError):
+                run = self.remote_run(handle)
+                run.keep_log(self.run_file(handle, "run.log"))
+                if self.settings.reuse and not force:
+                    run.remove()
+                    self.save_state(handle, torn_down=True)
+                    return
+        if self.settings.reuse and not (force or damaged) and not cluster_gone(self, cluster):
+            raise BackendError(f"run {handle.run_id}: its folder on cluster {cluster} could not be "
+                               f"removed; `substrax-compute teardown {handle.run_id}` takes the cluster "
+                               "down")  # fmt: skip
+        self._down_and_forget(handle, cluster)
+
+    def _down_and_forget(self, handle: RunHandle, cluster: str) -> None:
         failures: list[Exception] = []
-        if handle.state.slot is not None and not (force or damaged):
-            leave(self, handle)
-        elif not self._down(handle, failures):
+        if not self.down_cluster(cluster, failures):
             raise failures[0]
+        forget_cluster(self, handle)
         self.save_state(handle, torn_down=True)
 
 
-# ---- SkyPilot clusters reused across steps (`reuse = true`).
+# ---- SkyPilot clusters reused across steps and doits (`reuse = true`).
 
-# A job is queued on a warm cluster only if, beyond its timeout, this much of
+# A step is given a warm cluster only if, beyond its timeout, this much of
 # the cluster's lifetime is left: for the sync before it and the fetch after.
 MARGIN_SECONDS = 120.0
+# How often a new cluster's lease is asked for while its setup runs, and
+# how often a run waiting for another to launch their cluster looks up.
+LEASE_WAIT_SECONDS = 0.5
+LOG_POLL = 0.5
 
 
 def shape(backend: SkypilotBackend, handle: RunHandle) -> str:
@@ -421,10 +641,37 @@ def shape(backend: SkypilotBackend, handle: RunHandle) -> str:
 
 
 def record_path(backend: SkypilotBackend, handle: RunHandle) -> Path | None:
+    """The record of the cluster of the run's slot (reuse only): slots
+    i * seats .. (i + 1) * seats - 1 share cluster i."""
     slot = handle.state.slot
-    if not isinstance(slot, dict):
+    if not isinstance(slot, dict) or not backend.settings.reuse:
         return None
-    return backend.store.slots_dir(str(slot["pool"])) / f"{slot['index']}.json"
+    seats = backend.settings.seats(dict(handle.spec.resources))
+    return backend.store.slots_dir(str(slot["pool"])) / f"{int(slot['index']) // seats}.json"
+
+
+@contextlib.contextmanager
+def launching(backend: SkypilotBackend, handle: RunHandle) -> Iterator[None]:
+    """Held while a run finds or launches the cluster of its slot, when
+    slots share one (seats): the first launches it, the others wait, then
+    find it warm."""
+    path = record_path(backend, handle)
+    if path is None or backend.settings.seats(dict(handle.spec.resources)) == 1:
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(path.with_suffix(".launch.lock")), thread_local=False, is_singleton=False)
+    while True:
+        try:
+            lock.acquire(timeout=LOG_POLL)
+            break
+        except Timeout:
+            check_interrupted()  # Ctrl-C in a doit thread ends the wait
+    try:
+        yield
+    finally:
+        lock.release(force=True)
 
 
 def read_record(path: Path | None) -> dict[str, Any] | None:
@@ -435,190 +682,95 @@ def read_record(path: Path | None) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def warm_slots(folder: Path, limit: int) -> tuple[int, ...]:
-    """The slots that hold a cluster: tried first, so a step waits for a warm one."""
-    return tuple(i for i in range(limit) if (folder / f"{i}.json").is_file())
+def warm_slots(folder: Path, limit: int, seats: int) -> tuple[int, ...]:
+    """The slots whose cluster is up: tried first, so a step waits for a warm one."""
+    return tuple(i for i in range(limit) if (folder / f"{i // seats}.json").is_file())
 
 
-def record_launch(backend: SkypilotBackend, handle: RunHandle, cluster: str, env_dir: str | None) -> None:
-    """Written before the launch: its deadline is counted from now."""
+def record_cluster(backend: SkypilotBackend, handle: RunHandle) -> None:
+    """The slot's cluster, as the run that launched it knows it: before
+    the launch (its deadline counted from then), and once its lease job is known."""
     path = record_path(backend, handle)
     if path is None:
         return
-    transport = backend.settings.transport
-    deadline = time.time() + (transport.lifetime_minutes - backend.settings.idle_minutes) * 60
-    bin_digest = SkypilotState.of(handle).bin_digest
-    write_json_atomic(path, {"cluster": cluster, "deadline": deadline, "bin_digest": bin_digest,
-                             "env_dir": env_dir, "run_id": handle.run_id})  # fmt: skip
+    timer = SkypilotState.of(handle).watchdog
+    deadline = (float(timer["armed_at"]) + float(timer["seconds"]) if isinstance(timer, dict)
+                else sky_task.lifetime_timer(backend.settings)["seconds"] + time.time())  # fmt: skip
+    write_json_atomic(path, {
+        "cluster": backend.cluster(handle), "deadline": deadline, "run_id": handle.run_id,
+        "bin_digest": SkypilotState.of(handle).bin_digest, "lease_job": SkypilotState.of(handle).lease_job,
+        "job_home": SkypilotState.of(handle).job_home,
+    })  # fmt: skip
 
 
-def warm_cluster(backend: SkypilotBackend, handle: RunHandle, env_dir: str | None) -> dict[str, Any] | None:
-    """The slot's cluster if this run may be queued on it; a cluster it may
-    not use is taken down (the slot is held: no other run uses it)."""
+def holds_cluster(backend: SkypilotBackend, handle: RunHandle) -> bool:
+    """Whether the run's slot still keeps the run's cluster warm."""
+    record = read_record(record_path(backend, handle))
+    return record is not None and record.get("cluster") == backend.cluster(handle)
+
+
+def forget_cluster(backend: SkypilotBackend, handle: RunHandle) -> None:
+    """The slot no longer holds the run's cluster (it was taken down)."""
+    path = record_path(backend, handle)
+    if path is not None and holds_cluster(backend, handle):
+        path.unlink(missing_ok=True)
+
+
+def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | None:
+    """The run, given the warm cluster of its slot, claimed through its
+    lease; None when there is none it may use (then one is launched in the
+    slot). A cluster whose lease ended goes by itself (SkyPilot's autodown);
+    one too short of lifetime or out of reach is taken down (the slot is
+    held: no other step uses it)."""
     path = record_path(backend, handle)
     record = read_record(path)
-    if path is None or record is None:
+    if path is None or record is None or not isinstance(record.get("lease_job"), int):
         return None
-    timeout = handle.spec.timeout
+    cluster, timeout = str(record["cluster"]), handle.spec.timeout
     left = float(record.get("deadline", 0)) - time.time()
-    reason = None
-    if record.get("bin_digest") != SkypilotState.of(handle).bin_digest or record.get("env_dir") != env_dir:
-        reason = "its scripts or environment are not this run's"
+    reason, down = None, True
+    if record.get("bin_digest") != SkypilotState.of(handle).bin_digest:
+        reason = "its scripts are not this release's"
     elif timeout is None:
         reason = "the step has no timeout, so no lifetime left is known to be enough"
     elif left < timeout + MARGIN_SECONDS:
         reason = f"{max(left, 0) / 60:.0f} min of its lifetime left, too few for the step's timeout"
-    elif not backend.layout(handle).root.startswith("/") and cluster_home(backend, path, record) is None:
-        reason = "the home its jobs run in is not known"
     if reason is None:
-        return record
-    emit(f"{handle.step}: not reusing cluster {record['cluster']} ({reason}); launching a new one")
-    for failure in retire(backend, str(record["cluster"]), path):
+        timer = {"armed_at": time.time(), "seconds": left}  # the cluster's lifetime, counted from its launch
+        warm = backend.save_state(handle, cluster=cluster, lease_job=record["lease_job"], watchdog=timer,
+                               job_home=record.get("job_home"))  # fmt: skip
+        try:
+            answer = backend.lease(warm, "claim", handle.run_id)
+        except SubstraxError as exc:
+            answer = {"claimed": False, "reason": f"out of reach: {exc}"}
+        if answer.get("claimed"):
+            emit(f"{handle.step}: on warm cluster {cluster} (`substrax-compute cancel {handle.run_id}` "
+                 "stops this step only)")  # fmt: skip
+            warm = backend.store.read(handle.run_id)  # as the claim left it (the home it may have learnt)
+            if record.get("job_home") is None and SkypilotState.of(warm).job_home is not None:
+                record_cluster(backend, warm)
+            return warm
+        reason = str(answer.get("reason"))
+        down = answer.get("state") != "ended"  # an ended lease: SkyPilot's autodown takes it
+    emit(f"{handle.step}: not reusing cluster {cluster} ({reason}); launching a new one")
+    failures: list[Exception] = []
+    if down:
+        backend.down_cluster(cluster, failures)
+    for failure in failures:
         emit(f"{handle.step}: {failure}", err=True)
+    path.unlink(missing_ok=True)
+    backend.save_state(handle, cluster=None, lease_job=None, watchdog=None, job_home=None)
     return None
 
 
-def cluster_home(backend: SkypilotBackend, path: Path, record: dict[str, Any]) -> str | None:
-    """The home the cluster's jobs run in, as the run that launched it
-    learnt it; kept in the slot's record (the slot is held)."""
-    if "job_home" not in record:
-        with contextlib.suppress(SubstraxError, KeyError):  # a record of no known run: relaunch
-            launcher = backend.store.read(str(record["run_id"]))
-            home = sky_task.job_home(backend.sky(), backend.store, launcher, str(record["cluster"]))
-            if home is not None:
-                record["job_home"] = home
-                write_json_atomic(path, record)
-    home = record.get("job_home")
-    return home if isinstance(home, str) else None
-
-
-def retire(backend: SkypilotBackend, cluster: str, path: Path) -> list[Exception]:
-    """Take the slot's cluster down and forget it (the slot is held)."""
-    failures: list[Exception] = []
-    backend.down_cluster(cluster, failures)
-    path.unlink(missing_ok=True)
-    return failures
-
-
-def exec_on(backend: SkypilotBackend, handle: RunHandle, record: dict[str, Any],
-            config: dict[str, Any], upload: Path) -> dict[str, Any] | None:  # fmt: skip
-    """Queue the run's job on the warm cluster; None if the cluster is gone."""
-    cluster, seconds = str(record["cluster"]), max(float(record["deadline"]) - time.time(), 1.0)
-    timer = {"armed_at": time.time(), "seconds": seconds}  # what this job arms: the cluster's time left
-    home = {"job_home": record["job_home"]} if "job_home" in record else {}
-    handle = backend.save_state(handle, cluster=cluster, watchdog=timer, **home)
-    layout = backend.layout(handle)
-    there = sky_task.at_job_home(layout, backend.sky(), backend.store, handle, cluster)
-    emit(f"{handle.step}: queued on warm cluster {cluster} (SkyPilot exec; `substrax-compute cancel "
-         f"{handle.run_id}` cancels this job only)")  # fmt: skip
+def cluster_gone(backend: SkypilotBackend, cluster: str) -> bool:
+    """Whether SkyPilot says the cluster is gone or going (not UP)."""
     try:
-        transport = RsyncTransport(backend.target(handle))
-        transport.upload(upload, ["in", "project"], there.run)
-        sources = backend.settings.copy_.source_paths() if backend.settings.copy_ is not None else []
-        if sources:
-            transport.upload(Path(str(handle.state.project)), sources, there.project)
-    except SubstraxError as exc:  # a cluster gone between two runs reads as unreachable
-        emit(f"{handle.step}: cluster {cluster} is out of reach ({exc}); launching a new one")
-        return None
-    task = {key: config[key] for key in ("name", "num_nodes", "resources")}
-    task["run"] = sky_task.watchdog_line(backend.settings, layout, seconds) + "\n" + config["run"]
-    log = backend.run_file(handle, "launch.log")
-    request = {"task": task, "cluster_name": cluster, "log_file": str(log), "secrets": forwarded_env(handle),
-               "request_file": str(backend.run_file(handle, "launch-request.json"))}  # fmt: skip
-    try:
-        result = backend.sky().call(
-            "exec", request, timeout=None, while_waiting=LogRelay(log, f"{handle.step}: ")
-        )
+        records = backend.sky().call("cluster_status", {"cluster_names": [cluster]})
     except SkyCallError as exc:
-        if exc.kind not in CLUSTER_GONE:
-            raise
-        emit(f"{handle.step}: cluster {cluster} is gone ({exc.kind}); launching a new one")
-        return None
-    return result if isinstance(result, dict) else {}
-
-
-def leave(backend: SkypilotBackend, handle: RunHandle) -> None:
-    """A finished run's teardown: its cluster goes if no step holds its slot
-    (the last user takes it down); else it stays for the step that does."""
-    from substrax_tasks.slots import try_take
-
-    path = record_path(backend, handle)
-    cluster = backend.cluster(handle)
-    record = read_record(path)
-    if path is None or record is None or record.get("cluster") != cluster:
-        return  # the step that replaced it in the slot took it down
-    slot = try_take(path.parent, int((handle.state.slot or {})["index"]))
-    if slot is None:
-        emit(f"{handle.step}: cluster {cluster} is left to the step holding its slot (SkyPilot takes "
-             f"it down {backend.settings.idle_minutes} min after its last job)")  # fmt: skip
-        return
-    try:
-        record = read_record(path)  # again, now that no one else can change it
-        if record is not None and record.get("cluster") == cluster:
-            failures = retire(backend, cluster, path)
-            if failures:
-                raise failures[0]
-    finally:
-        slot.release()
-
-
-# ---- How a SkyPilot run's status is read: the worker's own record first, over
-
-# The message of a run the worker's record says goes: its worker has
-# started, so SkyPilot no longer holds the job in its queue.
-WORKER_RUNNING = "RUNNING (the worker's record)"
-
-
-def poll(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
-    """The run's status; `worker_started` says whether it is read from the
-    worker's record of a run going."""
-    ended = _kept(backend, handle)
-    if ended is not None:
-        return ended
-    job_id = SkypilotState.of(handle).job_id
-    if not isinstance(job_id, int):
-        return _launch_status(backend, handle)
-    record = worker_record(backend, handle)
-    if record is not None and record.get("worker_alive") and record.get("state") in ("starting", "running"):
-        return RunStatus("running", started_at=record.get("started_at"), message=WORKER_RUNNING)
-    cluster = backend.cluster(handle)
-    try:
-        answer = backend.sky().call("job_status", {"cluster_name": cluster, "job_ids": [job_id]})
-    except SkyCallError as exc:
-        return _after_error(backend, handle, exc)
-    status = _from_queue(answer, job_id, cluster)
-    if status.state == "running" and record is not None and record.get("state") in FINAL_STATES:
-        # SkyPilot's queue says so once its job's driver has seen the job
-        # script exit, seconds later; the worker wrote its end after its
-        # outputs' manifest, and the script exits with the worker's code.
-        status = RunStatus(
-            str(record["state"]), message=f"the worker's record (SkyPilot job {status.message})"
-        )
-    if not status.final or status.state == "lost":
-        return status
-    # a record that says the run ended holds still; another is read again
-    final_record = record if record is not None and record.get("state") in FINAL_STATES else None
-    status = _from_worker(backend, handle, status, final_record)
-    if handle.state.slot is not None:  # kept now: another run's teardown may take the shared cluster down
-        with contextlib.suppress(SubstraxError, OSError):
-            backend.remote_run(handle).keep_log(backend.run_file(handle, "run.log"))
-    backend.save_state(handle, final_status=status.__dict__)
-    return status
-
-
-def worker_started(status: RunStatus) -> bool:
-    """Whether poll() read the run going from its worker's record (not from
-    SkyPilot's queue, where a job may still wait, and may be cancelled)."""
-    return status.state == "running" and status.message == WORKER_RUNNING
-
-
-def _from_queue(answer: Any, job_id: int, cluster: str) -> RunStatus:
-    """The job's status in SkyPilot's queue, from job_status's answer."""
-    value = (answer or {}).get(str(job_id))
-    if value is None:
-        return RunStatus("lost", message=f"job {job_id} is not in the queue of {cluster}")
-    state = job_state(value)
-    return RunStatus(state, message=str(value) if state == "running" else f"SkyPilot job {value}")
+        return exc.kind in CLUSTER_GONE
+    found = [r for r in records or [] if isinstance(r, dict) and r.get("name") == cluster]
+    return not found or found[0].get("status") != "UP"
 
 
 def _kept(backend: SkypilotBackend, handle: RunHandle) -> RunStatus | None:
@@ -629,38 +781,6 @@ def _kept(backend: SkypilotBackend, handle: RunHandle) -> RunStatus | None:
         with contextlib.suppress(SubstraxError):
             cached = SkypilotState.of(backend.store.read(handle.run_id)).final_status
     return RunStatus(**cached) if isinstance(cached, dict) else None
-
-
-def worker_record(backend: SkypilotBackend, handle: RunHandle) -> runfiles.StatusAnswer | None:
-    """The worker's status record on the cluster (remote/control.py's), or
-    None while there is none or the cluster is out of reach."""
-    try:
-        record = backend.remote_run(handle).status()
-    except SubstraxError:
-        return None
-    return record if record.get("state") else None
-
-
-def _after_error(backend: SkypilotBackend, handle: RunHandle, exc: SkyCallError) -> RunStatus:
-    """SkyPilot could not read the job's status. While another process
-    cancels the run, its cluster is going: SkyPilot then fails in ways
-    of its own (on Slurm, a CommandError once the cluster's runtime is
-    removed), which say nothing about the run; the canceller's record
-    tells the end."""
-    with contextlib.suppress(SubstraxError):
-        handle = backend.store.read(handle.run_id)
-    final = SkypilotState.of(handle).final_status
-    if isinstance(final, dict):
-        return RunStatus(**final)
-    cluster = backend.cluster(handle)
-    if SkypilotState.of(handle).cancel_requested:
-        if exc.kind in CLUSTER_GONE:
-            return RunStatus("cancelled", message=f"cancelled; its cluster {cluster} was taken down")
-        return RunStatus("running", message=f"being cancelled (SkyPilot: {exc.kind})")
-    if exc.kind in CLUSTER_GONE:
-        return RunStatus("lost", message=f"its cluster {cluster} is gone or going (torn down, "
-                         f"or its lifetime ran out): {exc.kind}")  # fmt: skip
-    raise exc
 
 
 def _launch_status(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
@@ -674,27 +794,3 @@ def _launch_status(backend: SkypilotBackend, handle: RunHandle) -> RunStatus:
     ended = RunStatus(verdict, message=f"launch request {rid}: {state}")
     backend.save_state(handle, final_status=ended.__dict__)
     return ended
-
-
-def _from_worker(
-    backend: SkypilotBackend, handle: RunHandle, status: RunStatus, record: runfiles.StatusAnswer | None
-) -> RunStatus:
-    """The worker's own record says more (timed out, exit code, times);
-    it must agree with SkyPilot's verdict, or SkyPilot's stands. `record`:
-    the final one poll() read just before, or None to read it now (then it
-    may be out of reach)."""
-    if record is None:
-        try:
-            record = backend.remote_run(handle).status()
-        except SubstraxError as exc:
-            note = f"the worker's record is out of reach: {exc}"
-            return RunStatus(status.state, message=f"{status.message} ({note})")
-    worker = status_from_record(record if record.get("state") else None, worker_alive=False)
-    agrees = (worker.state == "succeeded") == (status.state == "succeeded")
-    if not worker.final or not agrees:
-        return status
-    if worker.state == "lost":
-        # No end in its record: the worker was killed (SkyPilot's cancel
-        # on Slurm does not wait for it), which SkyPilot's verdict says.
-        return RunStatus(status.state, started_at=worker.started_at, message=status.message)
-    return worker

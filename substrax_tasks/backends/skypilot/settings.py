@@ -26,6 +26,9 @@ NO_BUCKET_MOUNTS = frozenset({"runpod", "vast", "hyperbolic", "shadeform", "seew
 # Clouds where SkyPilot cannot autodown: the node's own timer powers it off.
 NO_AUTODOWN = frozenset({"hyperbolic", "primeintellect", "verda", "yotta"})
 WRITABLE_MODES = ("MOUNT", "MOUNT_CACHED")
+# SkyPilot's autodown idle: the cluster goes this long after its lease (its
+# one job) ended. The lease, not SkyPilot, keeps a cluster warm (idle_minutes).
+AUTODOWN_MINUTES = 1
 _CLUSTER_PREFIX = re.compile(r"^[a-z][a-z0-9-]{0,19}$")
 
 
@@ -130,8 +133,10 @@ class SkypilotSettings(RemoteSettings):
         None, description="SkyPilot's Python (default: the one beside `sky` on PATH)."
     )
     cluster_prefix: str = Field("substrax", description="Clusters are named <prefix>-<step>-<client>-<run>.")
-    idle_minutes: int = Field(
-        5, ge=1, description="After the run ends, SkyPilot takes the cluster down once idle this long."
+    idle_minutes: float = Field(
+        5, gt=0, description="A cluster stays warm this long after its last step ended (its lease "
+        "holds it), then SkyPilot takes it down; with reuse = true a step of another doit may use it "
+        "meanwhile.",
     )
     retry_until_up: bool = False
     poll_seconds: float = Field(
@@ -140,12 +145,12 @@ class SkypilotSettings(RemoteSettings):
         "streams its log and its end).",
     )  # fmt: skip
     max_parallel: int | None = Field(
-        4, ge=1, description="At most this many clusters of one shape (settings and resources) at once; "
-        "more steps wait, across every doit of the project."
+        4, ge=1, description="At most this many clusters of one shape (settings and resources) at once, "
+        "each running one step at a time; more steps wait, across every doit of the project."
     )
     reuse: bool = Field(
-        False, description="Steps of one shape take turns on up to max_parallel clusters (sky exec) "
-        "instead of a cluster each."
+        False, description="Steps of one shape take turns on up to max_parallel clusters, kept warm "
+        "across doits while their lease holds them, instead of a cluster each."
     )
     copy_: SkyCopySettings | None = Field(None, alias="copy")
     bucket: SkyBucketSettings | None = None
@@ -176,10 +181,11 @@ class SkypilotSettings(RemoteSettings):
                 f"reuse = true needs the copy transport ({copy_key}) and a provider SkyPilot can take "
                 f"down when idle (not {', '.join(sorted(NO_AUTODOWN))}); set reuse = false"
             )
-        if self.transport.lifetime_minutes <= self.idle_minutes:
+        if self.transport.lifetime_minutes <= AUTODOWN_MINUTES:
             raise ValueError(
-                f"lifetime_minutes = {self.transport.lifetime_minutes:g} must be more than idle_minutes = "
-                f"{self.idle_minutes} (the run is stopped idle_minutes before the lifetime ends, so that "
+                f"lifetime_minutes = {self.transport.lifetime_minutes:g} must be more than "
+                f"{AUTODOWN_MINUTES} "
+                "(the cluster's steps and lease are stopped that long before the lifetime ends, so that "
                 "SkyPilot's autodown has the cluster gone by then)"
             )
         return self
@@ -196,8 +202,22 @@ class SkypilotSettings(RemoteSettings):
         assert chosen is not None  # the validator above
         return chosen
 
+    def seats(self, step_resources: dict[str, Any]) -> int:
+        """How many steps of these resources run side by side on one reused
+        cluster: its GPUs (`accelerators` here) shared out among steps that
+        each ask for a whole part of them (the worker hands them out, as on
+        an ssh host); 1 otherwise."""
+        mine, asked = gpus_of(self.accelerators), gpus_of(step_resources.get("accelerators"))
+        if not self.reuse or mine is None or asked is None:
+            return 1
+        if asked[0] is not None and mine[0] is not None and asked[0].lower() != mine[0].lower():
+            return 1
+        return max(mine[1] // asked[1], 1)
+
     def resources(self, step_resources: dict[str, Any]) -> dict[str, Any]:
-        """SkyPilot's `resources:` for one step: these defaults, the step's own on top."""
+        """SkyPilot's `resources:` for one step: these defaults, the step's
+        own on top; but a step that shares out a reused cluster's GPUs
+        (seats) gets the cluster these settings name."""
         disk = self.disk_size or (self.copy_.disk_size if self.copy_ is not None else None)
         values: dict[str, Any] = {
             "infra": self.infra, "accelerators": self.accelerators, "cpus": self.cpus,
@@ -206,4 +226,22 @@ class SkypilotSettings(RemoteSettings):
             "labels": dict(self.labels) or None,
         }  # fmt: skip
         values.update({k: v for k, v in step_resources.items() if k in RESOURCE_KEYS})
+        if self.seats(step_resources) > 1:
+            values["accelerators"] = self.accelerators
         return {k: v for k, v in values.items() if v is not None}
+
+
+def gpus_of(accelerators: object) -> tuple[str | None, int] | None:
+    """("A100", 2) for "A100:2" or {"A100": 2}, (None, 2) for "2"; None for
+    no GPUs, or for what names no single kind and whole count."""
+    if isinstance(accelerators, dict):
+        if len(accelerators) != 1:
+            return None
+        ((name, count),) = accelerators.items()
+        return (str(name), count) if isinstance(count, int) and count >= 1 else None
+    if not isinstance(accelerators, str) or "," in accelerators:
+        return None
+    name, colon, number = accelerators.strip().rpartition(":")
+    if not colon:
+        return (None, int(number)) if number.isdigit() else (number, 1) if number else None
+    return (name, int(number)) if number.isdigit() and int(number) >= 1 and name else None

@@ -6,11 +6,15 @@ validated by the real SkyPilot in tests for every shape. Three are not:
 `validate` (SkyPilot reads the task), and `job_home` and `at_job_home`,
 where those paths are once the job runs.
 
-On the cluster, relative to the home the job runs in (`remote_root`):
+The task is the cluster's, not a step's: its setup arms the cluster's
+lifetime timer, runs setup_commands and builds the locked environment; its
+run is the lease (remote/lease.py), which holds the cluster while steps run
+through the worker over ssh. On the cluster, relative to the home the job
+runs in (`remote_root`):
 
     bin-<digest>/            the remote/ scripts (COPY mount)
-    runs/<run-id>/in/        job.json (COPY mount)
-    runs/<run-id>/project/   the project snapshot and sources (COPY mounts)
+    leases/<cluster>/        the lease's record and lock; the lifetime timer removes it
+    runs/<run-id>/project/   the first step's snapshot and sources (COPY mounts, then rsync)
     runs/<run-id>/work/outputs/  what the task writes (copy transport)
     mnt/<bucket-key>/<run-id>/   outputs and manifest.json (bucket transport)
     envs/<digest>/           the environment built from the lock file
@@ -32,7 +36,12 @@ from substrax_tasks._remote import env, runfiles
 from substrax_tasks.backends.job import WorkerPaths, build_job, project_key
 from substrax_tasks.backends.remote_run import checked_script, scripts_digest
 from substrax_tasks.backends.skypilot.client import SkyCallError, SkyClient
-from substrax_tasks.backends.skypilot.settings import NO_AUTODOWN, SkypilotSettings, cloud_of
+from substrax_tasks.backends.skypilot.settings import (
+    AUTODOWN_MINUTES,
+    NO_AUTODOWN,
+    SkypilotSettings,
+    cloud_of,
+)
 from substrax_tasks.backends.skypilot.state import SkypilotState
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.hardlinks import link_tree
@@ -94,9 +103,8 @@ class ClusterLayout:
     def run(self) -> str:
         return f"{self.root}/runs/{self.run_id}"
 
-    @property
-    def inbox(self) -> str:
-        return f"{self.run}/in"
+    def lease(self, cluster: str) -> str:
+        return f"{self.root}/leases/{cluster}"
 
     @property
     def project(self) -> str:
@@ -150,6 +158,8 @@ def worker_job(
     layout: ClusterLayout,
     env_dir: str | None,
     left_out: list[str] | None = None,
+    *,
+    gpus: runfiles.JobGpus | None = None,
 ) -> runfiles.Job:
     """The worker's job, its folders relative to the home folder (the worker
     resolves them where it starts: the home is unknown until launch)."""
@@ -164,6 +174,7 @@ def worker_job(
         cache_dirs=settings.cache_dirs,
         cache_root=f"{layout.root}/cache/{project_key(str(handle.state.project))}",
         left_out=left_out or [],
+        gpus=gpus,
     )
     job["staging"] = layout.staging
     if layout.bucket_key is not None:  # the bucket transport fetches it with the outputs
@@ -176,21 +187,22 @@ def _sh(argv: list[str]) -> str:
 
 
 def lifetime_timer(settings: SkypilotSettings) -> dict[str, float]:
-    """The lifetime timer as the handle records it (as the ssh backend's):
-    armed now, ending in `seconds`. The run is stopped idle_minutes before
-    the lifetime ends, so that SkyPilot's autodown (armed at launch) has the
-    cluster gone by then."""
-    seconds = (settings.transport.lifetime_minutes - settings.idle_minutes) * 60  # > 0: checked
+    """The cluster's lifetime timer as the handle records it (as the ssh
+    backend's): armed now, ending in `seconds`. It ends the lease (and every
+    run's own timer, armed with what is left, stops its run)
+    AUTODOWN_MINUTES before the lifetime ends, so that SkyPilot's autodown
+    has the cluster gone by then."""
+    seconds = (settings.transport.lifetime_minutes - AUTODOWN_MINUTES) * 60  # > 0: checked
     return {"armed_at": time.time(), "seconds": seconds}
 
 
-def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterLayout,
+def setup_script(settings: SkypilotSettings, layout: ClusterLayout, cluster: str,
                  lock: str | None, env_dir: str | None) -> str:  # fmt: skip
     """Lifetime timer first (nothing outlives lifetime_minutes even if setup
     hangs), then the setup commands, then the locked environment."""
     seconds = lifetime_timer(settings)["seconds"]
     lines = ["set -e", 'cd "$HOME"', "printf 'substrax-job-home:%s:end\\n' \"$(pwd -P)\"",
-             watchdog_line(settings, layout, seconds)]  # fmt: skip
+             watchdog_line(settings, layout, layout.lease(cluster), seconds)]  # fmt: skip
     lines += settings.setup_commands
     if lock and env_dir:
         # The same recipe as every backend's (it prints where the env is: known here already).
@@ -200,13 +212,12 @@ def setup_script(settings: SkypilotSettings, handle: RunHandle, layout: ClusterL
     return "\n".join(lines) + "\n"
 
 
-def watchdog_line(settings: SkypilotSettings, layout: ClusterLayout, seconds: float) -> str:
-    """Make the run's folder and arm its lifetime timer: `seconds` from now."""
-    watchdog = checked_script(settings.python, layout.bin, "control.py", "watchdog", layout.run,
-                              f"{seconds:g}")
+def watchdog_line(settings: SkypilotSettings, layout: ClusterLayout, folder: str, seconds: float) -> str:
+    """Make `folder` and arm the lifetime timer that removes it `seconds` from now."""
+    watchdog = checked_script(settings.python, layout.bin, "control.py", "watchdog", folder, f"{seconds:g}")
     if cloud_of(settings.infra) in NO_AUTODOWN:
         watchdog.append("--poweroff")
-    return f'cd "$HOME" && {_sh(["mkdir", "-p", layout.run])} && {_sh(watchdog)}'
+    return f'cd "$HOME" && {_sh(["mkdir", "-p", folder])} && {_sh(watchdog)}'
 
 
 def at_job_home(
@@ -219,15 +230,15 @@ def at_job_home(
 
 
 def job_home(sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str) -> str | None:
-    """The home the run's job runs in, as its setup printed it to the job's
-    log (asked once, then kept in the handle). A shell ssh starts may be
+    """The home the cluster's lease job runs in, as its setup printed it to
+    the job's log (asked once, then kept in the handle). A shell ssh starts may be
     elsewhere: on Slurm, SkyPilot's ~/.sky_ssh_rc moves it into the
     cluster's folder only when the sshd accepts SKY_CLUSTER_NAME and the
     login's ~/.bashrc gets as far as that line, which a stock one does not
     for a command."""
     with contextlib.suppress(SubstraxError):
         handle = store.read(handle.run_id)  # a caller's copy may predate it
-    home, job_id = SkypilotState.of(handle).job_home, SkypilotState.of(handle).job_id
+    home, job_id = SkypilotState.of(handle).job_home, SkypilotState.of(handle).launched_job
     if isinstance(home, str) or not isinstance(job_id, int) or SkypilotState.of(handle).torn_down:
         return home if isinstance(home, str) else None
     log = store.run_dir(handle.run_id) / "job-home.log"
@@ -246,22 +257,12 @@ def job_home(sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str) -
     return found[-1]
 
 
-def run_script(settings: SkypilotSettings, layout: ClusterLayout) -> str:
-    """The worker in the foreground (SkyPilot's cancel reaches its tree; its
-    exit status is the job's), with the task's log copied into the job's."""
-    log = f"{layout.run}/run.log"
-    worker = checked_script(settings.python, layout.bin, "worker.py", f"{layout.inbox}/job.json",
-                            "--exit-status")
-    return "\n".join([
-        'cd "$HOME"',
-        f"tail -n +1 -F {shlex.quote(log)} 2>/dev/null &",
-        "tail_pid=$!",
-        _sh(worker),
-        "code=$?",
-        "sleep 1",
-        'kill "$tail_pid" 2>/dev/null',
-        'exit "$code"',
-    ]) + "\n"  # fmt: skip
+def lease_script(settings: SkypilotSettings, layout: ClusterLayout, cluster: str) -> str:
+    """The lease in the foreground (remote/lease.py): the cluster's one
+    SkyPilot job, holding it until idle_minutes after its last step."""
+    lease = checked_script(settings.python, layout.bin, "lease.py", "hold", layout.root, cluster,
+                           f"{settings.idle_minutes * 60:g}")  # fmt: skip
+    return f'cd "$HOME" && {_sh(lease)}\n'
 
 
 def task_config(
@@ -269,18 +270,19 @@ def task_config(
     handle: RunHandle,
     layout: ClusterLayout,
     *,
+    cluster: str,
     upload_dir: Path,
     remote_dir: Path,
     project: Path,
     lock: str | None,
     env_dir: str | None,
 ) -> dict[str, Any]:
-    """The SkyPilot task config (YAML schema, as a dict). Secrets are not in
-    it: they go to SkyPilot on the helper's stdin at launch only."""
+    """The SkyPilot task config (YAML schema, as a dict) of `cluster`, the
+    first step's snapshot in it. Secrets are not in it: a step's go to its
+    worker on its stdin."""
     mount = ClusterLayout.mount_point
     file_mounts: dict[str, Any] = {
         mount(layout.bin): str(remote_dir),
-        mount(layout.inbox): str(upload_dir / "in"),
         mount(layout.project): str(upload_dir / "project"),
     }
     if settings.copy_ is not None:
@@ -296,8 +298,8 @@ def task_config(
         "num_nodes": 1,
         "resources": settings.resources(dict(handle.spec.resources)),
         "file_mounts": file_mounts,
-        "setup": setup_script(settings, handle, layout, lock, env_dir),
-        "run": run_script(settings, layout),
+        "setup": setup_script(settings, layout, cluster, lock, env_dir),
+        "run": lease_script(settings, layout, cluster),
     }
     return config
 

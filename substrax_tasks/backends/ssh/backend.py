@@ -18,7 +18,6 @@ environments remote/env.py builds, reused while the lock file is unchanged.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -34,12 +33,10 @@ from substrax_tasks.backends.checkpoints import Snapshots, checkpoints_folder
 from substrax_tasks.backends.job import (
     WorkerPaths,
     build_job,
-    damaged_status,
     env_dir_of,
     project_key,
-    status_from_record,
 )
-from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun, forwarded_env
+from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun
 from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
 from substrax_tasks.backends.ssh.connection import NoSession, SshConnection, connection
 from substrax_tasks.backends.ssh.settings import SshSettings
@@ -208,15 +205,7 @@ class SshBackend(Backend):
             _remote_run.push_checkpoints(run, self.transport().upload, snapshots, job["checkpoints"]["kept"],
                                          handle.step)  # fmt: skip
         self.conn.write_bytes(paths.job, json.dumps(job, indent=1).encode())
-        result = run.run_script("worker.py", paths.job, "--detach", "--env-stdin", what="starting the worker",
-                                stdin=json.dumps(forwarded_env(handle)).encode())  # fmt: skip
-        if result.returncode == _gpus.WORKER_BUSY:
-            raise _gpus.busy(job["gpus"], self.settings.host)
-        if result.returncode != 0:
-            raise BackendError(
-                f"run {handle.run_id}: the worker did not start on {self.settings.host}: "
-                + (result.stderr + result.stdout).decode(errors="replace")[-1500:]
-            )
+        _remote_run.start_worker(run, handle, paths.job, job.get("gpus"), self.settings.host)
         return handle
 
     def poll(self, handle: RunHandle) -> RunStatus:
@@ -225,49 +214,15 @@ class SshBackend(Backend):
             return RunStatus(**own.final_status)
         if own.remote_run_dir is None:
             return RunStatus("pending")
-        record = self.remote_run(handle).status()
-        if record.get("damaged"):
-            return damaged_status(record, self.settings.host)
-        if record.get("state") is None:
-            if not record.get("exists"):
-                gone = "its remote folder is gone (torn down, the lifetime ran out, or the host restarted)"
-                return RunStatus("lost", message=gone)
-            return RunStatus("pending")
-        status = status_from_record(record, worker_alive=bool(record.get("worker_alive")))
-        if status.final and status.state != "lost":  # a lost run can still be cancelled
-            # outputs_root too: the fetch then starts without asking for it
-            root = record.get("outputs_root")
-            noted = {"outputs_root": root} if isinstance(root, str) else {}
-            self.save_state(handle, final_status=status.__dict__, **noted)
-        return status
+        return _remote_run.worker_status(self, handle, self.remote_run(handle), self.settings.host)
 
     def cancel(self, handle: RunHandle) -> bool:
         status = self.poll(handle)
         if status.final and status.state != "lost":
             return False
         run = self.remote_run(handle)
-        if status.state == "lost" and not run.status().get("exists"):
-            return False  # its folder is gone (torn down, or the lifetime ran out): nothing left
-        # lost: its worker was killed, but the task's tree may still run
-        wait = str(self.settings.grace_seconds + 10)
-        answer = run.control("cancel", "--wait", wait, what="cancelling the run")
-        if answer.get("reason") == "not started":
-            return True
-        if answer.get("reason") == "finished":  # it ended meanwhile: left alone
-            self.poll(handle)
-            return False
-        if not answer.get("cancelled"):
-            raise BackendError(
-                f"run {handle.run_id}: cancel on {self.settings.host} failed: {answer.get('reason')}"
-            )
-        # Recorded from the answer, not polled again: a doit driving the run
-        # may tear its folder down the moment it sees the end.
-        with contextlib.suppress(BackendError):
-            self.poll(handle)
-        if SshState.of(self.store.read(handle.run_id)).final_status is None:
-            ended = RunStatus(str(answer.get("state") or "cancelled"), message=answer.get("reason"))
-            self.save_state(handle, final_status=ended.__dict__)
-        return True
+        host, grace = self.settings.host, self.settings.grace_seconds
+        return _remote_run.cancel_worker(self, handle, run, status, where=host, grace_seconds=grace)
 
     def stream_log(
         self, handle: RunHandle, out: IO[bytes], follow: bool = False, offset: int = 0

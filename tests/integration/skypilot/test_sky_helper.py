@@ -182,9 +182,6 @@ def test_job_statuses_map_through(home: Path, tmp_path: Path) -> None:
 
     statuses = sky.call("job_status", {"cluster_name": "jobs", "job_ids": [1, 2, 3, 9]})
     assert statuses == {"1": "SUCCEEDED", "2": "FAILED", "3": "FAILED_SETUP", "9": None}
-    queue = sky.call("queue", {"cluster_name": "jobs"})
-    assert {r["job_id"]: r["status"] for r in queue} == {1: "SUCCEEDED", 2: "FAILED", 3: "FAILED_SETUP"}
-    assert all(r["job_name"] == "helper-test" for r in queue)
 
     out = tmp_path / "setup-failed.log"
     assert tail_logs(sky, "jobs", 3, out) == 100
@@ -234,8 +231,6 @@ def test_a_missing_cluster_is_cluster_does_not_exist(home: Path, tmp_path: Path)
     sky = client(home)
     calls: dict[str, dict[str, Any]] = {
         "job_status": {"cluster_name": "nowhere", "job_ids": [1]},
-        "queue": {"cluster_name": "nowhere"},
-        "cancel": {"cluster_name": "nowhere", "job_ids": [1]},
         "down": {"cluster_name": "nowhere"},
         "tail_logs": {"cluster_name": "nowhere", "job_id": 1, "output_file": str(tmp_path / "out")},
     }

@@ -75,9 +75,9 @@ BAD = [
     ),
     ("unknown-copy-key", f"{TABLE}\n{COPY}\nsource = []\n", ["unknown key 'source'", "sources"]),
     (
-        "lifetime-within-idle",
-        f"{TABLE}\nidle_minutes = 10\n{COPY}\nlifetime_minutes = 10\n",
-        ["lifetime_minutes = 10 must be more than idle_minutes = 10"],
+        "lifetime-within-autodown",
+        f"{TABLE}\n{COPY}\nlifetime_minutes = 1\n",
+        ["lifetime_minutes = 1 must be more than 1", "SkyPilot's autodown"],
     ),
     ("bad-prefix", f'{TABLE}\ncluster_prefix = "My_Runs"\n{COPY}\n', ["cluster_prefix", "lower-case"]),
     (

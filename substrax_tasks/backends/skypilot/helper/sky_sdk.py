@@ -97,16 +97,6 @@ def op_launch(request: Request) -> object:
     return _job_of(_wait(request, request_id))
 
 
-def op_exec(request: Request) -> object:
-    """Queue a job on a cluster that is up: no setup, no file mounts synced
-    (the client rsyncs the run's files first)."""
-    secrets = request.get("secrets") or {}
-    task = sky.Task.from_yaml_config(request["task"], secrets_overrides=list(secrets.items()) or None)
-    request_id = sky.exec(task, cluster_name=request["cluster_name"])
-    _record_request(request, request_id, "exec")
-    return _job_of(_wait(request, request_id))
-
-
 def _job_of(result: object) -> dict[str, object]:
     job_id = None
     if isinstance(result, (tuple, list)) and result:
@@ -136,10 +126,6 @@ def op_api_cancel(request: Request) -> object:
 def op_job_status(request: Request) -> object:
     statuses = sky.get(sky.job_status(request["cluster_name"], job_ids=list(request["job_ids"])))
     return {str(k): jsonable(v) for k, v in (statuses or {}).items()}
-
-
-def op_queue(request: Request) -> object:
-    return jsonable(sky.get(sky.queue(request["cluster_name"], skip_finished=False)))
 
 
 def op_cancel(request: Request) -> object:
@@ -229,12 +215,10 @@ def op_validate(request: Request) -> object:
 
 OPERATIONS: dict[str, Callable[[Request], object]] = {
     "launch": op_launch,
-    "exec": op_exec,
     "wait_launch": op_wait_launch,
     "request_status": op_request_status,
     "api_cancel": op_api_cancel,
     "job_status": op_job_status,
-    "queue": op_queue,
     "cancel": op_cancel,
     "down": op_down,
     "autostop": op_autostop,
