@@ -12,7 +12,6 @@ provider lists in skypilot_settings.py are compared with SkyPilot's own.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +30,8 @@ from sky_real import (
 
 from substrax_tasks.backends.skypilot.backend import SkypilotBackend
 from substrax_tasks.backends.skypilot.client import SkyClient
-from substrax_tasks.backends.skypilot.settings import NO_AUTODOWN, NO_BUCKET_MOUNTS, TABLE
-from substrax_tasks.backends.skypilot.task import SkyConfigRefused, validate
+from substrax_tasks.backends.skypilot.settings import NO_AUTODOWN, NO_BUCKET_MOUNTS, TABLE, SkypilotSettings
+from substrax_tasks.backends.skypilot.task import SkyConfigRefused, validate, worker_job
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.project import Project
@@ -301,8 +300,10 @@ def test_copy_transport_mounts_the_sources(generated: dict[str, Generated]) -> N
     assert sources == {"data": str(project / "data"), "refs": str(project / "refs")}
     assert all(isinstance(src, str) for src in mounts.values()), "the copy transport mounts no bucket"
     assert all(dest.startswith("~/") for dest in mounts)
-    job = g.project.store.run_dir(g.handle.run_id) / "upload" / "in" / "job.json"
-    assert json.loads(job.read_text())["network_isolation"] is True
+    # the job each step's worker gets on the cluster (written at start, over ssh)
+    backend = SkypilotBackend(SkypilotSettings.model_validate(g.handle.settings), g.project.store)
+    job = worker_job(backend.settings, g.handle, backend.layout(g.handle), None)
+    assert job["network_isolation"] is True
 
 
 def test_bucket_transport_mounts_the_buckets(generated: dict[str, Generated]) -> None:
