@@ -394,7 +394,7 @@ class RunCache:
                  "`substrax-compute gc` trims it", err=True)  # fmt: skip
 
     def _keep_objects(
-        self, step: Step, manifest: dict[str, Any], layout: list[list[packing.Member]]
+        self, step: Step, manifest: dict[str, Any], layout: list[packing.Members]
     ) -> list[Pack] | None:
         """Copy the promoted outputs the local folder lacks in: the files
         `layout` packs as packs, the others as objects; the packs, or None
@@ -592,7 +592,7 @@ def _files(manifest: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def _unpacked_objects(
-    root: Path, manifest: dict[str, Any], layout: list[list[packing.Member]]
+    root: Path, manifest: dict[str, Any], layout: list[packing.Members]
 ) -> list[tuple[Path, str]]:
     """(source, object) of each distinct file of `manifest` that no pack of
     `layout` holds: the files kept as objects of their own."""
