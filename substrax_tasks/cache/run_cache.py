@@ -406,8 +406,10 @@ class RunCache:
             return None
         # The files are walked from the manifest (its packed records) as
         # they are copied: no dict or Path is held per file, only the packs'
-        # members and the few files too large to pack.
-        sources = ((e["sha256"], root / e["path"]) for e in _files(manifest))
+        # members and the few files too large to pack. Paths as str: a Path
+        # interns its parts for good (packs._read).
+        base = f"{root}/"
+        sources = ((e["sha256"], base + e["path"]) for e in _files(manifest))
         written = self.local.put_packs(layout, sources)
         added = [] if written is None else written[1]
         if written is not None:

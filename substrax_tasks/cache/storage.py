@@ -547,7 +547,7 @@ class Folder:
             os.close(fd)
 
     def put_packs(
-        self, layout: list[Members], sources: Iterator[tuple[str, Path]]
+        self, layout: list[Members], sources: Iterator[tuple[str, str]]
     ) -> tuple[list[Pack], list[str]] | None:
         """Pack the files `sources` names (by digest, in the manifest's
         order: write_pack) as `layout` says; the
