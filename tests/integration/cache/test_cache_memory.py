@@ -78,8 +78,8 @@ def test_keeping_a_run_of_20000_files_holds_a_small_record_per_file(tmp_path: Pa
     assert json.dumps(entry, sort_keys=True, separators=(",", ":")).encode() == data
     assert entry["manifest"]["entries"] == list(manifest["entries"])  # type: ignore[call-overload]
     assert sum(pack["count"] for pack in entry["packs"]) == FILES + 1  # the two "same" files: one member
-    # at the second check: loading the hash cache (~470 bytes a file while
-    # its JSON is parsed), the packed entries and the packs' members (40
+    # at the second check: loading the hash cache and walking the outputs
+    # (~470 bytes a file), the packed entries and the packs' members (40
     # bytes a file: a raw digest and a size): ~550 bytes a file. 736 when
     # each member was a tuple of a hex string and an int and each file's
     # Path interned its name for good.
