@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,11 +44,61 @@ PACK_TARGET = 64 << 20
 Member = tuple[str, int]  # a packed file's sha256 and size
 
 
+class Members:
+    """A pack's members, (sha256, size) each as they come out, held as 32
+    raw bytes of digest and 8 of size: keeping a run holds every member
+    while its outputs' hash cache is loaded to check them again, and a
+    tuple and a hex string each took ~180 bytes a file (issue 29)."""
+
+    __slots__ = ("_digests", "_sizes")
+
+    def __init__(self, items: Iterable[Member] = ()) -> None:
+        self._digests = bytearray()
+        self._sizes = array("Q")
+        for digest, size in items:
+            self.append(digest, size)
+
+    def append(self, digest: str, size: int) -> None:
+        self._digests += bytes.fromhex(digest)
+        self._sizes.append(size)
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __iter__(self) -> Iterator[Member]:
+        digests = self._digests
+        for i, size in enumerate(self._sizes):
+            yield digests[32 * i : 32 * i + 32].hex(), size
+
+    def __getitem__(self, window: slice) -> Members:
+        part = Members()
+        start, stop, _ = window.indices(len(self))
+        part._digests = self._digests[32 * start : 32 * max(start, stop)]
+        part._sizes = self._sizes[start:stop]
+        return part
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, list):  # as the list it replaces compared
+            return list(self) == other
+        if not isinstance(other, Members):
+            return NotImplemented
+        return self._digests == other._digests and self._sizes == other._sizes
+
+    __hash__ = None  # type: ignore[assignment] # mutable, as the list it replaces
+
+    def total(self) -> int:
+        """The members' sizes added: the pack's size."""
+        return sum(self._sizes)
+
+    def __repr__(self) -> str:
+        return f"Members({list(self)!r})"
+
+
 @dataclass(frozen=True)
 class Pack:
     sha256: str
     size: int
-    members: list[Member]
+    members: Members
 
     @property
     def rel(self) -> str:
@@ -57,28 +108,28 @@ class Pack:
         return {"sha256": self.sha256, "size": self.size, "count": len(self.members)}
 
 
-def small_files(files: Iterable[dict[str, Any]], below: int) -> list[Member]:
+def small_files(files: Iterable[dict[str, Any]], below: int) -> Members:
     """The manifest's files (its entries of type file) below `below` bytes,
     each distinct digest once, in the manifest's order: what is packed."""
-    members: list[Member] = []
+    members = Members()
     seen: set[str] = set()
     for item in files:
         digest, size = item["sha256"], int(item.get("size") or 0)
         if size < below and digest not in seen:
             seen.add(digest)
-            members.append((digest, size))
+            members.append(digest, size)
     return members
 
 
-def plan(files: Iterable[dict[str, Any]]) -> list[list[Member]]:
+def plan(files: Iterable[dict[str, Any]]) -> list[Members]:
     """The members of each pack for a manifest's files."""
-    packs: list[list[Member]] = [[]]
+    packs: list[Members] = [Members()]
     filled = 0
     for digest, size in small_files(files, PACK_BELOW):
         if filled >= PACK_TARGET:
-            packs.append([])
+            packs.append(Members())
             filled = 0
-        packs[-1].append((digest, size))
+        packs[-1].append(digest, size)
         filled += size
     return [members for members in packs if members]
 
@@ -90,7 +141,7 @@ def parse(entry: dict[str, Any], files: Iterable[dict[str, Any]]) -> list[Pack]:
     below = entry.get("pack_below", PACK_BELOW)
     if not isinstance(found, list) or not isinstance(below, int):
         raise ValueError("its packs are not a list with pack_below")
-    members = small_files(files, below) if found else []
+    members = small_files(files, below) if found else Members()
     packs, start = [], 0
     for item in found:
         try:
@@ -99,7 +150,7 @@ def parse(entry: dict[str, Any], files: Iterable[dict[str, Any]]) -> list[Pack]:
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"it lists a pack that is not whole: {str(item)[:80]}") from None
         start += count
-        if count < 1 or len(pack.members) != count or sum(size for _, size in pack.members) != pack.size:
+        if count < 1 or len(pack.members) != count or pack.members.total() != pack.size:
             raise ValueError(f"its pack {pack.sha256[:16]} is not the sum of its members")
         packs.append(pack)
     if start != len(members):
@@ -113,7 +164,7 @@ def packed(packs: list[Pack]) -> dict[str, Pack]:
 
 
 def write_pack(
-    objects: Path, members: list[Member], sources: Iterator[tuple[str, Path]]
+    objects: Path, members: Members, sources: Iterator[tuple[str, str]]
 ) -> tuple[Path, str, int] | None:
     """The part file of a pack of `members` under the folder `objects`, its
     digest and disk use; None (nothing left) if a source is no longer what
@@ -132,7 +183,7 @@ def write_pack(
         with open(fd, "wb", buffering=1 << 20) as out:  # noqa: PTH123 - a descriptor, made exclusive
             for digest, size in members:
                 source = next((path for sha, path in sources if sha == digest), None)
-                data = source.read_bytes() if source is not None else b""
+                data = _read(source) if source is not None else b""
                 if source is None or len(data) != size or hashlib.sha256(data).hexdigest() != digest:
                     part.unlink()
                     return None
@@ -144,3 +195,11 @@ def write_pack(
         part.unlink(missing_ok=True)
         raise
     return part, sha.hexdigest(), used
+
+
+def _read(path: str) -> bytes:
+    """The contents of the file `path`. A str, not a Path: pathlib interns
+    every part of every path it parses, and CPython's table of interned
+    strings only grows (~90 bytes a file kept after keeping a run, issue 29)."""
+    with open(path, "rb") as source:  # noqa: PTH123 - see above
+        return source.read()

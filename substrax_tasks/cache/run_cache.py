@@ -394,7 +394,7 @@ class RunCache:
                  "`substrax-compute gc` trims it", err=True)  # fmt: skip
 
     def _keep_objects(
-        self, step: Step, manifest: dict[str, Any], layout: list[list[packing.Member]]
+        self, step: Step, manifest: dict[str, Any], layout: list[packing.Members]
     ) -> list[Pack] | None:
         """Copy the promoted outputs the local folder lacks in: the files
         `layout` packs as packs, the others as objects; the packs, or None
@@ -406,8 +406,10 @@ class RunCache:
             return None
         # The files are walked from the manifest (its packed records) as
         # they are copied: no dict or Path is held per file, only the packs'
-        # members and the few files too large to pack.
-        sources = ((e["sha256"], root / e["path"]) for e in _files(manifest))
+        # members and the few files too large to pack. Paths as str: a Path
+        # interns its parts for good (packs._read).
+        base = f"{root}/"
+        sources = ((e["sha256"], base + e["path"]) for e in _files(manifest))
         written = self.local.put_packs(layout, sources)
         added = [] if written is None else written[1]
         if written is not None:
@@ -592,7 +594,7 @@ def _files(manifest: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def _unpacked_objects(
-    root: Path, manifest: dict[str, Any], layout: list[list[packing.Member]]
+    root: Path, manifest: dict[str, Any], layout: list[packing.Members]
 ) -> list[tuple[Path, str]]:
     """(source, object) of each distinct file of `manifest` that no pack of
     `layout` holds: the files kept as objects of their own."""

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks.atomic import write_bytes_atomic, write_pieces_atomic
-from substrax_tasks.cache.packs import Member, Pack, packed, write_pack
+from substrax_tasks.cache.packs import Members, Pack, packed, write_pack
 from substrax_tasks.errors import BackendError
 from substrax_tasks.uptodate.manifests import CacheEntries, HashCache
 
@@ -547,7 +547,7 @@ class Folder:
             os.close(fd)
 
     def put_packs(
-        self, layout: list[list[Member]], sources: Iterator[tuple[str, Path]]
+        self, layout: list[Members], sources: Iterator[tuple[str, str]]
     ) -> tuple[list[Pack], list[str]] | None:
         """Pack the files `sources` names (by digest, in the manifest's
         order: write_pack) as `layout` says; the
@@ -563,7 +563,7 @@ class Folder:
                 if made is None:
                     return None
                 part, digest, used = made
-                parts.append((part, used, Pack(digest, sum(size for _, size in members), members)))
+                parts.append((part, used, Pack(digest, members.total(), members)))
             added, grown = [], 0
             with self.account_lock():
                 for part, used, pack in parts:
