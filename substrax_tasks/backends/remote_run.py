@@ -182,13 +182,19 @@ class RemoteRun:
 
     def run_script(
         self, name: str, *args: str, what: str, stdin: bytes | None = None, timeout: float | None = 120,
-        limit: int = MAX_STATUS_BYTES,
+        limit: int = MAX_STATUS_BYTES, home: str | None = None,
     ) -> RemoteResult:
         """One of the scripts there, checked first (CHECKED_RUN), its answer
         held to `limit` bytes: a damaged host or an answer too big is refused
-        with this run named (HostRefused, never retried)."""
+        with this run named (HostRefused, never retried). `home`: run it in
+        that folder with it as $HOME (where ssh lands may be another home:
+        a SkyPilot job's on Slurm is not the login's)."""
+        argv = self.script(name, *args)
+        if home is not None:
+            argv = ["sh", "-c", 'cd -- "$1" && shift && HOME="$PWD" && export HOME && exec "$@"', "sh", home,
+                    *argv]  # fmt: skip
         try:
-            result = self.remote.run(self.script(name, *args), stdin=stdin, timeout=timeout, limit=limit)
+            result = self.remote.run(argv, stdin=stdin, timeout=timeout, limit=limit)
         except AnswerTooBig as exc:
             raise HostRefused(f"{what} for run {self.run_id}: {exc}") from None
         self.refuse_damaged(result)
@@ -532,11 +538,14 @@ def lifetime_left(state: RemoteState, now: float | None = None) -> float | None:
 # backends do alike once the run's folder, files and job are there.
 
 
-def start_worker(run: RemoteRun, handle: RunHandle, job_file: str, gpus: Any, where: str) -> None:
+def start_worker(
+    run: RemoteRun, handle: RunHandle, job_file: str, gpus: Any, where: str, *, home: str | None = None
+) -> None:
     """Start the worker of the job in `job_file` there, detached (it
-    outlives this connection); the step's secrets go on its stdin."""
+    outlives this connection), in `home` if given (RemoteRun.run_script);
+    the step's secrets go on its stdin."""
     result = run.run_script("worker.py", job_file, "--detach", "--env-stdin", what="starting the worker",
-                            stdin=json.dumps(forwarded_env(handle)).encode())  # fmt: skip
+                            stdin=json.dumps(forwarded_env(handle)).encode(), home=home)  # fmt: skip
     if result.returncode == _gpus.WORKER_BUSY:
         raise _gpus.busy(gpus, where)
     if result.returncode != 0:

@@ -396,7 +396,11 @@ class SkypilotBackend(Backend):
         path = f"{run.run_dir}/job.json"
         write = 'umask 077 && cat > "$1.partial" && mv "$1.partial" "$1"'
         run.check(["sh", "-c", write, "sh", path], "writing the job", stdin=json.dumps(job).encode())
-        _remote_run.start_worker(run, handle, path, job.get("gpus"), self.cluster(handle))
+        # In the home the lease's SkyPilot job runs in, as SkyPilot would run a
+        # task there: the job's "." (the home it hides) and the task's $HOME
+        # are that home, not the login's where ssh lands (on Slurm they differ).
+        home = SkypilotState.of(self.store.read(handle.run_id)).job_home  # learnt as the paths above were
+        _remote_run.start_worker(run, handle, path, job.get("gpus"), self.cluster(handle), home=home)
         return handle
 
     # ------------------------------------------------------------- status
