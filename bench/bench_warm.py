@@ -22,26 +22,20 @@ warm one, on purpose) is taken down before the next.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import secrets
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
-from typing import Any
 
 from _common import cli_argv, doit_argv, median
+from _skypilot_bed import REPO, env_for, parse, sky_project
+from testbeds.slurm_cluster import DEFAULT_SKY_VENV, SlurmBed, bed_down, bed_up
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "support"))
-
-from testbeds.slurm_cluster import DEFAULT_SKY_VENV, SlurmBed, bed_down, bed_up  # noqa: E402
-
-from substrax_tasks.backends.skypilot.client import SkyClient  # noqa: E402
+from substrax_tasks.backends.skypilot.client import SkyClient
 
 DODO = """
 from substrax_tasks import doit_config, remote_step
@@ -56,33 +50,8 @@ def task_s():
 
 
 def project(base: Path, bed: SlurmBed, prefix: str, reuse: bool, *, steps: int, seconds: float) -> Path:
-    root = base / prefix
-    root.mkdir(parents=True)
-    settings: dict[str, Any] = {
-        "infra": bed.infra, "cpus": 1, "sky_python": str(bed.sky_python), "cluster_prefix": prefix,
-        "sandbox": "bwrap", "idle_minutes": 3, "poll_seconds": 2, "reuse": reuse, "max_parallel": 1,
-    }  # fmt: skip
-    lines = ["[tool.substrax.compute]", 'default_backend = "skypilot"', "",
-             "[tool.substrax.compute.backends.skypilot]"]  # fmt: skip
-    lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
-    lines += ["", "[tool.substrax.compute.backends.skypilot.copy]", "lifetime_minutes = 30"]
-    lines += ["", "[tool.substrax.compute.cache]", "enabled = false"]  # each doit runs its steps
-    (root / "pyproject.toml").write_text("\n".join(lines) + "\n")
-    (root / "dodo.py").write_text(textwrap.dedent(DODO.format(steps=steps, seconds=seconds)))
-    (root / "in.txt").write_text("0\n")
-    return root
-
-
-def env_for(bed: SlurmBed, src: Path | None) -> dict[str, str]:
-    env = bed.sky_env()
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    if src is not None:
-        env["PYTHONPATH"] = str(src)
-    return env
-
-
-def parse(stamp: str) -> float:
-    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    return sky_project(base, bed, prefix, reuse, dodo=DODO.format(steps=steps, seconds=seconds),
+                       idle_minutes=3, files={"in.txt": "0\n"})  # fmt: skip
 
 
 def doit(root: Path, env: dict[str, str], log: Path) -> float:
