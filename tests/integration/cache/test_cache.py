@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cache_parts import entries, folder_cache, restored
 from dodo_helpers import (
     clean_env,
     compute,
@@ -52,18 +53,6 @@ def project(tmp_path: Path, name: str, cache: str = "", body: str = BODY) -> Pat
     root = make_project(tmp_path / name, body, default_tasks=["make"], files={"data/in.txt": "hello\n"})
     write_pyproject(root, cache="[tool.substrax.compute.cache]\n" + cache)
     return root
-
-
-def folder_cache(tmp_path: Path) -> str:
-    return f'path = "{tmp_path / "team-cache"}"\n'
-
-
-def entries(folder: Path) -> list[Path]:
-    return sorted((folder / "entries").glob("*.json"))
-
-
-def restored(done: subprocess.CompletedProcess[str]) -> bool:
-    return "restored from cache entry" in done.stdout
 
 
 def test_a_second_clone_restores_from_a_shared_folder_without_running(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import json
 import subprocess
 from pathlib import Path
 
+from cache_parts import entries, folder_cache, restored
 from dodo_helpers import (
     compute,
     doit_ok,
@@ -38,18 +39,6 @@ def project(tmp_path: Path, name: str, cache: str, body: str = SMALL, default: s
     root = make_project(tmp_path / name, body, default_tasks=[default])
     write_pyproject(root, cache="[tool.substrax.compute.cache]\n" + cache)
     return root
-
-
-def folder_cache(tmp_path: Path) -> str:
-    return f'path = "{tmp_path / "team-cache"}"\n'
-
-
-def entries(folder: Path) -> list[Path]:
-    return sorted((folder / "entries").glob("*.json"))
-
-
-def restored(done: subprocess.CompletedProcess[str]) -> bool:
-    return "restored from cache entry" in done.stdout
 
 
 def disk_use(folder: Path) -> int:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cache_parts import restored
 from dodo_helpers import (
     compute,
     doit,
@@ -39,10 +40,6 @@ from substrax_tasks.store.project import Project
 
 def said(done: subprocess.CompletedProcess[str]) -> str:
     return done.stdout + done.stderr
-
-
-def restored(done: subprocess.CompletedProcess[str]) -> bool:
-    return "restored from cache entry" in done.stdout
 
 
 @needs_bwrap
