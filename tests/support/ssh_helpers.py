@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import textwrap
+import threading
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -248,6 +249,35 @@ def held_sessions(host: SshHost) -> list[int]:
 
 
 # -------------------------------------------------------------------- wheel
+
+
+
+@contextlib.contextmanager
+def every_session_held(conn: Any) -> Iterator[None]:
+    """Every session one connection may hold, held by a long-lived `cat`
+    (its stdin stays open) in a thread each, until the block ends; each
+    then ends as Ctrl-C in a doit thread ends its follower."""
+    from substrax_tasks.backends.ssh.connection import MAX_STREAMS
+
+    release = threading.Event()
+
+    def tick() -> None:
+        if release.is_set():
+            raise KeyboardInterrupt  # as Ctrl-C in a doit thread: the channel closes
+
+    def held() -> None:
+        with contextlib.suppress(KeyboardInterrupt):
+            conn.stream(["cat"], lambda chunk: None, tick)
+
+    streams = [threading.Thread(target=held) for _ in range(MAX_STREAMS)]
+    for thread in streams:
+        thread.start()
+    try:
+        yield
+    finally:
+        release.set()
+        for thread in streams:
+            thread.join(timeout=30)
 
 
 def _record_hash(data: bytes) -> str:

@@ -24,6 +24,7 @@ import pytest
 from dodo_helpers import doit, doit_ok, run_count, show
 from local_runs import describe, marked_pids, on_a_terminal, wait_for
 from ssh_helpers import (
+    every_session_held,
     held_sessions,
     make_ssh_project,
     needs_root,
@@ -291,28 +292,11 @@ def test_followers_beyond_the_sessions_one_connection_may_hold_are_refused_and_t
     from substrax_tasks.backends.ssh.connection import MAX_STREAMS, NoSession, connection
 
     conn = connection(SshSettings.model_validate(ssh_settings(host)).target())
-    release = threading.Event()
-
-    def tick() -> None:
-        if release.is_set():
-            raise KeyboardInterrupt  # as Ctrl-C in a doit thread: the channel closes
-
-    def held() -> None:
-        with contextlib.suppress(KeyboardInterrupt):
-            conn.stream(["cat"], lambda chunk: None, tick)  # stdin stays open: cat waits
-
-    streams = [threading.Thread(target=held) for _ in range(MAX_STREAMS)]
-    for thread in streams:
-        thread.start()
-    try:
+    with every_session_held(conn):
         wait_for(lambda: len(cats(host.uid)) >= MAX_STREAMS, "the long-lived commands to hold their sessions")
         with pytest.raises(NoSession):
             conn.stream(["true"], lambda chunk: None, lambda: None)
         assert conn.run(["echo", "still here"]).text() == "still here\n"  # short commands go on
-    finally:
-        release.set()
-        for thread in streams:
-            thread.join(timeout=30)
     done = bytearray()
     assert conn.stream(["echo", "again"], done.extend, lambda: None).returncode == 0
     assert bytes(done) == b"again\n"

@@ -8,22 +8,20 @@ while the command writes is never half a file."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, run_logs, starts
 from dodo_helpers import doit, doit_ok, popen_doit, popen_output, show, stop, wait_for
-from ssh_helpers import live_handles, make_ssh_project, needs_root, needs_sshd
+from ssh_helpers import every_session_held, live_handles, make_ssh_project, needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
 
-from substrax_tasks.backends.ssh.connection import MAX_STREAMS, NoSession, connection
+from substrax_tasks.backends.ssh.connection import NoSession, connection
 from substrax_tasks.backends.ssh.settings import SshSettings
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.project import Project
@@ -176,27 +174,10 @@ def test_a_run_followed_by_polling_is_pulled_between_polls(tmp_path: Path, host:
                      inputs=["count.py", "data.txt"], outputs=["count.txt"], checkpoints="ckpt/")  # fmt: skip
     backend = project.backend_for(handle := project.submit(spec))
     conn = connection(SshSettings.model_validate(handle.settings).target())
-    release = threading.Event()
-
-    def tick() -> None:
-        if release.is_set():
-            raise KeyboardInterrupt  # as Ctrl-C in a doit thread: the channel closes
-
-    def held() -> None:
-        with contextlib.suppress(KeyboardInterrupt):
-            conn.stream(["cat"], lambda chunk: None, tick)  # stdin stays open: cat waits
-
-    streams = [threading.Thread(target=held) for _ in range(MAX_STREAMS)]
-    for thread in streams:
-        thread.start()
-    try:
+    with every_session_held(conn):
         with pytest.raises(NoSession):  # every session is held: what follows polls
             conn.stream(["true"], lambda chunk: None, lambda: None)
         status = backend.stream_log(handle, io.BytesIO(), follow=True)
-    finally:
-        release.set()
-        for thread in streams:
-            thread.join(timeout=30)
     assert status.state == "succeeded", status
     # A run that succeeded is not pulled as it ends: this one was pulled while it ran.
     pulled = kept_state(root, "count")
