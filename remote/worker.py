@@ -4,7 +4,7 @@
 Copied with its siblings to the machine that runs the step: stdlib only,
 Python 3.8+. The job file names the command, its folders and files.
 
-    python3 worker.py JOB_JSON [--detach] [--env-stdin] [--exit-status]
+    python3 worker.py JOB_JSON [--detach] [--env-stdin]
 
 It takes the GPUs the job asks for first (too few free: exit BUSY, having
 written nothing, and the client tries again later). The command's stdout
@@ -430,10 +430,10 @@ def detach(job: runfiles.Job, secrets: dict[str, str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    flags = ("--detach", "--env-stdin", "--exit-status")
+    flags = ("--detach", "--env-stdin")
     paths = [a for a in args if a not in flags]
     if len(paths) != 1:
-        sys.stderr.write("usage: worker.py JOB_JSON [--detach] [--env-stdin] [--exit-status]\n")
+        sys.stderr.write("usage: worker.py JOB_JSON [--detach] [--env-stdin]\n")
         return 2
     # Secrets arrive as a JSON object on stdin, so they touch no file.
     secrets = json.load(sys.stdin) if "--env-stdin" in args else {}
@@ -443,13 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         return detach(job, secrets)
     if refused(job):
         return 1
-    code = Worker(job, secrets).run()
-    # --exit-status: exit 0 only if the command succeeded, so a runner that
-    # reads exit codes (SkyPilot's job status) sees the run's outcome.
-    if "--exit-status" in args and code == 0:
-        final = control.read_json(job["status_file"]) or {}
-        return 0 if final.get("state") == "succeeded" else 1
-    return code
+    return Worker(job, secrets).run()
 
 
 if __name__ == "__main__":
