@@ -24,6 +24,12 @@ from substrax_tasks.constants import BACKEND_ENV, CACHE_FOLDER, CONFIG_ENV, SUBS
 from substrax_tasks.errors import ConfigError, not_valid_toml
 from substrax_tasks.private import private_path
 
+# Which copy of the package validated a configuration: its version and where
+# it is installed. Two working trees of the project share a version string
+# (a release bumps it, a checkout does not) but never a folder, so one tree's
+# cached settings are never handed to the other's code (an A/B of two commits).
+RELEASE = (__version__, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # noqa: PTH100, PTH120
+
 if TYPE_CHECKING:
     from substrax_tasks.config.settings import ComputeConfig
 
@@ -152,7 +158,7 @@ def config_key(root: Path) -> tuple[Any, ...]:
     overlay = os.environ.get(CONFIG_ENV)
     text = str(root)
     return (
-        __version__,
+        RELEASE,
         text,
         _file_stamp(f"{text}/pyproject.toml"),
         overlay,

@@ -117,6 +117,26 @@ def test_a_cached_configuration_not_ours_alone_is_not_trusted(
     assert json.loads(path.read_text())["state_dir"] == str(root / "mine")
 
 
+@pytest.mark.unit
+def test_a_configuration_cached_by_another_tree_of_the_same_version_is_not_used(
+    temp_base: Path, tmp_path: Path
+) -> None:
+    """Two working trees of the project (an A/B of two commits) share a
+    version string: what one's code validated is not the other's."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "pyproject.toml").write_text('[tool.substrax.compute]\nstate_dir = "mine"\n')
+    assert Project.open(root).store.root == root / "mine"  # made the cache
+    path = cache_file(root)
+    data = json.loads(path.read_text())
+    version, folder = data["stamp"][0]
+    assert Path(folder) == Path(_private.__file__).resolve().parent
+    other_tree = {**data, "stamp": [[version, "/elsewhere/substrax-tasks"], *data["stamp"][1:]],
+                  "state_dir": str(tmp_path / "theirs")}  # fmt: skip
+    path.write_text(json.dumps(other_tree))
+    assert Project.open(root).store.root == root / "mine"
+
+
 # ------------------------------------------------------------ as a user sees it
 
 
