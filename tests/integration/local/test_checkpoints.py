@@ -111,19 +111,6 @@ def test_two_steps_under_threads_keep_their_checkpoints_apart(tmp_path: Path) ->
     assert result_of(root, "b") == (8, list(range(1, 9)))
 
 
-def test_a_backend_that_keeps_no_checkpoints_refuses_the_step_before_launch(tmp_path: Path) -> None:
-    root = counting_project(tmp_path, count_step("count", 3, 0.01, backend="skypilot"))
-    with (root / "pyproject.toml").open("a") as f:
-        f.write('[tool.substrax.compute.backends.skypilot]\ninfra = "runpod"\n'
-                "[tool.substrax.compute.backends.skypilot.copy]\nlifetime_minutes = 10\n")  # fmt: skip
-    refused = doit(root, "count")
-    assert refused.returncode == 1, show(refused)
-    said = refused.stdout + refused.stderr
-    assert "checkpoints='ckpt/': the skypilot backend does not keep checkpoints across runs yet" in said, said
-    assert "Traceback" not in said
-    assert not (root / ".substrax" / "runs").exists() or not any((root / ".substrax" / "runs").iterdir())
-
-
 @pytest.mark.parametrize("checkpoints_first", [True, False], ids=["checkpoints-first", "output-first"])
 def test_a_checkpoints_folder_overlapping_another_steps_output_is_refused_at_load(
     tmp_path: Path, checkpoints_first: bool
