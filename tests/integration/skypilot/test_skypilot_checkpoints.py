@@ -72,14 +72,17 @@ def test_a_failed_run_is_resumed_from_its_snapshot(sky: Sky, reuse: bool) -> Non
 
     done = doit(root, "count", env=sky.env, timeout=180)
     assert done.returncode == 0, show(done)
-    assert "checkpoints put in place from the last snapshot (1 file(s))" in done.stdout + done.stderr, show(done)
+    said = done.stdout + done.stderr
+    assert "checkpoints put in place from the last snapshot (1 file(s))" in said, show(done)
     assert starts(run_logs(root, "count")[-1]) == [3], show(done)
     assert result_of(root, "count") == (6, list(range(1, 7)))
     first, second = clusters_of(root, "count")
     assert (first == second) is reuse, (first, second)
 
 
-def test_with_the_bucket_transport_snapshots_go_to_the_bucket_from_the_cluster(sky: Sky, tmp_path: Path) -> None:
+def test_with_the_bucket_transport_snapshots_go_to_the_bucket_from_the_cluster(
+    sky: Sky, tmp_path: Path
+) -> None:
     with running_s3_server(tmp_path / "s3") as s3_server:
         bucket = {"outputs_bucket": f"s3://{s3_server.bucket}/runs", "lifetime_minutes": 10.0}
         root = counting_project(sky, count_step("count", 6, PAUSE, "fail-fresh"), bucket=bucket)
