@@ -244,6 +244,12 @@ class Backend(ABC):
         local backend's checkpoints are in the store already)."""
         return
 
+    def remove_checkpoints(self, handle: RunHandle) -> None:
+        """The step's outputs are home: the snapshots of its checkpoints kept
+        where the backend keeps them (not in the store here) go. Default:
+        none are kept elsewhere."""
+        return
+
     def ran_on(self, handle: RunHandle) -> str:
         """Where the run ran, in words a user knows (a host, a cluster): the
         provenance of an entry of the run cache. Default: this machine."""

@@ -63,7 +63,7 @@ from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, HostRefused, SubstraxError
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.slots import Pool
-from substrax_tasks.step.spec import canonical_digest, settings_in_key
+from substrax_tasks.step.spec import canonical_digest, safe_name, settings_in_key
 from substrax_tasks.step.view import project_view
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
@@ -441,6 +441,14 @@ class SkypilotBackend(Backend):
         assert snapshots is not None  # the step has checkpoints
         quiet = RsyncTransport(self.target(handle), quiet=True)
         return _remote_run.CheckpointPuller(run, quiet, snapshots, every, handle.step)
+
+    def remove_checkpoints(self, handle: RunHandle) -> None:
+        if self.settings.bucket is None:
+            return
+        from substrax_tasks.transports.bucket import BucketTransport
+
+        BucketTransport().remove_tree(f"{self.settings.bucket.outputs_bucket}/{sky_task.CHECKPOINTS_IN_BUCKET}/"
+                                      f"{safe_name(handle.step)}")  # fmt: skip
 
     def keep_last_checkpoints(self, handle: RunHandle) -> None:
         if not isinstance(SkypilotState.of(handle).launched_job, int):

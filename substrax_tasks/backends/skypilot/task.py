@@ -65,6 +65,8 @@ _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
 
 
 CLIENT_TAG_LENGTH = 8
+# In the outputs bucket, beside the runs' folders: the steps' snapshots.
+CHECKPOINTS_IN_BUCKET = "checkpoints"
 
 
 def client_tag(client_id: str) -> str:
@@ -121,7 +123,7 @@ class ClusterLayout:
     def checkpoints_in_bucket(self, step: str, key: str) -> str:
         """Where a step's snapshots go with the bucket transport: in the
         outputs bucket, by step and key, beside the runs' folders."""
-        return f"{self.bucket_dir}/checkpoints/{safe_name(step)}/{key}"
+        return f"{self.bucket_dir}/{CHECKPOINTS_IN_BUCKET}/{safe_name(step)}/{key}"
 
     @property
     def bucket_dir(self) -> str:

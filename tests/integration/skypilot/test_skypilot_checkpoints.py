@@ -107,3 +107,5 @@ def test_with_the_bucket_transport_snapshots_go_to_the_bucket_from_the_cluster(
         assert result_of(root, "count") == (6, list(range(1, 7)))
         first, second = clusters_of(root, "count")
         assert first != second  # a new cluster restored it from the bucket
+        # The outputs are home: the step's snapshots in the bucket have gone with those here.
+        assert not in_bucket.parent.exists()
