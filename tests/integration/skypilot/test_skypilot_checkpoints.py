@@ -80,6 +80,31 @@ def test_a_failed_run_is_resumed_from_its_snapshot(sky: Sky, reuse: bool) -> Non
     assert (first == second) is reuse, (first, second)
 
 
+def test_a_run_that_failed_after_its_client_was_killed_resumes_from_what_it_left(sky: Sky) -> None:
+    """The command writes one more checkpoint after the last one a client
+    pulled, then fails; the next doit brings it home from the cluster,
+    still up, before a new run starts from it."""
+    root = counting_project(sky, count_step("count", 6, PAUSE, "fail-fresh", "hold-at-3"))
+    proc = popen_doit(root, "count", env=sky.env)
+    try:  # it holds at 2: the last snapshot a client pulled
+        wait_for(lambda: (kept_state(root, "count") or {}).get("i") == 2, "a snapshot of 2 counts",
+                 timeout=180)  # fmt: skip
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    run_dir = sky.remote / "runs" / live_handles(root, "count")[0]["run_id"]
+    (run_dir / "work" / "checkpoints" / "go").write_text("")  # count 3, written by rename, then exit 3
+    wait_for(lambda: (run_dir / "status.json").exists() and
+             json.loads((run_dir / "status.json").read_text()).get("state") == "failed",
+             "the run to fail on the cluster", timeout=60)  # fmt: skip
+
+    done = doit(root, "count", env=sky.env, timeout=180)
+    assert done.returncode == 0, show(done)
+    assert starts(run_logs(root, "count")[-1]) == [3], show(done)
+    assert result_of(root, "count") == (6, list(range(1, 7)))
+
+
 def test_with_the_bucket_transport_snapshots_go_to_the_bucket_from_the_cluster(
     sky: Sky, tmp_path: Path
 ) -> None:
