@@ -180,7 +180,7 @@ def push(root: str, dest: str) -> Dict[str, Any]:
     for other in os.listdir(dest):
         if other.startswith("snap-") and other != name:
             shutil.rmtree(os.path.join(dest, other), ignore_errors=True)
-    return {"files": len(kept), "snapshot": name}
+    return {"files": len(kept), "bytes": sum(int(e["size"]) for e in kept), "snapshot": name}
 
 
 def restore(dest: str, kept: str) -> Dict[str, Any]:

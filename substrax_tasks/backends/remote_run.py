@@ -420,11 +420,13 @@ class CheckpointPuller(Checkpointing):
         super().__init__(run, every, step)
         self.transport = transport
         self.snapshots = snapshots
+        self.copied = 0  # bytes the last pull copied
 
     def pull(self) -> int | None:
         root = self.checkpoints_root()
         if root is None:
             return None
+        began, self.copied = time.monotonic(), 0
         what = "listing the checkpoints"
         result = self.run.run_script("checkpoints.py", "list", root, what=what, timeout=None,
                                      limit=MAX_ANSWER_BYTES)  # fmt: skip
@@ -433,11 +435,13 @@ class CheckpointPuller(Checkpointing):
         listed = self.run.answer(result, what).get("entries")
         entries = checked_entries(listed, f"{what} on {self.run.remote.host}")
         kept = self.snapshots.pull(entries, lambda paths, into: self._download(root, paths, into))
-        emit(f"{self.step}: checkpoints brought home ({kept} file(s))", err=True)
+        # What it cost, said: a big checkpoint is copied whole at each pull.
+        emit(f"{self.step}: checkpoints brought home ({kept} file(s), {self.copied / 1e6:.1f} MB copied "
+             f"in {time.monotonic() - began:.1f} s)", err=True)  # fmt: skip
         return kept
 
     def _download(self, root: str, paths: list[str], into: Path) -> None:
-        self.transport.download(root, paths, into)
+        self.copied += self.transport.download(root, paths, into).bytes
 
 
 class BucketCheckpointPusher(Checkpointing):
@@ -454,12 +458,16 @@ class BucketCheckpointPusher(Checkpointing):
         if root is None:
             return None
         what = "putting a checkpoints snapshot in the bucket"
+        began = time.monotonic()
         lock = f"{self.run.run_dir}/checkpoints.lock"
         result = self.run.run_script("checkpoints.py", "push", root, self.dest, lock, what=what, timeout=None)
         if result.returncode != 0:
             raise result.failure(what, self.run.remote.host)
-        files = self.run.answer(result, what).get("files")
-        emit(f"{self.step}: checkpoints snapshot put in the bucket ({files} file(s))", err=True)
+        answer = self.run.answer(result, what)
+        files, copied = answer.get("files"), answer.get("bytes")
+        size = f"{copied / 1e6:.1f} MB copied " if isinstance(copied, int) else ""
+        emit(f"{self.step}: checkpoints snapshot put in the bucket ({files} file(s), {size}in "
+             f"{time.monotonic() - began:.1f} s)", err=True)  # fmt: skip
         return files if isinstance(files, int) else None
 
 
