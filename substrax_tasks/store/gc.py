@@ -99,16 +99,18 @@ def stale_checkpoints(
     ]  # fmt: skip
     if not found:
         return []
+    stale = {(folder.parent.name, folder.name) for folder in found}
     going: set[tuple[str, str]] = set()
-    for handle in handles:
-        if handle.spec.checkpoints is None or handle.state.verdict or handle.state.phase is Phase.PROMOTED:
+    for handle in handles:  # only the runs of those keys are asked: each may be a connection
+        of = (safe_name(handle.step), str(handle.state.key or handle.spec_digest)[:16])
+        if of not in stale or handle.state.verdict or handle.state.phase is Phase.PROMOTED:
             continue
         try:
             ended = project.backend_for(handle).status(handle).final
         except SubstraxError:
             ended = False
         if not ended:
-            going.add((safe_name(handle.step), str(handle.state.key or handle.spec_digest)[:16]))
+            going.add(of)
     return [folder for folder in found if (folder.parent.name, folder.name) not in going]
 
 

@@ -142,6 +142,22 @@ def test_gc_removes_the_checkpoints_of_keys_no_step_has_any_more(tmp_path: Path)
     assert result_of(root, "a") == (6, list(range(1, 7)))
 
 
+def test_gc_keeps_the_checkpoints_of_a_run_still_going_under_an_old_key(tmp_path: Path) -> None:
+    root = counting_project(tmp_path, count_step("count", 40, PAUSE))
+    proc = popen_doit(root, "count")
+    try:
+        wait_for(lambda: (kept_state(root, "count") or {}).get("i", 0) >= 1, "a count checkpointed")
+        (root / "data.txt").write_text("two\n")  # the dodo's key is another now; the run goes on
+        done = compute(root, "gc")
+        assert done.returncode == 0, show(done)
+        assert "checkpoints" not in done.stdout, show(done)
+        assert kept_state(root, "count") is not None
+        proc.send_signal(signal.SIGINT)  # cancels the local run
+        proc.wait(timeout=60)
+    finally:
+        stop(proc)
+
+
 @pytest.mark.parametrize("checkpoints_first", [True, False], ids=["checkpoints-first", "output-first"])
 def test_a_checkpoints_folder_overlapping_another_steps_output_is_refused_at_load(
     tmp_path: Path, checkpoints_first: bool
