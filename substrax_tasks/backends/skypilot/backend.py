@@ -43,7 +43,7 @@ from pydantic import BaseModel
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends import remote_run as _remote_run
-from substrax_tasks.backends.base import Backend, Capabilities, Fetched, Leak, RunStatus
+from substrax_tasks.backends.base import Backend, Capabilities, Fetched, KeptCheckpoints, Leak, RunStatus
 from substrax_tasks.backends.checkpoints import Snapshots, checkpoints_folder
 from substrax_tasks.backends.job import env_dir_of
 from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun
@@ -441,6 +441,20 @@ class SkypilotBackend(Backend):
         assert snapshots is not None  # the step has checkpoints
         quiet = RsyncTransport(self.target(handle), quiet=True)
         return _remote_run.CheckpointPuller(run, quiet, snapshots, every, handle.step)
+
+    def checkpoints_kept_elsewhere(self) -> list[KeptCheckpoints]:
+        """With the bucket transport: the snapshot folders in the outputs bucket."""
+        if self.settings.bucket is None:
+            return []
+        from substrax_tasks.transports.bucket import BucketTransport
+
+        bucket = BucketTransport()
+        root = f"{self.settings.bucket.outputs_bucket}/{sky_task.CHECKPOINTS_IN_BUCKET}"
+        return [
+            KeptCheckpoints(step, key, f"{root}/{step}/{key}",
+                            functools.partial(bucket.remove_tree, f"{root}/{step}/{key}"))
+            for step in bucket.folders(root) for key in bucket.folders(f"{root}/{step}")
+        ]  # fmt: skip
 
     def remove_checkpoints(self, handle: RunHandle) -> None:
         if self.settings.bucket is None:

@@ -134,3 +134,26 @@ def test_with_the_bucket_transport_snapshots_go_to_the_bucket_from_the_cluster(
         assert first != second  # a new cluster restored it from the bucket
         # The outputs are home: the step's snapshots in the bucket have gone with those here.
         assert not in_bucket.parent.exists()
+
+
+def test_gc_removes_the_snapshots_in_the_bucket_of_keys_no_step_has(sky: Sky, tmp_path: Path) -> None:
+    with running_s3_server(tmp_path / "s3") as s3_server:
+        bucket = {"outputs_bucket": f"s3://{s3_server.bucket}/runs", "lifetime_minutes": 10.0}
+        root = counting_project(sky, count_step("count", 6, PAUSE, "fail-fresh"), bucket=bucket)
+        sky.env.update(s3_server.env)
+        sky.env["FAKESKY_BUCKET_DIR"] = str(s3_server.data_dir)
+        failed = doit(root, "count", env=sky.env, timeout=180)
+        assert failed.returncode != 0, show(failed)
+        step_folder = s3_server.data_dir / s3_server.bucket / "runs" / "checkpoints" / "count"
+        (key,) = [p.name for p in step_folder.iterdir()]
+
+        kept = sky.compute("gc")  # the dodo's key is the snapshot's: kept
+        assert kept.returncode == 0, kept.stdout + kept.stderr
+        assert "checkpoints" not in kept.stdout and (step_folder / key).is_dir()
+        (root / "data.txt").write_text("two\n")  # now no step has that key
+        done = sky.compute("gc")
+        assert done.returncode == 0, done.stdout + done.stderr
+        uri = f"s3://{s3_server.bucket}/runs/checkpoints/count/{key}"
+        assert f"removed checkpoints {uri} (step count: no step of the dodo file has that key any more)" in (
+            done.stdout), done.stdout  # fmt: skip
+        assert not (step_folder / key).exists()
