@@ -94,7 +94,10 @@ def kept_checkpoints(project: Project, handles: list[RunHandle]) -> tuple[list[K
     ]  # fmt: skip
     problems: list[str] = []
     seen = {k.where for k in kept}
-    for name, backend in _places(project, handles):
+    # Only runs of a step with checkpoints make snapshots elsewhere: a project
+    # with none asks no backend (and reaches no bucket).
+    with_checkpoints = [h for h in handles if h.spec.checkpoints is not None]
+    for name, backend in _places(project, with_checkpoints) if with_checkpoints else ():
         try:
             elsewhere = backend().checkpoints_kept_elsewhere()
         except SubstraxError as exc:
