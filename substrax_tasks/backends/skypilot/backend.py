@@ -528,6 +528,8 @@ class SkypilotBackend(Backend):
         if not self.settings.reuse:  # the run's own cluster: nothing else will use it
             with contextlib.suppress(SubstraxError, OSError):
                 run.keep_log(self.run_file(handle, "run.log"))
+            if handle.spec.checkpoints is not None:  # the next run starts from what it wrote last
+                self.keep_last_checkpoints(handle)
             if self.down_cluster(cluster, failures):
                 self.save_state(handle, torn_down=True)
                 if SkypilotState.of(self.store.read(handle.run_id)).final_status is None:

@@ -105,6 +105,31 @@ def test_a_run_that_failed_after_its_client_was_killed_resumes_from_what_it_left
     assert result_of(root, "count") == (6, list(range(1, 7)))
 
 
+def test_a_cancel_that_takes_the_cluster_down_keeps_the_last_checkpoint_first(sky: Sky) -> None:
+    root = counting_project(sky, count_step("count", 40, PAUSE, "hold-at-3"))
+    proc = popen_doit(root, "count", env=sky.env)
+    try:  # it holds at 2 until told to go on: the last snapshot a client pulled
+        wait_for(lambda: (kept_state(root, "count") or {}).get("i") == 2, "a snapshot of 2 counts",
+                 timeout=180)  # fmt: skip
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    handle = live_handles(root, "count")[0]
+    kept = sky.remote / "runs" / handle["run_id"] / "work" / "checkpoints"
+    (kept / "go").write_text("")
+    wait_for(lambda: json.loads((kept / "state.json").read_text())["i"] >= 5, "five counts on the cluster")
+    reached = json.loads((kept / "state.json").read_text())["i"]
+    cancelled = sky.compute("cancel", handle["run_id"])
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    assert sky.clusters() == []
+
+    done = doit(root, "count", env=sky.env, timeout=180)
+    assert done.returncode == 0, show(done)
+    assert starts(run_logs(root, "count")[-1])[0] >= reached, show(done)
+    assert result_of(root, "count") == (40, list(range(1, 41)))
+
+
 def test_with_the_bucket_transport_snapshots_go_to_the_bucket_from_the_cluster(
     sky: Sky, tmp_path: Path
 ) -> None:
