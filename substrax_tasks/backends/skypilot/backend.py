@@ -162,9 +162,19 @@ class SkypilotBackend(Backend):
     def run_file(self, handle: RunHandle, name: str) -> Path:
         return self.store.run_dir(handle.run_id) / name
 
+    def attempt_file(self, handle: RunHandle, name: str) -> Path:
+        """A file of the run's current attempt's launch: the first's as
+        ever (task.json), a relaunch's with its number (task-attempt2.json):
+        each attempt's intent and request are kept."""
+        attempts = len(handle.state.attempts)
+        if attempts > 1:
+            stem, dot, suffix = name.partition(".")
+            name = f"{stem}-attempt{attempts}{dot}{suffix}"
+        return self.run_file(handle, name)
+
     def request_id(self, handle: RunHandle) -> str | None:
         try:
-            data = json.loads(self.run_file(handle, LAUNCH_REQUEST).read_text())
+            data = json.loads(self.attempt_file(handle, LAUNCH_REQUEST).read_text())
         except (OSError, ValueError):
             return None
         rid = data.get("request_id") if isinstance(data, dict) else None
@@ -235,9 +245,48 @@ class SkypilotBackend(Backend):
         with launching(self, handle):  # the slots that share the cluster: one launches it
             return self._launch(handle)
 
+    def relaunch(self, handle: RunHandle) -> RunHandle:
+        """A cluster for the run's new attempt once its cluster was lost
+        while the command ran (remote_step(..., preemptions=N)). The lost
+        one is made sure gone first: `sky.down` (SkyPilot may still hold it
+        UP in its record; one it already removed is no error) and its slot's
+        record of it dropped; but with reuse, a cluster SkyPilot holds UP
+        whose worker alone was lost stays for the steps that share it, only
+        the run's tree and folder there removed. Then `launch`, as for a new
+        step: a warm cluster of the slot first (reuse), else a new one,
+        named apart from the lost one, in a run folder of the attempt's own,
+        bounded by a lifetime timer of its own. With use_spot = true and
+        on_demand_last_attempt = true, the last attempt preemptions= allow is
+        launched on demand, never on a warm spot cluster."""
+        lost = SkypilotState.of(handle).cluster
+        if isinstance(lost, str) and not SkypilotState.of(handle).torn_down:
+            if self.settings.reuse and not cluster_gone(self, lost):
+                with contextlib.suppress(SubstraxError):  # its lifetime timer ends what could not be stopped
+                    self.remote_run(handle).remove()
+            else:
+                failures: list[Exception] = []
+                if not self.down_cluster(lost, failures):
+                    raise failures[0]  # a BackendError: retried as the machinery's (retries)
+                forget_cluster(self, handle)
+                emit(f"{handle.step}: the lost cluster {lost} is taken down")
+        # A relaunch a stopped doit left half done launches afresh: what its launch made is down.
+        self.attempt_file(handle, LAUNCH_REQUEST).unlink(missing_ok=True)
+        attempt = handle.state.attempts[-1] if handle.state.attempts else None
+        on_demand = attempt is not None and attempt.last and self.settings.on_demand_last_attempt
+        if on_demand:
+            number = attempt.number if attempt else 0
+            emit(f"{handle.step}: attempt {number} is the last preemptions= allow: "
+                 "on an on-demand machine (on_demand_last_attempt = true)")  # fmt: skip
+        handle = self.save_state(
+            handle, cluster=None, lease_job=None, watchdog=None, job_home=None, remote_run=None,
+            bin_digest=None, env_dir=None, gpus=None, outputs_root=None, final_status=None,
+            cancel_requested=False, torn_down=False, on_demand=on_demand,
+        )  # fmt: skip
+        return self.launch(handle)
+
     def _launch(self, handle: RunHandle) -> RunHandle:
         rid = self.request_id(handle)
-        if rid is None and self.settings.reuse:
+        if rid is None and self.settings.reuse and not SkypilotState.of(handle).on_demand:
             warm = warm_cluster(self, handle)
             if warm is not None:
                 return warm
@@ -279,7 +328,7 @@ class SkypilotBackend(Backend):
             project=project, lock=lock, env_dir=env_dir,
         )  # fmt: skip
         # The intent, before any paid call: what would be launched, and where.
-        write_json_atomic(self.run_file(handle, TASK_FILE), config)
+        write_json_atomic(self.attempt_file(handle, TASK_FILE), config)
         sky_task.validate(self.sky(), self.settings, config)
         handle = self.save_state(handle, cluster=cluster, job_home=None)  # not a warm one tried
         record_cluster(self, handle)  # before the launch: a killed client's cluster is found
@@ -289,7 +338,7 @@ class SkypilotBackend(Backend):
         request = {
             "task": config, "cluster_name": cluster, "down": True, "log_file": str(log),
             "idle_minutes_to_autostop": AUTODOWN_MINUTES, "retry_until_up": self.settings.retry_until_up,
-            "request_file": str(self.run_file(handle, LAUNCH_REQUEST)),
+            "request_file": str(self.attempt_file(handle, LAUNCH_REQUEST)),
         }  # fmt: skip
         try:
             return self.sky().call("launch", request, timeout=None, while_waiting=relay)
@@ -547,7 +596,7 @@ class SkypilotBackend(Backend):
                                                  SkypilotState.of(handle).outputs_root)  # fmt: skip
         from substrax_tasks.transports.bucket import BucketTransport
 
-        run_folder = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
+        run_folder = f"{self.settings.bucket.outputs_bucket}/{self.layout(handle).folder}"
         manifest = BucketTransport().fetch_run(run_folder, list(handle.spec.outputs), staging)
         return Fetched(staging, manifest)
 
@@ -568,7 +617,7 @@ class SkypilotBackend(Backend):
 
             try:
                 BucketTransport().read_manifest(
-                    f"{self.settings.bucket.outputs_bucket}/{handle.run_id}/manifest.json"
+                    f"{self.settings.bucket.outputs_bucket}/{self.layout(handle).folder}/manifest.json"
                 )
             except SubstraxError:
                 return False
