@@ -137,8 +137,8 @@ def test_a_lost_run_without_preemptions_fails_saying_how_to_allow_them(tmp_path:
         stop(proc)
     said = popen_output(root)
     assert code == 1, said
-    assert "lost" in said and "its machine was lost while the command ran; remote_step('count', ..., " \
-        "preemptions=1) relaunches it" in said, said
+    how = "its machine was lost while the command ran; remote_step('count', ..., preemptions=1) relaunches it"
+    assert how in said, said
     assert "Traceback" not in said, said
     (attempt,) = attempts_of(root, "count")
     assert attempt["outcome"] == "lost", attempt
