@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from substrax_tasks._remote import control, env, gpus, sandbox
+from substrax_tasks._remote import checkpoints, control, env, gpus, sandbox
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
@@ -128,9 +128,17 @@ class LocalBackend(Backend):
         attempt left running is stopped (without a sandbox its command's
         tree outlives a killed worker), its status and log kept aside in
         `attempt-<n>/`, its half-written outputs removed; then launched as
-        a new run is. Its checkpoints stay where they are, bound in place."""
+        a new run is. Its checkpoints stay where they are, bound in place
+        (without a sandbox: kept back from the project first)."""
         self.cancel(handle)
         paths = self.paths(handle)
+        folder = checkpoints_folder(self.store, handle)
+        kept = None if folder is None else str(folder / LIVE)
+        written = (self._record(handle) or {}).get("checkpoints_root")
+        if kept is not None and isinstance(written, str) and written != kept:
+            # Without a sandbox the command wrote them in the project, and its
+            # worker, killed, never kept them back as it does when a command ends.
+            checkpoints.keep_from_place(written, kept)
         run_dir = Path(paths.run_dir)
         lost = handle.state.attempts[-2].number if len(handle.state.attempts) > 1 else 1
         aside = run_dir / f"attempt-{lost}"

@@ -168,7 +168,9 @@ class SshBackend(Backend):
         self._wait_for_host()
         if self._on_host(handle):
             try:
-                self.remote_run(handle).remove()
+                lost = self.remote_run(handle)
+                if lost.status().get("exists"):  # gone with a restart's scratch disk (its scripts too)
+                    lost.remove()
             except BackendError as exc:  # `gc --machines` finds it: it is marked as this client's
                 emit(f"{handle.step}: the lost attempt's folder on {self.settings.host} stays: {exc}",
                      err=True)  # fmt: skip
