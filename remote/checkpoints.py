@@ -15,6 +15,21 @@ A file whose name marks it temporary (TEMPORARY) is never listed, nor is a
 file that changes while it is hashed, nor a symlink or anything but a
 regular file.
 
+With the bucket transport the snapshots go from here to the bucket the
+cluster mounts, not through the client:
+
+    python3 checkpoints.py push ROOT DEST [LOCK]
+    python3 checkpoints.py restore DEST KEPT
+
+`push` copies the finished files into `DEST/snap-<id>/files/`, each hashed
+as it is copied and kept only if it is the file listed (one replaced under
+the copy keeps the previous snapshot's version), writes the snapshot's
+`manifest.json`, and only then replaces `DEST/latest.json`, which names the
+newest whole snapshot: a push killed half-way leaves the previous one
+named. `restore` copies the snapshot `latest.json` names into KEPT, each
+file checked against its manifest, before the command starts. Both print
+one JSON line (`{"files": N}`).
+
 Without a sandbox the command writes its checkpoints in place, in the
 project: the worker copies the kept folder there before the command
 starts (`put_in_place`) and back once it has ended (`keep_from_place`).
@@ -22,12 +37,16 @@ starts (`put_in_place`) and back once it has ended (`keep_from_place`).
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import shutil
 import stat
 import sys
-from typing import Any, Dict, List, Optional
+import time
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
 
 PACKAGED = bool(__package__)
 if PACKAGED:
@@ -98,15 +117,128 @@ def keep_from_place(place: str, kept: str) -> None:
         _copy_tree(place, kept)
 
 
+LATEST_FILE = "latest.json"  # in DEST: {"snapshot": NAME}, replaced last
+
+
+def _copy_hashed(source: str, dest: str, buf: memoryview) -> str:
+    """Copy `source` to `dest` (a temporary name, renamed once whole); the
+    sha256 of what was copied."""
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    temp = "%s.%s.partial" % (dest, uuid.uuid4().hex[:8])
+    digest = hashlib.sha256()
+    with open(source, "rb") as src, open(temp, "wb") as out:
+        for n in iter(lambda: src.readinto(buf), 0):
+            digest.update(buf[:n])
+            out.write(buf[:n])
+    os.replace(temp, dest)
+    return digest.hexdigest()
+
+
+def _latest(dest: str) -> Optional[Tuple[str, Dict[str, Dict[str, Any]]]]:
+    """(the folder of the snapshot latest.json names, its manifest by path), or None."""
+    try:
+        with open(os.path.join(dest, LATEST_FILE)) as f:
+            name = json.load(f)["snapshot"]
+        folder = os.path.join(dest, os.path.basename(str(name)))
+        with open(os.path.join(folder, "manifest.json")) as f:
+            entries = json.load(f)["entries"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return folder, {e["path"]: e for e in entries}
+
+
+def push(root: str, dest: str) -> Dict[str, Any]:
+    """A new snapshot of `root`'s finished files in `dest`, named latest.json once whole."""
+    listed = finished_files(root) if os.path.isdir(root) else []
+    previous = _latest(dest)
+    name = "snap-%d-%s" % (int(time.time()), uuid.uuid4().hex[:8])
+    folder = os.path.join(dest, name)
+    buf = memoryview(bytearray(manifest.BUFFER_SIZE))
+    kept: List[Dict[str, Any]] = []
+    for entry in listed:
+        target = os.path.join(folder, "files", entry["path"])
+        try:
+            same = _copy_hashed(os.path.join(root, entry["path"]), target, buf) == entry["sha256"]
+        except OSError:
+            same = False
+        if same:
+            kept.append(entry)
+            continue
+        # Replaced under the copy: the version of the last snapshot (whole,
+        # checked then) stays until the next push.
+        if os.path.lexists(target):
+            os.unlink(target)
+        old = previous[1].get(entry["path"]) if previous else None
+        if previous and old:
+            if _copy_hashed(os.path.join(previous[0], "files", entry["path"]), target, buf) == old["sha256"]:
+                kept.append(old)
+            else:
+                os.unlink(target)
+    os.makedirs(folder, exist_ok=True)
+    _write_json(os.path.join(folder, "manifest.json"), {"entries": kept})
+    _write_json(os.path.join(dest, LATEST_FILE), {"snapshot": name})  # last: the snapshot is whole
+    for other in os.listdir(dest):
+        if other.startswith("snap-") and other != name:
+            shutil.rmtree(os.path.join(dest, other), ignore_errors=True)
+    return {"files": len(kept), "bytes": sum(int(e["size"]) for e in kept), "snapshot": name}
+
+
+def restore(dest: str, kept: str) -> Dict[str, Any]:
+    """The latest snapshot in `dest` copied into `kept`, every file as its
+    manifest says; ValueError naming the first that is not."""
+    os.makedirs(kept, exist_ok=True)
+    latest = _latest(dest)
+    if latest is None:
+        return {"files": 0}
+    folder, entries = latest
+    buf = memoryview(bytearray(manifest.BUFFER_SIZE))
+    for path, entry in sorted(entries.items()):
+        parts = path.split("/")
+        if path.startswith("/") or ".." in parts:
+            raise ValueError("the snapshot %s names the file %r outside its folder" % (folder, path))
+        copied = _copy_hashed(os.path.join(folder, "files", path), os.path.join(kept, path), buf)
+        if copied != entry["sha256"]:
+            raise ValueError("%s in the snapshot %s does not match its manifest" % (path, folder))
+    return {"files": len(entries), "snapshot": os.path.basename(folder)}
+
+
+def _write_json(path: str, data: Any) -> None:
+    temp = "%s.%s.partial" % (path, uuid.uuid4().hex[:8])
+    with open(temp, "w") as f:
+        json.dump(data, f)
+    os.replace(temp, path)
+
+
+USAGE = "usage: checkpoints.py list ROOT | push ROOT DEST [LOCK] | restore DEST KEPT\n"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or args[0] != "list":
-        sys.stderr.write("usage: checkpoints.py list ROOT\n")
-        return 2
-    root = args[1]
-    entries = finished_files(root) if os.path.isdir(root) else []
-    sys.stdout.write(json.dumps({"root": root, "entries": entries}) + "\n")
-    return 0
+    if len(args) == 2 and args[0] == "list":
+        root = args[1]
+        entries = finished_files(root) if os.path.isdir(root) else []
+        sys.stdout.write(json.dumps({"root": root, "entries": entries}) + "\n")
+        return 0
+    if len(args) in (3, 4) and args[0] == "push":
+        os.makedirs(args[2], exist_ok=True)
+        # One push at a time per run (a doit and a `logs --follow` may both
+        # push): on the machine's own disk, as a mounted bucket may not lock.
+        with open(args[3] if len(args) == 4 else os.devnull, "a") as lock:
+            if len(args) == 4:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            answer = push(args[1], args[2])
+        sys.stdout.write(json.dumps(answer) + "\n")
+        return 0
+    if len(args) == 3 and args[0] == "restore":
+        try:
+            answer = restore(args[1], args[2])
+        except (OSError, ValueError) as exc:
+            sys.stderr.write("checkpoints.py: %s\n" % exc)
+            return 1
+        sys.stdout.write(json.dumps(answer) + "\n")
+        return 0
+    sys.stderr.write(USAGE)
+    return 2
 
 
 if __name__ == "__main__":

@@ -235,6 +235,21 @@ class Backend(ABC):
         """Whether a finished run's outputs can still be fetched again."""
         return False
 
+    def keep_last_checkpoints(self, handle: RunHandle) -> None:
+        """A run of a step with checkpoints ended (failed, timed out,
+        cancelled) with no client following it: what the command left there
+        is kept as the step's latest snapshot before a new run starts from
+        it. A failure to reach it is said, not raised: the new run then
+        starts from the snapshot kept before. Default: nothing to bring (the
+        local backend's checkpoints are in the store already)."""
+        return
+
+    def remove_checkpoints(self, handle: RunHandle) -> None:
+        """The step's outputs are home: the snapshots of its checkpoints kept
+        where the backend keeps them (not in the store here) go. Default:
+        none are kept elsewhere."""
+        return
+
     def ran_on(self, handle: RunHandle) -> str:
         """Where the run ran, in words a user knows (a host, a cluster): the
         provenance of an entry of the run cache. Default: this machine."""

@@ -374,23 +374,21 @@ class RemoteRun:
         return Fetched(staging, manifest)
 
 
-class CheckpointPuller:
-    """A run's checkpoints brought home while it runs, every `every`
-    seconds, as verified snapshots (backends/checkpoints.py): the worker's
-    `checkpoints.py list` names the finished files there with their
-    sha256, the transport copies them, and only a copy that matches is
-    kept. A pull that fails (the host out of reach a moment) is said and
-    tried again at the next; the run goes on."""
+class Checkpointing:
+    """A run's checkpoints snapshotted while it runs, every `every` seconds
+    (`pull`, by the subclass). A snapshot that fails (the host out of reach
+    a moment) is said and tried again at the next; the run goes on."""
 
-    def __init__(self, run: RemoteRun, transport: Transport, snapshots: Snapshots, every: float,
-                 step: str) -> None:  # fmt: skip
+    def __init__(self, run: RemoteRun, every: float, step: str) -> None:
         self.run = run
-        self.transport = transport
-        self.snapshots = snapshots
         self.every = every
         self.step = step
         self.next_at = time.monotonic() + every
         self.root: str | None = None  # where the command writes them there (its status says)
+
+    def pull(self) -> int | None:
+        """One snapshot now; the number of files it holds (None: nothing to take yet)."""
+        raise NotImplementedError
 
     def when_due(self) -> None:
         if time.monotonic() >= self.next_at:
@@ -400,27 +398,105 @@ class CheckpointPuller:
                 emit(f"{self.step}: checkpoints not brought home this time: {exc}", err=True)
             self.next_at = time.monotonic() + self.every
 
-    def pull(self) -> int | None:
-        """One snapshot now; the number of files it holds (None: nothing to pull yet)."""
+    def checkpoints_root(self) -> str | None:
+        """Where the command writes its checkpoints there (None: not started yet)."""
         if self.root is None:
             root = self.run.status().get("checkpoints_root")
             if not isinstance(root, str):
                 return None
             self.root = root
+        return self.root
+
+
+
+class CheckpointPuller(Checkpointing):
+    """The snapshots brought home (backends/checkpoints.py): the worker's
+    `checkpoints.py list` names the finished files there with their
+    sha256, the transport copies them, and only a copy that matches is
+    kept."""
+
+    def __init__(self, run: RemoteRun, transport: Transport, snapshots: Snapshots, every: float,
+                 step: str) -> None:  # fmt: skip
+        super().__init__(run, every, step)
+        self.transport = transport
+        self.snapshots = snapshots
+        self.copied = 0  # bytes the last pull copied
+
+    def pull(self) -> int | None:
+        root = self.checkpoints_root()
+        if root is None:
+            return None
+        began, self.copied = time.monotonic(), 0
         what = "listing the checkpoints"
-        result = self.run.run_script("checkpoints.py", "list", self.root, what=what, timeout=None,
+        result = self.run.run_script("checkpoints.py", "list", root, what=what, timeout=None,
                                      limit=MAX_ANSWER_BYTES)  # fmt: skip
         if result.returncode != 0:
             raise result.failure(what, self.run.remote.host)
         listed = self.run.answer(result, what).get("entries")
         entries = checked_entries(listed, f"{what} on {self.run.remote.host}")
-        root = self.root
         kept = self.snapshots.pull(entries, lambda paths, into: self._download(root, paths, into))
-        emit(f"{self.step}: checkpoints brought home ({kept} file(s))", err=True)
+        # What it cost, said: a big checkpoint is copied whole at each pull.
+        emit(f"{self.step}: checkpoints brought home ({kept} file(s), {self.copied / 1e6:.1f} MB copied "
+             f"in {time.monotonic() - began:.1f} s)", err=True)  # fmt: skip
         return kept
 
     def _download(self, root: str, paths: list[str], into: Path) -> None:
-        self.transport.download(root, paths, into)
+        self.copied += self.transport.download(root, paths, into).bytes
+
+
+class BucketCheckpointPusher(Checkpointing):
+    """With the bucket transport: the snapshot goes from the machine to the
+    bucket it mounts (`checkpoints.py push`: a snapshot folder and its
+    manifest, then `latest.json` replaced last), not through the client."""
+
+    def __init__(self, run: RemoteRun, every: float, step: str, dest: str) -> None:
+        super().__init__(run, every, step)
+        self.dest = dest
+
+    def pull(self) -> int | None:
+        root = self.checkpoints_root()
+        if root is None:
+            return None
+        what = "putting a checkpoints snapshot in the bucket"
+        began = time.monotonic()
+        lock = f"{self.run.run_dir}/checkpoints.lock"
+        result = self.run.run_script("checkpoints.py", "push", root, self.dest, lock, what=what, timeout=None)
+        if result.returncode != 0:
+            raise result.failure(what, self.run.remote.host)
+        answer = self.run.answer(result, what)
+        files, copied = answer.get("files"), answer.get("bytes")
+        size = f"{copied / 1e6:.1f} MB copied " if isinstance(copied, int) else ""
+        emit(f"{self.step}: checkpoints snapshot put in the bucket ({files} file(s), {size}in "
+             f"{time.monotonic() - began:.1f} s)", err=True)  # fmt: skip
+        return files if isinstance(files, int) else None
+
+
+def restore_from_bucket(run: RemoteRun, dest: str, kept: str, step: str) -> None:
+    """The latest snapshot in the bucket (mounted at `dest` there) put in
+    place before the command starts, each file checked against its manifest."""
+    what = "putting the checkpoints in place from the bucket"
+    result = run.run_script("checkpoints.py", "restore", dest, kept, what=what, timeout=None)
+    if result.returncode != 0:
+        said = result.stderr.decode(errors="replace").strip().splitlines()
+        raise BackendError(
+            f"{step}: the latest checkpoints snapshot in the bucket could not be put in place "
+            f"({said[-1] if said else f'exit {result.returncode}'}); remove the snapshot folder "
+            f"{dest} in the bucket to start the step from nothing"
+        )
+    files = run.answer(result, what).get("files")
+    if files:
+        emit(f"{step}: checkpoints put in place from the bucket's last snapshot ({files} file(s))")
+
+
+def pull_as_ended(puller: Checkpointing | None, step: str) -> None:
+    """What the command left as it ended, kept: the next run starts from it.
+    A failure is said, not raised: the snapshot kept before stays."""
+    if puller is None:
+        return
+    try:
+        puller.pull()
+    except BackendError as exc:
+        emit(f"{step}: the last checkpoints were not kept: {exc}", err=True)
 
 
 def checked_entries(listed: object, where: str) -> list[dict[str, Any]]:
@@ -464,7 +540,7 @@ class _FollowOverdue(Exception):
 
 
 def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int, run: RemoteRun,  # noqa: PLR0917
-               checkpoints: CheckpointPuller | None = None) -> RunStatus:  # fmt: skip
+               checkpoints: Checkpointing | None = None) -> RunStatus:  # fmt: skip
     """A run's log from `offset` to `out` until it ends, through one
     follower there (control.py follow: one channel, the status read there
     each tick) instead of a status and a log read started every fraction of

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 from rich.console import Console
@@ -14,7 +15,7 @@ from substrax_tasks.cli.arguments import arg, command, flag
 from substrax_tasks.constants import CACHE_ENV
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.run.promote import remove_path
-from substrax_tasks.store.gc import removable, remove_leaks, verified_records
+from substrax_tasks.store.gc import removable, remove_leaks, stale_checkpoints, verified_records
 from substrax_tasks.store.project import Project
 
 
@@ -37,14 +38,42 @@ def add_commands(commands: Any) -> None:
         "fetched copies, manifests no step record points to), keeping each run's handle, status "
         "and logs; never touches a run still going or whose outputs are not home yet. Then trim "
         "the local cache to max_size (and, with --older-than, drop its entries not used for that "
-        "many days). --machines also removes the remote run folders and clusters of this project "
+        "many days). Checkpoints kept for a key no step of the dodo file has any more (a changed "
+        "command or input, a step removed) go too. --machines also removes the remote run folders "
+        "and clusters of this project "
         "that no live handle accounts for (leaked; `status --machines` lists them), stopping what "
         "runs there. --dry-run lists what would go.",
         flag("--dry-run", "-n", help="list what would be removed; remove nothing"),
         arg("--older-than", metavar="DAYS", type=_days, default=None,
             help="also remove local cache entries not restored or stored for DAYS days"),
         flag("--machines", help="also remove leaked run folders and clusters"),
+        arg("--dodo", metavar="FILE",
+            help="the dodo file whose steps' checkpoints are kept (default: dodo.py in the project)"),
     )  # fmt: skip
+
+
+def _stale_checkpoints(project: Project, args: argparse.Namespace, handles: list[Any]) -> list[Any]:
+    """The checkpoints folders of keys no step of the dodo file has now
+    (store/gc.py); the dodo is loaded (and each such step's key taken) only
+    when some are kept."""
+    root = project.store.root / "checkpoints"
+    if not root.is_dir() or not any(root.iterdir()):
+        return []
+    from pathlib import Path
+
+    from substrax_tasks.step.dodo import load_dodo  # imports doit: only here
+    from substrax_tasks.uptodate import check as uptodate
+
+    loaded = load_dodo(project.root, Path(args.dodo) if args.dodo else None)
+    keys: dict[str, str | None] = {}
+    for name, driver in loaded.drivers.items():
+        if driver.spec.checkpoints is None:
+            continue
+        try:
+            keys[name] = uptodate.key(uptodate.key_parts(driver.step))
+        except SubstraxError:  # its inputs refused now: which key it will have is not known
+            keys[name] = None
+    return stale_checkpoints(project, keys, handles)
 
 
 def _days(text: str) -> float:
@@ -120,7 +149,22 @@ def cmd_gc(project: Project, args: argparse.Namespace, out: Console, err: Consol
             remove_path(path)
     for what in run_cache(project).trim(dry_run=args.dry_run, older_than_days=args.older_than):
         out.print(f"{verb} cache {escape(what)}", highlight=False)
-    leaks, problems = remove_leaks(project, handles, dry_run=args.dry_run) if args.machines else ([], [])
+    problems: list[str] = []
+    try:
+        stale = _stale_checkpoints(project, args, handles)
+    except SubstraxError as exc:
+        stale = []
+        problems.append(f"checkpoints kept, as the dodo file could not be read to tell which are still "
+                        f"used: {exc}")  # fmt: skip
+    for folder in stale:
+        out.print(escape(f"{verb} checkpoints {folder} (step {folder.parent.name}: no step of the dodo "
+                         "file has that key any more)"), highlight=False)  # fmt: skip
+        if not args.dry_run:
+            project.store.remove_checkpoints_folder(folder)
+            with contextlib.suppress(OSError):  # the step's last key: its folder goes too
+                folder.parent.rmdir()
+    leaks, more = remove_leaks(project, handles, dry_run=args.dry_run) if args.machines else ([], [])
+    problems += more
     for leak in leaks:
         out.print(escape(f"{verb} {leak.name} on {leak.where}"), highlight=False)
     for problem in problems:

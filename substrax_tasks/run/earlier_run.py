@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from substrax_tasks.run.driven_run import DrivenRun
     from substrax_tasks.store.handle import RunHandle
 
+# How a run ends that leaves its step to do: a new run starts from its checkpoints.
+ENDED_UNDONE = ("failed", "timed_out", "cancelled")
+
+
 def last_run(driver: DrivenRun) -> RunHandle | None:
     """The step's last run. A damaged step record or handle is moved aside
     when the run it may name is provably over; otherwise it is an error
@@ -147,6 +151,11 @@ def reusable_run(driver: DrivenRun, key: str) -> RunHandle | None:
         return None
     same_key = handle.state.key == key
     status = earlier_status(driver, handle, same_key)
+    undone = status is not None and status.state in ENDED_UNDONE
+    if same_key and undone and driver.spec.checkpoints is not None:
+        # It ended with no client following it (one would have kept them as
+        # it ended): what it left there is what the new run starts from.
+        driver.backend(handle).keep_last_checkpoints(handle)
     if status is None or not same_key or (status.final and status.state != "succeeded"):
         return None
     backend = driver.backend(handle)

@@ -132,6 +132,11 @@ def promote_outputs(driver: DrivenRun) -> TaskFailed | None:
     if driver.spec.checkpoints is not None and not driver.step.settings.get("keep_checkpoints"):
         # The outputs are home: the checkpoints that led to them have done their work.
         driver.project.store.remove_checkpoints(step)
+        if handle is not None:
+            try:
+                driver.backend(handle).remove_checkpoints(handle)
+            except SubstraxError as exc:  # the outputs are home: nothing else is at stake
+                emit(f"{step}: its checkpoints' snapshots were not removed: {exc}", err=True)
     return None
 
 

@@ -353,7 +353,7 @@ class StepDriver(DrivenRun):
         if not backend_class(self.step.backend).capabilities.checkpoints:
             raise SubstraxError(
                 f"checkpoints={self.spec.checkpoints!r}: the {self.step.backend} backend does not keep "
-                "checkpoints across runs yet (the local and ssh backends do); run the step on one of "
+                "checkpoints across runs (the local, ssh and skypilot backends do); run the step on one of "
                 "those (backend=...), or remove checkpoints= to run it without them"
             )
 

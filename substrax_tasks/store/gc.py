@@ -1,6 +1,7 @@
 """What `substrax-compute gc` removes, and what may still hold a machine.
 
-Here: the files of finished runs the store no longer needs; how long each
+Here: the files of finished runs the store no longer needs; the
+checkpoints of keys no step of the dodo has any more; how long each
 run has left before its lifetime timer; and the remote run folders or
 clusters that no handle accounts for (leaked), which `gc --machines`
 removes and `status --machines` lists.
@@ -18,11 +19,12 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks.errors import SubstraxError
+from substrax_tasks.step.spec import safe_name
 from substrax_tasks.store.phase import Phase
 
 if TYPE_CHECKING:
@@ -73,6 +75,43 @@ def removable(project: Project, handles: list[RunHandle]) -> list[Path]:
     restores = store.restore_dir
     found += sorted(p for p in restores.iterdir() if p.lstat().st_mtime < old) if restores.is_dir() else []
     return found
+
+
+def stale_checkpoints(
+    project: Project, keys: Mapping[str, str | None], handles: list[RunHandle]
+) -> list[Path]:
+    """The checkpoints folders (one per step and key, RunStore.checkpoints_dir)
+    of keys no step of the dodo has now: `keys` maps each step of the dodo
+    that declares checkpoints to its key now (None: not known, as its inputs
+    are refused; its folders are kept). A folder of a run that may still be
+    going (its host unreachable, or not ended) is kept: a doit reattaches it."""
+    root = project.store.root / "checkpoints"
+    if not root.is_dir():
+        return []
+    wanted = {(safe_name(step), key[:16]) for step, key in keys.items() if key is not None}
+    unknown = {safe_name(step) for step, key in keys.items() if key is None}
+    found = [
+        folder
+        for step in sorted(root.iterdir()) if step.is_dir() and not step.name.startswith(".")
+        and step.name not in unknown
+        for folder in sorted(step.iterdir()) if folder.is_dir() and not folder.name.startswith(".")
+        and (step.name, folder.name) not in wanted
+    ]  # fmt: skip
+    if not found:
+        return []
+    stale = {(folder.parent.name, folder.name) for folder in found}
+    going: set[tuple[str, str]] = set()
+    for handle in handles:  # only the runs of those keys are asked: each may be a connection
+        of = (safe_name(handle.step), str(handle.state.key or handle.spec_digest)[:16])
+        if of not in stale or handle.state.verdict or handle.state.phase is Phase.PROMOTED:
+            continue
+        try:
+            ended = project.backend_for(handle).status(handle).final
+        except SubstraxError:
+            ended = False
+        if not ended:
+            going.add(of)
+    return [folder for folder in found if (folder.parent.name, folder.name) not in going]
 
 
 def _places(project: Project, handles: list[RunHandle]) -> Iterator[tuple[str, Callable[[], Backend]]]:

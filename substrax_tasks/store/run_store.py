@@ -131,9 +131,12 @@ class RunStore:
         return folder if key is None else folder / key[:16]
 
     def remove_checkpoints(self, step: str) -> None:
-        """Every checkpoint kept for `step` (its outputs are home). Renamed
-        away first: a folder half removed is never taken for checkpoints."""
-        folder = self.checkpoints_dir(step)
+        """Every checkpoint kept for `step` (its outputs are home)."""
+        self.remove_checkpoints_folder(self.checkpoints_dir(step))
+
+    def remove_checkpoints_folder(self, folder: Path) -> None:
+        """A step's (or one key's) checkpoints folder. Renamed away first: a
+        folder half removed is never taken for checkpoints."""
         if folder.exists():
             gone = folder.with_name(f".{folder.name}.removed-{os.getpid()}")
             folder.rename(gone)

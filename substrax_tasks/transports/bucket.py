@@ -27,7 +27,8 @@ Object stores hold neither file modes, symlinks nor empty folders: a
 downloaded file gets the default mode (`fetch_run` then sets the one the
 manifest recorded), and a folder output with no object under it arrives as
 an empty folder. Nothing is uploaded through it: the cluster mounts the
-buckets it reads and writes (SkyPilot's MOUNT file mounts).
+buckets it reads and writes (SkyPilot's MOUNT file mounts); a step's
+checkpoints snapshots there are removed through it once its outputs are home.
 """
 
 from __future__ import annotations
@@ -149,6 +150,16 @@ class BucketTransport(Transport):
         except Exception as exc:
             raise _failure("reading", uri, exc) from exc
         return checked_manifest(data, f"in the run folder {run_folder}")
+
+    def remove_tree(self, uri: str) -> None:
+        """Every object under the prefix `uri` (nothing there: nothing to do)."""
+        fs, path = self.filesystem(uri)
+        try:
+            fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            return
+        except Exception as exc:
+            raise _failure("removing", uri, exc) from exc
 
     def fetch_run(self, run_folder: str, outputs: list[str], staging: Path) -> dict[str, Any]:
         """A run's outputs, as the worker left them in `run_folder`, into a

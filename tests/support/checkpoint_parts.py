@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 # argv: N, PAUSE, RESULT (the output file), then "fail-fresh" to exit 3 at
-# count 3 when it started from nothing (a crash a resume gets past).
+# count 3 when it started from nothing (a crash a resume gets past), and
+# "hold-at-3" to wait, before that count, for a file `go` in its checkpoints
+# folder (a test makes it there once the client is gone).
 # Prints "start I" and "count I"; the result holds N and every count made.
 COUNT_PY = """\
 import json, os, sys, time
@@ -22,6 +24,7 @@ n = int(sys.argv[1])
 pause = float(sys.argv[2])
 result = sys.argv[3]
 fail_fresh = "fail-fresh" in sys.argv
+hold = "hold-at-3" in sys.argv
 path = "ckpt/state.json"
 state = json.load(open(path)) if os.path.exists(path) else {"n": n, "i": 0, "seen": []}
 if state["n"] != n:
@@ -30,6 +33,8 @@ start = state["i"]
 print("start", start, flush=True)
 while state["i"] < n:
     time.sleep(pause)
+    while hold and start == 0 and state["i"] == 2 and not os.path.exists("ckpt/go"):
+        time.sleep(0.05)
     state["i"] += 1
     state["seen"].append(state["i"])
     print("count", state["i"], flush=True)

@@ -82,3 +82,87 @@ def test_a_pull_that_breaks_off_leaves_the_last_snapshot_in_place(tmp_path: Path
         snapshots.pull([{"path": "half.pt", "size": 4, "sha256": sha(b"half")}], broken)
     assert snapshots.latest() == before
     assert not [p for p in (tmp_path / "kept").iterdir() if p.name.endswith(".partial")]
+
+
+# ---- With the bucket transport: the snapshot pushed from the machine into
+# the bucket it mounts, and restored from there (a folder stands in for it).
+
+
+@pytest.mark.unit
+def test_a_snapshot_pushed_to_the_bucket_is_restored_whole(tmp_path: Path) -> None:
+    there, bucket, kept = tmp_path / "ckpt", tmp_path / "bucket", tmp_path / "kept"
+    (there / "sub").mkdir(parents=True)
+    (there / "sub" / "model.pt").write_bytes(b"weights")
+    (there / "state.json.tmp").write_bytes(b"half")  # being written: not taken
+    first = remote_checkpoints.push(str(there), str(bucket))
+    (there / "sub" / "model.pt").write_bytes(b"weights 2")
+    second = remote_checkpoints.push(str(there), str(bucket))
+    assert first["files"] == second["files"] == 1
+    # latest.json names the newest, and the older snapshot is gone.
+    assert sorted(p.name for p in bucket.iterdir()) == ["latest.json", second["snapshot"]]
+    assert remote_checkpoints.restore(str(bucket), str(kept))["files"] == 1
+    assert (kept / "sub" / "model.pt").read_bytes() == b"weights 2"
+    assert not (kept / "state.json.tmp").exists()
+
+
+@pytest.mark.unit
+def test_a_file_replaced_under_the_push_keeps_its_last_whole_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    there, bucket = tmp_path / "ckpt", tmp_path / "bucket"
+    there.mkdir()
+    (there / "model.pt").write_bytes(b"v1")
+    remote_checkpoints.push(str(there), str(bucket))
+    (there / "model.pt").write_bytes(b"v2")
+    listed = remote_checkpoints.finished_files(str(there))
+
+    def replaced_while_listed(root: str) -> list[dict[str, object]]:
+        (there / "model.pt").write_bytes(b"v3")  # after it was hashed, before the copy
+        return listed
+
+    monkeypatch.setattr(remote_checkpoints, "finished_files", replaced_while_listed)
+    remote_checkpoints.push(str(there), str(bucket))
+    kept = tmp_path / "kept"
+    remote_checkpoints.restore(str(bucket), str(kept))
+    assert (kept / "model.pt").read_bytes() == b"v1"
+
+
+@pytest.mark.unit
+def test_a_push_killed_before_latest_leaves_the_previous_snapshot_named(tmp_path: Path) -> None:
+    there, bucket = tmp_path / "ckpt", tmp_path / "bucket"
+    there.mkdir()
+    (there / "model.pt").write_bytes(b"v1")
+    remote_checkpoints.push(str(there), str(bucket))
+    # A push that copied its files but died before writing latest.json.
+    (bucket / "snap-0-dead" / "files").mkdir(parents=True)
+    (bucket / "snap-0-dead" / "files" / "model.pt").write_bytes(b"v2 half")
+    kept = tmp_path / "kept"
+    remote_checkpoints.restore(str(bucket), str(kept))
+    assert (kept / "model.pt").read_bytes() == b"v1"
+
+
+@pytest.mark.unit
+def test_a_damaged_snapshot_in_the_bucket_is_refused_not_restored(tmp_path: Path) -> None:
+    there, bucket = tmp_path / "ckpt", tmp_path / "bucket"
+    there.mkdir()
+    (there / "model.pt").write_bytes(b"v1")
+    name = remote_checkpoints.push(str(there), str(bucket))["snapshot"]
+    (bucket / name / "files" / "model.pt").write_bytes(b"bitrot")
+    with pytest.raises(ValueError, match=r"model\.pt in the snapshot .* does not match its manifest"):
+        remote_checkpoints.restore(str(bucket), str(tmp_path / "kept"))
+
+
+@pytest.mark.unit
+def test_a_backend_that_keeps_no_checkpoints_refuses_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from substrax_tasks.backends import registry
+    from substrax_tasks.backends.base import Capabilities
+    from substrax_tasks.errors import SubstraxError
+    from substrax_tasks.run.step_driver import StepDriver
+
+    monkeypatch.setattr(registry, "backend_class", lambda name: SimpleNamespace(capabilities=Capabilities()))
+    driver = SimpleNamespace(spec=SimpleNamespace(checkpoints="ckpt/"), step=SimpleNamespace(backend="other"))
+    said = r"checkpoints='ckpt/': the other backend does not keep checkpoints across runs \(the local, ssh"
+    with pytest.raises(SubstraxError, match=said):
+        StepDriver._refuse_unkept_checkpoints(driver)  # type: ignore[arg-type]

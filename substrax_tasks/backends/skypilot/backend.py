@@ -43,7 +43,8 @@ from pydantic import BaseModel
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends import remote_run as _remote_run
-from substrax_tasks.backends.base import Backend, Fetched, Leak, RunStatus
+from substrax_tasks.backends.base import Backend, Capabilities, Fetched, Leak, RunStatus
+from substrax_tasks.backends.checkpoints import Snapshots, checkpoints_folder
 from substrax_tasks.backends.job import env_dir_of
 from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun
 from substrax_tasks.backends.scripts import remote_dir
@@ -62,7 +63,7 @@ from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, HostRefused, SubstraxError
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.slots import Pool
-from substrax_tasks.step.spec import canonical_digest, settings_in_key
+from substrax_tasks.step.spec import canonical_digest, safe_name, settings_in_key
 from substrax_tasks.step.view import project_view
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
@@ -141,6 +142,7 @@ class SkypilotBackend(Backend):
     Settings = SkypilotSettings
     State = SkypilotState
     settings: SkypilotSettings
+    capabilities = Capabilities(checkpoints=True)
 
     def __init__(self, settings: BaseModel, store: RunStore) -> None:
         super().__init__(settings, store)
@@ -440,8 +442,11 @@ class SkypilotBackend(Backend):
             raise BackendError(f"run {handle.run_id}: it was never launched")
         run = self.remote_run(handle)
         own = SkypilotState.of(handle)
-        job = sky_task.worker_job(self.settings, handle, self.there(handle), own.env_dir, own.left_out,
+        there = self.there(handle)
+        job = sky_task.worker_job(self.settings, handle, there, own.env_dir, own.left_out,
                                   gpus=own.gpus)  # fmt: skip
+        if handle.spec.checkpoints is not None:  # before the worker: the command reads them as it starts
+            self._put_checkpoints_in_place(handle, run, there)
         path = f"{run.run_dir}/job.json"
         write = 'umask 077 && cat > "$1.partial" && mv "$1.partial" "$1"'
         run.check(["sh", "-c", write, "sh", path], "writing the job", stdin=json.dumps(job).encode())
@@ -451,6 +456,58 @@ class SkypilotBackend(Backend):
         home = SkypilotState.of(self.store.read(handle.run_id)).job_home  # learnt as the paths above were
         _remote_run.start_worker(run, handle, path, job.get("gpus"), self.cluster(handle), home=home)
         return handle
+
+    # -------------------------------------------------------- checkpoints
+    def _put_checkpoints_in_place(
+        self, handle: RunHandle, run: RemoteRun, there: sky_task.ClusterLayout
+    ) -> None:
+        """The step's latest snapshot in its kept folder on the cluster: from
+        the bucket (bucket transport: the cluster pushed it there), else
+        from the store here (as on an ssh host)."""
+        if self.settings.bucket is not None:
+            dest = there.checkpoints_in_bucket(handle.step, checkpoint_key(handle))
+            _remote_run.restore_from_bucket(run, dest, there.checkpoints_kept, handle.step)
+            return
+        snapshots = self.snapshots(handle)
+        if snapshots is not None:
+            _remote_run.push_checkpoints(run, RsyncTransport(self.target(handle)).upload, snapshots,
+                                         there.checkpoints_kept, handle.step)  # fmt: skip
+
+    def snapshots(self, handle: RunHandle) -> Snapshots | None:
+        folder = checkpoints_folder(self.store, handle)
+        return None if folder is None else Snapshots(folder)
+
+    def checkpoint_puller(self, handle: RunHandle) -> _remote_run.Checkpointing | None:
+        """What takes the run's snapshots while it runs: pushed from the
+        cluster into the bucket (bucket transport), else pulled home."""
+        if handle.spec.checkpoints is None or SkypilotState.of(handle).torn_down:
+            return None
+        run, every = self.remote_run(handle), self.settings.checkpoint_seconds
+        if self.settings.bucket is not None:
+            dest = self.there(handle).checkpoints_in_bucket(handle.step, checkpoint_key(handle))
+            return _remote_run.BucketCheckpointPusher(run, every, handle.step, dest)
+        snapshots = self.snapshots(handle)
+        assert snapshots is not None  # the step has checkpoints
+        quiet = RsyncTransport(self.target(handle), quiet=True)
+        return _remote_run.CheckpointPuller(run, quiet, snapshots, every, handle.step)
+
+    def remove_checkpoints(self, handle: RunHandle) -> None:
+        if self.settings.bucket is None:
+            return
+        from substrax_tasks.transports.bucket import BucketTransport
+
+        BucketTransport().remove_tree(f"{self.settings.bucket.outputs_bucket}/{sky_task.CHECKPOINTS_IN_BUCKET}/"
+                                      f"{safe_name(handle.step)}")  # fmt: skip
+
+    def keep_last_checkpoints(self, handle: RunHandle) -> None:
+        if not isinstance(SkypilotState.of(handle).launched_job, int):
+            return
+        try:
+            puller = self.checkpoint_puller(handle)
+        except BackendError as exc:
+            emit(f"{handle.step}: the last checkpoints were not kept: {exc}", err=True)
+            return
+        _remote_run.pull_as_ended(puller, handle.step)
 
     # ------------------------------------------------------------- status
     def poll(self, handle: RunHandle) -> RunStatus:
@@ -585,7 +642,12 @@ class SkypilotBackend(Backend):
         status = self.poll(handle)
         if not follow or status.final or not isinstance(SkypilotState.of(handle).launched_job, int):
             return super().stream_log(handle, out, follow=follow, offset=offset)
-        return _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle))
+        puller = self.checkpoint_puller(handle)
+        status = _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle), puller)
+        if status.state in ("failed", "timed_out", "cancelled"):
+            # What the command left as it ended is whole now: the next run starts from it.
+            _remote_run.pull_as_ended(puller, handle.step)
+        return status
 
     # -------------------------------------------------------------- fetch
     def fetch(self, handle: RunHandle) -> Fetched:
@@ -702,6 +764,11 @@ MARGIN_SECONDS = 120.0
 # how often a run waiting for another to launch their cluster looks up.
 LEASE_WAIT_SECONDS = 0.5
 LOG_POLL = 0.5
+
+
+def checkpoint_key(handle: RunHandle) -> str:
+    """The key a run's snapshots are kept by: a changed command or input starts fresh."""
+    return str(handle.state.key or handle.spec_digest)
 
 
 def shape(backend: SkypilotBackend, handle: RunHandle) -> str:

@@ -16,7 +16,9 @@ runs in (`remote_root`):
     leases/<cluster>/        the lease's record and lock; the lifetime timer removes it
     runs/<run-id>/project/   the first step's snapshot and sources (COPY mounts, then rsync)
     runs/<run-id>/work/outputs/  what the task writes (copy transport)
+    runs/<run-id>/work/checkpoints/  the step's checkpoints, shown to it at its `checkpoints` path
     mnt/<bucket-key>/<run-id>/   outputs and manifest.json (bucket transport)
+    mnt/<bucket-key>/checkpoints/<step>/<key>/  its snapshots (bucket transport)
     envs/<digest>/           the environment built from the lock file
 """
 
@@ -45,6 +47,7 @@ from substrax_tasks.backends.skypilot.settings import (
 from substrax_tasks.backends.skypilot.state import SkypilotState
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.hardlinks import link_tree
+from substrax_tasks.step.spec import safe_name
 from substrax_tasks.step.view import project_view
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
@@ -62,6 +65,8 @@ _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
 
 
 CLIENT_TAG_LENGTH = 8
+# In the outputs bucket, beside the runs' folders: the steps' snapshots.
+CHECKPOINTS_IN_BUCKET = "checkpoints"
 
 
 def client_tag(client_id: str) -> str:
@@ -122,6 +127,16 @@ class ClusterLayout:
         return f"{self.run}/project"
 
     @property
+    def checkpoints_kept(self) -> str:
+        """Where the step's checkpoints are kept for its command (its `checkpoints` path there)."""
+        return f"{self.run}/work/checkpoints"
+
+    def checkpoints_in_bucket(self, step: str, key: str) -> str:
+        """Where a step's snapshots go with the bucket transport: in the
+        outputs bucket, by step and key, beside the runs' folders."""
+        return f"{self.bucket_dir}/{CHECKPOINTS_IN_BUCKET}/{safe_name(step)}/{key}"
+
+    @property
     def bucket_dir(self) -> str:
         assert self.bucket_key is not None
         return f"{self.root}/mnt/{self.bucket_key}"
@@ -173,7 +188,8 @@ def worker_job(
     gpus: runfiles.JobGpus | None = None,
 ) -> runfiles.Job:
     """The worker's job, its folders relative to the home folder (the worker
-    resolves them where it starts: the home is unknown until launch)."""
+    resolves them where it starts: the home is unknown until launch); the
+    step's checkpoints, if any, kept in the run's folder (`checkpoints_kept`)."""
     job = build_job(
         handle.spec,
         WorkerPaths(project=layout.project, run_dir=layout.run),
@@ -186,6 +202,7 @@ def worker_job(
         cache_root=f"{layout.root}/cache/{project_key(str(handle.state.project))}",
         left_out=left_out or [],
         gpus=gpus,
+        checkpoints_kept=layout.checkpoints_kept,
         timeout_spent=handle.state.command_seconds_spent(),  # a relaunch gets what is left
     )
     job["staging"] = layout.staging

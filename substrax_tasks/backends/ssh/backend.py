@@ -299,13 +299,14 @@ class SshBackend(Backend):
                     status = super().stream_log(handle, out, follow=True, offset=offset)
                 finally:
                     self._pulling = None
-        if puller is not None and status.state in ("failed", "timed_out", "cancelled"):
+        if status.state in ("failed", "timed_out", "cancelled"):
             # What the command left as it ended is whole now: the next run starts from it.
-            try:
-                puller.pull()
-            except BackendError as exc:
-                emit(f"{handle.step}: the last checkpoints were not brought home: {exc}", err=True)
+            _remote_run.pull_as_ended(puller, handle.step)
         return status
+
+    def keep_last_checkpoints(self, handle: RunHandle) -> None:
+        if self._on_host(handle):
+            _remote_run.pull_as_ended(self.checkpoint_puller(handle), handle.step)
 
     def pause(self, handle: RunHandle, seconds: float) -> bool:
         if self._pulling is not None:

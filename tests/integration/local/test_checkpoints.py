@@ -15,6 +15,7 @@ from checkpoint_parts import COUNT_PY, count_step, counts, kept_state, result_of
 from dodo_helpers import (
     DEFAULT_SANDBOX,
     SANDBOXES,
+    compute,
     doit,
     doit_ok,
     make_project,
@@ -111,17 +112,50 @@ def test_two_steps_under_threads_keep_their_checkpoints_apart(tmp_path: Path) ->
     assert result_of(root, "b") == (8, list(range(1, 9)))
 
 
-def test_a_backend_that_keeps_no_checkpoints_refuses_the_step_before_launch(tmp_path: Path) -> None:
-    root = counting_project(tmp_path, count_step("count", 3, 0.01, backend="skypilot"))
-    with (root / "pyproject.toml").open("a") as f:
-        f.write('[tool.substrax.compute.backends.skypilot]\ninfra = "runpod"\n'
-                "[tool.substrax.compute.backends.skypilot.copy]\nlifetime_minutes = 10\n")  # fmt: skip
-    refused = doit(root, "count")
-    assert refused.returncode == 1, show(refused)
-    said = refused.stdout + refused.stderr
-    assert "checkpoints='ckpt/': the skypilot backend does not keep checkpoints across runs yet" in said, said
-    assert "Traceback" not in said
-    assert not (root / ".substrax" / "runs").exists() or not any((root / ".substrax" / "runs").iterdir())
+def test_gc_removes_the_checkpoints_of_keys_no_step_has_any_more(tmp_path: Path) -> None:
+    step_b = count_step("b", 6, 0.05, "fail-fresh")
+    root = counting_project(tmp_path, count_step("a", 6, 0.05, "fail-fresh") + step_b)
+    for step in ("a", "b"):
+        assert doit(root, step).returncode != 0  # fails at count 3, its checkpoint kept
+    (root / "data.txt").write_text("two\n")  # a's key changes: its next run starts afresh
+    assert doit(root, "a").returncode != 0
+    (root / "dodo.py").write_text((root / "dodo.py").read_text().replace(step_b, ""))  # b is gone
+    folders = root / ".substrax" / "checkpoints"
+    old_a, new_a = sorted((folders / "a").iterdir(), key=lambda p: p.stat().st_mtime)
+    (old_b,) = (folders / "b").iterdir()
+
+    listed = compute(root, "gc", "--dry-run")
+    assert listed.returncode == 0, show(listed)
+    assert f"would remove checkpoints {old_a} (step a: no step of the dodo file has that key any more)" in (
+        listed.stdout), show(listed)  # fmt: skip
+    assert f"would remove checkpoints {old_b}" in listed.stdout, show(listed)
+    assert str(new_a) not in listed.stdout
+    assert old_a.exists() and old_b.exists()
+
+    done = compute(root, "gc")
+    assert done.returncode == 0, show(done)
+    assert f"removed checkpoints {old_a}" in done.stdout and f"removed checkpoints {old_b}" in done.stdout
+    assert not old_a.exists() and not (folders / "b").exists()
+    assert new_a.is_dir()  # today's key: the next doit resumes from it
+    resumed = doit_ok(root, "a")
+    assert starts(run_logs(root, "a")[-1]) == [3], show(resumed)
+    assert result_of(root, "a") == (6, list(range(1, 7)))
+
+
+def test_gc_keeps_the_checkpoints_of_a_run_still_going_under_an_old_key(tmp_path: Path) -> None:
+    root = counting_project(tmp_path, count_step("count", 40, PAUSE))
+    proc = popen_doit(root, "count")
+    try:
+        wait_for(lambda: (kept_state(root, "count") or {}).get("i", 0) >= 1, "a count checkpointed")
+        (root / "data.txt").write_text("two\n")  # the dodo's key is another now; the run goes on
+        done = compute(root, "gc")
+        assert done.returncode == 0, show(done)
+        assert "checkpoints" not in done.stdout, show(done)
+        assert kept_state(root, "count") is not None
+        proc.send_signal(signal.SIGINT)  # cancels the local run
+        proc.wait(timeout=60)
+    finally:
+        stop(proc)
 
 
 @pytest.mark.parametrize("checkpoints_first", [True, False], ids=["checkpoints-first", "output-first"])

@@ -93,6 +93,28 @@ def test_a_run_that_failed_without_its_client_resumes_from_the_last_snapshot(
     assert reached == 8 and seen == list(range(1, 9))
 
 
+def test_a_run_that_failed_after_its_client_was_killed_resumes_from_what_it_left(
+    tmp_path: Path, host: SshHost
+) -> None:
+    """The gap: the command writes one more checkpoint after the last one a
+    client pulled, then fails; the next doit brings that one home before
+    the failed run's folder is left behind, and starts from it."""
+    root = counting_project(tmp_path, host, count_step("count", 6, PAUSE, "fail-fresh", "hold-at-3"))
+    killed_once_pulled(root, "count", 2)  # it holds at 2: the last snapshot a client pulled
+    run_dir = Path(live_handles(root, "count")[0]["backend_state"]["remote_run_dir"])
+    (run_dir / "work" / "checkpoints" / "go").write_text("")  # count 3, written by rename, then exit 3
+    wait_for(lambda: (run_dir / "status.json").exists() and
+             json.loads((run_dir / "status.json").read_text()).get("state") == "failed",
+             "the run to fail on the host", timeout=60)  # fmt: skip
+    assert (kept_state(root, "count") or {}).get("i") == 2
+
+    done = doit_ok(root, "count")
+    assert len(live_handles(root, "count")) == 2, show(done)  # the failed run, then a new one
+    assert starts(run_logs(root, "count")[-1]) == [3], show(done)
+    reached, seen = result_of(root, "count")
+    assert reached == 6 and seen == list(range(1, 7))
+
+
 # A command that rewrites two big files for SECONDS, each by rename, every
 # byte of a generation the same.
 WRITER_PY = """\

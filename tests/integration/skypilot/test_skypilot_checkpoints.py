@@ -1,0 +1,136 @@
+"""Checkpoints on the SkyPilot backend, through the real `doit` and helper
+against the fake SkyPilot (its clusters reached over a real sshd in a
+network namespace, real rsync and bubblewrap there), as on an ssh host
+(tests/integration/ssh/test_ssh_checkpoints.py): the checkpoints are
+brought home as verified snapshots every `checkpoint_seconds`; a client
+killed mid-run reattaches on the next `doit`; a failed run is resumed from
+its snapshot on a new cluster (reuse = false) or a warm one (reuse = true).
+With the bucket transport the snapshots go from the cluster to the bucket
+(the real S3 server's) and the next run's cluster restores them from there."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, run_logs, starts
+from dodo_helpers import doit, doit_ok, popen_doit, show, stop, wait_for
+from s3_server import running_s3_server
+from sky_beds import Sky
+from ssh_helpers import live_handles, needs_root, needs_sshd, write_ssh_dodo
+
+pytestmark = [needs_sshd, needs_root]
+
+PAUSE = 0.3
+EVERY = 0.5  # checkpoint_seconds
+
+
+def counting_project(sky: Sky, body: str, bucket: dict[str, Any] | None = None, **settings: Any) -> Path:
+    sky.configure(checkpoint_seconds=EVERY, bucket=bucket, **settings)
+    write_ssh_dodo(sky.root, "def task_all():\n" + body, ["all"])
+    (sky.root / "count.py").write_text(COUNT_PY)
+    (sky.root / "data.txt").write_text("one\n")
+    return sky.root
+
+
+def clusters_of(root: Path, step: str) -> list[str]:
+    return [str(h["backend_state"].get("cluster")) for h in live_handles(root, step)]
+
+
+def test_a_killed_client_reattaches_and_the_snapshots_go_once_promoted(sky: Sky) -> None:
+    root = counting_project(sky, count_step("count", 16, PAUSE))
+    proc = popen_doit(root, "count", env=sky.env)
+    try:
+        wait_for(lambda: (kept_state(root, "count") or {}).get("i", 0) >= 3, "a snapshot of 3 counts",
+                 timeout=180)  # fmt: skip
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    folder = next((root / ".substrax" / "checkpoints" / "count").glob("*/latest"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [e["path"] for e in manifest["entries"]] == ["state.json"]
+
+    done = doit_ok(root, "count", env=sky.env)
+    assert len(live_handles(root, "count")) == 1, show(done)  # reattached, not launched again
+    assert result_of(root, "count") == (16, list(range(1, 17)))
+    assert not (root / ".substrax" / "checkpoints" / "count").exists()
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["new-cluster", "warm-cluster"])
+def test_a_failed_run_is_resumed_from_its_snapshot(sky: Sky, reuse: bool) -> None:
+    # A timeout: a warm cluster is given only to a step whose time it can hold.
+    body = count_step("count", 6, PAUSE, "fail-fresh").replace("checkpoints=", "timeout=120, checkpoints=")
+    root = counting_project(sky, body, reuse=reuse, max_parallel=1)
+    failed = doit(root, "count", env=sky.env, timeout=180)
+    assert failed.returncode != 0, show(failed)
+    # Pulled as the run was seen to end: the count it failed at.
+    assert kept_state(root, "count") == {"n": 6, "i": 3, "seen": [1, 2, 3]}, show(failed)
+
+    done = doit(root, "count", env=sky.env, timeout=180)
+    assert done.returncode == 0, show(done)
+    said = done.stdout + done.stderr
+    assert "checkpoints put in place from the last snapshot (1 file(s))" in said, show(done)
+    assert starts(run_logs(root, "count")[-1]) == [3], show(done)
+    assert result_of(root, "count") == (6, list(range(1, 7)))
+    first, second = clusters_of(root, "count")
+    assert (first == second) is reuse, (first, second)
+
+
+def test_a_run_that_failed_after_its_client_was_killed_resumes_from_what_it_left(sky: Sky) -> None:
+    """The command writes one more checkpoint after the last one a client
+    pulled, then fails; the next doit brings it home from the cluster,
+    still up, before a new run starts from it."""
+    root = counting_project(sky, count_step("count", 6, PAUSE, "fail-fresh", "hold-at-3"))
+    proc = popen_doit(root, "count", env=sky.env)
+    try:  # it holds at 2: the last snapshot a client pulled
+        wait_for(lambda: (kept_state(root, "count") or {}).get("i") == 2, "a snapshot of 2 counts",
+                 timeout=180)  # fmt: skip
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    run_dir = sky.remote / "runs" / live_handles(root, "count")[0]["run_id"]
+    (run_dir / "work" / "checkpoints" / "go").write_text("")  # count 3, written by rename, then exit 3
+    wait_for(lambda: (run_dir / "status.json").exists() and
+             json.loads((run_dir / "status.json").read_text()).get("state") == "failed",
+             "the run to fail on the cluster", timeout=60)  # fmt: skip
+
+    done = doit(root, "count", env=sky.env, timeout=180)
+    assert done.returncode == 0, show(done)
+    assert starts(run_logs(root, "count")[-1]) == [3], show(done)
+    assert result_of(root, "count") == (6, list(range(1, 7)))
+
+
+def test_with_the_bucket_transport_snapshots_go_to_the_bucket_from_the_cluster(
+    sky: Sky, tmp_path: Path
+) -> None:
+    with running_s3_server(tmp_path / "s3") as s3_server:
+        bucket = {"outputs_bucket": f"s3://{s3_server.bucket}/runs", "lifetime_minutes": 10.0}
+        root = counting_project(sky, count_step("count", 6, PAUSE, "fail-fresh"), bucket=bucket)
+        sky.env.update(s3_server.env)
+        sky.env["FAKESKY_BUCKET_DIR"] = str(s3_server.data_dir)
+        failed = doit(root, "count", env=sky.env, timeout=180)
+        assert failed.returncode != 0, show(failed)
+        assert "checkpoints snapshot put in the bucket" in failed.stdout + failed.stderr, show(failed)
+        # In the bucket, not through the client: nothing kept here.
+        assert kept_state(root, "count") is None
+        in_bucket = next((s3_server.data_dir / s3_server.bucket / "runs" / "checkpoints" / "count").iterdir())
+        latest = json.loads((in_bucket / "latest.json").read_text())["snapshot"]
+        entries = json.loads((in_bucket / latest / "manifest.json").read_text())["entries"]
+        assert [e["path"] for e in entries] == ["state.json"]
+        assert json.loads((in_bucket / latest / "files" / "state.json").read_text())["i"] == 3
+
+        done = doit(root, "count", env=sky.env, timeout=180)
+        assert done.returncode == 0, show(done)
+        said = done.stdout + done.stderr
+        assert "checkpoints put in place from the bucket's last snapshot (1 file(s))" in said, show(done)
+        assert starts(run_logs(root, "count")[-1]) == [3], show(done)
+        assert result_of(root, "count") == (6, list(range(1, 7)))
+        first, second = clusters_of(root, "count")
+        assert first != second  # a new cluster restored it from the bucket
+        # The outputs are home: the step's snapshots in the bucket have gone with those here.
+        assert not in_bucket.parent.exists()
