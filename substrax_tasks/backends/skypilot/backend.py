@@ -548,8 +548,9 @@ class SkypilotBackend(Backend):
                 return RunStatus(**final)
             if SkypilotState.of(handle).cancel_requested:
                 return RunStatus("cancelled", message=f"cancelled; its cluster {cluster} was taken down")
-            return RunStatus("lost", message=f"its cluster {cluster} is gone (torn down, or its lifetime "
-                             f"ran out): {exc}")  # fmt: skip
+            gone = (f"its cluster {cluster} is gone: SkyPilot, asked the cloud, no longer holds it "
+                    "(preempted, its allocation ended, torn down, or its lifetime ran out)")  # fmt: skip
+            return RunStatus("lost", message=f"{gone}; its run could not be read: {str(exc)[:300]}")
 
     # ------------------------------------------------------------- cancel
     def cancel(self, handle: RunHandle) -> bool:
