@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
+from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, starts
 from dodo_helpers import clean_env, doit, popen_doit, popen_output, stop, wait_for
 from local_runs import marked_pids
 from sky_beds import Sky
@@ -25,19 +27,9 @@ from testbeds.sshd_host import SshHost, kill_sshd, restart_sshd
 
 pytestmark = [needs_sshd, needs_root]
 
-COUNTS = 12
-# Counts to COUNTS, one every 0.3 s; `sleep`'s argument carries the test's
-# marker (0.3 then its digits), so its processes are found by argv.
-COUNT = """
-def task_count():
-    yield from remote_step(
-        "count", inputs=["data/in.txt"], outputs=["count.txt"], timeout=120, resources={{"cpus": 1}},
-        preemptions={preemptions},
-        command=["/bin/sh", "-c",
-                 'i=0; while [ $i -lt {counts} ]; do i=$((i+1)); echo "count $i"; sleep "$1"; done; '
-                 'echo $i > count.txt', "count", "0.3{marker}"],
-    )
-"""
+COUNTS = 14
+PAUSE = 0.3  # a count every PAUSE seconds
+EVERY = 0.5  # checkpoint_seconds
 
 
 @pytest.fixture
@@ -48,10 +40,14 @@ def marker() -> str:
 
 
 def counting(sky: Sky, marker: str, preemptions: int, **settings: Any) -> None:
-    sky.configure(**settings)
-    write_ssh_dodo(sky.root, COUNT.format(preemptions=preemptions, counts=COUNTS, marker=marker), ["count"])
-    (sky.root / "data").mkdir(exist_ok=True)
-    (sky.root / "data" / "in.txt").write_text("hello\n")
+    """A step counting to COUNTS, its checkpoint written by rename and read
+    back as it starts (checkpoint_parts.COUNT_PY); its argv carries the
+    test's marker, by which its processes are found."""
+    sky.configure(checkpoint_seconds=EVERY, **settings)
+    body = count_step("count", COUNTS, PAUSE, f"marker-{marker}", preemptions=preemptions, timeout=120)
+    write_ssh_dodo(sky.root, "def task_all():\n" + body, ["count"])
+    (sky.root / "count.py").write_text(COUNT_PY)
+    (sky.root / "data.txt").write_text("one\n")
 
 
 def preempt(sky: Sky, cluster: str) -> None:
@@ -63,12 +59,13 @@ def preempt(sky: Sky, cluster: str) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def running_cluster(sky: Sky, marker: str) -> str:
-    """The cluster of the run once its command has counted a few."""
-    wait_for(lambda: "count 3" in popen_output(sky.root), "the command to count to 3", timeout=120)
+def running_cluster(sky: Sky, marker: str) -> tuple[str, int]:
+    """The run's cluster once a snapshot of 3 counts is home, and the count that snapshot holds."""
+    wait_for(lambda: (kept_state(sky.root, "count") or {}).get("i", 0) >= 3, "a snapshot of 3 counts",
+             timeout=120)  # fmt: skip
     assert marked_pids(marker), popen_output(sky.root)
     cluster: str = live_handles(sky.root, "count")[0]["backend_state"]["cluster"]
-    return cluster
+    return cluster, int((kept_state(sky.root, "count") or {})["i"])
 
 
 def attempts_of(sky: Sky) -> list[dict[str, Any]]:
@@ -86,30 +83,62 @@ def launches(sky: Sky) -> list[dict[str, Any]]:
     return [args for _, args in sorted(found, key=lambda pair: pair[0])]
 
 
-def test_a_cluster_taken_away_mid_run_is_relaunched_on_a_new_one_and_the_step_finishes(
+def test_a_cluster_taken_away_mid_run_is_relaunched_on_a_new_one_from_the_last_snapshot(
     sky: Sky, marker: str
 ) -> None:
     counting(sky, marker, preemptions=1)
     proc = popen_doit(sky.root, env=sky.env)
     try:
-        lost = running_cluster(sky, marker)
+        lost, kept = running_cluster(sky, marker)
+        preempt(sky, lost)
+        taken = time.time()
+        code = proc.wait(timeout=300)
+    finally:
+        stop(proc)
+    said = popen_output(sky.root)
+    assert code == 0, said
+    # each count once in the history the checkpoint carries; the second attempt went on from a snapshot
+    assert result_of(sky.root, "count") == (COUNTS, list(range(1, COUNTS + 1))), said
+    fresh, resumed = starts(said)
+    assert fresh == 0 and resumed >= kept, said
+    first, second = attempts_of(sky)
+    assert (first["number"], first["outcome"], first["machine"]) == (1, "lost", lost), first
+    assert f"its cluster {lost} is gone" in first["message"], first
+    assert (second["number"], second["outcome"]) == (2, "succeeded"), second
+    assert second["machine"] != lost and second["machine"].startswith("substrax-"), second
+    assert second["snapshot"] is not None, second
+    assert "attempt 1 lost its machine" in said and f"the lost cluster {lost} is taken down" in said, said
+    assert "checkpoints put in place from the last snapshot" in said, said
+    assert [args["cluster_name"] for args in launches(sky)] == [lost, second["machine"]]
+    # the new cluster's lifetime counts from its own launch
+    watchdog = only_handle(sky.root, "count")["backend_state"]["watchdog"]
+    assert watchdog["armed_at"] >= taken, watchdog
+    # nothing of either attempt is left: the new cluster went with the run (reuse = false)
+    assert sky.clusters() == []
+    assert marked_pids(marker) == []
+
+
+def test_with_reuse_the_lost_cluster_leaves_its_slot_and_the_new_one_stays_warm(
+    sky: Sky, marker: str
+) -> None:
+    counting(sky, marker, preemptions=1, reuse=True, max_parallel=1, idle_minutes=60)
+    proc = popen_doit(sky.root, env=sky.env)
+    try:
+        lost, _ = running_cluster(sky, marker)
+        (record,) = (sky.root / ".substrax" / "slots").glob("skypilot-*/0.json")
+        assert json.loads(record.read_text())["cluster"] == lost
         preempt(sky, lost)
         code = proc.wait(timeout=300)
     finally:
         stop(proc)
     said = popen_output(sky.root)
     assert code == 0, said
-    assert (sky.root / "count.txt").read_text() == f"{COUNTS}\n"
+    assert result_of(sky.root, "count") == (COUNTS, list(range(1, COUNTS + 1))), said
     first, second = attempts_of(sky)
-    assert (first["number"], first["outcome"], first["machine"]) == (1, "lost", lost), first
-    assert f"its cluster {lost} is gone" in first["message"], first
-    assert (second["number"], second["outcome"]) == (2, "succeeded"), second
-    assert second["machine"] != lost and second["machine"].startswith("substrax-"), second
-    assert "attempt 1 lost its machine" in said and f"the lost cluster {lost} is taken down" in said, said
-    assert [args["cluster_name"] for args in launches(sky)] == [lost, second["machine"]]
-    # nothing of either attempt is left: the new cluster went with the run (reuse = false)
-    assert sky.clusters() == []
-    assert marked_pids(marker) == []
+    assert (first["outcome"], second["outcome"]) == ("lost", "succeeded")
+    # the slot holds the new cluster, kept warm for the next step; the lost one is gone
+    assert json.loads(record.read_text())["cluster"] == second["machine"] != lost
+    assert sky.clusters() == [second["machine"]]
 
 
 def test_with_no_preemption_allowed_the_step_fails_naming_the_lost_cluster_and_preemptions(
@@ -118,7 +147,7 @@ def test_with_no_preemption_allowed_the_step_fails_naming_the_lost_cluster_and_p
     counting(sky, marker, preemptions=0)
     proc = popen_doit(sky.root, env=sky.env)
     try:
-        lost = running_cluster(sky, marker)
+        lost, _ = running_cluster(sky, marker)
         preempt(sky, lost)
         code = proc.wait(timeout=300)
     finally:
@@ -132,6 +161,7 @@ def test_with_no_preemption_allowed_the_step_fails_naming_the_lost_cluster_and_p
     assert attempt["outcome"] == "lost", attempt
     assert len(launches(sky)) == 1
     assert not (sky.root / "count.txt").exists()
+    assert kept_state(sky.root, "count") is not None  # its snapshot stays for the next doit
 
 
 def test_a_cluster_that_stops_answering_while_skypilot_holds_it_up_is_waited_for_not_relaunched(
@@ -154,18 +184,18 @@ def test_a_cluster_that_stops_answering_while_skypilot_holds_it_up_is_waited_for
     assert code == 0, said
     assert "its machine answers again; following the run" in said, said
     assert "relaunching" not in said and "Traceback" not in said, said
-    assert said.count("count 1\n") == 1, said  # the command never started again
+    assert starts(said) == [0], said  # the command never started again
     (attempt,) = attempts_of(sky)
     assert attempt["outcome"] == "succeeded", attempt
     assert len(launches(sky)) == 1
-    assert (sky.root / "count.txt").read_text() == f"{COUNTS}\n"
+    assert result_of(sky.root, "count") == (COUNTS, list(range(1, COUNTS + 1))), said
 
 
 def test_on_spot_the_last_attempt_preemptions_allow_is_launched_on_demand(sky: Sky, marker: str) -> None:
     counting(sky, marker, preemptions=1, use_spot=True, on_demand_last_attempt=True)
     proc = popen_doit(sky.root, env=sky.env)
     try:
-        preempt(sky, running_cluster(sky, marker))
+        preempt(sky, running_cluster(sky, marker)[0])
         code = proc.wait(timeout=300)
     finally:
         stop(proc)
@@ -180,7 +210,7 @@ def test_on_spot_the_last_attempt_preemptions_allow_is_launched_on_demand(sky: S
     intents = [json.loads((run / name).read_text())["resources"] for name in names]
     assert [r.get("use_spot") for r in intents] == [True, False], intents
     assert [a["outcome"] for a in attempts_of(sky)] == ["lost", "succeeded"]
-    assert (sky.root / "count.txt").read_text() == f"{COUNTS}\n"
+    assert result_of(sky.root, "count") == (COUNTS, list(range(1, COUNTS + 1))), said
 
 
 def test_on_demand_last_attempt_without_use_spot_is_refused_with_the_fix(sky: Sky, marker: str) -> None:
