@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -130,8 +131,8 @@ def one_preemption(base: Path, bed: SlurmBed, logs: Path, *, count: int, every: 
     second = handle["state"]["attempts"][1]
     # The counts the first attempt was seen to make (its log followed here until the allocation
     # ended): those past the snapshot the second started from were made twice.
-    made = counts(said)
-    at_loss = next(c for c, later in zip(made, [*made[1:], 0], strict=True) if later <= c)
+    second_start = [m.start() for m in re.finditer(r"^start \d+$", said, re.M)][1]
+    at_loss = max(counts(said[:second_start]))
     resumed = starts(said)[1]
     figures = {"to running again": parse(second["started_at"]) - cancelled,
                "redone": float(at_loss - resumed), "counts before the loss": float(at_loss),

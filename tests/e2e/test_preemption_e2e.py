@@ -10,6 +10,7 @@ the allocation, so nothing is counted while the loss is detected.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import textwrap
 import time
@@ -74,14 +75,14 @@ def test_the_allocation_cancelled_mid_run_is_relaunched_and_the_step_finishes_fr
     assert second["machine"] != cluster
     # The counts the first attempt was seen to make (its log, followed here until the allocation
     # ended), then the second's: the counts redone are those past the snapshot it started from.
-    made = counts(said)
-    at_loss = next(c for c, after in zip(made, [*made[1:], 0], strict=True) if after <= c)
+    second_start = [m.start() for m in re.finditer(r"^start \d+$", said, re.M)][1]
+    at_loss = max(counts(said[:second_start]))
     fresh, resumed = starts(said)
     assert fresh == 0 and kept <= resumed <= at_loss, said  # from the latest snapshot brought home
     redone = at_loss - resumed
     # One checkpoint_seconds of counts, the count under way, and one for the snapshot's own copy
     assert redone <= EVERY / PAUSE + 2, f"{redone} counts redone\n{said}"
-    assert made[made.index(at_loss) + 1 :] == list(range(resumed + 1, COUNT_TO + 1)), said
+    assert counts(said[second_start:]) == list(range(resumed + 1, COUNT_TO + 1)), said
     project.assert_gone(cluster)
     report(request, "preemption", {"to_loss": cancelled - started, "after_loss": time.monotonic() - cancelled,
                                    "redone": float(redone)})  # fmt: skip
