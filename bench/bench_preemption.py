@@ -4,9 +4,9 @@ Slurm test bed (tests/support/testbeds/slurm_cluster.py; as root, about
 
     a step counts to --count, one count a second, writing its checkpoint by
     rename (tests/support/checkpoint_parts.py), `preemptions=1`,
-    `checkpoint_seconds` = --every; once a snapshot of --after counts is
-    home, the Slurm allocation that holds its cluster is cancelled
-    (`scancel`), as a preemption looks there
+    `checkpoint_seconds` = --every; --offset seconds (half of --every) after
+    a snapshot of --after counts came home, the Slurm allocation that holds
+    its cluster is cancelled (`scancel`), as a preemption looks there
 
     to running again   the allocation cancelled -> the command running on
                        the new cluster (its attempt's recorded start), with
@@ -90,8 +90,8 @@ def down_all(bed: SlurmBed, prefix: str) -> None:
             sky.call("down", {"cluster_name": record["name"]}, timeout=None)
 
 
-def one_preemption(base: Path, bed: SlurmBed, logs: Path, *, count: int, every: float,
-                   after: int) -> dict[str, float]:  # fmt: skip
+def one_preemption(base: Path, bed: SlurmBed, logs: Path, *, count: int, every: float, after: int,
+                   offset: float) -> dict[str, float]:  # fmt: skip
     prefix = f"sxbp{secrets.token_hex(2)}"
     dodo = ("from substrax_tasks import doit_config, remote_step\n\n"
             'DOIT_CONFIG = doit_config(default_tasks=["count"])\n\ndef task_all():\n'
@@ -112,6 +112,7 @@ def one_preemption(base: Path, bed: SlurmBed, logs: Path, *, count: int, every: 
             if proc.poll() is not None:
                 raise SystemExit(f"{prefix}: doit ended before a snapshot of {after} counts came home")
             time.sleep(0.2)
+        time.sleep(offset)  # into the interval between snapshots, as a preemption comes at any time
         handle = json.loads(next((root / ".substrax" / "runs").glob("*/handle.json")).read_text())
         job = allocation_of(bed, handle["backend_state"]["cluster"])
         if job is None:
@@ -157,6 +158,8 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=40, help="the step counts to this, one a second")
     parser.add_argument("--every", type=float, default=5.0, help="checkpoint_seconds")
     parser.add_argument("--after", type=int, default=8, help="the loss comes once a snapshot has this many")
+    parser.add_argument("--offset", type=float, default=None,
+                        help="and this many seconds after that snapshot came home (default: --every / 2)")
     parser.add_argument("--keep-bed", action="store_true")
     args = parser.parse_args()
     if os.geteuid() != 0 or not (DEFAULT_SKY_VENV / "bin" / "sky").exists():
@@ -170,8 +173,9 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="bench-preempt-") as tmp:
             for _ in range(args.repeats):
+                offset = args.every / 2 if args.offset is None else args.offset
                 runs.append(one_preemption(Path(tmp), bed, args.bed.parent, count=args.count,
-                                           every=args.every, after=args.after))  # fmt: skip
+                                           every=args.every, after=args.after, offset=offset))  # fmt: skip
     finally:
         if not args.keep_bed:
             bed_down(args.bed)

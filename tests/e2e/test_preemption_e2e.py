@@ -58,6 +58,7 @@ def test_the_allocation_cancelled_mid_run_is_relaunched_and_the_step_finishes_fr
     wait_for(lambda: (kept_state(project.root, "count") or {}).get("i", 0) >= 6 or proc.poll() is not None,
              "a snapshot of 6 counts brought home", LAUNCH_TIMEOUT, every=0.5)  # fmt: skip
     assert proc.poll() is None, project.output()
+    time.sleep(EVERY / 2)  # between two snapshots, as a preemption comes at any time
     cluster = project.handle()["backend_state"]["cluster"]
     job = allocation_of(project, cluster)
     kept = (kept_state(project.root, "count") or {})["i"]
