@@ -157,7 +157,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
       runs (a preempted cluster, a rebooted host, a killed worker) is
       relaunched, its command started again from its latest checkpoints;
       a command that fails, times out or is cancelled never is
-      (docs/preemptions.md).
+      (docs/steps.md, Preemptions).
     checkpoints: a folder ("ckpt/") the command writes its checkpoints in
       (by rename) and reads back as it starts: kept in the store, put back
       in place for the next run of the same step and key, removed once the

@@ -26,8 +26,10 @@ from dodo_helpers import (
     popen_output,
     runs_of,
     show,
+    step_skipped,
     stop,
     wait_for,
+    write_dodo,
 )
 
 from substrax_tasks._remote import control
@@ -203,3 +205,14 @@ def test_two_steps_under_threads_keep_their_attempts_apart(tmp_path: Path) -> No
         assert f"run {handle['run_id']}: attempt 1 lost its machine" in said, said
     a_runs, b_runs = runs_of(root, "a"), runs_of(root, "b")
     assert a_runs[0]["run_id"] != b_runs[0]["run_id"]
+
+
+def test_preemptions_are_not_part_of_the_steps_key(tmp_path: Path) -> None:
+    """As `retries`: allowing more relaunches changes nothing of the result."""
+    root = counting_project(tmp_path, count_step("count", 2, 0.01))
+    assert doit(root, "count").returncode == 0
+    write_dodo(root, "def task_all():\n" + count_step("count", 2, 0.01, preemptions=3), ())
+    again = doit(root, "count")
+    assert again.returncode == 0 and step_skipped(again, "count"), show(again)
+    why = compute(root, "why", "count")
+    assert why.returncode == 0 and why.stdout.strip() == "count: up to date", show(why)

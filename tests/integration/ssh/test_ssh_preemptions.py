@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, starts
-from dodo_helpers import popen_doit, popen_output, stop, wait_for
+from dodo_helpers import compute, popen_doit, popen_output, show, stop, wait_for
 from ssh_helpers import (
     live_handles,
     make_ssh_project,
@@ -58,11 +58,16 @@ def test_a_host_restarted_mid_run_relaunches_it_from_the_last_snapshot(tmp_path:
         counted(root, "count", 3)
         first_folder = remote_run_dir(live_handles(root, "count")[0])
         reboot(host)
+        wait_for(lambda: "starts from the checkpoints" in popen_output(root), "attempt 2 to start", 120)
+        # The new attempt's folder is the run's, not a leak `gc --machines` would remove
+        machines = compute(root, "status", "--machines")
         code = proc.wait(timeout=300)
     finally:
         stop(proc)
     said = popen_output(root)
     assert code == 0, said
+    assert machines.returncode == 0 and "leaked" not in machines.stderr, show(machines)
+    assert "may still hold a machine" in machines.stderr, show(machines)
     run_id = only_handle(root, "count")["run_id"]
     assert f"count: run {run_id}: attempt 1 lost its machine ({host.address}:" in said, said
     assert "relaunching it, attempt 2 of at most 2" in said, said
