@@ -126,6 +126,18 @@ class Leak:
     warm: str | None = field(default=None, compare=False)
 
 
+@dataclass(frozen=True)
+class KeptCheckpoints:
+    """The checkpoints of one step and key, kept in the store or by a
+    backend elsewhere (a bucket): what `gc` removes once no step of the
+    dodo has that key."""
+
+    step: str  # the step's name as folders carry it (spec.safe_name)
+    key: str  # the key's folder name (its start)
+    where: str  # a path, or a bucket's URI
+    remove: Callable[[], None] = field(compare=False, repr=False)
+
+
 
 class Backend(ABC):
     name: ClassVar[str]
@@ -243,6 +255,11 @@ class Backend(ABC):
         starts from the snapshot kept before. Default: nothing to bring (the
         local backend's checkpoints are in the store already)."""
         return
+
+    def checkpoints_kept_elsewhere(self) -> list[KeptCheckpoints]:
+        """The snapshots this backend keeps outside the store (a bucket), one
+        per step and key. Default: none."""
+        return []
 
     def remove_checkpoints(self, handle: RunHandle) -> None:
         """The step's outputs are home: the snapshots of its checkpoints kept

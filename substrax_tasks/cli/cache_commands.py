@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -15,8 +16,17 @@ from substrax_tasks.cli.arguments import arg, command, flag
 from substrax_tasks.constants import CACHE_ENV
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.run.promote import remove_path
-from substrax_tasks.store.gc import removable, remove_leaks, stale_checkpoints, verified_records
+from substrax_tasks.store.gc import (
+    kept_checkpoints,
+    removable,
+    remove_leaks,
+    stale_checkpoints,
+    verified_records,
+)
 from substrax_tasks.store.project import Project
+
+if TYPE_CHECKING:
+    from substrax_tasks.backends.base import KeptCheckpoints
 
 
 def add_commands(commands: Any) -> None:
@@ -52,15 +62,14 @@ def add_commands(commands: Any) -> None:
     )  # fmt: skip
 
 
-def _stale_checkpoints(project: Project, args: argparse.Namespace, handles: list[Any]) -> list[Any]:
-    """The checkpoints folders of keys no step of the dodo file has now
+def _stale_checkpoints(
+    project: Project, args: argparse.Namespace, handles: list[Any], kept: list[KeptCheckpoints]
+) -> list[KeptCheckpoints]:
+    """The checkpoints of keys no step of the dodo file has now
     (store/gc.py); the dodo is loaded (and each such step's key taken) only
     when some are kept."""
-    root = project.store.root / "checkpoints"
-    if not root.is_dir() or not any(root.iterdir()):
+    if not kept:
         return []
-    from pathlib import Path
-
     from substrax_tasks.step.dodo import load_dodo  # imports doit: only here
     from substrax_tasks.uptodate import check as uptodate
 
@@ -73,7 +82,7 @@ def _stale_checkpoints(project: Project, args: argparse.Namespace, handles: list
             keys[name] = uptodate.key(uptodate.key_parts(driver.step))
         except SubstraxError:  # its inputs refused now: which key it will have is not known
             keys[name] = None
-    return stale_checkpoints(project, keys, handles)
+    return stale_checkpoints(project, keys, handles, kept)
 
 
 def _days(text: str) -> float:
@@ -149,20 +158,25 @@ def cmd_gc(project: Project, args: argparse.Namespace, out: Console, err: Consol
             remove_path(path)
     for what in run_cache(project).trim(dry_run=args.dry_run, older_than_days=args.older_than):
         out.print(f"{verb} cache {escape(what)}", highlight=False)
-    problems: list[str] = []
+    kept, problems = kept_checkpoints(project, handles)
     try:
-        stale = _stale_checkpoints(project, args, handles)
+        stale = _stale_checkpoints(project, args, handles, kept)
     except SubstraxError as exc:
         stale = []
         problems.append(f"checkpoints kept, as the dodo file could not be read to tell which are still "
                         f"used: {exc}")  # fmt: skip
-    for folder in stale:
-        out.print(escape(f"{verb} checkpoints {folder} (step {folder.parent.name}: no step of the dodo "
-                         "file has that key any more)"), highlight=False)  # fmt: skip
+    for old in stale:
+        out.print(escape(f"{verb} checkpoints {old.where} (step {old.step}: no step of the dodo file has "
+                         "that key any more)"), highlight=False)  # fmt: skip
         if not args.dry_run:
-            project.store.remove_checkpoints_folder(folder)
+            try:
+                old.remove()
+            except SubstraxError as exc:
+                problems.append(f"could not remove the checkpoints {old.where}: {exc}")
+            if not old.where.startswith(str(project.store.root)):
+                continue
             with contextlib.suppress(OSError):  # the step's last key: its folder goes too
-                folder.parent.rmdir()
+                Path(old.where).parent.rmdir()
     leaks, more = remove_leaks(project, handles, dry_run=args.dry_run) if args.machines else ([], [])
     problems += more
     for leak in leaks:

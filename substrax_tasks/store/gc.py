@@ -28,7 +28,7 @@ from substrax_tasks.step.spec import safe_name
 from substrax_tasks.store.phase import Phase
 
 if TYPE_CHECKING:
-    from substrax_tasks.backends.base import Backend, Leak
+    from substrax_tasks.backends.base import Backend, KeptCheckpoints, Leak
     from substrax_tasks.store.handle import RunHandle
     from substrax_tasks.store.project import Project
     from substrax_tasks.store.run_store import RunStore
@@ -77,29 +77,49 @@ def removable(project: Project, handles: list[RunHandle]) -> list[Path]:
     return found
 
 
+def kept_checkpoints(project: Project, handles: list[RunHandle]) -> tuple[list[KeptCheckpoints], list[str]]:
+    """Every step's checkpoints, one per step and key: the folders in the
+    store (RunStore.checkpoints_dir), then those each backend keeps
+    elsewhere (a bucket); and, for each place that could not be asked, why."""
+    from substrax_tasks.backends.base import KeptCheckpoints
+
+    store = project.store
+    root = store.root / "checkpoints"
+    kept = [
+        KeptCheckpoints(step.name, folder.name, str(folder),
+                        functools.partial(store.remove_checkpoints_folder, folder))
+        for step in (sorted(root.iterdir()) if root.is_dir() else []) if step.is_dir()
+        and not step.name.startswith(".")
+        for folder in sorted(step.iterdir()) if folder.is_dir() and not folder.name.startswith(".")
+    ]  # fmt: skip
+    problems: list[str] = []
+    seen = {k.where for k in kept}
+    # Only runs of a step with checkpoints make snapshots elsewhere: a project
+    # with none asks no backend (and reaches no bucket).
+    with_checkpoints = [h for h in handles if h.spec.checkpoints is not None]
+    for name, backend in _places(project, with_checkpoints) if with_checkpoints else ():
+        try:
+            elsewhere = backend().checkpoints_kept_elsewhere()
+        except SubstraxError as exc:
+            problems.append(f"{name}: its checkpoints could not be listed: {exc}")
+            continue
+        kept += [k for k in elsewhere if k.where not in seen]
+        seen.update(k.where for k in elsewhere)
+    return kept, problems
+
+
 def stale_checkpoints(
-    project: Project, keys: Mapping[str, str | None], handles: list[RunHandle]
-) -> list[Path]:
-    """The checkpoints folders (one per step and key, RunStore.checkpoints_dir)
-    of keys no step of the dodo has now: `keys` maps each step of the dodo
-    that declares checkpoints to its key now (None: not known, as its inputs
-    are refused; its folders are kept). A folder of a run that may still be
-    going (its host unreachable, or not ended) is kept: a doit reattaches it."""
-    root = project.store.root / "checkpoints"
-    if not root.is_dir():
-        return []
+    project: Project, keys: Mapping[str, str | None], handles: list[RunHandle], kept: list[KeptCheckpoints]
+) -> list[KeptCheckpoints]:
+    """Of the checkpoints `kept`, those of keys no step of the dodo has now:
+    `keys` maps each step of the dodo that declares checkpoints to its key
+    now (None: not known, as its inputs are refused; all its checkpoints are
+    kept). Those of a run that may still be going (its host unreachable, or
+    not ended) are kept: a doit reattaches it."""
     wanted = {(safe_name(step), key[:16]) for step, key in keys.items() if key is not None}
     unknown = {safe_name(step) for step, key in keys.items() if key is None}
-    found = [
-        folder
-        for step in sorted(root.iterdir()) if step.is_dir() and not step.name.startswith(".")
-        and step.name not in unknown
-        for folder in sorted(step.iterdir()) if folder.is_dir() and not folder.name.startswith(".")
-        and (step.name, folder.name) not in wanted
-    ]  # fmt: skip
-    if not found:
-        return []
-    stale = {(folder.parent.name, folder.name) for folder in found}
+    found = [k for k in kept if k.step not in unknown and (k.step, k.key[:16]) not in wanted]
+    stale = {(k.step, k.key[:16]) for k in found}
     going: set[tuple[str, str]] = set()
     for handle in handles:  # only the runs of those keys are asked: each may be a connection
         of = (safe_name(handle.step), str(handle.state.key or handle.spec_digest)[:16])
@@ -111,7 +131,7 @@ def stale_checkpoints(
             ended = False
         if not ended:
             going.add(of)
-    return [folder for folder in found if (folder.parent.name, folder.name) not in going]
+    return [k for k in found if (k.step, k.key[:16]) not in going]
 
 
 def _places(project: Project, handles: list[RunHandle]) -> Iterator[tuple[str, Callable[[], Backend]]]:

@@ -151,6 +151,17 @@ class BucketTransport(Transport):
             raise _failure("reading", uri, exc) from exc
         return checked_manifest(data, f"in the run folder {run_folder}")
 
+    def folders(self, uri: str) -> list[str]:
+        """The names of the folders (common prefixes) right under `uri`."""
+        fs, path = self.filesystem(uri)
+        try:
+            listed = fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return []
+        except Exception as exc:
+            raise _failure("listing", uri, exc) from exc
+        return sorted(PurePosixPath(str(e["name"])).name for e in listed if e.get("type") == "directory")
+
     def remove_tree(self, uri: str) -> None:
         """Every object under the prefix `uri` (nothing there: nothing to do)."""
         fs, path = self.filesystem(uri)

@@ -43,7 +43,7 @@ from pydantic import BaseModel
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends import remote_run as _remote_run
-from substrax_tasks.backends.base import Backend, Capabilities, Fetched, Leak, RunStatus
+from substrax_tasks.backends.base import Backend, Capabilities, Fetched, KeptCheckpoints, Leak, RunStatus
 from substrax_tasks.backends.checkpoints import Snapshots, checkpoints_folder
 from substrax_tasks.backends.job import env_dir_of
 from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun
@@ -491,6 +491,20 @@ class SkypilotBackend(Backend):
         quiet = RsyncTransport(self.target(handle), quiet=True)
         return _remote_run.CheckpointPuller(run, quiet, snapshots, every, handle.step)
 
+    def checkpoints_kept_elsewhere(self) -> list[KeptCheckpoints]:
+        """With the bucket transport: the snapshot folders in the outputs bucket."""
+        if self.settings.bucket is None:
+            return []
+        from substrax_tasks.transports.bucket import BucketTransport
+
+        bucket = BucketTransport()
+        root = f"{self.settings.bucket.outputs_bucket}/{sky_task.CHECKPOINTS_IN_BUCKET}"
+        return [
+            KeptCheckpoints(step, key, f"{root}/{step}/{key}",
+                            functools.partial(bucket.remove_tree, f"{root}/{step}/{key}"))
+            for step in bucket.folders(root) for key in bucket.folders(f"{root}/{step}")
+        ]  # fmt: skip
+
     def remove_checkpoints(self, handle: RunHandle) -> None:
         if self.settings.bucket is None:
             return
@@ -581,6 +595,8 @@ class SkypilotBackend(Backend):
         if not self.settings.reuse:  # the run's own cluster: nothing else will use it
             with contextlib.suppress(SubstraxError, OSError):
                 run.keep_log(self.run_file(handle, "run.log"))
+            if handle.spec.checkpoints is not None:  # the next run starts from what it wrote last
+                self.keep_last_checkpoints(handle)
             if self.down_cluster(cluster, failures):
                 self.save_state(handle, torn_down=True)
                 if SkypilotState.of(self.store.read(handle.run_id)).final_status is None:

@@ -105,6 +105,31 @@ def test_a_run_that_failed_after_its_client_was_killed_resumes_from_what_it_left
     assert result_of(root, "count") == (6, list(range(1, 7)))
 
 
+def test_a_cancel_that_takes_the_cluster_down_keeps_the_last_checkpoint_first(sky: Sky) -> None:
+    root = counting_project(sky, count_step("count", 40, PAUSE, "hold-at-3"))
+    proc = popen_doit(root, "count", env=sky.env)
+    try:  # it holds at 2 until told to go on: the last snapshot a client pulled
+        wait_for(lambda: (kept_state(root, "count") or {}).get("i") == 2, "a snapshot of 2 counts",
+                 timeout=180)  # fmt: skip
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    handle = live_handles(root, "count")[0]
+    kept = sky.remote / "runs" / handle["run_id"] / "work" / "checkpoints"
+    (kept / "go").write_text("")
+    wait_for(lambda: json.loads((kept / "state.json").read_text())["i"] >= 5, "five counts on the cluster")
+    reached = json.loads((kept / "state.json").read_text())["i"]
+    cancelled = sky.compute("cancel", handle["run_id"])
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    assert sky.clusters() == []
+
+    done = doit(root, "count", env=sky.env, timeout=180)
+    assert done.returncode == 0, show(done)
+    assert starts(run_logs(root, "count")[-1])[0] >= reached, show(done)
+    assert result_of(root, "count") == (40, list(range(1, 41)))
+
+
 def test_with_the_bucket_transport_snapshots_go_to_the_bucket_from_the_cluster(
     sky: Sky, tmp_path: Path
 ) -> None:
@@ -134,3 +159,26 @@ def test_with_the_bucket_transport_snapshots_go_to_the_bucket_from_the_cluster(
         assert first != second  # a new cluster restored it from the bucket
         # The outputs are home: the step's snapshots in the bucket have gone with those here.
         assert not in_bucket.parent.exists()
+
+
+def test_gc_removes_the_snapshots_in_the_bucket_of_keys_no_step_has(sky: Sky, tmp_path: Path) -> None:
+    with running_s3_server(tmp_path / "s3") as s3_server:
+        bucket = {"outputs_bucket": f"s3://{s3_server.bucket}/runs", "lifetime_minutes": 10.0}
+        root = counting_project(sky, count_step("count", 6, PAUSE, "fail-fresh"), bucket=bucket)
+        sky.env.update(s3_server.env)
+        sky.env["FAKESKY_BUCKET_DIR"] = str(s3_server.data_dir)
+        failed = doit(root, "count", env=sky.env, timeout=180)
+        assert failed.returncode != 0, show(failed)
+        step_folder = s3_server.data_dir / s3_server.bucket / "runs" / "checkpoints" / "count"
+        (key,) = [p.name for p in step_folder.iterdir()]
+
+        kept = sky.compute("gc")  # the dodo's key is the snapshot's: kept
+        assert kept.returncode == 0, kept.stdout + kept.stderr
+        assert "checkpoints" not in kept.stdout and (step_folder / key).is_dir()
+        (root / "data.txt").write_text("two\n")  # now no step has that key
+        done = sky.compute("gc")
+        assert done.returncode == 0, done.stdout + done.stderr
+        uri = f"s3://{s3_server.bucket}/runs/checkpoints/count/{key}"
+        assert f"removed checkpoints {uri} (step count: no step of the dodo file has that key any more)" in (
+            done.stdout), done.stdout  # fmt: skip
+        assert not (step_folder / key).exists()
