@@ -602,15 +602,17 @@ def preempt(state: Path, cluster_name: str) -> None:
     timer = record.get("timer") or {}
     if timer.get("pid"):
         targets.append((timer["pid"], timer["ticks"]))
-    connections = sessions_serving(record["id"])  # before what they serve goes
-    for pid, ticks in targets:
-        stop_group(pid, ticks, grace=0)
-    kill_marked(record["id"])
-    for pid, ticks in connections:
+    # The network first, as a machine going away: no new connection reaches
+    # it, and those open are dropped before its processes go (so no client
+    # reads its dead worker's record over one).
+    _write_ssh_config(cluster_name)
+    for pid, ticks in sessions_serving(record["id"]):
         if alive(pid, ticks):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    _write_ssh_config(cluster_name)
+    for pid, ticks in targets:
+        stop_group(pid, ticks, grace=0)
+    kill_marked(record["id"])
 
 
 def _refreshed(state: Path, name: str) -> dict[str, Any] | None:
