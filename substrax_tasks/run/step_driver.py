@@ -506,7 +506,7 @@ class StepDriver(DrivenRun):
             attempts[-1] = gone.model_copy(update={"ended_at": now(), "outcome": "lost",
                                                    "message": lost.message})  # fmt: skip
             attempts.append(Attempt(number=gone.number + 1, machine=gone.machine, launched_at=now(),
-                                    last=gone.number + 1 > self.preemptions))  # fmt: skip
+                                    last=gone.number + 1 > self.preemptions or None))  # fmt: skip
             emit(f"{self.spec.step}: run {handle.run_id}: attempt {gone.number} lost its machine "
                  f"({gone.machine}: {lost.message or 'lost'}); relaunching it, attempt {gone.number + 1} "
                  f"of at most {self.preemptions + 1}")  # fmt: skip

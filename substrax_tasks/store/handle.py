@@ -44,9 +44,9 @@ class Attempt(BaseModel):
     snapshot: str | None = None  # the checkpoints it started from (Backend.snapshot_of); None: none
     outcome: str | None = None  # how it ended: a final state (RunStatus.state), e.g. "succeeded", "lost"
     message: str | None = None  # why, when the backend said (the machine lost: how)
-    # A relaunch with no preemption left after it: a backend may give it a
-    # machine that is not preempted (SkyPilot's on_demand_last_attempt)
-    last: bool = False
+    # True: a relaunch with no preemption left after it, which a backend may
+    # give a machine that is not preempted (SkyPilot's on_demand_last_attempt)
+    last: bool | None = None
 
     def seconds(self, start: str | None, end: str | None) -> float:
         """Seconds from one of its times to another (0 if either is missing)."""

@@ -274,7 +274,7 @@ class SkypilotBackend(Backend):
         # A relaunch a stopped doit left half done launches afresh: what its launch made is down.
         self.attempt_file(handle, LAUNCH_REQUEST).unlink(missing_ok=True)
         attempt = handle.state.attempts[-1] if handle.state.attempts else None
-        on_demand = attempt is not None and attempt.last and self.settings.on_demand_last_attempt
+        on_demand = attempt is not None and attempt.last is True and self.settings.on_demand_last_attempt
         if on_demand:
             number = attempt.number if attempt else 0
             emit(f"{handle.step}: attempt {number} is the last preemptions= allow: "

@@ -606,10 +606,10 @@ def preempt(state: Path, cluster_name: str) -> None:
     # it, and those open are dropped before its processes go (so no client
     # reads its dead worker's record over one).
     _write_ssh_config(cluster_name)
-    for pid, ticks in sessions_serving(record["id"]):
-        if alive(pid, ticks):
+    for connection, started in sessions_serving(record["id"]):
+        if alive(connection, started):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(connection, signal.SIGKILL)
     for pid, ticks in targets:
         stop_group(pid, ticks, grace=0)
     kill_marked(record["id"])
