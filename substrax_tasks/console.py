@@ -106,8 +106,10 @@ class TextSink:
     def __init__(self) -> None:
         self._step: StepLines | None = getattr(_current, "step", None)
         self._partial = ""
+        self.written = 0  # bytes of the log written: where following it again goes on from
 
     def write(self, data: bytes) -> int:
+        self.written += len(data)
         text = data.decode(errors="replace")
         with OUTPUT_LOCK:
             if self._step is None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
-from substrax_tasks.errors import HandleError, RunFolderDeleted
+from substrax_tasks.errors import BackendError, HandleError, RunFolderDeleted
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.slots import Pool
 
@@ -288,6 +288,41 @@ class Backend(ABC):
         (negative: overdue); None for a run that holds no machine (never
         armed, torn down, or a backend with no timer)."""
         return None
+
+    # -- a machine lost while the command ran (remote_step(..., preemptions=N))
+    def relaunch(self, handle: RunHandle) -> RunHandle:
+        """Called by the core when the run reads `lost` while its command
+        ran (its machine went away: a preempted cluster, a rebooted host, a
+        killed worker) and the step has preemptions left. By then the lost
+        attempt's end is recorded and the new attempt appended to
+        `handle.state.attempts` (its number and launch time). Get the new
+        attempt a machine and a fresh run there, as `launch` does for the
+        first: what the lost attempt left that can still be reached is
+        stopped first (its command's tree may outlive its worker). The core
+        then calls `setup`, `sync`, `snapshot_of` and `start` again, each
+        as for a new run, and follows the new attempt; a BackendError here
+        is retried as any machinery failure (`retries`). The new attempt's
+        job gets what is left of the step's timeout
+        (`handle.state.command_seconds_spent()`, see job.build_job).
+        Default: stop what is left (`cancel`), then `launch`."""
+        import contextlib
+
+        with contextlib.suppress(BackendError):  # a machine that is gone has nothing left to stop
+            self.cancel(handle)
+        return self.launch(handle)
+
+    def snapshot_of(self, handle: RunHandle) -> str | None:
+        """Called by the core just before it starts each attempt's command
+        (after sync): the checkpoints the attempt starts from, as the
+        attempt records them (a snapshot's name), or None when it starts
+        with none (the step declares none, or nothing was kept yet).
+        Default: the latest verified snapshot brought home
+        (backends/checkpoints.py), which `start` puts in place."""
+        from substrax_tasks.backends.checkpoints import Snapshots, checkpoints_folder
+
+        folder = checkpoints_folder(self.store, handle)
+        latest = None if folder is None else Snapshots(folder).latest()
+        return None if latest is None else latest[0].parent.name
 
     @abstractmethod
     def teardown(self, handle: RunHandle, *, force: bool = False) -> None:

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from substrax_tasks.backends.base import RunStatus
 
 STATUS_FILE = "status.json"
+# An attempt is started only with some of the timeout left (the core does
+# not relaunch a run whose timeout is spent); this floor keeps a job's
+# timeout positive whatever the clocks said.
+MIN_TIMEOUT_LEFT = 1.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ def build_job(
     left_out: Sequence[str] = (),
     gpus: runfiles.JobGpus | None = None,
     checkpoints_kept: str | None = None,
+    timeout_spent: float = 0.0,
 ) -> runfiles.Job:
     """The job; `env_dir`: the environment built from the project's lock
     file, first on the task's PATH and readable in the sandbox;
@@ -89,7 +94,10 @@ def build_job(
     across runs under `cache_root`, at the same paths below it; `gpus`:
     what the worker takes and shows the task (_gpus.job_gpus);
     `checkpoints_kept`: the folder kept for the step's checkpoints on that
-    machine, shown to the task at the spec's `checkpoints` path."""
+    machine, shown to the task at the spec's `checkpoints` path;
+    `timeout_spent`: how long the command ran in the run's earlier attempts
+    (`CoreState.command_seconds_spent()`): the spec's timeout bounds them
+    all, so this attempt's worker gets what is left."""
     job: runfiles.Job = {
         "version": runfiles.JOB_VERSION,
         "argv": list(spec.command),
@@ -99,7 +107,7 @@ def build_job(
         "staging": paths.staging,
         "status_file": paths.status,
         "log_file": paths.log,
-        "timeout": spec.timeout,
+        "timeout": None if spec.timeout is None else max(spec.timeout - timeout_spent, MIN_TIMEOUT_LEFT),
         "grace_seconds": grace_seconds,
         "sandbox": sandbox,
         "network_isolation": network_isolation,

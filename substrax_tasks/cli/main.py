@@ -22,7 +22,7 @@ from rich.markup import escape
 from substrax_tasks import __version__
 from substrax_tasks.backends.base import RunStatus
 from substrax_tasks.cli.arguments import arg, command, flag
-from substrax_tasks.cli.status_view import machine_lines, print_status_table, status_json
+from substrax_tasks.cli.status_view import attempt_lines, machine_lines, print_status_table, status_json
 from substrax_tasks.config.pyproject import find_project
 from substrax_tasks.errors import BackendError, HandleError, NoSuchRun, SubstraxError
 from substrax_tasks.store.gc import find_leaks
@@ -171,6 +171,8 @@ def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Co
         print(status_json(rows, unreadable, leaks, latest))
         return 1 if unreadable else 0
     print_status_table(rows)
+    for line in attempt_lines(rows, every_run=named_a_run):
+        print(line)
     if not handles and not (args.run or args.step):
         err.print("(steps restored from the run cache have no run here: `substrax-compute steps` "
                   "shows every step of the dodo file)", highlight=False)  # fmt: skip

@@ -52,6 +52,8 @@ def run_record(handle: RunHandle, status: RunStatus, *, latest: bool) -> dict[st
         "latest": latest,
         "lifetime_left_seconds": lifetime_left(handle),
         "gpus": status.gpus,
+        # each attempt of its command: machine, times, the checkpoints it started from, its end
+        "attempts": [a.model_dump(mode="json") for a in handle.state.attempts],
     }
 
 
@@ -144,3 +146,23 @@ def print_status_table(rows: list[tuple[RunHandle, RunStatus]]) -> None:
         for h, s in rows
     ]
     print(plain_table(columns, cells) if rows else "no runs yet")
+
+
+def attempt_lines(rows: list[tuple[RunHandle, RunStatus]], *, every_run: bool) -> list[str]:
+    """Each attempt of the runs that were relaunched (`preemptions`), or of
+    every run shown when `every_run` (a run named): where it ran, when, the
+    checkpoints it started from, how it ended."""
+    lines = []
+    for handle, _status in rows:
+        attempts = handle.state.attempts
+        if len(attempts) < 2 and not (every_run and attempts):
+            continue
+        for a in attempts:
+            ran = seconds_between(a.started_at, a.ended_at)
+            lines.append(
+                f"run {handle.run_id} attempt {a.number} on {a.machine}: started {short_time(a.started_at)}"
+                f", ran {'-' if ran is None else clock(ran)}, {a.outcome or 'going'}"
+                + (f" ({a.message})" if a.message and a.outcome != "succeeded" else "")
+                + (f"; from {a.snapshot}" if a.snapshot else "; from no checkpoints")
+            )
+    return lines

@@ -29,6 +29,7 @@ from substrax_tasks.console import SWEEP, TextSink, elapsed, emit, lines_of
 from substrax_tasks.errors import BackendError, HandleError, HostRefused, RunFolderDeleted, SubstraxError
 from substrax_tasks.interrupts import (
     INTERRUPTED,
+    check_interrupted,
     map_termination_signals,
     start_when_free,
     started_holding_signals,
@@ -42,11 +43,41 @@ from substrax_tasks.uptodate import check as uptodate
 from substrax_tasks.uptodate.check import DOIT_VALUE, Step
 
 if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a no-op doit
-    from substrax_tasks.backends.base import Backend
+    from substrax_tasks.backends.base import Backend, RunStatus
     from substrax_tasks.run.steplock import StepLock
     from substrax_tasks.slots import Slot
     from substrax_tasks.store.handle import RunHandle
     from substrax_tasks.store.project import Project
+
+
+# How long a machine that stopped answering while its run was followed is
+# waited for, reading the run's status every MACHINE_WAIT_POLL_SECONDS: a
+# host rebooting comes back within minutes; one that does not, fails the
+# step with how to reattach (the run may go on there).
+MACHINE_WAIT_SECONDS = 600.0
+MACHINE_WAIT_POLL_SECONDS = 2.0
+
+
+def timeline_now() -> str:
+    from substrax_tasks.run.timeline import now  # a phase acts: not on a no-op's path
+
+    return now()
+
+
+def attempts_with(handle: RunHandle, **changes: Any) -> list[dict[str, Any]]:
+    """The run's attempts with `changes` made to the last (the one going),
+    as the handle records them. A run launched before attempts were
+    recorded has none: nothing is changed."""
+    attempts = [a.model_dump(mode="json") for a in handle.state.attempts]
+    if attempts:
+        attempts[-1].update(changes)
+    return attempts
+
+
+def relaunch_unfinished(handle: RunHandle) -> bool:
+    """The run's last attempt is a relaunch whose command was never started."""
+    attempts = handle.state.attempts
+    return len(attempts) > 1 and attempts[-1].started_at is None
 
 
 class RunState(enum.Enum):
@@ -60,9 +91,11 @@ class RunState(enum.Enum):
 class StepDriver(DrivenRun):
     """The phases of one step in one doit process, as doit actions."""
 
-    def __init__(self, step: Step, project: Project, *, retries: int = 0,
+    def __init__(self, step: Step, project: Project, *, retries: int = 0, preemptions: int = 0,
                  near_another: Callable[[str], bool] = lambda folder: True) -> None:
         super().__init__(step, project, retries=retries, near_another=near_another)
+        # How many times a run lost with its machine is relaunched (its own budget, not `retries`)
+        self.preemptions = preemptions
         self.state = RunState.IDLE
         self._lock = threading.Lock()
         self._step_lock: StepLock | None = None
@@ -300,7 +333,12 @@ class StepDriver(DrivenRun):
 
             # Before the launch: the folders missing now are the ones this run makes.
             self.made_folders = absent_folders(self.root, self.spec.outputs)
-            self.advance(self.retrying("launch", lambda: backend.launch(handle)), Phase.LAUNCHED)
+            from substrax_tasks.store.handle import Attempt
+
+            launched_at = timeline_now()
+            launched = self.retrying("launch", lambda: backend.launch(handle))
+            first = Attempt(number=1, machine=backend.ran_on(launched), launched_at=launched_at)
+            self.advance(launched, Phase.LAUNCHED, attempts=[first.model_dump(mode="json")])
         elif not (status := backend.poll(handle)).final:  # reattached: it holds a slot as a new run does
             self._take_slot(backend, handle, running=status.state == "running")
 
@@ -346,20 +384,22 @@ class StepDriver(DrivenRun):
         backend = self.backend(handle)
         try:
             if not handle.state.reached(Phase.STARTED):
+                snapshot = backend.snapshot_of(handle)
                 if backend.poll(handle).state == "pending":
-                    pending = handle
-                    handle = start_when_free(
-                        lambda: self.retrying(
-                            "start", lambda: started_holding_signals(lambda: backend.start(pending))
-                        ),
-                        lambda said: emit(f"{self.spec.step}: {said}; waiting"),
-                    )
-                handle = self.advance(handle, Phase.STARTED)
-            sink = TextSink()
-            try:
-                status = backend.stream_log(handle, cast(IO[bytes], sink), follow=True)
-            finally:
-                sink.close()
+                    handle = self._start(backend, handle)
+                handle = self.advance(handle, Phase.STARTED, attempts=attempts_with(
+                    handle, started_at=timeline_now(), snapshot=snapshot))  # fmt: skip
+            elif relaunch_unfinished(handle) and backend.poll(handle).state in ("pending", "lost"):
+                handle = self._relaunch(backend, handle, None)  # a relaunch this doit's last stopped in
+            while True:
+                status = self._follow(backend, handle)
+                if status.state != "lost" or self._not_relaunched(handle) is not None:
+                    break
+                backend.check_recorded(handle)  # its folder here deleted: torn down, not relaunched
+                handle = self._relaunch(backend, handle, status)
+            handle = self.save(handle, attempts=attempts_with(
+                handle, ended_at=status.ended_at or timeline_now(), outcome=status.state,
+                message=status.message))  # fmt: skip
         except RunFolderDeleted:
             return TaskFailed(f"step {self.spec.step!r}: {self._forget(backend, handle)}")
         except HostRefused as exc:  # as a refused manifest: the run failed, its machine goes
@@ -376,16 +416,112 @@ class StepDriver(DrivenRun):
             if status.final:
                 self.remove_made_folders()
             tail = backend.read_log(handle, 0)[-1500:].decode(errors="replace")
+            why_not = self._not_relaunched(handle) if status.state == "lost" else None
             return TaskFailed(
                 f"step {self.spec.step!r}: run {handle.run_id} {status.state}"
                 + (f" (exit code {status.exit_code})" if status.exit_code is not None else "")
                 + (f": {status.message}" if status.message else "")
+                + (f"\nits machine was lost while the command ran; {why_not}" if why_not else "")
                 + f"\nlast lines of its log (substrax-compute logs {handle.run_id}):\n{tail}"
             )
         # The run phase's time, with what the backend noted as the run ended
         # (its final status, where its outputs are).
         self.end_phase("ok")
         return None
+
+    def _start(self, backend: Backend, handle: RunHandle) -> RunHandle:
+        """Start the run's command (waiting while its GPUs are held)."""
+        return start_when_free(
+            lambda: self.retrying("start", lambda: started_holding_signals(lambda: backend.start(handle))),
+            lambda said: emit(f"{self.spec.step}: {said}; waiting"),
+        )
+
+    def _follow(self, backend: Backend, handle: RunHandle) -> RunStatus:
+        """Follow the run's log until it ends. A machine that does not
+        answer is waited for (MACHINE_WAIT_SECONDS), then followed again
+        from where its log was: a status read that failed is no sign the
+        run is gone, and relaunching a run that goes on would run its
+        command twice."""
+        sink = TextSink()
+        try:
+            while True:
+                try:
+                    return backend.stream_log(handle, cast(IO[bytes], sink), follow=True, offset=sink.written)
+                except HostRefused:
+                    raise
+                except BackendError as exc:
+                    self._wait_for_machine(backend, handle, exc)
+        finally:
+            sink.close()
+
+    def _wait_for_machine(self, backend: Backend, handle: RunHandle, failed: BackendError) -> None:
+        """Read the run's status until its machine answers again, bounded."""
+        emit(f"{self.spec.step}: run {handle.run_id}: its machine does not answer ({failed}); waiting up to "
+             f"{MACHINE_WAIT_SECONDS:.0f} s for it to answer again", err=True)  # fmt: skip
+        deadline = time.monotonic() + MACHINE_WAIT_SECONDS
+        while True:
+            check_interrupted()
+            time.sleep(MACHINE_WAIT_POLL_SECONDS)
+            try:
+                backend.poll(handle)
+            except BackendError as exc:
+                if time.monotonic() < deadline:
+                    continue
+                raise BackendError(
+                    f"run {handle.run_id}: its machine did not answer for {MACHINE_WAIT_SECONDS:.0f} s "
+                    f"({exc}); the run may go on there: `doit {self.spec.step}` reattaches to it, "
+                    f"`substrax-compute cancel {handle.run_id}` stops it"
+                ) from None
+            emit(f"{self.spec.step}: run {handle.run_id}: its machine answers again; following the run")
+            return
+
+    def _not_relaunched(self, handle: RunHandle) -> str | None:
+        """Why a lost run is not relaunched (no preemption left, or its
+        timeout spent), with what to do; None: it is."""
+        lost = max(len(handle.state.attempts), 1)  # attempts lost so far, this one included
+        if lost > self.preemptions:
+            if self.preemptions == 0:
+                return (f"remote_step({self.spec.step!r}, ..., preemptions=1) relaunches it once such a "
+                        "loss, its command starting again from its latest checkpoints")  # fmt: skip
+            return (f"it was lost {lost} time(s), past preemptions={self.preemptions}: raise preemptions= "
+                    "to relaunch it more often")  # fmt: skip
+        timeout = self.spec.timeout
+        if timeout is not None and handle.state.command_seconds_spent() >= timeout:
+            return f"its timeout ({timeout:g} s over all its attempts) is spent"
+        return None
+
+    def _relaunch(self, backend: Backend, handle: RunHandle, lost: RunStatus | None) -> RunHandle:
+        """A new attempt of the run on a new machine (Backend.relaunch),
+        its command started again from the latest checkpoints. `lost`: the
+        status of the attempt whose machine went away; None: the last
+        attempt recorded is a relaunch that never started its command (the
+        doit driving it was stopped), driven again as the same attempt."""
+        from substrax_tasks.run.timeline import now  # a relaunch: not a no-op's path
+        from substrax_tasks.store.handle import Attempt
+
+        attempts = list(handle.state.attempts) or [Attempt(number=1, machine=backend.ran_on(handle),
+                                                           launched_at=handle.created_at)]  # fmt: skip
+        if lost is not None:
+            gone = attempts[-1]
+            attempts[-1] = gone.model_copy(update={"ended_at": now(), "outcome": "lost",
+                                                   "message": lost.message})  # fmt: skip
+            attempts.append(Attempt(number=gone.number + 1, machine=gone.machine, launched_at=now(),
+                                    last=gone.number + 1 > self.preemptions or None))  # fmt: skip
+            emit(f"{self.spec.step}: run {handle.run_id}: attempt {gone.number} lost its machine "
+                 f"({gone.machine}: {lost.message or 'lost'}); relaunching it, attempt {gone.number + 1} "
+                 f"of at most {self.preemptions + 1}")  # fmt: skip
+        number = attempts[-1].number
+        handle = self.save(handle, attempts=[a.model_dump(mode="json") for a in attempts])
+        relaunched = self.retrying("relaunch", lambda: backend.relaunch(handle))
+        set_up = self.retrying("setup", lambda: backend.setup(relaunched))
+        synced = self.retrying("sync", lambda: backend.sync(set_up))
+        snapshot = backend.snapshot_of(synced)
+        handle = self.save(synced, attempts=attempts_with(synced, machine=backend.ran_on(synced),
+                                                          snapshot=snapshot))  # fmt: skip
+        emit(f"{self.spec.step}: run {handle.run_id}: attempt {number} on {backend.ran_on(handle)} starts "
+             + (f"from the checkpoints of snapshot {snapshot}" if snapshot else "with no checkpoints kept"))
+        handle = self._start(backend, handle)
+        return self.save(handle, attempts=attempts_with(handle, started_at=now()))
 
     def _on_interrupt(self, backend: Backend, handle: RunHandle) -> None:
         if backend.capabilities.interrupt_cancels:

@@ -147,7 +147,7 @@ def env_of(step: str, env: object) -> dict[str, str]:
     return checked
 
 
-def check_doit_arguments(name: str, *, backend: object, shell: object, retries: object,
+def check_doit_arguments(name: str, *, backend: object, shell: object, retries: object, preemptions: object,
                           uptodate: object, project: object) -> None:
     """The arguments make_spec does not see, each of the type documented."""
     if backend is not None and not isinstance(backend, str):
@@ -160,12 +160,8 @@ def check_doit_arguments(name: str, *, backend: object, shell: object, retries: 
             f"step {name!r}: shell must be one command line (a string), got {shown(shell)}: "
             'write shell="python train.py > log.txt", or command=[...] for an argv'
         )
-    if isinstance(retries, bool) or not isinstance(retries, int):
-        number = retries.strip() if isinstance(retries, str) else ""
-        fix = f"retries={number}" if number.isdigit() else "retries=2"
-        raise SpecError(f"step {name!r}: retries must be a whole number, got {shown(retries)}: write {fix}")
-    if retries < 0:
-        raise SpecError(f"step {name!r}: retries must be 0 or more, got {retries}")
+    check_count(name, "retries", retries, 2)
+    check_count(name, "preemptions", preemptions, 1)
     if isinstance(uptodate, (str, bytes, Mapping)) or not isinstance(uptodate, Iterable):
         raise SpecError(
             f"step {name!r}: uptodate must be a list (doit's uptodate items), got {shown(uptodate)}: "
@@ -176,3 +172,13 @@ def check_doit_arguments(name: str, *, backend: object, shell: object, retries: 
             f"step {name!r}: project must be a folder (a str or pathlib.Path) or None, "
             f"got {shown(project)}"
         )
+
+
+def check_count(name: str, argument: str, value: object, example: int) -> None:
+    """`argument` (retries, preemptions) is a whole number, 0 or more."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        number = value.strip() if isinstance(value, str) else ""
+        fix = f"{argument}={number}" if number.isdigit() else f"{argument}={example}"
+        raise SpecError(f"step {name!r}: {argument} must be a whole number, got {shown(value)}: write {fix}")
+    if value < 0:
+        raise SpecError(f"step {name!r}: {argument} must be 0 or more, got {value}")

@@ -132,6 +132,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     resources: Mapping[str, str | int | float] | None = None,
     secrets: Iterable[str] = (),
     retries: int = 0,
+    preemptions: int = 0,
     checkpoints: str | os.PathLike[str] | None = None,
     file_dep: Iterable[str | os.PathLike[str]] = (),
     task_dep: Iterable[str] = (),
@@ -152,6 +153,11 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     secrets: names of environment variables forwarded from this process:
       their values reach the command but never a digest, handle, DB or log.
     retries: how often to retry a failure of the machinery (never of the command).
+    preemptions: how often a run whose machine is lost while its command
+      runs (a preempted cluster, a rebooted host, a killed worker) is
+      relaunched, its command started again from its latest checkpoints;
+      a command that fails, times out or is cancelled never is
+      (docs/steps.md, Preemptions).
     checkpoints: a folder ("ckpt/") the command writes its checkpoints in
       (by rename) and reads back as it starts: kept in the store, put back
       in place for the next run of the same step and key, removed once the
@@ -162,8 +168,8 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     """
     _freeze_declared()
     try:
-        check_doit_arguments(name, backend=backend, shell=shell, retries=retries, uptodate=uptodate,
-                             project=project)  # fmt: skip
+        check_doit_arguments(name, backend=backend, shell=shell, retries=retries, preemptions=preemptions,
+                             uptodate=uptodate, project=project)  # fmt: skip
         tracked = [os.fspath(p) for p in path_list(name, "file_dep", file_dep)]
         dependencies = name_list(name, "task_dep", task_dep, "prepare")
         proj = project_of(project)
@@ -189,7 +195,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     except SubstraxError as exc:  # a bad declaration stops doit before anything is launched
         print(f"substrax: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
-    driver = StepDriver(step, proj, retries=retries,
+    driver = StepDriver(step, proj, retries=retries, preemptions=preemptions,
                         near_another=functools.partial(_near_another, str(proj.root), spec.step))
     DRIVERS[(str(proj.root), spec.step)] = driver
     yield from step_tasks(driver, producers, dependencies, list(uptodate), task_keys)

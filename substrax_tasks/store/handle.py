@@ -11,6 +11,7 @@ run_store.py.
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,38 @@ HANDLE_VERSION = 3
 # Version 2 kept the core's keys and the backend's in one `state` dict: it is
 # read and split (`_from_version_2`), and written as 3 the next time.
 MIGRATED_VERSIONS = frozenset({2})
+
+
+class Attempt(BaseModel):
+    """One attempt of a run's command on one machine. A run has one; a step
+    with `preemptions=N` gets a new one each time its machine is lost while
+    the command runs (run/step_driver.py), up to N more. Times are ISO 8601
+    UTC strings, as the phase times (run/timeline.py): `seconds()` sums them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    number: int  # 1 for the run's first
+    machine: str  # where it ran, in words a user knows (Backend.ran_on)
+    launched_at: str  # when its machine was asked for (launch, or relaunch)
+    started_at: str | None = None  # when its command was started; None: not yet
+    ended_at: str | None = None  # when it ended, or was seen lost; None: going
+    snapshot: str | None = None  # the checkpoints it started from (Backend.snapshot_of); None: none
+    outcome: str | None = None  # how it ended: a final state (RunStatus.state), e.g. "succeeded", "lost"
+    message: str | None = None  # why, when the backend said (the machine lost: how)
+    # True: a relaunch with no preemption left after it, which a backend may
+    # give a machine that is not preempted (SkyPilot's on_demand_last_attempt)
+    last: bool | None = None
+
+    def seconds(self, start: str | None, end: str | None) -> float:
+        """Seconds from one of its times to another (0 if either is missing)."""
+        if start is None or end is None:
+            return 0.0
+        return (datetime.datetime.fromisoformat(end) - datetime.datetime.fromisoformat(start)).total_seconds()
+
+    @property
+    def command_seconds(self) -> float:
+        """How long its command ran (started to ended; 0 if it never started or still runs)."""
+        return max(self.seconds(self.started_at, self.ended_at), 0.0)
 
 
 class CoreState(BaseModel):
@@ -44,6 +77,8 @@ class CoreState(BaseModel):
     fetch_refusals: int = 0  # fetches refused in a row (run/outputs_phases.py)
     manifest_digest: str | None = None  # of the outputs fetched and verified
     cost_usd: float | None = None  # what the run cost, where known (`substrax-compute report` shows it)
+    # Its command's attempts, oldest first; the last is the one going (`preemptions`)
+    attempts: list[Attempt] = []
 
     @field_validator("phase", mode="before")
     @classmethod
@@ -54,6 +89,11 @@ class CoreState(BaseModel):
     def reached(self, phase: Phase) -> bool:
         """The run's recorded phase is `phase` or one after it."""
         return self.phase is not None and self.phase.reached(phase)
+
+    def command_seconds_spent(self) -> float:
+        """How long the command ran in the attempts that ended: a step's
+        `timeout` bounds its running time summed over attempts."""
+        return sum(a.command_seconds for a in self.attempts if a.ended_at is not None)
 
 
 class RunHandle(BaseModel):

@@ -48,10 +48,12 @@ with open(result, "w") as f:
 """
 
 
-def count_step(name: str, n: int, pause: float, *extra: str, backend: str | None = None) -> str:
-    """The dodo lines of one counting step, its result in `<name>.txt`."""
+def count_step(name: str, n: int, pause: float, *extra: str, backend: str | None = None, **more: Any) -> str:
+    """The dodo lines of one counting step, its result in `<name>.txt`;
+    `more`: remote_step's keyword arguments (preemptions=1, timeout=...)."""
     argv = ["python3", "count.py", str(n), str(pause), f"{name}.txt", *extra]
     where = f", backend={backend!r}" if backend else ""
+    where += "".join(f", {key}={value!r}" for key, value in more.items())
     return (f"    yield from remote_step({name!r}, command={argv!r}, inputs=['count.py', 'data.txt'], "
             f"outputs=[{name + '.txt'!r}], checkpoints='ckpt/'{where})\n")
 

@@ -57,14 +57,14 @@ def fresh_user() -> str:
 
 
 @contextlib.contextmanager
-def ssh_host(base: Path, user: str | None) -> Iterator[SshHost]:
+def ssh_host(base: Path, user: str | None, accept_env: str | None = None) -> Iterator[SshHost]:
     """A host for a fixture: in its own network namespace as root (user
     None: this process's user). Stopped by pid on the way out."""
     if MISSING:
         pytest.skip(f"SSH BACKEND NOT TESTED: missing {', '.join(MISSING)}")
     if user is not None and not ROOT:
         pytest.skip(f"SSH BACKEND AS USER {user} NOT TESTED: needs root")
-    with running_host(base / "host", user=user) as host:
+    with running_host(base / "host", user=user, accept_env=accept_env) as host:
         yield host
 
 
@@ -85,8 +85,10 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
 @pytest.fixture(scope="session")
 def root_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
     """A host that lets root in: the fake SkyPilot's jobs run as this
-    process's user, so its clusters' ssh is root's."""
-    with ssh_host(tmp_path_factory.mktemp("sshd-root"), None) as started:
+    process's user, so its clusters' ssh is root's. It takes the fake's
+    cluster marker from the ssh config the fake writes, so what runs there
+    over ssh is the cluster's (sky._cluster._write_ssh_config)."""
+    with ssh_host(tmp_path_factory.mktemp("sshd-root"), None, accept_env="FAKESKY_CLUSTER_ID") as started:
         yield started
 
 

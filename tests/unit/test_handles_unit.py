@@ -64,3 +64,40 @@ def test_handle_records_spec_settings_and_digest(project: Project) -> None:
     assert data["state"]["project"] == str(project.root)
 
 
+
+
+@pytest.mark.unit
+def test_attempts_are_recorded_and_their_command_time_summed(project: Project) -> None:
+    """`preemptions`: each attempt in the handle, its times plain ISO
+    strings; the time the command ran in the attempts that ended is what a
+    step's timeout bounds over all of them."""
+    spec = make_spec("long", ["true"], project.root, outputs=["o"], timeout=100)
+    handle = project.new_run(spec, settings={"sandbox": "none"})
+    assert handle.state.attempts == [] and handle.state.command_seconds_spent() == 0
+    lost = {"number": 1, "machine": "gpu-box", "launched_at": "2026-12-07T00:00:00.000+00:00",
+            "started_at": "2026-12-07T00:00:05.000+00:00", "ended_at": "2026-12-07T00:00:35.500+00:00",
+            "outcome": "lost", "message": "the host restarted"}  # fmt: skip
+    going = {"number": 2, "machine": "gpu-box", "launched_at": "2026-12-07T00:01:00.000+00:00",
+             "started_at": "2026-12-07T00:01:10.000+00:00", "snapshot": "snap-0a1b2c"}  # fmt: skip
+    handle = project.store.update_state(handle, attempts=[lost, going])
+    again = project.store.read(handle.run_id)
+    assert [a.model_dump(exclude_none=True) for a in again.state.attempts] == [lost, going]
+    assert again.state.attempts[0].command_seconds == 30.5
+    assert again.state.command_seconds_spent() == 30.5  # the attempt going is not counted yet
+    data = json.loads((run_dir(project, handle) / HANDLE_FILE).read_text())
+    assert data["state"]["attempts"][1]["snapshot"] == "snap-0a1b2c"
+
+
+@pytest.mark.unit
+def test_an_attempt_with_a_key_this_release_does_not_know_is_refused(project: Project) -> None:
+    from substrax_tasks.errors import HandleError
+
+    spec = make_spec("long", ["true"], project.root, outputs=["o"])
+    handle = project.new_run(spec, settings={"sandbox": "none"})
+    path = run_dir(project, handle) / HANDLE_FILE
+    data = json.loads(path.read_text())
+    data["state"]["attempts"] = [{"number": 1, "machine": "m", "launched_at": "2026-12-07T00:00:00+00:00",
+                                  "zone": "eu"}]  # fmt: skip
+    path.write_text(json.dumps(data))
+    with pytest.raises(HandleError, match=r"damaged handle \(state\.attempts\.0\.zone"):
+        project.store.read(handle.run_id)

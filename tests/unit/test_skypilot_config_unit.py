@@ -15,7 +15,7 @@ from substrax_tasks.backends.skypilot.client import JOB_STATES, job_state, resol
 from substrax_tasks.backends.skypilot.settings import NO_BUCKET_MOUNTS, SkypilotSettings
 from substrax_tasks.config.pyproject import load_config
 from substrax_tasks.errors import BackendError, ConfigError
-from substrax_tasks.step.spec import make_spec
+from substrax_tasks.step.spec import make_spec, settings_in_key
 from substrax_tasks.store.project import Project
 
 
@@ -115,3 +115,33 @@ def test_a_missing_skypilot_interpreter_is_an_error_naming_the_setting(
     (tmp_path / "sky").chmod(0o755)
     (tmp_path / "python").symlink_to(sys.executable)
     assert resolve_sky_python(None) == str(tmp_path / "python")
+
+
+@pytest.mark.unit
+def test_a_relaunched_attempt_gets_a_cluster_and_a_folder_of_its_own_and_on_demand_when_asked(
+    tmp_path: Path,
+) -> None:
+    spot = 'infra = "aws"\nuse_spot = true\non_demand_last_attempt = true\n'
+    root = write(tmp_path / "p", f"{TABLE}\n{spot}{COPY}\n")
+    project = Project.open(root)
+    handle = project.new_run(make_spec("fit", ["python3", "fit.py"], root, outputs=["out/"]))
+    backend = project.backend_for(handle)
+    client = "0123456789abcdef" * 2
+    first = sky_task.cluster_name(backend.settings, handle, client)  # type: ignore[arg-type]
+    assert backend.layout(handle).run.endswith(f"/runs/{handle.run_id}")  # type: ignore[attr-defined]
+    assert sky_task.launched_resources(backend.settings, handle)["use_spot"] is True  # type: ignore[arg-type]
+    attempts = [{"number": n, "machine": first, "launched_at": "2026-12-07T00:00:00+00:00"} for n in (1, 2)]
+    project.store.update_state(handle, attempts=attempts)
+    again = backend.save_state(project.store.read(handle.run_id), on_demand=True)
+    second = sky_task.cluster_name(backend.settings, again, client)  # type: ignore[arg-type]
+    assert second != first and second.rsplit("-", 1)[0] == first.rsplit("-", 1)[0]
+    assert backend.layout(again).run.endswith(f"/runs/{handle.run_id}-attempt2")  # type: ignore[attr-defined]
+    assert sky_task.launched_resources(backend.settings, again)["use_spot"] is False  # type: ignore[arg-type]
+    # not in the step's key: the setting changes no output
+    assert "on_demand_last_attempt" not in settings_in_key(handle.settings)
+
+
+@pytest.mark.unit
+def test_on_demand_last_attempt_without_use_spot_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match="set use_spot = true, or remove on_demand_last_attempt"):
+        SkypilotSettings.model_validate({"on_demand_last_attempt": True, "copy": {}})

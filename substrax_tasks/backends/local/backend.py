@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from substrax_tasks._remote import control, env, gpus, sandbox
+from substrax_tasks._remote import checkpoints, control, env, gpus, sandbox
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, RunStatus
-from substrax_tasks.backends.checkpoints import live_folder
+from substrax_tasks.backends.checkpoints import LIVE, checkpoints_folder, live_folder
 from substrax_tasks.backends.job import (
     WorkerPaths,
     build_job,
@@ -113,6 +113,7 @@ class LocalBackend(Backend):
                 str(Path.home() / ".substrax-remote" / "gpus"), "this machine",
             ),
             checkpoints_kept=live_folder(self.store, handle),
+            timeout_spent=handle.state.command_seconds_spent(),
         )
         if self.settings.sandbox != "none":  # without one, the worker finds what doit would
             # The argv's program first, as asked here; then what a shell or
@@ -121,6 +122,40 @@ class LocalBackend(Backend):
             show_toolchains(job, {**os.environ, **handle.spec.env})
         write_json_atomic(Path(paths.job), job)
         return handle
+
+    def relaunch(self, handle: RunHandle) -> RunHandle:
+        """This machine again, in the run's own folder: what the lost
+        attempt left running is stopped (without a sandbox its command's
+        tree outlives a killed worker), its status and log kept aside in
+        `attempt-<n>/`, its half-written outputs removed; then launched as
+        a new run is. Its checkpoints stay where they are, bound in place
+        (without a sandbox: kept back from the project first)."""
+        self.cancel(handle)
+        paths = self.paths(handle)
+        folder = checkpoints_folder(self.store, handle)
+        kept = None if folder is None else str(folder / LIVE)
+        written = (self._record(handle) or {}).get("checkpoints_root")
+        if kept is not None and isinstance(written, str) and written != kept:
+            # Without a sandbox the command wrote them in the project, and its
+            # worker, killed, never kept them back as it does when a command ends.
+            checkpoints.keep_from_place(written, kept)
+        run_dir = Path(paths.run_dir)
+        lost = handle.state.attempts[-2].number if len(handle.state.attempts) > 1 else 1
+        aside = run_dir / f"attempt-{lost}"
+        aside.mkdir(mode=0o700, exist_ok=True)
+        for file in (paths.status, paths.log):
+            with contextlib.suppress(FileNotFoundError):
+                Path(file).replace(aside / Path(file).name)
+        shutil.rmtree(Path(paths.staging).parent, ignore_errors=True)
+        return self.launch(handle)
+
+    def snapshot_of(self, handle: RunHandle) -> str | None:
+        """The checkpoints are kept in place (bound into the sandbox): the
+        attempt starts from what its folder holds."""
+        folder = checkpoints_folder(self.store, handle)
+        live = None if folder is None else folder / LIVE
+        held = 0 if live is None else sum(len(files) for _top, _dirs, files in os.walk(live))
+        return f"{LIVE} ({held} file(s) in place)" if held else None
 
     def start(self, handle: RunHandle) -> RunHandle:
         paths = self.paths(handle)

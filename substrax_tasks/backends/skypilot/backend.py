@@ -164,9 +164,19 @@ class SkypilotBackend(Backend):
     def run_file(self, handle: RunHandle, name: str) -> Path:
         return self.store.run_dir(handle.run_id) / name
 
+    def attempt_file(self, handle: RunHandle, name: str) -> Path:
+        """A file of the run's current attempt's launch: the first's as
+        ever (task.json), a relaunch's with its number (task-attempt2.json):
+        each attempt's intent and request are kept."""
+        attempts = len(handle.state.attempts)
+        if attempts > 1:
+            stem, dot, suffix = name.partition(".")
+            name = f"{stem}-attempt{attempts}{dot}{suffix}"
+        return self.run_file(handle, name)
+
     def request_id(self, handle: RunHandle) -> str | None:
         try:
-            data = json.loads(self.run_file(handle, LAUNCH_REQUEST).read_text())
+            data = json.loads(self.attempt_file(handle, LAUNCH_REQUEST).read_text())
         except (OSError, ValueError):
             return None
         rid = data.get("request_id") if isinstance(data, dict) else None
@@ -237,9 +247,48 @@ class SkypilotBackend(Backend):
         with launching(self, handle):  # the slots that share the cluster: one launches it
             return self._launch(handle)
 
+    def relaunch(self, handle: RunHandle) -> RunHandle:
+        """A cluster for the run's new attempt once its cluster was lost
+        while the command ran (remote_step(..., preemptions=N)). The lost
+        one is made sure gone first: `sky.down` (SkyPilot may still hold it
+        UP in its record; one it already removed is no error) and its slot's
+        record of it dropped; but with reuse, a cluster SkyPilot holds UP
+        whose worker alone was lost stays for the steps that share it, only
+        the run's tree and folder there removed. Then `launch`, as for a new
+        step: a warm cluster of the slot first (reuse), else a new one,
+        named apart from the lost one, in a run folder of the attempt's own,
+        bounded by a lifetime timer of its own. With use_spot = true and
+        on_demand_last_attempt = true, the last attempt preemptions= allow is
+        launched on demand, never on a warm spot cluster."""
+        lost = SkypilotState.of(handle).cluster
+        if isinstance(lost, str) and not SkypilotState.of(handle).torn_down:
+            if self.settings.reuse and not cluster_gone(self, lost):
+                with contextlib.suppress(SubstraxError):  # its lifetime timer ends what could not be stopped
+                    self.remote_run(handle).remove()
+            else:
+                failures: list[Exception] = []
+                if not self.down_cluster(lost, failures):
+                    raise failures[0]  # a BackendError: retried as the machinery's (retries)
+                forget_cluster(self, handle)
+                emit(f"{handle.step}: the lost cluster {lost} is taken down")
+        # A relaunch a stopped doit left half done launches afresh: what its launch made is down.
+        self.attempt_file(handle, LAUNCH_REQUEST).unlink(missing_ok=True)
+        attempt = handle.state.attempts[-1] if handle.state.attempts else None
+        on_demand = attempt is not None and attempt.last is True and self.settings.on_demand_last_attempt
+        if on_demand:
+            number = attempt.number if attempt else 0
+            emit(f"{handle.step}: attempt {number} is the last preemptions= allow: "
+                 "on an on-demand machine (on_demand_last_attempt = true)")  # fmt: skip
+        handle = self.save_state(
+            handle, cluster=None, lease_job=None, watchdog=None, job_home=None, remote_run=None,
+            bin_digest=None, env_dir=None, gpus=None, outputs_root=None, final_status=None,
+            cancel_requested=False, torn_down=False, on_demand=on_demand,
+        )  # fmt: skip
+        return self.launch(handle)
+
     def _launch(self, handle: RunHandle) -> RunHandle:
         rid = self.request_id(handle)
-        if rid is None and self.settings.reuse:
+        if rid is None and self.settings.reuse and not SkypilotState.of(handle).on_demand:
             warm = warm_cluster(self, handle)
             if warm is not None:
                 return warm
@@ -281,7 +330,7 @@ class SkypilotBackend(Backend):
             project=project, lock=lock, env_dir=env_dir,
         )  # fmt: skip
         # The intent, before any paid call: what would be launched, and where.
-        write_json_atomic(self.run_file(handle, TASK_FILE), config)
+        write_json_atomic(self.attempt_file(handle, TASK_FILE), config)
         sky_task.validate(self.sky(), self.settings, config)
         handle = self.save_state(handle, cluster=cluster, job_home=None)  # not a warm one tried
         record_cluster(self, handle)  # before the launch: a killed client's cluster is found
@@ -291,7 +340,7 @@ class SkypilotBackend(Backend):
         request = {
             "task": config, "cluster_name": cluster, "down": True, "log_file": str(log),
             "idle_minutes_to_autostop": AUTODOWN_MINUTES, "retry_until_up": self.settings.retry_until_up,
-            "request_file": str(self.run_file(handle, LAUNCH_REQUEST)),
+            "request_file": str(self.attempt_file(handle, LAUNCH_REQUEST)),
         }  # fmt: skip
         try:
             return self.sky().call("launch", request, timeout=None, while_waiting=relay)
@@ -476,6 +525,23 @@ class SkypilotBackend(Backend):
 
     # ------------------------------------------------------------- status
     def poll(self, handle: RunHandle) -> RunStatus:
+        """The worker's record, read over ssh. `lost` only when the worker
+        is dead with no final status (its record says so), or when its
+        record cannot be read and SkyPilot, asked to refresh from the cloud,
+        says the cluster is gone or not UP: a cluster taken away (a spot
+        preemption, a Slurm allocation ended) is told apart from a slow
+        one. A read that failed or timed out on a cluster SkyPilot holds UP,
+        or SkyPilot not answering, raises BackendError as an ssh host out of
+        reach does: the run goes on there and is reattached, never relaunched.
+
+        Measured on the Slurm bed (SkyPilot 0.14.1, `scancel` of the job
+        that holds a cluster, the command running): the command and the
+        lease die at once with the job; ssh to the cluster fails at once
+        (exit 255, "kex_exchange_identification: Connection closed by remote
+        host", 1.3-2.4 s a try, through SkyPilot's proxy into the job);
+        `sky.status` without a refresh still says UP 15 s later, while a
+        refresh (AUTO or FORCE) answers in 0.2-0.8 s with no record: the
+        cluster is removed, its ssh config with it."""
         ended = _kept(self, handle)
         if ended is not None:
             return ended
@@ -496,8 +562,9 @@ class SkypilotBackend(Backend):
                 return RunStatus(**final)
             if SkypilotState.of(handle).cancel_requested:
                 return RunStatus("cancelled", message=f"cancelled; its cluster {cluster} was taken down")
-            return RunStatus("lost", message=f"its cluster {cluster} is gone (torn down, or its lifetime "
-                             f"ran out): {exc}")  # fmt: skip
+            gone = (f"its cluster {cluster} is gone: SkyPilot, asked the cloud, no longer holds it "
+                    "(preempted, its allocation ended, torn down, or its lifetime ran out)")  # fmt: skip
+            return RunStatus("lost", message=f"{gone}; its run could not be read: {str(exc)[:300]}")
 
     # ------------------------------------------------------------- cancel
     def cancel(self, handle: RunHandle) -> bool:
@@ -608,7 +675,7 @@ class SkypilotBackend(Backend):
                                                  SkypilotState.of(handle).outputs_root)  # fmt: skip
         from substrax_tasks.transports.bucket import BucketTransport
 
-        run_folder = f"{self.settings.bucket.outputs_bucket}/{handle.run_id}"
+        run_folder = f"{self.settings.bucket.outputs_bucket}/{self.layout(handle).folder}"
         manifest = BucketTransport().fetch_run(run_folder, list(handle.spec.outputs), staging)
         return Fetched(staging, manifest)
 
@@ -629,7 +696,7 @@ class SkypilotBackend(Backend):
 
             try:
                 BucketTransport().read_manifest(
-                    f"{self.settings.bucket.outputs_bucket}/{handle.run_id}/manifest.json"
+                    f"{self.settings.bucket.outputs_bucket}/{self.layout(handle).folder}/manifest.json"
                 )
             except SubstraxError:
                 return False
@@ -851,9 +918,12 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
 
 
 def cluster_gone(backend: SkypilotBackend, cluster: str) -> bool:
-    """Whether SkyPilot says the cluster is gone or going (not UP)."""
+    """Whether SkyPilot says the cluster is gone or going (not UP), once
+    refreshed from the cloud: its own record says UP long after a cluster
+    was taken away behind its back (see SkypilotBackend.poll). A SkyPilot
+    that does not answer raises BackendError: nothing is known."""
     try:
-        records = backend.sky().call("cluster_status", {"cluster_names": [cluster]})
+        records = backend.sky().call("cluster_status", {"cluster_names": [cluster], "refresh": True})
     except SkyCallError as exc:
         return exc.kind in CLUSTER_GONE
     found = [r for r in records or [] if isinstance(r, dict) and r.get("name") == cluster]

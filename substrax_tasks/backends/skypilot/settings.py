@@ -124,6 +124,10 @@ class SkypilotSettings(RemoteSettings):
     memory: str | int | float | None = Field(None, description='GB, e.g. 16 or "16+"')
     instance_type: str | None = None
     use_spot: bool | None = None
+    on_demand_last_attempt: bool = Field(
+        False, description="With use_spot = true: the last relaunch a step's preemptions= allow (its "
+        "machine lost that many times) runs on an on-demand machine, which is not preempted.",
+    )
     disk_size: int | None = Field(None, gt=0, description="Disk in GB.")
     disk_tier: Literal["low", "medium", "high", "ultra", "best"] | None = None
     image_id: str | None = None
@@ -180,6 +184,12 @@ class SkypilotSettings(RemoteSettings):
             raise ValueError(
                 f"reuse = true needs the copy transport ({copy_key}) and a provider SkyPilot can take "
                 f"down when idle (not {', '.join(sorted(NO_AUTODOWN))}); set reuse = false"
+            )
+        if self.on_demand_last_attempt and self.use_spot is not True:
+            raise ValueError(
+                "on_demand_last_attempt = true makes the last attempt of a step on spot machines on "
+                "demand, but use_spot is not true here: set use_spot = true, or remove "
+                "on_demand_last_attempt"
             )
         if self.transport.lifetime_minutes <= AUTODOWN_MINUTES:
             raise ValueError(

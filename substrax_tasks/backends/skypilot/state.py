@@ -20,6 +20,9 @@ class SkypilotState(RemoteState):
     outputs_root: str | None = None  # where its outputs are there, from its final status
     gpus: Any = None  # what the job is given of the cluster's GPUs (backends/gpus.py)
     cancel_requested: bool = False  # a cancel was asked (the cluster going then reads as cancelled)
+    # This attempt's cluster is on demand though use_spot = true: the last
+    # relaunch preemptions= allow, with on_demand_last_attempt = true.
+    on_demand: bool = False
     # A SkyPilot job per run, by releases before the lease: read in their
     # handles, never written now (launched_job reads either).
     job_id: int | None = None

@@ -80,8 +80,19 @@ def cluster_name(settings: SkypilotSettings, handle: RunHandle, client_id: str) 
     run, and marked as this client's by 32 random bits of its id (gc --machines
     takes down only clusters that carry it, or that its handles name)."""
     slug = _UNSAFE.sub("-", handle.step.lower()).strip("-")[:10].strip("-") or "step"
-    suffix = hashlib.sha256(handle.run_id.encode()).hexdigest()[:6]
+    # A relaunch's cluster is named apart from the lost one's: SkyPilot may
+    # still hold a record of that one as UP, and would reuse it by its name.
+    suffix = hashlib.sha256(run_folder(handle).encode()).hexdigest()[:6]
     return f"{settings.cluster_prefix}-{slug}-{client_tag(client_id)}-{suffix}"
+
+
+def run_folder(handle: RunHandle) -> str:
+    """The run's folder under `runs/` on its cluster: its id, and for a
+    relaunch (`preemptions`) the attempt's number too. Clusters of a
+    Slurm site or a shared `remote_root` share a file system, where the
+    lost attempt's folder may still be."""
+    attempts = len(handle.state.attempts)
+    return handle.run_id if attempts <= 1 else f"{handle.run_id}-attempt{attempts}"
 
 
 def made_by(cluster: str, prefix: str, client_id: str) -> bool:
@@ -96,7 +107,7 @@ class ClusterLayout:
     (or absolute, when remote_root is)."""
 
     root: str
-    run_id: str
+    folder: str  # the run's folder's name (run_folder): its id, or its id and attempt
     bin_digest: str
     bucket_key: str | None = None
 
@@ -106,7 +117,7 @@ class ClusterLayout:
 
     @property
     def run(self) -> str:
-        return f"{self.root}/runs/{self.run_id}"
+        return f"{self.root}/runs/{self.folder}"
 
     def lease(self, cluster: str) -> str:
         return f"{self.root}/leases/{cluster}"
@@ -133,7 +144,7 @@ class ClusterLayout:
     @property
     def staging(self) -> str:
         if self.bucket_key is not None:
-            return f"{self.bucket_dir}/{self.run_id}/outputs"
+            return f"{self.bucket_dir}/{self.folder}/outputs"
         return WorkerPaths(project=self.project, run_dir=self.run).staging
 
     def env_dir(self, digest: str) -> str:
@@ -154,7 +165,7 @@ def layout_for(settings: SkypilotSettings, handle: RunHandle) -> ClusterLayout:
         bucket_key = hashlib.sha256(settings.bucket.outputs_bucket.encode()).hexdigest()[:10]
     pinned = SkypilotState.of(handle).bin_digest
     digest = pinned if isinstance(pinned, str) else scripts_digest()
-    return ClusterLayout(settings.remote_root.rstrip("/"), handle.run_id, digest, bucket_key)
+    return ClusterLayout(settings.remote_root.rstrip("/"), run_folder(handle), digest, bucket_key)
 
 
 def environment(
@@ -192,10 +203,11 @@ def worker_job(
         left_out=left_out or [],
         gpus=gpus,
         checkpoints_kept=layout.checkpoints_kept,
+        timeout_spent=handle.state.command_seconds_spent(),  # a relaunch gets what is left
     )
     job["staging"] = layout.staging
     if layout.bucket_key is not None:  # the bucket transport fetches it with the outputs
-        job["manifest_copy"] = f"{layout.bucket_dir}/{handle.run_id}/manifest.json"
+        job["manifest_copy"] = f"{layout.bucket_dir}/{layout.folder}/manifest.json"
     return job
 
 
@@ -313,12 +325,22 @@ def task_config(
         # SkyPilot's task names: letters and digits, single '-' between them
         "name": _UNSAFE_NAME.sub("-", f"substrax-{handle.run_id}")[:60].strip("-"),
         "num_nodes": 1,
-        "resources": settings.resources(dict(handle.spec.resources)),
+        "resources": launched_resources(settings, handle),
         "file_mounts": file_mounts,
         "setup": setup_script(settings, layout, cluster, lock, env_dir),
         "run": lease_script(settings, layout, cluster),
     }
     return config
+
+
+def launched_resources(settings: SkypilotSettings, handle: RunHandle) -> dict[str, Any]:
+    """The resources the run's cluster is launched with: the settings' and
+    the step's, on demand for the attempt that asked for it (a relaunch
+    with on_demand_last_attempt, SkypilotState.on_demand)."""
+    resources = settings.resources(dict(handle.spec.resources))
+    if SkypilotState.of(handle).on_demand:
+        resources["use_spot"] = False
+    return resources
 
 
 def snapshot(

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
+import time
+from pathlib import Path, PurePosixPath
 from typing import IO, TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -43,6 +44,7 @@ from substrax_tasks.backends.ssh.settings import SshSettings
 from substrax_tasks.backends.state import RemoteState
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, SubstraxError
+from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.slots import Pool
 from substrax_tasks.step.view import project_view
 from substrax_tasks.store.handle import RunHandle
@@ -62,6 +64,19 @@ LIST_RUNS = (
     'for d in */; do [ -d "$d" ] || continue; d=${d%/}; '
     'if [ -e "$d/$2" ]; then echo "+$d"; else echo "-$d"; fi; done'
 )
+
+
+# How long a relaunch waits for a host that does not answer (rebooting),
+# trying every HOST_WAIT_POLL_SECONDS.
+HOST_WAIT_SECONDS = 600.0
+HOST_WAIT_POLL_SECONDS = 2.0
+
+
+def run_folder_name(handle: RunHandle) -> str:
+    """The run's folder under `runs/` there: its id, and for a relaunch
+    (`preemptions`) the attempt's number too, a folder of its own."""
+    attempts = len(handle.state.attempts)
+    return handle.run_id if attempts <= 1 else f"{handle.run_id}-attempt{attempts}"
 
 
 class SshState(RemoteState):
@@ -122,7 +137,7 @@ class SshBackend(Backend):
         conn = self.conn
         home = conn.check(["sh", "-c", 'printf %s "$HOME"'], "reading $HOME").text()
         remote_root = str(Path(home) / self.settings.remote_root)  # relative: to the home folder
-        run_dir = f"{remote_root}/runs/{handle.run_id}"
+        run_dir = f"{remote_root}/runs/{run_folder_name(handle)}"
         bin_dir = f"{remote_root}/bin-{_remote_run.scripts_digest()}"
         if conn.run(["test", "-f", f"{bin_dir}/.complete"]).returncode != 0:
             conn.check(["mkdir", "-p", "-m", "700", bin_dir], "mkdir")
@@ -144,6 +159,42 @@ class SshBackend(Backend):
             handle, remote_root=remote_root, remote_run_dir=run_dir, remote_bin=bin_dir, remote_home=home,
             gpus=gpus,
         )
+
+    def relaunch(self, handle: RunHandle) -> RunHandle:
+        """The host again once it answers (a rebooting host is waited for,
+        HOST_WAIT_SECONDS), the lost attempt's folder removed if it is
+        still there (what is left of its command stopped first), and a
+        fresh run folder for the new attempt, as `launch` makes."""
+        self._wait_for_host()
+        if self._on_host(handle):
+            try:
+                lost = self.remote_run(handle)
+                if lost.status().get("exists"):  # gone with a restart's scratch disk (its scripts too)
+                    lost.remove()
+            except BackendError as exc:  # `gc --machines` finds it: it is marked as this client's
+                emit(f"{handle.step}: the lost attempt's folder on {self.settings.host} stays: {exc}",
+                     err=True)  # fmt: skip
+        return self.launch(handle)
+
+    def _wait_for_host(self) -> None:
+        deadline = time.monotonic() + HOST_WAIT_SECONDS
+        said = False
+        while True:
+            try:
+                self.conn.check(["true"], f"reaching {self.settings.host}")
+                return
+            except BackendError as exc:
+                if time.monotonic() >= deadline:
+                    raise BackendError(
+                        f"{self.settings.host} did not answer for {HOST_WAIT_SECONDS:.0f} s ({exc}); "
+                        "bring it back and run doit again: the run is relaunched there"
+                    ) from None
+                if not said:
+                    emit(f"waiting up to {HOST_WAIT_SECONDS:.0f} s for {self.settings.host} to answer "
+                         f"({exc})", err=True)  # fmt: skip
+                    said = True
+            check_interrupted()
+            time.sleep(HOST_WAIT_POLL_SECONDS)
 
     def setup(self, handle: RunHandle) -> RunHandle:
         # The timer first: even if setup hangs, nothing outlives the lifetime.
@@ -199,6 +250,7 @@ class SshBackend(Backend):
             left_out=own.left_out,
             gpus=own.gpus,
             checkpoints_kept=f"{run.run_dir}/work/checkpoints",
+            timeout_spent=handle.state.command_seconds_spent(),
         )
         snapshots = self.snapshots(handle)
         if snapshots is not None:  # before the worker: the command reads them as it starts
@@ -313,6 +365,9 @@ class SshBackend(Backend):
         from substrax_tasks.backends.base import Leak
 
         live = {h.run_id for h in handles if not SshState.of(h).torn_down}
+        # a relaunched run's folder is named after its attempt (run_folder_name)
+        live |= {PurePosixPath(folder).name for h in handles
+                 if not SshState.of(h).torn_down and (folder := SshState.of(h).remote_run_dir)}  # fmt: skip
         known = {h.run_id for h in handles}
         runs = f"{self.settings.remote_root}/runs"
         listed = self.conn.check(["sh", "-c", LIST_RUNS, "sh", runs, OWNER_MARK + self.store.client_id()],

@@ -31,6 +31,8 @@ from substrax_tasks.transports.openssh import (
 # commands of the other threads need some of them.
 MAX_STREAMS = 6
 SESSION_WAIT_SECONDS = 30.0  # a short command waits this long for a free session
+# As OpenSSH's ServerAliveInterval for rsync (transports/openssh.py): seconds between keepalives
+KEEPALIVE_SECONDS = 15
 
 
 class NoSession(BackendError):
@@ -114,6 +116,10 @@ class SshConnection:
         except (TimeoutError, OSError) as exc:
             client.close()
             raise BackendError(f"cannot reach {target.address}:{target.port}: {exc}") from None
+        # A host that restarted while a run's log was followed forgot the
+        # connection: only a packet sent to it brings back the reset that
+        # ends the follower, and the run is then seen lost (preemptions).
+        client.get_transport().set_keepalive(KEEPALIVE_SECONDS)  # type: ignore[union-attr]
         return client
 
     def run(

@@ -166,13 +166,17 @@ def test_bad_declaration_is_refused(tmp_path: Path, kwargs: dict[str, object], n
         ({"command": ["true"], "outputs": ["o"], "secrets": "TOKEN"}, 'write secrets=["TOKEN"]'),
         ({"command": ["true"], "outputs": ["o"], "retries": "2"}, "retries must be a whole number, got the "
                                                                   "string '2': write retries=2"),
+        ({"command": ["true"], "outputs": ["o"], "preemptions": "1"},
+         "preemptions must be a whole number, got the string '1': write preemptions=1"),
+        ({"command": ["true"], "outputs": ["o"], "preemptions": -1}, "preemptions must be 0 or more, got -1"),
         ({"command": ["true"], "outputs": ["o"], "task_dep": "prep"}, 'write task_dep=["prep"]'),
         ({"command": ["true"], "outputs": ["o"], "file_dep": "cfg.yaml"}, 'write file_dep=["cfg.yaml"]'),
         ({"command": ["true"], "outputs": ["o"], "uptodate": True}, "write uptodate=[True]"),
         ({"command": ["true"], "outputs": ["o"], "backend": 1}, 'got the int 1: write backend="local"'),
         ({"shell": ["echo", "x"], "outputs": ["o"]}, "shell must be one command line (a string), got a list"),
     ],
-    ids=["outputs", "inputs", "timeout", "command", "env", "secrets", "retries", "task_dep", "file_dep",
+    ids=["outputs", "inputs", "timeout", "command", "env", "secrets", "retries", "preemptions-str",
+         "preemptions-negative", "task_dep", "file_dep",
          "uptodate", "backend", "shell"],
 )
 def test_argument_of_the_wrong_type_is_refused_with_the_fix(

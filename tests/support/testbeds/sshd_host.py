@@ -827,10 +827,12 @@ def stop_host(host: SshHost) -> None:
 
 
 @contextlib.contextmanager
-def running_host(root_dir: Path, *, netns: bool | None = None, user: str | None = None) -> Iterator[SshHost]:
+def running_host(
+    root_dir: Path, *, netns: bool | None = None, user: str | None = None, accept_env: str | None = None
+) -> Iterator[SshHost]:
     """start_host, then stop_host on the way out. For a fixture:
     `with running_host(tmp_path / "sshd") as host: yield host`."""
-    host = start_host(root_dir, netns=netns, user=user)
+    host = start_host(root_dir, netns=netns, user=user, accept_env=accept_env)
     try:
         yield host
     finally:

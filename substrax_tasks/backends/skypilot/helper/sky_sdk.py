@@ -144,9 +144,15 @@ def op_autostop(request: Request) -> object:
 
 
 def op_cluster_status(request: Request) -> object:
-    """The named clusters' records; every cluster of this user's without names."""
+    """The named clusters' records; every cluster of this user's without names.
+
+    With `refresh`, SkyPilot first asks the cloud what it holds
+    (StatusRefreshMode.FORCE): without it, a cluster lost behind its back
+    (a spot preemption, a Slurm allocation cancelled) reads UP from
+    SkyPilot's own record until something refreshes it."""
     names = request.get("cluster_names")
-    records = sky.get(sky.status(cluster_names=None if names is None else list(names)))
+    refresh = sky.StatusRefreshMode.FORCE if request.get("refresh") else sky.StatusRefreshMode.NONE
+    records = sky.get(sky.status(cluster_names=None if names is None else list(names), refresh=refresh))
     return [{"name": field(r, "name"), "status": jsonable(field(r, "status"))} for r in (records or [])]
 
 

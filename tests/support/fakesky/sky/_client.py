@@ -123,9 +123,11 @@ def status(
     refresh: StatusRefreshMode = StatusRefreshMode.NONE,
     all_users: bool = False,
 ) -> RequestId:
-    """The fake's records are always current: `refresh` changes nothing."""
+    """The fake's records are current but for a cluster taken away behind
+    SkyPilot's back (`python -m sky preempt`): as on SkyPilot, that one
+    reads UP until a refresh asks the cloud, which removes it."""
     names = None if cluster_names is None else list(cluster_names)
-    return _request("status", {"cluster_names": names})
+    return _request("status", {"cluster_names": names, "refresh": StatusRefreshMode(refresh).value})
 
 
 def autostop(  # noqa: PLR0917 - SkyPilot's signature

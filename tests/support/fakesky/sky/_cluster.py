@@ -12,6 +12,9 @@ machine: a cluster is a folder (its home, file mounts copied in), a job is
                 run for idle_minutes (a minute is FAKESKY_MINUTE_SECONDS)
     down        jobs killed, timer stopped, every process with the cluster's
                 marker killed, the folder and ssh config removed
+    preempt     (a test's `python -m sky preempt STATE NAME`) every process
+                of the cluster killed, its ssh connections closed, ssh to it
+                failing; it reads UP until a status refresh removes it
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import getpass
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -38,7 +42,9 @@ from sky._state import (
     own_ticks,
     read_json,
     remember_cluster_id,
+    sessions_serving,
     spawn,
+    state_dir,
     stop_group,
     write_json,
 )
@@ -295,11 +301,19 @@ def ssh_config_path(name: str) -> Path:
 
 
 def _write_ssh_config(name: str) -> None:
-    """What SkyPilot writes for `ssh <cluster>`, pointed at FAKESKY_SSH_*."""
+    """What SkyPilot writes for `ssh <cluster>`, pointed at FAKESKY_SSH_*.
+    Every session carries the cluster's marker (SetEnv; the host's sshd
+    accepts it), so what runs there over ssh is the cluster's as its jobs
+    are: gone with it. A cluster taken away (preempt) is written as
+    SkyPilot's proxy into a Slurm job that has ended behaves: the
+    connection is closed before the key exchange, exit 255."""
     host = os.environ.get("FAKESKY_SSH_HOST")
     if not host:
         return
+    record = load(state_dir(), name) or {}
     identity = os.environ.get("FAKESKY_SSH_IDENTITY", "~/.ssh/sky-key")
+    reach = "  ProxyCommand false\n" if record.get("preempted") else ""
+    marker = f"  SetEnv {MARKER}={record['id']}\n" if record.get("id") else ""
     text = (
         f"# Added by sky (use `sky stop/down {name}` to remove)\n"
         f"Host {name}\n"
@@ -310,7 +324,8 @@ def _write_ssh_config(name: str) -> None:
         "  StrictHostKeyChecking no\n"
         "  UserKnownHostsFile=/dev/null\n"
         "  GlobalKnownHostsFile=/dev/null\n"
-        f"  Port {os.environ.get('FAKESKY_SSH_PORT', '22')}\n\n"
+        f"  Port {os.environ.get('FAKESKY_SSH_PORT', '22')}\n"
+        f"{marker}{reach}\n"
     )
     _write_text(ssh_config_path(name), text)
 
@@ -570,13 +585,58 @@ def timer_loop(state: Path, name: str, cluster_id: str) -> int:
             return 0
 
 
-def cluster_records(state: Path, cluster_names: list[str] | None) -> list[dict[str, Any]]:
+def preempt(state: Path, cluster_name: str) -> None:
+    """The cluster taken away behind SkyPilot's back, as a spot preemption
+    or a Slurm allocation cancelled (scancel) is: every process of it dies
+    at once (its jobs, its timer, what runs there over ssh, and the ssh
+    connections into it), ssh to it fails, and its record still reads UP
+    until a status refresh asks the cloud, which removes it (measured on
+    the Slurm bed with SkyPilot 0.14.1: see backends/skypilot/backend.py)."""
+    with _lock(state, cluster_name):
+        record = load(state, cluster_name)
+        if record is None:
+            raise exceptions.ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
+        record["preempted"] = True
+        _save(state, record)
+        targets = [(j["pid"], j.get("ticks")) for j in jobs(state, cluster_name) if j.get("pid")]
+    timer = record.get("timer") or {}
+    if timer.get("pid"):
+        targets.append((timer["pid"], timer["ticks"]))
+    # The network first, as a machine going away: no new connection reaches
+    # it, and those open are dropped before its processes go (so no client
+    # reads its dead worker's record over one).
+    _write_ssh_config(cluster_name)
+    for connection, started in sessions_serving(record["id"]):
+        if alive(connection, started):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(connection, signal.SIGKILL)
+    for pid, ticks in targets:
+        stop_group(pid, ticks, grace=0)
+    kill_marked(record["id"])
+
+
+def _refreshed(state: Path, name: str) -> dict[str, Any] | None:
+    """The record as a refresh leaves it: a cluster the cloud no longer
+    holds is removed (with its ssh config), as SkyPilot removes one whose
+    autodown was set."""
+    with _lock(state, name):
+        record = load(state, name)
+        if record is None or not record.get("preempted"):
+            return record
+        shutil.rmtree(cluster_dir(state, name), ignore_errors=True)
+        ssh_config_path(name).unlink(missing_ok=True)
+        return None
+
+
+def cluster_records(
+    state: Path, cluster_names: list[str] | None, refresh: str = "NONE"
+) -> list[dict[str, Any]]:
     names = cluster_names
     if names is None:
         names = sorted(p.name for p in (state / "clusters").glob("*") if (p / "cluster.json").exists())
     records = []
     for name in names:
-        record = load(state, name)
+        record = load(state, name) if refresh == "NONE" else _refreshed(state, name)
         if record is None:
             continue
         autostop = record.get("autostop") or {}

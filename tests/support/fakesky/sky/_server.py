@@ -123,6 +123,9 @@ def main(argv: list[str]) -> int:
         return _cluster.run_job(path, args[0], args[1], int(args[2]))
     if role == "timer":
         return _cluster.timer_loop(path, args[0], args[1])
+    if role == "preempt":  # a test takes a cluster away, as a spot preemption or a cancelled allocation does
+        _cluster.preempt(path, args[0])
+        return 0
     if role == "cleanup":
         print(json.dumps(cleanup(path.parent)))
         return 0

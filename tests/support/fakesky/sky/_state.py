@@ -135,6 +135,34 @@ def marked(marker: str) -> list[int]:
     return found
 
 
+def sessions_serving(marker: str) -> list[tuple[int, int]]:
+    """The sshd connections (pid, start ticks) that marked processes run
+    under: the per-connection sshd processes above them, not the listening
+    daemon (the topmost sshd). Closing them drops a client's connection to
+    the cluster, as the cluster's machine going away does."""
+    found = set()
+    for pid in marked(marker):
+        chain = []
+        parent = _parent(pid)
+        while parent is not None and _comm(parent) == "sshd":
+            chain.append(parent)
+            parent = _parent(parent)
+        found.update(chain[:-1])  # the last is the listener
+    return [(pid, ticks) for pid in found if (ticks := start_ticks(pid)) is not None]
+
+
+def _parent(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields is not None and int(fields[1]) > 1 else None
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)

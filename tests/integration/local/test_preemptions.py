@@ -1,0 +1,218 @@
+"""A run whose machine is lost while its command runs, on the local backend
+(`remote_step(..., preemptions=N)`), as a user drives it with `doit`: its
+worker SIGKILLed (the run reads `lost`, as after a machine went away), the
+run is relaunched on this machine and its command starts again from the
+checkpoints it left, each attempt recorded in the handle; a command that
+fails or times out is never relaunched; two steps under threads keep their
+attempts apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, starts
+from dodo_helpers import (
+    DEFAULT_SANDBOX,
+    SANDBOXES,
+    compute,
+    doit,
+    make_project,
+    popen_doit,
+    popen_output,
+    runs_of,
+    show,
+    step_skipped,
+    stop,
+    wait_for,
+    write_dodo,
+)
+
+from substrax_tasks._remote import control
+
+PAUSE = 0.3
+
+
+def counting_project(tmp_path: Path, body: str, sandbox: str = DEFAULT_SANDBOX) -> Path:
+    return make_project(tmp_path, "def task_all():\n" + body, sandbox=sandbox,
+                        files={"count.py": COUNT_PY, "data.txt": "one\n"})  # fmt: skip
+
+
+def counted(root: Path, step: str) -> int:
+    """The count the step's checkpoint holds now: in the store (bound into
+    the sandbox), or without a sandbox in the project, where the command
+    writes it."""
+    in_project = root / "ckpt" / "state.json"
+    states: list[dict[str, Any]] = [kept_state(root, step) or {}]
+    if in_project.exists():
+        states.append(json.loads(in_project.read_text()))
+    return max(int(state.get("i", 0)) for state in states)
+
+
+def live_worker(root: Path, step: str) -> int | None:
+    """The pid of the worker running `step`'s command now, if any."""
+    for handle in runs_of(root, step):
+        record = control.read_json(str(root / ".substrax" / "runs" / handle["run_id"] / "status.json")) or {}
+        pid = record.get("worker_pid")
+        if record.get("state") == "running" and isinstance(pid, int) and control.alive(
+                pid, record.get("worker_start_ticks")):  # fmt: skip
+            return pid
+    return None
+
+
+def kill_worker_once_counted(root: Path, step: str, at_least: int) -> int:
+    """SIGKILL `step`'s worker once its checkpoint holds `at_least` counts
+    (as a machine lost mid-run leaves it: no final status); the count kept."""
+    wait_for(lambda: counted(root, step) >= at_least and live_worker(root, step),
+             f"{step}'s worker and {at_least} counts checkpointed")  # fmt: skip
+    pid = live_worker(root, step)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    return counted(root, step)
+
+
+def attempts_of(root: Path, step: str) -> list[dict[str, Any]]:
+    (handle,) = runs_of(root, step)
+    attempts: list[dict[str, Any]] = handle["state"]["attempts"]
+    return attempts
+
+
+def attempt_logs(root: Path, step: str) -> list[str]:
+    """The log of each attempt of the step's one run: the lost ones kept aside."""
+    (handle,) = runs_of(root, step)
+    folder = root / ".substrax" / "runs" / handle["run_id"]
+    kept = sorted(folder.glob("attempt-*/run.log"))
+    return [log.read_text() for log in [*kept, folder / "run.log"]]
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_a_killed_worker_is_relaunched_from_its_checkpoint(tmp_path: Path, sandbox: str) -> None:
+    root = counting_project(tmp_path, count_step("count", 10, PAUSE, preemptions=1), sandbox)
+    proc = popen_doit(root, "count")
+    try:
+        kept = kill_worker_once_counted(root, "count", 3)
+        code = proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    assert code == 0, said
+    run_id = runs_of(root, "count")[0]["run_id"]
+    assert f"count: run {run_id}: attempt 1 lost its machine" in said, said
+    assert "relaunching it, attempt 2 of at most 2" in said, said
+    assert "starts from the checkpoints of snapshot live (1 file(s) in place)" in said, said
+    first, second = attempt_logs(root, "count")
+    assert starts(first) == [0], first
+    # The second attempt started where the checkpoint was when the worker
+    # died (a count the killed command made after the kill was read: none).
+    (resumed,) = starts(second)
+    assert resumed >= kept, (kept, second)
+    reached, seen = result_of(root, "count")
+    assert reached == 10 and seen == list(range(1, 11)), seen
+    one, two = attempts_of(root, "count")
+    assert (one["number"], one["outcome"]) == (1, "lost"), one
+    assert "the worker stopped without recording an end" in one["message"], one
+    assert one["started_at"] and one["ended_at"] and one["snapshot"] is None, one
+    assert (two["number"], two["outcome"]) == (2, "succeeded"), two
+    assert two["snapshot"] == "live (1 file(s) in place)" and two["started_at"] and two["ended_at"], two
+    assert one["machine"] == two["machine"] == os.uname().nodename
+
+    status = compute(root, "status", run_id)
+    assert status.returncode == 0, show(status)
+    assert "attempt 1" in status.stdout and "lost" in status.stdout, show(status)
+    assert "attempt 2" in status.stdout and "from live (1 file(s) in place)" in status.stdout, show(status)
+    listed = compute(root, "status", run_id, "--json")
+    (run,) = json.loads(listed.stdout)["runs"]
+    assert [a["outcome"] for a in run["attempts"]] == ["lost", "succeeded"], run
+
+
+def test_a_lost_run_without_preemptions_fails_saying_how_to_allow_them(tmp_path: Path) -> None:
+    root = counting_project(tmp_path, count_step("count", 10, PAUSE))
+    proc = popen_doit(root, "count")
+    try:
+        kill_worker_once_counted(root, "count", 2)
+        code = proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    assert code == 1, said
+    how = "its machine was lost while the command ran; remote_step('count', ..., preemptions=1) relaunches it"
+    assert how in said, said
+    assert "Traceback" not in said, said
+    (attempt,) = attempts_of(root, "count")
+    assert attempt["outcome"] == "lost", attempt
+
+
+def test_a_command_that_exits_3_is_not_relaunched(tmp_path: Path) -> None:
+    root = counting_project(tmp_path, count_step("count", 6, 0.01, "fail-fresh", preemptions=2))
+    failed = doit(root, "count")
+    assert failed.returncode == 1, show(failed)
+    said = failed.stdout + failed.stderr
+    assert "failed (exit code 3)" in said and "relaunching" not in said, show(failed)
+    (attempt,) = attempts_of(root, "count")
+    assert attempt["outcome"] == "failed", attempt
+
+
+def test_a_timed_out_command_is_not_relaunched(tmp_path: Path) -> None:
+    root = counting_project(tmp_path, count_step("count", 100, PAUSE, preemptions=2, timeout=1.5))
+    failed = doit(root, "count")
+    assert failed.returncode == 1, show(failed)
+    said = failed.stdout + failed.stderr
+    assert "timed_out" in said and "relaunching" not in said, show(failed)
+    (attempt,) = attempts_of(root, "count")
+    assert attempt["outcome"] == "timed_out", attempt
+
+
+def test_the_timeout_bounds_the_command_over_all_its_attempts(tmp_path: Path) -> None:
+    """Attempt 1 runs for a while and is lost; attempt 2 gets only what is
+    left of the timeout, so it times out sooner than the timeout alone."""
+    root = counting_project(tmp_path, count_step("count", 1000, PAUSE, preemptions=1, timeout=6))
+    proc = popen_doit(root, "count")
+    try:
+        kill_worker_once_counted(root, "count", 6)  # about 2 s of the 6 spent
+        code = proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    assert code == 1 and "timed_out" in said, said
+    one, two = attempts_of(root, "count")
+    assert (one["outcome"], two["outcome"]) == ("lost", "timed_out"), (one, two)
+    (handle,) = runs_of(root, "count")
+    job = json.loads((root / ".substrax" / "runs" / handle["run_id"] / "job.json").read_text())
+    assert job["timeout"] <= 6 - 6 * PAUSE, job["timeout"]  # at least the six counts' time is spent
+
+
+def test_two_steps_under_threads_keep_their_attempts_apart(tmp_path: Path) -> None:
+    root = counting_project(tmp_path, count_step("a", 8, PAUSE, preemptions=1)
+                            + count_step("b", 12, PAUSE, preemptions=1))  # fmt: skip
+    proc = popen_doit(root, "-n", "2", "-P", "thread", "a", "b")
+    try:
+        kill_worker_once_counted(root, "a", 2)
+        kill_worker_once_counted(root, "b", 3)
+        code = proc.wait(timeout=180)
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    assert code == 0, said
+    assert result_of(root, "a") == (8, list(range(1, 9)))
+    assert result_of(root, "b") == (12, list(range(1, 13)))
+    for step in ("a", "b"):
+        assert [a["outcome"] for a in attempts_of(root, step)] == ["lost", "succeeded"], step
+        (handle,) = runs_of(root, step)
+        assert f"run {handle['run_id']}: attempt 1 lost its machine" in said, said
+    a_runs, b_runs = runs_of(root, "a"), runs_of(root, "b")
+    assert a_runs[0]["run_id"] != b_runs[0]["run_id"]
+
+
+def test_preemptions_are_not_part_of_the_steps_key(tmp_path: Path) -> None:
+    """As `retries`: allowing more relaunches changes nothing of the result."""
+    root = counting_project(tmp_path, count_step("count", 2, 0.01))
+    assert doit(root, "count").returncode == 0
+    write_dodo(root, "def task_all():\n" + count_step("count", 2, 0.01, preemptions=3), ())
+    again = doit(root, "count")
+    assert again.returncode == 0 and step_skipped(again, "count"), show(again)
+    why = compute(root, "why", "count")
+    assert why.returncode == 0 and why.stdout.strip() == "count: up to date", show(why)
