@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -21,6 +22,7 @@ from substrax_tasks.step.spec import StepSpec
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import RunStatus
+    from substrax_tasks.store.cost import CapDeadline
 
 STATUS_FILE = "status.json"
 
@@ -77,6 +79,7 @@ def build_job(
     left_out: Sequence[str] = (),
     gpus: runfiles.JobGpus | None = None,
     checkpoints_kept: str | None = None,
+    cap: CapDeadline | None = None,
 ) -> runfiles.Job:
     """The job; `env_dir`: the environment built from the project's lock
     file, first on the task's PATH and readable in the sandbox;
@@ -89,7 +92,15 @@ def build_job(
     across runs under `cache_root`, at the same paths below it; `gpus`:
     what the worker takes and shows the task (_gpus.job_gpus);
     `checkpoints_kept`: the folder kept for the step's checkpoints on that
-    machine, shown to the task at the spec's `checkpoints` path."""
+    machine, shown to the task at the spec's `checkpoints` path;
+    `cap`: when the run's cost reaches its max_cost (store/cost.py): the
+    worker's timeout ends the command then, with the cap as its reason, so
+    the cap holds with no client following the run."""
+    timeout, stop_message = spec.timeout, None
+    if cap is not None:
+        left = max(1.0, cap.at - time.time())  # a second at least: the worker starts and is stopped
+        if timeout is None or left < timeout:
+            timeout, stop_message = left, cap.message
     job: runfiles.Job = {
         "version": runfiles.JOB_VERSION,
         "argv": list(spec.command),
@@ -99,7 +110,7 @@ def build_job(
         "staging": paths.staging,
         "status_file": paths.status,
         "log_file": paths.log,
-        "timeout": spec.timeout,
+        "timeout": timeout,
         "grace_seconds": grace_seconds,
         "sandbox": sandbox,
         "network_isolation": network_isolation,
@@ -114,6 +125,8 @@ def build_job(
         "project_hidden": list(project_hidden),
         "left_out": list(left_out),
     }
+    if stop_message is not None:
+        job["timeout_message"] = stop_message
     if project_shown is not None:
         job["project_shown"] = list(project_shown)
     if gpus is not None:

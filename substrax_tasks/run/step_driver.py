@@ -289,7 +289,11 @@ class StepDriver(DrivenRun):
             if restored_from_cache(self):  # no run: the later phases find no handle and pass
                 return
             retire_unlaunched(self)
-            handle = self.project.new_run(self.spec, self.step.backend, key=key, key_parts=parts)
+            # A step's own max_cost= overrides the backend's: pinned with the settings.
+            _name, configured = self.project.settings_for(self.step.backend)
+            handle = self.project.new_run(self.spec, self.step.backend,
+                                          None if self.step.settings == configured else self.step.settings,
+                                          key=key, key_parts=parts)  # fmt: skip
             uptodate.write_record(self.step, run_id=handle.run_id)
             emit(f"{self.spec.step}: new run {handle.run_id} on {self.step.backend}")
         self.handle = handle
@@ -300,7 +304,11 @@ class StepDriver(DrivenRun):
 
             # Before the launch: the folders missing now are the ones this run makes.
             self.made_folders = absent_folders(self.root, self.spec.outputs)
-            self.advance(self.retrying("launch", lambda: backend.launch(handle)), Phase.LAUNCHED)
+            from substrax_tasks.run import spending  # a launch: not a no-op's path
+
+            handle = spending.before_launch(self, backend, handle)
+            launched = self.advance(self.retrying("launch", lambda: backend.launch(handle)), Phase.LAUNCHED)
+            spending.after_launch(self, backend, launched)
         elif not (status := backend.poll(handle)).final:  # reattached: it holds a slot as a new run does
             self._take_slot(backend, handle, running=status.state == "running")
 
@@ -375,6 +383,12 @@ class StepDriver(DrivenRun):
         if status.state != "succeeded":
             if status.final:
                 self.remove_made_folders()
+            from substrax_tasks.run.spending import stopped_at_cap  # a run failed: not a no-op's path
+
+            at_cap = stopped_at_cap(handle, status)
+            if at_cap is not None:  # the outcome, recorded; its machine goes as the chain closes
+                self.save(handle, verdict={"state": "failed", "message": at_cap})
+                return TaskFailed(f"step {self.spec.step!r}: run {handle.run_id} {at_cap}")
             tail = backend.read_log(handle, 0)[-1500:].decode(errors="replace")
             return TaskFailed(
                 f"step {self.spec.step!r}: run {handle.run_id} {status.state}"
@@ -498,6 +512,9 @@ class StepDriver(DrivenRun):
         )
         if done or (interrupted and backend.capabilities.interrupt_cancels):
             backend.teardown(handle)
+            from substrax_tasks.run.spending import record_release  # a teardown: not a no-op's path
+
+            record_release(self.project.store, handle)
         elif status.final:
             emit(f"{self.spec.step}: keeping run {handle.run_id} until its outputs are home; "
                  f"`doit {self.spec.step}` fetches them again")

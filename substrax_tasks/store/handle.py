@@ -44,6 +44,8 @@ class CoreState(BaseModel):
     fetch_refusals: int = 0  # fetches refused in a row (run/outputs_phases.py)
     manifest_digest: str | None = None  # of the outputs fetched and verified
     cost_usd: float | None = None  # what the run cost, where known (`substrax-compute report` shows it)
+    # The machine it held, its price and cap (store/cost.py): {"asked_at", "released_at", "hourly_cost", ...}
+    machine: dict[str, Any] | None = None
 
     @field_validator("phase", mode="before")
     @classmethod

@@ -64,6 +64,7 @@ from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.slots import Pool
 from substrax_tasks.step.spec import canonical_digest, settings_in_key
 from substrax_tasks.step.view import project_view
+from substrax_tasks.store.cost import watchdog_seconds
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
 from substrax_tasks.transports.openssh import ClusterTarget
@@ -350,7 +351,8 @@ class SkypilotBackend(Backend):
         its tree goes when the cluster's lifetime ends (the cluster's setup
         ran once, at launch)."""
         left = self.lifetime_left(handle)
-        seconds = f"{max(left if left is not None else 0.0, 1.0):g}"
+        left = watchdog_seconds(handle, left if left is not None else 0.0, self.settings.grace_seconds)
+        seconds = f"{max(left, 1.0):g}"
         self.remote_run(handle).control("watchdog", seconds, what="arming the run's lifetime timer")
         return handle
 
@@ -544,6 +546,21 @@ class SkypilotBackend(Backend):
     @classmethod
     def lifetime_left(cls, handle: RunHandle, now: float | None = None) -> float | None:
         return _remote_run.lifetime_left(SkypilotState.of(handle), now)
+
+    def lifetime_seconds(self) -> float | None:
+        return self.settings.transport.lifetime_minutes * 60
+
+    def hourly_price(self, handle: RunHandle) -> float | None:
+        """SkyPilot's catalog price: of the cluster the run was launched on
+        once it is up, of the resources asked for before."""
+        own = SkypilotState.of(handle)
+        if isinstance(own.cluster, str) and isinstance(own.lease_job, int) and not own.torn_down:
+            request: dict[str, Any] = {"cluster_name": own.cluster}
+        else:
+            request = {"resources": self.settings.resources(dict(handle.spec.resources))}
+        answer = self.sky().call("hourly_price", request)
+        price = answer.get("hourly_cost") if isinstance(answer, dict) else None
+        return float(price) if isinstance(price, (int, float)) and price > 0 else None
 
     def outputs_available(self, handle: RunHandle) -> bool:
         if self.settings.bucket is not None:

@@ -46,6 +46,7 @@ from substrax_tasks.backends.skypilot.state import SkypilotState
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.hardlinks import link_tree
 from substrax_tasks.step.view import project_view
+from substrax_tasks.store.cost import cap_deadline
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
 
@@ -175,6 +176,7 @@ def worker_job(
         cache_root=f"{layout.root}/cache/{project_key(str(handle.state.project))}",
         left_out=left_out or [],
         gpus=gpus,
+        cap=cap_deadline(handle),
     )
     job["staging"] = layout.staging
     if layout.bucket_key is not None:  # the bucket transport fetches it with the outputs

@@ -157,6 +157,31 @@ def field(record: object, name: str) -> object:
     return getattr(record, name, None)
 
 
+def op_hourly_price(request: Request) -> object:
+    """The price in USD an hour from SkyPilot's catalog: of the cluster
+    `cluster_name` as launched (its handle's launched resources and nodes,
+    as `sky cost-report` prices them), or of the `resources` asked for,
+    the dearest of their choices, when each names a cloud and an instance
+    type (else no price is known before the launch). None where the
+    catalog lists none: SkyPilot prices Kubernetes and Slurm at 0."""
+    name = request.get("cluster_name")
+    if name is not None:
+        records = sky.get(sky.status(cluster_names=[str(name)])) or []
+        handle = field(records[0], "handle") if records else None
+        launched = getattr(handle, "launched_resources", None)
+        if launched is None or not launched.is_launchable():
+            return {"hourly_cost": None}
+        price = float(launched.get_cost(3600)) * int(getattr(handle, "launched_nodes", 1) or 1)
+        return {"hourly_cost": price or None}
+    choices = sky.Resources.from_yaml_config(request["resources"])
+    prices = []
+    for resources in choices if isinstance(choices, (set, list)) else [choices]:
+        if not resources.is_launchable():
+            return {"hourly_cost": None}
+        prices.append(float(resources.get_cost(3600)) * int(request.get("num_nodes", 1)))
+    return {"hourly_cost": (max(prices) if prices else 0.0) or None}
+
+
 def op_tail_logs(request: Request) -> object:
     with Path(request["output_file"]).open("a") as out:
         code = sky.tail_logs(request["cluster_name"], request["job_id"], bool(request.get("follow")),
@@ -226,6 +251,7 @@ OPERATIONS: dict[str, Callable[[Request], object]] = {
     "tail_logs": op_tail_logs,
     "ssh_config": op_ssh_config,
     "validate": op_validate,
+    "hourly_price": op_hourly_price,
 }
 
 

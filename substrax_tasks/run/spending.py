@@ -1,0 +1,97 @@
+"""A run's price and its cap, as the chain acts on them (store/cost.py
+computes the figures).
+
+Before a launch: the machine's hourly price (`hourly_cost`, else the
+provider's catalog through the backend), said with the worst case; with a
+cap and no price known, nothing launches. The moment the machine is asked
+for is recorded before the paid call, so its time counts from there. After
+the launch, a catalog price becomes the one of what was launched. When the
+run ends at its cap, the verdict says so; when its machine is let go, the
+time and cost are recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from substrax_tasks.console import emit
+from substrax_tasks.errors import SubstraxError
+from substrax_tasks.store import cost
+
+if TYPE_CHECKING:
+    from substrax_tasks.backends.base import Backend, RunStatus
+    from substrax_tasks.run.driven_run import DrivenRun
+    from substrax_tasks.store.handle import RunHandle
+    from substrax_tasks.store.run_store import RunStore
+
+
+def priced(backend: Backend, handle: RunHandle) -> tuple[float | None, str]:
+    """The run's hourly price and where it comes from: `hourly_cost` when
+    set (it overrides the catalog), else the backend's catalog."""
+    setting = getattr(backend.settings, "hourly_cost", None)
+    if isinstance(setting, (int, float)):
+        return float(setting), "hourly_cost"
+    return backend.hourly_price(handle), "catalog"
+
+
+def before_launch(run: DrivenRun, backend: Backend, handle: RunHandle) -> RunHandle:
+    """Price the run, say it and its worst case, refuse a cap that cannot
+    be kept (no price known), and record the machine as asked for now."""
+    cap = getattr(backend.settings, "max_cost", None)
+    cap = float(cap) if isinstance(cap, (int, float)) else None
+    price, source = priced(backend, handle)
+    step = handle.step
+    if price is None:
+        if cap is None:
+            return run.save(handle, machine={"asked_at": time.time(), "released_at": None,
+                                             "hourly_cost": None, "price_from": None, "max_cost": None})
+        message = (f"max_cost = {cost.usd(cap)} cannot be kept: the price of a {backend.name} machine is not "
+                   f"known (no catalog prices it); set hourly_cost (USD an hour) in "
+                   f"[tool.substrax.compute.backends.{backend.name}] so its cost can be counted. "
+                   "Nothing was launched")  # fmt: skip
+        run.save(handle, verdict={"state": "failed", "message": message})
+        raise SubstraxError(message)
+    worst = cost.worst_case(price, handle.spec.timeout, backend.lifetime_seconds())
+    said = f"{step}: {cost.usd(price)}/h on {backend.name}"
+    if source == "hourly_cost":
+        said += " (hourly_cost)"
+    if worst is not None:
+        said += f"; at most {cost.usd(worst[0])} over {worst[1]}"
+    if cap is not None:
+        said += f"; stopped at max_cost = {cost.usd(cap)}"
+    if price > 0 or cap is not None:
+        emit(said)
+    return run.save(handle, machine={"asked_at": time.time(), "released_at": None, "hourly_cost": price,
+                                     "price_from": source, "max_cost": cap})  # fmt: skip
+
+
+def after_launch(run: DrivenRun, backend: Backend, handle: RunHandle) -> RunHandle:
+    """A catalog price is now the one of what was launched (the provider
+    may have chosen another instance than the estimate's)."""
+    record = cost.machine_record(handle)
+    if record is None or record.get("price_from") != "catalog":
+        return handle
+    launched = backend.hourly_price(handle)
+    if launched is None or launched == record.get("hourly_cost"):
+        return handle
+    return run.save(handle, machine={**record, "hourly_cost": launched})
+
+
+def stopped_at_cap(handle: RunHandle, status: RunStatus) -> str | None:
+    """The message of a run its worker stopped at the cap, else None."""
+    if status.state != "timed_out" or cost.cap_of(handle) is None:
+        return None
+    message = status.message or ""
+    return message if "max_cost" in message else None
+
+
+def record_release(store: RunStore, handle: RunHandle) -> None:
+    """The run's machine was let go now: its time ends, its cost is kept."""
+    current = store.read(handle.run_id)
+    record = cost.machine_record(current)
+    if record is None or isinstance(record.get("released_at"), (int, float)):
+        return
+    released: dict[str, Any] = {**record, "released_at": time.time()}
+    updated = store.update_state(current, machine=released)
+    store.update_state(updated, cost_usd=cost.run_cost(updated))
