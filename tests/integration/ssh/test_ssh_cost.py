@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dodo_helpers import compute, doit, show, wait_for
@@ -29,11 +30,11 @@ pytestmark = [needs_sshd, needs_root]
 CENT_A_SECOND = 36.0
 
 
-def status_json(root: Path) -> dict[str, object]:
+def status_runs(root: Path) -> list[dict[str, Any]]:
     done = compute(root, "status", "--json")
     assert done.returncode == 0, show(done)
-    loaded: dict[str, object] = json.loads(done.stdout)
-    return loaded
+    runs: list[dict[str, Any]] = json.loads(done.stdout)["runs"]
+    return runs
 
 
 def test_a_run_costs_its_machine_time_at_the_hourly_cost(tmp_path: Path, host: SshHost) -> None:
@@ -42,7 +43,7 @@ def test_a_run_costs_its_machine_time_at_the_hourly_cost(tmp_path: Path, host: S
     done = doit(root, timeout=120)
     assert done.returncode == 0, show(done)
     assert "step: $36.0000/h on ssh (hourly_cost)" in done.stdout, show(done)
-    [run] = status_json(root)["runs"]  # type: ignore[misc]
+    [run] = status_runs(root)
     # From the launch to the teardown: more than the command's second, all of it at the price.
     assert run["machine_seconds"] > 1.0, run
     assert run["hourly_cost"] == CENT_A_SECOND
@@ -58,7 +59,7 @@ def test_a_run_costs_its_machine_time_at_the_hourly_cost(tmp_path: Path, host: S
 
 def test_a_cap_without_a_known_price_launches_nothing(tmp_path: Path, host: SshHost) -> None:
     body = one_step(command=["/bin/sh", "-c", "echo made > out.txt"], outputs=["out.txt"], max_cost=2.5)
-    root = make_ssh_project(tmp_path, host, body, remote_root=str(host.user_dir / "remote-unpriced"))
+    root = make_ssh_project(tmp_path, host, body, remote_root=str(host.scratch / "remote-unpriced"))
     done = doit(root, timeout=120)
     assert done.returncode == 1, show(done)
     said = done.stdout + done.stderr
@@ -66,9 +67,9 @@ def test_a_cap_without_a_known_price_launches_nothing(tmp_path: Path, host: SshH
     assert "set hourly_cost" in said and "[tool.substrax.compute.backends.ssh]" in said, show(done)
     handle = only_handle(root)
     assert handle["backend_state"].get("remote_run_dir") is None  # not even a folder on the host
-    assert not (host.user_dir / "remote-unpriced" / "runs").exists()
+    assert not (host.scratch / "remote-unpriced" / "runs").exists()
     assert not (root / "out.txt").exists()
-    [run] = status_json(root)["runs"]  # type: ignore[misc]
+    [run] = status_runs(root)
     assert run["state"] == "failed" and "cannot be kept" in run["message"], run
 
 
@@ -87,7 +88,7 @@ def test_the_host_stops_a_run_at_its_cap_with_its_client_killed(tmp_path: Path, 
         assert not marked_pids(marker), "the command outlived its cap"
         record = remote_status(handle) or {}
         assert "its cost reached max_cost = $0.2000" in str(record.get("message")), record
-        [run] = status_json(root)["runs"]  # type: ignore[misc]
+        [run] = status_runs(root)
         assert run["state"] == "timed_out" and "max_cost = $0.2000" in run["message"], run
         assert run["max_cost"] == 0.2
         assert run["cost_usd"] >= 0.2, run  # it ran to its cap, from the launch on
