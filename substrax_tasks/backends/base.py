@@ -174,6 +174,12 @@ class Backend(ABC):
         Default: none."""
         return None
 
+    def machine_share(self, handle: RunHandle) -> float:
+        """The part of its machine a run holds, which its cost is charged:
+        1, unless runs share a machine side by side (a reused SkyPilot
+        cluster's GPUs shared out, one seat each)."""
+        return 1.0
+
     def lifetime_seconds(self) -> float | None:
         """How long a run's machine may live (its lifetime timer), for the
         worst case said before a launch; None: no timer bounds it."""

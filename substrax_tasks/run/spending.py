@@ -27,12 +27,16 @@ if TYPE_CHECKING:
 
 
 def priced(backend: Backend, handle: RunHandle) -> tuple[float | None, str]:
-    """The run's hourly price and where it comes from: `hourly_cost` when
-    set (it overrides the catalog), else the backend's catalog."""
+    """The run's hourly price and where it comes from: its machine's at
+    `hourly_cost` when set (it overrides the catalog), else at the
+    backend's catalog price; times the share of the machine the run holds."""
     setting = getattr(backend.settings, "hourly_cost", None)
+    price: float | None
     if isinstance(setting, (int, float)):
-        return float(setting), "hourly_cost"
-    return backend.hourly_price(handle), "catalog"
+        price, source = float(setting), "hourly_cost"
+    else:
+        price, source = backend.hourly_price(handle), "catalog"
+    return (None if price is None else price * backend.machine_share(handle)), source
 
 
 def before_launch(run: DrivenRun, backend: Backend, handle: RunHandle) -> RunHandle:
@@ -73,6 +77,7 @@ def after_launch(run: DrivenRun, backend: Backend, handle: RunHandle) -> RunHand
     if record is None or record.get("price_from") != "catalog":
         return handle
     launched = backend.hourly_price(handle)
+    launched = None if launched is None else launched * backend.machine_share(handle)
     if launched is None or launched == record.get("hourly_cost"):
         return handle
     return run.save(handle, machine={**record, "hourly_cost": launched})

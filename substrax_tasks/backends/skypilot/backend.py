@@ -550,6 +550,10 @@ class SkypilotBackend(Backend):
     def lifetime_seconds(self) -> float | None:
         return self.settings.transport.lifetime_minutes * 60
 
+    def machine_share(self, handle: RunHandle) -> float:
+        """A reused cluster's GPUs shared out among steps side by side: each holds one seat of it."""
+        return 1.0 / self.settings.seats(dict(handle.spec.resources))
+
     def hourly_price(self, handle: RunHandle) -> float | None:
         """SkyPilot's catalog price: of the cluster the run was launched on
         once it is up, of the resources asked for before."""
