@@ -26,16 +26,18 @@ if TYPE_CHECKING:
     from substrax_tasks.store.run_store import RunStore
 
 
-def priced(backend: Backend, handle: RunHandle) -> tuple[float | None, str]:
+def priced(backend: Backend, handle: RunHandle) -> tuple[float | None, str | None]:
     """The run's hourly price and where it comes from: its machine's at
     `hourly_cost` when set (it overrides the catalog), else at the
     backend's catalog price; times the share of the machine the run holds."""
     setting = getattr(backend.settings, "hourly_cost", None)
     price: float | None
+    source: str | None
     if isinstance(setting, (int, float)):
         price, source = float(setting), "hourly_cost"
     else:
-        price, source = backend.hourly_price(handle), "catalog"
+        price = backend.hourly_price(handle)
+        source = "catalog" if price else None  # 0: this machine, which costs nothing
     return (None if price is None else price * backend.machine_share(handle)), source
 
 
@@ -45,42 +47,48 @@ def before_launch(run: DrivenRun, backend: Backend, handle: RunHandle) -> RunHan
     cap = getattr(backend.settings, "max_cost", None)
     cap = float(cap) if isinstance(cap, (int, float)) else None
     price, source = priced(backend, handle)
-    step = handle.step
-    if price is None:
-        if cap is None:
-            return run.save(handle, machine={"asked_at": time.time(), "released_at": None,
-                                             "hourly_cost": None, "price_from": None, "max_cost": None})
-        message = (f"max_cost = {cost.usd(cap)} cannot be kept: the price of a {backend.name} machine is not "
-                   f"known (no catalog prices it); set hourly_cost (USD an hour) in "
+    if price is None and cap is not None:
+        message = (f"max_cost = {cost.usd(cap)} cannot be kept: the price of the {backend.name} backend's "
+                   "machine is not known (no catalog prices it); set hourly_cost (USD an hour) in "
                    f"[tool.substrax.compute.backends.{backend.name}] so its cost can be counted. "
                    "Nothing was launched")  # fmt: skip
         run.save(handle, verdict={"state": "failed", "message": message})
         raise SubstraxError(message)
-    worst = cost.worst_case(price, handle.spec.timeout, backend.lifetime_seconds())
-    said = f"{step}: {cost.usd(price)}/h on {backend.name}"
-    if source == "hourly_cost":
-        said += " (hourly_cost)"
-    if worst is not None:
-        said += f"; at most {cost.usd(worst[0])} over {worst[1]}"
-    if cap is not None:
-        said += f"; stopped at max_cost = {cost.usd(cap)}"
-    if price > 0 or cap is not None:
-        emit(said)
+    if price is not None and (price > 0 or cap is not None):
+        emit(price_line(handle, backend, price, source, cap))
     return run.save(handle, machine={"asked_at": time.time(), "released_at": None, "hourly_cost": price,
                                      "price_from": source, "max_cost": cap})  # fmt: skip
 
 
+def price_line(
+    handle: RunHandle, backend: Backend, price: float, source: str | None, cap: float | None
+) -> str:
+    """`train: $3.0600/h on skypilot; at most $18.3600 over its timeout of
+    6:00:00; stopped at max_cost = $40.0000`"""
+    said = f"{handle.step}: {cost.usd(price)}/h on {backend.name}"
+    if source == "hourly_cost":
+        said += " (hourly_cost)"
+    worst = cost.worst_case(price, handle.spec.timeout, backend.lifetime_seconds())
+    if worst is not None:
+        said += f"; at most {cost.usd(worst[0])} over {worst[1]}"
+    if cap is not None:
+        said += f"; stopped at max_cost = {cost.usd(cap)}"
+    return said
+
+
 def after_launch(run: DrivenRun, backend: Backend, handle: RunHandle) -> RunHandle:
-    """A catalog price is now the one of what was launched (the provider
-    may have chosen another instance than the estimate's)."""
+    """Unless `hourly_cost` set it, the price is now the catalog's for what
+    was launched (the provider may have chosen another instance than the
+    estimate's, or the estimate knew none before its optimizer chose)."""
     record = cost.machine_record(handle)
-    if record is None or record.get("price_from") != "catalog":
+    if record is None or record.get("price_from") == "hourly_cost":
         return handle
     launched = backend.hourly_price(handle)
-    launched = None if launched is None else launched * backend.machine_share(handle)
-    if launched is None or launched == record.get("hourly_cost"):
+    price = None if not launched else launched * backend.machine_share(handle)
+    if price is None or price == record.get("hourly_cost"):
         return handle
-    return run.save(handle, machine={**record, "hourly_cost": launched})
+    emit(price_line(handle, backend, price, "catalog", cost.cap_of(handle)) + " (as launched)")
+    return run.save(handle, machine={**record, "hourly_cost": price, "price_from": "catalog"})
 
 
 def stopped_at_cap(handle: RunHandle, status: RunStatus) -> str | None:

@@ -56,7 +56,12 @@ from substrax_tasks.backends.skypilot.client import (
     SkyClient,
     job_state,
 )
-from substrax_tasks.backends.skypilot.settings import AUTODOWN_MINUTES, SkypilotSettings
+from substrax_tasks.backends.skypilot.settings import (
+    AUTODOWN_MINUTES,
+    UNPRICED_CLOUDS,
+    SkypilotSettings,
+    cloud_of,
+)
 from substrax_tasks.backends.skypilot.state import SkypilotState
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, HostRefused, SubstraxError
@@ -249,7 +254,8 @@ class SkypilotBackend(Backend):
         timer = sky_task.lifetime_timer(self.settings)  # the setup arms it after this: no later
         if rid and state in (*REQUEST_LIVE, "SUCCEEDED"):
             emit(f"{handle.step}: waiting for launch request {rid} of cluster {cluster}")
-            result = self.sky().call("wait_launch", {"request_id": rid, "log_file": str(log)},
+            waited = {"request_id": rid, "log_file": str(log), "cluster_name": cluster}
+            result = self.sky().call("wait_launch", waited,
                                      timeout=None, while_waiting=relay)  # fmt: skip
         else:
             result = self._launch_cluster(handle, relay)
@@ -258,7 +264,9 @@ class SkypilotBackend(Backend):
             raise BackendError(f"run {handle.run_id}: SkyPilot launched {cluster} but submitted no lease job")
         if not isinstance(SkypilotState.of(handle).watchdog, dict):
             handle = self.save_state(handle, watchdog=timer)
-        handle = self.save_state(handle, cluster=cluster, lease_job=lease_job)
+        price = result.get("hourly_cost") if isinstance(result, dict) else None
+        handle = self.save_state(handle, cluster=cluster, lease_job=lease_job,
+                                 hourly_cost=price if isinstance(price, (int, float)) else None)  # fmt: skip
         record_cluster(self, handle)
         self._write_ssh_config(handle)
         self._claim_when_held(handle)
@@ -555,14 +563,19 @@ class SkypilotBackend(Backend):
         return 1.0 / self.settings.seats(dict(handle.spec.resources))
 
     def hourly_price(self, handle: RunHandle) -> float | None:
-        """SkyPilot's catalog price: of the cluster the run was launched on
-        once it is up, of the resources asked for before."""
+        """SkyPilot's catalog price: of the cluster the run was given, as
+        the launch priced it (kept with a warm cluster for the runs that
+        claim it); before, of the resources asked for, asked of SkyPilot
+        only when its catalog can price them (a cloud that has prices, and
+        an instance type: a cold launch pays no call for a price no one
+        can know)."""
         own = SkypilotState.of(handle)
-        if isinstance(own.cluster, str) and isinstance(own.lease_job, int) and not own.torn_down:
-            request: dict[str, Any] = {"cluster_name": own.cluster}
-        else:
-            request = {"resources": self.settings.resources(dict(handle.spec.resources))}
-        answer = self.sky().call("hourly_price", request)
+        if isinstance(own.lease_job, int):
+            return own.hourly_cost
+        resources = self.settings.resources(dict(handle.spec.resources))
+        if cloud_of(resources.get("infra")) in (None, *UNPRICED_CLOUDS) or not resources.get("instance_type"):
+            return None
+        answer = self.sky().call("hourly_price", {"resources": resources})
         price = answer.get("hourly_cost") if isinstance(answer, dict) else None
         return float(price) if isinstance(price, (int, float)) and price > 0 else None
 
@@ -724,7 +737,7 @@ def record_cluster(backend: SkypilotBackend, handle: RunHandle) -> None:
     write_json_atomic(path, {
         "cluster": backend.cluster(handle), "deadline": deadline, "run_id": handle.run_id,
         "bin_digest": SkypilotState.of(handle).bin_digest, "lease_job": SkypilotState.of(handle).lease_job,
-        "job_home": SkypilotState.of(handle).job_home,
+        "job_home": SkypilotState.of(handle).job_home, "hourly_cost": SkypilotState.of(handle).hourly_cost,
     })  # fmt: skip
 
 
@@ -763,7 +776,8 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
     if reason is None:
         timer = {"armed_at": time.time(), "seconds": left}  # the cluster's lifetime, counted from its launch
         warm = backend.save_state(handle, cluster=cluster, lease_job=record["lease_job"], watchdog=timer,
-                               job_home=record.get("job_home"))  # fmt: skip
+                                  job_home=record.get("job_home"),
+                                  hourly_cost=record.get("hourly_cost"))  # fmt: skip
         try:
             answer = backend.lease(warm, "claim", handle.run_id)
         except SubstraxError as exc:

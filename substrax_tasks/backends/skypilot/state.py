@@ -20,6 +20,7 @@ class SkypilotState(RemoteState):
     outputs_root: str | None = None  # where its outputs are there, from its final status
     gpus: Any = None  # what the job is given of the cluster's GPUs (backends/gpus.py)
     cancel_requested: bool = False  # a cancel was asked (the cluster going then reads as cancelled)
+    hourly_cost: float | None = None  # the catalog's price of the cluster as launched (None: unknown)
     # A SkyPilot job per run, by releases before the lease: read in their
     # handles, never written now (launched_job reads either).
     job_id: int | None = None
