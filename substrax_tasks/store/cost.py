@@ -56,6 +56,17 @@ def cost_of(intervals: Sequence[MachineTime], now: float | None = None) -> float
     return sum(i.seconds(at) * float(i.hourly_cost or 0.0) / 3600.0 for i in intervals)
 
 
+def relaunched_intervals(
+    starts: Sequence[float], released: float | None, hourly_cost: float | None
+) -> list[MachineTime]:
+    """The machines of a run relaunched after losing one: one per attempt,
+    each asked for at its start (`starts`, oldest first) and held until
+    the next attempt's machine was asked for (the lost one was gone by
+    then), the last until `released` (None: held still)."""
+    ends: list[float | None] = [*starts[1:], released]
+    return [MachineTime(start, end, hourly_cost) for start, end in zip(starts, ends, strict=True)]
+
+
 def machine_record(handle: RunHandle) -> dict[str, Any] | None:
     record = handle.state.machine
     return record if isinstance(record, dict) and isinstance(record.get("asked_at"), (int, float)) else None

@@ -29,6 +29,15 @@ def test_a_cost_sums_every_interval_at_its_own_price() -> None:
 
 
 @pytest.mark.unit
+def test_a_relaunched_runs_machines_are_one_interval_per_attempt() -> None:
+    # Lost at 100 (its relaunch asked for a machine then), released at 250.
+    intervals = cost.relaunched_intervals([0.0, 100.0], 250.0, 36.0)
+    assert intervals == [MachineTime(0.0, 100.0, 36.0), MachineTime(100.0, 250.0, 36.0)]
+    assert cost.cost_of(intervals) == pytest.approx(2.5)
+    assert cost.relaunched_intervals([0.0], None, 36.0) == [MachineTime(0.0, None, 36.0)]
+
+
+@pytest.mark.unit
 def test_an_interval_of_unknown_price_makes_the_cost_unknown_not_partial() -> None:
     assert cost.cost_of([MachineTime(0.0, 3600.0, 2.0), MachineTime(0.0, 10.0, None)], now=0.0) is None
     assert cost.usd(None) == "-"
