@@ -41,9 +41,14 @@ def priced(backend: Backend, handle: RunHandle) -> tuple[float | None, str | Non
     return (None if price is None else price * backend.machine_share(handle)), source
 
 
-def before_launch(run: DrivenRun, backend: Backend, handle: RunHandle) -> RunHandle:
+def before_launch(
+    run: DrivenRun, backend: Backend, handle: RunHandle
+) -> tuple[RunHandle, dict[str, Any] | None]:
     """Price the run, say it and its worst case, refuse a cap that cannot
-    be kept (no price known), and record the machine as asked for now."""
+    be kept (no price known), and record the machine as asked for now;
+    one that costs nothing (this machine) and has no cap is returned
+    instead, to be recorded with the launch in the same write (a local
+    step's overhead is its handle's writes)."""
     cap = getattr(backend.settings, "max_cost", None)
     cap = float(cap) if isinstance(cap, (int, float)) else None
     price, source = priced(backend, handle)
@@ -54,10 +59,13 @@ def before_launch(run: DrivenRun, backend: Backend, handle: RunHandle) -> RunHan
                    "Nothing was launched")  # fmt: skip
         run.save(handle, verdict={"state": "failed", "message": message})
         raise SubstraxError(message)
-    if price is not None and (price > 0 or cap is not None):
+    machine = {"asked_at": time.time(), "released_at": None, "hourly_cost": price, "price_from": source,
+               "max_cost": cap}  # fmt: skip
+    if price == 0.0 and cap is None:
+        return handle, machine
+    if price is not None:
         emit(price_line(handle, backend, price, source, cap))
-    return run.save(handle, machine={"asked_at": time.time(), "released_at": None, "hourly_cost": price,
-                                     "price_from": source, "max_cost": cap})  # fmt: skip
+    return run.save(handle, machine=machine), None
 
 
 def price_line(
@@ -105,6 +113,8 @@ def record_release(store: RunStore, handle: RunHandle) -> None:
     record = cost.machine_record(current)
     if record is None or isinstance(record.get("released_at"), (int, float)):
         return
-    released: dict[str, Any] = {**record, "released_at": time.time()}
-    updated = store.update_state(current, machine=released)
-    store.update_state(updated, cost_usd=cost.run_cost(updated))
+    if record.get("hourly_cost") == 0.0:  # a free machine's time is its command's (status reads it so)
+        return
+    now = time.time()
+    store.update_state(current, machine={**record, "released_at": now},
+                       cost_usd=cost.run_cost(current, held_until=now, now=now))  # fmt: skip

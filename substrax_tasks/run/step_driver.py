@@ -306,8 +306,9 @@ class StepDriver(DrivenRun):
             self.made_folders = absent_folders(self.root, self.spec.outputs)
             from substrax_tasks.run import spending  # a launch: not a no-op's path
 
-            handle = spending.before_launch(self, backend, handle)
-            launched = self.advance(self.retrying("launch", lambda: backend.launch(handle)), Phase.LAUNCHED)
+            handle, free = spending.before_launch(self, backend, handle)
+            launched = self.retrying("launch", lambda: backend.launch(handle))
+            launched = self.advance(launched, Phase.LAUNCHED, **({"machine": free} if free else {}))
             spending.after_launch(self, backend, launched)
         elif not (status := backend.poll(handle)).final:  # reattached: it holds a slot as a new run does
             self._take_slot(backend, handle, running=status.state == "running")
