@@ -6,7 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
+from substrax_tasks.backends.local.settings import LocalSettings
+from substrax_tasks.errors import SpecError
+from substrax_tasks.step.args import max_cost_of
 from substrax_tasks.step.spec import StepSpec
 from substrax_tasks.store import cost
 from substrax_tasks.store.cost import MachineTime
@@ -78,3 +82,27 @@ def test_the_worst_case_is_the_price_over_the_timeout_else_the_lifetime() -> Non
     assert cost.worst_case(3.0, 1800.0, 7200.0) == (1.5, "its timeout of 30:00")
     assert cost.worst_case(3.0, None, 7200.0) == (6.0, "its machine's lifetime of 2:00:00")
     assert cost.worst_case(3.0, None, None) is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bad", [0, -1.5, float("inf"), float("nan"), True, "5", [5]])
+def test_remote_steps_max_cost_is_a_positive_number_of_dollars(bad: object) -> None:
+    with pytest.raises(SpecError) as caught:
+        max_cost_of("train", bad)
+    said = str(caught.value)
+    assert said.startswith("step 'train': max_cost must be a positive number of US dollars, got "), said
+    assert "write max_cost=5.0" in said
+    assert max_cost_of("train", None) is None
+    assert max_cost_of("train", 5) == 5.0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("key", "bad"),
+    [("hourly_cost", -0.5), ("max_cost", 0.0), ("max_cost", float("inf")), ("hourly_cost", "1.2")],
+)
+def test_the_cost_settings_refuse_what_is_no_price_or_cap(key: str, bad: object) -> None:
+    with pytest.raises(ValidationError) as caught:
+        LocalSettings.model_validate({key: bad})
+    assert caught.value.errors()[0]["loc"] == (key,)
+    assert LocalSettings.model_validate({"hourly_cost": 0, "max_cost": 2}).max_cost == 2.0
