@@ -108,8 +108,10 @@ def stopped_at_cap(handle: RunHandle, status: RunStatus) -> str | None:
 
 
 def record_release(store: RunStore, handle: RunHandle) -> None:
-    """The run's machine was let go now: its time ends, its cost is kept."""
-    current = store.read(handle.run_id)
+    """The run's machine was let go now: its time ends, its cost is kept.
+    `handle` as read before the teardown (which changes none of the core's
+    state): the write merges with the one on disk."""
+    current = handle
     record = cost.machine_record(current)
     if record is None or isinstance(record.get("released_at"), (int, float)):
         return
