@@ -11,6 +11,7 @@ from typing import Any
 from substrax_tasks.backends.base import Leak, RunStatus
 from substrax_tasks.store import cost
 from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.phase import Phase
 from substrax_tasks.store.run_store import Unreadable
 from substrax_tasks.store.selection import group_of
 
@@ -50,8 +51,12 @@ def machine_end(handle: RunHandle, status: RunStatus) -> float | None:
     """When the run's machine was let go, where its handle does not say
     (the chain records it as it tears the run down): a run torn down
     otherwise (`cancel`, `gc`), or that holds no machine past its command,
-    as its command ended; one whose lifetime timer ran out, then; None
-    while it may still hold one."""
+    as its command ended; one whose lifetime timer ran out, then; one whose
+    launch failed, as it failed; None while it may still hold one."""
+    if not handle.state.reached(Phase.LAUNCHED):
+        failed = handle.state.times.get("launch")
+        at = parse_time(failed.get("end")) if isinstance(failed, dict) else None
+        return at.timestamp() if at else None
     ended = parse_time(status.ended_at)
     left = lifetime_left(handle)
     if released(handle) or (status.final and left is None):

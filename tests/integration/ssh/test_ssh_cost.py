@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -102,3 +103,23 @@ def test_the_host_stops_a_run_at_its_cap_with_its_client_killed(tmp_path: Path, 
     finally:
         for pid in marked_pids(marker):  # only if a failure above left it
             kill_pid(pid)
+
+
+def test_a_launch_that_failed_costs_its_time_until_it_failed(tmp_path: Path, host: SshHost) -> None:
+    blocker = host.scratch / "a-file-not-a-folder"
+    blocker.write_text("")  # the remote root under it cannot be made: the launch fails
+    body = one_step(command=["/bin/sh", "-c", "echo made > out.txt"], outputs=["out.txt"])
+    root = make_ssh_project(tmp_path, host, body, hourly_cost=CENT_A_SECOND,
+                            remote_root=str(blocker / "remote"))  # fmt: skip
+    try:
+        done = doit(root, timeout=120)
+    finally:
+        blocker.unlink()
+    assert done.returncode != 0, show(done)
+    handle = only_handle(root)
+    asked = handle["state"]["machine"]["asked_at"]
+    failed = datetime.fromisoformat(handle["state"]["times"]["launch"]["end"]).timestamp()
+    [run] = status_runs(root)
+    # Counted up to the launch's failure, not on and on from there.
+    assert run["machine_seconds"] == pytest.approx(failed - asked)
+    assert run["cost_usd"] == pytest.approx((failed - asked) * 0.01)
