@@ -565,14 +565,21 @@ class SkypilotBackend(Backend):
     def hourly_price(self, handle: RunHandle) -> float | None:
         """SkyPilot's catalog price: of the cluster the run was given, as
         the launch priced it (kept with a warm cluster for the runs that
-        claim it); before, of the resources asked for, asked of SkyPilot
-        only when its catalog can price them (a cloud that has prices, and
-        an instance type: a cold launch pays no call for a price no one
-        can know)."""
+        claim it). Before the launch: the warm cluster's of the run's slot;
+        else, for a step with a cap only (whose price must be known before
+        anything is paid for), the resources' asked of SkyPilot, when its
+        catalog can price them (a cloud that has prices, and an instance
+        type). A step without a cap pays no call: its price is said once
+        its cluster is up."""
         own = SkypilotState.of(handle)
         if isinstance(own.lease_job, int):
             return own.hourly_cost
+        warm = read_record(record_path(self, handle))
+        if warm is not None and isinstance(warm.get("hourly_cost"), (int, float)):
+            return float(warm["hourly_cost"])
         resources = self.settings.resources(dict(handle.spec.resources))
+        if self.settings.max_cost is None:
+            return None
         if cloud_of(resources.get("infra")) in (None, *UNPRICED_CLOUDS) or not resources.get("instance_type"):
             return None
         answer = self.sky().call("hourly_price", {"resources": resources})

@@ -42,7 +42,9 @@ def test_a_runs_cost_is_its_machine_time_at_the_catalog_price_of_what_was_launch
     sky.configure(infra="aws", instance_type="m6i.large")  # $0.096 an hour in the catalog
     done = doit(sky.root, env=sky.env, timeout=180)
     assert done.returncode == 0, show(done)
-    assert "step: $0.0960/h on skypilot" in done.stdout, show(done)
+    # No cap: nothing asked of SkyPilot before the launch; the price is said as launched.
+    said = "step: $0.0960/h on skypilot; at most $0.0160 over its machine's lifetime of 10:00 (as launched)"
+    assert said in done.stdout, show(done)
     [run] = status_runs(sky)
     assert run["hourly_cost"] == pytest.approx(0.096)
     # From the launch request to the cluster's teardown, all of it at that price.
@@ -98,3 +100,36 @@ def test_a_cap_reached_mid_run_stops_the_run_and_takes_the_cluster_down(sky: Sky
     assert run["state"] == "failed" and "max_cost" in run["message"], run
     # The cap, plus the seconds the stop and the teardown took at $3.06 an hour.
     assert 0.02 <= run["cost_usd"] < 0.02 + 0.03, run
+
+
+WARM = """
+def task_fit():
+    yield from remote_step(
+        "fit", inputs=["data/in.txt"], outputs=["fit.txt"], timeout=60, resources={"cpus": 1},
+        shell="cat data/in.txt > fit.txt",
+    )
+"""
+
+
+def test_a_step_on_a_warm_cluster_is_priced_as_the_cluster_was_launched(sky: Sky) -> None:
+    sky.project()
+    sky.env["FAKESKY_MINUTE_SECONDS"] = "2"
+    sky.configure(reuse=True, max_parallel=1, idle_minutes=60, infra="aws", instance_type="m6i.large")
+    write_ssh_dodo(sky.root, WARM, ["fit"])
+    first = doit(sky.root, env=sky.env, timeout=180)
+    assert first.returncode == 0 and "launching cluster" in first.stdout, show(first)
+    (sky.root / "data" / "in.txt").write_text("edit\n")
+    again = doit(sky.root, env=sky.env, timeout=180)
+    assert again.returncode == 0 and "on warm cluster" in again.stdout, show(again)
+    # The warm step's price is the cluster's, as its launch priced it: said before, asked of no one.
+    before_the_claim = again.stdout.split("on warm cluster")[0]
+    assert "fit: $0.0960/h on skypilot" in before_the_claim, show(again)
+    assert "(as launched)" not in again.stdout, show(again)
+    done = sky.compute("status", "--all", "--json")
+    assert done.returncode == 0, done.stderr
+    cold, warm = json.loads(done.stdout)["runs"]
+    assert cold["hourly_cost"] == warm["hourly_cost"] == pytest.approx(0.096), (cold, warm)
+    assert warm["cost_usd"] == pytest.approx(warm["machine_seconds"] * 0.096 / 3600)
+    gone = sky.compute("gc", "--machines")
+    assert gone.returncode == 0, gone.stderr
+    assert sky.clusters() == []
