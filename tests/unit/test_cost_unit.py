@@ -3,18 +3,23 @@ deadlines the machine keeps (store/cost.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from substrax_tasks.backends.local.settings import LocalSettings
+from substrax_tasks.backends.skypilot.backend import SkypilotBackend
+from substrax_tasks.backends.skypilot.settings import SkypilotSettings
 from substrax_tasks.errors import SpecError
+from substrax_tasks.run.spending import priced
 from substrax_tasks.step.args import max_cost_of
 from substrax_tasks.step.spec import StepSpec
 from substrax_tasks.store import cost
 from substrax_tasks.store.cost import MachineTime
 from substrax_tasks.store.handle import CoreState, RunHandle
+from substrax_tasks.store.run_store import RunStore
 
 
 def handle_with(machine: dict[str, Any] | None) -> RunHandle:
@@ -106,3 +111,19 @@ def test_the_cost_settings_refuse_what_is_no_price_or_cap(key: str, bad: object)
         LocalSettings.model_validate({key: bad})
     assert caught.value.errors()[0]["loc"] == (key,)
     assert LocalSettings.model_validate({"hourly_cost": 0, "max_cost": 2}).max_cost == 2.0
+
+
+@pytest.mark.unit
+def test_a_step_on_a_shared_out_warm_cluster_is_charged_its_seats_share(tmp_path: Path) -> None:
+    """`accelerators = "A100:2"` with reuse, a step asking for "A100:1":
+    two steps side by side on one cluster, each charged half its price."""
+    settings = SkypilotSettings.model_validate({
+        "reuse": True, "accelerators": "A100:2", "hourly_cost": 4.0, "copy": {"lifetime_minutes": 60.0},
+    })  # fmt: skip
+    backend = SkypilotBackend(settings, RunStore(tmp_path))
+    spec = StepSpec(step="fit", command=["true"], resources={"accelerators": "A100:1"})
+    one_seat = handle_with(None).model_copy(update={"spec": spec})
+    assert backend.machine_share(one_seat) == 0.5
+    assert priced(backend, one_seat) == (2.0, "hourly_cost")
+    whole = handle_with(None).model_copy(update={"spec": StepSpec(step="fit", command=["true"])})
+    assert priced(backend, whole) == (4.0, "hourly_cost")  # asks for no GPU of it: the whole cluster
