@@ -49,9 +49,13 @@ def answers(ask: Ask, run_id: str) -> list[tuple[int, str]]:
 def without_the_clock(status: str) -> tuple[dict[str, object], bool]:
     """`status --json` less the time its lifetime leaves (it runs down
     between two asks), and whether it gave one (read from the backend's
-    state: a kept remote run has one)."""
+    state: a kept remote run has one); less its machine time and cost too,
+    which a version-2 handle never recorded (and which run on while a kept
+    run holds its machine)."""
     data = json.loads(status)
     left = data["runs"][0].pop("lifetime_left_seconds")
+    for key in ("machine_seconds", "hourly_cost", "cost_usd", "max_cost"):
+        data["runs"][0].pop(key)
     return data, isinstance(left, float)
 
 

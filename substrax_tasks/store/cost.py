@@ -1,0 +1,173 @@
+"""What a run costs: its machine time and its price, and how much of its
+cap is left.
+
+One place computes a cost: `cost_of`, from a list of machine intervals
+(each a machine held from when it was asked for to when it was let go, at
+an hourly price). A run records one interval today (`CoreState.machine`,
+read by `machine_intervals`); a run relaunched after losing its machine
+adds one per attempt, and the sum is the same function's.
+
+    state["machine"]   {"asked_at": EPOCH, "released_at": EPOCH | None,
+                        "hourly_cost": USD | None, "price_from": "hourly_cost" | "catalog" | None,
+                        "max_cost": USD | None}
+
+Pure functions of the handle and the time: `status`, the report and the
+driver read the same figures.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from substrax_tasks.store.handle import RunHandle
+
+
+@dataclass(frozen=True)
+class MachineTime:
+    """One machine a run held: from `start` (asked for) to `end` (let go;
+    None while it is held), at `hourly_cost` USD an hour (None: unknown)."""
+
+    start: float
+    end: float | None
+    hourly_cost: float | None
+
+    def seconds(self, now: float) -> float:
+        return max(0.0, (now if self.end is None else self.end) - self.start)
+
+
+def machine_seconds(intervals: Iterable[MachineTime], now: float | None = None) -> float:
+    """The machine time of all `intervals`, those still held counted to `now`."""
+    at = time.time() if now is None else now
+    return sum(i.seconds(at) for i in intervals)
+
+
+def cost_of(intervals: Sequence[MachineTime], now: float | None = None) -> float | None:
+    """What `intervals` cost in USD, those still held counted to `now`;
+    None when one of them has no known price (a partial sum would look
+    like the whole)."""
+    if any(i.hourly_cost is None for i in intervals):
+        return None
+    at = time.time() if now is None else now
+    return sum(i.seconds(at) * float(i.hourly_cost or 0.0) / 3600.0 for i in intervals)
+
+
+def relaunched_intervals(
+    starts: Sequence[float], released: float | None, hourly_cost: float | None
+) -> list[MachineTime]:
+    """The machines of a run relaunched after losing one: one per attempt,
+    each asked for at its start (`starts`, oldest first) and held until
+    the next attempt's machine was asked for (the lost one was gone by
+    then), the last until `released` (None: held still)."""
+    ends: list[float | None] = [*starts[1:], released]
+    return [MachineTime(start, end, hourly_cost) for start, end in zip(starts, ends, strict=True)]
+
+
+def machine_record(handle: RunHandle) -> dict[str, Any] | None:
+    record = handle.state.machine
+    return record if isinstance(record, dict) and isinstance(record.get("asked_at"), (int, float)) else None
+
+
+def machine_intervals(handle: RunHandle, *, held_until: float | None = None) -> list[MachineTime]:
+    """The machines the run held, from its handle. One still held (no
+    `released_at`) ends at `held_until` when given (the machine is known
+    gone, as when the run's lifetime timer took it down), else is open."""
+    record = machine_record(handle)
+    if record is None:
+        return []
+    released = record.get("released_at")
+    end = float(released) if isinstance(released, (int, float)) else held_until
+    price = record.get("hourly_cost")
+    known = float(price) if isinstance(price, (int, float)) else None
+    return [MachineTime(float(record["asked_at"]), end, known)]
+
+
+def run_cost(handle: RunHandle, *, held_until: float | None = None, now: float | None = None) -> float | None:
+    """What the run cost (so far, for a machine still held); None when its
+    price is not known or it never asked for a machine."""
+    intervals = machine_intervals(handle, held_until=held_until)
+    return cost_of(intervals, now) if intervals else None
+
+
+def cap_of(handle: RunHandle) -> float | None:
+    """The run's max_cost in USD, as pinned when it was launched."""
+    record = machine_record(handle)
+    cap = record.get("max_cost") if record is not None else None
+    return float(cap) if isinstance(cap, (int, float)) else None
+
+
+def usd(amount: float | None) -> str:
+    """$0.0123 (a short run costs cents: four places show it), "-" for unknown."""
+    if amount is None:
+        return "-"
+    return f"${amount:.2f}" if amount >= 100 else f"${amount:.4f}"
+
+
+@dataclass(frozen=True)
+class CapDeadline:
+    """When a run's cost reaches its cap, as the machine keeps it: the
+    worker's timeout ends the command then, with `message` as the reason."""
+
+    at: float  # epoch seconds
+    message: str
+
+
+def cap_message(cap: float, hourly_cost: float) -> str:
+    return (f"stopped: its cost reached max_cost = {usd(cap)} (at {usd(hourly_cost)}/h, machine time "
+            "from launch included); raise max_cost (a setting of the backend, or remote_step(max_cost=...)) "
+            "to let it run longer")  # fmt: skip
+
+
+def cap_deadline(handle: RunHandle, now: float | None = None) -> CapDeadline | None:
+    """The moment the run's cost so far reaches its cap, from the budget
+    left now; None without a cap or on a machine that costs nothing."""
+    cap = cap_of(handle)
+    intervals = machine_intervals(handle)
+    if cap is None or not intervals:
+        return None
+    at = time.time() if now is None else now
+    spent = cost_of(intervals, at)
+    price = intervals[-1].hourly_cost  # the machine held now
+    if spent is None or not price:
+        return None
+    left = max(0.0, cap - spent) / price * 3600.0
+    return CapDeadline(at + left, cap_message(cap, price))
+
+
+def worst_case(hourly_cost: float, timeout: float | None, lifetime: float | None) -> tuple[float, str] | None:
+    """The most a run can cost before its cap: its price over its timeout,
+    else over its machine's lifetime; None when neither bounds it."""
+    if timeout is not None and math.isfinite(timeout):
+        return hourly_cost * timeout / 3600.0, f"its timeout of {clock_of(timeout)}"
+    if lifetime is not None:
+        return hourly_cost * lifetime / 3600.0, f"its machine's lifetime of {clock_of(lifetime)}"
+    return None
+
+
+def clock_of(seconds: float) -> str:
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+# After the worker's timeout at the cap, the run's lifetime timer is the
+# backstop (a worker that died cannot stop its command): it fires once the
+# worker has had its grace to stop the tree, and this much more.
+CAP_BACKSTOP_SECONDS = 10.0
+
+
+def watchdog_seconds(
+    handle: RunHandle, lifetime: float, grace_seconds: float, now: float | None = None
+) -> float:
+    """The run's lifetime timer, armed now: its lifetime, or sooner when
+    its cap comes first (the machine keeps the cap with no client)."""
+    cap = cap_deadline(handle, now)
+    if cap is None:
+        return lifetime
+    at = time.time() if now is None else now
+    return min(lifetime, max(1.0, cap.at - at) + grace_seconds + CAP_BACKSTOP_SECONDS)
