@@ -29,6 +29,7 @@ from testbeds.sshd_host import SshHost, kill_sshd, reboot, restart_sshd
 
 pytestmark = [needs_sshd, needs_root]
 
+
 def test_a_host_restarted_mid_run_relaunches_it_from_the_last_snapshot(tmp_path: Path, host: SshHost) -> None:
     root = counting_project(tmp_path, host, count_step("count", 8, PAUSE, preemptions=1))
     proc = popen_doit(root, "count")
