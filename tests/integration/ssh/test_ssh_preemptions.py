@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, starts
-from dodo_helpers import compute, popen_doit, popen_output, show, stop, wait_for
+from dodo_helpers import compute, kill_pids, popen_doit, popen_output, show, stop, wait_for
 from ssh_helpers import (
     live_handles,
     make_ssh_project,
@@ -25,7 +25,7 @@ from ssh_helpers import (
     only_handle,
     remote_run_dir,
 )
-from testbeds.sshd_host import SshHost, kill_sshd, reboot, restart_sshd
+from testbeds.sshd_host import SshHost, host_processes, kill_sshd, reboot, restart_sshd
 
 pytestmark = [needs_sshd, needs_root]
 
@@ -44,6 +44,20 @@ def counting_project(tmp_path: Path, host: SshHost, body: str) -> Path:
 def counted(root: Path, step: str, at_least: int) -> None:
     wait_for(lambda: (kept_state(root, step) or {}).get("i", 0) >= at_least,
              f"a snapshot of {at_least} counts brought home", timeout=120)  # fmt: skip
+
+
+def sshd_sessions(host: SshHost) -> list[int]:
+    """The sshd processes left of the host (its connections: one forked as
+    the listener died is no longer its child)."""
+    found = []
+    for pid in host_processes(host):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("sshd"):
+            found.append(pid)
+    return found
 
 
 def attempts_of(root: Path, step: str) -> list[dict[str, Any]]:
@@ -120,6 +134,7 @@ def test_a_host_that_stops_answering_for_a_while_is_waited_for_not_relaunched(
     try:
         counted(root, "count", 2)
         kill_sshd(host)  # the listener and every session: the worker, detached, goes on
+        kill_pids(sshd_sessions(host))  # any the tree walk missed (seen once on a loaded machine)
         try:
             wait_for(lambda: "does not answer" in popen_output(root), "the client to see the host gone", 120)
             # Counts go on while no one can reach the host.
