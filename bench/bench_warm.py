@@ -154,6 +154,7 @@ def main() -> int:
     parser.add_argument("--cold-samples", type=int, default=3, help="cold doits of each tree, interleaved")
     parser.add_argument("--keep-bed", action="store_true")
     parser.add_argument("--only-warm", action="store_true", help="measure the warm start alone")
+    parser.add_argument("--only-cold", action="store_true", help="measure the cold steps alone")
     args = parser.parse_args()
     if os.geteuid() != 0 or not (DEFAULT_SKY_VENV / "bin" / "sky").exists():
         print("bench_warm.py: skipped: the Slurm test bed needs root, and SkyPilot in .sky-venv")
@@ -166,16 +167,19 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="bench-warm-") as tmp:
             base = Path(tmp)
-            cold_new, warm = variant_warm(base, bed, logs, args.warm_repeats)
-            print(f"warm: cold {cold_new:.1f} s, then {[round(w, 1) for w in warm]}", flush=True)
+            warm: list[float] = []
+            if not args.only_cold:
+                cold_new, warm = variant_warm(base, bed, logs, args.warm_repeats)
+                print(f"warm: cold {cold_new:.1f} s, then {[round(w, 1) for w in warm]}", flush=True)
             if args.only_warm:
                 print(f"| doit started -> command running, warm cluster of a previous doit (median of "
                       f"{len(warm)}) | {median(warm):.1f} s | <= 5 s |")  # fmt: skip
                 return 0
-            reused = variant_serial(base, bed, logs, True, steps=args.steps, seconds=args.seconds)
-            print(f"serial, reuse: {reused:.1f} s", flush=True)
-            per_step = variant_serial(base, bed, logs, False, steps=args.steps, seconds=args.seconds)
-            print(f"serial, a cluster per step: {per_step:.1f} s", flush=True)
+            if not args.only_cold:
+                reused = variant_serial(base, bed, logs, True, steps=args.steps, seconds=args.seconds)
+                print(f"serial, reuse: {reused:.1f} s", flush=True)
+                per_step = variant_serial(base, bed, logs, False, steps=args.steps, seconds=args.seconds)
+                print(f"serial, a cluster per step: {per_step:.1f} s", flush=True)
             trees: list[tuple[str, Path | None]] = [(f"before {d.name}", d) for d in args.before]
             trees.append(("after", None))
             cold: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in trees}
@@ -190,13 +194,15 @@ def main() -> int:
     print(f"load at the end: {load()}")
     print(f"\n{REPO}: the Slurm test bed, one run")
     print("| figure | value | goal |\n| --- | --- | --- |")
-    print(f"| doit started -> command running, warm cluster of a previous doit (median of {len(warm)}) "
-          f"| {median(warm):.1f} s | <= 5 s |")  # fmt: skip
     for label, samples in cold.items():
         goal = "no slower" if label == "after" else ""
         each = ", ".join(f"{r:.1f}" for r, _ in samples)
         print(f"| cold step, doit started -> command running, {label} (median of {len(samples)}: {each}) "
               f"| {median([r for r, _ in samples]):.1f} s | {goal} |")  # fmt: skip
+    if args.only_cold:
+        return 0
+    print(f"| doit started -> command running, warm cluster of a previous doit (median of {len(warm)}) "
+          f"| {median(warm):.1f} s | <= 5 s |")  # fmt: skip
     n, seconds = args.steps, args.seconds
     print(f"| {n} x sleep {seconds:g} serial, reuse + max_parallel = 1 | {reused:.1f} s | |")
     print(f"| {n} x sleep {seconds:g} serial, a cluster per step | {per_step:.1f} s | |")
