@@ -47,8 +47,10 @@ def write_as_version_2(path: Path) -> dict[str, Any]:
     data = json.loads(path.read_text())
     assert data["version"] == 3, data["version"]
     mixed = {**data.pop("state"), **data.pop("backend_state")}
-    state = {key: value for key, value in mixed.items()
-             if (value not in UNSET or key == "fetch_refusals") and key not in CORE_SINCE_VERSION_2}  # fmt: skip
+    state = {
+        key: value for key, value in mixed.items()
+        if (value not in UNSET or key == "fetch_refusals") and key not in CORE_SINCE_VERSION_2
+    }  # fmt: skip
     for key, then in SINCE_VERSION_2.get(data["backend"], {}).items():
         value = state.pop(key, None)
         if then is not None and value is not None:
