@@ -17,6 +17,21 @@ sys.path.insert(0, str(REPO / "tests" / "support"))
 from testbeds.slurm_cluster import SlurmBed  # noqa: E402
 
 
+def bed_folder_ready(bed: Path) -> None:
+    """The folder the bed lives in, made and opened to the cluster's user
+    (mode 755: it lives under it). Never a shared folder such as /tmp
+    itself: opening that would take away its sticky bit and let every user
+    write in it. Exits with a usage error naming the fix instead."""
+    parent = bed.resolve().parent
+    if parent.exists() and (parent.stat().st_mode & 0o1002 or parent == Path("/tmp")):
+        raise SystemExit(
+            f"--bed {bed}: its folder {parent} is shared with other users (world-writable or sticky); "
+            f"give the bed a folder of its own, e.g. --bed {parent / 'sxt-bench' / bed.name}"
+        )
+    parent.mkdir(parents=True, exist_ok=True)
+    parent.chmod(0o755)
+
+
 def sky_project(
     base: Path, bed: SlurmBed, prefix: str, reuse: bool, *, dodo: str, idle_minutes: int,
     files: dict[str, str] | None = None,

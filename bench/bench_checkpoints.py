@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import doit_argv, median, scratch_parent
-from _skypilot_bed import REPO, env_for, parse, sky_project
+from _skypilot_bed import REPO, bed_folder_ready, env_for, parse, sky_project
 from testbeds.sshd_host import start_host, stop_host
 
 # argv: DIR ("-": the private tmp), SECONDS, SIZE_MIB, EVERY. Each
@@ -188,8 +188,7 @@ def bench_slurm(args: argparse.Namespace) -> None:
     if os.geteuid() != 0 or not (DEFAULT_SKY_VENV / "bin" / "sky").exists():
         print("bench_checkpoints.py: skipped: the Slurm test bed needs root, and SkyPilot in .sky-venv")
         return
-    args.bed_dir.parent.mkdir(parents=True, exist_ok=True)
-    args.bed_dir.parent.chmod(0o755)  # the cluster user lives under it
+    bed_folder_ready(args.bed_dir)
     bed = bed_up(args.bed_dir, sky_venv=DEFAULT_SKY_VENV, log=lambda line: print(f"[bed] {line}", flush=True))
     prefix = "sxckpt"
     try:

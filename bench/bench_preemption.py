@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from _common import doit_argv, median
-from _skypilot_bed import REPO, env_for, parse, sky_project
+from _skypilot_bed import REPO, bed_folder_ready, env_for, parse, sky_project
 from checkpoint_parts import COUNT_PY, count_step, counts, kept_state, starts
 from testbeds.slurm_cluster import DEFAULT_SKY_VENV, SlurmBed, bed_down, bed_up, load_bed
 
@@ -166,8 +166,7 @@ def main() -> int:
         print("bench_preemption.py: skipped: the Slurm test bed needs root, and SkyPilot in .sky-venv")
         return 0
     if load_bed(args.bed) is None:  # a new bed, in a folder of its own: the cluster user lives under it
-        args.bed.parent.mkdir(parents=True, exist_ok=True)
-        args.bed.parent.chmod(0o755)
+        bed_folder_ready(args.bed)
     bed = bed_up(args.bed, sky_venv=DEFAULT_SKY_VENV, log=lambda line: print(f"[bed] {line}", flush=True))
     runs = []
     try:

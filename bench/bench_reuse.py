@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import cli_argv, doit_argv, median
-from _skypilot_bed import REPO, env_for, parse, sky_project
+from _skypilot_bed import REPO, bed_folder_ready, env_for, parse, sky_project
 from testbeds.slurm_cluster import DEFAULT_SKY_VENV, SlurmBed, bed_down, bed_up
 
 from substrax_tasks.backends.skypilot.client import SkyClient
@@ -127,8 +127,7 @@ def main() -> int:
     if os.geteuid() != 0 or not (DEFAULT_SKY_VENV / "bin" / "sky").exists():
         print("bench_reuse.py: skipped: the Slurm test bed needs root, and SkyPilot in .sky-venv")
         return 0
-    args.bed.parent.mkdir(parents=True, exist_ok=True)
-    args.bed.parent.chmod(0o755)  # the cluster user lives under it
+    bed_folder_ready(args.bed)
     bed = bed_up(args.bed, sky_venv=DEFAULT_SKY_VENV, log=lambda line: print(f"[bed] {line}", flush=True))
     walls: dict[bool, list[float]] = {False: [], True: []}
     warm: list[float] = []

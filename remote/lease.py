@@ -11,6 +11,7 @@ SkyPilot's autodown, armed with a short idle at launch, then takes the
 cluster down.
 
     python3 lease.py hold ROOT CLUSTER IDLE_SECONDS   the SkyPilot job's run (foreground)
+    python3 lease.py home ROOT CLUSTER                the cluster's setup: say its job's home (below)
     python3 lease.py claim ROOT CLUSTER RUN_ID        a client, before it gives the cluster a step
     python3 lease.py status ROOT CLUSTER              the lease's record, whether it holds, idle left
 
@@ -20,6 +21,14 @@ lease.lock): named by the cluster, since clusters whose homes share a file
 system (a Slurm site's) may share ROOT; a run counts for the lease its
 claim names. The lifetime watchdog, armed on that folder before the
 cluster's setup, removes it when the lifetime ends: the lease then exits.
+
+A relative ROOT is relative to the home the lease's SkyPilot job runs in,
+which need not be where ssh lands (on Slurm the job's is a folder of the
+cluster's own, ssh lands in the login's). So the cluster's setup, as it
+begins, writes that home to ROOT/job-homes/CLUSTER under the login's home
+(the password database's, where ssh lands): a client's first ssh call
+reads it there (backends/skypilot/task.py, in_job_home) instead of asking
+SkyPilot for the job's log. The lease removes it as it ends.
 
 The handshake, and why no step is given to a lease that ends (the race
 analysis). Both sides decide under one lock, ROOT/lease/lease.lock (flock):
@@ -45,6 +54,8 @@ import contextlib
 import fcntl
 import json
 import os
+import pwd
+import signal
 import sys
 import time
 from typing import Any, Dict, Iterator, List, Optional
@@ -57,6 +68,7 @@ else:
     import runfiles
 
 LEASES_DIR = "leases"
+JOB_HOMES_DIR = "job-homes"
 RECORD = "lease.json"
 LOCK = "lease.lock"
 CLAIM = "lease-claim"  # in a run's folder: a client gave the run this cluster
@@ -68,6 +80,55 @@ CLAIM_HOLD_SECONDS = 1800.0
 
 def lease_dir(root: str, cluster: str) -> str:
     return os.path.join(root, LEASES_DIR, cluster)
+
+
+def job_home_file(root: str, cluster: str) -> str:
+    """Where the lease of a relative ROOT says its job's home: under the login's home."""
+    return os.path.join(pwd.getpwuid(os.getuid()).pw_dir, root, JOB_HOMES_DIR, cluster)
+
+
+def say_home(root: str, cluster: str) -> int:
+    """`home`: the job's home written where ssh lands, or why not (the
+    client then reads it from the job's log, where the setup printed it):
+    never a failed setup for it."""
+    if os.path.isabs(root):
+        return 0
+    path = job_home_file(root, cluster)
+    try:
+        write_job_home(path)
+    except OSError as exc:
+        sys.stdout.write("substrax lease: could not write %s: %s\n" % (path, exc))
+    return 0
+
+
+def write_job_home(path: str) -> None:
+    """The job's home (the lease's working folder) written where ssh lands;
+    the files of clusters whose home is gone (taken down with their lease
+    killed, which could not remove its own) removed first."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    for name in os.listdir(folder):
+        with contextlib.suppress(OSError):
+            with open(os.path.join(folder, name)) as f:
+                home = f.read().strip()
+            if name.endswith(".tmp") or not os.path.isdir(home):
+                os.unlink(os.path.join(folder, name))
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    with open(tmp, "w") as f:
+        f.write(os.getcwd() + "\n")
+    os.replace(tmp, path)
+
+
+def remove_job_home(path: Optional[str]) -> None:
+    """The lease's home file gone with it (if still its own: a lease of a
+    cluster launched again under the same name writes its own)."""
+    if path is None:
+        return
+    with contextlib.suppress(OSError):
+        with open(path) as f:
+            if f.read().strip() != os.getcwd():
+                return
+        os.unlink(path)
 
 
 @contextlib.contextmanager
@@ -142,7 +203,18 @@ def write_record(folder: str, record: Dict[str, Any]) -> None:
 
 def hold(root: str, cluster: str, idle_seconds: float) -> int:
     """The lease: until idle_seconds after the last run ended with none
-    going, or until its folder is removed (the lifetime ended)."""
+    going, or until its folder is removed (the lifetime ended); the home
+    file its setup wrote (a relative ROOT) removed as it ends, or as
+    SkyPilot stops its job (SIGTERM)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
+    home_file = None if os.path.isabs(root) else job_home_file(root, cluster)
+    try:
+        return _hold(root, cluster, idle_seconds)
+    finally:
+        remove_job_home(home_file)
+
+
+def _hold(root: str, cluster: str, idle_seconds: float) -> int:
     folder = lease_dir(root, cluster)
     os.makedirs(folder, exist_ok=True)
     pid = os.getpid()
@@ -194,7 +266,10 @@ def claim(root: str, cluster: str, run_id: str) -> Dict[str, Any]:
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
         with open(os.path.join(run_dir, CLAIM), "w") as f:
             f.write(cluster + "\n")
-        return {"claimed": True, "state": "held", "started_at": record.get("started_at")}
+        answer = {"claimed": True, "state": "held", "started_at": record.get("started_at")}
+        if not os.path.isabs(root):  # the client learns the home its paths are relative to
+            answer["job_home"] = os.getcwd()
+        return answer
 
 
 def status(root: str, cluster: str) -> Dict[str, Any]:
@@ -213,6 +288,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) == 4 and args[0] == "hold":
         return hold(args[1], args[2], float(args[3]))
+    if len(args) == 3 and args[0] == "home":
+        return say_home(args[1], args[2])
     if len(args) == 4 and args[0] == "claim":
         answer = claim(args[1], args[2], args[3])
     elif len(args) == 3 and args[0] == "status":

@@ -23,6 +23,9 @@ V2_FIXTURES = {
     "skypilot-cancelled-on-a-shared-cluster.json": "skypilot",
 }
 UNSET: tuple[object, ...] = (None, 0, False, {}, [])
+# Keys of the core's state a later release records for every run that the
+# release before never wrote: a command's attempts (`preemptions`).
+CORE_SINCE_VERSION_2 = ("attempts",)
 # Keys a later release records that the release before did not, per backend,
 # and what it recorded instead (None: nothing): the skypilot backend's lease
 # job stands where its run's own SkyPilot job was.
@@ -49,7 +52,10 @@ def write_as_version_2(path: Path) -> dict[str, Any]:
     data = json.loads(path.read_text())
     assert data["version"] == 3, data["version"]
     mixed = {**data.pop("state"), **data.pop("backend_state")}
-    state = {key: value for key, value in mixed.items() if value not in UNSET or key == "fetch_refusals"}
+    state = {
+        key: value for key, value in mixed.items()
+        if (value not in UNSET or key == "fetch_refusals") and key not in CORE_SINCE_VERSION_2
+    }  # fmt: skip
     for key, then in SINCE_VERSION_2.get(data["backend"], {}).items():
         value = state.pop(key, None)
         if then is not None and value is not None:

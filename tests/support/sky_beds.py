@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pwd
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -114,6 +116,17 @@ class Sky:
         return self.root / ".substrax" / "runs" / str(handle["run_id"]) / name
 
 
+def remove_job_homes(home: Path) -> None:
+    """The files the leases of the fake's clusters under `home` wrote in
+    the login's home (remote/lease.py: a relative remote_root), left there
+    when the fake took a cluster down by killing its lease."""
+    login = Path(pwd.getpwuid(os.getuid()).pw_dir)
+    for path in login.glob("*/job-homes/*"):
+        with contextlib.suppress(OSError):
+            if path.read_text().startswith(str(home.resolve()) + "/"):
+                path.unlink()
+
+
 @pytest.fixture
 def sky(tmp_path: Path, cluster_host: SshHost) -> Iterator[Sky]:
     host = cluster_host
@@ -122,4 +135,5 @@ def sky(tmp_path: Path, cluster_host: SshHost) -> Iterator[Sky]:
         yield made
     finally:
         cleanup(made.home)
+        remove_job_homes(made.home)
     assert leftovers(made.home) == [], "the fake left processes running"

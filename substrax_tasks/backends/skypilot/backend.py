@@ -46,7 +46,7 @@ from substrax_tasks.backends import remote_run as _remote_run
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, KeptCheckpoints, Leak, RunStatus
 from substrax_tasks.backends.checkpoints import Snapshots, checkpoints_folder
 from substrax_tasks.backends.job import env_dir_of
-from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun
+from substrax_tasks.backends.remote_run import MAX_STATUS_BYTES, DamagedHost, RemoteRun
 from substrax_tasks.backends.scripts import remote_dir
 from substrax_tasks.backends.skypilot import task as sky_task
 from substrax_tasks.backends.skypilot.client import (
@@ -73,7 +73,7 @@ from substrax_tasks.step.view import project_view
 from substrax_tasks.store.cost import watchdog_seconds
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
-from substrax_tasks.transports.openssh import ClusterTarget
+from substrax_tasks.transports.openssh import AnswerTooBig, ClusterTarget
 from substrax_tasks.transports.rsync import RsyncTransport
 
 if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only
@@ -100,7 +100,7 @@ def cluster_leaks(backend: SkypilotBackend, handles: list[RunHandle]) -> list[Le
     warm = warm_records(backend)
     return [
         Leak(backend.name, "SkyPilot", name, name in named or sky_task.made_by(name, prefix, client),
-             functools.partial(backend.sky().down, name),
+             functools.partial(down_warm, backend, name),
              warm=warm_note(backend, warm[name]) if name in warm else None)
         for name in backend.sky().cluster_names()
         if name.startswith(f"{prefix}-") and name not in live
@@ -109,12 +109,28 @@ def cluster_leaks(backend: SkypilotBackend, handles: list[RunHandle]) -> list[Le
 
 def warm_records(backend: SkypilotBackend) -> dict[str, dict[str, Any]]:
     """The clusters the project's slots keep warm, by name."""
-    found = {}
+    return {str(record["cluster"]): record for _, record in slot_records(backend)}
+
+
+def slot_records(backend: SkypilotBackend) -> list[tuple[Path, dict[str, Any]]]:
+    """Each slot's record of the cluster it keeps warm, with its path."""
+    found = []
     for path in backend.store.slots_dir("skypilot").parent.glob("skypilot-*/*.json"):
         record = read_record(path)
         if record is not None and isinstance(record.get("cluster"), str):
-            found[str(record["cluster"])] = record
+            found.append((path, record))
     return found
+
+
+def down_warm(backend: SkypilotBackend, cluster: str) -> None:
+    """A cluster taken down by `gc --machines`, and forgotten by the slot
+    that kept it warm: the next doit launches in that slot at once, instead
+    of finding the cluster out of reach first."""
+    backend.sky().down(cluster)
+    cluster_target(cluster).stop_master()
+    for path, record in slot_records(backend):
+        if record["cluster"] == cluster:
+            path.unlink(missing_ok=True)
 
 
 def minutes(seconds: float) -> str:
@@ -141,6 +157,10 @@ def warm_note(backend: SkypilotBackend, record: dict[str, Any]) -> str:
     held = (f"its lease holds it for {len(busy)} running step(s)" if busy or idle_left is None else
             f"its lease holds it {minutes(float(idle_left))} more unless a step comes")  # fmt: skip
     return f"{held}; {lifetime}"
+
+
+class _Claimed(Exception):
+    """The cluster was claimed while SkyPilot was being asked: the answer is not needed."""
 
 
 class SkypilotBackend(Backend):
@@ -210,8 +230,8 @@ class SkypilotBackend(Backend):
             return layout
         return sky_task.at_job_home(layout, self.sky(), self.store, handle, self.cluster(handle))
 
-    def remote_run(self, handle: RunHandle) -> RemoteRun:
-        """The run's folder on the cluster, over the ssh config SkyPilot wrote."""
+    def reachable(self, handle: RunHandle) -> ClusterTarget:
+        """The cluster over the ssh config SkyPilot wrote."""
         target = self.target(handle)
         if not target.config_file.is_file() and target.host not in self._ssh_config_written:
             self._write_ssh_config(handle)  # another machine's launch, or one before an upgrade
@@ -220,6 +240,11 @@ class SkypilotBackend(Backend):
                 f"run {handle.run_id}: no ssh access to cluster {target.host} "
                 f"({target.config_file} is missing: the cluster is down, or was launched from another home)"
             )
+        return target
+
+    def remote_run(self, handle: RunHandle) -> RemoteRun:
+        """The run's folder on the cluster, over the ssh config SkyPilot wrote."""
+        target = self.reachable(handle)
         layout = self.there(handle)
         return RemoteRun(target, self.settings.python, layout.bin, layout.run)
 
@@ -229,6 +254,36 @@ class SkypilotBackend(Backend):
         what = f"asking the lease of cluster {self.cluster(handle)}"
         root, cluster = self.there(handle).root, self.cluster(handle)
         return run.answer(run.checked_script("lease.py", operation, root, cluster, *args, what=what), what)
+
+    def claim(self, handle: RunHandle) -> dict[str, Any]:
+        """The cluster claimed for the run from its lease (lease.py claim).
+        With a relative remote_root whose home is not known yet (a new
+        cluster), the claim runs in the home the setup wrote where ssh
+        lands (sky_task.in_job_home), and its answer names that home, kept
+        in the handle: one ssh call, no read of the job's log through
+        SkyPilot. {"state": None} while the lease has not started."""
+        layout, cluster = self.layout(handle), self.cluster(handle)
+        if layout.root.startswith("/") or SkypilotState.of(self.store.read(handle.run_id)).job_home:
+            return self.lease(handle, "claim", handle.run_id)
+        run = RemoteRun(self.reachable(handle), self.settings.python, layout.bin, layout.run)
+        what = f"claiming cluster {cluster} from its lease"
+        claim = run.script("lease.py", "claim", layout.root, cluster, handle.run_id)
+        try:
+            result = run.remote.run(sky_task.in_job_home(self.settings.python, layout, cluster, claim),
+                                    limit=MAX_STATUS_BYTES)  # fmt: skip
+        except AnswerTooBig as exc:
+            raise HostRefused(f"{what} for run {handle.run_id}: {exc}") from None
+        if result.returncode == sky_task.NO_JOB_HOME:
+            return {"claimed": False, "state": None, "no_job_home": True,
+                    "reason": "its setup has not begun"}  # fmt: skip
+        run.refuse_damaged(result)
+        if result.returncode != 0:
+            raise result.failure(what, cluster)
+        answer = run.answer(result, what)
+        home = answer.get("job_home")
+        if answer.get("claimed") and isinstance(home, str) and home.startswith("/"):
+            self.save_state(handle, job_home=home)
+        return answer
 
     def slot_pool(self, handle: RunHandle) -> Pool | None:
         """max_parallel clusters per shape; with reuse, a slot is a cluster
@@ -305,9 +360,9 @@ class SkypilotBackend(Backend):
         timer = sky_task.lifetime_timer(self.settings)  # the setup arms it after this: no later
         if rid and state in (*REQUEST_LIVE, "SUCCEEDED"):
             emit(f"{handle.step}: waiting for launch request {rid} of cluster {cluster}")
-            waited = {"request_id": rid, "log_file": str(log), "cluster_name": cluster}
-            result = self.sky().call("wait_launch", waited,
-                                     timeout=None, while_waiting=relay)  # fmt: skip
+            request = {"request_id": rid, "log_file": str(log), "cluster_name": cluster,
+                       "write_ssh_config": True}  # fmt: skip
+            result = self.sky().call("wait_launch", request, timeout=None, while_waiting=relay)
         else:
             result = self._launch_cluster(handle, relay)
         lease_job = result.get("job_id") if isinstance(result, dict) else None
@@ -319,7 +374,10 @@ class SkypilotBackend(Backend):
         handle = self.save_state(handle, cluster=cluster, lease_job=lease_job,
                                  hourly_cost=price if isinstance(price, (int, float)) else None)  # fmt: skip
         record_cluster(self, handle)
-        self._write_ssh_config(handle)
+        if isinstance(result.get("ssh_config"), str):  # the launch's helper wrote it
+            self._ssh_config_written.add(cluster)
+        else:
+            self._write_ssh_config(handle)
         self._claim_when_held(handle)
         # As the claim left it (it may have learnt the home the lease runs
         # in): the slot's record keeps that for the next step on the cluster.
@@ -340,7 +398,6 @@ class SkypilotBackend(Backend):
         )  # fmt: skip
         # The intent, before any paid call: what would be launched, and where.
         write_json_atomic(self.attempt_file(handle, TASK_FILE), config)
-        sky_task.validate(self.sky(), self.settings, config)
         handle = self.save_state(handle, cluster=cluster, job_home=None)  # not a warm one tried
         record_cluster(self, handle)  # before the launch: a killed client's cluster is found
         emit(f"{handle.step}: launching cluster {cluster} (SkyPilot; `substrax-compute cancel "
@@ -349,10 +406,18 @@ class SkypilotBackend(Backend):
         request = {
             "task": config, "cluster_name": cluster, "down": True, "log_file": str(log),
             "idle_minutes_to_autostop": AUTODOWN_MINUTES, "retry_until_up": self.settings.retry_until_up,
-            "request_file": str(self.attempt_file(handle, LAUNCH_REQUEST)),
+            "request_file": str(self.attempt_file(handle, LAUNCH_REQUEST)), "write_ssh_config": True,
+            # SkyPilot checks the task first, in the launch's own helper process
+            "validate": sky_task.validation(self.settings),
         }  # fmt: skip
         try:
             return self.sky().call("launch", request, timeout=None, while_waiting=relay)
+        except SkyCallError as exc:
+            if exc.kind != sky_task.TASK_REFUSED:
+                raise
+            forget_cluster(self, handle)  # nothing was launched
+            self.save_state(handle, cluster=None)
+            raise sky_task.refused(self.settings, exc.kind, exc.detail) from None
         except KeyboardInterrupt:
             rid = self.request_id(handle)
             if rid:
@@ -362,33 +427,51 @@ class SkypilotBackend(Backend):
             raise
 
     def _claim_when_held(self, handle: RunHandle) -> RunHandle:
-        """Wait for the new cluster's lease (it starts once the setup has
-        ended), then claim the cluster for this run. A setup that failed
-        ends the lease's job without a lease: the step fails with its log,
-        and the cluster goes."""
+        """Claim the new cluster for this run once its lease holds it (the
+        lease starts once the setup has ended): asked over ssh every
+        LEASE_WAIT_SECONDS, also while SkyPilot is asked, every
+        poll_seconds, whether the setup failed (a helper process that takes
+        seconds on a loaded machine: the claim does not wait for it). A
+        setup that failed ends the lease's job without a lease: the step
+        fails with its log, and the cluster goes."""
         cluster, job_id = self.cluster(handle), SkypilotState.of(handle).lease_job
         assert job_id is not None  # launch() recorded it before this
-        next_check = time.monotonic() + self.poll_seconds
-        while True:
-            # Where the lease's files are is known once the setup has printed
-            # its home (a relative remote_root): until then, nothing to ask.
-            known = self.there(handle).root.startswith("/")
-            answer = self.lease(handle, "claim", handle.run_id) if known else {"state": None}
-            if answer.get("claimed"):
-                return handle
+        answer: dict[str, Any] = {}
+
+        def claimed() -> bool:
+            nonlocal answer
+            answer = self.claim(handle)
             left = self.lifetime_left(handle)
             if answer.get("state") == "ended" or (left is not None and left <= 0):
                 raise BackendError(f"run {handle.run_id}: the lease of cluster {cluster} ended (or its "
                                    "lifetime did) before the run could claim it")  # fmt: skip
+            return bool(answer.get("claimed"))
+
+        def claim_while_asked() -> None:
+            if claimed():
+                raise _Claimed
+
+        next_check = time.monotonic() + self.poll_seconds
+        while not claimed():
             check_interrupted()
             time.sleep(LEASE_WAIT_SECONDS)
             if time.monotonic() < next_check:
                 continue
+            try:
+                jobs = self.sky().call("job_status", {"cluster_name": cluster, "job_ids": [job_id]},
+                                       while_waiting=claim_while_asked)  # fmt: skip
+            except _Claimed:
+                break
             next_check = time.monotonic() + self.poll_seconds
-            jobs = self.sky().call("job_status", {"cluster_name": cluster, "job_ids": [job_id]})
             value = (jobs or {}).get(str(job_id))
             if value is not None and job_state(value) != "running":
                 self._setup_failed(handle, cluster, job_id, str(value))
+            if value == "RUNNING" and answer.get("no_job_home"):
+                # The setup ended but wrote no home where ssh lands (a login
+                # home it cannot write, or a setup of the release before):
+                # it printed it to the job's log.
+                sky_task.job_home(self.sky(), self.store, handle, cluster)
+        return handle
 
     def _setup_failed(self, handle: RunHandle, cluster: str, job_id: int, value: str) -> None:
         log = self.run_file(handle, "setup.log")
@@ -936,7 +1019,7 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
                                   job_home=record.get("job_home"),
                                   hourly_cost=record.get("hourly_cost"))  # fmt: skip
         try:
-            answer = backend.lease(warm, "claim", handle.run_id)
+            answer = backend.claim(warm)
         except SubstraxError as exc:
             answer = {"claimed": False, "reason": f"out of reach: {exc}"}
         if answer.get("claimed"):

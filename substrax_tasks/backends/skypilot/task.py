@@ -59,8 +59,23 @@ class SkyConfigRefused(SubstraxError):
 
 
 # The job prints its home to its log (the setup's first line): a shell that
-# ssh starts may be elsewhere (see at_job_home).
+# ssh starts may be elsewhere (see at_job_home). Read there only for a
+# cluster whose lease did not write it where ssh lands (IN_JOB_HOME).
 HOME_MARK = re.compile(r"substrax-job-home:(/.*?):end")
+# `python3 -c IN_JOB_HOME FILE ARGV...`: Python 3.8, stdlib. Run ARGV in
+# the home the cluster's lease job runs in, as its setup wrote it to FILE
+# (relative to the login's home, where ssh lands: remote/lease.py); exit
+# NO_JOB_HOME while there is none (the setup has not begun).
+NO_JOB_HOME = 4
+IN_JOB_HOME = """\
+import os, pwd, sys
+try:
+    with open(os.path.join(pwd.getpwuid(os.getuid()).pw_dir, sys.argv[1])) as f:
+        os.chdir(f.read().strip())
+except OSError:
+    sys.exit(EXIT)
+os.execvp(sys.argv[2], sys.argv[2:])
+""".replace("EXIT", str(NO_JOB_HOME))
 _UNSAFE = re.compile(r"[^a-z0-9]+")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
 
@@ -122,6 +137,10 @@ class ClusterLayout:
 
     def lease(self, cluster: str) -> str:
         return f"{self.root}/leases/{cluster}"
+
+    def job_home_file(self, cluster: str) -> str:
+        """Where the lease of a relative root writes its job's home, relative to the login's home."""
+        return f"{self.root}/job-homes/{cluster}"
 
     @property
     def project(self) -> str:
@@ -232,8 +251,11 @@ def setup_script(settings: SkypilotSettings, layout: ClusterLayout, cluster: str
     """Lifetime timer first (nothing outlives lifetime_minutes even if setup
     hangs), then the setup commands, then the locked environment."""
     seconds = lifetime_timer(settings)["seconds"]
+    # Where the job runs, said where ssh lands (lease.py home) for the step's
+    # first ssh call, and printed to the job's log (read there only if that failed).
+    home = checked_script(settings.python, layout.bin, "lease.py", "home", layout.root, cluster)
     lines = ["set -e", 'cd "$HOME"', "printf 'substrax-job-home:%s:end\\n' \"$(pwd -P)\"",
-             watchdog_line(settings, layout, layout.lease(cluster), seconds)]  # fmt: skip
+             watchdog_line(settings, layout, layout.lease(cluster), seconds), _sh(home)]  # fmt: skip
     lines += settings.setup_commands
     if lock and env_dir:
         # The same recipe as every backend's (it prints where the env is: known here already).
@@ -286,6 +308,13 @@ def job_home(sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str) -
         return None
     store.update_backend_state(handle, SkypilotState, job_home=found[-1])
     return found[-1]
+
+
+def in_job_home(python: str, layout: ClusterLayout, cluster: str, argv: list[str]) -> list[str]:
+    """argv run in the home the cluster's lease job runs in (IN_JOB_HOME),
+    its relative paths resolved there: the first call to a new cluster
+    learns the home in the same ssh session that claims it."""
+    return [python, "-c", IN_JOB_HOME, layout.job_home_file(cluster), *argv]
 
 
 def lease_script(settings: SkypilotSettings, layout: ClusterLayout, cluster: str) -> str:
@@ -372,22 +401,33 @@ def snapshot(
     return view.left_out
 
 
+# The helper's launch: SkyPilot refused the task (its `validate` request) before launching anything.
+TASK_REFUSED = "TaskRefused"
+
+
+def validation(settings: SkypilotSettings) -> dict[str, Any]:
+    """How SkyPilot checks the task before launch (the helper's validate)."""
+    # check_file_mounts: the snapshot and sources exist by now
+    return {"needs_storage_mounting": settings.bucket is not None, "check_file_mounts": True}
+
+
 def validate(sky: SkyClient, settings: SkypilotSettings, config: dict[str, Any]) -> None:
     """SkyPilot reads the task as it would launch it, or SkyConfigRefused."""
-    # check_file_mounts: the snapshot and sources exist by now
-    request = {
-        "task": config,
-        "needs_storage_mounting": settings.bucket is not None,
-        "check_file_mounts": True,
-    }
     try:
-        sky.call("validate", request)
+        sky.call("validate", {"task": config, **validation(settings)})
     except SkyCallError as exc:
-        hint = ""
-        if exc.kind == "NotSupportedError" and settings.bucket is not None:
-            hint = ("; this provider cannot mount buckets: use the copy transport "
-                    "([tool.substrax.compute.backends.skypilot.copy])")  # fmt: skip
-        raise SkyConfigRefused(
-            f"SkyPilot refused the task for this step ({exc.kind}: {exc.detail}){hint}; "
-            "check [tool.substrax.compute.backends.skypilot] and the step's resources"
-        ) from None
+        raise refused(settings, exc.kind, exc.detail) from None
+
+
+def refused(settings: SkypilotSettings, kind: str, detail: str) -> SkyConfigRefused:
+    """SkyPilot's refusal of the task (`kind`: its exception's class), and what to check."""
+    if kind == TASK_REFUSED:  # the launch's check: the class is the message's first word
+        kind, _, detail = detail.partition(": ")
+    hint = ""
+    if kind == "NotSupportedError" and settings.bucket is not None:
+        hint = ("; this provider cannot mount buckets: use the copy transport "
+                "([tool.substrax.compute.backends.skypilot.copy])")  # fmt: skip
+    return SkyConfigRefused(
+        f"SkyPilot refused the task for this step ({kind}: {detail}){hint}; "
+        "check [tool.substrax.compute.backends.skypilot] and the step's resources"
+    )

@@ -170,6 +170,58 @@ def test_a_cluster_whose_ssh_starts_outside_the_jobs_home_is_reached_where_the_j
     assert "hello from the cluster" in sky.compute("logs", handle["run_id"]).stdout
 
 
+def counting_sky_python(folder: Path) -> tuple[str, Path]:
+    """SkyPilot's python for the helper, noting each operation it is asked (one line each)."""
+    calls = folder / "sky-calls.txt"
+    script = folder / "sky-python-counted"
+    script.write_text(f'#!/bin/sh\necho "$2" >> {calls}\nexec {sys.executable} "$@"\n')
+    script.chmod(0o755)
+    return str(script), calls
+
+
+def test_a_new_cluster_is_reached_with_no_helper_process_after_its_launch(sky: Sky) -> None:
+    """After `sky.launch` answers, the step goes straight to the cluster over
+    ssh: the launch's own helper process wrote the ssh config, and the first
+    ssh call learns the home the lease's job runs in where the lease wrote
+    it (the login's home, where ssh lands), not from the job's log through
+    SkyPilot (a helper process importing sky each, seconds apiece on a
+    loaded machine)."""
+    sky_python, calls = counting_sky_python(sky.base)
+    root = sky.project()
+    sky.configure(sky_python=sky_python, remote_root=".substrax-remote")
+    done = doit_ok(root, env=sky.env)
+    assert (root / "res.txt").read_text() == "done\n", show(done)
+    handle = only_handle(root)
+    cluster = handle["backend_state"]["cluster"]
+    home = sky.home / ".fakesky" / "clusters" / cluster / "home"
+    assert handle["backend_state"]["job_home"] == str(home.resolve())
+    asked = calls.read_text().split()
+    after_launch = asked[asked.index("launch") + 1 :]
+    assert "tail_logs" not in asked and "ssh_config" not in asked, asked
+    assert set(after_launch) <= {"job_status", "down"}, asked  # the lease was held by the first claim
+    assert sky.clusters() == []
+
+
+def test_a_task_skypilot_refuses_is_refused_by_the_launchs_own_helper_and_nothing_is_launched(
+    sky: Sky,
+) -> None:
+    """SkyPilot checks the task in the launch's helper process, before it
+    launches anything: a refusal names the problem and the table to fix,
+    and no helper process was spent on the check alone."""
+    sky_python, calls = counting_sky_python(sky.base)
+    root = sky.project()
+    sky.configure(sky_python=sky_python, infra="nosuchcloud")
+    done = doit(root, env=sky.env)
+    assert done.returncode != 0, show(done)
+    said = done.stdout + done.stderr
+    assert "SkyPilot refused the task for this step (InvalidSkyPilotConfigError: " in said, said
+    assert "'nosuchcloud' is not a known cloud" in said, said
+    assert "[tool.substrax.compute.backends.skypilot]" in said, said
+    assert "launch" in calls.read_text().split() and "validate" not in calls.read_text().split()
+    assert sky.requests() == 0 and sky.clusters() == []
+    assert only_handle(root)["backend_state"]["cluster"] is None
+
+
 def test_a_failing_command_reads_as_failed_with_its_log_and_the_cluster_goes(sky: Sky) -> None:
     root = sky.project(command="echo about to fail; exit 7")
     done = doit(root, env=sky.env)

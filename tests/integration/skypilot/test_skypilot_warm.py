@@ -227,6 +227,12 @@ def test_gc_machines_takes_a_warm_cluster_down(sky: Sky) -> None:
     done = sky.compute("gc", "--machines")
     assert done.returncode == 0, done.stderr
     assert sky.clusters() == []
+    # the slot forgot it: the next doit launches at once, not after finding it out of reach
+    slots = sky.root / ".substrax" / "slots"
+    assert not [p for p in slots.rglob("*.json") if cluster in p.read_text()]
+    (sky.root / "data" / "in.txt").write_text("edit\n")
+    again = doit_ok(sky.root, env=sky.env)
+    assert "launching cluster" in again.stdout and "not reusing" not in again.stdout, show(again)
 
 
 # Two steps that each ask for one of the cluster's two (fake) GPUs: each

@@ -82,10 +82,25 @@ def _wait(request: Request, request_id: RequestId[T]) -> T:
         return sky.stream_and_get(request_id, output_stream=out)
 
 
+class TaskRefused(Exception):
+    """SkyPilot refused the task before anything was launched; the message
+    is `<SkyPilot's exception class>: <its message>`."""
+
+
 def op_launch(request: Request) -> object:
+    """With `validate` (op_validate's request, less the task), the task is
+    checked first, in this process: not a helper process of its own that
+    imports sky before the launch."""
     secrets = request.get("secrets") or {}
-    # Secrets come on stdin, never from the task file on disk.
-    task = sky.Task.from_yaml_config(request["task"], secrets_overrides=list(secrets.items()) or None)
+    try:
+        # Secrets come on stdin, never from the task file on disk.
+        task = sky.Task.from_yaml_config(request["task"], secrets_overrides=list(secrets.items()) or None)
+        if request.get("validate") is not None:
+            _validate(task, request["validate"])
+    except Exception as exc:
+        if request.get("validate") is None:
+            raise
+        raise TaskRefused(f"{type(exc).__name__}: {exc}") from exc
     request_id = sky.launch(
         task,
         cluster_name=request["cluster_name"],
@@ -94,14 +109,24 @@ def op_launch(request: Request) -> object:
         down=bool(request.get("down", True)),
     )
     _record_request(request, request_id, "launch")
-    return {**_job_of(_wait(request, request_id)), "hourly_cost": launched_price(request["cluster_name"])}
+    launched = _launched(request, _wait(request, request_id))
+    return {**launched, "hourly_cost": launched_price(request["cluster_name"])}
 
 
-def _job_of(result: object) -> dict[str, object]:
+def _launched(request: Request, result: object) -> dict[str, object]:
+    """The launch's job; with `write_ssh_config`, the cluster's ssh config
+    written too, in this process (`ssh_config` below): not a second helper
+    process that imports sky again before the first ssh call."""
     job_id = None
     if isinstance(result, (tuple, list)) and result:
         job_id = result[0]
-    return {"job_id": job_id}
+    answer: dict[str, object] = {"job_id": job_id}
+    if request.get("write_ssh_config"):
+        try:
+            answer["ssh_config"] = _write_ssh_config(request["cluster_name"])
+        except Exception as exc:  # noqa: BLE001 - the launch stands; the client writes it again
+            answer["ssh_config_error"] = f"{type(exc).__name__}: {exc}"
+    return answer
 
 
 def launched_price(name: str) -> float | None:
@@ -126,7 +151,7 @@ def op_wait_launch(request: Request) -> object:
     """Reattach to a launch request a killed client left running, by the
     id `launch` wrote down (a plain str: SkyPilot's RequestId is a str
     subclass typed by the request's result)."""
-    result = _job_of(_wait(request, request["request_id"]))
+    result = _launched(request, _wait(request, request["request_id"]))
     name = request.get("cluster_name")
     return {**result, "hourly_cost": launched_price(str(name))} if name else result
 
@@ -217,27 +242,42 @@ def op_ssh_config(request: Request) -> object:
     config already there is all there is.
     """
     name = request["cluster_name"]
-    path = Path("~", ".sky", "generated", "ssh", name).expanduser()
     if request.get("write"):
-        writer = None
-        try:
-            from sky.client.cli import command as cli
-
-            writer = getattr(cli, "_get_cluster_records_and_set_ssh_config", None)
-        except ImportError:
-            pass
-        if writer is not None:
-            import contextlib
-
-            with contextlib.redirect_stdout(sys.stderr):  # one JSON line on stdout, nothing else
-                writer([name])
+        return {"path": _write_ssh_config(name)}
+    path = _ssh_config_path(name)
     return {"path": str(path) if path.is_file() else None}
+
+
+def _ssh_config_path(name: str) -> Path:
+    return Path("~", ".sky", "generated", "ssh", name).expanduser()
+
+
+def _write_ssh_config(name: str) -> str | None:
+    """(Re)write the cluster's ssh config as `sky status` does; its path, None if there is none."""
+    writer = None
+    try:
+        from sky.client.cli import command as cli
+
+        writer = getattr(cli, "_get_cluster_records_and_set_ssh_config", None)
+    except ImportError:
+        pass
+    if writer is not None:
+        import contextlib
+
+        with contextlib.redirect_stdout(sys.stderr):  # one JSON line on stdout, nothing else
+            writer([name])
+    path = _ssh_config_path(name)
+    return str(path) if path.is_file() else None
 
 
 def op_validate(request: Request) -> object:
     """The task config as SkyPilot reads it, checked offline; and, for bucket
     mounts, whether the chosen cloud can mount buckets at all."""
-    task = sky.Task.from_yaml_config(request["task"])
+    _validate(sky.Task.from_yaml_config(request["task"]), request)
+    return {"valid": True}
+
+
+def _validate(task: sky.Task, request: Request) -> None:
     # The backend asks for its local sources to be checked too (they exist by then).
     task.validate(skip_file_mounts=not request.get("check_file_mounts"), skip_workdir=True)
     if request.get("needs_storage_mounting"):
@@ -249,7 +289,6 @@ def op_validate(request: Request) -> object:
                 continue
             cloud.check_features_are_supported(
                 resources, {clouds.CloudImplementationFeatures.STORAGE_MOUNTING})
-    return {"valid": True}
 
 
 OPERATIONS: dict[str, Callable[[Request], object]] = {
