@@ -79,6 +79,7 @@ class Job(_JobRequired, total=False):
     path_prepend: List[str]  # first on the task's PATH
     manifest_copy: str  # where the bucket transport fetches the outputs' manifest from
     checkpoints: Checkpoints
+    timeout_message: str  # why the timeout stops the command, when it is not the step's own (a cost cap)
 
 
 class _StatusFields(TypedDict, total=False):

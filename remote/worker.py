@@ -295,8 +295,9 @@ class Worker:
                 break
             self.sleep(POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic()))
         if self.stop_reason is not None:
+            timed_out = self.job.get("timeout_message") or "timeout of %ss" % timeout
             self.note("stopping the task tree (%s)" % (
-                "timeout of %ss" % timeout if self.stop_reason == "timed_out" else self.stop_signal))
+                timed_out if self.stop_reason == "timed_out" else self.stop_signal))
             # Spare the bubblewrap processes: SIGTERM to them would end the
             # namespace at once, with SIGKILL and no grace for the task.
             spared = proctree.with_children(child_pid) if self.status["sandbox"] == "bwrap" else set()
@@ -322,6 +323,8 @@ class Worker:
         sandbox.remove_home(self.job)
         self.keep_checkpoints()
         message = None
+        if state == "timed_out":
+            message = self.job.get("timeout_message")
         if state == "succeeded":
             self.write_manifest(outputs_root)
         elif state == "failed":

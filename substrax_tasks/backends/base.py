@@ -179,6 +179,25 @@ class Backend(ABC):
         limit = getattr(self.settings, "max_parallel", None)
         return None if limit is None else Pool(self.name, limit, "this machine")
 
+    def hourly_price(self, handle: RunHandle) -> float | None:
+        """The machine's price in USD an hour from the provider's catalog:
+        before the launch, what would be launched; after it, what was.
+        None when no catalog prices it (then only `hourly_cost` does).
+        Default: none."""
+        return None
+
+    def machine_share(self, handle: RunHandle) -> float:
+        """The part of its machine a run holds, which its cost is charged:
+        1, unless runs share a machine side by side (a reused SkyPilot
+        cluster's GPUs shared out, one seat each)."""
+        return 1.0
+
+    def lifetime_seconds(self) -> float | None:
+        """How long a run's machine may live (its lifetime timer), for the
+        worst case said before a launch; None: no timer bounds it."""
+        minutes = getattr(self.settings, "lifetime_minutes", None)
+        return None if minutes is None else float(minutes) * 60
+
     def leaks(self, project: str, handles: list[RunHandle]) -> list[Leak]:
         """The run folders or clusters where this backend runs that no live
         handle among `handles` accounts for (machines.py). Default: none,

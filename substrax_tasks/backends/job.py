@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -21,6 +22,7 @@ from substrax_tasks.step.spec import StepSpec
 
 if TYPE_CHECKING:
     from substrax_tasks.backends.base import RunStatus
+    from substrax_tasks.store.cost import CapDeadline
 
 STATUS_FILE = "status.json"
 # An attempt is started only with some of the timeout left (the core does
@@ -82,6 +84,7 @@ def build_job(
     gpus: runfiles.JobGpus | None = None,
     checkpoints_kept: str | None = None,
     timeout_spent: float = 0.0,
+    cap: CapDeadline | None = None,
 ) -> runfiles.Job:
     """The job; `env_dir`: the environment built from the project's lock
     file, first on the task's PATH and readable in the sandbox;
@@ -97,7 +100,16 @@ def build_job(
     machine, shown to the task at the spec's `checkpoints` path;
     `timeout_spent`: how long the command ran in the run's earlier attempts
     (`CoreState.command_seconds_spent()`): the spec's timeout bounds them
-    all, so this attempt's worker gets what is left."""
+    all, so this attempt's worker gets what is left;
+    `cap`: when the run's cost reaches its max_cost (store/cost.py): the
+    worker's timeout ends the command then, with the cap as its reason, so
+    the cap holds with no client following the run."""
+    timeout = None if spec.timeout is None else max(spec.timeout - timeout_spent, MIN_TIMEOUT_LEFT)
+    stop_message = None
+    if cap is not None:
+        left = max(MIN_TIMEOUT_LEFT, cap.at - time.time())  # the worker starts and is stopped
+        if timeout is None or left < timeout:
+            timeout, stop_message = left, cap.message
     job: runfiles.Job = {
         "version": runfiles.JOB_VERSION,
         "argv": list(spec.command),
@@ -107,7 +119,7 @@ def build_job(
         "staging": paths.staging,
         "status_file": paths.status,
         "log_file": paths.log,
-        "timeout": None if spec.timeout is None else max(spec.timeout - timeout_spent, MIN_TIMEOUT_LEFT),
+        "timeout": timeout,
         "grace_seconds": grace_seconds,
         "sandbox": sandbox,
         "network_isolation": network_isolation,
@@ -122,6 +134,8 @@ def build_job(
         "project_hidden": list(project_hidden),
         "left_out": list(left_out),
     }
+    if stop_message is not None:
+        job["timeout_message"] = stop_message
     if project_shown is not None:
         job["project_shown"] = list(project_shown)
     if gpus is not None:

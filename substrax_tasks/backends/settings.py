@@ -58,6 +58,16 @@ class BackendSettings(Strict):
     keep_checkpoints: bool = Field(
         False, description="Keep a step's checkpoints once its outputs are promoted (default: removed)."
     )
+    hourly_cost: float | None = Field(
+        None, ge=0, allow_inf_nan=False,
+        description="What a machine of this backend costs, in USD an hour: a run's cost is its machine "
+        "time at this price. Overrides SkyPilot's catalog price; local: nothing unless set.",
+    )
+    max_cost: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="The most one step may spend, in USD (all its machine time): the run is stopped when "
+        "its cost reaches it. Needs a known price. remote_step(max_cost=...) overrides it.",
+    )
 
     @field_validator("cache_dirs")
     @classmethod

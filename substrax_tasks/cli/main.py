@@ -419,6 +419,9 @@ def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Con
 def cmd_teardown(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
     handle = project.store.read(args.run)
     project.backend_for(handle).teardown(handle, force=True)
+    from substrax_tasks.run.spending import record_release
+
+    record_release(project.store, handle)
     out.print(f"run {handle.run_id}: torn down (handle and logs kept)", highlight=False)
     return 0
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import datetime
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from substrax_tasks.backends.base import Leak, RunStatus
+from substrax_tasks.store import cost
 from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.phase import Phase
 from substrax_tasks.store.run_store import Unreadable
 from substrax_tasks.store.selection import group_of
 
@@ -35,9 +38,104 @@ def lifetime_left(handle: RunHandle) -> float | None:
         return None
 
 
+def released(handle: RunHandle) -> bool:
+    from substrax_tasks.backends.registry import backend_class
+
+    try:
+        return backend_class(handle.backend).released(handle)
+    except KeyError:
+        return False
+
+
+def machine_end(handle: RunHandle, status: RunStatus) -> float | None:
+    """When the run's machine was let go, where its handle does not say
+    (the chain records it as it tears the run down): a run torn down
+    otherwise (`cancel`, `gc`), or that holds no machine past its command,
+    as its command ended; one whose lifetime timer ran out, then; one whose
+    launch failed, as it failed; None while it may still hold one."""
+    if not handle.state.reached(Phase.LAUNCHED):
+        failed = handle.state.times.get("launch")
+        at = parse_time(failed.get("end")) if isinstance(failed, dict) else None
+        return at.timestamp() if at else None
+    ended = parse_time(status.ended_at)
+    left = lifetime_left(handle)
+    if released(handle) or (status.final and left is None):
+        return ended.timestamp() if ended else None
+    if left is not None and left < 0:
+        return datetime.datetime.now(datetime.timezone.utc).timestamp() + left
+    return None
+
+
+@dataclass(frozen=True)
+class Spent:
+    """A run's machine time, price, cost so far and cap, as `status` shows them."""
+
+    seconds: float | None
+    hourly_cost: float | None
+    usd: float | None
+    cap: float | None
+
+
+def held(handle: RunHandle, status: RunStatus) -> list[cost.MachineTime]:
+    """The machines the run held, one per attempt (store/cost.py)."""
+    return cost.machine_intervals(handle, held_until=machine_end(handle, status))
+
+
+def spent(handle: RunHandle, status: RunStatus, intervals: list[cost.MachineTime] | None = None) -> Spent:
+    """The run's figures: over all its attempts' machines (`intervals`, read when not given)."""
+    intervals = held(handle, status) if intervals is None else intervals
+    if not intervals:
+        return Spent(None, None, None, None)
+    return Spent(cost.machine_seconds(intervals), intervals[-1].hourly_cost, cost.cost_of(intervals),
+                 cost.cap_of(handle))  # fmt: skip
+
+
+def attempt_figures(handle: RunHandle, intervals: list[cost.MachineTime]) -> list[Spent | None]:
+    """Each attempt's machine time, price and cost, as `spent` counts the
+    run's (their sum): one machine per attempt (store/cost.py). None for
+    each where the machines do not match the attempts one to one (a free
+    machine records none; a handle from before either was recorded)."""
+    attempts = handle.state.attempts
+    if len(intervals) != len(attempts):
+        return [None] * len(attempts)
+    return [Spent(cost.machine_seconds([i]), i.hourly_cost, cost.cost_of([i]), None) for i in intervals]
+
+
+@dataclass(frozen=True)
+class GroupTotal:
+    group: str
+    runs: int
+    usd: float | None  # None when a run's price is unknown
+    caps: float | None  # the sum of the runs' caps; None when one has none
+
+
+def group_totals(rows: list[tuple[RunHandle, RunStatus]]) -> list[GroupTotal]:
+    """Each group's runs among `rows`: what they cost together, against
+    the sum of their caps."""
+    groups: dict[str, list[Spent]] = {}
+    for handle, status in rows:
+        group = group_of(handle.step)
+        if group is not None:
+            groups.setdefault(group, []).append(spent(handle, status))
+    totals = []
+    for group, runs in groups.items():
+        costs, caps = [r.usd for r in runs], [r.cap for r in runs]
+        totals.append(GroupTotal(
+            group, len(runs), None if None in costs else sum(c or 0.0 for c in costs),
+            None if None in caps else sum(c or 0.0 for c in caps),
+        ))  # fmt: skip
+    return totals
+
+
+def group_line(total: GroupTotal) -> str:
+    caps = f" of max_cost {cost.usd(total.caps)} (the sum of their caps)" if total.caps is not None else ""
+    return f"group {total.group}: {cost.usd(total.usd)} over {total.runs} run(s){caps}"
+
+
 def run_record(handle: RunHandle, status: RunStatus, *, latest: bool) -> dict[str, Any]:
     """One run of `status --json`. Scripts read these keys: add new ones,
     never rename or drop one."""
+    intervals = held(handle, status)
     return {
         "run_id": handle.run_id,
         "step": handle.step,
@@ -52,9 +150,23 @@ def run_record(handle: RunHandle, status: RunStatus, *, latest: bool) -> dict[st
         "latest": latest,
         "lifetime_left_seconds": lifetime_left(handle),
         "gpus": status.gpus,
-        # each attempt of its command: machine, times, the checkpoints it started from, its end
-        "attempts": [a.model_dump(mode="json") for a in handle.state.attempts],
+        # each attempt of its command: machine, times, the checkpoints it started from, its end, its cost
+        "attempts": [a.model_dump(mode="json") | attempt_cost(f)
+                     for a, f in zip(handle.state.attempts, attempt_figures(handle, intervals), strict=True)],
+        **cost_record(spent(handle, status, intervals)),
     }
+
+
+def attempt_cost(figures: Spent | None) -> dict[str, Any]:
+    """An attempt's own machine time, price and cost in `status --json` (null: not known)."""
+    if figures is None:
+        return {"machine_seconds": None, "hourly_cost": None, "cost_usd": None}
+    return {"machine_seconds": figures.seconds, "hourly_cost": figures.hourly_cost, "cost_usd": figures.usd}
+
+
+def cost_record(figures: Spent) -> dict[str, Any]:
+    return {"machine_seconds": figures.seconds, "hourly_cost": figures.hourly_cost, "cost_usd": figures.usd,
+            "max_cost": figures.cap}  # fmt: skip
 
 
 def status_json(
@@ -64,6 +176,8 @@ def status_json(
     """`status --json`; `leaks` None when they were not looked for."""
     return json.dumps({
         "runs": [run_record(h, s, latest=h.run_id in latest) for h, s in rows],
+        "groups": [{"group": t.group, "runs": t.runs, "cost_usd": t.usd, "max_cost": t.caps}
+                   for t in group_totals(rows)],
         "unreadable": [{"path": str(u.path), "reason": u.reason} for u in unreadable],
         # null, not "none leaked", when not looked for
         "leaked": None if leaks is None else
@@ -139,30 +253,46 @@ def print_status_table(rows: list[tuple[RunHandle, RunStatus]]) -> None:
     read, and fast for a store of a thousand runs. The GPUs each run was
     given go in a column shown only when a run has any."""
     with_gpus = any(s.gpus for _h, s in rows)
-    columns = [*STATUS_COLUMNS, *(["gpus"] if with_gpus else [])]
+    figures = [spent(h, s) for h, s in rows]
+    # The cost column once a run has a price (a run on this machine with
+    # no hourly_cost set costs nothing and shows none).
+    with_cost = any(f.hourly_cost for f in figures)
+    columns = [*STATUS_COLUMNS, *(["cost"] if with_cost else []), *(["gpus"] if with_gpus else [])]
     cells = [
         [h.run_id, h.step, h.backend, s.state, short_time(s.started_at), duration(s)]
+        + ([cost_cell(f)] if with_cost else [])
         + ([",".join(s.gpus or []) or "-"] if with_gpus else [])
-        for h, s in rows
+        for (h, s), f in zip(rows, figures, strict=True)
     ]
     print(plain_table(columns, cells) if rows else "no runs yet")
+    if with_cost:
+        for total in group_totals(rows):
+            print(group_line(total))
 
 
 def attempt_lines(rows: list[tuple[RunHandle, RunStatus]], *, every_run: bool) -> list[str]:
     """Each attempt of the runs that were relaunched (`preemptions`), or of
     every run shown when `every_run` (a run named): where it ran, when, the
-    checkpoints it started from, how it ended."""
+    checkpoints it started from, how it ended, and on a priced machine its
+    machine time and cost (the run's cost in the table is their sum)."""
     lines = []
-    for handle, _status in rows:
+    for handle, status in rows:
         attempts = handle.state.attempts
         if len(attempts) < 2 and not (every_run and attempts):
             continue
-        for a in attempts:
+        for a, figures in zip(attempts, attempt_figures(handle, held(handle, status)), strict=True):
             ran = seconds_between(a.started_at, a.ended_at)
             lines.append(
                 f"run {handle.run_id} attempt {a.number} on {a.machine}: started {short_time(a.started_at)}"
                 f", ran {'-' if ran is None else clock(ran)}, {a.outcome or 'going'}"
                 + (f" ({a.message})" if a.message and a.outcome != "succeeded" else "")
                 + (f"; from {a.snapshot}" if a.snapshot else "; from no checkpoints")
+                + (f"; its machine {clock(figures.seconds or 0.0)}, cost {cost.usd(figures.usd)}"
+                   if figures is not None and figures.hourly_cost else "")
             )
     return lines
+
+
+def cost_cell(figures: Spent) -> str:
+    """$0.0123, with its cap where it has one: $0.0123/$0.0500."""
+    return cost.usd(figures.usd) + (f"/{cost.usd(figures.cap)}" if figures.cap is not None else "")

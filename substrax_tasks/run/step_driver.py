@@ -322,7 +322,11 @@ class StepDriver(DrivenRun):
             if restored_from_cache(self):  # no run: the later phases find no handle and pass
                 return
             retire_unlaunched(self)
-            handle = self.project.new_run(self.spec, self.step.backend, key=key, key_parts=parts)
+            # A step's own max_cost= overrides the backend's: pinned with the settings.
+            _name, configured = self.project.settings_for(self.step.backend)
+            handle = self.project.new_run(self.spec, self.step.backend,
+                                          None if self.step.settings == configured else self.step.settings,
+                                          key=key, key_parts=parts)  # fmt: skip
             uptodate.write_record(self.step, run_id=handle.run_id)
             emit(f"{self.spec.step}: new run {handle.run_id} on {self.step.backend}")
         self.handle = handle
@@ -333,12 +337,16 @@ class StepDriver(DrivenRun):
 
             # Before the launch: the folders missing now are the ones this run makes.
             self.made_folders = absent_folders(self.root, self.spec.outputs)
+            from substrax_tasks.run import spending  # a launch: not a no-op's path
             from substrax_tasks.store.handle import Attempt
 
+            handle, free = spending.before_launch(self, backend, handle, attempts=self.preemptions + 1)
             launched_at = timeline_now()
             launched = self.retrying("launch", lambda: backend.launch(handle))
             first = Attempt(number=1, machine=backend.ran_on(launched), launched_at=launched_at)
-            self.advance(launched, Phase.LAUNCHED, attempts=[first.model_dump(mode="json")])
+            launched = self.advance(launched, Phase.LAUNCHED, attempts=[first.model_dump(mode="json")],
+                                    **({"machine": free} if free else {}))  # fmt: skip
+            spending.after_launch(self, backend, launched)
         elif not (status := backend.poll(handle)).final:  # reattached: it holds a slot as a new run does
             self._take_slot(backend, handle, running=status.state == "running")
 
@@ -413,21 +421,31 @@ class StepDriver(DrivenRun):
             self._on_interrupt(backend, handle)
             raise
         if status.state != "succeeded":
-            if status.final:
-                self.remove_made_folders()
-            tail = backend.read_log(handle, 0)[-1500:].decode(errors="replace")
-            why_not = self._not_relaunched(handle) if status.state == "lost" else None
-            return TaskFailed(
-                f"step {self.spec.step!r}: run {handle.run_id} {status.state}"
-                + (f" (exit code {status.exit_code})" if status.exit_code is not None else "")
-                + (f": {status.message}" if status.message else "")
-                + (f"\nits machine was lost while the command ran; {why_not}" if why_not else "")
-                + f"\nlast lines of its log (substrax-compute logs {handle.run_id}):\n{tail}"
-            )
+            return self._failed(backend, handle, status)
         # The run phase's time, with what the backend noted as the run ended
         # (its final status, where its outputs are).
         self.end_phase("ok")
         return None
+
+    def _failed(self, backend: Backend, handle: RunHandle, status: RunStatus) -> TaskFailed:
+        """The step's failure for a run that ended otherwise than succeeded."""
+        if status.final:
+            self.remove_made_folders()
+        from substrax_tasks.run.spending import stopped_at_cap  # a run failed: not a no-op's path
+
+        at_cap = stopped_at_cap(handle, status)
+        if at_cap is not None:  # the outcome, recorded; its machine goes as the chain closes
+            self.save(handle, verdict={"state": "failed", "message": at_cap})
+            return TaskFailed(f"step {self.spec.step!r}: run {handle.run_id} {at_cap}")
+        tail = backend.read_log(handle, 0)[-1500:].decode(errors="replace")
+        why_not = self._not_relaunched(handle) if status.state == "lost" else None
+        return TaskFailed(
+            f"step {self.spec.step!r}: run {handle.run_id} {status.state}"
+            + (f" (exit code {status.exit_code})" if status.exit_code is not None else "")
+            + (f": {status.message}" if status.message else "")
+            + (f"\nits machine was lost while the command ran; {why_not}" if why_not else "")
+            + f"\nlast lines of its log (substrax-compute logs {handle.run_id}):\n{tail}"
+        )
 
     def _start(self, backend: Backend, handle: RunHandle) -> RunHandle:
         """Start the run's command (waiting while its GPUs are held)."""
@@ -476,8 +494,8 @@ class StepDriver(DrivenRun):
             return
 
     def _not_relaunched(self, handle: RunHandle) -> str | None:
-        """Why a lost run is not relaunched (no preemption left, or its
-        timeout spent), with what to do; None: it is."""
+        """Why a lost run is not relaunched (no preemption left, its
+        timeout or its max_cost spent), with what to do; None: it is."""
         lost = max(len(handle.state.attempts), 1)  # attempts lost so far, this one included
         if lost > self.preemptions:
             if self.preemptions == 0:
@@ -488,7 +506,9 @@ class StepDriver(DrivenRun):
         timeout = self.spec.timeout
         if timeout is not None and handle.state.command_seconds_spent() >= timeout:
             return f"its timeout ({timeout:g} s over all its attempts) is spent"
-        return None
+        from substrax_tasks.run.spending import budget_spent  # a run lost: not a no-op's path
+
+        return budget_spent(handle)  # its max_cost, over all its attempts
 
     def _relaunch(self, backend: Backend, handle: RunHandle, lost: RunStatus | None) -> RunHandle:
         """A new attempt of the run on a new machine (Backend.relaunch),
@@ -512,7 +532,14 @@ class StepDriver(DrivenRun):
                  f"of at most {self.preemptions + 1}")  # fmt: skip
         number = attempts[-1].number
         handle = self.save(handle, attempts=[a.model_dump(mode="json") for a in attempts])
+        from substrax_tasks.run import spending
+
+        if lost is not None:  # the lost machine's time ends; the new one's starts (its cost, its cap)
+            handle = spending.before_relaunch(self, handle)
         relaunched = self.retrying("relaunch", lambda: backend.relaunch(handle))
+        # Priced as relaunched (an on-demand last attempt's price is not the spot one's); the budget
+        # left, at that price, is the new worker's timeout and lifetime timer (setup, start).
+        relaunched = spending.after_launch(self, backend, relaunched)
         set_up = self.retrying("setup", lambda: backend.setup(relaunched))
         synced = self.retrying("sync", lambda: backend.sync(set_up))
         snapshot = backend.snapshot_of(synced)
@@ -634,6 +661,9 @@ class StepDriver(DrivenRun):
         )
         if done or (interrupted and backend.capabilities.interrupt_cancels):
             backend.teardown(handle)
+            from substrax_tasks.run.spending import record_release  # a teardown: not a no-op's path
+
+            record_release(self.project.store, handle)
         elif status.final:
             emit(f"{self.spec.step}: keeping run {handle.run_id} until its outputs are home; "
                  f"`doit {self.spec.step}` fetches them again")

@@ -120,6 +120,21 @@ def seconds_of(step: str, timeout: object) -> float | None:
     return value
 
 
+def max_cost_of(step: str, max_cost: object) -> float | None:
+    """remote_step's max_cost: a positive finite number of USD, or None
+    (the backend's setting holds)."""
+    if max_cost is None:
+        return None
+    number = isinstance(max_cost, numbers.Real) and not isinstance(max_cost, bool)
+    value = float(max_cost) if number else math.nan  # type: ignore[arg-type]
+    if not (value > 0 and math.isfinite(value)):
+        raise SpecError(
+            f"step {step!r}: max_cost must be a positive number of US dollars, got {shown(max_cost)}: "
+            "write max_cost=5.0 (or leave it out to use the backend's max_cost setting)"
+        )
+    return value
+
+
 def env_of(step: str, env: object) -> dict[str, str]:
     """The step's env, a mapping of names to strings, or a SpecError."""
     if env is None:

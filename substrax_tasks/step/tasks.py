@@ -36,7 +36,7 @@ from substrax_tasks.config.pyproject import config_key, config_stamp
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.interrupts import map_termination_signals
 from substrax_tasks.run.step_driver import RunState, StepDriver
-from substrax_tasks.step.args import check_doit_arguments, name_list, path_list
+from substrax_tasks.step.args import check_doit_arguments, max_cost_of, name_list, path_list
 from substrax_tasks.step.reporter import REMOTE_STEP
 from substrax_tasks.step.spec import ArgvItem, PathIndex, StepSpec, make_spec
 from substrax_tasks.store.project import Project
@@ -134,6 +134,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
     retries: int = 0,
     preemptions: int = 0,
     checkpoints: str | os.PathLike[str] | None = None,
+    max_cost: float | None = None,
     file_dep: Iterable[str | os.PathLike[str]] = (),
     task_dep: Iterable[str] = (),
     uptodate: Iterable[Any] = (),
@@ -162,6 +163,8 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
       (by rename) and reads back as it starts: kept in the store, put back
       in place for the next run of the same step and key, removed once the
       outputs are promoted (docs/checkpoints.md).
+    max_cost: the most this step may spend, in US dollars (its machine time
+      at the backend's price): overrides the backend's max_cost (docs/cost.md).
     file_dep: extra files tracked for changes but not uploaded.
     task_dep, uptodate, doc, title, verbosity, clean, ...: passed to doit
       (uptodate is combined with the step's own check: all must hold).
@@ -191,6 +194,9 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
         _refuse_own_group_task(spec.step)
         producers = _check_against_others(proj.root, spec)
         backend_name, settings = proj.settings_for(backend)
+        cap = max_cost_of(name, max_cost)
+        if cap is not None:  # the step's own cap, pinned with the settings (not part of the key)
+            settings = {**settings, "max_cost": cap}
         step = Step(spec, proj.root, backend_name, settings, proj.store, tracked=tracked)
     except SubstraxError as exc:  # a bad declaration stops doit before anything is launched
         print(f"substrax: error: {exc}", file=sys.stderr)

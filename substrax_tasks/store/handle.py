@@ -79,6 +79,8 @@ class CoreState(BaseModel):
     cost_usd: float | None = None  # what the run cost, where known (`substrax-compute report` shows it)
     # Its command's attempts, oldest first; the last is the one going (`preemptions`)
     attempts: list[Attempt] = []
+    # The machine it held, its price and cap (store/cost.py): {"asked_at", "released_at", "hourly_cost", ...}
+    machine: dict[str, Any] | None = None
 
     @field_validator("phase", mode="before")
     @classmethod

@@ -282,3 +282,52 @@ def test_records_carry_the_real_fields(dumps: tuple[dict[str, Any], dict[str, An
         assert {"name", "status"} <= set(fields) or name != "status"
         assert {"job_id", "job_name", "status"} <= set(fields) or name != "queue"
         assert {"request_id", "name", "status"} <= set(fields) or name != "api_status"
+
+
+# The price of a launched cluster (sky_sdk.py's hourly_price): its status
+# record's handle, whose launched resources are priced by `get_cost`.
+# Run in the real SkyPilot: the fields its handle is made of.
+REAL_HANDLE = r"""
+import inspect, json, sys
+from sky.backends.cloud_vm_ray_backend import CloudVmRayResourceHandle
+init = inspect.signature(CloudVmRayResourceHandle.__init__).parameters
+json.dump({"init": sorted(init)}, open(sys.argv[1], "w"))
+"""
+# Run in the fake: what a launched cluster's handle holds, and its price.
+FAKE_HANDLE = r"""
+import json, sys
+import sky
+task = sky.Task.from_yaml_config({"name": "priced", "run": "true",
+                                  "resources": {"infra": "aws", "instance_type": "m6i.large"}})
+sky.get(sky.launch(task, cluster_name="priced"))
+[record] = sky.get(sky.status(["priced"]))
+handle = record.handle
+launched = handle.launched_resources
+answer = {"fields": sorted(vars(handle)), "resources": type(launched).__name__,
+          "launchable": launched.is_launchable(), "hour": launched.get_cost(3600),
+          "nodes": handle.launched_nodes}
+sky.get(sky.down("priced"))
+json.dump(answer, open(sys.argv[1], "w"))
+"""
+
+
+def test_a_launched_clusters_handle_is_priced_as_the_real_ones(tmp_path: Path) -> None:
+    real_python = sky_python()
+    real_home, fake_home = tmp_path / "real-home", tmp_path / "fake-home"
+    real_home.mkdir()
+    fake_home.mkdir()
+    (tmp_path / "real.py").write_text(REAL_HANDLE)
+    (tmp_path / "fake.py").write_text(FAKE_HANDLE)
+    _run([str(real_python), str(tmp_path / "real.py"), str(tmp_path / "real.json")], sky_env(real_home),
+         "the real SkyPilot's handle")  # fmt: skip
+    try:
+        _run([sys.executable, str(tmp_path / "fake.py"), str(tmp_path / "fake.json")], fakesky_env(fake_home),
+             "the fake's priced launch")  # fmt: skip
+    finally:
+        cleanup(fake_home)
+    assert leftovers(fake_home) == []
+    real = json.loads((tmp_path / "real.json").read_text())
+    fake = json.loads((tmp_path / "fake.json").read_text())
+    assert set(fake["fields"]) <= set(real["init"]), (fake["fields"], real["init"])
+    assert fake["resources"] == "Resources" and fake["launchable"] is True
+    assert fake["hour"] == 0.096 and fake["nodes"] == 1

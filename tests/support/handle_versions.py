@@ -29,8 +29,13 @@ CORE_SINCE_VERSION_2 = ("attempts",)
 # Keys a later release records that the release before did not, per backend,
 # and what it recorded instead (None: nothing): the skypilot backend's lease
 # job stands where its run's own SkyPilot job was.
+# The machine a run held and its price (the core's `machine`, SkyPilot's
+# `hourly_cost`) came later still, on every backend.
 SINCE_VERSION_2: dict[str, dict[str, str | None]] = {
-    "skypilot": {"lease_job": "job_id", "left_out": None, "outputs_root": None, "env_dir": None},
+    "local": {"machine": None},
+    "ssh": {"machine": None},
+    "skypilot": {"lease_job": "job_id", "left_out": None, "outputs_root": None, "env_dir": None,
+                 "machine": None, "hourly_cost": None},
 }
 
 

@@ -22,7 +22,7 @@ def test_defaults_need_no_configuration(project_dir: Path) -> None:
     assert name == "local"
     assert settings == {"sandbox": "auto", "network_isolation": False, "grace_seconds": 5.0, "cache_dirs": [],
                         "max_parallel": None, "hide_gpus_when_unasked": False, "pip_args": [],
-                        "keep_checkpoints": False}  # fmt: skip
+                        "keep_checkpoints": False, "hourly_cost": None, "max_cost": None}  # fmt: skip
 
 
 @pytest.mark.unit

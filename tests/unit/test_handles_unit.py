@@ -54,6 +54,7 @@ def test_handle_records_spec_settings_and_digest(project: Project) -> None:
     assert data["settings"] == {
         "sandbox": "none", "network_isolation": False, "grace_seconds": 5.0, "cache_dirs": [],
         "max_parallel": None, "hide_gpus_when_unasked": False, "pip_args": [], "keep_checkpoints": False,
+        "hourly_cost": None, "max_cost": None,
     }
     assert data["spec"]["command"] == ["sh", "-c", "true"]
     assert data["spec"]["outputs"] == ["out/"]

@@ -46,6 +46,7 @@ from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.hardlinks import link_tree
 from substrax_tasks.poll import wait_readable
 from substrax_tasks.step.view import project_view
+from substrax_tasks.store.cost import cap_deadline
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.uptodate import manifests as manifest_cache
 
@@ -114,6 +115,7 @@ class LocalBackend(Backend):
             ),
             checkpoints_kept=live_folder(self.store, handle),
             timeout_spent=handle.state.command_seconds_spent(),
+            cap=cap_deadline(handle),
         )
         if self.settings.sandbox != "none":  # without one, the worker finds what doit would
             # The argv's program first, as asked here; then what a shell or
@@ -181,6 +183,10 @@ class LocalBackend(Backend):
 
     def _record(self, handle: RunHandle) -> dict[str, Any] | None:
         return control.read_json(self.paths(handle).status)
+
+    def hourly_price(self, handle: RunHandle) -> float | None:
+        """This machine costs nothing unless `hourly_cost` says it does."""
+        return 0.0
 
     def poll(self, handle: RunHandle) -> RunStatus:
         record = control.status(str(self.store.run_dir(handle.run_id)))

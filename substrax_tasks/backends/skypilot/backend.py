@@ -57,7 +57,12 @@ from substrax_tasks.backends.skypilot.client import (
     SkyClient,
     job_state,
 )
-from substrax_tasks.backends.skypilot.settings import AUTODOWN_MINUTES, SkypilotSettings
+from substrax_tasks.backends.skypilot.settings import (
+    AUTODOWN_MINUTES,
+    UNPRICED_CLOUDS,
+    SkypilotSettings,
+    cloud_of,
+)
 from substrax_tasks.backends.skypilot.state import SkypilotState
 from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, HostRefused, SubstraxError
@@ -65,6 +70,7 @@ from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.slots import Pool
 from substrax_tasks.step.spec import canonical_digest, safe_name, settings_in_key
 from substrax_tasks.step.view import project_view
+from substrax_tasks.store.cost import watchdog_seconds
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
 from substrax_tasks.transports.openssh import AnswerTooBig, ClusterTarget
@@ -364,7 +370,9 @@ class SkypilotBackend(Backend):
             raise BackendError(f"run {handle.run_id}: SkyPilot launched {cluster} but submitted no lease job")
         if not isinstance(SkypilotState.of(handle).watchdog, dict):
             handle = self.save_state(handle, watchdog=timer)
-        handle = self.save_state(handle, cluster=cluster, lease_job=lease_job)
+        price = result.get("hourly_cost") if isinstance(result, dict) else None
+        handle = self.save_state(handle, cluster=cluster, lease_job=lease_job,
+                                 hourly_cost=price if isinstance(price, (int, float)) else None)  # fmt: skip
         record_cluster(self, handle)
         if isinstance(result.get("ssh_config"), str):  # the launch's helper wrote it
             self._ssh_config_written.add(cluster)
@@ -485,7 +493,8 @@ class SkypilotBackend(Backend):
         its tree goes when the cluster's lifetime ends (the cluster's setup
         ran once, at launch)."""
         left = self.lifetime_left(handle)
-        seconds = f"{max(left if left is not None else 0.0, 1.0):g}"
+        left = watchdog_seconds(handle, left if left is not None else 0.0, self.settings.grace_seconds)
+        seconds = f"{max(left, 1.0):g}"
         self.remote_run(handle).control("watchdog", seconds, what="arming the run's lifetime timer")
         return handle
 
@@ -774,6 +783,37 @@ class SkypilotBackend(Backend):
     def lifetime_left(cls, handle: RunHandle, now: float | None = None) -> float | None:
         return _remote_run.lifetime_left(SkypilotState.of(handle), now)
 
+    def lifetime_seconds(self) -> float | None:
+        return self.settings.transport.lifetime_minutes * 60
+
+    def machine_share(self, handle: RunHandle) -> float:
+        """A reused cluster's GPUs shared out among steps side by side: each holds one seat of it."""
+        return 1.0 / self.settings.seats(dict(handle.spec.resources))
+
+    def hourly_price(self, handle: RunHandle) -> float | None:
+        """SkyPilot's catalog price: of the cluster the run was given, as
+        the launch priced it (kept with a warm cluster for the runs that
+        claim it). Before the launch: the warm cluster's of the run's slot;
+        else, for a step with a cap only (whose price must be known before
+        anything is paid for), the resources' asked of SkyPilot, when its
+        catalog can price them (a cloud that has prices, and an instance
+        type). A step without a cap pays no call: its price is said once
+        its cluster is up."""
+        own = SkypilotState.of(handle)
+        if isinstance(own.lease_job, int):
+            return own.hourly_cost
+        warm = read_record(record_path(self, handle))
+        if warm is not None and isinstance(warm.get("hourly_cost"), (int, float)):
+            return float(warm["hourly_cost"])
+        resources = self.settings.resources(dict(handle.spec.resources))
+        if self.settings.max_cost is None:
+            return None
+        if cloud_of(resources.get("infra")) in (None, *UNPRICED_CLOUDS) or not resources.get("instance_type"):
+            return None
+        answer = self.sky().call("hourly_price", {"resources": resources})
+        price = answer.get("hourly_cost") if isinstance(answer, dict) else None
+        return float(price) if isinstance(price, (int, float)) and price > 0 else None
+
     def outputs_available(self, handle: RunHandle) -> bool:
         if self.settings.bucket is not None:
             from substrax_tasks.transports.bucket import BucketTransport
@@ -937,7 +977,7 @@ def record_cluster(backend: SkypilotBackend, handle: RunHandle) -> None:
     write_json_atomic(path, {
         "cluster": backend.cluster(handle), "deadline": deadline, "run_id": handle.run_id,
         "bin_digest": SkypilotState.of(handle).bin_digest, "lease_job": SkypilotState.of(handle).lease_job,
-        "job_home": SkypilotState.of(handle).job_home,
+        "job_home": SkypilotState.of(handle).job_home, "hourly_cost": SkypilotState.of(handle).hourly_cost,
     })  # fmt: skip
 
 
@@ -976,7 +1016,8 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
     if reason is None:
         timer = {"armed_at": time.time(), "seconds": left}  # the cluster's lifetime, counted from its launch
         warm = backend.save_state(handle, cluster=cluster, lease_job=record["lease_job"], watchdog=timer,
-                               job_home=record.get("job_home"))  # fmt: skip
+                                  job_home=record.get("job_home"),
+                                  hourly_cost=record.get("hourly_cost"))  # fmt: skip
         try:
             answer = backend.claim(warm)
         except SubstraxError as exc:

@@ -25,6 +25,8 @@ TABLE = f"{COMPUTE_TABLE}.backends.skypilot"
 NO_BUCKET_MOUNTS = frozenset({"runpod", "vast", "hyperbolic", "shadeform", "seeweb", "verda", "yotta"})
 # Clouds where SkyPilot cannot autodown: the node's own timer powers it off.
 NO_AUTODOWN = frozenset({"hyperbolic", "primeintellect", "verda", "yotta"})
+# Machines SkyPilot's catalog prices at 0 (it knows no price): hourly_cost prices them.
+UNPRICED_CLOUDS = frozenset({"kubernetes", "k8s", "slurm", "ssh"})
 WRITABLE_MODES = ("MOUNT", "MOUNT_CACHED")
 # SkyPilot's autodown idle: the cluster goes this long after its lease (its
 # one job) ended. The lease, not SkyPilot, keeps a cluster warm (idle_minutes).

@@ -23,6 +23,7 @@ class SkypilotState(RemoteState):
     # This attempt's cluster is on demand though use_spot = true: the last
     # relaunch preemptions= allow, with on_demand_last_attempt = true.
     on_demand: bool = False
+    hourly_cost: float | None = None  # the catalog's price of the cluster as launched (None: unknown)
     # A SkyPilot job per run, by releases before the lease: read in their
     # handles, never written now (launched_job reads either).
     job_id: int | None = None

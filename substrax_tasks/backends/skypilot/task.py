@@ -49,6 +49,7 @@ from substrax_tasks.errors import SubstraxError
 from substrax_tasks.hardlinks import link_tree
 from substrax_tasks.step.spec import safe_name
 from substrax_tasks.step.view import project_view
+from substrax_tasks.store.cost import cap_deadline
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
 
@@ -223,6 +224,7 @@ def worker_job(
         gpus=gpus,
         checkpoints_kept=layout.checkpoints_kept,
         timeout_spent=handle.state.command_seconds_spent(),  # a relaunch gets what is left
+        cap=cap_deadline(handle),
     )
     job["staging"] = layout.staging
     if layout.bucket_key is not None:  # the bucket transport fetches it with the outputs

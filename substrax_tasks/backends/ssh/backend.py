@@ -47,6 +47,7 @@ from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.slots import Pool
 from substrax_tasks.step.view import project_view
+from substrax_tasks.store.cost import cap_deadline, watchdog_seconds
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.transports.rsync import RsyncTransport
 
@@ -198,7 +199,8 @@ class SshBackend(Backend):
 
     def setup(self, handle: RunHandle) -> RunHandle:
         # The timer first: even if setup hangs, nothing outlives the lifetime.
-        seconds = str(self.settings.lifetime_minutes * 60)
+        lifetime, grace = self.settings.lifetime_minutes * 60, self.settings.grace_seconds
+        seconds = str(watchdog_seconds(handle, lifetime, grace))  # sooner if the cost cap comes first
         watchdog = self.remote_run(handle).control("watchdog", seconds, what="arming the lifetime timer")
         handle = self.save_state(handle, watchdog=watchdog)
         log = self.store.run_dir(handle.run_id) / "setup.log"
@@ -251,6 +253,7 @@ class SshBackend(Backend):
             gpus=own.gpus,
             checkpoints_kept=f"{run.run_dir}/work/checkpoints",
             timeout_spent=handle.state.command_seconds_spent(),
+            cap=cap_deadline(handle),
         )
         snapshots = self.snapshots(handle)
         if snapshots is not None:  # before the worker: the command reads them as it starts

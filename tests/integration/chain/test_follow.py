@@ -9,16 +9,13 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import shutil
 import signal
-import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 from dodo_helpers import (
     DOIT,
-    clean_env,
     doit_ok,
     make_project,
     popen_doit,
@@ -28,6 +25,7 @@ from dodo_helpers import (
     wait_for,
     write_pyproject,
 )
+from terminal import Terminal, needs_tmux
 
 STEPS = 6
 # Six steps, each printing two result lines and a last line with no newline
@@ -103,46 +101,11 @@ def test_a_serial_sweep_says_each_steps_place_and_time_unprefixed(tmp_path: Path
 
 # --------------------------------------------------------------- a terminal
 
-TMUX = shutil.which("tmux")
-needs_tmux = pytest.mark.skipif(
-    TMUX is None, reason="TERMINAL VIEW NOT TESTED: tmux is missing (make installs it)"
-)
-
-
-class Terminal:
-    """A tmux server of this test's own (its own socket name), one window of
-    200 columns, as a user's terminal."""
-
-    def __init__(self, cwd: Path) -> None:
-        self.socket = f"substrax-follow-{uuid.uuid4().hex[:8]}"
-        env = clean_env()
-        env.pop("NO_COLOR", None)
-        env["TERM"] = "xterm-256color"
-        self.tmux("new-session", "-d", "-x", "200", "-y", "100", "-c", str(cwd), "-s", "follow", env=env)
-
-    def tmux(self, *args: str, env: dict[str, str] | None = None) -> str:
-        done = subprocess.run(
-            [str(TMUX), "-L", self.socket, *args], capture_output=True, text=True, timeout=30, check=True,
-            env=env,
-        )  # fmt: skip
-        return done.stdout
-
-    def type(self, line: str) -> None:
-        self.tmux("send-keys", "-t", "follow", line, "Enter")
-
-    def screen(self) -> str:
-        """What the window shows and has scrolled past, with its colours."""
-        return self.tmux("capture-pane", "-t", "follow", "-p", "-e", "-J", "-S", "-2000")
-
-    def close(self) -> None:
-        subprocess.run([str(TMUX), "-L", self.socket, "kill-server"], capture_output=True, timeout=30,
-                       check=False)  # fmt: skip
-
 
 @needs_tmux
 def test_a_sweep_on_a_terminal_colours_each_steps_name(tmp_path: Path) -> None:
     root = sweep_project(tmp_path)
-    term = Terminal(root)
+    term = Terminal(root, "follow")
     try:
         term.type(f"{shlex.quote(str(DOIT))} -n 3 -P thread; echo doit-ended-$((0 + $?))")
         wait_for(lambda: re.search(r"doit-ended-\d", term.screen()), "doit to end in the terminal")

@@ -108,7 +108,7 @@ def test_status_of_one_run_and_of_an_unknown_run(project: Project) -> None:
 def test_status_with_no_runs(project_dir: Path) -> None:
     done = cli(project_dir, "status", "--json")
     assert done.returncode == 0
-    assert json.loads(done.stdout) == {"runs": [], "unreadable": [], "leaked": None}
+    assert json.loads(done.stdout) == {"runs": [], "groups": [], "unreadable": [], "leaked": None}
     looked = cli(project_dir, "status", "--machines", "--json")  # the local backend leaves nothing behind
     assert looked.returncode == 0 and json.loads(looked.stdout)["leaked"] == [], looked.stderr
 

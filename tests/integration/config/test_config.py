@@ -55,8 +55,8 @@ BAD_CONFIGS = [
         '[tool.substrax.compute.backends.local]\nsandbx = "none"\n',
         [
             "unknown key 'sandbx' in [tool.substrax.compute.backends.local]",
-            "valid keys: cache_dirs, grace_seconds, hide_gpus_when_unasked, keep_checkpoints, max_parallel, "
-            "network_isolation, pip_args, sandbox",
+            "valid keys: cache_dirs, grace_seconds, hide_gpus_when_unasked, hourly_cost, keep_checkpoints, "
+            "max_cost, max_parallel, network_isolation, pip_args, sandbox",
         ],
     ),
     (
@@ -180,7 +180,8 @@ def test_configured_values_are_used(project_dir: Path) -> None:
     project = Project.open(project_dir)
     configured = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5,
                   "cache_dirs": ["~/.cache/huggingface"], "max_parallel": None,
-                  "hide_gpus_when_unasked": False, "pip_args": [], "keep_checkpoints": False}  # fmt: skip
+                  "hide_gpus_when_unasked": False, "pip_args": [], "keep_checkpoints": False,
+                  "hourly_cost": None, "max_cost": None}  # fmt: skip
     assert project.settings_for() == ("local", configured)
     handle = project.submit(make_spec("configured", ["true"], project_dir))
     assert handle.settings == configured

@@ -302,11 +302,28 @@ def test_autodown_once_idle(home: Path) -> None:
     sky = client(home, FAKESKY_MINUTE_SECONDS="0.2", FAKESKY_SSH_HOST="127.0.0.1")
     request = {"task": task("sleep 1"), "cluster_name": "idle", "idle_minutes_to_autostop": 0}
     answer = sky.call("launch", request)
-    assert answer == {"job_id": 1}
+    assert answer == {"job_id": 1, "hourly_cost": None}  # aws with no instance type: priced by none
     assert sky.call("ssh_config", {"cluster_name": "idle"})["path"] is not None
     wait_until(lambda: sky.call("cluster_status", {"cluster_names": ["idle"]}) == [], "autodown")
     assert sky.call("ssh_config", {"cluster_name": "idle"}) == {"path": None}
     assert no_leftovers(home)  # the timer ended with the cluster
+
+
+def test_a_launch_answers_the_catalog_price_of_what_it_launched(home: Path) -> None:
+    """The launched cluster's price, from its status record's handle (as
+    `sky cost-report` prices it), comes back with the launch; and the price
+    of resources asked for, before a launch, when the catalog has one."""
+    sky = client(home)
+    config = task("true", resources={"infra": "aws", "instance_type": "p3.2xlarge"})
+    answer = sky.call("launch", {"task": config, "cluster_name": "priced", "down": False}, timeout=60)
+    assert answer == {"job_id": 1, "hourly_cost": 3.06}
+    spot = {"infra": "aws", "instance_type": "m6i.large", "use_spot": True}
+    assert sky.call("hourly_price", {"resources": spot}) == {"hourly_cost": 0.0372}
+    assert sky.call("hourly_price", {"resources": {"infra": "aws"}}) == {"hourly_cost": None}
+    assert sky.call("hourly_price", {"resources": {"infra": "slurm", "instance_type": "4CPU--16GB"}}) == {
+        "hourly_cost": None  # SkyPilot prices Slurm at 0: unknown
+    }
+    sky.call("down", {"cluster_name": "priced"}, timeout=60)
 
 
 def test_autostop_call_downs_an_idle_cluster(home: Path) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
-from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, starts
+from checkpoint_parts import count_step, kept_state, result_of, starts
 from dodo_helpers import compute, kill_pids, popen_doit, popen_output, show, stop, wait_for
+from preemption_parts import PAUSE, attempts_of, counted, counting_project, sshd_sessions
 from ssh_helpers import (
     live_handles,
     make_ssh_project,
@@ -25,44 +25,9 @@ from ssh_helpers import (
     only_handle,
     remote_run_dir,
 )
-from testbeds.sshd_host import SshHost, host_processes, kill_sshd, reboot, restart_sshd
+from testbeds.sshd_host import SshHost, kill_sshd, reboot, restart_sshd
 
 pytestmark = [needs_sshd, needs_root]
-
-PAUSE = 1.0  # one count a second
-EVERY = 0.5  # checkpoint_seconds: a snapshot at most one count behind
-
-
-def counting_project(tmp_path: Path, host: SshHost, body: str) -> Path:
-    # The remote root on the scratch disk, which a restart empties (a tmpfs, a spot VM's disk)
-    remote_root = str(host.scratch / f"remote-{tmp_path.name}")
-    return make_ssh_project(tmp_path, host, "def task_all():\n" + body, ["all"],
-                            files={"count.py": COUNT_PY, "data.txt": "one\n"},
-                            checkpoint_seconds=EVERY, remote_root=remote_root)  # fmt: skip
-
-
-def counted(root: Path, step: str, at_least: int) -> None:
-    wait_for(lambda: (kept_state(root, step) or {}).get("i", 0) >= at_least,
-             f"a snapshot of {at_least} counts brought home", timeout=120)  # fmt: skip
-
-
-def sshd_sessions(host: SshHost) -> list[int]:
-    """The sshd processes left of the host (its connections: one forked as
-    the listener died is no longer its child)."""
-    found = []
-    for pid in host_processes(host):
-        try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            continue
-        if name.startswith("sshd"):
-            found.append(pid)
-    return found
-
-
-def attempts_of(root: Path, step: str) -> list[dict[str, Any]]:
-    attempts: list[dict[str, Any]] = only_handle(root, step)["state"]["attempts"]
-    return attempts
 
 
 def test_a_host_restarted_mid_run_relaunches_it_from_the_last_snapshot(tmp_path: Path, host: SshHost) -> None:

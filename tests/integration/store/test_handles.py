@@ -49,7 +49,7 @@ def test_settings_stay_pinned_when_the_pyproject_changes(project_dir: Path, mark
     handle = project.submit(spec)  # no override: the settings come from pyproject.toml
     pinned = {"sandbox": "none", "network_isolation": False, "grace_seconds": 0.5, "cache_dirs": [],
               "max_parallel": None, "hide_gpus_when_unasked": False, "pip_args": [],
-              "keep_checkpoints": False}  # fmt: skip
+              "keep_checkpoints": False, "hourly_cost": None, "max_cost": None}  # fmt: skip
     assert handle.settings == pinned
     task_ready, child_ready = ready_files(outputs_root(project, handle), "child")
     wait_for(lambda: task_ready.exists() and child_ready.exists(), "the task tree to start")
@@ -144,7 +144,7 @@ def test_status_lists_good_runs_and_names_unreadable_ones(project: Project) -> N
 
     code, data, _ = status_json(project.root)
     assert code == 1
-    assert set(data) == {"runs", "unreadable", "leaked"}
+    assert set(data) == {"runs", "groups", "unreadable", "leaked"}
     assert [r["run_id"] for r in data["runs"]] == [h.run_id for h in good]
     for record in data["runs"]:
         assert {"run_id", "step", "backend", "state", "created_at"} <= set(record)

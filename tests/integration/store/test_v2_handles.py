@@ -55,10 +55,11 @@ def without_the_clock(status: str) -> tuple[dict[str, object], bool]:
     """`status --json` less the time its lifetime leaves (it runs down
     between two asks), and whether it gave one (read from the backend's
     state: a kept remote run has one); less what a version-2 handle never
-    recorded."""
+    recorded, and its machine time and cost (which a version-2 handle never
+    recorded either, and which run on while a kept run holds its machine)."""
     data = json.loads(status)
     left = data["runs"][0].pop("lifetime_left_seconds")
-    for key in SINCE_VERSION_2:
+    for key in (*SINCE_VERSION_2, "machine_seconds", "hourly_cost", "cost_usd", "max_cost"):
         data["runs"][0].pop(key)
     return data, isinstance(left, float)
 

@@ -109,7 +109,8 @@ def op_launch(request: Request) -> object:
         down=bool(request.get("down", True)),
     )
     _record_request(request, request_id, "launch")
-    return _launched(request, _wait(request, request_id))
+    launched = _launched(request, _wait(request, request_id))
+    return {**launched, "hourly_cost": launched_price(request["cluster_name"])}
 
 
 def _launched(request: Request, result: object) -> dict[str, object]:
@@ -128,11 +129,31 @@ def _launched(request: Request, result: object) -> dict[str, object]:
     return answer
 
 
+def launched_price(name: str) -> float | None:
+    """The catalog's price in USD an hour of the cluster `name` as launched:
+    its handle's launched resources on its nodes, as `sky cost-report`
+    prices them; None where the catalog lists none (SkyPilot prices
+    Kubernetes and Slurm at 0) or it cannot be read: a price is never
+    worth failing a launch that succeeded."""
+    try:
+        records = sky.get(sky.status(cluster_names=[name])) or []
+        handle = field(records[0], "handle") if records else None
+        launched = getattr(handle, "launched_resources", None)
+        if launched is None or not launched.is_launchable():
+            return None
+        price = float(launched.get_cost(3600)) * int(getattr(handle, "launched_nodes", 1) or 1)
+    except Exception:  # noqa: BLE001 - see above
+        return None
+    return price or None
+
+
 def op_wait_launch(request: Request) -> object:
     """Reattach to a launch request a killed client left running, by the
     id `launch` wrote down (a plain str: SkyPilot's RequestId is a str
     subclass typed by the request's result)."""
-    return _launched(request, _wait(request, request["request_id"]))
+    result = _launched(request, _wait(request, request["request_id"]))
+    name = request.get("cluster_name")
+    return {**result, "hourly_cost": launched_price(str(name))} if name else result
 
 
 def op_request_status(request: Request) -> object:
@@ -185,6 +206,19 @@ def field(record: object, name: str) -> object:
     if isinstance(record, dict):
         return record.get(name)
     return getattr(record, name, None)
+
+
+def op_hourly_price(request: Request) -> object:
+    """The catalog's price in USD an hour of the `resources` asked for,
+    the dearest of their choices, when each names a cloud and an instance
+    type (else none is known before SkyPilot's optimizer chooses)."""
+    choices = sky.Resources.from_yaml_config(request["resources"])
+    prices = []
+    for resources in choices if isinstance(choices, (set, list)) else [choices]:
+        if not resources.is_launchable():
+            return {"hourly_cost": None}
+        prices.append(float(resources.get_cost(3600)) * int(request.get("num_nodes", 1)))
+    return {"hourly_cost": (max(prices) if prices else 0.0) or None}
 
 
 def op_tail_logs(request: Request) -> object:
@@ -270,6 +304,7 @@ OPERATIONS: dict[str, Callable[[Request], object]] = {
     "tail_logs": op_tail_logs,
     "ssh_config": op_ssh_config,
     "validate": op_validate,
+    "hourly_price": op_hourly_price,
 }
 
 

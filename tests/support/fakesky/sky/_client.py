@@ -28,7 +28,7 @@ from sky._state import read_json, spawn, state_dir, write_json
 from sky._types import ClusterStatus, JobStatus, OptimizeTarget, Record, StatusRefreshMode
 from sky.server.common import RequestId
 from sky.server.requests.requests import RequestStatus
-from sky.task import Task
+from sky.task import Resources, Task
 
 _POLL = 0.05
 _FINAL = (RequestStatus.SUCCEEDED.value, RequestStatus.FAILED.value, RequestStatus.CANCELLED.value)
@@ -154,8 +154,18 @@ def _decode(name: str, result: Any) -> Any:
     if name == "queue":
         return [Record(**{**r, "status": JobStatus(r["status"])}) for r in result]
     if name == "status":
-        return [Record(**{**r, "status": ClusterStatus(r["status"])}) for r in result]
+        return [Record(**{**r, "status": ClusterStatus(r["status"]), "handle": _handle(r.get("handle"))})
+                for r in result]  # fmt: skip
     return result
+
+
+def _handle(raw: dict[str, Any] | None) -> Record | None:
+    """A cluster's handle as SkyPilot's client has it (a
+    CloudVmRayResourceHandle): the launched resources, an object, and nodes."""
+    if raw is None:
+        return None
+    launched = next(iter(Resources.from_yaml_config(raw["launched_resources"])))
+    return Record(launched_resources=launched, launched_nodes=int(raw["launched_nodes"]))
 
 
 def _exception(kind: str, message: str) -> Exception:

@@ -218,6 +218,8 @@ def _provision(state: Path, name: str, resources: Resources) -> dict[str, Any]:
                 "launched_at": None, "cluster_ever_up": False, "autostop": None, "timer": None,
                 "cloud": None if resources.cloud is None else repr(resources.cloud).lower(),
                 "resources_str": f"1x {resources.cloud or 'local'}({resources.infra or ''})",
+                # What was launched: the resources asked for (the fake chooses no instance type)
+                "resources": resources.to_yaml_config(),
             }  # fmt: skip
             (cluster_dir(state, name) / "home").mkdir(parents=True, exist_ok=True)
             remember_cluster_id(state, record["id"])
@@ -641,7 +643,8 @@ def cluster_records(
             continue
         autostop = record.get("autostop") or {}
         records.append({
-            "name": name, "launched_at": int(record.get("launched_at") or 0), "handle": None,
+            "name": name, "launched_at": int(record.get("launched_at") or 0),
+            "handle": launched_handle(record),
             "last_use": "sky launch", "status": record["status"],
             "autostop": int(autostop.get("idle_minutes", -1)), "to_down": bool(autostop.get("down")),
             "owner": None, "metadata": {}, "cluster_hash": record["id"],
@@ -651,3 +654,11 @@ def cluster_records(
             "resources_str": record.get("resources_str"),
         })  # fmt: skip
     return records
+
+
+def launched_handle(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The cluster's handle as the client decodes it (_client._decode):
+    what was launched, on how many nodes; none before the launch."""
+    if record.get("resources") is None or not record.get("cluster_ever_up"):
+        return None
+    return {"launched_resources": record["resources"], "launched_nodes": 1}

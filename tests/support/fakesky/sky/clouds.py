@@ -39,6 +39,16 @@ class CloudImplementationFeatures(enum.Enum):
 
 _F = CloudImplementationFeatures
 
+# A few rows of SkyPilot's catalogs (USD an hour: on demand, spot), enough
+# for the tests to price what they launch; SkyPilot prices the machines of
+# Kubernetes, Slurm and SSH node pools at 0 (it knows no price for them).
+CATALOG: dict[tuple[str, str], tuple[float, float]] = {
+    ("aws", "m6i.large"): (0.096, 0.0372),
+    ("aws", "p3.2xlarge"): (3.06, 0.9180),
+    ("gcp", "n2-standard-2"): (0.0971, 0.0235),
+}
+UNPRICED = frozenset({"kubernetes", "slurm", "ssh"})
+
 
 class Cloud:
     """A cloud; instances are what `resources.cloud` holds."""
@@ -63,6 +73,19 @@ class Cloud:
             raise exceptions.NotSupportedError(
                 f"The following features are not supported by {cls._REPR}:\n\t{rows}"
             )
+
+    def instance_type_to_hourly_cost(self, instance_type: str, use_spot: bool, region: str | None,
+                                     zone: str | None) -> float:  # fmt: skip
+        """The catalog's price of `instance_type`, USD an hour (CATALOG); 0
+        where SkyPilot lists none (Kubernetes, Slurm, SSH); a ValueError
+        for an instance type the catalog does not have, as SkyPilot's."""
+        name = self._REPR.lower()
+        if name in UNPRICED:
+            return 0.0
+        prices = CATALOG.get((name, instance_type))
+        if prices is None:
+            raise ValueError(f"Instance type {instance_type!r} not found in the {self._REPR} catalog.")
+        return prices[1] if use_spot else prices[0]
 
     def __repr__(self) -> str:
         return self._REPR

@@ -97,6 +97,23 @@ class Resources:
     def validate(self) -> None:
         """Offline there is nothing more to check (no catalogs)."""
 
+    def is_launchable(self) -> bool:
+        return self.cloud is not None and self.instance_type is not None
+
+    def get_cost(self, seconds: float) -> float:
+        """USD for `seconds` of this instance, from the catalog (clouds.CATALOG)."""
+        assert self.cloud is not None, "Cloud must be specified"
+        assert self.instance_type is not None, "Instance type must be specified"
+        hourly = self.cloud.instance_type_to_hourly_cost(self.instance_type, self.use_spot, self.region,
+                                                         self.zone)  # fmt: skip
+        return float(hourly * seconds / 3600)
+
+    @classmethod
+    def from_yaml_config(cls, config: dict[str, Any] | None) -> set[Resources] | list[Resources]:
+        """As SkyPilot's: a set of the choices, a list when they are `ordered`."""
+        choices = _resources_from_config(config)
+        return choices if config and "ordered" in config else set(choices)
+
     def to_yaml_config(self, redact_secrets: bool = False) -> dict[str, Any]:
         config = {k: v for k, v in vars(self).items() if v is not None and k != "autostop_config"}
         config.pop("cloud", None)

@@ -1,0 +1,197 @@
+"""What a run costs: its machine time and its price, and how much of its
+cap is left.
+
+One place computes a cost: `cost_of`, from a list of machine intervals
+(each a machine held from when it was asked for to when it was let go, at
+an hourly price). A run records the machine of its attempt going
+(`CoreState.machine`, read by `machine_intervals`); a run relaunched after
+losing its machine (`preemptions`) keeps each lost attempt's machine in
+`earlier`, from its launch to when it was found lost, at that attempt's
+price (`relaunched_record`): its cost and its cap cover every attempt.
+
+    state["machine"]   {"asked_at": EPOCH, "released_at": EPOCH | None,
+                        "hourly_cost": USD | None, "price_from": "hourly_cost" | "catalog" | None,
+                        "max_cost": USD | None,
+                        "earlier": [{"asked_at": EPOCH, "released_at": EPOCH, "hourly_cost": USD | None}]}
+
+Pure functions of the handle and the time: `status`, the report and the
+driver read the same figures.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from substrax_tasks.store.handle import RunHandle
+
+
+@dataclass(frozen=True)
+class MachineTime:
+    """One machine a run held: from `start` (asked for) to `end` (let go;
+    None while it is held), at `hourly_cost` USD an hour (None: unknown)."""
+
+    start: float
+    end: float | None
+    hourly_cost: float | None
+
+    def seconds(self, now: float) -> float:
+        return max(0.0, (now if self.end is None else self.end) - self.start)
+
+
+def machine_seconds(intervals: Iterable[MachineTime], now: float | None = None) -> float:
+    """The machine time of all `intervals`, those still held counted to `now`."""
+    at = time.time() if now is None else now
+    return sum(i.seconds(at) for i in intervals)
+
+
+def cost_of(intervals: Sequence[MachineTime], now: float | None = None) -> float | None:
+    """What `intervals` cost in USD, those still held counted to `now`;
+    None when one of them has no known price (a partial sum would look
+    like the whole)."""
+    if any(i.hourly_cost is None for i in intervals):
+        return None
+    at = time.time() if now is None else now
+    return sum(i.seconds(at) * float(i.hourly_cost or 0.0) / 3600.0 for i in intervals)
+
+
+def relaunched_record(record: dict[str, Any], now: float, hourly_cost: float | None) -> dict[str, Any]:
+    """The machine record of a run relaunched at `now`: the lost attempt's
+    machine held until now (it was found lost then: no later attempt pays
+    for it), kept in `earlier` at its own price; the new attempt's machine
+    asked for now at `hourly_cost` (a spot attempt and an on-demand last
+    one differ)."""
+    lost = {"asked_at": record["asked_at"], "released_at": now, "hourly_cost": record.get("hourly_cost")}
+    return {**record, "asked_at": now, "released_at": None, "hourly_cost": hourly_cost,
+            "earlier": [*earlier_records(record), lost]}  # fmt: skip
+
+
+def earlier_records(record: dict[str, Any]) -> list[dict[str, Any]]:
+    earlier = record.get("earlier")
+    return [m for m in earlier if isinstance(m, dict)] if isinstance(earlier, list) else []
+
+
+def _price(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def machine_record(handle: RunHandle) -> dict[str, Any] | None:
+    record = handle.state.machine
+    return record if isinstance(record, dict) and isinstance(record.get("asked_at"), (int, float)) else None
+
+
+def machine_intervals(handle: RunHandle, *, held_until: float | None = None) -> list[MachineTime]:
+    """The machines the run held, from its handle, one per attempt, oldest
+    first. One still held (no `released_at`) ends at `held_until` when given (the machine is known
+    gone, as when the run's lifetime timer took it down), else is open."""
+    record = machine_record(handle)
+    if record is None:
+        return []
+    lost = [MachineTime(float(m["asked_at"]), float(m["released_at"]), _price(m.get("hourly_cost")))
+            for m in earlier_records(record)]  # fmt: skip
+    released = _price(record.get("released_at"))
+    end = released if released is not None else held_until
+    return [*lost, MachineTime(float(record["asked_at"]), end, _price(record.get("hourly_cost")))]
+
+
+def run_cost(handle: RunHandle, *, held_until: float | None = None, now: float | None = None) -> float | None:
+    """What the run cost (so far, for a machine still held); None when its
+    price is not known or it never asked for a machine."""
+    intervals = machine_intervals(handle, held_until=held_until)
+    return cost_of(intervals, now) if intervals else None
+
+
+def cap_of(handle: RunHandle) -> float | None:
+    """The run's max_cost in USD, as pinned when it was launched."""
+    record = machine_record(handle)
+    cap = record.get("max_cost") if record is not None else None
+    return float(cap) if isinstance(cap, (int, float)) else None
+
+
+def usd(amount: float | None) -> str:
+    """$0.0123 (a short run costs cents: four places show it), "-" for unknown."""
+    if amount is None:
+        return "-"
+    return f"${amount:.2f}" if amount >= 100 else f"${amount:.4f}"
+
+
+@dataclass(frozen=True)
+class CapDeadline:
+    """When a run's cost reaches its cap, as the machine keeps it: the
+    worker's timeout ends the command then, with `message` as the reason."""
+
+    at: float  # epoch seconds
+    message: str
+
+
+def cap_message(cap: float, hourly_cost: float) -> str:
+    return (f"stopped: its cost reached max_cost = {usd(cap)} (at {usd(hourly_cost)}/h, machine time "
+            "from launch included); raise max_cost (a setting of the backend, or remote_step(max_cost=...)) "
+            "to let it run longer")  # fmt: skip
+
+
+def cap_deadline(handle: RunHandle, now: float | None = None) -> CapDeadline | None:
+    """The moment the run's cost so far reaches its cap, from the budget
+    left now; None without a cap or on a machine that costs nothing."""
+    cap = cap_of(handle)
+    intervals = machine_intervals(handle)
+    if cap is None or not intervals:
+        return None
+    at = time.time() if now is None else now
+    spent = cost_of(intervals, at)
+    price = intervals[-1].hourly_cost  # the machine held now
+    if spent is None or not price:
+        return None
+    left = max(0.0, cap - spent) / price * 3600.0
+    return CapDeadline(at + left, cap_message(cap, price))
+
+
+def worst_case(
+    hourly_cost: float, timeout: float | None, lifetime: float | None, attempts: int = 1
+) -> tuple[float, str] | None:
+    """The most a run can cost before its cap: its price over its timeout,
+    else over its machine's lifetime; None when neither bounds it.
+    `attempts`: 1 plus its preemptions. The timeout bounds the command's
+    time summed over all attempts, so it counts once (each relaunch adds
+    its machine's launch and setup, which no setting bounds: said, not
+    guessed); a lifetime is each machine's own, so it counts per attempt."""
+    if timeout is not None and math.isfinite(timeout):
+        said = f"its timeout of {clock_of(timeout)}"
+        if attempts > 1:
+            said += f" over up to {attempts} attempts, plus each relaunch's launch"
+        return hourly_cost * timeout / 3600.0, said
+    if lifetime is not None:
+        said = f"its machine's lifetime of {clock_of(lifetime)}"
+        if attempts > 1:
+            said += f" for each of up to {attempts} attempts"
+        return hourly_cost * lifetime * attempts / 3600.0, said
+    return None
+
+
+def clock_of(seconds: float) -> str:
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+# After the worker's timeout at the cap, the run's lifetime timer is the
+# backstop (a worker that died cannot stop its command): it fires once the
+# worker has had its grace to stop the tree, and this much more.
+CAP_BACKSTOP_SECONDS = 10.0
+
+
+def watchdog_seconds(
+    handle: RunHandle, lifetime: float, grace_seconds: float, now: float | None = None
+) -> float:
+    """The run's lifetime timer, armed now: its lifetime, or sooner when
+    its cap comes first (the machine keeps the cap with no client)."""
+    cap = cap_deadline(handle, now)
+    if cap is None:
+        return lifetime
+    at = time.time() if now is None else now
+    return min(lifetime, max(1.0, cap.at - at) + grace_seconds + CAP_BACKSTOP_SECONDS)
