@@ -21,7 +21,10 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from substrax_tasks.store.shared_machine import MachineLife, Piece, piece_of, read_life
 
 if TYPE_CHECKING:
     from substrax_tasks.store.handle import RunHandle
@@ -35,6 +38,7 @@ class MachineTime:
     start: float
     end: float | None
     hourly_cost: float | None
+    projected: bool = False  # `end` foreseen: a warm machine's keep-warm, the machine not yet seen gone
 
     def seconds(self, now: float) -> float:
         return max(0.0, (now if self.end is None else self.end) - self.start)
@@ -75,15 +79,33 @@ def machine_record(handle: RunHandle) -> dict[str, Any] | None:
 def machine_intervals(handle: RunHandle, *, held_until: float | None = None) -> list[MachineTime]:
     """The machines the run held, from its handle. One still held (no
     `released_at`) ends at `held_until` when given (the machine is known
-    gone, as when the run's lifetime timer took it down), else is open."""
+    gone, as when the run's lifetime timer took it down), else is open.
+    On a machine runs use in turn (a warm cluster), the run's piece of its
+    life (store/shared_machine.py)."""
     record = machine_record(handle)
     if record is None:
         return []
-    released = record.get("released_at")
-    end = float(released) if isinstance(released, (int, float)) else held_until
     price = record.get("hourly_cost")
     known = float(price) if isinstance(price, (int, float)) else None
+    piece = shared_piece(handle)
+    if piece is not None:
+        end = held_until if piece.end is None else piece.end
+        return [MachineTime(piece.start, end, known, piece.projected)]
+    released = record.get("released_at")
+    end = float(released) if isinstance(released, (int, float)) else held_until
     return [MachineTime(float(record["asked_at"]), end, known)]
+
+
+def shared_life(handle: RunHandle) -> MachineLife | None:
+    """The life of the machine the run used in turn with others, if it did."""
+    record = machine_record(handle)
+    path = record.get("shared_machine") if record is not None else None
+    return read_life(Path(path)) if isinstance(path, str) else None
+
+
+def shared_piece(handle: RunHandle) -> Piece | None:
+    life = shared_life(handle)
+    return piece_of(life, handle.run_id) if life is not None else None
 
 
 def run_cost(handle: RunHandle, *, held_until: float | None = None, now: float | None = None) -> float | None:
@@ -134,17 +156,26 @@ def cap_deadline(handle: RunHandle, now: float | None = None) -> CapDeadline | N
     price = intervals[-1].hourly_cost  # the machine held now
     if spent is None or not price:
         return None
-    left = max(0.0, cap - spent) / price * 3600.0
+    # A warm machine's keep-warm after the run is the run's to pay: kept back from its budget.
+    life = shared_life(handle)
+    ahead = life is not None and not any(i.projected for i in intervals)  # not counted in `spent` yet
+    keep_warm = price * life.idle_seconds / 3600.0 if life is not None and ahead else 0.0
+    left = max(0.0, cap - spent - keep_warm) / price * 3600.0
     return CapDeadline(at + left, cap_message(cap, price))
 
 
-def worst_case(hourly_cost: float, timeout: float | None, lifetime: float | None) -> tuple[float, str] | None:
+def worst_case(
+    hourly_cost: float, timeout: float | None, lifetime: float | None, keep_warm: float = 0.0
+) -> tuple[float, str] | None:
     """The most a run can cost before its cap: its price over its timeout,
-    else over its machine's lifetime; None when neither bounds it."""
+    else over its machine's lifetime, and over the keep-warm after it (a
+    warm machine's idle time, the last run's to pay); None when neither bounds it."""
+    warm = f" and its keep-warm of {clock_of(keep_warm)}" if keep_warm else ""
     if timeout is not None and math.isfinite(timeout):
-        return hourly_cost * timeout / 3600.0, f"its timeout of {clock_of(timeout)}"
+        return hourly_cost * (timeout + keep_warm) / 3600.0, f"its timeout of {clock_of(timeout)}{warm}"
     if lifetime is not None:
-        return hourly_cost * lifetime / 3600.0, f"its machine's lifetime of {clock_of(lifetime)}"
+        return (hourly_cost * (lifetime + keep_warm) / 3600.0,
+                f"its machine's lifetime of {clock_of(lifetime)}{warm}")  # fmt: skip
     return None
 
 
