@@ -7,6 +7,7 @@ ssh served by a real sshd in a network namespace."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -133,3 +134,61 @@ def test_a_step_on_a_warm_cluster_is_priced_as_the_cluster_was_launched(sky: Sky
     gone = sky.compute("gc", "--machines")
     assert gone.returncode == 0, gone.stderr
     assert sky.clusters() == []
+
+
+def cluster_life(sky: Sky, cluster: str) -> dict[str, Any]:
+    """The client's record of a warm cluster's life: its launch, each run's claim, its end."""
+    path = sky.root / ".substrax" / "slots" / "clusters" / f"{cluster}.json"
+    life: dict[str, Any] = json.loads(path.read_text())
+    return life
+
+
+def test_a_warm_clusters_whole_life_is_shared_out_among_the_runs_that_used_it(sky: Sky) -> None:
+    sky.project()
+    sky.env["FAKESKY_MINUTE_SECONDS"] = "2"
+    sky.configure(reuse=True, max_parallel=1, idle_minutes=60, infra="aws", instance_type="m6i.large")
+    write_ssh_dodo(sky.root, WARM, ["fit"])
+    before = time.time()
+    first = doit(sky.root, env=sky.env, timeout=180)
+    assert first.returncode == 0 and "launching cluster" in first.stdout, show(first)
+    # The worst case said before the launch counts the keep-warm the last run pays.
+    worst = "at most $0.0976 over its timeout of 1:00 and its keep-warm of 1:00:00"
+    assert worst in first.stdout, show(first)
+    time.sleep(3)  # the cluster waits warm: the first run's to pay, up to the next claim
+    (sky.root / "data" / "in.txt").write_text("edit\n")
+    again = doit(sky.root, env=sky.env, timeout=180)
+    assert again.returncode == 0 and "on warm cluster" in again.stdout, show(again)
+    [cluster] = sky.clusters()
+    life = cluster_life(sky, cluster)
+    launch, claim = life["claims"][0]["at"], life["claims"][1]["at"]
+    assert before <= launch and claim - launch > 3, life
+    cold, warm = status_runs_all(sky)
+    # The first run: from the launch to the second run's claim, the wait between them included.
+    assert cold["machine_seconds"] == pytest.approx(claim - launch)
+    assert cold["cost_usd"] == pytest.approx((claim - launch) * 0.096 / 3600) and not cold["cost_projected"]
+    # The last one: from its claim to the end of the keep-warm its release began, until the cluster is gone.
+    released = life["released"][warm["run_id"]]
+    assert warm["cost_projected"] is True, warm
+    assert warm["machine_seconds"] == pytest.approx(released + 3600 - claim)
+    table = sky.compute("status", "--all")
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.splitlines()[2].split()[-1] == f"~${warm['cost_usd']:.4f}", table.stdout
+    gone = sky.compute("gc", "--machines")
+    assert gone.returncode == 0, gone.stderr
+    after = time.time()
+    assert sky.clusters() == []
+    down = cluster_life(sky, cluster)["down_at"]
+    assert released < down < after, cluster_life(sky, cluster)
+    cold, warm = status_runs_all(sky)
+    assert warm["cost_projected"] is False and warm["machine_seconds"] == pytest.approx(down - claim)
+    # No gap, no overlap: the two runs together paid for the cluster's whole life, and no more.
+    assert cold["machine_seconds"] + warm["machine_seconds"] == pytest.approx(down - launch)
+    assert cold["cost_usd"] + warm["cost_usd"] == pytest.approx((down - launch) * 0.096 / 3600)
+    assert down - launch < after - before
+
+
+def status_runs_all(sky: Sky) -> list[dict[str, Any]]:
+    done = sky.compute("status", "--all", "--json")
+    assert done.returncode == 0, done.stderr
+    runs: list[dict[str, Any]] = json.loads(done.stdout)["runs"]
+    return sorted(runs, key=lambda r: str(r["created_at"]))
