@@ -192,3 +192,25 @@ def status_runs_all(sky: Sky) -> list[dict[str, Any]]:
     assert done.returncode == 0, done.stderr
     runs: list[dict[str, Any]] = json.loads(done.stdout)["runs"]
     return sorted(runs, key=lambda r: str(r["created_at"]))
+
+
+def test_a_capped_step_on_a_warm_cluster_keeps_its_keep_warm_back_from_its_budget(sky: Sky) -> None:
+    # p3.2xlarge is $3.06 an hour: the 2 min of keep-warm after the run cost $0.102 of its $0.15,
+    # so the command is stopped once the run has spent about $0.048, not $0.15.
+    capped_project(sky, 0.15, command="echo started; sleep 600", sandbox="none", infra="aws",
+                   instance_type="p3.2xlarge", reuse=True, max_parallel=1, idle_minutes=2)  # fmt: skip
+    sky.env["FAKESKY_MINUTE_SECONDS"] = "2"
+    done = doit(sky.root, env=sky.env, timeout=240)
+    assert done.returncode == 1, show(done)
+    # Its worst case counts the keep-warm too: $3.06 an hour over 10 + 2 min.
+    worst = "at most $0.6120 over its machine's lifetime of 10:00 and its keep-warm of 2:00"
+    assert worst in done.stdout, show(done)
+    said = done.stdout + done.stderr
+    assert "its cost reached max_cost = $0.1500" in said and "started" in said, show(done)
+    [run] = status_runs(sky)
+    assert run["state"] == "failed" and run["cost_projected"] is True, run
+    # What it spent and the keep-warm it pays, within the cap but for the seconds the stop took.
+    assert 0.15 <= run["cost_usd"] < 0.15 + 0.03, run
+    gone = sky.compute("gc", "--machines")
+    assert gone.returncode == 0, gone.stderr
+    assert sky.clusters() == []
