@@ -77,12 +77,30 @@ class Spent:
     projected: bool = False  # the cost of a warm cluster's last run, up to its keep-warm's foreseen end
 
 
-def spent(handle: RunHandle, status: RunStatus) -> Spent:
-    intervals = cost.machine_intervals(handle, held_until=machine_end(handle, status))
+def held(handle: RunHandle, status: RunStatus) -> list[cost.MachineTime]:
+    """The machines the run held, one per attempt (store/cost.py)."""
+    return cost.machine_intervals(handle, held_until=machine_end(handle, status))
+
+
+def spent(handle: RunHandle, status: RunStatus, intervals: list[cost.MachineTime] | None = None) -> Spent:
+    """The run's figures: over all its attempts' machines (`intervals`, read when not given)."""
+    intervals = held(handle, status) if intervals is None else intervals
     if not intervals:
         return Spent(None, None, None, None)
     return Spent(cost.machine_seconds(intervals), intervals[-1].hourly_cost, cost.cost_of(intervals),
                  cost.cap_of(handle), any(i.projected for i in intervals))  # fmt: skip
+
+
+def attempt_figures(handle: RunHandle, intervals: list[cost.MachineTime]) -> list[Spent | None]:
+    """Each attempt's machine time, price and cost, as `spent` counts the
+    run's (their sum): one machine per attempt (store/cost.py). None for
+    each where the machines do not match the attempts one to one (a free
+    machine records none; a handle from before either was recorded)."""
+    attempts = handle.state.attempts
+    if len(intervals) != len(attempts):
+        return [None] * len(attempts)
+    return [Spent(cost.machine_seconds([i]), i.hourly_cost, cost.cost_of([i]), None, i.projected)
+            for i in intervals]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -119,6 +137,7 @@ def group_line(total: GroupTotal) -> str:
 def run_record(handle: RunHandle, status: RunStatus, *, latest: bool) -> dict[str, Any]:
     """One run of `status --json`. Scripts read these keys: add new ones,
     never rename or drop one."""
+    intervals = held(handle, status)
     return {
         "run_id": handle.run_id,
         "step": handle.step,
@@ -133,10 +152,18 @@ def run_record(handle: RunHandle, status: RunStatus, *, latest: bool) -> dict[st
         "latest": latest,
         "lifetime_left_seconds": lifetime_left(handle),
         "gpus": status.gpus,
-        # each attempt of its command: machine, times, the checkpoints it started from, its end
-        "attempts": [a.model_dump(mode="json") for a in handle.state.attempts],
-        **cost_record(spent(handle, status)),
+        # each attempt of its command: machine, times, the checkpoints it started from, its end, its cost
+        "attempts": [a.model_dump(mode="json") | attempt_cost(f)
+                     for a, f in zip(handle.state.attempts, attempt_figures(handle, intervals), strict=True)],
+        **cost_record(spent(handle, status, intervals)),
     }
+
+
+def attempt_cost(figures: Spent | None) -> dict[str, Any]:
+    """An attempt's own machine time, price and cost in `status --json` (null: not known)."""
+    if figures is None:
+        return {"machine_seconds": None, "hourly_cost": None, "cost_usd": None}
+    return {"machine_seconds": figures.seconds, "hourly_cost": figures.hourly_cost, "cost_usd": figures.usd}
 
 
 def cost_record(figures: Spent) -> dict[str, Any]:
@@ -248,19 +275,22 @@ def print_status_table(rows: list[tuple[RunHandle, RunStatus]]) -> None:
 def attempt_lines(rows: list[tuple[RunHandle, RunStatus]], *, every_run: bool) -> list[str]:
     """Each attempt of the runs that were relaunched (`preemptions`), or of
     every run shown when `every_run` (a run named): where it ran, when, the
-    checkpoints it started from, how it ended."""
+    checkpoints it started from, how it ended, and on a priced machine its
+    machine time and cost (the run's cost in the table is their sum)."""
     lines = []
-    for handle, _status in rows:
+    for handle, status in rows:
         attempts = handle.state.attempts
         if len(attempts) < 2 and not (every_run and attempts):
             continue
-        for a in attempts:
+        for a, figures in zip(attempts, attempt_figures(handle, held(handle, status)), strict=True):
             ran = seconds_between(a.started_at, a.ended_at)
             lines.append(
                 f"run {handle.run_id} attempt {a.number} on {a.machine}: started {short_time(a.started_at)}"
                 f", ran {'-' if ran is None else clock(ran)}, {a.outcome or 'going'}"
                 + (f" ({a.message})" if a.message and a.outcome != "succeeded" else "")
                 + (f"; from {a.snapshot}" if a.snapshot else "; from no checkpoints")
+                + (f"; its machine {clock(figures.seconds or 0.0)}, cost {cost.usd(figures.usd)}"
+                   if figures is not None and figures.hourly_cost else "")
             )
     return lines
 

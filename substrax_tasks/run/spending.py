@@ -42,13 +42,14 @@ def priced(backend: Backend, handle: RunHandle) -> tuple[float | None, str | Non
 
 
 def before_launch(
-    run: DrivenRun, backend: Backend, handle: RunHandle
+    run: DrivenRun, backend: Backend, handle: RunHandle, *, attempts: int = 1
 ) -> tuple[RunHandle, dict[str, Any] | None]:
     """Price the run, say it and its worst case, refuse a cap that cannot
     be kept (no price known), and record the machine as asked for now;
     one that costs nothing (this machine) and has no cap is returned
     instead, to be recorded with the launch in the same write (a local
-    step's overhead is its handle's writes)."""
+    step's overhead is its handle's writes). `attempts`: 1 plus the step's
+    preemptions, for the worst case."""
     cap = getattr(backend.settings, "max_cost", None)
     cap = float(cap) if isinstance(cap, (int, float)) else None
     price, source = priced(backend, handle)
@@ -64,19 +65,20 @@ def before_launch(
     if price == 0.0 and cap is None:
         return handle, machine
     if price is not None:
-        emit(price_line(handle, backend, price, source, cap))
+        emit(price_line(handle, backend, price, source, cap, attempts=attempts))
     return run.save(handle, machine=machine), None
 
 
 def price_line(
-    handle: RunHandle, backend: Backend, price: float, source: str | None, cap: float | None
+    handle: RunHandle, backend: Backend, price: float, source: str | None, cap: float | None,
+    *, attempts: int = 1,
 ) -> str:
     """`train: $3.0600/h on skypilot; at most $18.3600 over its timeout of
     6:00:00; stopped at max_cost = $40.0000`"""
     said = f"{handle.step}: {cost.usd(price)}/h on {backend.name}"
     if source == "hourly_cost":
         said += " (hourly_cost)"
-    worst = cost.worst_case(price, handle.spec.timeout, backend.lifetime_seconds(),
+    worst = cost.worst_case(price, handle.spec.timeout, backend.lifetime_seconds(), attempts,
                             backend.keep_warm_seconds(handle))  # fmt: skip
     if worst is not None:
         said += f"; at most {cost.usd(worst[0])} over {worst[1]}"
@@ -107,6 +109,34 @@ def shared_machine(backend: Backend, handle: RunHandle, record: dict[str, Any]) 
     time is its piece of the machine's life: the record names that life."""
     life = backend.shared_machine(handle)
     return record if life is None else {**record, "shared_machine": str(life)}
+
+
+def before_relaunch(run: DrivenRun, handle: RunHandle) -> RunHandle:
+    """The lost attempt's machine ends now, when it was found lost; the
+    new attempt's is asked for now, at the same price until `after_launch`
+    reads the price of what was relaunched. Its cap is the run's: what
+    the earlier attempts spent is gone from it (store/cost.py)."""
+    record = cost.machine_record(handle)
+    if record is None or (record.get("hourly_cost") == 0.0 and cost.cap_of(handle) is None):
+        return handle  # a free machine: its time is its command's
+    return run.save(handle, machine=cost.relaunched_record(record, time.time(), record.get("hourly_cost")))
+
+
+def budget_spent(handle: RunHandle) -> str | None:
+    """Why a lost run is not relaunched for its cap: what its attempts
+    spent leaves no second of machine time at its price; None: it can be."""
+    cap = cost.cap_of(handle)
+    intervals = cost.machine_intervals(handle)
+    if cap is None or not intervals:
+        return None
+    now = time.time()
+    spent, price = cost.cost_of(intervals, now), intervals[-1].hourly_cost
+    if spent is None or not price or (cap - spent) / price * 3600.0 >= 1.0:
+        return None
+    return (f"its max_cost = {cost.usd(cap)} is spent ({cost.usd(spent)} over its {len(intervals)} "
+            "attempt(s), machine time from each launch included), so it is not relaunched; raise "
+            "max_cost (a setting of the backend, or remote_step(max_cost=...)) and run doit again "
+            "to run it anew")  # fmt: skip
 
 
 def stopped_at_cap(handle: RunHandle, status: RunStatus) -> str | None:

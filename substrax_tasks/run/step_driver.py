@@ -340,7 +340,7 @@ class StepDriver(DrivenRun):
             from substrax_tasks.run import spending  # a launch: not a no-op's path
             from substrax_tasks.store.handle import Attempt
 
-            handle, free = spending.before_launch(self, backend, handle)
+            handle, free = spending.before_launch(self, backend, handle, attempts=self.preemptions + 1)
             launched_at = timeline_now()
             launched = self.retrying("launch", lambda: backend.launch(handle))
             first = Attempt(number=1, machine=backend.ran_on(launched), launched_at=launched_at)
@@ -494,8 +494,8 @@ class StepDriver(DrivenRun):
             return
 
     def _not_relaunched(self, handle: RunHandle) -> str | None:
-        """Why a lost run is not relaunched (no preemption left, or its
-        timeout spent), with what to do; None: it is."""
+        """Why a lost run is not relaunched (no preemption left, its
+        timeout or its max_cost spent), with what to do; None: it is."""
         lost = max(len(handle.state.attempts), 1)  # attempts lost so far, this one included
         if lost > self.preemptions:
             if self.preemptions == 0:
@@ -506,7 +506,9 @@ class StepDriver(DrivenRun):
         timeout = self.spec.timeout
         if timeout is not None and handle.state.command_seconds_spent() >= timeout:
             return f"its timeout ({timeout:g} s over all its attempts) is spent"
-        return None
+        from substrax_tasks.run.spending import budget_spent  # a run lost: not a no-op's path
+
+        return budget_spent(handle)  # its max_cost, over all its attempts
 
     def _relaunch(self, backend: Backend, handle: RunHandle, lost: RunStatus | None) -> RunHandle:
         """A new attempt of the run on a new machine (Backend.relaunch),
@@ -530,7 +532,14 @@ class StepDriver(DrivenRun):
                  f"of at most {self.preemptions + 1}")  # fmt: skip
         number = attempts[-1].number
         handle = self.save(handle, attempts=[a.model_dump(mode="json") for a in attempts])
+        from substrax_tasks.run import spending
+
+        if lost is not None:  # the lost machine's time ends; the new one's starts (its cost, its cap)
+            handle = spending.before_relaunch(self, handle)
         relaunched = self.retrying("relaunch", lambda: backend.relaunch(handle))
+        # Priced as relaunched (an on-demand last attempt's price is not the spot one's); the budget
+        # left, at that price, is the new worker's timeout and lifetime timer (setup, start).
+        relaunched = spending.after_launch(self, backend, relaunched)
         set_up = self.retrying("setup", lambda: backend.setup(relaunched))
         synced = self.retrying("sync", lambda: backend.sync(set_up))
         snapshot = backend.snapshot_of(synced)

@@ -3,13 +3,16 @@ cap is left.
 
 One place computes a cost: `cost_of`, from a list of machine intervals
 (each a machine held from when it was asked for to when it was let go, at
-an hourly price). A run records one interval today (`CoreState.machine`,
-read by `machine_intervals`); a run relaunched after losing its machine
-adds one per attempt, and the sum is the same function's.
+an hourly price). A run records the machine of its attempt going
+(`CoreState.machine`, read by `machine_intervals`); a run relaunched after
+losing its machine (`preemptions`) keeps each lost attempt's machine in
+`earlier`, from its launch to when it was found lost, at that attempt's
+price (`relaunched_record`): its cost and its cap cover every attempt.
 
     state["machine"]   {"asked_at": EPOCH, "released_at": EPOCH | None,
                         "hourly_cost": USD | None, "price_from": "hourly_cost" | "catalog" | None,
-                        "max_cost": USD | None}
+                        "max_cost": USD | None,
+                        "earlier": [{"asked_at": EPOCH, "released_at": EPOCH, "hourly_cost": USD | None}]}
 
 Pure functions of the handle and the time: `status`, the report and the
 driver read the same figures.
@@ -60,15 +63,24 @@ def cost_of(intervals: Sequence[MachineTime], now: float | None = None) -> float
     return sum(i.seconds(at) * float(i.hourly_cost or 0.0) / 3600.0 for i in intervals)
 
 
-def relaunched_intervals(
-    starts: Sequence[float], released: float | None, hourly_cost: float | None
-) -> list[MachineTime]:
-    """The machines of a run relaunched after losing one: one per attempt,
-    each asked for at its start (`starts`, oldest first) and held until
-    the next attempt's machine was asked for (the lost one was gone by
-    then), the last until `released` (None: held still)."""
-    ends: list[float | None] = [*starts[1:], released]
-    return [MachineTime(start, end, hourly_cost) for start, end in zip(starts, ends, strict=True)]
+def relaunched_record(record: dict[str, Any], now: float, hourly_cost: float | None) -> dict[str, Any]:
+    """The machine record of a run relaunched at `now`: the lost attempt's
+    machine held until now (it was found lost then: no later attempt pays
+    for it), kept in `earlier` at its own price; the new attempt's machine
+    asked for now at `hourly_cost` (a spot attempt and an on-demand last
+    one differ)."""
+    lost = {"asked_at": record["asked_at"], "released_at": now, "hourly_cost": record.get("hourly_cost")}
+    return {**record, "asked_at": now, "released_at": None, "hourly_cost": hourly_cost,
+            "earlier": [*earlier_records(record), lost]}  # fmt: skip
+
+
+def earlier_records(record: dict[str, Any]) -> list[dict[str, Any]]:
+    earlier = record.get("earlier")
+    return [m for m in earlier if isinstance(m, dict)] if isinstance(earlier, list) else []
+
+
+def _price(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def machine_record(handle: RunHandle) -> dict[str, Any] | None:
@@ -77,23 +89,24 @@ def machine_record(handle: RunHandle) -> dict[str, Any] | None:
 
 
 def machine_intervals(handle: RunHandle, *, held_until: float | None = None) -> list[MachineTime]:
-    """The machines the run held, from its handle. One still held (no
-    `released_at`) ends at `held_until` when given (the machine is known
+    """The machines the run held, from its handle, one per attempt, oldest
+    first. One still held (no `released_at`) ends at `held_until` when given (the machine is known
     gone, as when the run's lifetime timer took it down), else is open.
-    On a machine runs use in turn (a warm cluster), the run's piece of its
-    life (store/shared_machine.py)."""
+    On a machine runs use in turn (a warm cluster), the attempt's machine
+    time is the run's piece of its life (store/shared_machine.py)."""
     record = machine_record(handle)
     if record is None:
         return []
-    price = record.get("hourly_cost")
-    known = float(price) if isinstance(price, (int, float)) else None
+    lost = [MachineTime(float(m["asked_at"]), float(m["released_at"]), _price(m.get("hourly_cost")))
+            for m in earlier_records(record)]  # fmt: skip
+    price = _price(record.get("hourly_cost"))
     piece = shared_piece(handle)
     if piece is not None:
         end = held_until if piece.end is None else piece.end
-        return [MachineTime(piece.start, end, known, piece.projected)]
-    released = record.get("released_at")
-    end = float(released) if isinstance(released, (int, float)) else held_until
-    return [MachineTime(float(record["asked_at"]), end, known)]
+        return [*lost, MachineTime(piece.start, end, price, piece.projected)]
+    released = _price(record.get("released_at"))
+    end = released if released is not None else held_until
+    return [*lost, MachineTime(float(record["asked_at"]), end, price)]
 
 
 def shared_life(handle: RunHandle) -> MachineLife | None:
@@ -165,17 +178,27 @@ def cap_deadline(handle: RunHandle, now: float | None = None) -> CapDeadline | N
 
 
 def worst_case(
-    hourly_cost: float, timeout: float | None, lifetime: float | None, keep_warm: float = 0.0
+    hourly_cost: float, timeout: float | None, lifetime: float | None, attempts: int = 1,
+    keep_warm: float = 0.0,
 ) -> tuple[float, str] | None:
     """The most a run can cost before its cap: its price over its timeout,
     else over its machine's lifetime, and over the keep-warm after it (a
-    warm machine's idle time, the last run's to pay); None when neither bounds it."""
+    warm machine's idle time, the last run's to pay); None when neither
+    bounds it. `attempts`: 1 plus its preemptions. The timeout bounds the
+    command's time summed over all attempts, so it counts once (each
+    relaunch adds its machine's launch and setup, which no setting bounds:
+    said, not guessed); a lifetime is each machine's own, so it counts per attempt."""
     warm = f" and its keep-warm of {clock_of(keep_warm)}" if keep_warm else ""
     if timeout is not None and math.isfinite(timeout):
-        return hourly_cost * (timeout + keep_warm) / 3600.0, f"its timeout of {clock_of(timeout)}{warm}"
+        said = f"its timeout of {clock_of(timeout)}"
+        if attempts > 1:
+            said += f" over up to {attempts} attempts, plus each relaunch's launch"
+        return hourly_cost * (timeout + keep_warm) / 3600.0, said + warm
     if lifetime is not None:
-        return (hourly_cost * (lifetime + keep_warm) / 3600.0,
-                f"its machine's lifetime of {clock_of(lifetime)}{warm}")  # fmt: skip
+        said = f"its machine's lifetime of {clock_of(lifetime)}"
+        if attempts > 1:
+            said += f" for each of up to {attempts} attempts"
+        return hourly_cost * (lifetime * attempts + keep_warm) / 3600.0, said + warm
     return None
 
 

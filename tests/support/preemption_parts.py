@@ -1,7 +1,8 @@
 """What the ssh preemption tests share (test_ssh_preemptions.py, and the
 cost of a preempted run in test_ssh_preempted_cost.py): a counting step's
 project on the namespace host's scratch disk, which a restart empties, and
-how to read its snapshots and attempts.
+how to read its snapshots and attempts, and the sshd sessions a host
+silent for a while must lose.
 
 Not collected by pytest (the name does not start with test_).
 """
@@ -14,7 +15,7 @@ from typing import Any
 from checkpoint_parts import COUNT_PY, kept_state
 from dodo_helpers import wait_for
 from ssh_helpers import make_ssh_project, only_handle
-from testbeds.sshd_host import SshHost
+from testbeds.sshd_host import SshHost, host_processes
 
 PAUSE = 1.0  # one count a second
 EVERY = 0.5  # checkpoint_seconds: a snapshot at most one count behind
@@ -37,3 +38,17 @@ def counted(root: Path, step: str, at_least: int) -> None:
 def attempts_of(root: Path, step: str) -> list[dict[str, Any]]:
     attempts: list[dict[str, Any]] = only_handle(root, step)["state"]["attempts"]
     return attempts
+
+
+def sshd_sessions(host: SshHost) -> list[int]:
+    """The sshd processes left of the host (its connections: one forked as
+    the listener died is no longer its child)."""
+    found = []
+    for pid in host_processes(host):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("sshd"):
+            found.append(pid)
+    return found

@@ -38,12 +38,20 @@ def test_a_cost_sums_every_interval_at_its_own_price() -> None:
 
 
 @pytest.mark.unit
-def test_a_relaunched_runs_machines_are_one_interval_per_attempt() -> None:
-    # Lost at 100 (its relaunch asked for a machine then), released at 250.
-    intervals = cost.relaunched_intervals([0.0, 100.0], 250.0, 36.0)
-    assert intervals == [MachineTime(0.0, 100.0, 36.0), MachineTime(100.0, 250.0, 36.0)]
-    assert cost.cost_of(intervals) == pytest.approx(2.5)
-    assert cost.relaunched_intervals([0.0], None, 36.0) == [MachineTime(0.0, None, 36.0)]
+def test_a_relaunched_runs_machines_are_one_interval_per_attempt_at_its_own_price() -> None:
+    # Launched at 0 on spot at $36/h, found lost at 100; relaunched on demand at $72/h, let go at 150.
+    first = {"asked_at": 0.0, "released_at": None, "hourly_cost": 36.0, "max_cost": 4.0}
+    relaunched = cost.relaunched_record(first, 100.0, 72.0)
+    assert relaunched["earlier"] == [{"asked_at": 0.0, "released_at": 100.0, "hourly_cost": 36.0}]
+    handle = handle_with({**relaunched, "released_at": 150.0})
+    assert cost.machine_intervals(handle) == [MachineTime(0.0, 100.0, 36.0), MachineTime(100.0, 150.0, 72.0)]
+    assert cost.run_cost(handle) == pytest.approx(1.0 + 1.0)
+    # The cap is the run's: at 120 the attempts spent $1.40 of $4, which lasts 130 s more at $72/h.
+    deadline = cost.cap_deadline(handle_with(relaunched), now=120.0)
+    assert deadline is not None and deadline.at == pytest.approx(120.0 + 130.0)
+    # A third attempt keeps both earlier machines.
+    third = cost.relaunched_record(relaunched, 200.0, 36.0)
+    assert [m["released_at"] for m in third["earlier"]] == [100.0, 200.0]
 
 
 @pytest.mark.unit
@@ -87,6 +95,11 @@ def test_the_worst_case_is_the_price_over_the_timeout_else_the_lifetime() -> Non
     assert cost.worst_case(3.0, 1800.0, 7200.0) == (1.5, "its timeout of 30:00")
     assert cost.worst_case(3.0, None, 7200.0) == (6.0, "its machine's lifetime of 2:00:00")
     assert cost.worst_case(3.0, None, None) is None
+    # Over three attempts: the timeout bounds the command's time over them all; a lifetime is each machine's.
+    assert cost.worst_case(3.0, 1800.0, 7200.0, 3) == (
+        1.5, "its timeout of 30:00 over up to 3 attempts, plus each relaunch's launch")
+    assert cost.worst_case(3.0, None, 7200.0, 3) == (
+        18.0, "its machine's lifetime of 2:00:00 for each of up to 3 attempts")
 
 
 @pytest.mark.unit

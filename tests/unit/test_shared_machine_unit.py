@@ -100,6 +100,6 @@ def test_a_cluster_seen_gone_went_at_the_latest_when_its_keep_warm_ended(tmp_pat
 
 @pytest.mark.unit
 def test_the_worst_case_on_a_warm_cluster_adds_its_keep_warm() -> None:
-    worst = cost.worst_case(3.6, 3600.0, None, IDLE)
+    worst = cost.worst_case(3.6, 3600.0, None, keep_warm=IDLE)
     assert worst is not None and worst[0] == pytest.approx(3.9)
     assert worst[1] == "its timeout of 1:00:00 and its keep-warm of 5:00"

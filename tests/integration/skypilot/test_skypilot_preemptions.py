@@ -220,3 +220,30 @@ def test_on_demand_last_attempt_without_use_spot_is_refused_with_the_fix(sky: Sk
     assert done.returncode == 1, said
     assert "on_demand_last_attempt" in said and "set use_spot = true" in said, said
     assert not (sky.home / ".fakesky" / "requests").exists()
+
+
+def test_a_spot_attempt_and_its_on_demand_relaunch_are_each_priced_as_launched(sky: Sky, marker: str) -> None:
+    # m6i.large in the fake's catalog: one price on demand, a lower one on spot.
+    counting(sky, marker, preemptions=1, use_spot=True, on_demand_last_attempt=True, infra="aws",
+             instance_type="m6i.large")  # fmt: skip
+    proc = popen_doit(sky.root, env=sky.env)
+    try:
+        preempt(sky, running_cluster(sky, marker)[0])
+        code = proc.wait(timeout=300)
+    finally:
+        stop(proc)
+    said = popen_output(sky.root)
+    assert code == 0, said
+    done = sky.compute("status", "--json")
+    assert done.returncode == 0, done.stderr
+    [run] = json.loads(done.stdout)["runs"]
+    spot, on_demand = run["attempts"]
+    assert (spot["outcome"], on_demand["outcome"]) == ("lost", "succeeded"), run["attempts"]
+    assert on_demand["hourly_cost"] == pytest.approx(0.096), on_demand
+    assert 0 < spot["hourly_cost"] < on_demand["hourly_cost"], spot
+    # The run costs both machines, each at its own price; the price it shows is the machine's it holds last.
+    assert run["cost_usd"] == pytest.approx(spot["cost_usd"] + on_demand["cost_usd"])
+    assert spot["cost_usd"] == pytest.approx(spot["machine_seconds"] * spot["hourly_cost"] / 3600)
+    assert run["machine_seconds"] == pytest.approx(spot["machine_seconds"] + on_demand["machine_seconds"])
+    assert run["hourly_cost"] == pytest.approx(0.096)
+    assert "$0.0960/h on skypilot" in said and "(as launched)" in said, said
