@@ -1008,7 +1008,7 @@ def cluster_gone(backend: SkypilotBackend, cluster: str) -> bool:
 
 def life_path(backend: SkypilotBackend, cluster: str) -> Path:
     """The record of a warm cluster's life and the runs that used it (kept after it goes: their cost)."""
-    return backend.store.slots_dir("clusters") / f"{cluster}.json"
+    return backend.store.machine_life(cluster)
 
 
 def asked_at(handle: RunHandle) -> float:

@@ -138,7 +138,7 @@ def test_a_step_on_a_warm_cluster_is_priced_as_the_cluster_was_launched(sky: Sky
 
 def cluster_life(sky: Sky, cluster: str) -> dict[str, Any]:
     """The client's record of a warm cluster's life: its launch, each run's claim, its end."""
-    path = sky.root / ".substrax" / "slots" / "clusters" / f"{cluster}.json"
+    path = sky.root / ".substrax" / "machines" / f"{cluster}.json"
     life: dict[str, Any] = json.loads(path.read_text())
     return life
 
