@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from dodo_helpers import doit, show
-from sky_beds import COMMAND, Sky
+from sky_beds import COMMAND, Sky, two_gpu_python
 from ssh_helpers import needs_root, needs_sshd, only_handle, write_ssh_dodo
 
 pytestmark = [needs_sshd, needs_root]
@@ -214,3 +214,37 @@ def test_a_capped_step_on_a_warm_cluster_keeps_its_keep_warm_back_from_its_budge
     gone = sky.compute("gc", "--machines")
     assert gone.returncode == 0, gone.stderr
     assert sky.clusters() == []
+
+
+PAIR = """
+def task_fit():
+    for name in ("a", "b"):
+        yield from remote_step(
+            f"fit:{name}", outputs=[f"fit-{name}.txt"], timeout=60, resources={"accelerators": "A100:1"},
+            shell=f"echo {name} > fit-{name}.txt",
+        )
+"""
+
+
+def test_steps_side_by_side_on_a_warm_cluster_each_pay_their_seats_share_of_its_life(sky: Sky) -> None:
+    # "A100:2" shared out as "A100:1": two seats at $1.00 an hour each of the cluster's $2.00.
+    sky.project()
+    sky.env["FAKESKY_MINUTE_SECONDS"] = "2"
+    sky.configure(reuse=True, max_parallel=2, idle_minutes=60, accelerators="A100:2", hourly_cost=2.0,
+                  sandbox="none", python=two_gpu_python(sky.base))  # fmt: skip
+    write_ssh_dodo(sky.root, PAIR, ["fit"])
+    done = doit(sky.root, "-n", "2", "-P", "thread", env=sky.env, timeout=180)
+    assert done.returncode == 0, show(done)
+    [cluster] = sky.clusters()
+    gone = sky.compute("gc", "--machines")
+    assert gone.returncode == 0, gone.stderr
+    assert sky.clusters() == []
+    life = cluster_life(sky, cluster)
+    whole = life["down_at"] - life["claims"][0]["at"]
+    assert sorted(c["seat"] for c in life["claims"]) == [0, 1], life
+    a, b = status_runs_all(sky)
+    # Each the first in its seat: from the launch to the cluster going, at its seat's share.
+    for run in (a, b):
+        assert run["hourly_cost"] == pytest.approx(1.0) and not run["cost_projected"], run
+        assert run["machine_seconds"] == pytest.approx(whole), (run, life)
+    assert a["cost_usd"] + b["cost_usd"] == pytest.approx(whole * 2.0 / 3600)
