@@ -153,7 +153,7 @@ def test_steps_json_says_the_same(every_state: tuple[Path, Path]) -> None:
     row = next(line for line in table.stdout.splitlines() if line.startswith(ran_id))
     assert TENTHS.match(ROW.split(row)[-1]), row
     status = json.loads(compute(root, "status", "--json").stdout)
-    assert set(status) == {"runs", "unreadable", "leaked"}
+    assert set(status) == {"runs", "groups", "unreadable", "leaked"}
 
 
 @needs_bwrap
