@@ -192,6 +192,18 @@ class Backend(ABC):
         cluster's GPUs shared out, one seat each)."""
         return 1.0
 
+    def shared_machine(self, handle: RunHandle) -> Path | None:
+        """The record of the life of the machine the run was given, when
+        runs use it in turn (store/shared_machine.py: a reused SkyPilot
+        cluster): the run is charged its piece of that life. None: the
+        machine is the run's alone."""
+        return None
+
+    def keep_warm_seconds(self, handle: RunHandle) -> float:
+        """How long the run's machine may stay up, waiting warm for the next
+        step, after the run: the last run on it pays that. 0: it goes with the run."""
+        return 0.0
+
     def lifetime_seconds(self) -> float | None:
         """How long a run's machine may live (its lifetime timer), for the
         worst case said before a launch; None: no timer bounds it."""

@@ -74,6 +74,7 @@ class Spent:
     hourly_cost: float | None
     usd: float | None
     cap: float | None
+    projected: bool = False  # the cost of a warm cluster's last run, up to its keep-warm's foreseen end
 
 
 def held(handle: RunHandle, status: RunStatus) -> list[cost.MachineTime]:
@@ -87,7 +88,7 @@ def spent(handle: RunHandle, status: RunStatus, intervals: list[cost.MachineTime
     if not intervals:
         return Spent(None, None, None, None)
     return Spent(cost.machine_seconds(intervals), intervals[-1].hourly_cost, cost.cost_of(intervals),
-                 cost.cap_of(handle))  # fmt: skip
+                 cost.cap_of(handle), any(i.projected for i in intervals))  # fmt: skip
 
 
 def attempt_figures(handle: RunHandle, intervals: list[cost.MachineTime]) -> list[Spent | None]:
@@ -98,7 +99,8 @@ def attempt_figures(handle: RunHandle, intervals: list[cost.MachineTime]) -> lis
     attempts = handle.state.attempts
     if len(intervals) != len(attempts):
         return [None] * len(attempts)
-    return [Spent(cost.machine_seconds([i]), i.hourly_cost, cost.cost_of([i]), None) for i in intervals]
+    return [Spent(cost.machine_seconds([i]), i.hourly_cost, cost.cost_of([i]), None, i.projected)
+            for i in intervals]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,7 @@ def attempt_cost(figures: Spent | None) -> dict[str, Any]:
 
 def cost_record(figures: Spent) -> dict[str, Any]:
     return {"machine_seconds": figures.seconds, "hourly_cost": figures.hourly_cost, "cost_usd": figures.usd,
-            "max_cost": figures.cap}  # fmt: skip
+            "max_cost": figures.cap, "cost_projected": figures.projected}  # fmt: skip
 
 
 def status_json(
@@ -294,5 +296,7 @@ def attempt_lines(rows: list[tuple[RunHandle, RunStatus]], *, every_run: bool) -
 
 
 def cost_cell(figures: Spent) -> str:
-    """$0.0123, with its cap where it has one: $0.0123/$0.0500."""
-    return cost.usd(figures.usd) + (f"/{cost.usd(figures.cap)}" if figures.cap is not None else "")
+    """$0.0123, with its cap where it has one: $0.0123/$0.0500; ~$0.0123 projected (a warm
+    cluster's last run, its keep-warm counted to its foreseen end)."""
+    said = cost.usd(figures.usd) + (f"/{cost.usd(figures.cap)}" if figures.cap is not None else "")
+    return f"~{said}" if figures.projected and figures.usd is not None else said

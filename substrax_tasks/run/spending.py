@@ -78,7 +78,8 @@ def price_line(
     said = f"{handle.step}: {cost.usd(price)}/h on {backend.name}"
     if source == "hourly_cost":
         said += " (hourly_cost)"
-    worst = cost.worst_case(price, handle.spec.timeout, backend.lifetime_seconds(), attempts)
+    worst = cost.worst_case(price, handle.spec.timeout, backend.lifetime_seconds(), attempts,
+                            backend.keep_warm_seconds(handle))  # fmt: skip
     if worst is not None:
         said += f"; at most {cost.usd(worst[0])} over {worst[1]}"
     if cap is not None:
@@ -91,14 +92,23 @@ def after_launch(run: DrivenRun, backend: Backend, handle: RunHandle) -> RunHand
     was launched (the provider may have chosen another instance than the
     estimate's, or the estimate knew none before its optimizer chose)."""
     record = cost.machine_record(handle)
-    if record is None or record.get("price_from") == "hourly_cost":
+    if record is None:
         return handle
-    launched = backend.hourly_price(handle)
-    price = None if not launched else launched * backend.machine_share(handle)
-    if price is None or price == record.get("hourly_cost"):
-        return handle
-    emit(price_line(handle, backend, price, "catalog", cost.cap_of(handle)) + " (as launched)")
-    return run.save(handle, machine={**record, "hourly_cost": price, "price_from": "catalog"})
+    record = shared_machine(backend, handle, record)
+    if record.get("price_from") != "hourly_cost":
+        launched = backend.hourly_price(handle)
+        price = None if not launched else launched * backend.machine_share(handle)
+        if price is not None and price != record.get("hourly_cost"):
+            emit(price_line(handle, backend, price, "catalog", cost.cap_of(handle)) + " (as launched)")
+            record = {**record, "hourly_cost": price, "price_from": "catalog"}
+    return handle if record == cost.machine_record(handle) else run.save(handle, machine=record)
+
+
+def shared_machine(backend: Backend, handle: RunHandle, record: dict[str, Any]) -> dict[str, Any]:
+    """On a machine runs use in turn (a warm cluster), the run's machine
+    time is its piece of the machine's life: the record names that life."""
+    life = backend.shared_machine(handle)
+    return record if life is None else {**record, "shared_machine": str(life)}
 
 
 def before_relaunch(run: DrivenRun, handle: RunHandle) -> RunHandle:

@@ -24,7 +24,10 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from substrax_tasks.store.shared_machine import MachineLife, Piece, piece_of, read_life
 
 if TYPE_CHECKING:
     from substrax_tasks.store.handle import RunHandle
@@ -38,6 +41,7 @@ class MachineTime:
     start: float
     end: float | None
     hourly_cost: float | None
+    projected: bool = False  # `end` foreseen: a warm machine's keep-warm, the machine not yet seen gone
 
     def seconds(self, now: float) -> float:
         return max(0.0, (now if self.end is None else self.end) - self.start)
@@ -87,15 +91,34 @@ def machine_record(handle: RunHandle) -> dict[str, Any] | None:
 def machine_intervals(handle: RunHandle, *, held_until: float | None = None) -> list[MachineTime]:
     """The machines the run held, from its handle, one per attempt, oldest
     first. One still held (no `released_at`) ends at `held_until` when given (the machine is known
-    gone, as when the run's lifetime timer took it down), else is open."""
+    gone, as when the run's lifetime timer took it down), else is open.
+    On a machine runs use in turn (a warm cluster), the attempt's machine
+    time is the run's piece of its life (store/shared_machine.py)."""
     record = machine_record(handle)
     if record is None:
         return []
     lost = [MachineTime(float(m["asked_at"]), float(m["released_at"]), _price(m.get("hourly_cost")))
             for m in earlier_records(record)]  # fmt: skip
+    price = _price(record.get("hourly_cost"))
+    piece = shared_piece(handle)
+    if piece is not None:
+        end = held_until if piece.end is None else piece.end
+        return [*lost, MachineTime(piece.start, end, price, piece.projected)]
     released = _price(record.get("released_at"))
     end = released if released is not None else held_until
-    return [*lost, MachineTime(float(record["asked_at"]), end, _price(record.get("hourly_cost")))]
+    return [*lost, MachineTime(float(record["asked_at"]), end, price)]
+
+
+def shared_life(handle: RunHandle) -> MachineLife | None:
+    """The life of the machine the run used in turn with others, if it did."""
+    record = machine_record(handle)
+    path = record.get("shared_machine") if record is not None else None
+    return read_life(Path(path)) if isinstance(path, str) else None
+
+
+def shared_piece(handle: RunHandle) -> Piece | None:
+    life = shared_life(handle)
+    return piece_of(life, handle.run_id) if life is not None else None
 
 
 def run_cost(handle: RunHandle, *, held_until: float | None = None, now: float | None = None) -> float | None:
@@ -146,29 +169,36 @@ def cap_deadline(handle: RunHandle, now: float | None = None) -> CapDeadline | N
     price = intervals[-1].hourly_cost  # the machine held now
     if spent is None or not price:
         return None
-    left = max(0.0, cap - spent) / price * 3600.0
+    # A warm machine's keep-warm after the run is the run's to pay: kept back from its budget.
+    life = shared_life(handle)
+    ahead = life is not None and not any(i.projected for i in intervals)  # not counted in `spent` yet
+    keep_warm = price * life.idle_seconds / 3600.0 if life is not None and ahead else 0.0
+    left = max(0.0, cap - spent - keep_warm) / price * 3600.0
     return CapDeadline(at + left, cap_message(cap, price))
 
 
 def worst_case(
-    hourly_cost: float, timeout: float | None, lifetime: float | None, attempts: int = 1
+    hourly_cost: float, timeout: float | None, lifetime: float | None, attempts: int = 1,
+    keep_warm: float = 0.0,
 ) -> tuple[float, str] | None:
     """The most a run can cost before its cap: its price over its timeout,
-    else over its machine's lifetime; None when neither bounds it.
-    `attempts`: 1 plus its preemptions. The timeout bounds the command's
-    time summed over all attempts, so it counts once (each relaunch adds
-    its machine's launch and setup, which no setting bounds: said, not
-    guessed); a lifetime is each machine's own, so it counts per attempt."""
+    else over its machine's lifetime, and over the keep-warm after it (a
+    warm machine's idle time, the last run's to pay); None when neither
+    bounds it. `attempts`: 1 plus its preemptions. The timeout bounds the
+    command's time summed over all attempts, so it counts once (each
+    relaunch adds its machine's launch and setup, which no setting bounds:
+    said, not guessed); a lifetime is each machine's own, so it counts per attempt."""
+    warm = f" and its keep-warm of {clock_of(keep_warm)}" if keep_warm else ""
     if timeout is not None and math.isfinite(timeout):
         said = f"its timeout of {clock_of(timeout)}"
         if attempts > 1:
             said += f" over up to {attempts} attempts, plus each relaunch's launch"
-        return hourly_cost * timeout / 3600.0, said
+        return hourly_cost * (timeout + keep_warm) / 3600.0, said + warm
     if lifetime is not None:
         said = f"its machine's lifetime of {clock_of(lifetime)}"
         if attempts > 1:
             said += f" for each of up to {attempts} attempts"
-        return hourly_cost * lifetime * attempts / 3600.0, said
+        return hourly_cost * (lifetime * attempts + keep_warm) / 3600.0, said + warm
     return None
 
 

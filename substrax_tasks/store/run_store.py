@@ -156,6 +156,11 @@ class RunStore:
     def slots_dir(self, pool: str) -> Path:
         return self.root / "slots" / safe_name(pool)
 
+    def machine_life(self, machine: str) -> Path:
+        """The record of a machine runs used in turn (store/shared_machine.py),
+        kept after it is gone: its runs' costs are read from it."""
+        return self.root / "machines" / f"{safe_name(machine)}.json"
+
     @property
     def client_id_file(self) -> Path:
         return self.root / CLIENT_ID_FILE

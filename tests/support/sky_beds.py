@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -137,3 +138,22 @@ def sky(tmp_path: Path, cluster_host: SshHost) -> Iterator[Sky]:
         cleanup(made.home)
         remove_job_homes(made.home)
     assert leftovers(made.home) == [], "the fake left processes running"
+
+
+FAKE_SMI = """#!/bin/sh
+[ "$1" = "-L" ] || exit 2
+echo "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-1d6e2b7a-0000-0000-0000-000000000000)"
+echo "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-9a41c3f0-0000-0000-0000-000000000000)"
+"""
+
+
+def two_gpu_python(base: Path) -> str:
+    """The cluster's python3, with a fake `nvidia-smi` listing two GPUs first on its PATH."""
+    bin_dir = base / "fake-gpu-bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    python = base / "python-with-gpus"
+    python.write_text(f'#!/bin/sh\nPATH={bin_dir}:$PATH exec {shutil.which("python3")} "$@"\n')
+    python.chmod(0o755)
+    return str(python)

@@ -70,6 +70,7 @@ from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.slots import Pool
 from substrax_tasks.step.spec import canonical_digest, safe_name, settings_in_key
 from substrax_tasks.step.view import project_view
+from substrax_tasks.store import shared_machine
 from substrax_tasks.store.cost import watchdog_seconds
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
@@ -125,8 +126,10 @@ def slot_records(backend: SkypilotBackend) -> list[tuple[Path, dict[str, Any]]]:
 def down_warm(backend: SkypilotBackend, cluster: str) -> None:
     """A cluster taken down by `gc --machines`, and forgotten by the slot
     that kept it warm: the next doit launches in that slot at once, instead
-    of finding the cluster out of reach first."""
+    of finding the cluster out of reach first. If it was a warm one, its
+    life ends now, and with it its last run's cost."""
     backend.sky().down(cluster)
+    shared_machine.went_down(life_path(backend, cluster))
     cluster_target(cluster).stop_master()
     for path, record in slot_records(backend):
         if record["cluster"] == cluster:
@@ -400,6 +403,10 @@ class SkypilotBackend(Backend):
         write_json_atomic(self.attempt_file(handle, TASK_FILE), config)
         handle = self.save_state(handle, cluster=cluster, job_home=None)  # not a warm one tried
         record_cluster(self, handle)  # before the launch: a killed client's cluster is found
+        life = self.shared_machine(handle, new=True)
+        if life is not None:  # its life begins: the runs that use it share it out
+            first = shared_machine.Claim(handle.run_id, asked_at(handle), seat_of(handle))
+            shared_machine.launched(life, cluster, self.keep_warm_seconds(handle), first)
         emit(f"{handle.step}: launching cluster {cluster} (SkyPilot; `substrax-compute cancel "
              f"{handle.run_id}` stops it)")  # fmt: skip
         log = self.run_file(handle, "launch.log")
@@ -723,6 +730,7 @@ class SkypilotBackend(Backend):
             failures.append(BackendError(f"taking cluster {cluster} down: {exc}"))
             return False
         cluster_target(cluster).stop_master()
+        shared_machine.went_down(life_path(self, cluster))  # a warm cluster's life ends: its last run's too
         return True
 
     def leaks(self, project: str, handles: list[RunHandle]) -> list[Leak]:
@@ -785,6 +793,18 @@ class SkypilotBackend(Backend):
 
     def lifetime_seconds(self) -> float | None:
         return self.settings.transport.lifetime_minutes * 60
+
+    def shared_machine(self, handle: RunHandle, *, new: bool = False) -> Path | None:
+        """A reused cluster's life, shared out among the runs that claim it
+        (`new`: for a cluster about to be launched)."""
+        cluster = SkypilotState.of(handle).cluster
+        if not self.settings.reuse or not isinstance(cluster, str):
+            return None
+        path = life_path(self, cluster)
+        return path if new or path.is_file() else None
+
+    def keep_warm_seconds(self, handle: RunHandle) -> float:
+        return self.settings.idle_minutes * 60 if self.settings.reuse else 0.0
 
     def machine_share(self, handle: RunHandle) -> float:
         """A reused cluster's GPUs shared out among steps side by side: each holds one seat of it."""
@@ -881,6 +901,9 @@ class SkypilotBackend(Backend):
                 if self.settings.reuse and not force:
                     run.remove()
                     self.save_state(handle, torn_down=True)
+                    life = self.shared_machine(handle)
+                    if life is not None:  # the cluster's keep-warm from now on is this run's, if last
+                        shared_machine.released(life, handle.run_id)
                     return
         if self.settings.reuse and not (force or damaged) and not cluster_gone(self, cluster):
             raise BackendError(f"run {handle.run_id}: its folder on cluster {cluster} could not be "
@@ -1026,6 +1049,9 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
             emit(f"{handle.step}: on warm cluster {cluster} (`substrax-compute cancel {handle.run_id}` "
                  "stops this step only)")  # fmt: skip
             warm = backend.store.read(handle.run_id)  # as the claim left it (the home it may have learnt)
+            life = backend.shared_machine(warm)
+            if life is not None:  # its piece of the cluster's life begins: the one before it ends
+                shared_machine.claimed(life, handle.run_id, asked_at(handle), seat_of(handle))
             if record.get("job_home") is None and SkypilotState.of(warm).job_home is not None:
                 record_cluster(backend, warm)
             return warm
@@ -1052,7 +1078,28 @@ def cluster_gone(backend: SkypilotBackend, cluster: str) -> bool:
     except SkyCallError as exc:
         return exc.kind in CLUSTER_GONE
     found = [r for r in records or [] if isinstance(r, dict) and r.get("name") == cluster]
-    return not found or found[0].get("status") != "UP"
+    gone = not found or found[0].get("status") != "UP"
+    if gone:  # its autodown, or something else, took it: its life ended by now
+        shared_machine.went_down(life_path(backend, cluster), seen=True)
+    return gone
+
+
+def life_path(backend: SkypilotBackend, cluster: str) -> Path:
+    """The record of a warm cluster's life and the runs that used it (kept after it goes: their cost)."""
+    return backend.store.machine_life(cluster)
+
+
+def asked_at(handle: RunHandle) -> float:
+    """When the run asked for its machine (its cost counts from then), else now."""
+    record = handle.state.machine
+    at = record.get("asked_at") if isinstance(record, dict) else None
+    return float(at) if isinstance(at, (int, float)) else time.time()
+
+
+def seat_of(handle: RunHandle) -> int:
+    """The run's seat on its cluster: its slot (slots that share a cluster each hold one of its seats)."""
+    slot = handle.state.slot
+    return int(slot["index"]) if isinstance(slot, dict) else 0
 
 
 def _kept(backend: SkypilotBackend, handle: RunHandle) -> RunStatus | None:

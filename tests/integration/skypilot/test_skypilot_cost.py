@@ -7,11 +7,12 @@ ssh served by a real sshd in a network namespace."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
 from dodo_helpers import doit, show
-from sky_beds import COMMAND, Sky
+from sky_beds import COMMAND, Sky, two_gpu_python
 from ssh_helpers import needs_root, needs_sshd, only_handle, write_ssh_dodo
 
 pytestmark = [needs_sshd, needs_root]
@@ -133,3 +134,117 @@ def test_a_step_on_a_warm_cluster_is_priced_as_the_cluster_was_launched(sky: Sky
     gone = sky.compute("gc", "--machines")
     assert gone.returncode == 0, gone.stderr
     assert sky.clusters() == []
+
+
+def cluster_life(sky: Sky, cluster: str) -> dict[str, Any]:
+    """The client's record of a warm cluster's life: its launch, each run's claim, its end."""
+    path = sky.root / ".substrax" / "machines" / f"{cluster}.json"
+    life: dict[str, Any] = json.loads(path.read_text())
+    return life
+
+
+def test_a_warm_clusters_whole_life_is_shared_out_among_the_runs_that_used_it(sky: Sky) -> None:
+    sky.project()
+    sky.env["FAKESKY_MINUTE_SECONDS"] = "2"
+    sky.configure(reuse=True, max_parallel=1, idle_minutes=60, infra="aws", instance_type="m6i.large")
+    write_ssh_dodo(sky.root, WARM, ["fit"])
+    before = time.time()
+    first = doit(sky.root, env=sky.env, timeout=180)
+    assert first.returncode == 0 and "launching cluster" in first.stdout, show(first)
+    # The worst case said before the launch counts the keep-warm the last run pays.
+    worst = "at most $0.0976 over its timeout of 1:00 and its keep-warm of 1:00:00"
+    assert worst in first.stdout, show(first)
+    time.sleep(3)  # the cluster waits warm: the first run's to pay, up to the next claim
+    (sky.root / "data" / "in.txt").write_text("edit\n")
+    again = doit(sky.root, env=sky.env, timeout=180)
+    assert again.returncode == 0 and "on warm cluster" in again.stdout, show(again)
+    [cluster] = sky.clusters()
+    life = cluster_life(sky, cluster)
+    launch, claim = life["claims"][0]["at"], life["claims"][1]["at"]
+    assert before <= launch and claim - launch > 3, life
+    cold, warm = status_runs_all(sky)
+    # The first run: from the launch to the second run's claim, the wait between them included.
+    assert cold["machine_seconds"] == pytest.approx(claim - launch)
+    assert cold["cost_usd"] == pytest.approx((claim - launch) * 0.096 / 3600) and not cold["cost_projected"]
+    # The last one: from its claim to the end of the keep-warm its release began, until the cluster is gone.
+    released = life["released"][warm["run_id"]]
+    assert warm["cost_projected"] is True, warm
+    assert warm["machine_seconds"] == pytest.approx(released + 3600 - claim)
+    table = sky.compute("status", "--all")
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.splitlines()[2].split()[-1] == f"~${warm['cost_usd']:.4f}", table.stdout
+    gone = sky.compute("gc", "--machines")
+    assert gone.returncode == 0, gone.stderr
+    after = time.time()
+    assert sky.clusters() == []
+    down = cluster_life(sky, cluster)["down_at"]
+    assert released < down < after, cluster_life(sky, cluster)
+    cold, warm = status_runs_all(sky)
+    assert warm["cost_projected"] is False and warm["machine_seconds"] == pytest.approx(down - claim)
+    # No gap, no overlap: the two runs together paid for the cluster's whole life, and no more.
+    assert cold["machine_seconds"] + warm["machine_seconds"] == pytest.approx(down - launch)
+    assert cold["cost_usd"] + warm["cost_usd"] == pytest.approx((down - launch) * 0.096 / 3600)
+    assert down - launch < after - before
+
+
+def status_runs_all(sky: Sky) -> list[dict[str, Any]]:
+    done = sky.compute("status", "--all", "--json")
+    assert done.returncode == 0, done.stderr
+    runs: list[dict[str, Any]] = json.loads(done.stdout)["runs"]
+    return sorted(runs, key=lambda r: str(r["created_at"]))
+
+
+def test_a_capped_step_on_a_warm_cluster_keeps_its_keep_warm_back_from_its_budget(sky: Sky) -> None:
+    # p3.2xlarge is $3.06 an hour: the 2 min of keep-warm after the run cost $0.102 of its $0.15,
+    # so the command is stopped once the run has spent about $0.048, not $0.15.
+    capped_project(sky, 0.15, command="echo started; sleep 600", sandbox="none", infra="aws",
+                   instance_type="p3.2xlarge", reuse=True, max_parallel=1, idle_minutes=2)  # fmt: skip
+    sky.env["FAKESKY_MINUTE_SECONDS"] = "2"
+    done = doit(sky.root, env=sky.env, timeout=240)
+    assert done.returncode == 1, show(done)
+    # Its worst case counts the keep-warm too: $3.06 an hour over 10 + 2 min.
+    worst = "at most $0.6120 over its machine's lifetime of 10:00 and its keep-warm of 2:00"
+    assert worst in done.stdout, show(done)
+    said = done.stdout + done.stderr
+    assert "its cost reached max_cost = $0.1500" in said and "started" in said, show(done)
+    [run] = status_runs(sky)
+    assert run["state"] == "failed" and run["cost_projected"] is True, run
+    # What it spent and the keep-warm it pays, within the cap but for the seconds the stop took.
+    assert 0.15 <= run["cost_usd"] < 0.15 + 0.03, run
+    gone = sky.compute("gc", "--machines")
+    assert gone.returncode == 0, gone.stderr
+    assert sky.clusters() == []
+
+
+PAIR = """
+def task_fit():
+    for name in ("a", "b"):
+        yield from remote_step(
+            f"fit:{name}", outputs=[f"fit-{name}.txt"], timeout=60, resources={"accelerators": "A100:1"},
+            shell=f"echo {name} > fit-{name}.txt",
+        )
+"""
+
+
+def test_steps_side_by_side_on_a_warm_cluster_each_pay_their_seats_share_of_its_life(sky: Sky) -> None:
+    # "A100:2" shared out as "A100:1": two seats at $1.00 an hour each of the cluster's $2.00.
+    sky.project()
+    sky.env["FAKESKY_MINUTE_SECONDS"] = "2"
+    sky.configure(reuse=True, max_parallel=2, idle_minutes=60, accelerators="A100:2", hourly_cost=2.0,
+                  sandbox="none", python=two_gpu_python(sky.base))  # fmt: skip
+    write_ssh_dodo(sky.root, PAIR, ["fit"])
+    done = doit(sky.root, "-n", "2", "-P", "thread", env=sky.env, timeout=180)
+    assert done.returncode == 0, show(done)
+    [cluster] = sky.clusters()
+    gone = sky.compute("gc", "--machines")
+    assert gone.returncode == 0, gone.stderr
+    assert sky.clusters() == []
+    life = cluster_life(sky, cluster)
+    whole = life["down_at"] - life["claims"][0]["at"]
+    assert sorted(c["seat"] for c in life["claims"]) == [0, 1], life
+    a, b = status_runs_all(sky)
+    # Each the first in its seat: from the launch to the cluster going, at its seat's share.
+    for run in (a, b):
+        assert run["hourly_cost"] == pytest.approx(1.0) and not run["cost_projected"], run
+        assert run["machine_seconds"] == pytest.approx(whole), (run, life)
+    assert a["cost_usd"] + b["cost_usd"] == pytest.approx(whole * 2.0 / 3600)

@@ -8,15 +8,13 @@ real sshd in a network namespace."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 from dodo_helpers import doit, doit_ok, popen_doit, show, stop, wait_for
 from local_runs import marked_pids
-from sky_beds import Sky
+from sky_beds import Sky, two_gpu_python
 from ssh_helpers import live_handles, needs_root, needs_sshd, write_ssh_dodo
 
 pytestmark = [needs_sshd, needs_root]
@@ -251,25 +249,6 @@ def task_fit():
                      {marker!r}],
         )
 """
-FAKE_SMI = """#!/bin/sh
-[ "$1" = "-L" ] || exit 2
-echo "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-1d6e2b7a-0000-0000-0000-000000000000)"
-echo "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-9a41c3f0-0000-0000-0000-000000000000)"
-"""
-
-
-def two_gpu_python(base: Path) -> str:
-    """The cluster's python3, with a fake `nvidia-smi` listing two GPUs first on its PATH."""
-    bin_dir = base / "fake-gpu-bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    python = base / "python-with-gpus"
-    python.write_text(f'#!/bin/sh\nPATH={bin_dir}:$PATH exec {shutil.which("python3")} "$@"\n')
-    python.chmod(0o755)
-    return str(python)
-
-
 def test_two_one_gpu_steps_share_a_two_gpu_warm_cluster_and_a_cancel_stops_one_only(
     sky: Sky, marker: str
 ) -> None:
