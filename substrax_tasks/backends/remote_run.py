@@ -27,6 +27,7 @@ import os
 import secrets
 import shutil
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -374,7 +375,7 @@ class RemoteRun:
         return Fetched(staging, manifest)
 
 
-class Checkpointing:
+class Checkpointing(ABC):
     """A run's checkpoints snapshotted while it runs, every `every` seconds
     (`pull`, by the subclass). A snapshot that fails (the host out of reach
     a moment) is said and tried again at the next; the run goes on."""
@@ -386,9 +387,9 @@ class Checkpointing:
         self.next_at = time.monotonic() + every
         self.root: str | None = None  # where the command writes them there (its status says)
 
+    @abstractmethod
     def pull(self) -> int | None:
         """One snapshot now; the number of files it holds (None: nothing to take yet)."""
-        raise NotImplementedError
 
     def when_due(self) -> None:
         if time.monotonic() >= self.next_at:
