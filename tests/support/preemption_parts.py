@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_parts import COUNT_PY, kept_state
-from dodo_helpers import wait_for
+from dodo_helpers import popen_doit, popen_output, stop, wait_for
 from ssh_helpers import make_ssh_project, only_handle
-from testbeds.sshd_host import SshHost, host_processes
+from testbeds.sshd_host import SshHost, host_processes, reboot
 
 PAUSE = 1.0  # one count a second
 EVERY = 0.5  # checkpoint_seconds: a snapshot at most one count behind
@@ -33,6 +33,19 @@ def counting_project(tmp_path: Path, host: SshHost, body: str, **settings: Any) 
 def counted(root: Path, step: str, at_least: int) -> None:
     wait_for(lambda: (kept_state(root, step) or {}).get("i", 0) >= at_least,
              f"a snapshot of {at_least} counts brought home", timeout=120)  # fmt: skip
+
+
+def doit_through_a_restart(root: Path, host: SshHost, step: str, after_counts: int) -> tuple[int, str]:
+    """`doit STEP` with the host restarted once a snapshot of `after_counts`
+    counts is home: doit's exit code and what it said."""
+    proc = popen_doit(root, step)
+    try:
+        counted(root, step, after_counts)
+        reboot(host)
+        code = proc.wait(timeout=300)
+    finally:
+        stop(proc)
+    return code, popen_output(root)
 
 
 def attempts_of(root: Path, step: str) -> list[dict[str, Any]]:

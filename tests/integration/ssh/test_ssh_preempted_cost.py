@@ -15,7 +15,7 @@ import pytest
 from checkpoint_parts import count_step, result_of
 from dodo_helpers import compute, compute_status, kill_pids, popen_doit, popen_output, show, stop, wait_for
 from local_runs import kill_pid, marked_pids
-from preemption_parts import PAUSE, counted, counting_project, sshd_sessions
+from preemption_parts import PAUSE, counting_project, doit_through_a_restart, sshd_sessions
 from ssh_helpers import make_ssh_project, needs_root, needs_sshd, one_step, only_handle
 from testbeds.sshd_host import SshHost, kill_sshd, reboot
 
@@ -32,14 +32,7 @@ def epoch(iso: str) -> float:
 def test_a_relaunched_run_costs_the_machine_time_of_both_attempts(tmp_path: Path, host: SshHost) -> None:
     root = counting_project(tmp_path, host, count_step("count", 6, PAUSE, preemptions=1),
                             hourly_cost=CENT_A_SECOND)  # fmt: skip
-    proc = popen_doit(root, "count")
-    try:
-        counted(root, "count", 3)
-        reboot(host)
-        code = proc.wait(timeout=300)
-    finally:
-        stop(proc)
-    said = popen_output(root)
+    code, said = doit_through_a_restart(root, host, "count", 3)
     assert code == 0, said
     assert "relaunching it, attempt 2 of at most 2" in said, said
     assert result_of(root, "count")[0] == 6
@@ -77,14 +70,7 @@ def test_a_relaunch_gets_only_the_budget_left_and_is_stopped_at_its_cap(
     # $0.40 at a cent a second: 40 s over all attempts, far less than the 120 counts need.
     root = counting_project(tmp_path, host, count_step("count", 120, PAUSE, preemptions=1, max_cost=0.4),
                             hourly_cost=CENT_A_SECOND)  # fmt: skip
-    proc = popen_doit(root, "count")
-    try:
-        counted(root, "count", 3)
-        reboot(host)
-        code = proc.wait(timeout=300)
-    finally:
-        stop(proc)
-    said = popen_output(root)
+    code, said = doit_through_a_restart(root, host, "count", 3)
     assert code == 1, said
     assert "relaunching it, attempt 2 of at most 2" in said, said
     assert "its cost reached max_cost = $0.4000" in said, said

@@ -15,7 +15,14 @@ from pathlib import Path
 
 from checkpoint_parts import count_step, kept_state, result_of, starts
 from dodo_helpers import compute, kill_pids, popen_doit, popen_output, show, stop, wait_for
-from preemption_parts import PAUSE, attempts_of, counted, counting_project, sshd_sessions
+from preemption_parts import (
+    PAUSE,
+    attempts_of,
+    counted,
+    counting_project,
+    doit_through_a_restart,
+    sshd_sessions,
+)
 from ssh_helpers import (
     live_handles,
     make_ssh_project,
@@ -75,14 +82,7 @@ def test_a_host_restarted_with_no_preemption_allowed_fails_saying_how_to_allow_o
     tmp_path: Path, host: SshHost
 ) -> None:
     root = counting_project(tmp_path, host, count_step("count", 30, PAUSE))
-    proc = popen_doit(root, "count")
-    try:
-        counted(root, "count", 2)
-        reboot(host)
-        code = proc.wait(timeout=300)
-    finally:
-        stop(proc)
-    said = popen_output(root)
+    code, said = doit_through_a_restart(root, host, "count", 2)
     assert code == 1, said
     how = "its machine was lost while the command ran; remote_step('count', ..., preemptions=1) relaunches it"
     assert how in said, said
