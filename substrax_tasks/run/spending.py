@@ -151,12 +151,11 @@ def record_release(store: RunStore, handle: RunHandle) -> None:
     """The run's machine was let go now: its time ends, its cost is kept.
     `handle` as read before the teardown (which changes none of the core's
     state): the write merges with the one on disk."""
-    current = handle
-    record = cost.machine_record(current)
+    record = cost.machine_record(handle)
     if record is None or isinstance(record.get("released_at"), (int, float)):
         return
     if record.get("hourly_cost") == 0.0:  # a free machine's time is its command's (status reads it so)
         return
     now = time.time()
-    store.update_state(current, machine={**record, "released_at": now},
-                       cost_usd=cost.run_cost(current, held_until=now, now=now))  # fmt: skip
+    store.update_state(handle, machine={**record, "released_at": now},
+                       cost_usd=cost.run_cost(handle, held_until=now, now=now))  # fmt: skip

@@ -516,16 +516,15 @@ class StepDriver(DrivenRun):
         status of the attempt whose machine went away; None: the last
         attempt recorded is a relaunch that never started its command (the
         doit driving it was stopped), driven again as the same attempt."""
-        from substrax_tasks.run.timeline import now  # a relaunch: not a no-op's path
-        from substrax_tasks.store.handle import Attempt
+        from substrax_tasks.store.handle import Attempt  # a relaunch: not a no-op's path
 
         attempts = list(handle.state.attempts) or [Attempt(number=1, machine=backend.ran_on(handle),
                                                            launched_at=handle.created_at)]  # fmt: skip
         if lost is not None:
             gone = attempts[-1]
-            attempts[-1] = gone.model_copy(update={"ended_at": now(), "outcome": "lost",
+            attempts[-1] = gone.model_copy(update={"ended_at": timeline_now(), "outcome": "lost",
                                                    "message": lost.message})  # fmt: skip
-            attempts.append(Attempt(number=gone.number + 1, machine=gone.machine, launched_at=now(),
+            attempts.append(Attempt(number=gone.number + 1, machine=gone.machine, launched_at=timeline_now(),
                                     last=gone.number + 1 > self.preemptions or None))  # fmt: skip
             emit(f"{self.spec.step}: run {handle.run_id}: attempt {gone.number} lost its machine "
                  f"({gone.machine}: {lost.message or 'lost'}); relaunching it, attempt {gone.number + 1} "
@@ -548,7 +547,7 @@ class StepDriver(DrivenRun):
         emit(f"{self.spec.step}: run {handle.run_id}: attempt {number} on {backend.ran_on(handle)} starts "
              + (f"from the checkpoints of snapshot {snapshot}" if snapshot else "with no checkpoints kept"))
         handle = self._start(backend, handle)
-        return self.save(handle, attempts=attempts_with(handle, started_at=now()))
+        return self.save(handle, attempts=attempts_with(handle, started_at=timeline_now()))
 
     def _on_interrupt(self, backend: Backend, handle: RunHandle) -> None:
         if backend.capabilities.interrupt_cancels:
