@@ -66,9 +66,19 @@ DAMAGED_MARK = "substrax-damaged-scripts:"
 # exactly what ran before the check: the same argv in /proc, by which
 # control.py finds a run's workers. A host that swaps a script in the
 # moment between is hostile; what bounds it is the caps on its answers.
+# A bin folder that is gone altogether is no damage: the host restarted
+# with an empty scratch disk, or its remote root was removed (a lost run,
+# which the status read then says: RemoteRun.status). Its own exit status
+# and words, so that a checkpoint pull or a follower that meets it first
+# fails as any unreachable read does, never as a tampered host.
+SCRIPTS_GONE_EXIT = 87
 CHECKED_RUN = """\
 import hashlib, json, os, sys
 folder, expected, name = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+if not os.path.isdir(folder):
+    sys.stderr.write("substrax: the scripts folder %s is gone from this host (restarted with an empty disk, "
+                     "or its remote root removed)\\n" % folder)
+    sys.exit(GONE)
 changed = []
 for script in sorted(expected):
     try:
@@ -83,6 +93,7 @@ if changed or name not in expected:
     sys.exit(EXIT)
 os.execv(sys.executable, [sys.executable, os.path.join(folder, name)] + sys.argv[4:])
 """.replace("MARK", repr(DAMAGED_MARK)).replace("EXIT", str(DAMAGED_EXIT))
+CHECKED_RUN = CHECKED_RUN.replace("GONE", str(SCRIPTS_GONE_EXIT))
 
 
 class Remote(Protocol):
