@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from substrax_tasks._remote import checkpoints as remote_checkpoints
 from substrax_tasks.console import emit
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ def live_folder(store: RunStore, handle: RunHandle) -> str | None:
         return None
     live = folder / LIVE
     live.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Its worker made it safe as the command ended; a worker killed before
+    # then did not, and the next attempt must not find a setuid file here.
+    remote_checkpoints.make_safe(str(live))
     left = sum(len(files) for _top, _dirs, files in os.walk(live))
     if left:  # said, as a resume is on ssh: the user sees the run will not start from nothing
         emit(f"{handle.step}: checkpoints of an earlier run in place ({left} file(s))")
@@ -119,6 +123,9 @@ class Snapshots:
                     shutil.copy2(previous[0] / entry["path"], path)
                     kept.append(old)
             (new / "manifest.json").write_text(json.dumps({"entries": kept}))
+            # The copy's modes are the host's (rsync's --chmod already drops
+            # the unsafe bits) or an earlier snapshot's: one rule, applied here.
+            remote_checkpoints.make_safe(str(new))
             new.rename(self.folder / name)
         except BaseException:
             shutil.rmtree(new, ignore_errors=True)

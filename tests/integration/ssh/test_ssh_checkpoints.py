@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, run_logs, starts
-from dodo_helpers import doit, doit_ok, popen_doit, popen_output, show, stop, wait_for
+from dodo_helpers import doit, doit_ok, popen_doit, popen_output, show, stop, unsafe_modes, wait_for
 from ssh_helpers import every_session_held, live_handles, make_ssh_project, needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
 
@@ -204,3 +204,35 @@ def test_a_run_followed_by_polling_is_pulled_between_polls(tmp_path: Path, host:
     # A run that succeeded is not pulled as it ends: this one was pulled while it ran.
     pulled = kept_state(root, "count")
     assert pulled is not None and 1 <= pulled["i"] <= 8, pulled
+
+
+# The host's non-root login makes a setuid and a world-writable setuid file
+# in its checkpoints, then fails; run again, it says the modes it finds.
+PRIVILEGED = """\
+def task_all():
+    yield from remote_step("priv", command=["sh", "-c", MAKE], inputs=["data.txt"], outputs=["out.txt"],
+                           checkpoints="ckpt/")
+MAKE = (
+    "if [ -e ckpt/s ]; then stat -c 'mode %a %n' ckpt/s ckpt/o; echo done > out.txt; exit 0; fi; "
+    "mkdir -p ckpt && echo s > ckpt/s && echo o > ckpt/o && chmod 6755 ckpt/s && chmod 4777 ckpt/o && exit 3"
+)
+"""
+
+
+def test_setuid_checkpoints_a_hosts_login_made_come_home_without_those_bits(
+    tmp_path: Path, host: SshHost
+) -> None:
+    """Issue 28, item 2, for snapshots: pulled by rsync (--chmod) and kept
+    (the one rule again), a root client's store holds no setuid or
+    world-writable file a host's user made."""
+    root = make_ssh_project(tmp_path, host, PRIVILEGED, ["all"], files={"data.txt": "one\n"},
+                            checkpoint_seconds=EVERY)  # fmt: skip
+    failed = doit(root, "priv")
+    assert failed.returncode != 0, show(failed)
+    (latest,) = (root / ".substrax" / "checkpoints" / "priv").glob("*/latest")
+    assert sorted(p.name for p in (latest / "files").iterdir()) == ["o", "s"], show(failed)
+    assert unsafe_modes(latest.resolve().parent, ["."]) == {}, show(failed)
+
+    done = doit_ok(root, "priv")
+    said = set(run_logs(root, "priv")[-1].splitlines())
+    assert {"mode 755 ckpt/s", "mode 775 ckpt/o"} <= said, show(done)
