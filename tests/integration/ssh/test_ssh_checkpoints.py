@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import signal
 import subprocess
 import time
@@ -331,3 +332,37 @@ def test_a_snapshot_that_fills_the_disk_keeps_the_last_one_and_the_run_goes_on(
                                check=False)  # fmt: skip
         assert again.returncode == 0, again.stdout + again.stderr
         assert len(live_handles(seen, "fill")) == 1, again.stdout  # nothing ran again
+
+
+# Issue 28, item 3, for the checkpoints' listing: the host's Python (the
+# `python` setting, which runs every script; the scripts themselves are
+# checked against their digest) answers `checkpoints.py list` without end.
+ENDLESS_LISTING = """#!/bin/sh
+case "$*" in *"checkpoints.py list"*) exec yes '{"entries": [' ;; esac
+exec python3 "$@"
+"""
+CLIENT_MEMORY_BOUND = 512 << 20  # doit takes about 100 MB, the answer at most 64 MiB of it
+
+
+def test_a_host_that_lists_checkpoints_without_end_is_refused_with_the_run_named(
+    tmp_path: Path, host: SshHost
+) -> None:
+    python = host.scratch / f"python-{tmp_path.name}"
+    python.write_text(ENDLESS_LISTING)
+    python.chmod(0o755)
+    root = make_ssh_project(tmp_path, host, "def task_all():\n" + count_step("count", 40, PAUSE), ["all"],
+                            files={"count.py": COUNT_PY, "data.txt": "one\n"}, checkpoint_seconds=EVERY,
+                            python=str(python))  # fmt: skip
+    proc = popen_doit(root, "count")
+    try:
+        _pid, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    run_id = live_handles(root, "count")[0]["run_id"]
+    assert proc.returncode == 1, said
+    assert usage.ru_maxrss * 1024 < CLIENT_MEMORY_BOUND and len(said) < 1 << 20, (usage.ru_maxrss, len(said))
+    refused = f"listing the checkpoints for run {run_id}: {host.address} answered with more than 64 MiB"
+    assert refused in said, said
+    assert "Traceback" not in said, said
