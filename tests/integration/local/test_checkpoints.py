@@ -208,6 +208,8 @@ def test_a_root_commands_setuid_checkpoints_keep_no_privilege_in_the_store(
     (live,) = store.glob("*/live")
     assert sorted(p.name for p in live.iterdir()) == ["d", "o", "s"]
     assert unsafe_modes(store, ["."]) == {}, show(failed)
+    # Without a sandbox the command wrote them in the project: those too.
+    assert unsafe_modes(root, ["ckpt"]) == {}, show(failed)
 
     done = doit_ok(root, "priv")
     said = run_logs(root, "priv")[-1]
