@@ -19,10 +19,12 @@ from typing import Any
 
 import pytest
 from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, run_logs, starts
-from dodo_helpers import COMPUTE, clean_env, doit, doit_ok, popen_doit, show, stop, wait_for
+from dodo_helpers import COMPUTE, clean_env, doit, doit_ok, popen_doit, show, stop, unsafe_modes, wait_for
 from s3_server import running_s3_server
 from sky_beds import Sky
 from ssh_helpers import live_handles, needs_root, needs_sshd, write_ssh_dodo
+
+from substrax_tasks.run.promote import UNSAFE_BITS
 
 pytestmark = [needs_sshd, needs_root]
 
@@ -243,3 +245,45 @@ def test_two_clients_of_one_bucket_keep_and_remove_only_their_own_snapshots(sky:
             assert (checkpoints / client_id(root) / "count" / key / "latest.json").is_file()
         # (No fetch after a listing here: the fake's clusters write into the
         # S3 server's folder behind its back, and a listing caches what it saw.)
+
+
+# The command makes a setuid and a world-writable setuid file in its
+# checkpoints, then fails; run again (on a new cluster, restored from the
+# bucket), it says the modes it finds.
+PRIVILEGED = """\
+def task_all():
+    yield from remote_step("priv", command=["sh", "-c", MAKE], inputs=["data.txt"], outputs=["out.txt"],
+                           checkpoints="ckpt/")
+MAKE = (
+    "if [ -e ckpt/s ]; then stat -c 'mode %a %n' ckpt/s ckpt/o; echo done > out.txt; exit 0; fi; "
+    "mkdir -p ckpt && echo s > ckpt/s && echo o > ckpt/o && chmod 6755 ckpt/s && chmod 4777 ckpt/o && "
+    "sleep 2; exit 3"  # a client follows it by then: it pushes what the command left as it fails
+)
+"""
+
+
+def test_setuid_checkpoints_reach_neither_the_bucket_nor_the_next_run_with_those_bits(
+    sky: Sky, tmp_path: Path
+) -> None:
+    """Issue 28, item 2, with the bucket transport: the snapshot pushed into
+    the bucket and the files restored from it keep no setuid, setgid,
+    sticky or other-write bit (the push and the restore make them safe)."""
+    with running_s3_server(tmp_path / "s3") as s3_server:
+        sky.configure(checkpoint_seconds=EVERY, bucket={"outputs_bucket": f"s3://{s3_server.bucket}/runs",
+                                                        "lifetime_minutes": 10.0})  # fmt: skip
+        write_ssh_dodo(sky.root, PRIVILEGED, ["all"])
+        (sky.root / "data.txt").write_text("one\n")
+        sky.env.update(s3_server.env)
+        sky.env["FAKESKY_BUCKET_DIR"] = str(s3_server.data_dir)
+        failed = doit(sky.root, "priv", env=sky.env, timeout=180)
+        assert failed.returncode != 0 and "snapshot put in the bucket" in failed.stderr, show(failed)
+        checkpoints = s3_server.data_dir / s3_server.bucket / "runs" / "checkpoints"
+        assert {p.name for p in checkpoints.rglob("*") if p.parent.name == "files"} == {"s", "o"}
+        assert unsafe_modes(checkpoints, ["."]) == {}
+
+        done = doit(sky.root, "priv", env=sky.env, timeout=180)
+        assert done.returncode == 0, show(done)
+        modes = dict(line.split()[::-1][:2] for line in run_logs(sky.root, "priv")[-1].splitlines()
+                     if line.startswith("mode "))  # fmt: skip
+        assert set(modes) == {"ckpt/s", "ckpt/o"}, show(done)
+        assert not [name for name, mode in modes.items() if int(mode, 8) & UNSAFE_BITS], modes
