@@ -761,10 +761,13 @@ class SkypilotBackend(Backend):
         """With follow, one follower on the cluster streams the log until
         the run ends (_remote_run.follow_log), as on an ssh host."""
         status = self.poll(handle)
-        if not follow or status.final or not isinstance(SkypilotState.of(handle).launched_job, int):
+        if not follow or not isinstance(SkypilotState.of(handle).launched_job, int):
             return super().stream_log(handle, out, follow=follow, offset=offset)
         puller = self.checkpoint_puller(handle)
-        status = _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle), puller)
+        if status.final:  # ended before it was followed: its checkpoints are kept all the same
+            status = super().stream_log(handle, out, follow=follow, offset=offset)
+        else:
+            status = _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle), puller)
         if status.state in ("failed", "timed_out", "cancelled"):
             # What the command left as it ended is whole now: the next run starts from it.
             _remote_run.pull_as_ended(puller, handle.step)
