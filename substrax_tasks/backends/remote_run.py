@@ -397,6 +397,7 @@ class Checkpointing(ABC):
         self.step = step
         self.next_at = time.monotonic() + every
         self.root: str | None = None  # where the command writes them there (its status says)
+        self.failed_with: str | None = None  # why the last pull failed, as said
 
     @abstractmethod
     def pull(self) -> int | None:
@@ -406,8 +407,13 @@ class Checkpointing(ABC):
         if time.monotonic() >= self.next_at:
             try:
                 self.pull()
+                self.failed_with = None
             except BackendError as exc:
-                emit(f"{self.step}: checkpoints not brought home this time: {exc}", err=True)
+                # Said once while the cause stays the same (a disk full for
+                # an hour is one line, not one a pull).
+                if str(exc) != self.failed_with:
+                    emit(f"{self.step}: checkpoints not brought home this time: {exc}", err=True)
+                self.failed_with = str(exc)
             self.next_at = time.monotonic() + self.every
 
     def checkpoints_root(self) -> str | None:

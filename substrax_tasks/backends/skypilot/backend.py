@@ -565,7 +565,7 @@ class SkypilotBackend(Backend):
         the bucket (bucket transport: the cluster pushed it there), else
         from the store here (as on an ssh host)."""
         if self.settings.bucket is not None:
-            dest = there.checkpoints_in_bucket(handle.step, checkpoint_key(handle))
+            dest = there.checkpoints_in_bucket(self.store.client_id(), handle.step, checkpoint_key(handle))
             _remote_run.restore_from_bucket(run, dest, there.checkpoints_kept, handle.step)
             return
         snapshots = self.snapshots(handle)
@@ -584,7 +584,8 @@ class SkypilotBackend(Backend):
             return None
         run, every = self.remote_run(handle), self.settings.checkpoint_seconds
         if self.settings.bucket is not None:
-            dest = self.there(handle).checkpoints_in_bucket(handle.step, checkpoint_key(handle))
+            dest = self.there(handle).checkpoints_in_bucket(self.store.client_id(), handle.step,
+                                                            checkpoint_key(handle))  # fmt: skip
             return _remote_run.BucketCheckpointPusher(run, every, handle.step, dest)
         snapshots = self.snapshots(handle)
         assert snapshots is not None  # the step has checkpoints
@@ -592,13 +593,15 @@ class SkypilotBackend(Backend):
         return _remote_run.CheckpointPuller(run, quiet, snapshots, every, handle.step)
 
     def checkpoints_kept_elsewhere(self) -> list[KeptCheckpoints]:
-        """With the bucket transport: the snapshot folders in the outputs bucket."""
+        """With the bucket transport: this client's snapshot folders in the
+        outputs bucket (another client's, of a step of the same name, are
+        not ours to list or remove)."""
         if self.settings.bucket is None:
             return []
         from substrax_tasks.transports.bucket import BucketTransport
 
         bucket = BucketTransport()
-        root = f"{self.settings.bucket.outputs_bucket}/{sky_task.CHECKPOINTS_IN_BUCKET}"
+        root = f"{self.settings.bucket.outputs_bucket}/{sky_task.checkpoints_of(self.store.client_id())}"
         return [
             KeptCheckpoints(step, key, f"{root}/{step}/{key}",
                             functools.partial(bucket.remove_tree, f"{root}/{step}/{key}"))
@@ -610,8 +613,8 @@ class SkypilotBackend(Backend):
             return
         from substrax_tasks.transports.bucket import BucketTransport
 
-        BucketTransport().remove_tree(f"{self.settings.bucket.outputs_bucket}/{sky_task.CHECKPOINTS_IN_BUCKET}/"
-                                      f"{safe_name(handle.step)}")  # fmt: skip
+        mine = sky_task.checkpoints_of(self.store.client_id())
+        BucketTransport().remove_tree(f"{self.settings.bucket.outputs_bucket}/{mine}/{safe_name(handle.step)}")
 
     def keep_last_checkpoints(self, handle: RunHandle) -> None:
         if not isinstance(SkypilotState.of(handle).launched_job, int):
@@ -758,10 +761,13 @@ class SkypilotBackend(Backend):
         """With follow, one follower on the cluster streams the log until
         the run ends (_remote_run.follow_log), as on an ssh host."""
         status = self.poll(handle)
-        if not follow or status.final or not isinstance(SkypilotState.of(handle).launched_job, int):
+        if not follow or not isinstance(SkypilotState.of(handle).launched_job, int):
             return super().stream_log(handle, out, follow=follow, offset=offset)
         puller = self.checkpoint_puller(handle)
-        status = _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle), puller)
+        if status.final:  # ended before it was followed: its checkpoints are kept all the same
+            status = super().stream_log(handle, out, follow=follow, offset=offset)
+        else:
+            status = _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle), puller)
         if status.state in ("failed", "timed_out", "cancelled"):
             # What the command left as it ended is whole now: the next run starts from it.
             _remote_run.pull_as_ended(puller, handle.step)

@@ -18,7 +18,7 @@ runs in (`remote_root`):
     runs/<run-id>/work/outputs/  what the task writes (copy transport)
     runs/<run-id>/work/checkpoints/  the step's checkpoints, shown to it at its `checkpoints` path
     mnt/<bucket-key>/<run-id>/   outputs and manifest.json (bucket transport)
-    mnt/<bucket-key>/checkpoints/<step>/<key>/  its snapshots (bucket transport)
+    mnt/<bucket-key>/checkpoints/<client id>/<step>/<key>/  its snapshots (bucket transport)
     envs/<digest>/           the environment built from the lock file
 """
 
@@ -83,6 +83,14 @@ _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
 CLIENT_TAG_LENGTH = 8
 # In the outputs bucket, beside the runs' folders: the steps' snapshots.
 CHECKPOINTS_IN_BUCKET = "checkpoints"
+
+
+def checkpoints_of(client_id: str) -> str:
+    """The folder of one client's snapshots in the outputs bucket, relative
+    to it. Many clients share a bucket (clones, branches, CI jobs), and
+    each may have a step of the same name: each lists, restores and removes
+    only the snapshots under its own id (store.client_id), never another's."""
+    return f"{CHECKPOINTS_IN_BUCKET}/{client_id}"
 
 
 def client_tag(client_id: str) -> str:
@@ -151,10 +159,11 @@ class ClusterLayout:
         """Where the step's checkpoints are kept for its command (its `checkpoints` path there)."""
         return f"{self.run}/work/checkpoints"
 
-    def checkpoints_in_bucket(self, step: str, key: str) -> str:
+    def checkpoints_in_bucket(self, client_id: str, step: str, key: str) -> str:
         """Where a step's snapshots go with the bucket transport: in the
-        outputs bucket, by step and key, beside the runs' folders."""
-        return f"{self.bucket_dir}/{CHECKPOINTS_IN_BUCKET}/{safe_name(step)}/{key}"
+        outputs bucket, beside the runs' folders, by client (checkpoints_of),
+        step and key."""
+        return f"{self.bucket_dir}/{checkpoints_of(client_id)}/{safe_name(step)}/{key}"
 
     @property
     def bucket_dir(self) -> str:
