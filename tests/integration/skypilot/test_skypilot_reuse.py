@@ -7,6 +7,11 @@ clusters across doits, their lease and lifetime: test_skypilot_warm.py."""
 from __future__ import annotations
 
 import json
+import os
+import pwd
+import secrets
+import shutil
+from pathlib import Path
 
 from dodo_helpers import (
     doit,
@@ -100,3 +105,28 @@ def test_steps_on_a_warm_cluster_reach_the_home_its_lease_runs_in(sky: Sky) -> N
     # learnt once from the lease's log, then kept with the warm cluster for its next steps
     (record,) = (sky.root / ".substrax" / "slots").glob("skypilot-*/0.json")
     assert json.loads(record.read_text())["job_home"] == str(home.resolve())
+
+
+def test_a_cluster_setup_leaves_the_job_home_files_of_other_clusters_alone(sky: Sky) -> None:
+    """A relative remote_root's job-home files sit in the login's home,
+    which on a Slurm site every node and every client shares: a new
+    cluster's setup writes its own file there and removes none of the
+    others' (another setup's write in progress, a home on another node
+    that is not a folder here)."""
+    root = f".substrax-remote-{secrets.token_hex(4)}"  # its own: other tests' leases write beside theirs
+    sweep(sky, steps=1, timeout=60, max_parallel=1)
+    sky.configure(reuse=True, max_parallel=1, remote_root=root)
+    homes = Path(pwd.getpwuid(os.getuid()).pw_dir) / root / "job-homes"
+    homes.mkdir(parents=True)
+    try:
+        on_another_node = homes / "sky-other-node-cluster"
+        on_another_node.write_text("/scratch/node17/sky-other-node-cluster\n")
+        being_written = homes / "sky-other-setup.4242.tmp"
+        being_written.write_text("")
+        done = doit(sky.root, env=sky.env, timeout=300)
+        assert done.returncode == 0, show(done)
+        assert (sky.root / "fit-0.txt").read_text() == "hello\nm0\n"
+        assert on_another_node.read_text() == "/scratch/node17/sky-other-node-cluster\n"
+        assert being_written.exists()
+    finally:
+        shutil.rmtree(homes.parent)
