@@ -216,7 +216,10 @@ def worker_job(
         sandbox=settings.sandbox,
         network_isolation=settings.transport.network_isolation,
         grace_seconds=settings.grace_seconds,
-        hide=["."],  # the home folder: its credentials are not the task's
+        # The home folder (its credentials are not the task's) and the
+        # remote root (an absolute one is outside it), where the runs of
+        # other steps and clients sit beside this one: its own parts are bound back.
+        hide=[".", layout.root],
         env_dir=env_dir,
         cache_dirs=settings.cache_dirs,
         cache_root=f"{layout.root}/cache/{project_key(str(handle.state.project))}",
