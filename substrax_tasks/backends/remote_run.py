@@ -143,7 +143,12 @@ def checked_script(python: str, bin_dir: str, name: str, *args: str) -> list[str
 
 
 class DamagedHost(HostRefused):
-    """A script installed on the host is not the one this client sent."""
+    """A script installed on the host is not the one this client sent
+    (`scripts`: those CHECKED_RUN found changed)."""
+
+    def __init__(self, message: str, scripts: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.scripts = scripts or []
 
 
 def damaged_scripts(result: RemoteResult) -> list[str] | None:
@@ -220,7 +225,8 @@ class RemoteRun:
                 f"{self.remote.host} are not the ones this client installed (changed or removed "
                 "after the install): the host is damaged or tampered with, and nothing is run "
                 f"there. `substrax-compute teardown {self.run_id}` puts the scripts back, stops "
-                "the run and removes its folder"
+                "the run and removes its folder",
+                changed,
             )
 
     def reinstall(self) -> None:

@@ -81,6 +81,8 @@ if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only
     from exceptiongroup import ExceptionGroup
 
 LAUNCH_REQUEST = "launch-request.json"
+# How much of the end of a failed setup's log is read (its last 2,000 characters are said).
+SETUP_LOG_TAIL_BYTES = 8 << 10
 TASK_FILE = "task.json"
 
 
@@ -486,7 +488,10 @@ class SkypilotBackend(Backend):
             log.unlink(missing_ok=True)
             self.sky().call("tail_logs", {"cluster_name": cluster, "job_id": job_id, "follow": False,
                                           "output_file": str(log)})  # fmt: skip
-        said = log.read_text(errors="replace").strip()[-2000:] if log.is_file() else ""
+        said = ""
+        with contextlib.suppress(OSError), log.open("rb") as f:  # its end only, whatever its size
+            f.seek(max(0, f.seek(0, 2) - SETUP_LOG_TAIL_BYTES))
+            said = f.read().decode(errors="replace").strip()[-2000:]
         failures: list[Exception] = []
         if self.down_cluster(cluster, failures):
             forget_cluster(self, handle)
@@ -1049,6 +1054,12 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
                                   hourly_cost=record.get("hourly_cost"))  # fmt: skip
         try:
             answer = backend.claim(warm)
+        except HostRefused as exc:
+            # Nothing of the run is on it: the run holds no cluster, and the
+            # cluster stays in its slot (refused again) until gc --machines.
+            backend.save_state(handle, cluster=None, lease_job=None, watchdog=None, job_home=None,
+                               hourly_cost=None)  # fmt: skip
+            raise refused_warm(cluster, exc) from None
         except SubstraxError as exc:
             answer = {"claimed": False, "reason": f"out of reach: {exc}"}
         if answer.get("claimed"):
@@ -1072,6 +1083,20 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
     path.unlink(missing_ok=True)
     backend.save_state(handle, cluster=None, lease_job=None, watchdog=None, job_home=None)
     return None
+
+
+def refused_warm(cluster: str, exc: HostRefused) -> HostRefused:
+    """A warm cluster whose scripts were changed, or whose lease's answer
+    passed its bound: refused by name, with the fix that runs nothing on it."""
+    what = str(exc)
+    if isinstance(exc, DamagedHost):
+        what = (f"the script(s) {', '.join(exc.scripts)} there are not the ones this client installed "
+                "(changed or removed after the install)")  # fmt: skip
+    return HostRefused(
+        f"warm cluster {cluster} is refused: {what}; it is damaged or tampered with, and nothing is run "
+        "on it. `substrax-compute gc --machines` takes it down through SkyPilot (running nothing on it), "
+        "and the next doit launches a new one"
+    )
 
 
 def cluster_gone(backend: SkypilotBackend, cluster: str) -> bool:

@@ -65,13 +65,16 @@ HOME_MARK = re.compile(r"substrax-job-home:(/.*?):end")
 # `python3 -c IN_JOB_HOME FILE ARGV...`: Python 3.8, stdlib. Run ARGV in
 # the home the cluster's lease job runs in, as its setup wrote it to FILE
 # (relative to the login's home, where ssh lands: remote/lease.py); exit
-# NO_JOB_HOME while there is none (the setup has not begun).
+# NO_JOB_HOME while there is none (the setup has not begun). A path is read
+# as far as PATH_MAX at most: whatever else is in the file is not a home.
 NO_JOB_HOME = 4
+# How much of the lease job's log is read for HOME_MARK (its setup's first line).
+JOB_LOG_HEAD_BYTES = 64 << 10
 IN_JOB_HOME = """\
 import os, pwd, sys
 try:
     with open(os.path.join(pwd.getpwuid(os.getuid()).pw_dir, sys.argv[1])) as f:
-        os.chdir(f.read().strip())
+        os.chdir(f.read(4096).strip())
 except OSError:
     sys.exit(EXIT)
 os.execvp(sys.argv[2], sys.argv[2:])
@@ -225,7 +228,10 @@ def worker_job(
         sandbox=settings.sandbox,
         network_isolation=settings.transport.network_isolation,
         grace_seconds=settings.grace_seconds,
-        hide=["."],  # the home folder: its credentials are not the task's
+        # The home folder (its credentials are not the task's) and the
+        # remote root (an absolute one is outside it), where the runs of
+        # other steps and clients sit beside this one: its own parts are bound back.
+        hide=[".", layout.root],
         env_dir=env_dir,
         cache_dirs=settings.cache_dirs,
         cache_root=f"{layout.root}/cache/{project_key(str(handle.state.project))}",
@@ -308,7 +314,9 @@ def job_home(sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str) -
     try:
         sky.call("tail_logs", {"cluster_name": cluster, "job_id": job_id, "follow": False,
                                "output_file": str(log)})  # fmt: skip
-        found: list[str] = HOME_MARK.findall(log.read_text(errors="replace"))
+        with log.open("rb") as f:  # the mark is the setup's first line: a log of any size is read so far only
+            head = f.read(JOB_LOG_HEAD_BYTES).decode(errors="replace")
+        found: list[str] = HOME_MARK.findall(head)
     except (SubstraxError, OSError):
         found = []
     finally:
