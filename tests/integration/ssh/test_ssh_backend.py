@@ -190,7 +190,8 @@ def test_a_host_that_resets_the_connection_is_said_in_words_without_paramikos_tr
         done = doit(root)
     text = done.stdout + done.stderr
     assert done.returncode == 2, show(done)  # the machinery failed: doit's TaskError (docs/steps.md)
-    assert "Error reading SSH protocol banner" in text, show(done)
+    # Which read meets the reset first varies with the load (the banner, or a session): it is named.
+    assert "launch failed" in text and "127.0.0.1" in text, show(done)
     assert "Traceback" not in text and "Exception (client)" not in text, show(done)
 
 
