@@ -239,7 +239,7 @@ class StepDriver(DrivenRun):
         except OSError as exc:
             if not doit_db.no_space_left(exc, str(exc.filename or self.root)):
                 self._end_phase("failed")
-                self._close()
+                self._close("failed")
                 raise
             result = TaskFailed(self._named_full(exc))
         except KeyboardInterrupt:
