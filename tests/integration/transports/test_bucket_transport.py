@@ -88,6 +88,29 @@ def test_a_finished_run_fetches_and_verifies_with_the_endpoint_from_the_environm
     ]
 
 
+def test_setuid_sticky_and_world_writable_modes_a_worker_recorded_arrive_without_those_bits(
+    s3_env: S3Server, tmp_path: Path
+) -> None:
+    """Issue 28, item 2, on the bucket's path: a bucket keeps no modes, so
+    the fetch sets the ones the run's manifest names (a host's user made
+    6755, 4777 and 1777), and sets them made safe: a root client gets no
+    setuid, setgid or sticky bit and nothing world-writable."""
+    run = f"s3://{s3_env.bucket}/runs/{secrets.token_hex(6)}"
+    made = make_tree(tmp_path / "ran")
+    unsafe = {"model.bin": 0o6755, "reports/summary.json": 0o4777, "reports/plots": 0o1777}
+    for rel, mode in unsafe.items():
+        (made / rel).chmod(mode)
+    manifest = manifest_cache.build_manifest(made, OUTPUTS)
+    recorded = {e["path"]: e["mode"] & 0o7777 for e in manifest["entries"] if e["path"] in unsafe}
+    assert recorded == unsafe  # what the worker recorded, as a host's user made them
+    put_tree(s3_env, f"{run}/outputs", TREE)
+    write_object(s3_env, f"{run}/manifest.json", json.dumps(manifest).encode())
+    staging = tmp_path / "staging"
+    fetch(BucketTransport(show_progress=False), run, staging)
+    arrived = {rel: (staging / rel).stat().st_mode & 0o7777 for rel in unsafe}
+    assert arrived == {"model.bin": 0o755, "reports/summary.json": 0o775, "reports/plots": 0o775}
+
+
 def test_explicit_endpoint_and_storage_options_need_no_environment(
     s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
