@@ -224,11 +224,11 @@ def show_toolchains(job: runfiles.Job, environ: dict[str, str]) -> None:
 def _enterable_folder(path: Path) -> bool:
     """Whether `path` is a folder this user can enter. One it cannot (another
     user's, such as /root/.cargo/bin on a PATH that su or sudo kept) holds
-    no program it runs: passed over, as exec passes it over, where pathlib's
-    is_dir raises."""
+    no program it runs: passed over, as exec passes it over, rather than
+    looked into (pathlib raises on EACCES)."""
     try:
-        return path.is_dir()
-    except PermissionError:
+        return path.is_dir() and os.access(path, os.X_OK)
+    except PermissionError:  # a folder above it is closed
         return False
 
 
