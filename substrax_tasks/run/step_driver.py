@@ -415,7 +415,9 @@ class StepDriver(DrivenRun):
             with contextlib.suppress(BackendError, HostRefused):  # else its lifetime timer ends it
                 if not backend.poll(handle).final:
                     backend.cancel(handle)
-            return TaskFailed(f"step {self.spec.step!r}: run {handle.run_id}: {exc}")
+            said = str(exc)  # a host's refusal names its run already
+            return TaskFailed(f"step {self.spec.step!r}: " + (said if handle.run_id in said else
+                                                              f"run {handle.run_id}: {said}"))  # fmt: skip
         except KeyboardInterrupt:
             self._set(RunState.INTERRUPTED)
             self._on_interrupt(backend, handle)
