@@ -21,7 +21,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from dodo_helpers import COMPUTE, DOIT, clean_env, make_project, run_count, step_skipped, write_dodo
+from dodo_helpers import (
+    COMPUTE,
+    DOIT,
+    NO_RUN_CACHE,
+    clean_env,
+    make_project,
+    run_count,
+    step_skipped,
+    write_dodo,
+)
+from ssh_helpers import needs_sshd, pyproject_text, ssh_settings
+from testbeds.sshd_host import SshHost
 
 BODY = """
 def task_step():
@@ -247,6 +258,34 @@ def task_step():
     assert len(list((tmp_path / "state" / "runs").iterdir())) == 2, "the command ran again"
     done = inside(pid, root, str(DOIT))
     assert done.returncode == 0 and "nothing to do" in done.stdout, done.stdout + done.stderr
+
+
+@needs_sshd
+def test_a_full_disk_here_during_an_ssh_fetch_is_told_as_one_and_the_next_doit_fetches_without_running_again(
+    small_disk: tuple[Path, int], host: SshHost
+) -> None:
+    """rsync's receiver (this machine) meets the full disk: it said so in
+    rsync's words, and doit exited 2; it is the phase's one message, exit 1."""
+    root, pid = small_disk
+    seen = Path(f"/proc/{pid}/root") / str(root).lstrip("/")
+    (seen / "pyproject.toml").write_text(pyproject_text(ssh_settings(host)) + NO_RUN_CACHE)
+    write_dodo(seen, """
+def task_step():
+    yield from remote_step("step", outputs=["out/"], command=[
+        "sh", "-c", "mkdir -p out/m && head -c 9000000 /dev/urandom > out/m/data.bin"])
+""", default_tasks=["step"])  # fmt: skip
+    (seen / "filler").write_bytes(b"\0" * (16 << 20))  # 9 + 16 MB > DISK_MB
+    full = inside(pid, root, str(DOIT))
+    said = full.stdout + full.stderr
+    assert full.returncode == 1, said
+    assert said.count("no space left on the file system mounted at") == 1 and str(root) in said, said
+    assert "Free space there and run `doit` again" in said and "Traceback" not in said, said
+
+    (seen / "filler").unlink()
+    again = inside(pid, root, str(DOIT))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (seen / "out" / "m" / "data.bin").stat().st_size == 9000000
+    assert run_count(seen) == 1 and "new run" not in again.stdout, again.stdout + again.stderr
 
 
 # Issue 28, item 8, doit's own save: every phase of the step succeeds; a
