@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 from substrax_tasks.console import emit, marking
 from substrax_tasks.errors import BackendError
 from substrax_tasks.run.promote import RSYNC_SAFE_CHMOD
-from substrax_tasks.transports.base import TransferStats, Transport, progress
+from substrax_tasks.transports.base import DiskFullHere, TransferStats, Transport, progress
 from substrax_tasks.transports.openssh import master_in_use
 
 if TYPE_CHECKING:
@@ -109,10 +109,8 @@ class RsyncTransport(Transport):
         except BackendError as exc:
             full = _FULL.search(str(exc))
             if full is not None and full.group(1).startswith(str(local_root)):
-                # This machine's disk is full: an OSError, which the phase
-                # tells as a full disk (where, what is kept, the fix).
                 code = errno.ENOSPC if full.group(2) == str(errno.ENOSPC) else errno.EDQUOT
-                raise OSError(code, "rsync could not write the copy", full.group(1)) from exc
+                raise DiskFullHere(str(exc), code, full.group(1)) from None
             raise
         skipped = _SKIPPED.findall(said)
         if skipped:
