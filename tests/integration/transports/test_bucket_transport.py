@@ -6,6 +6,7 @@ What every transport must do is in test_transport_contract.py.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -109,6 +110,44 @@ def test_setuid_sticky_and_world_writable_modes_a_worker_recorded_arrive_without
     fetch(BucketTransport(show_progress=False), run, staging)
     arrived = {rel: (staging / rel).stat().st_mode & 0o7777 for rel in unsafe}
     assert arrived == {"model.bin": 0o755, "reports/summary.json": 0o775, "reports/plots": 0o775}
+
+
+# The fetch as the SkyPilot backend runs it, in a mount namespace where the
+# staging folder is a full 1 MiB tmpfs; what it raised.
+FETCH_ON_A_FULL_DISK = """
+import sys
+from pathlib import Path
+from substrax_tasks.transports.bucket import BucketTransport
+staging = Path(sys.argv[2])
+(staging.parent / "filler").write_bytes(bytes(900_000))
+try:
+    BucketTransport(show_progress=False).fetch_run(sys.argv[1], ["model.bin"], staging)
+except BaseException as exc:
+    print(type(exc).__name__, getattr(exc, "errno", None), getattr(exc, "filename", None))
+"""
+
+
+def test_a_full_disk_here_during_a_fetch_is_an_os_error_naming_the_file_for_the_phase_to_tell(
+    s3_env: S3Server, tmp_path: Path
+) -> None:
+    """Issue 28, item 8, on the bucket's path: the phase tells an OSError of
+    a full disk as one (where, what is kept, the fix); a BackendError
+    `fetch of ... failed: OSError: ...` ended doit with exit status 2."""
+    if not ROOT or shutil.which("unshare") is None:
+        pytest.skip("FULL DISK NOT TESTED: a tmpfs in a mount namespace needs root and unshare")
+    run, _manifest = finished_run(s3_env, tmp_path)  # model.bin: 300 kB, more than is left
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = 'mount -t tmpfs -o size=1m none "$1" && shift && exec "$@"'
+    done = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh", str(disk),
+         sys.executable, "-c", FETCH_ON_A_FULL_DISK, run, str(disk / "staging")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    kind, code, filename = done.stdout.split()
+    assert (kind, code) == ("OSError", str(errno.ENOSPC)), done.stdout
+    assert filename == str(disk / "staging" / "model.bin"), done.stdout
 
 
 def test_explicit_endpoint_and_storage_options_need_no_environment(
