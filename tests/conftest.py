@@ -3,4 +3,6 @@ local_runs (real processes and runs of this machine), unit_tier (the unit tier's
 (a real S3 server), ssh_helpers (a real sshd), sandbox_beds (a second uid, escape probes), sky_beds
 (the fake SkyPilot's project and its cluster host)."""
 
-pytest_plugins = ("local_runs", "unit_tier", "s3_server", "ssh_helpers", "sandbox_beds", "sky_beds")
+pytest_plugins = (
+    "local_runs", "unit_tier", "s3_server", "ssh_helpers", "sandbox_beds", "sky_beds", "other_user",
+)  # fmt: skip

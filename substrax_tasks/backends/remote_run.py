@@ -44,7 +44,7 @@ from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.store.handle import RunHandle
-from substrax_tasks.transports.base import Transport, checked_manifest
+from substrax_tasks.transports.base import DiskFullHere, Transport, checked_manifest
 from substrax_tasks.transports.openssh import MAX_ANSWER_BYTES, AnswerTooBig, RemoteResult
 
 MANIFEST_FILE = "manifest.json"  # in the run's folder, written by the worker as the command ended
@@ -384,10 +384,12 @@ class RemoteRun:
         if present:
             try:
                 transport.download(outputs_root, present, staging)
-            except BaseException:
+            except BaseException as exc:
                 # A refused or broken copy leaves nothing behind: what it
                 # brought is never verified, so it has no use here.
                 shutil.rmtree(staging, ignore_errors=True)
+                if isinstance(exc, DiskFullHere):  # the phase says where, what is kept, the fix
+                    raise exc.full_disk() from None
                 raise
         return Fetched(staging, manifest)
 

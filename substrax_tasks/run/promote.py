@@ -225,10 +225,24 @@ def promote_verified(
         # now as after; a check again here would close no window, and every
         # later up-to-date check sees a change.
         return
+    digest = str(verified.manifest["digest"])
+    copied = not _same_file_system(verified.root, dest)
+    if copied and manifest_cache.outputs_match(dest, outputs, digest, cache):
+        # A copy (another file system) that stands in place already: its
+        # promotion was finished by `recover` after a full disk or a kill.
+        # Copying it again would need room for two copies the disk may lack.
+        return
     if promote(verified.root, dest, list(outputs), journal):
         manifest_cache.renamed_into_place(dest, outputs, cache)
-    elif not manifest_cache.outputs_match(dest, outputs, str(verified.manifest["digest"]), cache):
+    elif not manifest_cache.outputs_match(dest, outputs, digest, cache):
         raise SubstraxError("outputs changed while they were promoted")
+
+
+def _same_file_system(staging: Path, dest: Path) -> bool:
+    try:
+        return staging.stat().st_dev == dest.stat().st_dev
+    except OSError:
+        return True  # nothing to compare: the promotion finds out
 
 
 def remove_path(path: Path) -> None:
@@ -258,7 +272,10 @@ def promote_one(staged: Path, final: Path) -> bool:
         beside = _next_to(final, "in")
         try:
             if staged.is_dir() and not staged.is_symlink():
-                shutil.copytree(staged, beside, symlinks=True)
+                try:
+                    shutil.copytree(staged, beside, symlinks=True, copy_function=_copy_or_stop)
+                except _CopyStopped as stopped:
+                    raise stopped.error from None
             else:
                 shutil.copy2(staged, beside, follow_symlinks=False)
             promote_one(beside, final)
@@ -273,6 +290,24 @@ def promote_one(staged: Path, final: Path) -> bool:
         # `staged` stays (teardown removes it): a tree removed half, after a
         # kill, would be promoted again by `recover` over the whole copy.
         return False
+
+
+class _CopyStopped(Exception):
+    """Not an OSError, so that copytree lets it through: it gathers the
+    OSErrors of every file into one shutil.Error with their errno lost (a
+    full disk would not be told as one) and goes on copying after the
+    first."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _copy_or_stop(source: str, target: str) -> object:
+    try:
+        return shutil.copy2(source, target)
+    except OSError as exc:
+        raise _CopyStopped(exc) from exc
 
 
 def _swap_dir(staged: Path, final: Path) -> None:

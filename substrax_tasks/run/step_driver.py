@@ -239,7 +239,7 @@ class StepDriver(DrivenRun):
         except OSError as exc:
             if not doit_db.no_space_left(exc, str(exc.filename or self.root)):
                 self._end_phase("failed")
-                self._close()
+                self._close("failed")
                 raise
             result = TaskFailed(self._named_full(exc))
         except KeyboardInterrupt:
@@ -415,7 +415,9 @@ class StepDriver(DrivenRun):
             with contextlib.suppress(BackendError, HostRefused):  # else its lifetime timer ends it
                 if not backend.poll(handle).final:
                     backend.cancel(handle)
-            return TaskFailed(f"step {self.spec.step!r}: run {handle.run_id}: {exc}")
+            said = str(exc)  # a host's refusal names its run already
+            return TaskFailed(f"step {self.spec.step!r}: " + (said if handle.run_id in said else
+                                                              f"run {handle.run_id}: {said}"))  # fmt: skip
         except KeyboardInterrupt:
             self._set(RunState.INTERRUPTED)
             self._on_interrupt(backend, handle)

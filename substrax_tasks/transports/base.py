@@ -24,6 +24,21 @@ if TYPE_CHECKING:
 MAX_MANIFEST_BYTES = 64 << 20
 
 
+class DiskFullHere(BackendError):
+    """A download this machine's disk (or quota) had no room for. A
+    BackendError, as every failed copy is (a checkpoints snapshot that
+    fails is said and tried again); an outputs fetch tells it as the full
+    disk it is (`full_disk`)."""
+
+    def __init__(self, message: str, code: int, filename: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.filename = filename
+
+    def full_disk(self) -> OSError:
+        return OSError(self.code, "no room for the copy", self.filename)
+
+
 @dataclass(frozen=True)
 class TransferStats:
     files: int

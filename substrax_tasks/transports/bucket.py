@@ -53,6 +53,7 @@ from substrax_tasks.errors import BackendError
 from substrax_tasks.run.promote import safe_mode
 from substrax_tasks.transports.base import (
     MAX_MANIFEST_BYTES,
+    DiskFullHere,
     TransferStats,
     Transport,
     checked_manifest,
@@ -179,7 +180,10 @@ class BucketTransport(Transport):
         shutil.rmtree(staging, ignore_errors=True)
         present = [o for o in outputs if o not in manifest["missing"]]
         if present:
-            self.download(f"{run_folder}/outputs", present, staging)
+            try:
+                self.download(f"{run_folder}/outputs", present, staging)
+            except DiskFullHere as exc:  # the phase says where, what is kept, the fix
+                raise exc.full_disk() from None
         _apply_modes(staging, manifest)
         return manifest
 
@@ -236,6 +240,10 @@ class BucketTransport(Transport):
                 whole = obj.add(start, _part(fs, obj.copy, start, end, name), name)
             except BackendError:
                 raise
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # writing the part here
+                    raise DiskFullHere(f"fetch of {name} failed: {exc}", exc.errno, obj.copy.dest) from exc
+                raise _failure("fetch of", name, exc) from exc
             except Exception as exc:
                 raise _failure("fetch of", name, exc) from exc
             with lock:

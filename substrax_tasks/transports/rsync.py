@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import re
 import shlex
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 from substrax_tasks.console import emit, marking
 from substrax_tasks.errors import BackendError
 from substrax_tasks.run.promote import RSYNC_SAFE_CHMOD
-from substrax_tasks.transports.base import TransferStats, Transport, progress
+from substrax_tasks.transports.base import DiskFullHere, TransferStats, Transport, progress
 from substrax_tasks.transports.openssh import master_in_use
 
 if TYPE_CHECKING:
@@ -27,6 +28,9 @@ _PROGRESS = re.compile(r"^\s*([\d,]+)\s+(\d+)%\s+\S+\s+\S+(?:\s+\(xfr#\d+, (?:to
 _STAT_FILES = re.compile(r"Number of regular files transferred: ([\d,]+)")
 _STAT_BYTES = re.compile(r"Total transferred file size: ([\d,]+)")
 _SKIPPED = re.compile(r'^skipping non-regular file "(.*)"$', re.MULTILINE)
+# What rsync's receiver says of a write a full disk (or quota) refused:
+# `rsync: [receiver] write failed on "PATH": No space left on device (28)`.
+_FULL = re.compile(r'"([^"\n]+)"[^\n]*: (?:No space left on device|Disk quota exceeded) \((\d+)\)')
 READ_BLOCK = 1 << 16
 
 # What a copy says when ssh's multiplexing master died under it: ssh's own
@@ -100,7 +104,14 @@ class RsyncTransport(Transport):
         # keeps a setuid, setgid or sticky bit or is world-writable here
         # (promote.safe_mode; the promotion checks it again).
         extra = ("--ignore-missing-args", "--no-devices", "--no-specials", RSYNC_SAFE_CHMOD)
-        stats, said = self._rsync(self._argv(source, f"{local_root}/", *extra), rel_paths, "fetch")
+        try:
+            stats, said = self._rsync(self._argv(source, f"{local_root}/", *extra), rel_paths, "fetch")
+        except BackendError as exc:
+            full = _FULL.search(str(exc))
+            if full is not None and full.group(1).startswith(str(local_root)):
+                code = errno.ENOSPC if full.group(2) == str(errno.ENOSPC) else errno.EDQUOT
+                raise DiskFullHere(str(exc), code, full.group(1)) from None
+            raise
         skipped = _SKIPPED.findall(said)
         if skipped:
             raise BackendError(

@@ -202,7 +202,7 @@ def show_toolchains(job: runfiles.Job, environ: dict[str, str]) -> None:
     shown: list[str] = []
     pyenv = False  # a pyenv-like root on PATH, hidden or not: its shims read the version here
     for entry in dict.fromkeys(Path(os.path.normpath(p)) for p in path if p.startswith("/")):
-        if not entry.is_dir():
+        if not _enterable_folder(entry):
             continue
         needs = _installation(entry, environ)
         pyenv = pyenv or any((n / "shims").is_dir() and (n / "versions").is_dir() for n in needs)
@@ -219,6 +219,17 @@ def show_toolchains(job: runfiles.Job, environ: dict[str, str]) -> None:
     # A folder inside another shown one adds nothing.
     kept = [f for f in dict.fromkeys(shown) if not any(o != f and _inside(f, o) for o in shown)]
     job["extra_ro"] = [*job.get("extra_ro", []), *kept]
+
+
+def _enterable_folder(path: Path) -> bool:
+    """Whether `path` is a folder this user can enter. One it cannot (another
+    user's, such as /root/.cargo/bin on a PATH that su or sudo kept) holds
+    no program it runs: passed over, as exec passes it over, rather than
+    looked into (pathlib raises on EACCES)."""
+    try:
+        return path.is_dir() and os.access(path, os.X_OK)
+    except PermissionError:  # a folder above it is closed
+        return False
 
 
 def _python_version_files(job: runfiles.Job) -> list[str]:

@@ -21,7 +21,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from dodo_helpers import COMPUTE, DOIT, clean_env, make_project, run_count, step_skipped, write_dodo
+from dodo_helpers import (
+    COMPUTE,
+    DOIT,
+    NO_RUN_CACHE,
+    clean_env,
+    make_project,
+    run_count,
+    step_skipped,
+    write_dodo,
+)
+from ssh_helpers import needs_sshd, pyproject_text, ssh_settings
+from testbeds.sshd_host import SshHost
 
 BODY = """
 def task_step():
@@ -192,36 +203,44 @@ def test_a_disk_that_fills_right_after_the_command_ends_in_one_message_and_the_n
     assert done.returncode == 0 and "nothing to do" in done.stdout, done.stdout + done.stderr
 
 
+# v1 writes 1 MB, v2 13 MB: the small disk holds v1 and v2 side by side (the
+# copy is made beside the old output, then renamed over it), not two of v2.
 BIG = """
-import os
+import os, sys
 version = open("version.txt").read().strip().encode()
-with open("out.bin", "wb") as f:
-    f.write(version * ((9 << 20) // len(version)))
+os.makedirs(os.path.dirname(sys.argv[1]) or ".", exist_ok=True)
+with open(sys.argv[1], "wb") as f:
+    f.write(version * (({b"v1": 1, b"v2": 13}[version] << 20) // len(version)))
 """
 
 
+@pytest.mark.parametrize(("output", "written"), [("out.bin", "out.bin"), ("out/", "out/model/out.bin")],
+                         ids=["a-file", "a-folder"])  # fmt: skip
 def test_a_full_disk_during_a_promotion_across_file_systems_keeps_the_old_output_and_the_next_doit_finishes(
-    small_disk: tuple[Path, int], tmp_path: Path
+    small_disk: tuple[Path, int], tmp_path: Path, output: str, written: str
 ) -> None:
     """The state folder on the machine's disk, the project (doit's DB with
-    it) on the small one: outputs are promoted by a copy, which fills it."""
+    it) on the small one: outputs are promoted by a copy, which fills it.
+    A folder's copy told the full disk as a list of errors and, once space
+    was freed, was copied a second time after `recover` had finished it,
+    which the disk had no room for: the step never finished."""
     root, pid = small_disk
     seen = Path(f"/proc/{pid}/root") / str(root).lstrip("/")
     (seen / "pyproject.toml").write_text(
         f'[tool.substrax.compute]\nstate_dir = "{tmp_path / "state"}"\n'
         '[tool.substrax.compute.backends.local]\n[tool.substrax.compute.cache]\nenabled = false\n'
     )
-    write_dodo(seen, """
+    write_dodo(seen, f"""
 def task_step():
-    yield from remote_step("step", inputs=["version.txt", "big.py"], outputs=["out.bin"],
-                           command=["python3", "big.py"])
+    yield from remote_step("step", inputs=["version.txt", "big.py"], outputs=[{output!r}],
+                           command=["python3", "big.py", {written!r}])
 """, default_tasks=["step"])  # fmt: skip
     (seen / "big.py").write_text(BIG)
     (seen / "version.txt").write_text("v1\n")
     first = inside(pid, root, str(DOIT))
     assert first.returncode == 0, first.stdout + first.stderr
-    old = (seen / "out.bin").read_bytes()
-    (seen / "filler").write_bytes(b"\0" * (8 << 20))  # 9 + 9 + 8 MB > DISK_MB
+    old = (seen / written).read_bytes()
+    (seen / "filler").write_bytes(b"\0" * (12 << 20))  # 1 + 13 + 12 MB > DISK_MB
 
     (seen / "version.txt").write_text("v2\n")
     full = inside(pid, root, str(DOIT))
@@ -230,13 +249,43 @@ def task_step():
     assert "Traceback" not in said, said
     assert said.count("no space left") == 1 and str(root) in said, said
     assert "Free space there and run `doit` again" in said, said
-    assert (seen / "out.bin").read_bytes() == old, "the earlier output was lost"
+    assert (seen / written).read_bytes() == old, "the earlier output was lost"
+
+    (seen / "filler").unlink()  # room for v2 beside v1, not for two copies of v2
+    again = inside(pid, root, str(DOIT))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (seen / written).read_bytes()[:2] == b"v2"
+    assert len(list((tmp_path / "state" / "runs").iterdir())) == 2, "the command ran again"
+    done = inside(pid, root, str(DOIT))
+    assert done.returncode == 0 and "nothing to do" in done.stdout, done.stdout + done.stderr
+
+
+@needs_sshd
+def test_a_full_disk_here_during_an_ssh_fetch_is_told_as_one_and_the_next_doit_fetches_without_running_again(
+    small_disk: tuple[Path, int], host: SshHost
+) -> None:
+    """rsync's receiver (this machine) meets the full disk: it said so in
+    rsync's words, and doit exited 2; it is the phase's one message, exit 1."""
+    root, pid = small_disk
+    seen = Path(f"/proc/{pid}/root") / str(root).lstrip("/")
+    (seen / "pyproject.toml").write_text(pyproject_text(ssh_settings(host)) + NO_RUN_CACHE)
+    write_dodo(seen, """
+def task_step():
+    yield from remote_step("step", outputs=["out/"], command=[
+        "sh", "-c", "mkdir -p out/m && head -c 9000000 /dev/urandom > out/m/data.bin"])
+""", default_tasks=["step"])  # fmt: skip
+    (seen / "filler").write_bytes(b"\0" * (16 << 20))  # 9 + 16 MB > DISK_MB
+    full = inside(pid, root, str(DOIT))
+    said = full.stdout + full.stderr
+    assert full.returncode == 1, said
+    assert said.count("no space left on the file system mounted at") == 1 and str(root) in said, said
+    assert "Free space there and run `doit` again" in said and "Traceback" not in said, said
 
     (seen / "filler").unlink()
     again = inside(pid, root, str(DOIT))
     assert again.returncode == 0, again.stdout + again.stderr
-    assert (seen / "out.bin").read_bytes()[:2] == b"v2"
-    assert len(list((tmp_path / "state" / "runs").iterdir())) == 2, "the command ran again"
+    assert (seen / "out" / "m" / "data.bin").stat().st_size == 9000000
+    assert run_count(seen) == 1 and "new run" not in again.stdout, again.stdout + again.stderr
 
 
 # Issue 28, item 8, doit's own save: every phase of the step succeeds; a

@@ -32,6 +32,7 @@ from dodo_helpers import (
     write_dodo,
 )
 from local_runs import WORKER, log_text, outputs_root, run_dir, wait_final
+from other_user import OtherUser
 from view_parts import WORK, clone, git, work_step
 
 from substrax_tasks.step.spec import make_spec
@@ -70,6 +71,48 @@ def test_two_clones_with_different_helpers_never_share_an_output(tmp_path: Path)
     done = doit_ok(third)
     assert restored(done) and run_count(third) == 0, show(done)
     assert (third / "out" / "result.txt").read_text() == "A"
+
+
+@needs_bwrap
+def test_the_issues_reproduction_as_a_user_without_root_with_roots_folders_left_on_path(
+    other_user: OtherUser,
+) -> None:
+    """The same reproduction as a new user on a shared machine runs it: no
+    root, one $XDG_CACHE_HOME of their own, and (as `su` leaves it) a PATH
+    that still names a folder of root's they cannot enter."""
+    roots = other_user.base / "roots-bin"  # root's own, closed to the user
+    roots.mkdir(mode=0o700)
+    env = {"PATH": f"{roots}:{other_user.env()['PATH']}"}
+
+    def clone_of(name: str, value: str, inputs: list[str]) -> Path:
+        made = clone(other_user.base, name, value, inputs)  # git as root, then the user's
+        other_user.own(other_user.base / name)
+        return made
+
+    first = clone_of("a", "A", ["work.py"])
+    failed = other_user.doit(first, env=env)
+    assert failed.returncode == 1, show(failed)
+    assert "helper.py is not declared; declare it in inputs=[...]" in said(failed), show(failed)
+    assert "PythonAction Error" not in said(failed), show(failed)  # a failure of its own, not ours
+
+    inputs = ["work.py", "helper.py"]
+    write_dodo(first, work_step(inputs), ["work"])
+    done = other_user.doit(first, env=env)
+    assert done.returncode == 0 and (first / "out" / "result.txt").read_text() == "A", show(done)
+    second = clone_of("b", "B", inputs)
+    done = other_user.doit(second, env=env)
+    assert done.returncode == 0 and not restored(done), show(done)
+    assert (second / "out" / "result.txt").read_text() == "B"
+    third = clone_of("c", "A", inputs)  # the first clone's helper: a hit from the user's own cache
+    done = other_user.doit(third, env=env)
+    assert done.returncode == 0 and restored(done) and run_count(third) == 0, show(done)
+    assert (third / "out" / "result.txt").read_text() == "A"
+
+    (second / "helper.py").write_text('VALUE = "C"\n')
+    why = other_user.compute(second, "why", "work", env=env)
+    assert why.returncode == 0 and "input changed: helper.py" in why.stdout, show(why)
+    done = other_user.doit(second, env=env)
+    assert done.returncode == 0 and (second / "out" / "result.txt").read_text() == "C", show(done)
 
 
 @needs_bwrap

@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from dodo_helpers import BWRAP, doit, doit_ok, make_project, run_dirs, show, step_skipped
+from dodo_helpers import BWRAP, DOIT, clean_env, doit, doit_ok, make_project, run_dirs, show, step_skipped
 from sandbox_beds import SYSTEM_PATH, SYSTEM_PYTHON, Bed
 
 pytestmark = pytest.mark.skipif(not BWRAP, reason="SANDBOX NOT TESTED: bubblewrap is missing or unusable")
@@ -250,3 +250,43 @@ def test_over_the_worker_as_root_and_as_another_user_the_shims_run_and_the_key_s
     assert status["state"] == "succeeded", log
     assert f"PREFIX {version}" in log.splitlines(), log
     assert "HIDDEN" in log.splitlines() and "KEY" not in log, log
+
+
+# Root keeps out of a folder of mode 000 only without these capabilities, as
+# a container's root may run: dropped from the bounding set, they are gone
+# from what it execs.
+NO_DAC_OVERRIDE = ["--inh-caps=-dac_override,-dac_read_search",
+                   "--bounding-set=-dac_override,-dac_read_search"]  # fmt: skip
+
+
+def test_a_folder_on_path_the_user_cannot_enter_is_passed_over_as_plain_doit_passes_it(
+    tmp_path: Path,
+) -> None:
+    """A PATH kept by `su` or `sudo` names the other user's folders
+    (/root/.cargo/bin): looking there for the sandbox's toolchains stopped
+    the launch with a PermissionError traceback; the run goes on as the
+    command would run under plain doit."""
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("UNENTERABLE PATH FOLDER NOT TESTED: setpriv (util-linux) is not installed")
+        as_user = [setpriv, *NO_DAC_OVERRIDE]
+    locked = tmp_path / "other-user"
+    (locked / "bin").mkdir(parents=True)
+    body = """
+def task_ran():
+    yield from remote_step("ran", command=["sh", "-c", "echo ran > out/ran.txt"], outputs=["out/"])
+"""
+    root = make_project(tmp_path, body, ["ran"], sandbox="bwrap")
+    locked.chmod(0)
+    try:
+        done = subprocess.run(
+            [*as_user, str(DOIT)], cwd=root, capture_output=True, text=True, timeout=90, check=False,
+            env=clean_env({"PATH": f"{locked / 'bin'}:{os.environ['PATH']}"}),
+        )  # fmt: skip
+    finally:
+        locked.chmod(0o755)
+    assert done.returncode == 0, show(done)
+    assert (root / "out" / "ran.txt").read_text() == "ran\n"
+    assert "Traceback" not in done.stdout + done.stderr, show(done)

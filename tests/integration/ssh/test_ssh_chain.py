@@ -762,6 +762,7 @@ def test_a_host_that_rewrites_control_py_after_the_install_is_refused_as_damaged
     assert f"control.py in {remote_root}/bin-" in said, said
     assert f"on {host.address} are not the ones this client installed" in said, said
     assert f"`substrax-compute teardown {run_id}`" in said, said
+    assert f"step 'step': run {run_id}: the script(s) control.py" in said, said  # the run named once
     assert not (tmp_path / "proj" / "out.txt").exists()
 
     done = compute(root, "teardown", run_id)  # the fix the message names
@@ -771,6 +772,33 @@ def test_a_host_that_rewrites_control_py_after_the_install_is_refused_as_damaged
     assert installed == (Path(__file__).resolve().parents[3] / "remote" / "control.py").read_bytes()
     doit_ok(root)  # the scripts put back: the next run is the host's as before
     assert (root / "out.txt").read_text() == "made\n"
+
+
+def test_a_host_that_rewrites_control_py_while_the_run_is_followed_ends_doit_with_the_run_named_once(
+    tmp_path: Path, host: SshHost, marker: str
+) -> None:
+    """The issue's case 3 as it was seen: the helper changed while doit
+    follows the run. doit ends at once, bounded, with one message."""
+    remote_root = host.scratch / f"followed-{tmp_path.name}"
+    gate = host.scratch / f"gate-{tmp_path.name}"  # never made: the run waits until stopped
+    body = GATED_STEP.format(gate=gate, marker=marker, resources="{}")
+    root = make_ssh_project(tmp_path, host, body, remote_root=str(remote_root))
+    proc = popen_doit(root)
+    try:
+        wait_for(lambda: marked_pids(marker), "the run's command to start", timeout=120)
+        for control in remote_root.glob("bin-*/control.py"):
+            control.write_text(ENDLESS_FOLLOWER.partition("real = ")[0])  # follow answers without end
+        code, peak = wait_bounded(proc, root.parent / "doit.out")
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    run_id = only_handle(root)["run_id"]
+    assert code == 1 and peak < CLIENT_MEMORY_BOUND, said
+    assert f"step 'step': run {run_id}: the script(s) control.py in {remote_root}/bin-" in said, said
+    assert f"`substrax-compute teardown {run_id}`" in said, said
+    torn = compute(root, "teardown", run_id)
+    assert torn.returncode == 0, show(torn)
+    wait_for(lambda: not marked_pids(marker), "the run's command to be stopped")
 
 
 # ------------------------------------------- a worker killed without ending its run
