@@ -30,6 +30,7 @@ from dodo_helpers import (
     stop,
     wait_for,
     write_dodo,
+    write_pyproject,
 )
 
 from substrax_tasks._remote import control
@@ -216,3 +217,44 @@ def test_preemptions_are_not_part_of_the_steps_key(tmp_path: Path) -> None:
     assert again.returncode == 0 and step_skipped(again, "count"), show(again)
     why = compute(root, "why", "count")
     assert why.returncode == 0 and why.stdout.strip() == "count: up to date", show(why)
+
+
+def test_an_input_edited_before_the_relaunch_is_refused_not_run_under_the_old_key(tmp_path: Path) -> None:
+    """data.txt, a declared input, is edited while attempt 1 runs, then its
+    worker is killed: attempt 2 would run on the new data.txt while its
+    outputs would be promoted, recorded and kept in the cache under the key
+    of the old one. It is refused with the file named and the fix; nothing
+    is promoted or kept; the next doit runs the step on the files as they
+    are now."""
+    root = counting_project(tmp_path, count_step("count", 8, PAUSE, preemptions=1))
+    write_pyproject(root, cache=f'[tool.substrax.compute.cache]\npath = "{tmp_path / "cache"}"\n')
+    proc = popen_doit(root, "count")
+    try:
+        wait_for(lambda: counted(root, "count") >= 2, "two counts checkpointed")
+        (root / "data.txt").write_text("two\n")
+        kill_worker_once_counted(root, "count", 2)
+        code = proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    assert code == 1, said
+    (handle,) = runs_of(root, "count")
+    assert (f"run {handle['run_id']} lost its machine and data.txt changed since the run started; "
+            "attempt 2 would run on other files than its outputs would be kept for, so it is not relaunched. "
+            "Run `doit count` again") in said, said  # fmt: skip
+    assert "Traceback" not in said, said
+    assert starts("\n".join(attempt_logs(root, "count"))) == [0], "attempt 2 started"
+    assert not (root / "count.txt").exists()
+    one, two = attempts_of(root, "count")
+    assert (one["outcome"], two["outcome"], two["started_at"]) == ("lost", "cancelled", None), (one, two)
+    cached = compute(root, "cache", "status")
+    assert cached.returncode == 0 and ": 0 entries" in cached.stdout, show(cached)
+
+    again = doit(root, "count")
+    assert again.returncode == 0, show(again)
+    assert result_of(root, "count")[0] == 8
+    assert len(runs_of(root, "count")) == 2
+    why = compute(root, "why", "count")
+    assert why.returncode == 0 and why.stdout.strip() == "count: up to date", show(why)
+    cached = compute(root, "cache", "status")
+    assert cached.returncode == 0 and ": 1 entries" in cached.stdout, show(cached)
