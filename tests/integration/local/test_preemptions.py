@@ -4,7 +4,9 @@ worker SIGKILLed (the run reads `lost`, as after a machine went away), the
 run is relaunched on this machine and its command starts again from the
 checkpoints it left, each attempt recorded in the handle; a command that
 fails or times out is never relaunched; two steps under threads keep their
-attempts apart."""
+attempts apart; without a sandbox the lost attempt's tree is stopped before
+the relaunch starts; a relaunch never runs on inputs edited since the run
+started."""
 
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ from dodo_helpers import (
     compute,
     doit,
     make_project,
+    pid_alive,
     popen_doit,
     popen_output,
+    run_dirs,
     runs_of,
     show,
     step_skipped,
@@ -32,6 +36,7 @@ from dodo_helpers import (
     write_dodo,
     write_pyproject,
 )
+from lost_tree import kill_recorded, kill_worker, overlap, status_of, step_argv, wait_tree_up, write_command
 
 from substrax_tasks._remote import control
 
@@ -258,3 +263,44 @@ def test_an_input_edited_before_the_relaunch_is_refused_not_run_under_the_old_ke
     assert why.returncode == 0 and why.stdout.strip() == "count: up to date", show(why)
     cached = compute(root, "cache", "status")
     assert cached.returncode == 0 and ": 1 entries" in cached.stdout, show(cached)
+
+
+LOST_STEP = """
+def task_work():
+    yield from remote_step("work", command={argv!r}, outputs=["out/result.txt"], preemptions=1)
+"""
+
+
+def test_without_a_sandbox_the_lost_attempts_tree_is_stopped_before_the_relaunch_starts(
+    tmp_path: Path, marker: str
+) -> None:
+    """sandbox = "none": the worker killed by SIGKILL while doit follows the
+    run leaves its command, a grandchild that double-forked into a session
+    of its own and a child with no environment running. The relaunch stops
+    them all before attempt 2's command starts (which records any of them
+    it finds alive), and neither attempt leaves its cgroup behind."""
+    flags = tmp_path / "flags"
+    write_command(flags)
+    root = make_project(tmp_path, LOST_STEP.format(argv=step_argv(flags, marker, "out/result.txt")),
+                        ["work"], sandbox="none")  # fmt: skip
+    proc = popen_doit(root)
+    try:
+        old = wait_tree_up(flags)
+        (run,) = run_dirs(root)
+        first = status_of(root, run)
+        kill_worker(first)
+        code = proc.wait(timeout=120)
+    finally:
+        stop(proc)
+        kill_recorded(flags, marker)
+    said = popen_output(root)
+    assert code == 0, said
+    assert "attempt 1 lost its machine" in said and "relaunching it, attempt 2 of at most 2" in said, said
+    assert overlap(flags) == [], "attempt 2 started while these of attempt 1's tree ran"
+    assert not [pid for pid in old if pid_alive(pid)], old
+    assert (root / "out" / "result.txt").read_text() == "done\n"
+    assert [a["outcome"] for a in attempts_of(root, "work")] == ["lost", "succeeded"]
+    second = status_of(root, run)
+    made = [c for c in (first.get("cgroup"), second.get("cgroup")) if isinstance(c, str)]
+    assert not [c for c in made if Path(c).exists()], f"cgroups left: {made}"
+    print(f"\n[relaunch without a sandbox] cgroups made: {made or 'none (no cgroup v2 here)'}")
