@@ -304,3 +304,85 @@ def test_without_a_sandbox_the_lost_attempts_tree_is_stopped_before_the_relaunch
     made = [c for c in (first.get("cgroup"), second.get("cgroup")) if isinstance(c, str)]
     assert not [c for c in made if Path(c).exists()], f"cgroups left: {made}"
     print(f"\n[relaunch without a sandbox] cgroups made: {made or 'none (no cgroup v2 here)'}")
+
+
+# Four steps; each appends "start M"/"end M" to one shared file around its
+# wait for the gate (appends are atomic: the file's order is the order the
+# commands started and ended in). Unsandboxed: the stamps and the gate are
+# outside the project.
+FOUR_GATED = """
+def task_fit():
+    for m in range(4):
+        yield from remote_step(
+            f"fit:m{{m}}", outputs=[f"out-{{m}}.txt"], preemptions=1,
+            command=["/bin/sh", "-c", f"echo start {{m}} >> {stamps}; "
+                     f"while [ ! -e {gate} ]; do sleep 0.05; done; "
+                     f"echo end {{m}} >> {stamps}; echo {{m}} > out-{{m}}.txt", {marker!r}],
+        )
+"""
+
+
+def most_at_once(stamps: Path) -> int:
+    """The most commands running at once. A step's start while it runs
+    already is its relaunch, not one more: its lost attempt's command is
+    stopped before the new one starts (test_without_a_sandbox_...), and
+    killed it writes no end."""
+    running: set[str] = set()
+    most = 0
+    for line in stamps.read_text().splitlines():
+        what, step = line.split()
+        if what == "start":
+            running.add(step)
+        else:
+            running.discard(step)
+        most = max(most, len(running))
+    return most
+
+
+def test_max_parallel_holds_through_a_relaunch_and_a_kill_9_of_doit_then_the_rerun(
+    tmp_path: Path, marker: str
+) -> None:
+    """max_parallel = 2, four steps with preemptions=1 under `doit -n 4 -P
+    thread`: two run, two wait. The worker of one running step is killed:
+    its run, lost, keeps its slot while it is relaunched, and the two others
+    wait on. Then the other running step's worker is killed, and doit with
+    SIGKILL as that relaunch goes; the rerun picks up every run, and never
+    more than two commands run at once."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    stamps, gate = tmp_path / "stamps.txt", tmp_path / "gate"
+    stamps.touch()
+    write_dodo(root, FOUR_GATED.format(stamps=stamps, gate=gate, marker=marker))
+    write_pyproject(root, "none", "max_parallel = 2\n")
+    first = popen_doit(root, "-n", "4", "-P", "thread", "fit")
+    again = None
+    try:
+        wait_for(lambda: stamps.read_text().count("start") == 2 and popen_output(root).count(
+            "waits for a free slot") == 2, "two steps to run and two to wait", timeout=120)  # fmt: skip
+        one, other = (f"fit:m{line.split()[1]}" for line in stamps.read_text().splitlines())
+        os.kill(live_worker(root, one) or 0, signal.SIGKILL)
+        wait_for(lambda: stamps.read_text().count("start") >= 3 and live_worker(root, one),
+                 f"{one}'s attempt 2 to start")  # fmt: skip
+        # As a user looks meanwhile: two runs run, the relaunched one among them.
+        status = compute(root, "status")
+        assert status.returncode == 0 and status.stdout.count(" running ") == 2, show(status)
+        assert most_at_once(stamps) <= 2, stamps.read_text()
+        os.kill(live_worker(root, other) or 0, signal.SIGKILL)
+        wait_for(lambda: popen_output(root).count("relaunching it, attempt 2 of at most 2") == 2,
+                 f"{other}'s relaunch")  # fmt: skip
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        assert most_at_once(stamps) <= 2, stamps.read_text()
+        again = popen_doit(root, "-n", "4", "-P", "thread", "fit")
+        wait_for(lambda: popen_output(root).count("waits for a free slot") >= 2 or most_at_once(stamps) > 2,
+                 "the rerun's slots", timeout=120)  # fmt: skip
+        gate.touch()
+        assert again.wait(timeout=300) == 0, popen_output(root)
+    finally:
+        gate.touch()
+        stop(first)
+        if again is not None:
+            stop(again)
+    assert most_at_once(stamps) <= 2, stamps.read_text()
+    for m in range(4):
+        assert (root / f"out-{m}.txt").read_text() == f"{m}\n"
