@@ -36,7 +36,17 @@ from dodo_helpers import (
     write_dodo,
     write_pyproject,
 )
-from lost_tree import kill_recorded, kill_worker, overlap, status_of, step_argv, wait_tree_up, write_command
+from lost_tree import (
+    frozen,
+    kill_recorded,
+    kill_worker,
+    overlap,
+    recorded_pids,
+    status_of,
+    step_argv,
+    wait_tree_up,
+    write_command,
+)
 
 from substrax_tasks._remote import control
 
@@ -386,3 +396,43 @@ def test_max_parallel_holds_through_a_relaunch_and_a_kill_9_of_doit_then_the_rer
     assert most_at_once(stamps) <= 2, stamps.read_text()
     for m in range(4):
         assert (root / f"out-{m}.txt").read_text() == f"{m}\n"
+
+
+def test_a_lost_attempts_process_that_will_not_stop_keeps_the_relaunch_from_starting_beside_it(
+    tmp_path: Path, marker: str
+) -> None:
+    """sandbox = "none", the worker killed: one process of the command's
+    tree cannot be stopped (frozen: a SIGKILL waits until it thaws). The
+    relaunch does not start attempt 2 beside it: the step fails naming the
+    process. Once it is gone, the next doit stops what is left and runs the
+    step anew, leaving no cgroup."""
+    flags = tmp_path / "flags"
+    write_command(flags)
+    root = make_project(tmp_path, LOST_STEP.format(argv=step_argv(flags, marker, "out/result.txt")),
+                        ["work"], sandbox="none")  # fmt: skip
+    proc = popen_doit(root)
+    try:
+        old = wait_tree_up(flags)
+        stuck = old[1]
+        (run,) = run_dirs(root)
+        with frozen(stuck, f"substrax-test-{marker}"):
+            record = status_of(root, run)
+            kill_worker(record)
+            code = proc.wait(timeout=120)
+            started = recorded_pids(flags)
+        wait_for(lambda: not pid_alive(stuck), "the thawed process to end by the SIGKILL it was sent")
+        said = popen_output(root)
+        assert code == 2, said
+        assert f"process(es) of its command (pid {stuck}) did not stop" in said, said
+        assert "Traceback" not in said, said
+        assert len(started) == 3, "attempt 2 started beside the lost attempt's process"
+        again = doit(root, timeout=120)
+        assert again.returncode == 0, show(again)
+        assert "was lost" in again.stdout and "stopped what was left of it" in again.stdout, show(again)
+        assert overlap(flags) == [], "the new run started beside the lost one's tree"
+        assert (root / "out" / "result.txt").read_text() == "done\n"
+        made = record.get("cgroup")
+        assert not (isinstance(made, str) and Path(made).exists()), f"its cgroup {made} was left"
+    finally:
+        stop(proc)
+        kill_recorded(flags, marker)

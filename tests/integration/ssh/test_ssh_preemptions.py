@@ -19,8 +19,17 @@ import subprocess
 from pathlib import Path
 
 from checkpoint_parts import count_step, counts, kept_state, result_of, starts
-from dodo_helpers import compute, kill_pids, pid_alive, popen_doit, popen_output, show, stop, wait_for
-from lost_tree import kill_recorded, kill_worker, overlap, step_argv, wait_tree_up, write_command
+from dodo_helpers import compute, doit, kill_pids, pid_alive, popen_doit, popen_output, show, stop, wait_for
+from lost_tree import (
+    frozen,
+    kill_recorded,
+    kill_worker,
+    overlap,
+    recorded_pids,
+    step_argv,
+    wait_tree_up,
+    write_command,
+)
 from preemption_parts import (
     PAUSE,
     attempts_of,
@@ -156,7 +165,8 @@ def test_a_step_without_checkpoints_is_relaunched_from_nothing(tmp_path: Path, h
 
 LOST_STEP = """
 def task_work():
-    yield from remote_step("work", command={argv!r}, outputs=["out/result.txt"], preemptions=1)
+    yield from remote_step("work", command={argv!r}, inputs=["data.txt"], outputs=["out/result.txt"],
+                           preemptions=1)
 """
 
 
@@ -168,15 +178,17 @@ def test_without_a_sandbox_a_killed_workers_tree_on_the_host_is_stopped_before_t
     setsid grandchild and a child with no environment go on. The relaunch
     stops them (found by the run's mark and the command's session: the
     host's user may make no cgroup) and removes the lost attempt's folder
-    before attempt 2's command starts in a fresh one; the command records
-    any process of attempt 1 it finds alive as it starts: none."""
+    before attempt 2's command starts in a fresh one, which gets the step's
+    view only, as the first did; the command records any process of
+    attempt 1 it finds alive as it starts: none."""
     flags = host.scratch / f"flags-{marker}"  # the command writes here, as the host's user
     write_command(flags)
     os.chown(flags, host.uid, -1)
     argv = step_argv(flags, marker, "out/result.txt", python=host.python)
     remote_root = host.scratch / f"remote-{tmp_path.name}"
     root = make_ssh_project(tmp_path, host, LOST_STEP.format(argv=argv), ["work"], sandbox="none",
-                            remote_root=str(remote_root))  # fmt: skip
+                            remote_root=str(remote_root),
+                            files={"data.txt": "one\n", "notes.txt": "not declared\n"})  # fmt: skip
     proc = popen_doit(root)
     try:
         old = wait_tree_up(flags)
@@ -199,6 +211,8 @@ def test_without_a_sandbox_a_killed_workers_tree_on_the_host_is_stopped_before_t
     assert (root / "out" / "result.txt").read_text() == "done\n"
     assert [a["outcome"] for a in attempts_of(root, "work")] == ["lost", "succeeded"]
     assert not first_folder.exists(), "the lost attempt's folder stayed on the host"
+    # Each attempt's fresh folder got the step's view only: data.txt, not notes.txt nor the dodo.
+    assert re.findall(r"^upload: (\d+) files, ", said, re.M) == ["1", "1"], said
 
 
 def test_a_host_cut_off_the_network_for_a_while_is_followed_on_never_relaunched(
@@ -231,3 +245,49 @@ def test_a_host_cut_off_the_network_for_a_while_is_followed_on_never_relaunched(
     assert result_of(root, "count") == (10, list(range(1, 11)))
     (attempt,) = attempts_of(root, "count")
     assert attempt["outcome"] == "succeeded", attempt
+
+
+def test_a_lost_attempts_process_that_will_not_stop_keeps_the_relaunch_from_starting_beside_it(
+    tmp_path: Path, host: SshHost, marker: str
+) -> None:
+    """sandbox = "none", the worker killed: one process of the command's
+    tree cannot be stopped (frozen: a SIGKILL waits until it thaws). The
+    relaunch does not start attempt 2 beside it: the step fails naming the
+    process and what to do. Once it is gone, the next doit stops what is
+    left and runs the step anew."""
+    flags = host.scratch / f"flags-{marker}"
+    write_command(flags)
+    os.chown(flags, host.uid, -1)
+    argv = step_argv(flags, marker, "out/result.txt", python=host.python)
+    remote_root = host.scratch / f"remote-{tmp_path.name}"
+    root = make_ssh_project(tmp_path, host, LOST_STEP.format(argv=argv), ["work"], sandbox="none",
+                            remote_root=str(remote_root), files={"data.txt": "one\n"})  # fmt: skip
+    proc = popen_doit(root)
+    try:
+        old = wait_tree_up(flags)
+        stuck = old[1]
+        with frozen(stuck, f"substrax-test-{marker}"):
+            record = remote_status(only_handle(root))
+            assert record is not None
+            kill_worker(record)
+            code = proc.wait(timeout=180)
+            started = recorded_pids(flags)
+            seen = overlap(flags)
+        wait_for(lambda: not pid_alive(stuck), "the thawed process to end by the SIGKILL it was sent")
+        said = popen_output(root)
+        assert code == 2, said
+        assert "what is left of its lost attempt on" in said, said
+        assert "no new attempt starts beside it" in said and f"(pid {stuck})" in said, said
+        assert "Stop those processes there, then run `doit work` again" in said, said
+        assert "Traceback" not in said, said
+        assert seen == [] and len(started) == 3, "attempt 2 started beside the lost attempt's process"
+        again = doit(root, timeout=120)
+        assert again.returncode == 0, show(again)
+        assert "was lost" in again.stdout and "stopped what was left of it" in again.stdout, show(again)
+        assert overlap(flags) == [], "the new run started beside the lost one's tree"
+        assert (root / "out" / "result.txt").read_text() == "done\n"
+    finally:
+        stop(proc)
+        kill_recorded(flags, marker)
+        shutil.rmtree(flags, ignore_errors=True)
+        shutil.rmtree(remote_root, ignore_errors=True)
