@@ -327,8 +327,17 @@ class SkypilotBackend(Backend):
         lost = SkypilotState.of(handle).cluster
         if isinstance(lost, str) and not SkypilotState.of(handle).torn_down:
             if self.settings.reuse and not cluster_gone(self, lost):
-                with contextlib.suppress(SubstraxError):  # its lifetime timer ends what could not be stopped
-                    self.remote_run(handle).remove()
+                # The lost attempt's folder: its name counts the attempts before
+                # the one just added (run_folder), not the new attempt's.
+                before = handle.state.model_copy(update={"attempts": handle.state.attempts[:-1]})
+                try:
+                    self.remote_run(handle.model_copy(update={"state": before})).remove()
+                except BackendError as exc:  # a new attempt beside it would run the command twice
+                    raise BackendError(
+                        f"run {handle.run_id}: what is left of its lost attempt on cluster {lost} could not "
+                        f"be stopped ({exc}); no new attempt starts beside it. Stop those processes there, "
+                        f"then run `doit {handle.step}` again"
+                    ) from None
             else:
                 failures: list[Exception] = []
                 if not self.down_cluster(lost, failures):
