@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,10 @@ import pytest
 from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, starts
 from dodo_helpers import (
     DEFAULT_SANDBOX,
+    DOIT,
+    EXEC_WITH_DEFAULT_SIGNALS,
     SANDBOXES,
+    clean_env,
     compute,
     doit,
     make_project,
@@ -436,3 +441,82 @@ def test_a_lost_attempts_process_that_will_not_stop_keeps_the_relaunch_from_star
     finally:
         stop(proc)
         kill_recorded(flags, marker)
+
+
+# Two (fake) GPUs: `nvidia-smi -L` as the real one lists them.
+FAKE_SMI = """#!/bin/sh
+[ "$1" = "-L" ] || exit 2
+echo "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-1d6e2b7a-0000-0000-0000-000000000000)"
+echo "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-9a41c3f0-0000-0000-0000-000000000000)"
+"""
+# b, given one GPU, writes which, and the pids of a's first attempt (the
+# first three recorded) it finds alive as it starts.
+B_CHECKS = """
+import os, sys
+flags = sys.argv[1]
+def alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+first = [int(line) for line in open(os.path.join(flags, "pids.txt")).read().split()][:3]
+open(os.path.join(flags, "b-overlap.txt"), "w").write("".join("%d\\n" % p for p in first if alive(p)))
+open("out_b/gpus.txt", "w").write(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+"""
+GPU_STEPS = """
+def task_a():
+    yield from remote_step("a", command={argv!r}, outputs=["out_a/result.txt"],
+                           resources={{"accelerators": "A100:2"}}, preemptions=1)
+
+def task_b():
+    yield from remote_step("b", command={b_argv!r}, outputs=["out_b/"],
+                           resources={{"accelerators": "A100:1"}})
+"""
+
+
+def test_the_gpus_of_a_lost_attempts_tree_go_to_no_one_until_it_is_stopped(
+    tmp_path: Path, marker: str
+) -> None:
+    """Without a sandbox, a (both GPUs, preemptions=1) has its worker
+    killed while b, in another doit, waits for a GPU: the lost attempt's
+    command and its descendants still run on them. Neither b nor a's
+    attempt 2 is started on them while any of those lives: the relaunch
+    stops them first, then b and attempt 2 take the GPUs in turn."""
+    bin_dir, home = tmp_path / "fake-bin", tmp_path / "home"
+    bin_dir.mkdir()
+    home.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(home)}
+    flags = tmp_path / "flags"
+    write_command(flags)
+    (flags / "b.py").write_text(B_CHECKS)
+    body = GPU_STEPS.format(argv=step_argv(flags, marker, "out_a/result.txt"),
+                            b_argv=[sys.executable, str(flags / "b.py"), str(flags), marker])  # fmt: skip
+    root = make_project(tmp_path, body, sandbox="none")
+    a = popen_doit(root, "a", env=env)
+    b = None
+    try:
+        old = wait_tree_up(flags)
+        (run,) = run_dirs(root)
+        record = status_of(root, run)
+        assert record["gpus"] == ["0", "1"], record
+        with (tmp_path / "b.out").open("w") as out:
+            argv = [sys.executable, "-c", EXEC_WITH_DEFAULT_SIGNALS, str(DOIT), "b"]
+            b = subprocess.Popen(argv, cwd=root, env=clean_env(env), stdout=out, stderr=subprocess.STDOUT,
+                                 text=True)  # fmt: skip
+        wait_for(lambda: "waiting" in (tmp_path / "b.out").read_text(), "b to wait for a GPU")
+        kill_worker(record)
+        assert a.wait(timeout=120) == 0, popen_output(root)
+        assert b.wait(timeout=120) == 0, (tmp_path / "b.out").read_text()
+    finally:
+        stop(a)
+        if b is not None:
+            stop(b)
+        kill_recorded(flags, marker)
+    assert overlap(flags) == [], "a's attempt 2 started on the GPUs while these of attempt 1 ran"
+    assert (flags / "b-overlap.txt").read_text() == "", "b started on a GPU while a's attempt 1 ran"
+    assert not [pid for pid in old if pid_alive(pid)], old
+    assert (root / "out_b" / "gpus.txt").read_text() in ("0", "1")
+    assert [a["outcome"] for a in attempts_of(root, "a")] == ["lost", "succeeded"]
