@@ -266,11 +266,12 @@ class SkypilotBackend(Backend):
         in the handle: one ssh call, no read of the job's log through
         SkyPilot. {"state": None} while the lease has not started."""
         layout, cluster = self.layout(handle), self.cluster(handle)
+        folder = sky_task.run_folder(handle)  # the attempt's: a relaunch's is not the lost one's
         if layout.root.startswith("/") or SkypilotState.of(self.store.read(handle.run_id)).job_home:
-            return self.lease(handle, "claim", handle.run_id)
+            return self.lease(handle, "claim", folder)
         run = RemoteRun(self.reachable(handle), self.settings.python, layout.bin, layout.run)
         what = f"claiming cluster {cluster} from its lease"
-        claim = run.script("lease.py", "claim", layout.root, cluster, handle.run_id)
+        claim = run.script("lease.py", "claim", layout.root, cluster, folder)
         try:
             result = run.remote.run(sky_task.in_job_home(self.settings.python, layout, cluster, claim),
                                     limit=MAX_STATUS_BYTES)  # fmt: skip

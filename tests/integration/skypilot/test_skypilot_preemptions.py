@@ -298,6 +298,38 @@ def test_with_reuse_a_killed_workers_tree_on_the_cluster_is_stopped_before_the_r
         kill_recorded(flags, marker)
 
 
+def test_with_reuse_a_relaunched_attempt_is_the_one_its_clusters_lease_holds_then_lets_go(
+    sky: Sky, tmp_path: Path
+) -> None:
+    """reuse = true: the worker alone lost, the run is relaunched on a
+    cluster whose lease is claimed for the new attempt's run, in its own
+    folder (`<run>-attempt2`): once the step is done the lease ends after
+    idle_minutes and SkyPilot takes the cluster down. A claim made in the
+    lost attempt's folder held the cluster for half an hour more."""
+    marker = f"substrax-sky-lease-{tmp_path.name}"
+    flags = tmp_path / "flags"
+    write_command(flags)
+    sky.env["FAKESKY_MINUTE_SECONDS"] = "2"  # the autodown fires 2 s after the lease ended
+    sky.configure(reuse=True, max_parallel=1, idle_minutes=0.1, sandbox="none")  # the lease: 6 s idle
+    write_ssh_dodo(sky.root, LOST_STEP.format(argv=step_argv(flags, marker, "out/result.txt")), ["work"])
+    proc = popen_doit(sky.root, env=sky.env)
+    try:
+        wait_tree_up(flags)
+        handle = live_handles(sky.root, "work")[0]
+        kill_worker(json.loads((Path(handle["backend_state"]["remote_run"]) / "status.json").read_text()))
+        code = proc.wait(timeout=300)
+        said = popen_output(sky.root)
+        assert code == 0, said
+        attempts = only_handle(sky.root, "work")["state"]["attempts"]
+        assert [a["outcome"] for a in attempts] == ["lost", "succeeded"], attempts
+        assert not (sky.remote / "runs" / handle["run_id"]).exists(), "a claim in the lost attempt's folder"
+        wait_for(lambda: sky.clusters() == [], "the lease to end and SkyPilot to take the cluster down",
+                 timeout=60)  # fmt: skip
+    finally:
+        stop(proc)
+        kill_recorded(flags, marker)
+
+
 def test_with_reuse_a_lost_workers_process_that_will_not_stop_keeps_the_relaunch_from_starting_beside_it(
     sky: Sky, tmp_path: Path
 ) -> None:
