@@ -533,9 +533,9 @@ class StepDriver(DrivenRun):
         handle = self.save(handle, attempts=[a.model_dump(mode="json") for a in attempts])
         from substrax_tasks.run import spending
 
+        self._refuse_changed_view(handle)  # before a machine is asked for (or priced)
         if lost is not None:  # the lost machine's time ends; the new one's starts (its cost, its cap)
             handle = spending.before_relaunch(self, handle)
-        self._refuse_changed_view(handle)  # before a machine is asked for
         relaunched = self.retrying("relaunch", lambda: backend.relaunch(handle))
         # Priced as relaunched (an on-demand last attempt's price is not the spot one's); the budget
         # left, at that price, is the new worker's timeout and lifetime timer (setup, start).
