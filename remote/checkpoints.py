@@ -33,6 +33,10 @@ one JSON line (`{"files": N}`).
 Without a sandbox the command writes its checkpoints in place, in the
 project: the worker copies the kept folder there before the command
 starts (`put_in_place`) and back once it has ended (`keep_from_place`).
+
+Wherever checkpoint files land (the kept folder as the command ends, a
+snapshot, a restore) they keep no setuid, setgid or sticky bit and are not
+world-writable (`make_safe`), as the outputs promoted.
 """
 
 from __future__ import annotations
@@ -58,6 +62,28 @@ else:
 # Names a file being written goes by: dot files (rsync's, mkstemp's and
 # most editors' temporaries) and these endings, or ".tmp." inside a name.
 TEMPORARY_SUFFIXES = (".tmp", ".temp", ".part", ".partial", ".incomplete", "~", ".swp")
+
+
+# What no checkpoint file or folder keeps: the promotion's rule for outputs
+# (run/promote.py UNSAFE_BITS; a unit test holds the two together). A
+# setuid file a command made in its checkpoints (as root in a sandbox, or
+# as a host's login) would stay in the client's state folder and run as
+# its owner, root on CI; a world-writable one anyone there could change.
+UNSAFE_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | stat.S_IWOTH
+
+
+def make_safe(root: str) -> None:
+    """`root` and every file and folder under it without UNSAFE_BITS
+    (symlinks are left: their mode means nothing, and chmod would follow
+    them). Called where no command of the step runs any more."""
+    for top, dirs, files in os.walk(root):  # never follows a link
+        for path in [top] + [os.path.join(top, name) for name in dirs + files]:
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue
+            if mode & UNSAFE_BITS and not stat.S_ISLNK(mode):
+                os.chmod(path, stat.S_IMODE(mode) & ~UNSAFE_BITS)
 
 
 def is_temporary(name: str) -> bool:
@@ -176,6 +202,7 @@ def push(root: str, dest: str) -> Dict[str, Any]:
                 os.unlink(target)
     os.makedirs(folder, exist_ok=True)
     _write_json(os.path.join(folder, "manifest.json"), {"entries": kept})
+    make_safe(folder)
     _write_json(os.path.join(dest, LATEST_FILE), {"snapshot": name})  # last: the snapshot is whole
     for other in os.listdir(dest):
         if other.startswith("snap-") and other != name:
@@ -199,6 +226,7 @@ def restore(dest: str, kept: str) -> Dict[str, Any]:
         copied = _copy_hashed(os.path.join(folder, "files", path), os.path.join(kept, path), buf)
         if copied != entry["sha256"]:
             raise ValueError("%s in the snapshot %s does not match its manifest" % (path, folder))
+    make_safe(kept)
     return {"files": len(entries), "snapshot": os.path.basename(folder)}
 
 

@@ -102,17 +102,15 @@ def say_home(root: str, cluster: str) -> int:
 
 
 def write_job_home(path: str) -> None:
-    """The job's home (the lease's working folder) written where ssh lands;
-    the files of clusters whose home is gone (taken down with their lease
-    killed, which could not remove its own) removed first."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    for name in os.listdir(folder):
-        with contextlib.suppress(OSError):
-            with open(os.path.join(folder, name)) as f:
-                home = f.read().strip()
-            if name.endswith(".tmp") or not os.path.isdir(home):
-                os.unlink(os.path.join(folder, name))
+    """The job's home (the lease's working folder) written where ssh lands,
+    this cluster's file only. The folder may be shared: on a Slurm site the
+    login's home is every node's, and other clusters (of this client or of
+    others) write theirs there. Nothing here proves another's file stale:
+    a `.tmp` is another setup's write in progress, and a home that is not a
+    folder here may be another node's local one. So none is removed; a
+    lease removes its own as it ends (remove_job_home), and one killed
+    outright leaves a file of one line, which names no live cluster."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     tmp = "%s.%d.tmp" % (path, os.getpid())
     with open(tmp, "w") as f:
         f.write(os.getcwd() + "\n")

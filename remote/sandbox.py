@@ -303,6 +303,11 @@ def bwrap_argv(bwrap: str, job: Mapping[str, Any], staging: str, dev: str = "/de
         raise ValueError("network_isolation needs the seccomp filter's fd")
     argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     hidden = [h for h in job.get("hide", []) if os.path.isdir(h) and h != "/" and h != home]
+    # A folder inside another hidden one, or inside the home the run's own
+    # replaces (a remote root in the login's home), is hidden with it: a
+    # tmpfs of its own there would be covered, and could not be remounted read-only.
+    covering = [*hidden, *([home] if home is not None else [])]
+    hidden = [h for h in hidden if not any(h.startswith(o.rstrip("/") + "/") for o in covering)]
     # A symlink (/var/run -> /run) is hidden with its target.
     emptied = [p for p in ["/tmp", "/var/tmp", *(SERVICE_DIRS if isolated else [])]
                if os.path.isdir(p) and not os.path.islink(p)]

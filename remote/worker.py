@@ -268,13 +268,20 @@ class Worker:
 
     def keep_checkpoints(self) -> None:
         """Without a sandbox: the checkpoints the command left in the
-        project, copied back to the kept folder for the next attempt."""
+        project, copied back to the kept folder for the next attempt. With
+        or without: what the command left there made safe (no setuid bit,
+        nothing world-writable), now that nothing of it runs."""
         wanted = self.job.get("checkpoints")
         if wanted and self.checkpoints_root and self.checkpoints_root != wanted["kept"]:
             try:
                 checkpoints.keep_from_place(self.checkpoints_root, wanted["kept"])
             except OSError as exc:
                 self.note("could not keep the checkpoints from %s: %s" % (self.checkpoints_root, exc))
+        for folder in {wanted["kept"], self.checkpoints_root} if wanted and self.checkpoints_root else ():
+            try:
+                checkpoints.make_safe(folder)
+            except OSError as exc:
+                self.note("could not make the checkpoints in %s safe: %s" % (folder, exc))
 
     def watch(self, child_pid: int, outputs_root: str) -> None:
         """Poll until the command ends, its timeout passes or a signal asks

@@ -18,17 +18,21 @@ snapshot of another key is never put in place.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from substrax_tasks._remote import checkpoints as remote_checkpoints
 from substrax_tasks.console import emit
+from substrax_tasks.errors import BackendError
 
 if TYPE_CHECKING:
     from substrax_tasks.store.handle import RunHandle
@@ -37,6 +41,9 @@ if TYPE_CHECKING:
 LATEST = "latest"
 LIVE = "live"
 HASH_CHUNK = 1 << 20
+# How rsync says a write found the disk full (ENOSPC) or the quota spent
+# (EDQUOT): `write failed on "PATH": No space left on device (28)`.
+_RSYNC_DISK_FULL = re.compile(r'write failed on "[^\n]*": [^\n]*\((28|122)\)')
 
 
 def checkpoints_folder(store: RunStore, handle: RunHandle) -> Path | None:
@@ -53,6 +60,9 @@ def live_folder(store: RunStore, handle: RunHandle) -> str | None:
         return None
     live = folder / LIVE
     live.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Its worker made it safe as the command ended; a worker killed before
+    # then did not, and the next attempt must not find a setuid file here.
+    remote_checkpoints.make_safe(str(live))
     left = sum(len(files) for _top, _dirs, files in os.walk(live))
     if left:  # said, as a resume is on ssh: the user sees the run will not start from nothing
         emit(f"{handle.step}: checkpoints of an earlier run in place ({left} file(s))")
@@ -89,10 +99,30 @@ class Snapshots:
         snapshot's version, if any. Made `latest` once whole; the number of
         files it holds. One pull at a time (a lock): a `doit` and a
         `substrax-compute logs --follow` may both pull the same run."""
-        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with (self.folder / ".lock").open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            return self._pull(listed, download)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            with (self.folder / ".lock").open("a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                return self._pull(listed, download)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise self._disk_full() from None
+            raise
+        except BackendError as exc:
+            if _RSYNC_DISK_FULL.search(str(exc)):  # rsync's words for ENOSPC and EDQUOT
+                raise self._disk_full() from None
+            raise
+
+    def _disk_full(self) -> BackendError:
+        """The one line a pull that filled this disk says: the partial copy
+        is gone by now, the last snapshot stays, and the run goes on."""
+        mount = self.folder.resolve()
+        while not mount.is_mount():
+            mount = mount.parent
+        return BackendError(
+            f"no space left on the file system mounted at {mount} (writing {self.folder}); the last "
+            "whole snapshot is kept and the run goes on. Free space there: the next pull brings them home"
+        )
 
     def _pull(self, listed: list[dict[str, Any]], download: Callable[[list[str], Path], None]) -> int:
         name = f"snap-{secrets.token_hex(6)}"
@@ -119,6 +149,9 @@ class Snapshots:
                     shutil.copy2(previous[0] / entry["path"], path)
                     kept.append(old)
             (new / "manifest.json").write_text(json.dumps({"entries": kept}))
+            # The copy's modes are the host's (rsync's --chmod already drops
+            # the unsafe bits) or an earlier snapshot's: one rule, applied here.
+            remote_checkpoints.make_safe(str(new))
             new.rename(self.folder / name)
         except BaseException:
             shutil.rmtree(new, ignore_errors=True)

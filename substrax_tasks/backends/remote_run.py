@@ -66,9 +66,19 @@ DAMAGED_MARK = "substrax-damaged-scripts:"
 # exactly what ran before the check: the same argv in /proc, by which
 # control.py finds a run's workers. A host that swaps a script in the
 # moment between is hostile; what bounds it is the caps on its answers.
+# A bin folder that is gone altogether is no damage: the host restarted
+# with an empty scratch disk, or its remote root was removed (a lost run,
+# which the status read then says: RemoteRun.status). Its own exit status
+# and words, so that a checkpoint pull or a follower that meets it first
+# fails as any unreachable read does, never as a tampered host.
+SCRIPTS_GONE_EXIT = 87
 CHECKED_RUN = """\
 import hashlib, json, os, sys
 folder, expected, name = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+if not os.path.isdir(folder):
+    sys.stderr.write("substrax: the scripts folder %s is gone from this host (restarted with an empty disk, "
+                     "or its remote root removed)\\n" % folder)
+    sys.exit(GONE)
 changed = []
 for script in sorted(expected):
     try:
@@ -83,6 +93,7 @@ if changed or name not in expected:
     sys.exit(EXIT)
 os.execv(sys.executable, [sys.executable, os.path.join(folder, name)] + sys.argv[4:])
 """.replace("MARK", repr(DAMAGED_MARK)).replace("EXIT", str(DAMAGED_EXIT))
+CHECKED_RUN = CHECKED_RUN.replace("GONE", str(SCRIPTS_GONE_EXIT))
 
 
 class Remote(Protocol):
@@ -132,7 +143,12 @@ def checked_script(python: str, bin_dir: str, name: str, *args: str) -> list[str
 
 
 class DamagedHost(HostRefused):
-    """A script installed on the host is not the one this client sent."""
+    """A script installed on the host is not the one this client sent
+    (`scripts`: those CHECKED_RUN found changed)."""
+
+    def __init__(self, message: str, scripts: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.scripts = scripts or []
 
 
 def damaged_scripts(result: RemoteResult) -> list[str] | None:
@@ -209,7 +225,8 @@ class RemoteRun:
                 f"{self.remote.host} are not the ones this client installed (changed or removed "
                 "after the install): the host is damaged or tampered with, and nothing is run "
                 f"there. `substrax-compute teardown {self.run_id}` puts the scripts back, stops "
-                "the run and removes its folder"
+                "the run and removes its folder",
+                changed,
             )
 
     def reinstall(self) -> None:
@@ -386,6 +403,7 @@ class Checkpointing(ABC):
         self.step = step
         self.next_at = time.monotonic() + every
         self.root: str | None = None  # where the command writes them there (its status says)
+        self.failed_with: str | None = None  # why the last pull failed, as said
 
     @abstractmethod
     def pull(self) -> int | None:
@@ -395,8 +413,13 @@ class Checkpointing(ABC):
         if time.monotonic() >= self.next_at:
             try:
                 self.pull()
+                self.failed_with = None
             except BackendError as exc:
-                emit(f"{self.step}: checkpoints not brought home this time: {exc}", err=True)
+                # Said once while the cause stays the same (a disk full for
+                # an hour is one line, not one a pull).
+                if str(exc) != self.failed_with:
+                    emit(f"{self.step}: checkpoints not brought home this time: {exc}", err=True)
+                self.failed_with = str(exc)
             self.next_at = time.monotonic() + self.every
 
     def checkpoints_root(self) -> str | None:

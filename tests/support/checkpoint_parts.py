@@ -8,10 +8,18 @@ Not collected by pytest (the name does not start with test_).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+import pytest
+from dodo_helpers import clean_env
 
 # argv: N, PAUSE, RESULT (the output file), then "fail-fresh" to exit 3 at
 # count 3 when it started from nothing (a crash a resume gets past), and
@@ -91,3 +99,33 @@ def result_of(root: Path, step: str) -> tuple[int, list[int]]:
     """The step's result: the count reached and every count made, in order."""
     reached, seen = (root / f"{step}.txt").read_text().split()
     return int(reached), [int(c) for c in seen.split(",")]
+
+
+@contextlib.contextmanager
+def on_small_disk(source: Path, size_mb: int) -> Iterator[tuple[Path, Path, int]]:
+    """The project `source` copied onto a tmpfs of `size_mb`, mounted over
+    an empty folder in a private mount namespace (as root): (its path
+    there, the same folder as this process sees it through the namespace's
+    holder, the holder's pid, for `inside`). The tmpfs goes with the holder."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        pytest.skip("DISK FULL NOT TESTED: needs root, unshare and nsenter")
+    root = source.parent / "small-disk"
+    root.mkdir()
+    script = (f"mount -t tmpfs -o size={size_mb}m none {root} && cp -a {source}/. {root}/ "
+              "&& echo ready && exec sleep 3600")  # fmt: skip
+    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+        yield root, Path(f"/proc/{holder.pid}/root") / str(root).lstrip("/"), holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+        assert holder.stdout is not None
+        holder.stdout.close()
+
+
+def inside(pid: int, root: Path, *argv: str, out: IO[str]) -> subprocess.Popen[str]:
+    """argv started in the mount namespace of `pid`, in `root`, its stdout and stderr to `out`."""
+    return subprocess.Popen(["nsenter", "-t", str(pid), "-m", f"--wd={root}", "--", *argv],
+                            env=clean_env(), stdout=out, stderr=subprocess.STDOUT, text=True)  # fmt: skip

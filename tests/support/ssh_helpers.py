@@ -383,3 +383,49 @@ def doit_killed_mid_run_in_view(
     finally:
         kill_pid(proc.pid)
         proc.wait(timeout=30)
+
+
+# ------------------------------------------- a remote root other runs share
+
+
+@contextlib.contextmanager
+def shared_remote_root(owner: str | None = None) -> Iterator[Path]:
+    """A remote root outside /tmp and any home (a shared scratch disk's,
+    where the sandbox empties neither), owned by the login `owner` (None:
+    this process's user); removed with all in it on the way out."""
+    import pwd
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="substrax-shared-root-", dir="/srv"))
+    if owner is not None:
+        login = pwd.getpwnam(owner)
+        os.chown(folder, login.pw_uid, login.pw_gid)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
+def other_runs_probe(root: Path, secret: str, output: str) -> str:
+    """A step's shell command that looks, by absolute path, for what other
+    runs under `root` hold: each file under it whose content it can read
+    holding `secret` ("read PATH"), and a write into each of the root's
+    folders ("wrote PATH"); then "probed", all into `output`. The pattern
+    searched for is `secret` with its last letter in brackets: the
+    command's own job.json, which holds this text, does not match it."""
+    pattern = f"{secret[:-1]}[{secret[-1]}]"
+    return f"""{{
+for f in $(find {root} -type f 2>/dev/null); do
+    if grep -q '{pattern}' "$f" 2>/dev/null; then echo "read $f"; fi
+done
+for d in {root} {root}/* {root}/leases/*; do
+    if [ -d "$d" ] && touch "$d/probe-written" 2>/dev/null; then echo "wrote $d/probe-written"; fi
+done
+echo probed
+}} > {output}"""
+
+
+def probe_reads(probe: str) -> list[str]:
+    """What other_runs_probe's output says the command could read; it ended and wrote nothing."""
+    assert probe.endswith("probed\n") and "wrote " not in probe, probe
+    return [line.removeprefix("read ") for line in probe.splitlines() if line.startswith("read ")]

@@ -14,6 +14,7 @@ import pytest
 
 from substrax_tasks._remote import checkpoints as remote_checkpoints
 from substrax_tasks.backends.checkpoints import Snapshots
+from substrax_tasks.run.promote import UNSAFE_BITS, safe_mode
 
 
 def sha(data: bytes) -> str:
@@ -82,6 +83,69 @@ def test_a_pull_that_breaks_off_leaves_the_last_snapshot_in_place(tmp_path: Path
         snapshots.pull([{"path": "half.pt", "size": 4, "sha256": sha(b"half")}], broken)
     assert snapshots.latest() == before
     assert not [p for p in (tmp_path / "kept").iterdir() if p.name.endswith(".partial")]
+
+
+# ---- No checkpoint file keeps a privilege (issue 28, item 2)
+
+
+def unsafe_in(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): f"{p.lstat().st_mode & 0o7777:04o}" for p in [root, *root.rglob("*")]
+            if not p.is_symlink() and p.lstat().st_mode & remote_checkpoints.UNSAFE_BITS}  # fmt: skip
+
+
+@pytest.mark.unit
+def test_make_safe_is_the_promotions_rule_for_every_mode(tmp_path: Path) -> None:
+    assert remote_checkpoints.UNSAFE_BITS == UNSAFE_BITS
+    for mode in range(0o10000):
+        (tmp_path / f"f{mode:04o}").write_bytes(b"")
+        (tmp_path / f"f{mode:04o}").chmod(mode)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d").chmod(0o1777)
+    (tmp_path / "link").symlink_to("f6755")
+    remote_checkpoints.make_safe(str(tmp_path))
+    wrong = {p.name: f"{p.lstat().st_mode & 0o7777:04o}" for p in tmp_path.glob("f*")
+             if p.lstat().st_mode & 0o7777 != safe_mode(int(p.name[1:], 8))}  # fmt: skip
+    assert wrong == {}
+    assert (tmp_path / "d").lstat().st_mode & 0o7777 == 0o775
+
+
+@pytest.mark.unit
+def test_a_snapshot_keeps_no_setuid_bit_even_from_the_previous_one(tmp_path: Path) -> None:
+    """A copy that brought a setuid file (a transport that kept the mode),
+    and a file changed during the next pull, whose previous version is
+    copied from the last snapshot: neither keeps the bit here."""
+    there = tmp_path / "there"
+    there.mkdir()
+    snapshots = Snapshots(tmp_path / "kept")
+
+    def copy(paths: list[str], into: Path) -> None:
+        for rel in paths:
+            shutil.copy2(there / rel, into / rel)
+
+    (there / "a.pt").write_bytes(b"a1")
+    (there / "a.pt").chmod(0o6755)
+    snapshots.pull(remote_checkpoints.finished_files(str(there)), copy)
+    assert unsafe_in(tmp_path / "kept") == {}
+    listed = remote_checkpoints.finished_files(str(there))
+    (there / "a.pt").write_bytes(b"a2")  # changed after the list: the previous version stays
+    snapshots.pull(listed, copy)
+    latest = snapshots.latest()
+    assert latest is not None and (latest[0] / "a.pt").read_bytes() == b"a1"
+    assert unsafe_in(tmp_path / "kept") == {}
+
+
+@pytest.mark.unit
+def test_a_snapshot_in_the_bucket_and_its_restore_keep_no_setuid_bit(tmp_path: Path) -> None:
+    there, bucket, kept = tmp_path / "ckpt", tmp_path / "bucket", tmp_path / "kept"
+    (there / "sub").mkdir(parents=True)
+    (there / "sub" / "model.pt").write_bytes(b"weights")
+    (there / "sub" / "model.pt").chmod(0o4777)
+    kept.mkdir()
+    (kept / "old").write_bytes(b"")
+    (kept / "old").chmod(0o6755)  # what an earlier command left there
+    remote_checkpoints.push(str(there), str(bucket))
+    remote_checkpoints.restore(str(bucket), str(kept))
+    assert unsafe_in(bucket) == {} and unsafe_in(kept) == {}
 
 
 # ---- With the bucket transport: the snapshot pushed from the machine into

@@ -62,24 +62,26 @@ def test_a_lease_that_ended_or_died_or_never_started_gives_nothing(tmp_path: Pat
 
 
 @pytest.mark.unit
-def test_a_lease_of_a_relative_root_says_its_home_where_ssh_lands_and_prunes_gone_ones(
+def test_a_lease_of_a_relative_root_says_its_home_where_ssh_lands_and_touches_no_other_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The home file (relative to the login's home, which is tmp_path/login
     here) names the folder the lease runs in; a claim answers that home, so
-    the client learns it in the call that claims; files of clusters whose
-    home went (their lease killed) are removed by the next lease."""
+    the client learns it in the call that claims; another cluster's file,
+    even one naming a home that is not a folder here (another node's), is
+    left as it is."""
     login, job_home = tmp_path / "login", tmp_path / "jobs" / "c1"
     job_home.mkdir(parents=True)
     monkeypatch.setattr(pwd, "getpwuid", lambda uid: SimpleNamespace(pw_dir=str(login)))
     monkeypatch.chdir(job_home)
     gone = login / ".substrax-remote" / "job-homes" / "c0"
     gone.parent.mkdir(parents=True)
-    gone.write_text(str(tmp_path / "jobs" / "c0") + "\n")  # taken down: its home is gone
+    gone.write_text(str(tmp_path / "jobs" / "c0") + "\n")  # not a folder here: another node's home
     path = lease.job_home_file(".substrax-remote", "c1")
     assert path == str(login / ".substrax-remote" / "job-homes" / "c1")
     lease.write_job_home(path)
-    assert Path(path).read_text() == f"{job_home}\n" and not gone.exists()
+    assert Path(path).read_text() == f"{job_home}\n"
+    assert gone.read_text() == str(tmp_path / "jobs" / "c0") + "\n"
     held_by(job_home / ".substrax-remote", "c1", os.getpid())
     answer = lease.claim(".substrax-remote", "c1", "run-1")
     assert answer["claimed"] is True and answer["job_home"] == str(job_home)

@@ -140,6 +140,33 @@ def test_bwrap_argv_hides_home_yet_shows_a_project_inside_it(tmp_path: Path) -> 
     assert remount > argv.index(str(python))
 
 
+def options(argv: list[str], option: str) -> list[str]:
+    """The PATH of every `option PATH` in argv."""
+    return [argv[i + 1] for i, arg in enumerate(argv) if arg == option]
+
+
+@pytest.mark.unit
+def test_bwrap_argv_hides_a_remote_root_with_the_home_it_lies_in(tmp_path: Path) -> None:
+    """A remote root in the login's home is hidden with the home (a tmpfs
+    of the home, or the run's own home bound over it): no tmpfs of its
+    own, which could not be remounted read-only there. One elsewhere gets
+    its own."""
+    home, elsewhere = tmp_path / "home", tmp_path / "srv" / "root"
+    inside = home / ".substrax-remote"
+    project = inside / "runs" / "r1" / "project"
+    project.mkdir(parents=True)
+    elsewhere.mkdir(parents=True)
+    for hide in ([str(home), str(inside)], [str(inside), str(home)]):
+        argv = sandbox.bwrap_argv("bwrap", job_for(project, [], hide=hide), "/staging")
+        assert str(home) in options(argv, "--tmpfs") and str(inside) not in options(argv, "--tmpfs")
+        assert options(argv, "--remount-ro")[0] == str(home)
+        assert str(inside) not in options(argv, "--remount-ro")
+        argv = sandbox.bwrap_argv("bwrap", job_for(project, [], hide=hide), "/staging", home=str(home))
+        assert not {str(home), str(inside)} & {*options(argv, "--tmpfs"), *options(argv, "--remount-ro")}
+    argv = sandbox.bwrap_argv("bwrap", job_for(project, [], hide=[str(home), str(elsewhere)]), "/staging")
+    assert {str(home), str(elsewhere)} <= set(options(argv, "--tmpfs")) & set(options(argv, "--remount-ro"))
+
+
 @pytest.mark.unit
 def test_bwrap_argv_binds_output_folders_from_staging(tmp_path: Path) -> None:
     (tmp_path / "results").mkdir()

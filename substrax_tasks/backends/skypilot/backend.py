@@ -81,6 +81,8 @@ if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only
     from exceptiongroup import ExceptionGroup
 
 LAUNCH_REQUEST = "launch-request.json"
+# How much of the end of a failed setup's log is read (its last 2,000 characters are said).
+SETUP_LOG_TAIL_BYTES = 8 << 10
 TASK_FILE = "task.json"
 
 
@@ -496,7 +498,10 @@ class SkypilotBackend(Backend):
             log.unlink(missing_ok=True)
             self.sky().call("tail_logs", {"cluster_name": cluster, "job_id": job_id, "follow": False,
                                           "output_file": str(log)})  # fmt: skip
-        said = log.read_text(errors="replace").strip()[-2000:] if log.is_file() else ""
+        said = ""
+        with contextlib.suppress(OSError), log.open("rb") as f:  # its end only, whatever its size
+            f.seek(max(0, f.seek(0, 2) - SETUP_LOG_TAIL_BYTES))
+            said = f.read().decode(errors="replace").strip()[-2000:]
         failures: list[Exception] = []
         if self.down_cluster(cluster, failures):
             forget_cluster(self, handle)
@@ -575,7 +580,7 @@ class SkypilotBackend(Backend):
         the bucket (bucket transport: the cluster pushed it there), else
         from the store here (as on an ssh host)."""
         if self.settings.bucket is not None:
-            dest = there.checkpoints_in_bucket(handle.step, checkpoint_key(handle))
+            dest = there.checkpoints_in_bucket(self.store.client_id(), handle.step, checkpoint_key(handle))
             _remote_run.restore_from_bucket(run, dest, there.checkpoints_kept, handle.step)
             return
         snapshots = self.snapshots(handle)
@@ -594,7 +599,8 @@ class SkypilotBackend(Backend):
             return None
         run, every = self.remote_run(handle), self.settings.checkpoint_seconds
         if self.settings.bucket is not None:
-            dest = self.there(handle).checkpoints_in_bucket(handle.step, checkpoint_key(handle))
+            dest = self.there(handle).checkpoints_in_bucket(self.store.client_id(), handle.step,
+                                                            checkpoint_key(handle))  # fmt: skip
             return _remote_run.BucketCheckpointPusher(run, every, handle.step, dest)
         snapshots = self.snapshots(handle)
         assert snapshots is not None  # the step has checkpoints
@@ -602,13 +608,15 @@ class SkypilotBackend(Backend):
         return _remote_run.CheckpointPuller(run, quiet, snapshots, every, handle.step)
 
     def checkpoints_kept_elsewhere(self) -> list[KeptCheckpoints]:
-        """With the bucket transport: the snapshot folders in the outputs bucket."""
+        """With the bucket transport: this client's snapshot folders in the
+        outputs bucket (another client's, of a step of the same name, are
+        not ours to list or remove)."""
         if self.settings.bucket is None:
             return []
         from substrax_tasks.transports.bucket import BucketTransport
 
         bucket = BucketTransport()
-        root = f"{self.settings.bucket.outputs_bucket}/{sky_task.CHECKPOINTS_IN_BUCKET}"
+        root = f"{self.settings.bucket.outputs_bucket}/{sky_task.checkpoints_of(self.store.client_id())}"
         return [
             KeptCheckpoints(step, key, f"{root}/{step}/{key}",
                             functools.partial(bucket.remove_tree, f"{root}/{step}/{key}"))
@@ -620,8 +628,8 @@ class SkypilotBackend(Backend):
             return
         from substrax_tasks.transports.bucket import BucketTransport
 
-        BucketTransport().remove_tree(f"{self.settings.bucket.outputs_bucket}/{sky_task.CHECKPOINTS_IN_BUCKET}/"
-                                      f"{safe_name(handle.step)}")  # fmt: skip
+        mine = sky_task.checkpoints_of(self.store.client_id())
+        BucketTransport().remove_tree(f"{self.settings.bucket.outputs_bucket}/{mine}/{safe_name(handle.step)}")
 
     def keep_last_checkpoints(self, handle: RunHandle) -> None:
         if not isinstance(SkypilotState.of(handle).launched_job, int):
@@ -768,10 +776,13 @@ class SkypilotBackend(Backend):
         """With follow, one follower on the cluster streams the log until
         the run ends (_remote_run.follow_log), as on an ssh host."""
         status = self.poll(handle)
-        if not follow or status.final or not isinstance(SkypilotState.of(handle).launched_job, int):
+        if not follow or not isinstance(SkypilotState.of(handle).launched_job, int):
             return super().stream_log(handle, out, follow=follow, offset=offset)
         puller = self.checkpoint_puller(handle)
-        status = _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle), puller)
+        if status.final:  # ended before it was followed: its checkpoints are kept all the same
+            status = super().stream_log(handle, out, follow=follow, offset=offset)
+        else:
+            status = _remote_run.follow_log(self, handle, out, offset, self.remote_run(handle), puller)
         if status.state in ("failed", "timed_out", "cancelled"):
             # What the command left as it ended is whole now: the next run starts from it.
             _remote_run.pull_as_ended(puller, handle.step)
@@ -1053,6 +1064,12 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
                                   hourly_cost=record.get("hourly_cost"))  # fmt: skip
         try:
             answer = backend.claim(warm)
+        except HostRefused as exc:
+            # Nothing of the run is on it: the run holds no cluster, and the
+            # cluster stays in its slot (refused again) until gc --machines.
+            backend.save_state(handle, cluster=None, lease_job=None, watchdog=None, job_home=None,
+                               hourly_cost=None)  # fmt: skip
+            raise refused_warm(cluster, exc) from None
         except SubstraxError as exc:
             answer = {"claimed": False, "reason": f"out of reach: {exc}"}
         if answer.get("claimed"):
@@ -1076,6 +1093,20 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
     path.unlink(missing_ok=True)
     backend.save_state(handle, cluster=None, lease_job=None, watchdog=None, job_home=None)
     return None
+
+
+def refused_warm(cluster: str, exc: HostRefused) -> HostRefused:
+    """A warm cluster whose scripts were changed, or whose lease's answer
+    passed its bound: refused by name, with the fix that runs nothing on it."""
+    what = str(exc)
+    if isinstance(exc, DamagedHost):
+        what = (f"the script(s) {', '.join(exc.scripts)} there are not the ones this client installed "
+                "(changed or removed after the install)")  # fmt: skip
+    return HostRefused(
+        f"warm cluster {cluster} is refused: {what}; it is damaged or tampered with, and nothing is run "
+        "on it. `substrax-compute gc --machines` takes it down through SkyPilot (running nothing on it), "
+        "and the next doit launches a new one"
+    )
 
 
 def cluster_gone(backend: SkypilotBackend, cluster: str) -> bool:

@@ -18,7 +18,7 @@ runs in (`remote_root`):
     runs/<run-id>/work/outputs/  what the task writes (copy transport)
     runs/<run-id>/work/checkpoints/  the step's checkpoints, shown to it at its `checkpoints` path
     mnt/<bucket-key>/<run-id>/   outputs and manifest.json (bucket transport)
-    mnt/<bucket-key>/checkpoints/<step>/<key>/  its snapshots (bucket transport)
+    mnt/<bucket-key>/checkpoints/<client id>/<step>/<key>/  its snapshots (bucket transport)
     envs/<digest>/           the environment built from the lock file
 """
 
@@ -65,13 +65,16 @@ HOME_MARK = re.compile(r"substrax-job-home:(/.*?):end")
 # `python3 -c IN_JOB_HOME FILE ARGV...`: Python 3.8, stdlib. Run ARGV in
 # the home the cluster's lease job runs in, as its setup wrote it to FILE
 # (relative to the login's home, where ssh lands: remote/lease.py); exit
-# NO_JOB_HOME while there is none (the setup has not begun).
+# NO_JOB_HOME while there is none (the setup has not begun). A path is read
+# as far as PATH_MAX at most: whatever else is in the file is not a home.
 NO_JOB_HOME = 4
+# How much of the lease job's log is read for HOME_MARK (its setup's first line).
+JOB_LOG_HEAD_BYTES = 64 << 10
 IN_JOB_HOME = """\
 import os, pwd, sys
 try:
     with open(os.path.join(pwd.getpwuid(os.getuid()).pw_dir, sys.argv[1])) as f:
-        os.chdir(f.read().strip())
+        os.chdir(f.read(4096).strip())
 except OSError:
     sys.exit(EXIT)
 os.execvp(sys.argv[2], sys.argv[2:])
@@ -83,6 +86,14 @@ _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9]+")
 CLIENT_TAG_LENGTH = 8
 # In the outputs bucket, beside the runs' folders: the steps' snapshots.
 CHECKPOINTS_IN_BUCKET = "checkpoints"
+
+
+def checkpoints_of(client_id: str) -> str:
+    """The folder of one client's snapshots in the outputs bucket, relative
+    to it. Many clients share a bucket (clones, branches, CI jobs), and
+    each may have a step of the same name: each lists, restores and removes
+    only the snapshots under its own id (store.client_id), never another's."""
+    return f"{CHECKPOINTS_IN_BUCKET}/{client_id}"
 
 
 def client_tag(client_id: str) -> str:
@@ -151,10 +162,11 @@ class ClusterLayout:
         """Where the step's checkpoints are kept for its command (its `checkpoints` path there)."""
         return f"{self.run}/work/checkpoints"
 
-    def checkpoints_in_bucket(self, step: str, key: str) -> str:
+    def checkpoints_in_bucket(self, client_id: str, step: str, key: str) -> str:
         """Where a step's snapshots go with the bucket transport: in the
-        outputs bucket, by step and key, beside the runs' folders."""
-        return f"{self.bucket_dir}/{CHECKPOINTS_IN_BUCKET}/{safe_name(step)}/{key}"
+        outputs bucket, beside the runs' folders, by client (checkpoints_of),
+        step and key."""
+        return f"{self.bucket_dir}/{checkpoints_of(client_id)}/{safe_name(step)}/{key}"
 
     @property
     def bucket_dir(self) -> str:
@@ -216,7 +228,10 @@ def worker_job(
         sandbox=settings.sandbox,
         network_isolation=settings.transport.network_isolation,
         grace_seconds=settings.grace_seconds,
-        hide=["."],  # the home folder: its credentials are not the task's
+        # The home folder (its credentials are not the task's) and the
+        # remote root (an absolute one is outside it), where the runs of
+        # other steps and clients sit beside this one: its own parts are bound back.
+        hide=[".", layout.root],
         env_dir=env_dir,
         cache_dirs=settings.cache_dirs,
         cache_root=f"{layout.root}/cache/{project_key(str(handle.state.project))}",
@@ -299,7 +314,9 @@ def job_home(sky: SkyClient, store: RunStore, handle: RunHandle, cluster: str) -
     try:
         sky.call("tail_logs", {"cluster_name": cluster, "job_id": job_id, "follow": False,
                                "output_file": str(log)})  # fmt: skip
-        found: list[str] = HOME_MARK.findall(log.read_text(errors="replace"))
+        with log.open("rb") as f:  # the mark is the setup's first line: a log of any size is read so far only
+            head = f.read(JOB_LOG_HEAD_BYTES).decode(errors="replace")
+        found: list[str] = HOME_MARK.findall(head)
     except (SubstraxError, OSError):
         found = []
     finally:

@@ -252,7 +252,9 @@ class SshBackend(Backend):
             sandbox=self.settings.sandbox,
             network_isolation=self.settings.copy_.network_isolation,
             grace_seconds=self.settings.grace_seconds,
-            hide=[own.remote_home or ""],
+            # The login's home (its credentials) and the remote root: other
+            # runs' folders sit beside this one's, and its own parts are bound back.
+            hide=[own.remote_home or "", self._state(handle, "remote_root")],
             env_dir=own.env_dir,
             cache_dirs=self.settings.cache_dirs,
             cache_root=cache_root,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import secrets
 import shlex
 import threading
@@ -33,6 +34,14 @@ MAX_STREAMS = 6
 SESSION_WAIT_SECONDS = 30.0  # a short command waits this long for a free session
 # As OpenSSH's ServerAliveInterval for rsync (transports/openssh.py): seconds between keepalives
 KEEPALIVE_SECONDS = 15
+
+# paramiko's transport thread logs a failed handshake (a host rebooting
+# resets the connection during the banner) at ERROR with its traceback; with
+# no handler of the user's, Python's last-resort handler prints that on
+# stderr, in the middle of doit's output. Every failure reaches the caller
+# as an exception, which says it in words: paramiko's log is not for users.
+# A handler of the user's own (logging configured by them) still gets it.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class NoSession(BackendError):

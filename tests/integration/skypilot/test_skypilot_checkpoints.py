@@ -11,16 +11,20 @@ With the bucket transport the snapshots go from the cluster to the bucket
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, run_logs, starts
-from dodo_helpers import doit, doit_ok, popen_doit, show, stop, wait_for
+from dodo_helpers import COMPUTE, clean_env, doit, doit_ok, popen_doit, show, stop, unsafe_modes, wait_for
 from s3_server import running_s3_server
 from sky_beds import Sky
 from ssh_helpers import live_handles, needs_root, needs_sshd, write_ssh_dodo
+
+from substrax_tasks.run.promote import UNSAFE_BITS
 
 pytestmark = [needs_sshd, needs_root]
 
@@ -34,6 +38,16 @@ def counting_project(sky: Sky, body: str, bucket: dict[str, Any] | None = None, 
     (sky.root / "count.py").write_text(COUNT_PY)
     (sky.root / "data.txt").write_text("one\n")
     return sky.root
+
+
+def client_id(root: Path) -> str:
+    """The project's own id (store.client_id): its snapshots in a bucket are under it."""
+    return (root / ".substrax" / "client-id").read_text().strip()
+
+
+def snapshot_keys(checkpoints: Path, step: str = "count") -> set[str]:
+    """The keys of the step's snapshots in the bucket's checkpoints folder, whoever made them."""
+    return {p.name for p in checkpoints.rglob("*") if p.parent.name == step and p.is_dir()}
 
 
 def clusters_of(root: Path, step: str) -> list[str]:
@@ -143,7 +157,8 @@ def test_with_the_bucket_transport_snapshots_go_to_the_bucket_from_the_cluster(
         assert "checkpoints snapshot put in the bucket" in failed.stdout + failed.stderr, show(failed)
         # In the bucket, not through the client: nothing kept here.
         assert kept_state(root, "count") is None
-        in_bucket = next((s3_server.data_dir / s3_server.bucket / "runs" / "checkpoints" / "count").iterdir())
+        mine = s3_server.data_dir / s3_server.bucket / "runs" / "checkpoints" / client_id(root)
+        in_bucket = next((mine / "count").iterdir())
         latest = json.loads((in_bucket / "latest.json").read_text())["snapshot"]
         entries = json.loads((in_bucket / latest / "manifest.json").read_text())["entries"]
         assert [e["path"] for e in entries] == ["state.json"]
@@ -169,7 +184,8 @@ def test_gc_removes_the_snapshots_in_the_bucket_of_keys_no_step_has(sky: Sky, tm
         sky.env["FAKESKY_BUCKET_DIR"] = str(s3_server.data_dir)
         failed = doit(root, "count", env=sky.env, timeout=180)
         assert failed.returncode != 0, show(failed)
-        step_folder = s3_server.data_dir / s3_server.bucket / "runs" / "checkpoints" / "count"
+        mine = f"checkpoints/{client_id(root)}"
+        step_folder = s3_server.data_dir / s3_server.bucket / "runs" / mine / "count"
         (key,) = [p.name for p in step_folder.iterdir()]
 
         kept = sky.compute("gc")  # the dodo's key is the snapshot's: kept
@@ -178,7 +194,97 @@ def test_gc_removes_the_snapshots_in_the_bucket_of_keys_no_step_has(sky: Sky, tm
         (root / "data.txt").write_text("two\n")  # now no step has that key
         done = sky.compute("gc")
         assert done.returncode == 0, done.stdout + done.stderr
-        uri = f"s3://{s3_server.bucket}/runs/checkpoints/count/{key}"
+        uri = f"s3://{s3_server.bucket}/runs/{mine}/count/{key}"
         assert f"removed checkpoints {uri} (step count: no step of the dodo file has that key any more)" in (
             done.stdout), done.stdout  # fmt: skip
         assert not (step_folder / key).exists()
+
+
+def test_two_clients_of_one_bucket_keep_and_remove_only_their_own_snapshots(sky: Sky, tmp_path: Path) -> None:
+    """Two clones (two state folders, so two clients) of a project with a
+    step of one name, on another key each (another branch), share the
+    outputs bucket: the second's `gc` and the first's promotion leave the
+    other's snapshots, and each resumes from its own."""
+    with running_s3_server(tmp_path / "s3") as s3_server:
+        bucket = {"outputs_bucket": f"s3://{s3_server.bucket}/runs", "lifetime_minutes": 10.0}
+        first = counting_project(sky, count_step("count", 6, PAUSE, "fail-fresh"), bucket=bucket)
+        sky.env.update(s3_server.env)
+        sky.env["FAKESKY_BUCKET_DIR"] = str(s3_server.data_dir)
+        second = tmp_path / "clone"
+        second.mkdir()
+        for name in ("dodo.py", "pyproject.toml", "count.py"):
+            shutil.copy2(first / name, second / name)
+        (second / "data.txt").write_text("another branch\n")
+        checkpoints = s3_server.data_dir / s3_server.bucket / "runs" / "checkpoints"
+        keys: list[str] = []
+        for root in (first, second):
+            failed = doit(root, "count", env=sky.env, timeout=180)
+            assert failed.returncode != 0 and "snapshot put in the bucket" in failed.stderr, show(failed)
+            (key,) = snapshot_keys(checkpoints) - set(keys)
+            keys.append(key)
+
+        done = doit(first, "count", env=sky.env, timeout=180)
+        assert done.returncode == 0, show(done)
+        assert starts(run_logs(first, "count")[-1]) == [3], show(done)  # from its own snapshot
+        # Its outputs are home: its own snapshots go, and only those.
+        assert snapshot_keys(checkpoints) == {keys[1]}
+
+        # The first moves on to another key (another branch) and fails there:
+        # the second's dodo has not that key, and its gc leaves the snapshot.
+        (first / "data.txt").write_text("a third branch\n")
+        failed = doit(first, "count", env=sky.env, timeout=180)
+        assert failed.returncode != 0 and "snapshot put in the bucket" in failed.stderr, show(failed)
+        (moved,) = snapshot_keys(checkpoints) - {keys[1]}
+        gc = subprocess.run([str(COMPUTE), "--project", str(second), "gc"], cwd=second,
+                            env=clean_env(sky.env), capture_output=True, text=True, timeout=120,
+                            check=False)  # fmt: skip
+        assert gc.returncode == 0, gc.stdout + gc.stderr
+        assert snapshot_keys(checkpoints) == {keys[1], moved}, gc.stdout
+        # Each client's under its own id.
+        for root, key in ((first, moved), (second, keys[1])):
+            assert (checkpoints / client_id(root) / "count" / key / "latest.json").is_file()
+        # (No fetch after a listing here: the fake's clusters write into the
+        # S3 server's folder behind its back, and a listing caches what it saw.)
+
+
+# The command makes a setuid and a world-writable setuid file in its
+# checkpoints, then fails; run again (on a new cluster, restored from the
+# bucket), it says the modes it finds.
+PRIVILEGED = """\
+def task_all():
+    yield from remote_step("priv", command=["sh", "-c", MAKE], inputs=["data.txt"], outputs=["out.txt"],
+                           checkpoints="ckpt/")
+MAKE = (
+    "if [ -e ckpt/s ]; then stat -c 'mode %a %n' ckpt/s ckpt/o; echo done > out.txt; exit 0; fi; "
+    "mkdir -p ckpt && echo s > ckpt/s && echo o > ckpt/o && chmod 6755 ckpt/s && chmod 4777 ckpt/o && exit 3"
+)
+"""
+
+
+def test_setuid_checkpoints_reach_neither_the_bucket_nor_the_next_run_with_those_bits(
+    sky: Sky, tmp_path: Path
+) -> None:
+    """Issue 28, item 2, with the bucket transport: the snapshot pushed into
+    the bucket and the files restored from it keep no setuid, setgid,
+    sticky or other-write bit (the push and the restore make them safe).
+    The command fails at once, often before its client follows it: what it
+    left is pushed all the same as the run is seen to have failed."""
+    with running_s3_server(tmp_path / "s3") as s3_server:
+        sky.configure(checkpoint_seconds=EVERY, bucket={"outputs_bucket": f"s3://{s3_server.bucket}/runs",
+                                                        "lifetime_minutes": 10.0})  # fmt: skip
+        write_ssh_dodo(sky.root, PRIVILEGED, ["all"])
+        (sky.root / "data.txt").write_text("one\n")
+        sky.env.update(s3_server.env)
+        sky.env["FAKESKY_BUCKET_DIR"] = str(s3_server.data_dir)
+        failed = doit(sky.root, "priv", env=sky.env, timeout=180)
+        assert failed.returncode != 0 and "snapshot put in the bucket" in failed.stderr, show(failed)
+        checkpoints = s3_server.data_dir / s3_server.bucket / "runs" / "checkpoints"
+        assert {p.name for p in checkpoints.rglob("*") if p.parent.name == "files"} == {"s", "o"}
+        assert unsafe_modes(checkpoints, ["."]) == {}
+
+        done = doit(sky.root, "priv", env=sky.env, timeout=180)
+        assert done.returncode == 0, show(done)
+        modes = dict(line.split()[::-1][:2] for line in run_logs(sky.root, "priv")[-1].splitlines()
+                     if line.startswith("mode "))  # fmt: skip
+        assert set(modes) == {"ckpt/s", "ckpt/o"}, show(done)
+        assert not [name for name, mode in modes.items() if int(mode, 8) & UNSAFE_BITS], modes

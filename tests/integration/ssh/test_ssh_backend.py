@@ -144,6 +144,56 @@ def test_changed_host_key_is_refused_even_when_trusting_new_keys(
 # ----------------------------------------------------------------- cancel
 
 
+@contextlib.contextmanager
+def resetting_listener() -> Any:
+    """A loopback port whose every connection is reset before a byte is
+    sent, as a host that is going down or coming up does: the port."""
+    import socket
+    import struct
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(0.2)
+    going = threading.Event()
+
+    def accept() -> None:
+        while not going.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # with a zero linger: a reset
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        going.set()
+        thread.join(timeout=5)
+        server.close()
+
+
+@needs_sshd
+@needs_root
+def test_a_host_that_resets_the_connection_is_said_in_words_without_paramikos_traceback(
+    tmp_path: Path, host: SshHost
+) -> None:
+    """paramiko's transport thread logs a handshake cut short at ERROR, with
+    its traceback; with no logging configured, Python's last-resort handler
+    printed that in the middle of doit's output (seen as a host rebooted
+    under a run). The failure is said once, in words."""
+    with resetting_listener() as port:
+        root = make_ssh_project(tmp_path, host, STEP, host="127.0.0.1", port=port, connect_timeout=5)
+        done = doit(root)
+    text = done.stdout + done.stderr
+    assert done.returncode == 2, show(done)  # the machinery failed: doit's TaskError (docs/steps.md)
+    assert "Error reading SSH protocol banner" in text, show(done)
+    assert "Traceback" not in text and "Exception (client)" not in text, show(done)
+
+
 @needs_sshd
 @needs_root
 def test_cancel_before_the_command_started_keeps_it_from_starting(

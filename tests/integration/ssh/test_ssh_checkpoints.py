@@ -11,13 +11,35 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, run_logs, starts
-from dodo_helpers import doit, doit_ok, popen_doit, popen_output, show, stop, wait_for
+from checkpoint_parts import (
+    COUNT_PY,
+    count_step,
+    inside,
+    kept_state,
+    on_small_disk,
+    result_of,
+    run_logs,
+    starts,
+)
+from dodo_helpers import (
+    DOIT,
+    clean_env,
+    doit,
+    doit_ok,
+    popen_doit,
+    popen_output,
+    show,
+    stop,
+    unsafe_modes,
+    wait_for,
+)
 from ssh_helpers import every_session_held, live_handles, make_ssh_project, needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
 
@@ -204,3 +226,143 @@ def test_a_run_followed_by_polling_is_pulled_between_polls(tmp_path: Path, host:
     # A run that succeeded is not pulled as it ends: this one was pulled while it ran.
     pulled = kept_state(root, "count")
     assert pulled is not None and 1 <= pulled["i"] <= 8, pulled
+
+
+# The host's non-root login makes a setuid and a world-writable setuid file
+# in its checkpoints, then fails; run again, it says the modes it finds.
+PRIVILEGED = """\
+def task_all():
+    yield from remote_step("priv", command=["sh", "-c", MAKE], inputs=["data.txt"], outputs=["out.txt"],
+                           checkpoints="ckpt/")
+MAKE = (
+    "if [ -e ckpt/s ]; then stat -c 'mode %a %n' ckpt/s ckpt/o; echo done > out.txt; exit 0; fi; "
+    "mkdir -p ckpt && echo s > ckpt/s && echo o > ckpt/o && chmod 6755 ckpt/s && chmod 4777 ckpt/o && exit 3"
+)
+"""
+
+
+def test_setuid_checkpoints_a_hosts_login_made_come_home_without_those_bits(
+    tmp_path: Path, host: SshHost
+) -> None:
+    """Issue 28, item 2, for snapshots: pulled by rsync (--chmod) and kept
+    (the one rule again), a root client's store holds no setuid or
+    world-writable file a host's user made."""
+    root = make_ssh_project(tmp_path, host, PRIVILEGED, ["all"], files={"data.txt": "one\n"},
+                            checkpoint_seconds=EVERY)  # fmt: skip
+    failed = doit(root, "priv")
+    assert failed.returncode != 0, show(failed)
+    (latest,) = (root / ".substrax" / "checkpoints" / "priv").glob("*/latest")
+    assert sorted(p.name for p in (latest / "files").iterdir()) == ["o", "s"], show(failed)
+    assert unsafe_modes(latest.resolve().parent, ["."]) == {}, show(failed)
+
+    done = doit_ok(root, "priv")
+    said = set(run_logs(root, "priv")[-1].splitlines())
+    assert {"mode 755 ckpt/s", "mode 775 ckpt/o"} <= said, show(done)
+
+
+# Issue 28, item 8, for a snapshot: a checkpoint bigger than the client's
+# disk. The command writes a first checkpoint and waits for `go` (the test
+# makes it there once that snapshot is home), then one of BIG_MB that no
+# pull can bring, and waits for `end` (made once the client has said so).
+SMALL_DISK_MB = 16
+FILL_PY = """\
+import os, sys, time
+def wait(name):
+    while not os.path.exists("ckpt/" + name):
+        time.sleep(0.05)
+def put(name, data):
+    with open("ckpt/" + name + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace("ckpt/" + name + ".tmp", "ckpt/" + name)
+os.makedirs("ckpt", exist_ok=True)
+put("state.json", b'{"i": 1}')
+wait("go")
+put("big", bytes(int(sys.argv[1]) << 20))
+put("state.json", b'{"i": 2}')
+wait("end")
+open("out.txt", "w").write("done\\n")
+"""
+FILL_STEP = """\
+def task_all():
+    yield from remote_step("fill", command=["python3", "fill.py", "{big}"], inputs=["fill.py"],
+                           outputs=["out.txt"], checkpoints="ckpt/")
+"""
+
+
+def test_a_snapshot_that_fills_the_disk_keeps_the_last_one_and_the_run_goes_on(
+    tmp_path: Path, host: SshHost
+) -> None:
+    body = FILL_STEP.format(big=2 * SMALL_DISK_MB)
+    source = make_ssh_project(tmp_path, host, body, ["all"], files={"fill.py": FILL_PY},
+                              checkpoint_seconds=EVERY, keep_checkpoints=True)  # fmt: skip
+    said = tmp_path / "doit.out"
+    with on_small_disk(source, SMALL_DISK_MB) as (root, seen, pid), said.open("w") as out:
+        proc = inside(pid, root, str(DOIT), "fill", out=out)
+        try:
+            wait_for(lambda: kept_state(seen, "fill") == {"i": 1}, "the first snapshot", timeout=60)
+            run_dir = Path(live_handles(seen, "fill")[0]["backend_state"]["remote_run_dir"])
+            (run_dir / "work" / "checkpoints" / "go").write_text("")
+            wait_for(lambda: "no space left" in said.read_text(), "a pull to find the disk full")
+            (run_dir / "work" / "checkpoints" / "end").write_text("")
+            code = proc.wait(timeout=120)
+        finally:
+            stop(proc)
+        text = said.read_text()
+        assert code == 0 and (seen / "out.txt").read_text() == "done\n", text
+        assert "Traceback" not in text, text
+        full = [line for line in text.splitlines() if "no space left" in line]
+        assert len(full) == 1, text  # once, however many pulls found it so
+        assert full[0].startswith(
+            "fill: checkpoints not brought home this time: no space left on the file system mounted at "
+            f"{root} (writing {root}/.substrax/checkpoints/fill/"
+        ), text
+        assert full[0].endswith("the last whole snapshot is kept and the run goes on. Free space there: "
+                                "the next pull brings them home"), text  # fmt: skip
+        # The first snapshot, whole; nothing of the pull that failed.
+        assert kept_state(seen, "fill") == {"i": 1}
+        (latest,) = (seen / ".substrax" / "checkpoints" / "fill").glob("*/latest")
+        entries = json.loads((latest / "manifest.json").read_text())["entries"]
+        assert [e["path"] for e in entries] == ["state.json"]
+        digest = hashlib.sha256((latest / "files" / "state.json").read_bytes()).hexdigest()
+        assert entries[0]["sha256"] == digest
+        assert not [p for p in (seen / ".substrax" / "checkpoints").rglob("*") if "partial" in p.name]
+
+        again = subprocess.run(["nsenter", "-t", str(pid), "-m", f"--wd={root}", "--", str(DOIT), "fill"],
+                               env=clean_env(), capture_output=True, text=True, timeout=120,
+                               check=False)  # fmt: skip
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert len(live_handles(seen, "fill")) == 1, again.stdout  # nothing ran again
+
+
+# Issue 28, item 3, for the checkpoints' listing: the host's Python (the
+# `python` setting, which runs every script; the scripts themselves are
+# checked against their digest) answers `checkpoints.py list` without end.
+ENDLESS_LISTING = """#!/bin/sh
+case "$*" in *"checkpoints.py list"*) exec yes '{"entries": [' ;; esac
+exec python3 "$@"
+"""
+CLIENT_MEMORY_BOUND = 512 << 20  # doit takes about 100 MB, the answer at most 64 MiB of it
+
+
+def test_a_host_that_lists_checkpoints_without_end_is_refused_with_the_run_named(
+    tmp_path: Path, host: SshHost
+) -> None:
+    python = host.scratch / f"python-{tmp_path.name}"
+    python.write_text(ENDLESS_LISTING)
+    python.chmod(0o755)
+    root = make_ssh_project(tmp_path, host, "def task_all():\n" + count_step("count", 40, PAUSE), ["all"],
+                            files={"count.py": COUNT_PY, "data.txt": "one\n"}, checkpoint_seconds=EVERY,
+                            python=str(python))  # fmt: skip
+    proc = popen_doit(root, "count")
+    try:
+        _pid, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    run_id = live_handles(root, "count")[0]["run_id"]
+    assert proc.returncode == 1, said
+    assert usage.ru_maxrss * 1024 < CLIENT_MEMORY_BOUND and len(said) < 1 << 20, (usage.ru_maxrss, len(said))
+    refused = f"listing the checkpoints for run {run_id}: {host.address} answered with more than 64 MiB"
+    assert refused in said, said
+    assert "Traceback" not in said, said

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 from checkpoint_parts import count_step, counts, kept_state, result_of, starts
 from dodo_helpers import compute, doit, kill_pids, pid_alive, popen_doit, popen_output, show, stop, wait_for
 from lost_tree import (
@@ -47,6 +48,7 @@ from ssh_helpers import (
     only_handle,
     remote_run_dir,
     remote_status,
+    ssh_settings,
 )
 from testbeds.sshd_host import SshHost, kill_sshd, reboot, restart_sshd
 
@@ -291,3 +293,37 @@ def test_a_lost_attempts_process_that_will_not_stop_keeps_the_relaunch_from_star
         kill_recorded(flags, marker)
         shutil.rmtree(flags, ignore_errors=True)
         shutil.rmtree(remote_root, ignore_errors=True)
+
+
+def test_a_scripts_folder_gone_with_a_restart_is_a_lost_run_never_a_damaged_host(
+    tmp_path: Path, host: SshHost
+) -> None:
+    """A host that restarted with an empty scratch disk has no scripts
+    folder: whichever read meets that first (a checkpoint pull, a follower,
+    a status read) must not call the host tampered with and fail the run
+    (seen in a full run: a pull listed every script as changed, the run
+    failed instead of being relaunched). The status says the run's folder
+    is gone (a lost run); a folder there with a changed script is still a
+    damaged host."""
+    from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun, scripts_digest
+    from substrax_tasks.backends.ssh.connection import SshConnection
+    from substrax_tasks.backends.ssh.settings import SshSettings
+
+    conn = SshConnection(SshSettings.model_validate(ssh_settings(host)).target())
+    root = f"{host.scratch}/gone-{tmp_path.name}"
+    run = RemoteRun(conn, host.python, f"{root}/bin-{scripts_digest()}", f"{root}/runs/r1")
+    try:
+        # (raised DamagedHost before: every script read as changed)
+        work = f"{run.run_dir}/work"
+        listed = run.run_script("checkpoints.py", "list", work, what="listing the checkpoints")
+        assert listed.returncode != 0, listed
+        assert b"is gone from this host" in listed.stderr, listed
+        assert run.status() == {"state": None, "exists": False}
+
+        run.reinstall()
+        conn.run(["sh", "-c", 'echo "# changed" >> "$1"', "sh", f"{run.bin_dir}/control.py"])
+        with pytest.raises(DamagedHost, match=r"control\.py"):
+            run.run_script("checkpoints.py", "list", work, what="listing the checkpoints")
+    finally:
+        conn.run(["rm", "-rf", root])
+        conn.close()
