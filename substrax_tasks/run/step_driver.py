@@ -535,6 +535,7 @@ class StepDriver(DrivenRun):
         handle = self.save(handle, attempts=[a.model_dump(mode="json") for a in attempts])
         from substrax_tasks.run import spending
 
+        self._refuse_changed_view(handle)  # before a machine is asked for (or priced)
         if lost is not None:  # the lost machine's time ends; the new one's starts (its cost, its cap)
             handle = spending.before_relaunch(self, handle)
         relaunched = self.retrying("relaunch", lambda: backend.relaunch(handle))
@@ -543,6 +544,7 @@ class StepDriver(DrivenRun):
         relaunched = spending.after_launch(self, backend, relaunched)
         set_up = self.retrying("setup", lambda: backend.setup(relaunched))
         synced = self.retrying("sync", lambda: backend.sync(set_up))
+        self._refuse_changed_view(synced)  # again: what was uploaded (or is bound) is what the key says
         snapshot = backend.snapshot_of(synced)
         handle = self.save(synced, attempts=attempts_with(synced, machine=backend.ran_on(synced),
                                                           snapshot=snapshot))  # fmt: skip
@@ -550,6 +552,34 @@ class StepDriver(DrivenRun):
              + (f"from the checkpoints of snapshot {snapshot}" if snapshot else "with no checkpoints kept"))
         handle = self._start(backend, handle)
         return self.save(handle, attempts=attempts_with(handle, started_at=timeline_now()))
+
+    def _refuse_changed_view(self, handle: RunHandle) -> None:
+        """A relaunch runs on the files the run's key was made from, or not
+        at all: its outputs are kept (promoted, recorded, put in the cache)
+        under that key, so a new attempt that saw a declared input (or the
+        lock file) edited since would leave outputs of other files under
+        it. Raises SubstraxError, the run recorded failed and its new
+        attempt never started; the next `doit` starts a new run on the
+        files as they are then."""
+        now = uptodate.key_parts(self.step)
+        if uptodate.key(now) == handle.state.key:
+            return
+        was = handle.state.key_parts or {}
+        old_inputs, new_inputs = was.get("inputs") or {}, now["inputs"]
+        changed = sorted(path for path in set(old_inputs) | set(new_inputs)
+                         if old_inputs.get(path) != new_inputs.get(path))  # fmt: skip
+        changed += sorted(part for part in set(was) | set(now)
+                          if part != "inputs" and was.get(part) != now.get(part))  # fmt: skip
+        number = handle.state.attempts[-1].number if handle.state.attempts else 2
+        message = (f"{', '.join(changed) or 'its key'} changed since the run started; attempt {number} "
+                   "would run on other files than its outputs would be kept for, "
+                   "so it is not relaunched")  # fmt: skip
+        self.save(handle, verdict={"state": "failed", "message": message}, attempts=attempts_with(
+            handle, ended_at=timeline_now(), outcome="cancelled", message=message))  # fmt: skip
+        raise SubstraxError(
+            f"run {handle.run_id} lost its machine and {message}. Run `doit {self.spec.step}` again: a new "
+            "run starts on the files as they are now (from the checkpoints kept, if any)"
+        )
 
     def _on_interrupt(self, backend: Backend, handle: RunHandle) -> None:
         if backend.capabilities.interrupt_cancels:

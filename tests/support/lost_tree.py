@@ -7,6 +7,7 @@ earlier copy recorded is alive (at that moment: `overlap.txt`), records its
 own pid, starts a grandchild that double-forks and calls setsid and a child
 that scrubs its environment (each records its pid), then, if it is the
 first copy, waits for ever; a later copy writes its output and ends.
+`frozen` makes one of its processes one that no SIGKILL ends for a while.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from dodo_helpers import pid_alive, run_dirs, wait_for
 
 SLEEPER = "import os, sys, time; open(sys.argv[1], 'a').write('%d\\n' % os.getpid()); time.sleep(300)"
@@ -116,3 +119,28 @@ def kill_recorded(flags: Path, marker: str) -> None:
         with contextlib.suppress(OSError):
             if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(pid, signal.SIGKILL)
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@contextlib.contextmanager
+def frozen(pid: int, name: str) -> Iterator[None]:
+    """`pid` frozen in a cgroup v1 freezer the test makes: a SIGKILL does
+    not end it while it is frozen, as one hung on a dead NFS mount. Thawed
+    (a SIGKILL sent meanwhile ends it then) and the cgroup removed after."""
+    if not (FREEZER / "cgroup.procs").is_file():
+        pytest.skip(f"NO CGROUP V1 FREEZER AT {FREEZER}: a process no SIGKILL ends cannot be made here")
+    group = FREEZER / name
+    group.mkdir()
+    try:
+        (group / "cgroup.procs").write_text(str(pid))
+        (group / "freezer.state").write_text("FROZEN")
+        wait_for(lambda: (group / "freezer.state").read_text().strip() == "FROZEN", f"{pid} frozen")
+        yield
+    finally:
+        (group / "freezer.state").write_text("THAWED")
+        for left in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):  # gone meanwhile
+                (FREEZER / "cgroup.procs").write_text(left)
+        group.rmdir()

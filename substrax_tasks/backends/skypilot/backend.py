@@ -268,11 +268,12 @@ class SkypilotBackend(Backend):
         in the handle: one ssh call, no read of the job's log through
         SkyPilot. {"state": None} while the lease has not started."""
         layout, cluster = self.layout(handle), self.cluster(handle)
+        folder = sky_task.run_folder(handle)  # the attempt's: a relaunch's is not the lost one's
         if layout.root.startswith("/") or SkypilotState.of(self.store.read(handle.run_id)).job_home:
-            return self.lease(handle, "claim", handle.run_id)
+            return self.lease(handle, "claim", folder)
         run = RemoteRun(self.reachable(handle), self.settings.python, layout.bin, layout.run)
         what = f"claiming cluster {cluster} from its lease"
-        claim = run.script("lease.py", "claim", layout.root, cluster, handle.run_id)
+        claim = run.script("lease.py", "claim", layout.root, cluster, folder)
         try:
             result = run.remote.run(sky_task.in_job_home(self.settings.python, layout, cluster, claim),
                                     limit=MAX_STATUS_BYTES)  # fmt: skip
@@ -329,8 +330,17 @@ class SkypilotBackend(Backend):
         lost = SkypilotState.of(handle).cluster
         if isinstance(lost, str) and not SkypilotState.of(handle).torn_down:
             if self.settings.reuse and not cluster_gone(self, lost):
-                with contextlib.suppress(SubstraxError):  # its lifetime timer ends what could not be stopped
-                    self.remote_run(handle).remove()
+                # The lost attempt's folder: its name counts the attempts before
+                # the one just added (run_folder), not the new attempt's.
+                before = handle.state.model_copy(update={"attempts": handle.state.attempts[:-1]})
+                try:
+                    self.remote_run(handle.model_copy(update={"state": before})).remove()
+                except BackendError as exc:  # a new attempt beside it would run the command twice
+                    raise BackendError(
+                        f"run {handle.run_id}: what is left of its lost attempt on cluster {lost} could not "
+                        f"be stopped ({exc}); no new attempt starts beside it. Stop those processes there, "
+                        f"then run `doit {handle.step}` again"
+                    ) from None
             else:
                 failures: list[Exception] = []
                 if not self.down_cluster(lost, failures):

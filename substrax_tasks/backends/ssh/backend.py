@@ -165,16 +165,23 @@ class SshBackend(Backend):
         """The host again once it answers (a rebooting host is waited for,
         HOST_WAIT_SECONDS), the lost attempt's folder removed if it is
         still there (what is left of its command stopped first), and a
-        fresh run folder for the new attempt, as `launch` makes."""
+        fresh run folder for the new attempt, as `launch` makes. What is
+        left that cannot be stopped (or a host that cannot say) fails the
+        relaunch, retried as any machinery failure: a new attempt started
+        beside it would run the command twice and write the same
+        checkpoints."""
         self._wait_for_host()
         if self._on_host(handle):
             try:
                 lost = self.remote_run(handle)
                 if lost.status().get("exists"):  # gone with a restart's scratch disk (its scripts too)
                     lost.remove()
-            except BackendError as exc:  # `gc --machines` finds it: it is marked as this client's
-                emit(f"{handle.step}: the lost attempt's folder on {self.settings.host} stays: {exc}",
-                     err=True)  # fmt: skip
+            except BackendError as exc:
+                raise BackendError(
+                    f"run {handle.run_id}: what is left of its lost attempt on {self.settings.host} could "
+                    f"not be stopped ({exc}); no new attempt starts beside it. Stop those processes there, "
+                    f"then run `doit {handle.step}` again"
+                ) from None
         return self.launch(handle)
 
     def _wait_for_host(self) -> None:

@@ -4,13 +4,17 @@ worker SIGKILLed (the run reads `lost`, as after a machine went away), the
 run is relaunched on this machine and its command starts again from the
 checkpoints it left, each attempt recorded in the handle; a command that
 fails or times out is never relaunched; two steps under threads keep their
-attempts apart."""
+attempts apart; without a sandbox the lost attempt's tree is stopped before
+the relaunch starts; a relaunch never runs on inputs edited since the run
+started."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +22,35 @@ import pytest
 from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, starts
 from dodo_helpers import (
     DEFAULT_SANDBOX,
+    DOIT,
+    EXEC_WITH_DEFAULT_SIGNALS,
     SANDBOXES,
+    clean_env,
     compute,
     doit,
     make_project,
+    pid_alive,
     popen_doit,
     popen_output,
+    run_dirs,
     runs_of,
     show,
     step_skipped,
     stop,
     wait_for,
     write_dodo,
+    write_pyproject,
+)
+from lost_tree import (
+    frozen,
+    kill_recorded,
+    kill_worker,
+    overlap,
+    recorded_pids,
+    status_of,
+    step_argv,
+    wait_tree_up,
+    write_command,
 )
 
 from substrax_tasks._remote import control
@@ -216,3 +237,286 @@ def test_preemptions_are_not_part_of_the_steps_key(tmp_path: Path) -> None:
     assert again.returncode == 0 and step_skipped(again, "count"), show(again)
     why = compute(root, "why", "count")
     assert why.returncode == 0 and why.stdout.strip() == "count: up to date", show(why)
+
+
+def test_an_input_edited_before_the_relaunch_is_refused_not_run_under_the_old_key(tmp_path: Path) -> None:
+    """data.txt, a declared input, is edited while attempt 1 runs, then its
+    worker is killed: attempt 2 would run on the new data.txt while its
+    outputs would be promoted, recorded and kept in the cache under the key
+    of the old one. It is refused with the file named and the fix; nothing
+    is promoted or kept; the next doit runs the step on the files as they
+    are now."""
+    root = counting_project(tmp_path, count_step("count", 8, PAUSE, preemptions=1))
+    write_pyproject(root, cache=f'[tool.substrax.compute.cache]\npath = "{tmp_path / "cache"}"\n')
+    proc = popen_doit(root, "count")
+    try:
+        wait_for(lambda: counted(root, "count") >= 2, "two counts checkpointed")
+        (root / "data.txt").write_text("two\n")
+        kill_worker_once_counted(root, "count", 2)
+        code = proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    assert code == 1, said
+    (handle,) = runs_of(root, "count")
+    assert (f"run {handle['run_id']} lost its machine and data.txt changed since the run started; "
+            "attempt 2 would run on other files than its outputs would be kept for, so it is not relaunched. "
+            "Run `doit count` again") in said, said  # fmt: skip
+    assert "Traceback" not in said, said
+    assert starts("\n".join(attempt_logs(root, "count"))) == [0], "attempt 2 started"
+    assert not (root / "count.txt").exists()
+    one, two = attempts_of(root, "count")
+    assert (one["outcome"], two["outcome"], two["started_at"]) == ("lost", "cancelled", None), (one, two)
+    cached = compute(root, "cache", "status")
+    assert cached.returncode == 0 and ": 0 entries" in cached.stdout, show(cached)
+
+    again = doit(root, "count")
+    assert again.returncode == 0, show(again)
+    assert result_of(root, "count")[0] == 8
+    assert len(runs_of(root, "count")) == 2
+    why = compute(root, "why", "count")
+    assert why.returncode == 0 and why.stdout.strip() == "count: up to date", show(why)
+    cached = compute(root, "cache", "status")
+    assert cached.returncode == 0 and ": 1 entries" in cached.stdout, show(cached)
+
+
+LOST_STEP = """
+def task_work():
+    yield from remote_step("work", command={argv!r}, outputs=["out/result.txt"], preemptions=1)
+"""
+
+
+def test_without_a_sandbox_the_lost_attempts_tree_is_stopped_before_the_relaunch_starts(
+    tmp_path: Path, marker: str
+) -> None:
+    """sandbox = "none": the worker killed by SIGKILL while doit follows the
+    run leaves its command, a grandchild that double-forked into a session
+    of its own and a child with no environment running. The relaunch stops
+    them all before attempt 2's command starts (which records any of them
+    it finds alive), and neither attempt leaves its cgroup behind."""
+    flags = tmp_path / "flags"
+    write_command(flags)
+    root = make_project(tmp_path, LOST_STEP.format(argv=step_argv(flags, marker, "out/result.txt")),
+                        ["work"], sandbox="none")  # fmt: skip
+    proc = popen_doit(root)
+    try:
+        old = wait_tree_up(flags)
+        (run,) = run_dirs(root)
+        first = status_of(root, run)
+        kill_worker(first)
+        code = proc.wait(timeout=120)
+    finally:
+        stop(proc)
+        kill_recorded(flags, marker)
+    said = popen_output(root)
+    assert code == 0, said
+    assert "attempt 1 lost its machine" in said and "relaunching it, attempt 2 of at most 2" in said, said
+    assert overlap(flags) == [], "attempt 2 started while these of attempt 1's tree ran"
+    assert not [pid for pid in old if pid_alive(pid)], old
+    assert (root / "out" / "result.txt").read_text() == "done\n"
+    assert [a["outcome"] for a in attempts_of(root, "work")] == ["lost", "succeeded"]
+    second = status_of(root, run)
+    made = [c for c in (first.get("cgroup"), second.get("cgroup")) if isinstance(c, str)]
+    assert not [c for c in made if Path(c).exists()], f"cgroups left: {made}"
+    print(f"\n[relaunch without a sandbox] cgroups made: {made or 'none (no cgroup v2 here)'}")
+
+
+# Four steps; each appends "start M"/"end M" to one shared file around its
+# wait for the gate (appends are atomic: the file's order is the order the
+# commands started and ended in). Unsandboxed: the stamps and the gate are
+# outside the project.
+FOUR_GATED = """
+def task_fit():
+    for m in range(4):
+        yield from remote_step(
+            f"fit:m{{m}}", outputs=[f"out-{{m}}.txt"], preemptions=1,
+            command=["/bin/sh", "-c", f"echo start {{m}} >> {stamps}; "
+                     f"while [ ! -e {gate} ]; do sleep 0.05; done; "
+                     f"echo end {{m}} >> {stamps}; echo {{m}} > out-{{m}}.txt", {marker!r}],
+        )
+"""
+
+
+def most_at_once(stamps: Path) -> int:
+    """The most commands running at once. A step's start while it runs
+    already is its relaunch, not one more: its lost attempt's command is
+    stopped before the new one starts (test_without_a_sandbox_...), and
+    killed it writes no end."""
+    running: set[str] = set()
+    most = 0
+    for line in stamps.read_text().splitlines():
+        what, step = line.split()
+        if what == "start":
+            running.add(step)
+        else:
+            running.discard(step)
+        most = max(most, len(running))
+    return most
+
+
+def test_max_parallel_holds_through_a_relaunch_and_a_kill_9_of_doit_then_the_rerun(
+    tmp_path: Path, marker: str
+) -> None:
+    """max_parallel = 2, four steps with preemptions=1 under `doit -n 4 -P
+    thread`: two run, two wait. The worker of one running step is killed:
+    its run, lost, keeps its slot while it is relaunched, and the two others
+    wait on. Then the other running step's worker is killed, and doit with
+    SIGKILL as that relaunch goes; the rerun picks up every run, and never
+    more than two commands run at once."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    stamps, gate = tmp_path / "stamps.txt", tmp_path / "gate"
+    stamps.touch()
+    write_dodo(root, FOUR_GATED.format(stamps=stamps, gate=gate, marker=marker))
+    write_pyproject(root, "none", "max_parallel = 2\n")
+    first = popen_doit(root, "-n", "4", "-P", "thread", "fit")
+    again = None
+    try:
+        wait_for(lambda: stamps.read_text().count("start") == 2 and popen_output(root).count(
+            "waits for a free slot") == 2, "two steps to run and two to wait", timeout=120)  # fmt: skip
+        one, other = (f"fit:m{line.split()[1]}" for line in stamps.read_text().splitlines())
+        os.kill(live_worker(root, one) or 0, signal.SIGKILL)
+        wait_for(lambda: stamps.read_text().count("start") >= 3 and live_worker(root, one),
+                 f"{one}'s attempt 2 to start")  # fmt: skip
+        # As a user looks meanwhile: two runs run, the relaunched one among them.
+        status = compute(root, "status")
+        assert status.returncode == 0 and status.stdout.count(" running ") == 2, show(status)
+        assert most_at_once(stamps) <= 2, stamps.read_text()
+        os.kill(live_worker(root, other) or 0, signal.SIGKILL)
+        wait_for(lambda: popen_output(root).count("relaunching it, attempt 2 of at most 2") == 2,
+                 f"{other}'s relaunch")  # fmt: skip
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        assert most_at_once(stamps) <= 2, stamps.read_text()
+        again = popen_doit(root, "-n", "4", "-P", "thread", "fit")
+        wait_for(lambda: popen_output(root).count("waits for a free slot") >= 2 or most_at_once(stamps) > 2,
+                 "the rerun's slots", timeout=120)  # fmt: skip
+        gate.touch()
+        assert again.wait(timeout=300) == 0, popen_output(root)
+    finally:
+        gate.touch()
+        stop(first)
+        if again is not None:
+            stop(again)
+    assert most_at_once(stamps) <= 2, stamps.read_text()
+    for m in range(4):
+        assert (root / f"out-{m}.txt").read_text() == f"{m}\n"
+
+
+def test_a_lost_attempts_process_that_will_not_stop_keeps_the_relaunch_from_starting_beside_it(
+    tmp_path: Path, marker: str
+) -> None:
+    """sandbox = "none", the worker killed: one process of the command's
+    tree cannot be stopped (frozen: a SIGKILL waits until it thaws). The
+    relaunch does not start attempt 2 beside it: the step fails naming the
+    process. Once it is gone, the next doit stops what is left and runs the
+    step anew, leaving no cgroup."""
+    flags = tmp_path / "flags"
+    write_command(flags)
+    root = make_project(tmp_path, LOST_STEP.format(argv=step_argv(flags, marker, "out/result.txt")),
+                        ["work"], sandbox="none")  # fmt: skip
+    proc = popen_doit(root)
+    try:
+        old = wait_tree_up(flags)
+        stuck = old[1]
+        (run,) = run_dirs(root)
+        with frozen(stuck, f"substrax-test-{marker}"):
+            record = status_of(root, run)
+            kill_worker(record)
+            code = proc.wait(timeout=120)
+            started = recorded_pids(flags)
+        wait_for(lambda: not pid_alive(stuck), "the thawed process to end by the SIGKILL it was sent")
+        said = popen_output(root)
+        assert code == 2, said
+        assert f"process(es) of its command (pid {stuck}) did not stop" in said, said
+        assert "Traceback" not in said, said
+        assert len(started) == 3, "attempt 2 started beside the lost attempt's process"
+        again = doit(root, timeout=120)
+        assert again.returncode == 0, show(again)
+        assert "was lost" in again.stdout and "stopped what was left of it" in again.stdout, show(again)
+        assert overlap(flags) == [], "the new run started beside the lost one's tree"
+        assert (root / "out" / "result.txt").read_text() == "done\n"
+        made = record.get("cgroup")
+        assert not (isinstance(made, str) and Path(made).exists()), f"its cgroup {made} was left"
+    finally:
+        stop(proc)
+        kill_recorded(flags, marker)
+
+
+# Two (fake) GPUs: `nvidia-smi -L` as the real one lists them.
+FAKE_SMI = """#!/bin/sh
+[ "$1" = "-L" ] || exit 2
+echo "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-1d6e2b7a-0000-0000-0000-000000000000)"
+echo "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-9a41c3f0-0000-0000-0000-000000000000)"
+"""
+# b, given one GPU, writes which, and the pids of a's first attempt (the
+# first three recorded) it finds alive as it starts.
+B_CHECKS = """
+import os, sys
+flags = sys.argv[1]
+def alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+first = [int(line) for line in open(os.path.join(flags, "pids.txt")).read().split()][:3]
+open(os.path.join(flags, "b-overlap.txt"), "w").write("".join("%d\\n" % p for p in first if alive(p)))
+open("out_b/gpus.txt", "w").write(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+"""
+GPU_STEPS = """
+def task_a():
+    yield from remote_step("a", command={argv!r}, outputs=["out_a/result.txt"],
+                           resources={{"accelerators": "A100:2"}}, preemptions=1)
+
+def task_b():
+    yield from remote_step("b", command={b_argv!r}, outputs=["out_b/"],
+                           resources={{"accelerators": "A100:1"}})
+"""
+
+
+def test_the_gpus_of_a_lost_attempts_tree_go_to_no_one_until_it_is_stopped(
+    tmp_path: Path, marker: str
+) -> None:
+    """Without a sandbox, a (both GPUs, preemptions=1) has its worker
+    killed while b, in another doit, waits for a GPU: the lost attempt's
+    command and its descendants still run on them. Neither b nor a's
+    attempt 2 is started on them while any of those lives: the relaunch
+    stops them first, then b and attempt 2 take the GPUs in turn."""
+    bin_dir, home = tmp_path / "fake-bin", tmp_path / "home"
+    bin_dir.mkdir()
+    home.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(home)}
+    flags = tmp_path / "flags"
+    write_command(flags)
+    (flags / "b.py").write_text(B_CHECKS)
+    body = GPU_STEPS.format(argv=step_argv(flags, marker, "out_a/result.txt"),
+                            b_argv=[sys.executable, str(flags / "b.py"), str(flags), marker])  # fmt: skip
+    root = make_project(tmp_path, body, sandbox="none")
+    a = popen_doit(root, "a", env=env)
+    b = None
+    try:
+        old = wait_tree_up(flags)
+        (run,) = run_dirs(root)
+        record = status_of(root, run)
+        assert record["gpus"] == ["0", "1"], record
+        with (tmp_path / "b.out").open("w") as out:
+            argv = [sys.executable, "-c", EXEC_WITH_DEFAULT_SIGNALS, str(DOIT), "b"]
+            b = subprocess.Popen(argv, cwd=root, env=clean_env(env), stdout=out, stderr=subprocess.STDOUT,
+                                 text=True)  # fmt: skip
+        wait_for(lambda: "waiting" in (tmp_path / "b.out").read_text(), "b to wait for a GPU")
+        kill_worker(record)
+        assert a.wait(timeout=120) == 0, popen_output(root)
+        assert b.wait(timeout=120) == 0, (tmp_path / "b.out").read_text()
+    finally:
+        stop(a)
+        if b is not None:
+            stop(b)
+        kill_recorded(flags, marker)
+    assert overlap(flags) == [], "a's attempt 2 started on the GPUs while these of attempt 1 ran"
+    assert (flags / "b-overlap.txt").read_text() == "", "b started on a GPU while a's attempt 1 ran"
+    assert not [pid for pid in old if pid_alive(pid)], old
+    assert (root / "out_b" / "gpus.txt").read_text() in ("0", "1")
+    assert [a["outcome"] for a in attempts_of(root, "a")] == ["lost", "succeeded"]

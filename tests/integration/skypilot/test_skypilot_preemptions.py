@@ -15,12 +15,23 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, starts
-from dodo_helpers import clean_env, doit, popen_doit, popen_output, stop, wait_for
+from dodo_helpers import clean_env, doit, pid_alive, popen_doit, popen_output, stop, wait_for
 from local_runs import marked_pids
+from lost_tree import (
+    frozen,
+    kill_recorded,
+    kill_worker,
+    overlap,
+    recorded_pids,
+    step_argv,
+    wait_tree_up,
+    write_command,
+)
 from sky_beds import Sky
 from ssh_helpers import live_handles, needs_root, needs_sshd, only_handle, write_ssh_dodo
 from testbeds.sshd_host import SshHost, kill_sshd, restart_sshd
@@ -247,3 +258,112 @@ def test_a_spot_attempt_and_its_on_demand_relaunch_are_each_priced_as_launched(s
     assert run["machine_seconds"] == pytest.approx(spot["machine_seconds"] + on_demand["machine_seconds"])
     assert run["hourly_cost"] == pytest.approx(0.096)
     assert "$0.0960/h on skypilot" in said and "(as launched)" in said, said
+
+
+LOST_STEP = """
+def task_work():
+    yield from remote_step("work", command={argv!r}, outputs=["out/result.txt"], preemptions=1)
+"""
+
+
+def test_with_reuse_a_killed_workers_tree_on_the_cluster_is_stopped_before_the_relaunch_starts(
+    sky: Sky, tmp_path: Path
+) -> None:
+    """reuse = true, sandbox = "none": the worker on a cluster SkyPilot
+    holds UP is killed while doit follows the run; its command, a setsid
+    grandchild and a child with no environment go on. The relaunch stops
+    them and removes the lost attempt's folder before attempt 2's command
+    starts (which records any process of attempt 1 it finds alive)."""
+    marker = f"substrax-sky-lost-{tmp_path.name}"
+    flags = tmp_path / "flags"
+    write_command(flags)
+    sky.configure(reuse=True, max_parallel=1, idle_minutes=60, sandbox="none")
+    write_ssh_dodo(sky.root, LOST_STEP.format(argv=step_argv(flags, marker, "out/result.txt")), ["work"])
+    proc = popen_doit(sky.root, env=sky.env)
+    try:
+        old = wait_tree_up(flags)
+        run_folder = Path(live_handles(sky.root, "work")[0]["backend_state"]["remote_run"])
+        kill_worker(json.loads((run_folder / "status.json").read_text()))
+        code = proc.wait(timeout=300)
+        said = popen_output(sky.root)
+        assert code == 0, said
+        assert "relaunching it, attempt 2 of at most 2" in said, said
+        assert overlap(flags) == [], "attempt 2 started while these of attempt 1's tree ran"
+        assert not [pid for pid in old if pid_alive(pid)], old
+        # Its folder removed (a `lease-claim` written there afterwards is the lease's, left alone here)
+        assert not (run_folder / "status.json").exists() and not (run_folder / "project").exists()
+        assert (sky.root / "out" / "result.txt").read_text() == "done\n"
+    finally:
+        stop(proc)
+        kill_recorded(flags, marker)
+
+
+def test_with_reuse_a_relaunched_attempt_is_the_one_its_clusters_lease_holds_then_lets_go(
+    sky: Sky, tmp_path: Path
+) -> None:
+    """reuse = true: the worker alone lost, the run is relaunched on a
+    cluster whose lease is claimed for the new attempt's run, in its own
+    folder (`<run>-attempt2`): once the step is done the lease ends after
+    idle_minutes and SkyPilot takes the cluster down. A claim made in the
+    lost attempt's folder held the cluster for half an hour more."""
+    marker = f"substrax-sky-lease-{tmp_path.name}"
+    flags = tmp_path / "flags"
+    write_command(flags)
+    sky.env["FAKESKY_MINUTE_SECONDS"] = "2"  # the autodown fires 2 s after the lease ended
+    sky.configure(reuse=True, max_parallel=1, idle_minutes=0.1, sandbox="none")  # the lease: 6 s idle
+    write_ssh_dodo(sky.root, LOST_STEP.format(argv=step_argv(flags, marker, "out/result.txt")), ["work"])
+    proc = popen_doit(sky.root, env=sky.env)
+    try:
+        wait_tree_up(flags)
+        handle = live_handles(sky.root, "work")[0]
+        kill_worker(json.loads((Path(handle["backend_state"]["remote_run"]) / "status.json").read_text()))
+        code = proc.wait(timeout=300)
+        said = popen_output(sky.root)
+        assert code == 0, said
+        attempts = only_handle(sky.root, "work")["state"]["attempts"]
+        assert [a["outcome"] for a in attempts] == ["lost", "succeeded"], attempts
+        assert not (sky.remote / "runs" / handle["run_id"]).exists(), "a claim in the lost attempt's folder"
+        wait_for(lambda: sky.clusters() == [], "the lease to end and SkyPilot to take the cluster down",
+                 timeout=60)  # fmt: skip
+    finally:
+        stop(proc)
+        kill_recorded(flags, marker)
+
+
+def test_with_reuse_a_lost_workers_process_that_will_not_stop_keeps_the_relaunch_from_starting_beside_it(
+    sky: Sky, tmp_path: Path
+) -> None:
+    """reuse = true, sandbox = "none": the worker on a cluster SkyPilot
+    holds UP is killed and one process of its command's tree cannot be
+    stopped (frozen: a SIGKILL waits until it thaws). The relaunch, which
+    would take the same warm cluster, starts no attempt 2 beside it: the
+    step fails naming the process. Once it is gone, the next doit runs the
+    step anew."""
+    marker = f"substrax-sky-lost-{tmp_path.name}"
+    flags = tmp_path / "flags"
+    write_command(flags)
+    sky.configure(reuse=True, max_parallel=1, idle_minutes=60, sandbox="none")
+    write_ssh_dodo(sky.root, LOST_STEP.format(argv=step_argv(flags, marker, "out/result.txt")), ["work"])
+    proc = popen_doit(sky.root, env=sky.env)
+    try:
+        old = wait_tree_up(flags)
+        stuck = old[1]
+        run_folder = Path(live_handles(sky.root, "work")[0]["backend_state"]["remote_run"])
+        with frozen(stuck, f"substrax-test-{tmp_path.name}"):
+            record = json.loads((run_folder / "status.json").read_text())
+            kill_worker(record)
+            code = proc.wait(timeout=300)
+            started = recorded_pids(flags)
+        wait_for(lambda: not pid_alive(stuck), "the thawed process to end by the SIGKILL it was sent")
+        said = popen_output(sky.root)
+        assert code == 2, said
+        assert f"(pid {stuck}) did not stop" in said and "no new attempt starts beside it" in said, said
+        assert "Traceback" not in said, said
+        assert len(started) == 3, "attempt 2 started beside the lost attempt's process"
+        again = doit(sky.root, env=sky.env, timeout=300)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert overlap(flags) == [], "the new run started beside the lost one's tree"
+        assert (sky.root / "out" / "result.txt").read_text() == "done\n"
+    finally:
+        stop(proc)
+        kill_recorded(flags, marker)

@@ -6,16 +6,31 @@ pid, its scratch disk emptied, sshd back) relaunches the run in a fresh
 folder, its command starting from the last snapshot brought home; with no
 preemption allowed the step fails saying how to allow one; a host that
 only stops answering for a while (sshd down, the worker alive) is waited
-for and the run followed again, never relaunched."""
+for and the run followed again, never relaunched, as one whose network is
+cut for a while; without a sandbox, what a killed worker's command left on
+the host is stopped before the relaunch starts its command."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
-from checkpoint_parts import count_step, kept_state, result_of, starts
-from dodo_helpers import compute, kill_pids, popen_doit, popen_output, show, stop, wait_for
+from checkpoint_parts import count_step, counts, kept_state, result_of, starts
+from dodo_helpers import compute, doit, kill_pids, pid_alive, popen_doit, popen_output, show, stop, wait_for
+from lost_tree import (
+    frozen,
+    kill_recorded,
+    kill_worker,
+    overlap,
+    recorded_pids,
+    step_argv,
+    wait_tree_up,
+    write_command,
+)
 from preemption_parts import (
     PAUSE,
     attempts_of,
@@ -32,6 +47,7 @@ from ssh_helpers import (
     one_step,
     only_handle,
     remote_run_dir,
+    remote_status,
     ssh_settings,
 )
 from testbeds.sshd_host import SshHost, kill_sshd, reboot, restart_sshd
@@ -147,6 +163,136 @@ def test_a_step_without_checkpoints_is_relaunched_from_nothing(tmp_path: Path, h
     one, two = attempts_of(root, "slow")
     assert (one["outcome"], two["outcome"]) == ("lost", "succeeded"), (one, two)
     assert one["snapshot"] is None and two["snapshot"] is None
+
+
+LOST_STEP = """
+def task_work():
+    yield from remote_step("work", command={argv!r}, inputs=["data.txt"], outputs=["out/result.txt"],
+                           preemptions=1)
+"""
+
+
+def test_without_a_sandbox_a_killed_workers_tree_on_the_host_is_stopped_before_the_relaunch_starts(
+    tmp_path: Path, host: SshHost, marker: str
+) -> None:
+    """sandbox = "none" on the host: its worker killed by SIGKILL (by the
+    pid its status.json gives) while doit follows the run; the command, a
+    setsid grandchild and a child with no environment go on. The relaunch
+    stops them (found by the run's mark and the command's session: the
+    host's user may make no cgroup) and removes the lost attempt's folder
+    before attempt 2's command starts in a fresh one, which gets the step's
+    view only, as the first did; the command records any process of
+    attempt 1 it finds alive as it starts: none."""
+    flags = host.scratch / f"flags-{marker}"  # the command writes here, as the host's user
+    write_command(flags)
+    os.chown(flags, host.uid, -1)
+    argv = step_argv(flags, marker, "out/result.txt", python=host.python)
+    remote_root = host.scratch / f"remote-{tmp_path.name}"
+    root = make_ssh_project(tmp_path, host, LOST_STEP.format(argv=argv), ["work"], sandbox="none",
+                            remote_root=str(remote_root),
+                            files={"data.txt": "one\n", "notes.txt": "not declared\n"})  # fmt: skip
+    proc = popen_doit(root)
+    try:
+        old = wait_tree_up(flags)
+        first_folder = remote_run_dir(only_handle(root))
+        record = remote_status(only_handle(root))
+        assert record is not None
+        kill_worker(record)
+        code = proc.wait(timeout=180)
+        overlap_seen = overlap(flags)
+    finally:
+        stop(proc)
+        kill_recorded(flags, marker)
+        shutil.rmtree(flags, ignore_errors=True)
+        shutil.rmtree(remote_root, ignore_errors=True)
+    said = popen_output(root)
+    assert code == 0, said
+    assert "attempt 1 lost its machine" in said and "relaunching it, attempt 2 of at most 2" in said, said
+    assert overlap_seen == [], "attempt 2 started while these of attempt 1's tree ran"
+    assert not [pid for pid in old if pid_alive(pid)], old
+    assert (root / "out" / "result.txt").read_text() == "done\n"
+    assert [a["outcome"] for a in attempts_of(root, "work")] == ["lost", "succeeded"]
+    assert not first_folder.exists(), "the lost attempt's folder stayed on the host"
+    # Each attempt's fresh folder got the step's view only: data.txt, not notes.txt nor the dodo.
+    assert re.findall(r"^upload: (\d+) files, ", said, re.M) == ["1", "1"], said
+
+
+def test_a_host_cut_off_the_network_for_a_while_is_followed_on_never_relaunched(
+    tmp_path: Path, host: SshHost
+) -> None:
+    """The host's network cut (its namespace's link down, sshd and the
+    worker left alone) while three counts are made there, then back: the
+    run goes on there and the same doit follows it to its end. One attempt,
+    one command: never a second copy started beside it."""
+    assert host.netns is not None, "the host fixture runs sshd in a network namespace"
+    root = counting_project(tmp_path, host, count_step("count", 10, PAUSE, preemptions=1))
+    link = ["ip", "-n", host.netns, "link", "set", "eth0"]
+    proc = popen_doit(root, "count")
+    try:
+        counted(root, "count", 2)
+        log = remote_run_dir(only_handle(root, "count")) / "run.log"
+        subprocess.run([*link, "down"], check=True, timeout=30)
+        try:
+            at = counts(log.read_text())[-1]
+            wait_for(lambda: counts(log.read_text())[-1] >= at + 3, "three counts made while cut off", 60)
+        finally:
+            subprocess.run([*link, "up"], check=True, timeout=30)
+        code = proc.wait(timeout=300)
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    assert code == 0, said
+    assert "relaunching" not in said and "Traceback" not in said, said
+    assert starts(said) == [0], said
+    assert result_of(root, "count") == (10, list(range(1, 11)))
+    (attempt,) = attempts_of(root, "count")
+    assert attempt["outcome"] == "succeeded", attempt
+
+
+def test_a_lost_attempts_process_that_will_not_stop_keeps_the_relaunch_from_starting_beside_it(
+    tmp_path: Path, host: SshHost, marker: str
+) -> None:
+    """sandbox = "none", the worker killed: one process of the command's
+    tree cannot be stopped (frozen: a SIGKILL waits until it thaws). The
+    relaunch does not start attempt 2 beside it: the step fails naming the
+    process and what to do. Once it is gone, the next doit stops what is
+    left and runs the step anew."""
+    flags = host.scratch / f"flags-{marker}"
+    write_command(flags)
+    os.chown(flags, host.uid, -1)
+    argv = step_argv(flags, marker, "out/result.txt", python=host.python)
+    remote_root = host.scratch / f"remote-{tmp_path.name}"
+    root = make_ssh_project(tmp_path, host, LOST_STEP.format(argv=argv), ["work"], sandbox="none",
+                            remote_root=str(remote_root), files={"data.txt": "one\n"})  # fmt: skip
+    proc = popen_doit(root)
+    try:
+        old = wait_tree_up(flags)
+        stuck = old[1]
+        with frozen(stuck, f"substrax-test-{marker}"):
+            record = remote_status(only_handle(root))
+            assert record is not None
+            kill_worker(record)
+            code = proc.wait(timeout=180)
+            started = recorded_pids(flags)
+            seen = overlap(flags)
+        wait_for(lambda: not pid_alive(stuck), "the thawed process to end by the SIGKILL it was sent")
+        said = popen_output(root)
+        assert code == 2, said
+        assert "what is left of its lost attempt on" in said, said
+        assert "no new attempt starts beside it" in said and f"(pid {stuck})" in said, said
+        assert "Stop those processes there, then run `doit work` again" in said, said
+        assert "Traceback" not in said, said
+        assert seen == [] and len(started) == 3, "attempt 2 started beside the lost attempt's process"
+        again = doit(root, timeout=120)
+        assert again.returncode == 0, show(again)
+        assert "was lost" in again.stdout and "stopped what was left of it" in again.stdout, show(again)
+        assert overlap(flags) == [], "the new run started beside the lost one's tree"
+        assert (root / "out" / "result.txt").read_text() == "done\n"
+    finally:
+        stop(proc)
+        kill_recorded(flags, marker)
+        shutil.rmtree(flags, ignore_errors=True)
+        shutil.rmtree(remote_root, ignore_errors=True)
 
 
 def test_a_scripts_folder_gone_with_a_restart_is_a_lost_run_never_a_damaged_host(
