@@ -131,8 +131,11 @@ def machine_damage(handle: RunHandle) -> str | None:
         return f"machine = {_shown(record)}, not a record"
     damage = _damage_of(record)
     shared = record.get("shared_machine")
-    if damage is None and isinstance(shared, str) and read_life(Path(shared)) is None:
-        return f"the record of the machine it used in turn with other runs, {shared}, is missing or damaged"
+    if damage is None and isinstance(shared, str):
+        life = read_life(Path(shared))
+        if life is None or piece_of(life, handle.run_id) is None:
+            return (f"the record of the machine it used in turn with other runs, {shared}, is missing, "
+                    "damaged, or begun anew without it")  # fmt: skip
     return damage
 
 
@@ -154,12 +157,12 @@ def machine_intervals(handle: RunHandle, *, held_until: float | None = None) -> 
     if record is None:
         return []
     life = shared_life(handle)
-    if life is None and isinstance(record.get("shared_machine"), str):
-        return []  # its machine's life is missing or damaged: its time is not known
+    piece = piece_of(life, handle.run_id) if life is not None else None
+    if piece is None and isinstance(record.get("shared_machine"), str):
+        return []  # its machine's life is missing, damaged, or begun anew without it: its time is not known
     lost = [MachineTime(float(m["asked_at"]), float(m["released_at"]), _price(m.get("hourly_cost")))
             for m in earlier_records(record)]  # fmt: skip
     price = _price(record.get("hourly_cost"))
-    piece = piece_of(life, handle.run_id) if life is not None else None
     if piece is not None:
         end = held_until if piece.end is None else piece.end
         return [*lost, MachineTime(piece.start, end, price, piece.projected)]

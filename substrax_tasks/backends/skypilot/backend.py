@@ -1051,7 +1051,8 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
             warm = backend.store.read(handle.run_id)  # as the claim left it (the home it may have learnt)
             life = backend.shared_machine(warm)
             if life is not None:  # its piece of the cluster's life begins: the one before it ends
-                shared_machine.claimed(life, handle.run_id, asked_at(handle), seat_of(handle))
+                shared_machine.claimed(life, handle.run_id, asked_at(handle), seat_of(handle),
+                                       backend.keep_warm_seconds(handle))  # fmt: skip
             if record.get("job_home") is None and SkypilotState.of(warm).job_home is not None:
                 record_cluster(backend, warm)
             return warm
