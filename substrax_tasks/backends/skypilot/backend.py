@@ -29,6 +29,7 @@ launch-request.json (SkyPilot's request id, written the moment it exists).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import shutil
@@ -894,22 +895,35 @@ class SkypilotBackend(Backend):
             handle = self.store.read(handle.run_id)
             if SkypilotState.of(handle).torn_down:
                 return
-        if not damaged:
-            with contextlib.suppress(SubstraxError, OSError):
-                run = self.remote_run(handle)
-                run.keep_log(self.run_file(handle, "run.log"))
-                if self.settings.reuse and not force:
-                    run.remove()
-                    self.save_state(handle, torn_down=True)
-                    life = self.shared_machine(handle)
-                    if life is not None:  # the cluster's keep-warm from now on is this run's, if last
-                        shared_machine.released(life, handle.run_id)
-                    return
+        if not damaged and self._let_go_of_warm(handle, force=force):
+            return
         if self.settings.reuse and not (force or damaged) and not cluster_gone(self, cluster):
             raise BackendError(f"run {handle.run_id}: its folder on cluster {cluster} could not be "
                                f"removed; `substrax-compute teardown {handle.run_id}` takes the cluster "
                                "down")  # fmt: skip
         self._down_and_forget(handle, cluster)
+
+    def _let_go_of_warm(self, handle: RunHandle, *, force: bool) -> bool:
+        """Keep the run's log here and, on a warm cluster (unless `force`),
+        remove its folder there and record its release: True when that was
+        done. A full disk here is raised, to be said as one, not as the
+        cluster's fault; anything else leaves it to the caller."""
+        try:
+            run = self.remote_run(handle)
+            run.keep_log(self.run_file(handle, "run.log"))
+            if self.settings.reuse and not force:
+                run.remove()
+                self.save_state(handle, torn_down=True)
+                life = self.shared_machine(handle)
+                if life is not None:  # the cluster's keep-warm from now on is this run's, if last
+                    shared_machine.released(life, handle.run_id)
+                return True
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+        except SubstraxError:
+            pass
+        return False
 
     def _down_and_forget(self, handle: RunHandle, cluster: str) -> None:
         failures: list[Exception] = []
