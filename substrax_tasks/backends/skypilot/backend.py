@@ -989,12 +989,38 @@ def launching(backend: SkypilotBackend, handle: RunHandle) -> Iterator[None]:
         lock.release(force=True)
 
 
+# A slot's record of its warm cluster (record_cluster): each key and the types it may hold.
+SLOT_RECORD_TYPES: dict[str, tuple[type, ...]] = {
+    "cluster": (str,), "deadline": (int, float), "run_id": (str,), "bin_digest": (str, type(None)),
+    "lease_job": (int, type(None)), "job_home": (str, type(None)), "hourly_cost": (int, float, type(None)),
+}  # fmt: skip
+
+
 def read_record(path: Path | None) -> dict[str, Any] | None:
+    """A slot's record of its warm cluster; None when there is none, or
+    it is damaged (unreadable, or a key of a type record_cluster never writes)."""
     try:
         record = json.loads(path.read_text()) if path is not None else None
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict) or any(
+        not isinstance(record.get(key), types) or isinstance(record.get(key), bool)
+        for key, types in SLOT_RECORD_TYPES.items()
+    ):
+        return None
+    return record
+
+
+def set_aside_damaged(path: Path, step: str) -> None:
+    """A slot record there but damaged: kept under a name of its own and
+    said, so that the slot launches a cluster anew instead of failing on it
+    (the cluster it named, if any, is left to `gc --machines` and its lease)."""
+    aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+    with contextlib.suppress(FileNotFoundError):
+        path.replace(aside)
+        emit(f"{step}: the record of its slot's warm cluster {path} was damaged: moved aside to "
+             f"{aside}; launching a cluster anew (`substrax-compute gc --machines` takes down the one "
+             "it named)")  # fmt: skip
 
 
 def warm_slots(folder: Path, limit: int, seats: int) -> tuple[int, ...]:
@@ -1039,6 +1065,8 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
     held: no other step uses it)."""
     path = record_path(backend, handle)
     record = read_record(path)
+    if path is not None and record is None and path.exists():
+        set_aside_damaged(path, handle.step)
     if path is None or record is None or not isinstance(record.get("lease_job"), int):
         return None
     cluster, timeout = str(record["cluster"]), handle.spec.timeout
