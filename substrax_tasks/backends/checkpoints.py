@@ -26,6 +26,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,7 +60,7 @@ def live_folder(store: RunStore, handle: RunHandle) -> str | None:
     if folder is None:
         return None
     live = folder / LIVE
-    live.mkdir(parents=True, exist_ok=True, mode=0o700)
+    made_in_store(live, store.checkpoints_dir(handle.step).parent, handle.step)
     # Its worker made it safe as the command ended; a worker killed before
     # then did not, and the next attempt must not find a setuid file here.
     remote_checkpoints.make_safe(str(live))
@@ -67,6 +68,26 @@ def live_folder(store: RunStore, handle: RunHandle) -> str | None:
     if left:  # said, as a resume is on ssh: the user sees the run will not start from nothing
         emit(f"{handle.step}: checkpoints of an earlier run in place ({left} file(s))")
     return str(live)
+
+
+def made_in_store(folder: Path, base: Path, step: str) -> None:
+    """`folder` made, with its parents. A file in its way under `base` (a
+    damaged store: nothing there is a file) is moved aside, kept and said,
+    and the step's checkpoints start afresh, rather than every launch
+    failing on it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return
+    except (FileExistsError, NotADirectoryError):
+        pass
+    for part in [*reversed(folder.parents), folder]:
+        if part.is_relative_to(base) and part.exists() and not part.is_dir():
+            aside = part.with_name(f"{part.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+            part.replace(aside)
+            emit(f"{step}: {part} in the store was not a folder (damaged): moved aside to {aside}; "
+                 "its checkpoints start afresh")  # fmt: skip
+            break
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
 
 
 def sha256_of(path: Path) -> str:
@@ -88,9 +109,9 @@ class Snapshots:
         snapshot = self.folder / LATEST
         try:
             manifest = json.loads((snapshot / "manifest.json").read_text())
-        except (OSError, ValueError):
+            return snapshot.resolve() / "files", {e["path"]: e for e in manifest["entries"]}
+        except (OSError, ValueError, KeyError, TypeError):  # unreadable or damaged: no whole snapshot
             return None
-        return snapshot.resolve() / "files", {e["path"]: e for e in manifest["entries"]}
 
     def pull(self, listed: list[dict[str, Any]], download: Callable[[list[str], Path], None]) -> int:
         """A new snapshot of the files `listed` there (path, size, sha256),
@@ -100,7 +121,7 @@ class Snapshots:
         files it holds. One pull at a time (a lock): a `doit` and a
         `substrax-compute logs --follow` may both pull the same run."""
         try:
-            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            made_in_store(self.folder, self.folder.parent.parent, self.folder.parent.name)
             with (self.folder / ".lock").open("a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 return self._pull(listed, download)

@@ -22,7 +22,13 @@ from rich.markup import escape
 from substrax_tasks import __version__
 from substrax_tasks.backends.base import RunStatus
 from substrax_tasks.cli.arguments import arg, command, flag
-from substrax_tasks.cli.status_view import attempt_lines, machine_lines, print_status_table, status_json
+from substrax_tasks.cli.status_view import (
+    attempt_lines,
+    damaged_cost_lines,
+    machine_lines,
+    print_status_table,
+    status_json,
+)
 from substrax_tasks.config.pyproject import find_project
 from substrax_tasks.errors import BackendError, HandleError, NoSuchRun, SubstraxError
 from substrax_tasks.store.gc import find_leaks
@@ -176,7 +182,8 @@ def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Co
     if not handles and not (args.run or args.step):
         err.print("(steps restored from the run cache have no run here: `substrax-compute steps` "
                   "shows every step of the dodo file)", highlight=False)  # fmt: skip
-    for line in machine_lines(handles, leaks or []) + [f"could not look for leaks: {p}" for p in problems]:
+    for line in [*machine_lines(handles, leaks or []), *damaged_cost_lines(rows),
+                 *(f"could not look for leaks: {p}" for p in problems)]:  # fmt: skip
         err.print(escape(line), highlight=False)
     for record in unreadable:
         message = f"[bold red]unreadable[/] {escape(str(record.path))}: {escape(record.reason)}"

@@ -85,8 +85,8 @@ def held(handle: RunHandle, status: RunStatus) -> list[cost.MachineTime]:
 def spent(handle: RunHandle, status: RunStatus, intervals: list[cost.MachineTime] | None = None) -> Spent:
     """The run's figures: over all its attempts' machines (`intervals`, read when not given)."""
     intervals = held(handle, status) if intervals is None else intervals
-    if not intervals:
-        return Spent(None, None, None, None)
+    if not intervals:  # none recorded, or a damaged record: its cost is not known, its cap is
+        return Spent(None, None, None, cost.cap_of(handle))
     return Spent(cost.machine_seconds(intervals), intervals[-1].hourly_cost, cost.cost_of(intervals),
                  cost.cap_of(handle), any(i.projected for i in intervals))  # fmt: skip
 
@@ -164,6 +164,12 @@ def attempt_cost(figures: Spent | None) -> dict[str, Any]:
     if figures is None:
         return {"machine_seconds": None, "hourly_cost": None, "cost_usd": None}
     return {"machine_seconds": figures.seconds, "hourly_cost": figures.hourly_cost, "cost_usd": figures.usd}
+
+
+def damaged_cost_lines(rows: list[tuple[RunHandle, RunStatus]]) -> list[str]:
+    """A line for each run whose machine record is damaged: its cost shows as not known."""
+    return [f"run {handle.run_id}: its cost is not known: its machine record is damaged ({damage})"
+            for handle, _status in rows if (damage := cost.machine_damage(handle)) is not None]  # fmt: skip
 
 
 def cost_record(figures: Spent) -> dict[str, Any]:

@@ -126,6 +126,11 @@ def budget_spent(handle: RunHandle) -> str | None:
     """Why a lost run is not relaunched for its cap: what its attempts
     spent leaves no second of machine time at its price; None: it can be."""
     cap = cost.cap_of(handle)
+    damage = cost.machine_damage(handle)
+    if cap is not None and damage is not None:  # what it spent is not known: its cap is taken as spent
+        return (f"its record of the machine time it spent is damaged ({damage}), so what it spent against "
+                f"max_cost = {cost.usd(cap)} is not known and it is not relaunched; run doit again to run "
+                "it anew, with a new record")  # fmt: skip
     intervals = cost.machine_intervals(handle)
     if cap is None or not intervals:
         return None

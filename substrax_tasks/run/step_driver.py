@@ -143,7 +143,7 @@ class StepDriver(DrivenRun):
                 self._release()
             return
         try:
-            self.teardown()
+            self._teardown()  # a full disk here is the phase's (StepDriver._action)
         except SubstraxError as exc:
             emit(f"{self.spec.step}: teardown failed: {exc}", err=True)
 
@@ -631,7 +631,27 @@ class StepDriver(DrivenRun):
         Under `-n N -P thread` doit calls every teardown from each worker
         thread that runs out of tasks, while another thread may still drive
         this step: such a call leaves an open chain alone, and doit's last
-        call, from the main thread as it finishes, tears it down."""
+        call, from the main thread as it finishes, tears it down. A full
+        disk here (a warm cluster's run is let go as doit ends, its cost and
+        release written then) is one message and exit status 1: doit would
+        print a traceback and exit as its tasks did."""
+        held = self.handle
+        try:
+            self._teardown()
+        except OSError as exc:
+            if held is None or not doit_db.no_space_left(exc, str(exc.filename or self.root)):
+                raise
+            where = str(exc.filename or self.root)
+            mount = doit_db.mount_point(where)
+            doit_db.told_full(mount)
+            # The step is done, so the next doit leaves it be: the teardown is the user's to finish.
+            emit(f"step {self.spec.step!r}: no space left on the file system mounted at {mount} (writing "
+                 f"{where}) as doit let run {held.run_id} go; the run and its outputs are kept. Free space "
+                 f"there and run `substrax-compute teardown {held.run_id}`: it lets the run's machine go "
+                 "and keeps its cost", err=True)  # fmt: skip
+            doit_db.failed_as_doit_ended()
+
+    def _teardown(self) -> None:
         with self._lock:
             was = self.state
             if was is RunState.TORN_DOWN or (

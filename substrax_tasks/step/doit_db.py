@@ -39,6 +39,21 @@ _told: set[str] = set()
 _lock = threading.Lock()
 
 
+# Whether a step's teardown as doit ended found the disk full (said by the
+# step): the reporter ends doit with exit status 1 then too.
+_failed_at_end: list[bool] = []
+
+
+def failed_as_doit_ended() -> None:
+    with _lock:
+        _failed_at_end.append(True)
+
+
+def ended_failed() -> bool:
+    with _lock:
+        return bool(_failed_at_end)
+
+
 def told_full(where: str) -> None:
     with _lock:
         _told.add(where)

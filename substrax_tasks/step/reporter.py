@@ -89,9 +89,9 @@ class SummaryReporter(ConsoleReporter):  # type: ignore[misc]  # doit is untyped
 
     def _complete_run(self) -> None:
         super().complete_run()
-        if doit_db.save_failed():
-            # doit saved no DB (doit_db said why): exit status 1 once its
-            # teardowns have run, which this is called after.
+        if doit_db.save_failed() or doit_db.ended_failed():
+            # doit saved no DB, or a teardown found the disk full (each said
+            # why): exit status 1 once its teardowns have run, which this is called after.
             raise SystemExit(1)
         # A serial doit is called here as Ctrl-C's KeyboardInterrupt passes
         # through doit's `finally`; under threads the signal set INTERRUPTED.

@@ -83,24 +83,86 @@ def _price(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def machine_record(handle: RunHandle) -> dict[str, Any] | None:
+def _epoch(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _usd_or_none(value: Any) -> bool:
+    return value is None or (_epoch(value) and value >= 0)
+
+
+def _shown(value: Any) -> str:
+    """A damaged value as a message shows it: cut short (it may be anything)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _damage_of(record: dict[str, Any]) -> str | None:
+    """What is wrong with a machine record, None if nothing: a field of a
+    type or value no release writes (a hand edit, a damaged disk). Its
+    figures are then not known, rather than wrong (machine_damage)."""
+    earlier = record.get("earlier", [])
+    shared = record.get("shared_machine")
+    checks = [
+        (_epoch(record.get("asked_at")), f"asked_at = {_shown(record.get('asked_at'))}, not a time"),
+        (record.get("released_at") is None or _epoch(record.get("released_at")),
+         f"released_at = {_shown(record.get('released_at'))}, not a time"),
+        *((_usd_or_none(record.get(name)), f"{name} = {_shown(record.get(name))}, not a number of USD")
+          for name in ("hourly_cost", "max_cost")),
+        (isinstance(earlier, list), f"earlier = {_shown(earlier)}, not a list of machines"),
+        *((isinstance(lost, dict) and _epoch(lost.get("asked_at")) and _epoch(lost.get("released_at"))
+           and _usd_or_none(lost.get("hourly_cost")), f"earlier holds {_shown(lost)}, not a machine")
+          for lost in (earlier if isinstance(earlier, list) else [])),
+        (shared is None or isinstance(shared, str), f"shared_machine = {_shown(shared)}, not a path"),
+    ]  # fmt: skip
+    return next((said for fine, said in checks if not fine), None)
+
+
+def machine_damage(handle: RunHandle) -> str | None:
+    """Why the run's machine record cannot be counted, None when it can
+    (or the run has none). What such a run spent is not known: `status`
+    and the report show its cost as unknown, and a cap is taken as spent
+    (cap_deadline, run/spending.py's budget_spent): a damaged record never
+    lets a run spend past its max_cost."""
     record = handle.state.machine
-    return record if isinstance(record, dict) and isinstance(record.get("asked_at"), (int, float)) else None
+    if record is None:
+        return None
+    if not isinstance(record, dict):
+        return f"machine = {_shown(record)}, not a record"
+    damage = _damage_of(record)
+    shared = record.get("shared_machine")
+    if damage is None and isinstance(shared, str):
+        life = read_life(Path(shared))
+        if life is None or piece_of(life, handle.run_id) is None:
+            return (f"the record of the machine it used in turn with other runs, {shared}, is missing, "
+                    "damaged, or begun anew without it")  # fmt: skip
+    return damage
+
+
+def machine_record(handle: RunHandle) -> dict[str, Any] | None:
+    """The run's machine record; None when it has none, or a damaged one
+    (machine_damage says what: nothing is counted from it, nor written over it)."""
+    record = handle.state.machine
+    return record if isinstance(record, dict) and _damage_of(record) is None else None
 
 
 def machine_intervals(handle: RunHandle, *, held_until: float | None = None) -> list[MachineTime]:
     """The machines the run held, from its handle, one per attempt, oldest
-    first. One still held (no `released_at`) ends at `held_until` when given (the machine is known
-    gone, as when the run's lifetime timer took it down), else is open.
+    first; none when its record is damaged (machine_damage). One still
+    held (no `released_at`) ends at `held_until` when given (the machine
+    is known gone, as when the run's lifetime timer took it down), else is open.
     On a machine runs use in turn (a warm cluster), the attempt's machine
     time is the run's piece of its life (store/shared_machine.py)."""
     record = machine_record(handle)
     if record is None:
         return []
+    life = shared_life(handle)
+    piece = piece_of(life, handle.run_id) if life is not None else None
+    if piece is None and isinstance(record.get("shared_machine"), str):
+        return []  # its machine's life is missing, damaged, or begun anew without it: its time is not known
     lost = [MachineTime(float(m["asked_at"]), float(m["released_at"]), _price(m.get("hourly_cost")))
             for m in earlier_records(record)]  # fmt: skip
     price = _price(record.get("hourly_cost"))
-    piece = shared_piece(handle)
     if piece is not None:
         end = held_until if piece.end is None else piece.end
         return [*lost, MachineTime(piece.start, end, price, piece.projected)]
@@ -129,10 +191,12 @@ def run_cost(handle: RunHandle, *, held_until: float | None = None, now: float |
 
 
 def cap_of(handle: RunHandle) -> float | None:
-    """The run's max_cost in USD, as pinned when it was launched."""
+    """The run's max_cost in USD, as pinned when it was launched; from the
+    run's settings (where it is pinned too) when its machine record is
+    damaged: a damaged record never lifts the cap."""
     record = machine_record(handle)
-    cap = record.get("max_cost") if record is not None else None
-    return float(cap) if isinstance(cap, (int, float)) else None
+    cap = record.get("max_cost") if record is not None else handle.settings.get("max_cost")
+    return float(cap) if _epoch(cap) and cap is not None else None
 
 
 def usd(amount: float | None) -> str:
@@ -157,14 +221,23 @@ def cap_message(cap: float, hourly_cost: float) -> str:
             "to let it run longer")  # fmt: skip
 
 
+def damaged_cap_message(handle: RunHandle, cap: float, damage: str) -> str:
+    return (f"stopped: its record of the machine time it spent is damaged ({damage}), so what it spent "
+            f"against max_cost = {usd(cap)} is not known and its cap is taken as spent; "
+            f"`doit {handle.step}` runs it anew, with a new record")  # fmt: skip
+
+
 def cap_deadline(handle: RunHandle, now: float | None = None) -> CapDeadline | None:
     """The moment the run's cost so far reaches its cap, from the budget
     left now; None without a cap or on a machine that costs nothing."""
     cap = cap_of(handle)
+    at = time.time() if now is None else now
+    damage = machine_damage(handle)
+    if cap is not None and damage is not None:  # what it spent is not known: its cap is taken as spent
+        return CapDeadline(at, damaged_cap_message(handle, cap, damage))
     intervals = machine_intervals(handle)
     if cap is None or not intervals:
         return None
-    at = time.time() if now is None else now
     spent = cost_of(intervals, at)
     price = intervals[-1].hourly_cost  # the machine held now
     if spent is None or not price:

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from substrax_tasks.atomic import write_json_atomic
+from substrax_tasks.console import emit
+from substrax_tasks.store.run_store import SET_ASIDE
 
 
 @dataclass(frozen=True)
@@ -118,10 +120,19 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def change_life(path: Path, change: Callable[[MachineLife | None], MachineLife | None]) -> None:
-    """Read, change and write the machine's life under its lock (None: leave it as it is)."""
+    """Read, change and write the machine's life under its lock (None:
+    leave it as it is). A damaged one is moved aside first, kept and said:
+    the runs that used the machine read their cost as not known (store/cost.py),
+    and a new machine of that name starts a record of its own."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
-        changed = change(read_life(path))
+        life = read_life(path)
+        if life is None and path.exists():
+            aside = path.with_name(f"{path.name}{SET_ASIDE}{time.strftime('%Y%m%dT%H%M%S')}")
+            path.replace(aside)
+            emit(f"the record of machine {path.stem}, {path}, was damaged: moved aside to {aside}; "
+                 "the cost of the runs that used it is not known", err=True)  # fmt: skip
+        changed = change(life)
         if changed is not None:
             write_json_atomic(path, changed.dump())
 
@@ -132,8 +143,14 @@ def launched(path: Path, machine: str, idle_seconds: float, first: Claim) -> Non
     change_life(path, lambda _old: life)
 
 
-def claimed(path: Path, run_id: str, at: float, seat: int) -> None:
+def claimed(path: Path, run_id: str, at: float, seat: int, idle_seconds: float | None = None) -> None:
+    """The run claims the machine at `at`. With no record of the machine's
+    life (a damaged one was moved aside), with `idle_seconds` its keep-warm,
+    a record begins at this claim: the runs before it read as not known."""
+
     def add(life: MachineLife | None) -> MachineLife | None:
+        if life is None and idle_seconds is not None:
+            return MachineLife(path.stem, at, idle_seconds, (Claim(run_id, at, seat),))
         if life is None or any(c.run_id == run_id for c in life.claims):
             return None
         return replace(life, claims=(*life.claims, Claim(run_id, at, seat)))

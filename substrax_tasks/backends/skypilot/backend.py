@@ -29,6 +29,7 @@ launch-request.json (SkyPilot's request id, written the moment it exists).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import shutil
@@ -915,22 +916,35 @@ class SkypilotBackend(Backend):
             handle = self.store.read(handle.run_id)
             if SkypilotState.of(handle).torn_down:
                 return
-        if not damaged:
-            with contextlib.suppress(SubstraxError, OSError):
-                run = self.remote_run(handle)
-                run.keep_log(self.run_file(handle, "run.log"))
-                if self.settings.reuse and not force:
-                    run.remove()
-                    self.save_state(handle, torn_down=True)
-                    life = self.shared_machine(handle)
-                    if life is not None:  # the cluster's keep-warm from now on is this run's, if last
-                        shared_machine.released(life, handle.run_id)
-                    return
+        if not damaged and self._let_go_of_warm(handle, force=force):
+            return
         if self.settings.reuse and not (force or damaged) and not cluster_gone(self, cluster):
             raise BackendError(f"run {handle.run_id}: its folder on cluster {cluster} could not be "
                                f"removed; `substrax-compute teardown {handle.run_id}` takes the cluster "
                                "down")  # fmt: skip
         self._down_and_forget(handle, cluster)
+
+    def _let_go_of_warm(self, handle: RunHandle, *, force: bool) -> bool:
+        """Keep the run's log here and, on a warm cluster (unless `force`),
+        remove its folder there and record its release: True when that was
+        done. A full disk here is raised, to be said as one, not as the
+        cluster's fault; anything else leaves it to the caller."""
+        try:
+            run = self.remote_run(handle)
+            run.keep_log(self.run_file(handle, "run.log"))
+            if self.settings.reuse and not force:
+                run.remove()
+                self.save_state(handle, torn_down=True)
+                life = self.shared_machine(handle)
+                if life is not None:  # the cluster's keep-warm from now on is this run's, if last
+                    shared_machine.released(life, handle.run_id)
+                return True
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+        except SubstraxError:
+            pass
+        return False
 
     def _down_and_forget(self, handle: RunHandle, cluster: str) -> None:
         failures: list[Exception] = []
@@ -996,12 +1010,38 @@ def launching(backend: SkypilotBackend, handle: RunHandle) -> Iterator[None]:
         lock.release(force=True)
 
 
+# A slot's record of its warm cluster (record_cluster): each key and the types it may hold.
+SLOT_RECORD_TYPES: dict[str, tuple[type, ...]] = {
+    "cluster": (str,), "deadline": (int, float), "run_id": (str,), "bin_digest": (str, type(None)),
+    "lease_job": (int, type(None)), "job_home": (str, type(None)), "hourly_cost": (int, float, type(None)),
+}  # fmt: skip
+
+
 def read_record(path: Path | None) -> dict[str, Any] | None:
+    """A slot's record of its warm cluster; None when there is none, or
+    it is damaged (unreadable, or a key of a type record_cluster never writes)."""
     try:
         record = json.loads(path.read_text()) if path is not None else None
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict) or any(
+        not isinstance(record.get(key), types) or isinstance(record.get(key), bool)
+        for key, types in SLOT_RECORD_TYPES.items()
+    ):
+        return None
+    return record
+
+
+def set_aside_damaged(path: Path, step: str) -> None:
+    """A slot record there but damaged: kept under a name of its own and
+    said, so that the slot launches a cluster anew instead of failing on it
+    (the cluster it named, if any, is left to `gc --machines` and its lease)."""
+    aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+    with contextlib.suppress(FileNotFoundError):
+        path.replace(aside)
+        emit(f"{step}: the record of its slot's warm cluster {path} was damaged: moved aside to "
+             f"{aside}; launching a cluster anew (`substrax-compute gc --machines` takes down the one "
+             "it named)")  # fmt: skip
 
 
 def warm_slots(folder: Path, limit: int, seats: int) -> tuple[int, ...]:
@@ -1046,6 +1086,8 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
     held: no other step uses it)."""
     path = record_path(backend, handle)
     record = read_record(path)
+    if path is not None and record is None and path.exists():
+        set_aside_damaged(path, handle.step)
     if path is None or record is None or not isinstance(record.get("lease_job"), int):
         return None
     cluster, timeout = str(record["cluster"]), handle.spec.timeout
@@ -1078,7 +1120,8 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
             warm = backend.store.read(handle.run_id)  # as the claim left it (the home it may have learnt)
             life = backend.shared_machine(warm)
             if life is not None:  # its piece of the cluster's life begins: the one before it ends
-                shared_machine.claimed(life, handle.run_id, asked_at(handle), seat_of(handle))
+                shared_machine.claimed(life, handle.run_id, asked_at(handle), seat_of(handle),
+                                       backend.keep_warm_seconds(handle))  # fmt: skip
             if record.get("job_home") is None and SkypilotState.of(warm).job_home is not None:
                 record_cluster(backend, warm)
             return warm
