@@ -1090,15 +1090,9 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
         set_aside_damaged(path, handle.step)
     if path is None or record is None or not isinstance(record.get("lease_job"), int):
         return None
-    cluster, timeout = str(record["cluster"]), handle.spec.timeout
+    cluster = str(record["cluster"])
     left = float(record.get("deadline", 0)) - time.time()
-    reason, down = None, True
-    if record.get("bin_digest") != SkypilotState.of(handle).bin_digest:
-        reason = "its scripts are not this release's"
-    elif timeout is None:
-        reason = "the step has no timeout, so no lifetime left is known to be enough"
-    elif left < timeout + MARGIN_SECONDS:
-        reason = f"{max(left, 0) / 60:.0f} min of its lifetime left, too few for the step's timeout"
+    reason, down = not_fit_for(record, handle, left), True
     if reason is None:
         timer = {"armed_at": time.time(), "seconds": left}  # the cluster's lifetime, counted from its launch
         warm = backend.save_state(handle, cluster=cluster, lease_job=record["lease_job"], watchdog=timer,
@@ -1135,6 +1129,19 @@ def warm_cluster(backend: SkypilotBackend, handle: RunHandle) -> RunHandle | Non
         emit(f"{handle.step}: {failure}", err=True)
     path.unlink(missing_ok=True)
     backend.save_state(handle, cluster=None, lease_job=None, watchdog=None, job_home=None)
+    return None
+
+
+def not_fit_for(record: dict[str, Any], handle: RunHandle, left: float) -> str | None:
+    """Why the warm cluster of `record`, with `left` seconds of its lifetime,
+    may not take the run (None: it may)."""
+    timeout = handle.spec.timeout
+    if record.get("bin_digest") != SkypilotState.of(handle).bin_digest:
+        return "its scripts are not this release's"
+    if timeout is None:
+        return "the step has no timeout, so no lifetime left is known to be enough"
+    if left < timeout + MARGIN_SECONDS:
+        return f"{max(left, 0) / 60:.0f} min of its lifetime left, too few for the step's timeout"
     return None
 
 
