@@ -510,7 +510,14 @@ class StepDriver(DrivenRun):
             return f"its timeout ({timeout:g} s over all its attempts) is spent"
         from substrax_tasks.run.spending import budget_spent  # a run lost: not a no-op's path
 
-        return budget_spent(handle)  # its max_cost, over all its attempts
+        # Its max_cost over all its attempts, from its record as it is now,
+        # not the one this driver last held: a cost record damaged since
+        # reads as spent, and must stop a paid relaunch before it launches.
+        try:
+            recorded = self.project.store.read(handle.run_id)
+        except SubstraxError:
+            recorded = handle
+        return budget_spent(recorded)
 
     def _relaunch(self, backend: Backend, handle: RunHandle, lost: RunStatus | None) -> RunHandle:
         """A new attempt of the run on a new machine (Backend.relaunch),

@@ -131,10 +131,11 @@ def test_a_damaged_cost_record_of_a_running_step_never_lets_it_spend_past_its_ca
     said = popen_output(root)
     assert code == 1 and "Traceback" not in said, said
     assert "hourly_cost = '3.6', not a number of USD" in said, said
-    # Not relaunched; or, where the driver decided on the record it held
-    # before the damage, its relaunch stopped at once by the worker: its
-    # cap taken as spent either way.
+    # Not relaunched: the driver reads the record as it is when the run is
+    # lost (before: the one it held, from before the damage, and a paid
+    # relaunch went out, stopped at once by its worker).
     assert "max_cost = $5.0000 is not known" in said, said
+    assert "relaunching it" not in said, said
     (handle,) = runs_of(root, "count")
     assert "succeeded" not in [a["outcome"] for a in handle["state"]["attempts"]], handle["state"]["attempts"]
     assert not (root / "count.txt").exists()
