@@ -60,8 +60,17 @@ def a_clone(tmp_path: Path, name: str, host: SshHost) -> Path:
     return make_ssh_project(tmp_path / name, host, STEPS, ("work",), files={"in.txt": "A\n"}, max_parallel=1)
 
 
+def made(root: Path, step: str) -> bool:
+    """Whether the step's run is recorded (its handle written: a run folder
+    is made before it, so one may have none yet)."""
+    try:
+        return bool(runs_of(root, step))
+    except FileNotFoundError:
+        return False
+
+
 def holding(root: Path) -> bool:
-    status = launched_status(root, "hold") if runs_of(root, "hold") else None
+    status = launched_status(root, "hold") if made(root, "hold") else None
     return bool(
         status and status.get("outputs_root") and Path(status["outputs_root"], "out", "waiting").exists()
     )
@@ -80,7 +89,7 @@ def test_an_input_edited_before_its_upload_is_not_cached_and_runs_again(
                                     stderr=subprocess.STDOUT, text=True)  # fmt: skip
         try:
             # work's key is hashed (its run is recorded with it); it waits for the slot, not uploaded yet
-            wait_for(lambda: bool(runs_of(first, "work")) or work.poll() is not None, "work's run to be made")
+            wait_for(lambda: made(first, "work") or work.poll() is not None, "work's run to be made")
             (first / "in.txt").write_text("B\n")
             status = launched_status(first, "hold")
             assert status is not None
