@@ -39,14 +39,15 @@ EDITED_MID_RUN = "changed while the run went"
 
 def view_changes(was: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """What differs between two key parts (uptodate.key_parts): the declared
-    inputs by path, then the other parts by name (the lock file's is
-    "environment"). The one test of a run's view against its key, for a
-    relaunch (step_driver) and for a run's end (outputs_phases)."""
-    old_inputs, new_inputs = was.get("inputs") or {}, now.get("inputs") or {}
-    changed = sorted(path for path in set(old_inputs) | set(new_inputs)
-                     if old_inputs.get(path) != new_inputs.get(path))  # fmt: skip
-    changed += sorted(part for part in set(was) | set(now)
-                      if part != "inputs" and was.get(part) != now.get(part))  # fmt: skip
+    inputs and the lock files by path, then the other parts by name. The
+    one test of a run's view against its key, for a relaunch (step_driver)
+    and for a run's end (outputs_phases)."""
+    changed: list[str] = []
+    for files in ("inputs", "environment"):
+        old, new = was.get(files) or {}, now.get(files) or {}
+        changed += sorted(path for path in set(old) | set(new) if old.get(path) != new.get(path))
+    others = (set(was) | set(now)) - {"inputs", "environment"}
+    changed += sorted(part for part in others if was.get(part) != now.get(part))
     return changed
 
 

@@ -103,3 +103,40 @@ def test_an_input_edited_while_the_run_goes_is_promoted_not_cached_and_runs_agai
     done = doit_ok(first, env={"WAIT_FOR_EDIT": "0"})
     assert step_skipped(done, "work"), show(done)
     assert compute(first, "why", "work").stdout.strip() == "work: up to date"
+
+
+LOCK_WORK = """\
+import os, time
+if os.environ["WAIT_FOR_EDIT"] == "1":
+    print("waiting for an edit of requirements.txt", flush=True)
+    while open("requirements.txt").read() == "":
+        time.sleep(0.02)
+os.makedirs("out", exist_ok=True)
+open("out/result.txt", "w").write(open("requirements.txt").read())
+"""
+
+
+@needs_bwrap
+def test_the_lock_file_edited_while_the_run_goes_is_named_and_the_step_runs_again(tmp_path: Path) -> None:
+    """The lock file is in every run's view and key, as a declared input is."""
+    (tmp_path / "a").mkdir()
+    root = make_project(tmp_path / "a", STEP, ["work"],
+                        files={"work.py": LOCK_WORK, "in.txt": "A\n", "requirements.txt": ""})  # fmt: skip
+    write_pyproject(root, cache="")
+    going = popen_doit(root, env={"WAIT_FOR_EDIT": "1"})
+    try:
+        wait_for(lambda: run_log_says(root, "waiting for an edit") or going.poll() is not None,
+                 "the run to wait for the edit")  # fmt: skip
+        assert going.poll() is None, popen_output(root)
+        (root / "requirements.txt").write_text("# nothing to install\n")
+        assert going.wait(timeout=120) == 0, popen_output(root)
+    finally:
+        stop(going)
+    said_lock = SAID.replace("in.txt", "requirements.txt")
+    assert popen_output(root).count(said_lock) == 1, popen_output(root)
+    why = compute(root, "why", "work")
+    assert "environment changed: requirements.txt changed" in why.stdout, show(why)
+    (root / "requirements.txt").write_text("")  # undone: the step runs again all the same
+    done = doit_ok(root, env={"WAIT_FOR_EDIT": "0"})
+    assert step_ran(done, "work") and said_lock not in said(done), show(done)
+    assert (root / "out" / "result.txt").read_text() == ""
