@@ -130,6 +130,7 @@ def promote_outputs(driver: DrivenRun) -> TaskFailed | None:
         return TaskFailed(f"step {step!r}: {exc}")
     if handle is not None:
         handle = driver.advance(handle, Phase.PROMOTED)
+        # `handle` keeps the key the run was launched with: its checkpoints, removed below, are kept by it.
         edited_while_running(driver, handle)
     uptodate.write_record(driver.step, **record_of(driver, str(verified.manifest["digest"])))
     if driver.spec.checkpoints is not None and not driver.step.settings.get("keep_checkpoints"):
