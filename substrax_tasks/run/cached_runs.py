@@ -88,6 +88,8 @@ def keep_after(driver: DrivenRun, fetched: Fetched) -> None:
     manifest = fetched.manifest
     if run_cache is None or handle is None or handle.state.phase is not Phase.PROMOTED:
         return
+    if driver.edited:  # outputs of files its key does not name (outputs_phases.edited_while_running)
+        return
     if fetched.saw_whole_project:
         _say_once_not_kept(driver.step.name, handle.run_id)
         return

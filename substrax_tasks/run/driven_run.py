@@ -31,6 +31,42 @@ ENDED_BY = {
     "launch": "launched", "setup": "set_up", "sync": "synced", "fetch": "fetched", "promote": "promoted",
 }
 _T = TypeVar("_T")
+# What the record and the run's handle hold, in place of a declared input's
+# digest (or a lock file's), for a file edited while the run went: no
+# content of it is the one the run saw, so no later key ever matches.
+EDITED_MID_RUN = "changed while the run went"
+
+
+def view_changes(was: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between two key parts (uptodate.key_parts): the declared
+    inputs and the lock files by path, then the other parts by name. The
+    one test of a run's view against its key, for a relaunch (step_driver)
+    and for a run's end (outputs_phases)."""
+    changed: list[str] = []
+    for files in ("inputs", "environment"):
+        old, new = was.get(files) or {}, now.get(files) or {}
+        changed += sorted(path for path in set(old) | set(new) if old.get(path) != new.get(path))
+    others = (set(was) | set(now)) - {"inputs", "environment"}
+    changed += sorted(part for part in others if was.get(part) != now.get(part))
+    return changed
+
+
+def marked_edited(parts: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """The key parts a run is recorded with when files of its view changed
+    while it went: each such input (and lock file) marked EDITED_MID_RUN,
+    so whatever content it has later, the key differs (the step runs again)
+    and `why` names the file."""
+    marked = dict(parts)
+    inputs, new_inputs = dict(parts.get("inputs") or {}), now.get("inputs") or {}
+    for path in set(inputs) | set(new_inputs):
+        if inputs.get(path) != new_inputs.get(path):
+            inputs[path] = EDITED_MID_RUN
+    environment, new_environment = dict(parts.get("environment") or {}), now.get("environment") or {}
+    for name in set(environment) | set(new_environment):
+        if environment.get(name) != new_environment.get(name):
+            environment[name] = EDITED_MID_RUN
+    marked.update(inputs=inputs, environment=environment)
+    return marked
 
 
 class DrivenRun:
@@ -50,6 +86,10 @@ class DrivenRun:
         # is asked for by `-a` or a user's uptodate item, and is a real one.
         self.check_held = False
         self.parts: dict[str, Any] = {}
+        # The declared inputs (or lock file) found changed as the run's
+        # outputs were promoted: the run is then neither kept in the run
+        # cache nor recorded up to date (outputs_phases.edited_while_running).
+        self.edited: list[str] = []
         # The phase being driven and when it started, until its time is
         # recorded in the handle (by `advance` into the phase that ends it,
         # or `end_phase`); None between phases.

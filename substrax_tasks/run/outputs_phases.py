@@ -18,6 +18,7 @@ from substrax_tasks.cache.run_cache import cache_key
 from substrax_tasks.console import emit
 from substrax_tasks.errors import OutputsRefused, SubstraxError
 from substrax_tasks.run import timeline
+from substrax_tasks.run.driven_run import marked_edited, view_changes
 from substrax_tasks.run.promote import (
     JOURNAL,
     NotProduced,
@@ -33,6 +34,7 @@ from substrax_tasks.uptodate import manifests as manifest_cache
 
 if TYPE_CHECKING:
     from substrax_tasks.run.driven_run import DrivenRun
+    from substrax_tasks.store.handle import RunHandle
     from substrax_tasks.uptodate.check import Step
 
 
@@ -127,7 +129,9 @@ def promote_outputs(driver: DrivenRun) -> TaskFailed | None:
     except SubstraxError as exc:  # a copy onto another file system that does not match
         return TaskFailed(f"step {step!r}: {exc}")
     if handle is not None:
-        driver.advance(handle, Phase.PROMOTED)
+        handle = driver.advance(handle, Phase.PROMOTED)
+        # `handle` keeps the key the run was launched with: its checkpoints, removed below, are kept by it.
+        edited_while_running(driver, handle)
     uptodate.write_record(driver.step, **record_of(driver, str(verified.manifest["digest"])))
     if driver.spec.checkpoints is not None and not driver.step.settings.get("keep_checkpoints"):
         # The outputs are home: the checkpoints that led to them have done their work.
@@ -138,6 +142,42 @@ def promote_outputs(driver: DrivenRun) -> TaskFailed | None:
             except SubstraxError as exc:  # the outputs are home: nothing else is at stake
                 emit(f"{step}: its checkpoints' snapshots were not removed: {exc}", err=True)
     return None
+
+
+def edited_while_running(driver: DrivenRun, handle: RunHandle) -> None:
+    """A run whose declared inputs (or lock file) changed between its key's
+    hashing and its end made its outputs from files its key does not name:
+    they are promoted (the run happened), but the run is recorded with
+    those files marked (driven_run.marked_edited), in its handle and in the
+    step record, so the next doit runs it again whatever they hold then,
+    `why` names them, the run is never reused for a key, and keep_after
+    does not keep it in the run cache. Said once, here.
+
+    The test is the files here, now, against the key: on `local` the
+    sandbox binds them live, so they are what the run read. On ssh and
+    SkyPilot the run read the copy uploaded by its sync: an edit made after
+    it is refused too (a run more, never an output of other files), and
+    one rule, on files this process can stat through the inputs' hash cache
+    (a stat per unchanged file), needs no manifest asked of the host."""
+    try:
+        now = uptodate.key_parts(driver.step)
+    except SubstraxError:  # an input refused now (made a folder, a link out...): none is trusted
+        now = {**driver.parts, "inputs": {path: "" for path in driver.parts.get("inputs") or {}}}
+    # An input that appeared or went is named by its path; its "missing_inputs" part need not be.
+    driver.edited = [part for part in view_changes(driver.parts, now) if part != "missing_inputs"]
+    if not driver.edited:
+        return
+    driver.parts = marked_edited(driver.parts, now)
+    driver.save(handle, key=uptodate.key(driver.parts), key_parts=driver.parts)
+    kept = "not kept in the run cache; " if run_cache_used(driver) else ""
+    emit(f"{driver.spec.step}: {', '.join(driver.edited)} changed while the run went: "
+         f"{kept}the next doit runs it again")  # fmt: skip
+
+
+def run_cache_used(driver: DrivenRun) -> bool:
+    from substrax_tasks.cache.run_cache import CacheOptions
+
+    return CacheOptions(**driver.project.cache).used()
 
 
 def record_of(driver: DrivenRun, digest: str) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from substrax_tasks.interrupts import (
     start_when_free,
     started_holding_signals,
 )
-from substrax_tasks.run.driven_run import DrivenRun
+from substrax_tasks.run.driven_run import DrivenRun, view_changes
 from substrax_tasks.run.earlier_run import retire_unlaunched, reusable_run
 from substrax_tasks.step import doit_db
 from substrax_tasks.step.spec import check_inputs_exist, check_outputs_inside
@@ -571,12 +571,7 @@ class StepDriver(DrivenRun):
         now = uptodate.key_parts(self.step)
         if uptodate.key(now) == handle.state.key:
             return
-        was = handle.state.key_parts or {}
-        old_inputs, new_inputs = was.get("inputs") or {}, now["inputs"]
-        changed = sorted(path for path in set(old_inputs) | set(new_inputs)
-                         if old_inputs.get(path) != new_inputs.get(path))  # fmt: skip
-        changed += sorted(part for part in set(was) | set(now)
-                          if part != "inputs" and was.get(part) != now.get(part))  # fmt: skip
+        changed = view_changes(handle.state.key_parts or {}, now)
         number = handle.state.attempts[-1].number if handle.state.attempts else 2
         message = (f"{', '.join(changed) or 'its key'} changed since the run started; attempt {number} "
                    "would run on other files than its outputs would be kept for, "
