@@ -133,8 +133,12 @@ def promote_outputs(driver: DrivenRun) -> TaskFailed | None:
         # `handle` keeps the key the run was launched with: its checkpoints, removed below, are kept by it.
         edited_while_running(driver, handle)
     uptodate.write_record(driver.step, **record_of(driver, str(verified.manifest["digest"])))
-    if driver.spec.checkpoints is not None and not driver.step.settings.get("keep_checkpoints"):
-        # The outputs are home: the checkpoints that led to them have done their work.
+    # The outputs are home: the checkpoints that led to them have done their
+    # work. Kept (keep_checkpoints) only if made from the files their key
+    # names: a run whose inputs were edited while it went made them from
+    # others, and the next run of that key must not start from them.
+    kept = bool(driver.step.settings.get("keep_checkpoints")) and not driver.edited
+    if driver.spec.checkpoints is not None and not kept:
         driver.project.store.remove_checkpoints(step)
         if handle is not None:
             try:

@@ -140,3 +140,52 @@ def test_the_lock_file_edited_while_the_run_goes_is_named_and_the_step_runs_agai
     done = doit_ok(root, env={"WAIT_FOR_EDIT": "0"})
     assert step_ran(done, "work") and said_lock not in said(done), show(done)
     assert (root / "out" / "result.txt").read_text() == ""
+
+
+CKPT_WORK = """\
+import os, time
+os.makedirs("ckpt", exist_ok=True)
+if os.environ["WAIT_FOR_EDIT"] == "1":
+    print("waiting for an edit of in.txt", flush=True)
+    while open("in.txt").read() == "A\\n":
+        time.sleep(0.02)
+open("ckpt/state.txt", "w").write(open("in.txt").read())  # a checkpoint made from the edited file
+os.makedirs("out", exist_ok=True)
+open("out/result.txt", "w").write(open("in.txt").read())
+"""
+CKPT_STEP = """
+def task_work():
+    yield from remote_step("work", command=["python3", "work.py"], inputs=["work.py", "in.txt"],
+                           outputs=["out/result.txt"], secrets=["WAIT_FOR_EDIT"], checkpoints="ckpt/")
+"""
+
+
+@needs_bwrap
+def test_checkpoints_kept_by_a_run_whose_input_was_edited_are_not_kept_under_its_key(tmp_path: Path) -> None:
+    """keep_checkpoints = true keeps a step's checkpoints under its key after
+    the promotion, for the next run of that key to start from. A run whose
+    input was edited while it went made them from other files than its key
+    names: kept, the edit undone, the next run of that key would start from
+    a checkpoint of the edited file. They are removed, as without
+    keep_checkpoints."""
+    (tmp_path / "a").mkdir()
+    root = make_project(tmp_path / "a", CKPT_STEP, ["work"], files={"work.py": CKPT_WORK, "in.txt": "A\n"})
+    write_pyproject(root, extra="keep_checkpoints = true\n")
+    going = popen_doit(root, env={"WAIT_FOR_EDIT": "1"})
+    try:
+        wait_for(lambda: run_log_says(root, "waiting for an edit") or going.poll() is not None,
+                 "the run to wait for the edit")  # fmt: skip
+        assert going.poll() is None, popen_output(root)
+        (root / "in.txt").write_text("B\n")
+        assert going.wait(timeout=90) == 0, popen_output(root)
+    finally:
+        stop(going)
+    output = popen_output(root)
+    assert "in.txt changed while the run went" in output, output
+    kept = [p for p in (root / ".substrax" / "checkpoints").rglob("state.txt")]
+    assert kept == [], (kept, output)
+
+    (root / "in.txt").write_text("A\n")  # undone: the next run starts from nothing of B
+    done = doit_ok(root, env={"WAIT_FOR_EDIT": "0"})
+    assert "checkpoints of an earlier run in place" not in said(done), show(done)
+    assert (root / "out" / "result.txt").read_text() == "A\n"
