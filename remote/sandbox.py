@@ -60,18 +60,32 @@ def plain_settings(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k in PASSED_ENV or k.startswith(PASSED_ENV_PREFIXES)}
 
 
+# How long bubblewrap's probe may take (it takes milliseconds; seconds on
+# a machine loaded far past its cores).
+PROBE_SECONDS = 60.0
+
+
 @functools.lru_cache(maxsize=None)
 def bwrap_usable(bwrap: str) -> bool:
     """bubblewrap can be installed yet unusable (user namespaces disabled).
     Asked once per process: the local backend's spawner asks before it
-    forks the workers, which then know."""
+    forks the workers, which then know. A probe that does not end in time
+    is no answer, and raises: read as "unusable", sandbox = "auto" would
+    run the command without its sandbox because the machine was busy."""
     try:
         probe = subprocess.run(
             [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", *ISOLATION, "true"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            timeout=PROBE_SECONDS,
         )
-    except (OSError, subprocess.TimeoutExpired):
+    except OSError:
         return False
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            "bubblewrap's check (%s ... true) did not end in %.0f s: this machine is too busy to tell "
+            "whether the sandbox works, and nothing is run without it; run doit again"
+            % (bwrap, PROBE_SECONDS)
+        ) from None
     return probe.returncode == 0
 
 

@@ -20,6 +20,7 @@ that is when its client exits, however it exits.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -52,7 +53,9 @@ def learn_once(sandbox: object, request: dict[str, object]) -> None:
     path = env.get("PATH") if isinstance(env, dict) else None
     bwrap = shutil.which("bwrap", path=path if isinstance(path, str) else None)
     if request.get("sandbox") != "none" and bwrap is not None:
-        sandbox.bwrap_usable(bwrap)  # type: ignore[attr-defined]
+        # A probe that did not end is no answer: the worker asks again and says why.
+        with contextlib.suppress(RuntimeError):
+            sandbox.bwrap_usable(bwrap)  # type: ignore[attr-defined]
 
 
 def main() -> int:

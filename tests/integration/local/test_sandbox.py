@@ -308,3 +308,27 @@ attempt("tcp-on-loopback", loopback_tcp)
     log = Path(paths.log).read_text()
     assert json.loads(Path(paths.status).read_text())["state"] == "succeeded", log
     assert verdicts(log) == {"path-socket": "DENIED", "tcp-on-loopback": "ALLOWED"}, log
+
+
+def test_a_bubblewrap_check_that_does_not_end_never_runs_the_command_without_its_sandbox(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check of whether bubblewrap works timed out on a loaded machine
+    and read as "not usable": with sandbox = "auto" the command then ran
+    without its sandbox (and with "bwrap" the run failed as if bubblewrap
+    were broken). A check that does not end is no answer: the run is
+    refused with the reason, never run unsandboxed."""
+    from substrax_tasks._remote import sandbox
+
+    slow = tmp_path / "bin" / "bwrap"
+    slow.parent.mkdir()
+    slow.write_text("#!/bin/sh\nexec sleep 30\n")
+    slow.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{slow.parent}:/usr/bin:/bin")
+    monkeypatch.setattr(sandbox, "PROBE_SECONDS", 0.5, raising=False)  # (before: 10 s, then read as unusable)
+    sandbox.bwrap_usable.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="too busy to tell whether the sandbox works"):
+            sandbox.sandboxed_command({"sandbox": "auto", "argv": ["true"]}, print, {})
+    finally:
+        sandbox.bwrap_usable.cache_clear()
