@@ -274,13 +274,19 @@ class StepDriver(DrivenRun):
         """A phase that found the disk full: where, what is kept, the fix.
         Every phase records its progress in the run's handle before the
         next starts, so the next doit goes on from where this one stopped."""
-        where = str(exc.filename or self.root)
-        mount = doit_db.mount_point(where)
-        doit_db.told_full(mount)
+        where, mount = self._full_at(exc)
         return (f"step {self.spec.step!r}: no space left on the file system mounted at "
                 f"{mount} (writing {where}); the run and the outputs "
                 f"already in place are kept. Free space there and run `doit` again: it goes on from "
                 f"where this one stopped and does not run a command again whose run has ended")  # fmt: skip
+
+    def _full_at(self, exc: OSError) -> tuple[str, str]:
+        """The file being written when the disk was found full, and its file
+        system's mount point (told doit_db: its own save says no more)."""
+        where = str(exc.filename or self.root)
+        mount = doit_db.mount_point(where)
+        doit_db.told_full(mount)
+        return where, mount
 
     def _named(self, exc: Exception) -> str:
         text = str(exc)
@@ -643,9 +649,7 @@ class StepDriver(DrivenRun):
         except OSError as exc:
             if held is None or not doit_db.no_space_left(exc, str(exc.filename or self.root)):
                 raise
-            where = str(exc.filename or self.root)
-            mount = doit_db.mount_point(where)
-            doit_db.told_full(mount)
+            where, mount = self._full_at(exc)
             # The step is done, so the next doit leaves it be: the teardown is the user's to finish.
             emit(f"step {self.spec.step!r}: no space left on the file system mounted at {mount} (writing "
                  f"{where}) as doit let run {held.run_id} go; the run and its outputs are kept. Free space "
