@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-import pytest
+from disk_full_parts import seen_from_here, small_disk
 from dodo_helpers import clean_env
 
 # argv: N, PAUSE, RESULT (the output file), then "fail-fresh" to exit 3 at
@@ -103,26 +101,13 @@ def result_of(root: Path, step: str) -> tuple[int, list[int]]:
 
 @contextlib.contextmanager
 def on_small_disk(source: Path, size_mb: int) -> Iterator[tuple[Path, Path, int]]:
-    """The project `source` copied onto a tmpfs of `size_mb`, mounted over
-    an empty folder in a private mount namespace (as root): (its path
+    """The project `source` copied onto a tmpfs of `size_mb` (disk_full_parts.small_disk),
+    mounted over an empty folder in a private mount namespace (as root): (its path
     there, the same folder as this process sees it through the namespace's
     holder, the holder's pid, for `inside`). The tmpfs goes with the holder."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("nsenter") is None:
-        pytest.skip("DISK FULL NOT TESTED: needs root, unshare and nsenter")
     root = source.parent / "small-disk"
-    root.mkdir()
-    script = (f"mount -t tmpfs -o size={size_mb}m none {root} && cp -a {source}/. {root}/ "
-              "&& echo ready && exec sleep 3600")  # fmt: skip
-    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
-        yield root, Path(f"/proc/{holder.pid}/root") / str(root).lstrip("/"), holder.pid
-    finally:
-        holder.kill()
-        holder.wait()
-        assert holder.stdout is not None
-        holder.stdout.close()
+    with small_disk(source, root, size_mb) as pid:
+        yield root, seen_from_here(pid, root), pid
 
 
 def inside(pid: int, root: Path, *argv: str, out: IO[str]) -> subprocess.Popen[str]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from disk_full_parts import FILL_ACTION, inside
+from disk_full_parts import small_disk as a_small_disk
 from dodo_helpers import (
     COMPUTE,
     DOIT,
@@ -49,35 +49,11 @@ WAIT_SECONDS = 60
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     """(the project on a tmpfs of DISK_MB, the pid whose namespace holds it)."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("nsenter") is None:
-        pytest.skip("DISK FULL NOT TESTED: needs root, unshare and nsenter")
     (tmp_path / "src").mkdir()
     source = make_project(tmp_path / "src", BODY, default_tasks=["step"], files={"flags/fill": ""})
     root = tmp_path / "proj"
-    root.mkdir()
-    script = (
-        f"mount -t tmpfs -o size={DISK_MB}m none {root} && cp -a {source}/. {root}/ "
-        "&& echo ready && exec sleep 3600"
-    )
-    holder = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
-        yield root, holder.pid
-    finally:
-        holder.kill()  # the namespace, and its tmpfs, go with it
-        holder.wait()
-        assert holder.stdout is not None
-        holder.stdout.close()
-
-
-def inside(pid: int, root: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["nsenter", "-t", str(pid), "-m", f"--wd={root}", "--", *argv],
-        env=clean_env(), capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    with a_small_disk(source, root, DISK_MB) as pid:
+        yield root, pid
 
 
 def test_a_command_that_fills_the_disk_fails_with_the_reason_and_the_next_doit_recovers(
@@ -291,21 +267,7 @@ def task_step():
 # Issue 28, item 8, doit's own save: every phase of the step succeeds; a
 # plain doit task after it (task_dep) fills the disk to the last byte, so
 # only doit's save of its DB at the very end meets the full disk.
-SAVE_LAST = """
-import os
-
-def fill_the_disk():
-    if not os.path.exists("fill-after-step"):
-        return
-    for size in (1 << 20, 4096, 1):  # to the last byte
-        try:  # the last files may find no room even to be made
-            with open("filler-%d" % size, "wb") as f:
-                while True:
-                    f.write(b"\\0" * size)
-                    f.flush()
-        except OSError:
-            pass
-
+SAVE_LAST = FILL_ACTION.replace("fill-now", "fill-after-step") + """
 def task_hello():
     return {"actions": ["echo hello"], "file_dep": ["version.txt"]}
 
