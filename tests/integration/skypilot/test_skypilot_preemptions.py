@@ -79,6 +79,19 @@ def running_cluster(sky: Sky, marker: str) -> tuple[str, int]:
     return cluster, int((kept_state(sky.root, "count") or {})["i"])
 
 
+def doit_through_a_preemption(sky: Sky, marker: str) -> tuple[int, str, str]:
+    """`doit` with its cluster taken away once a snapshot of 3 counts is
+    home: doit's exit code, what it said, and the cluster it lost."""
+    proc = popen_doit(sky.root, env=sky.env)
+    try:
+        lost, _ = running_cluster(sky, marker)
+        preempt(sky, lost)
+        code = proc.wait(timeout=300)
+    finally:
+        stop(proc)
+    return code, popen_output(sky.root), lost
+
+
 def attempts_of(sky: Sky) -> list[dict[str, Any]]:
     attempts: list[dict[str, Any]] = only_handle(sky.root, "count")["state"]["attempts"]
     return attempts
@@ -156,14 +169,7 @@ def test_with_no_preemption_allowed_the_step_fails_naming_the_lost_cluster_and_p
     sky: Sky, marker: str
 ) -> None:
     counting(sky, marker, preemptions=0)
-    proc = popen_doit(sky.root, env=sky.env)
-    try:
-        lost, _ = running_cluster(sky, marker)
-        preempt(sky, lost)
-        code = proc.wait(timeout=300)
-    finally:
-        stop(proc)
-    said = popen_output(sky.root)
+    code, said, lost = doit_through_a_preemption(sky, marker)
     assert code == 1, said
     assert f"its cluster {lost} is gone" in said, said
     assert "remote_step('count', ..., preemptions=1) relaunches it" in said, said
@@ -204,13 +210,7 @@ def test_a_cluster_that_stops_answering_while_skypilot_holds_it_up_is_waited_for
 
 def test_on_spot_the_last_attempt_preemptions_allow_is_launched_on_demand(sky: Sky, marker: str) -> None:
     counting(sky, marker, preemptions=1, use_spot=True, on_demand_last_attempt=True)
-    proc = popen_doit(sky.root, env=sky.env)
-    try:
-        preempt(sky, running_cluster(sky, marker)[0])
-        code = proc.wait(timeout=300)
-    finally:
-        stop(proc)
-    said = popen_output(sky.root)
+    code, said, _ = doit_through_a_preemption(sky, marker)
     assert code == 0, said
     assert "attempt 2 is the last preemptions= allow: on an on-demand machine" in said, said
     # as SkyPilot was asked, and as each attempt's intent is kept beside the run
@@ -237,13 +237,7 @@ def test_a_spot_attempt_and_its_on_demand_relaunch_are_each_priced_as_launched(s
     # m6i.large in the fake's catalog: one price on demand, a lower one on spot.
     counting(sky, marker, preemptions=1, use_spot=True, on_demand_last_attempt=True, infra="aws",
              instance_type="m6i.large")  # fmt: skip
-    proc = popen_doit(sky.root, env=sky.env)
-    try:
-        preempt(sky, running_cluster(sky, marker)[0])
-        code = proc.wait(timeout=300)
-    finally:
-        stop(proc)
-    said = popen_output(sky.root)
+    code, said, _ = doit_through_a_preemption(sky, marker)
     assert code == 0, said
     done = sky.compute("status", "--json")
     assert done.returncode == 0, done.stderr
