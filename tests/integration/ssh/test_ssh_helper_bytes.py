@@ -18,11 +18,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dodo_helpers import compute, doit, doit_ok, show
+from dodo_helpers import compute, doit, doit_ok, popen_doit, show, stop
 from local_runs import PY38
-from ssh_helpers import fresh_user, last_handle, make_ssh_project, needs_root, needs_sshd, one_step, ssh_host
+from ssh_helpers import (
+    fresh_user,
+    last_handle,
+    make_ssh_project,
+    needs_root,
+    needs_sshd,
+    one_step,
+    ssh_host,
+    wait_bounded,
+)
 from testbeds.sshd_host import SshHost
 
+from substrax_tasks.backends.base import MAX_LOG_BYTES
 from substrax_tasks.backends.remote_run import DAMAGED_EXIT, DAMAGED_MARK, checked_script, scripts_digest
 from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
 
@@ -228,3 +238,43 @@ def test_the_check_refuses_whatever_python_could_import_beside_the_scripts_by_na
     done = status_of_nothing(python, bin_dir, tmp_path, {"PATH": os.environ["PATH"]})
     assert done.returncode == DAMAGED_EXIT, done
     assert done.stderr.splitlines()[-1] == f"{DAMAGED_MARK}{json.dumps([entry])}", done
+
+
+# ------------------------------------------------------- an answer without end
+
+# One line longer than the log's limit: what a follower sends without end
+# (the host sent zeros), or a progress bar drawn with carriage returns.
+ENDLESS_LINE = one_step(
+    "step",
+    shell=f"head -c {MAX_LOG_BYTES + (32 << 20)} /dev/zero | tr '\\0' 0; echo made > out.txt",
+    outputs=["out.txt"],
+)
+FOLLOWED_MEMORY_BOUND = 256 << 20  # doit itself takes about 100 MB; the grew to ~0.9 GB
+# 256 MiB through ssh: about 55 s at a load of 10 on 2 cores (the issue's
+# doit went on for 150 s and more, and was not done).
+FOLLOWED_SECONDS = 600
+
+
+@needs_sshd
+@needs_root
+@pytest.mark.timeout(FOLLOWED_SECONDS + 60)
+def test_a_log_line_without_end_is_cut_at_the_log_limit_and_doit_ends_in_bounded_memory(
+    tmp_path: Path, host: SshHost
+) -> None:
+    remote_root = host.scratch / f"endless-{tmp_path.name}"
+    root = make_ssh_project(tmp_path, host, ENDLESS_LINE, remote_root=str(remote_root))
+    output = root.parent / "doit.out"
+    proc = popen_doit(root)
+    try:
+        code, peak = wait_bounded(
+            proc, output, timeout=FOLLOWED_SECONDS, max_output=MAX_LOG_BYTES + (1 << 20)
+        )
+    finally:
+        stop(proc)
+    with output.open("rb") as f:
+        f.seek(-4096, os.SEEK_END)
+        tail = f.read().decode(errors="replace")
+    assert code == 0, tail
+    assert peak < FOLLOWED_MEMORY_BOUND, f"doit took {peak >> 20} MiB"
+    assert "[substrax: the log is cut at 256 MiB here;" in tail, tail
+    assert (root / "out.txt").read_text() == "made\n"
