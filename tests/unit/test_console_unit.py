@@ -70,7 +70,8 @@ def test_a_line_without_end_is_written_in_bounded_pieces_beside_other_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     terminal = io.StringIO()
-    monkeypatch.setattr(sys, "stdout", Captured(terminal))
+    captured = Captured(terminal)
+    monkeypatch.setattr(sys, "stdout", captured)
     monkeypatch.setattr(console._current, "step", StepLines("fit", 3, COLOURS[0]), raising=False)
     sink = TextSink()
     for _ in range(64):  # 4 MiB of one line, as a host's endless follower sends it
@@ -78,7 +79,7 @@ def test_a_line_without_end_is_written_in_bounded_pieces_beside_other_steps(
     written = terminal.getvalue()
     assert len(written) >= (4 << 20) - MAX_HELD_LINE  # not held back to the line's end
     assert {len(line) for line in written.splitlines()} == {len("fit | ") + MAX_HELD_LINE}
-    assert sys.stdout.getvalue() == ""  # no copy of the log in doit's memory
+    assert captured.getvalue() == ""  # no copy of the log in doit's memory
     sink.write(b"1\n2")
     sink.close()
     assert terminal.getvalue().endswith("0" * 10 + "1\nfit | 2\n")
@@ -88,9 +89,10 @@ def test_a_serial_steps_log_goes_beneath_doits_capture_and_its_last_line_is_ende
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     terminal = io.StringIO()
-    monkeypatch.setattr(sys, "stdout", Captured(terminal))
+    captured = Captured(terminal)
+    monkeypatch.setattr(sys, "stdout", captured)
     sink = TextSink()
     sink.write(b"a\nb")
     sink.close()
     assert terminal.getvalue() == "a\nb\n"
-    assert sys.stdout.getvalue() == ""
+    assert captured.getvalue() == ""
