@@ -44,6 +44,9 @@ PACKAGED = bool(__package__)
 if PACKAGED:
     from . import runfiles
 else:
+    # Run isolated (python3 -I: no script folder on sys.path), as every
+    # script is on a host: its siblings are found beside it.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import runfiles
 
 FINAL_STATES = ("succeeded", "failed", "timed_out", "cancelled")
@@ -287,8 +290,10 @@ def damage_of(record: dict[str, Any] | None) -> str | None:
     return None
 
 
-# A worker runs as `worker.py JOB`, or forked by the local backend's
-# spawner (then its command line is the spawner's).
+# A worker runs as `python3 -ISB worker.py JOB` (on a host: CHECKED_RUN's
+# flags, in the client's backends/remote_run.py; `python3 worker.py JOB`
+# by an older client), or forked by the local backend's spawner (then its
+# command line is the spawner's).
 WORKER_SCRIPTS = ("worker.py", "spawner.py")
 
 
@@ -301,7 +306,7 @@ def workers_of(run_dir: str) -> list[int]:
     for pid in [int(name) for name in os.listdir("/proc") if name.isdigit()]:
         try:
             with open("/proc/%d/cmdline" % pid, "rb") as f:
-                argv = f.read().split(b"\0")[:2]
+                argv = f.read().split(b"\0")[:3]
             if not any(os.path.basename(a.decode(errors="replace")) in WORKER_SCRIPTS for a in argv):
                 continue
             fds = "/proc/%d/fd" % pid

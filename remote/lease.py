@@ -64,6 +64,7 @@ PACKAGED = bool(__package__)
 if PACKAGED:
     from . import control, runfiles
 else:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run isolated (python3 -I), as control.py
     import control
     import runfiles
 

@@ -35,7 +35,7 @@ PACKAGED = bool(__package__)
 if PACKAGED:
     from . import checkpoints, control, gpus, hints, manifest, proctree, runfiles, sandbox
 else:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # even under PYTHONSAFEPATH
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run isolated (python3 -I), as control.py
     import checkpoints
     import control
     import gpus

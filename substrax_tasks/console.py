@@ -98,39 +98,66 @@ def emit(text: str, *, err: bool = False) -> None:
         stream.flush()
 
 
+# The longest part of a line a step's log output holds back while it runs
+# beside others (to mark whole lines): a longer line is written in pieces of
+# this size, each marked. A log without a newline (a progress bar's
+# carriage returns, or a host sending zeros) is then held in bounded memory.
+MAX_HELD_LINE = 1 << 16
+
+
+def uncaptured(stream: TextIO) -> TextIO:
+    """The terminal (or file) beneath doit's capture: doit keeps a copy of
+    all a Python action writes in memory until the task ends, which a run's
+    log, up to MAX_LOG_BYTES, is not worth (the task's verbosity 2 never
+    shows that copy)."""
+    original = getattr(stream, "orig_stream", None)
+    return original if original is not None else stream
+
+
 class TextSink:
     """Log bytes to doit's (possibly captured, text-only) stdout. When the
-    step runs beside others, whole lines only, each marked with its name.
-    `close()` ends a last line the log did not end."""
+    step runs beside others, whole lines only (up to MAX_HELD_LINE), each
+    marked with its name. `close()` ends a last line the log did not end.
+    What it holds is bounded whatever the log holds: a log of one endless
+    line once made doit grow by the whole log, and copy it at each chunk."""
 
     def __init__(self) -> None:
         self._step: StepLines | None = getattr(_current, "step", None)
-        self._partial = ""
+        self._partial = ""  # the last line's start, not written yet (marked lines only)
+        self._open_line = False  # the last thing written did not end its line
         self.written = 0  # bytes of the log written: where following it again goes on from
 
     def write(self, data: bytes) -> int:
         self.written += len(data)
         text = data.decode(errors="replace")
+        if not text:
+            return len(data)
         with OUTPUT_LOCK:
+            out = uncaptured(sys.stdout)
             if self._step is None:
-                sys.stdout.write(text)
-                self._partial = text.rpartition("\n")[2] if "\n" in text else self._partial + text
+                out.write(text)
+                self._open_line = not text.endswith("\n")
                 return len(data)
             *whole, self._partial = (self._partial + text).split("\n")
+            while len(self._partial) > MAX_HELD_LINE:
+                whole.append(self._partial[:MAX_HELD_LINE])
+                self._partial = self._partial[MAX_HELD_LINE:]
             if whole:
-                sys.stdout.write(self._step.mark("\n".join(whole), sys.stdout) + "\n")
+                out.write(self._step.mark("\n".join(whole), out) + "\n")
+            self._open_line = bool(self._partial)
         return len(data)
 
     def flush(self) -> None:
         with OUTPUT_LOCK:
-            sys.stdout.flush()
+            uncaptured(sys.stdout).flush()
 
     def close(self) -> None:
         with OUTPUT_LOCK:
-            if self._partial:  # the log's last line had no newline: end it, so the next line is a line
-                sys.stdout.write(self._step.mark(self._partial, sys.stdout) + "\n" if self._step else "\n")
-                self._partial = ""
-            sys.stdout.flush()
+            out = uncaptured(sys.stdout)
+            if self._open_line:  # the log's last line had no newline: end it, so the next line is a line
+                out.write(self._step.mark(self._partial, out) + "\n" if self._step else "\n")
+                self._partial, self._open_line = "", False
+            out.flush()
 
 
 class Sweep:

@@ -10,7 +10,9 @@ nothing here decides whether it matches.
 
 Nothing installed there is run unchecked: every script runs through
 CHECKED_RUN, which compares each script of the bin folder with the sha256
-of the one this client sent, then runs the one asked for. A host that
+of the one this client sent, refuses anything else there Python could
+import in a script's place (byte code included), then runs the one asked
+for, isolated from the host's own Python path (ISOLATED). A host that
 changed one is damaged (DamagedHost), never obeyed; and each answer a host
 sends back is held to a size (a status line to MAX_STATUS_BYTES, the log
 stream to the log's limit), so even a host whose Python itself lies cannot
@@ -60,20 +62,46 @@ FOLLOW_PAST_LIFETIME_SECONDS = 120.0
 # status and the start of its last stderr line (then the names, as JSON).
 DAMAGED_EXIT = 86
 DAMAGED_MARK = "substrax-damaged-scripts:"
-# `python3 -c CHECKED_RUN BIN_DIR DIGESTS NAME ARGS...`: Python 3.8 and
+# How every script runs on a host, the check first: isolated (-I: no
+# PYTHON* variable, no user site, not the script's own folder, nor the
+# working folder, on sys.path), without the site module (-S: no
+# site-packages, no .pth file, no sitecustomize or usercustomize) and
+# without writing byte code (-B). The scripts are stdlib only, so what
+# Python then reads is its own standard library and the bin folder's
+# scripts (each adds its folder to sys.path for its siblings), nothing a
+# host put elsewhere on its path. One argument, `-ISB`: Python 3.8 takes
+# the flags together, and control.py finds a run's workers by the first
+# three words of their command line. (The host's python3 itself, and its
+# standard library, are the host's: no check from here can vouch for them.)
+ISOLATED = "-ISB"
+# `python3 -ISB -c CHECKED_RUN BIN_DIR DIGESTS NAME ARGS...`: Python 3.8 and
 # stdlib only. Every script of the bin folder is hashed (the worker imports
-# its siblings), then the interpreter becomes `python3 BIN_DIR/NAME ARGS...`,
-# exactly what ran before the check: the same argv in /proc, by which
-# control.py finds a run's workers. A host that swaps a script in the
-# moment between is hostile; what bounds it is the caps on its answers.
+# its siblings), and the folder must hold nothing else Python could import
+# in a script's place: byte code (__pycache__: -B means no run of this
+# client ever writes one there, so one found was put there, and Python
+# -B still reads it), a package, an extension module or another module.
+# Then the interpreter becomes `python3 -ISB BIN_DIR/NAME ARGS...`, the
+# same argv in /proc, by which control.py finds a run's workers. A host
+# that swaps a script in the moment between is hostile; what bounds it is
+# the caps on its answers.
 # A bin folder that is gone altogether is no damage: the host restarted
 # with an empty scratch disk, or its remote root was removed (a lost run,
 # which the status read then says: RemoteRun.status). Its own exit status
 # and words, so that a checkpoint pull or a follower that meets it first
 # fails as any unreachable read does, never as a tampered host.
 SCRIPTS_GONE_EXIT = 87
+# Written last by an install into the bin folder: the scripts are all there.
+INSTALLED_MARK = ".complete"
+# `sh -c REMOVE_OTHERS sh BIN_DIR NAME...`: every entry of the bin folder
+# but the names given (dot files too), removed.
+REMOVE_OTHERS = (
+    'cd -- "$1" && shift && for entry in * .[!.]* ..?*; do '
+    '[ -e "$entry" ] || [ -L "$entry" ] || continue; keep=; '
+    'for name in "$@"; do [ "$entry" = "$name" ] && keep=1; done; '
+    '[ -n "$keep" ] || rm -rf -- "$entry" || exit 1; done'
+)
 CHECKED_RUN = """\
-import hashlib, json, os, sys
+import hashlib, importlib.machinery, json, os, sys
 folder, expected, name = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 if not os.path.isdir(folder):
     sys.stderr.write("substrax: the scripts folder %s is gone from this host (restarted with an empty disk, "
@@ -88,12 +116,16 @@ for script in sorted(expected):
         data = b""
     if hashlib.sha256(data).hexdigest() != expected[script]:
         changed.append(script)
+importable = tuple(importlib.machinery.all_suffixes())
+for entry in sorted(os.listdir(folder)):
+    if entry not in expected and (entry.endswith(importable) or os.path.isdir(os.path.join(folder, entry))):
+        changed.append(entry)
 if changed or name not in expected:
     sys.stderr.write("%s%s\\n" % (MARK, json.dumps(changed or [name])))
     sys.exit(EXIT)
-os.execv(sys.executable, [sys.executable, os.path.join(folder, name)] + sys.argv[4:])
+os.execv(sys.executable, [sys.executable, ISOLATED, os.path.join(folder, name)] + sys.argv[4:])
 """.replace("MARK", repr(DAMAGED_MARK)).replace("EXIT", str(DAMAGED_EXIT))
-CHECKED_RUN = CHECKED_RUN.replace("GONE", str(SCRIPTS_GONE_EXIT))
+CHECKED_RUN = CHECKED_RUN.replace("GONE", str(SCRIPTS_GONE_EXIT)).replace("ISOLATED", repr(ISOLATED))
 
 
 class Remote(Protocol):
@@ -122,6 +154,10 @@ def scripts_digest() -> str:
     digest = hashlib.sha256()
     for name in REMOTE_SCRIPTS:
         digest.update(remote_script(name).read_bytes())
+    # And how they are checked and run: a folder another release ran its
+    # scripts from (one without -B may have written byte code there) is
+    # never taken for this one's.
+    digest.update(CHECKED_RUN.encode())
     return digest.hexdigest()[:12]
 
 
@@ -139,16 +175,34 @@ def checked_script(python: str, bin_dir: str, name: str, *args: str) -> list[str
     checked from here: its scripts run as they are, as before."""
     if PurePosixPath(bin_dir).name != f"bin-{scripts_digest()}":
         return [python, f"{bin_dir}/{name}", *args]
-    return [python, "-c", CHECKED_RUN, bin_dir, json.dumps(script_digests(), sort_keys=True), name, *args]
+    return [python, ISOLATED, "-c", CHECKED_RUN, bin_dir, json.dumps(script_digests(), sort_keys=True), name,
+            *args]  # fmt: skip
 
 
 class DamagedHost(HostRefused):
-    """A script installed on the host is not the one this client sent
-    (`scripts`: those CHECKED_RUN found changed)."""
+    """A script installed on the host is not the one this client sent, or
+    something Python would import in a script's place lies beside them
+    (`scripts`: the names CHECKED_RUN found)."""
 
     def __init__(self, message: str, scripts: list[str] | None = None) -> None:
         super().__init__(message)
         self.scripts = scripts or []
+
+
+def damage_said(names: list[str], where: str) -> str:
+    """What CHECKED_RUN found in the bin folder (`where`: "in BIN on HOST",
+    "there"), in words: the scripts changed or removed, and what was put
+    beside them."""
+    changed = [name for name in names if name in REMOTE_SCRIPTS]
+    foreign = [name for name in names if name not in REMOTE_SCRIPTS]
+    said = []
+    if changed:
+        said.append(f"the script(s) {', '.join(changed)} {where} are not the ones this client installed "
+                    "(changed or removed after the install)")  # fmt: skip
+    if foreign:
+        said.append(f"{', '.join(foreign)} {where} was not installed by this client (byte code, a package "
+                    "or a module that Python would import in place of the scripts it sent)")  # fmt: skip
+    return "; ".join(said)
 
 
 def damaged_scripts(result: RemoteResult) -> list[str] | None:
@@ -221,22 +275,24 @@ class RemoteRun:
         changed = damaged_scripts(result)
         if changed is not None:
             raise DamagedHost(
-                f"run {self.run_id}: the script(s) {', '.join(changed)} in {self.bin_dir} on "
-                f"{self.remote.host} are not the ones this client installed (changed or removed "
-                "after the install): the host is damaged or tampered with, and nothing is run "
-                f"there. `substrax-compute teardown {self.run_id}` puts the scripts back, stops "
-                "the run and removes its folder",
+                f"run {self.run_id}: {damage_said(changed, f'in {self.bin_dir} on {self.remote.host}')}: the "
+                "host is damaged or tampered with, and nothing is run there. "
+                f"`substrax-compute teardown {self.run_id}` puts the scripts back (and removes what "
+                "was put beside them), stops the run and removes its folder",
                 changed,
             )
 
     def reinstall(self) -> None:
-        """Put the scripts this client sent back in the bin folder (a damaged
+        """Put the scripts this client sent back in the bin folder, and
+        remove everything else from it but the install's mark (a damaged
         host's: only the teardown does this, to stop and remove the run)."""
         write = 'umask 077 && mkdir -p "$1" && cat > "$1/$2.$3" && mv "$1/$2.$3" "$1/$2"'
         for name in REMOTE_SCRIPTS:
             temp = f"{secrets.token_hex(6)}.tmp"
             self.check(["sh", "-c", write, "sh", self.bin_dir, name, temp], f"reinstalling {name}",
                        stdin=remote_script(name).read_bytes())  # fmt: skip
+        self.check(["sh", "-c", REMOVE_OTHERS, "sh", self.bin_dir, INSTALLED_MARK, *REMOTE_SCRIPTS],
+                   "removing what was put beside the scripts")  # fmt: skip
 
     def check(self, argv: list[str], what: str, stdin: bytes | None = None) -> RemoteResult:
         result = self.remote.run(argv, stdin=stdin)

@@ -17,6 +17,7 @@ against their code.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # substrax_tasks/, two up from backends/scripts.py
@@ -38,3 +39,15 @@ def remote_dir() -> Path:
 
 def remote_script(name: str) -> Path:
     return remote_dir() / name
+
+
+def staged_scripts(into: Path) -> Path:
+    """A fresh folder `into` holding the scripts and nothing else, for a
+    copy that takes a whole folder (SkyPilot's file mount): remote/ itself
+    also holds the byte code the install compiled, which a host must never
+    be sent (its scripts' check refuses any there, as a host's own)."""
+    shutil.rmtree(into, ignore_errors=True)
+    into.mkdir(parents=True)
+    for name in REMOTE_SCRIPTS:
+        shutil.copyfile(remote_script(name), into / name)
+    return into

@@ -15,12 +15,14 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
 import subprocess
 import textwrap
 import threading
+import time
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -90,6 +92,31 @@ def root_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHost]:
     over ssh is the cluster's (sky._cluster._write_ssh_config)."""
     with ssh_host(tmp_path_factory.mktemp("sshd-root"), None, accept_env="FAKESKY_CLUSTER_ID") as started:
         yield started
+
+
+# What doit itself takes is about 100 MB, whatever a host sends it.
+CLIENT_MEMORY_BOUND = 512 << 20
+
+
+def wait_bounded(proc: subprocess.Popen[str], output: Path, timeout: float = 90,
+                 max_output: int = 64 << 20) -> tuple[int, int]:  # fmt: skip
+    """Wait for doit, killing it (a failure) if it outgrows CLIENT_MEMORY_BOUND
+    or its output `max_output` bytes; its exit status and peak RSS in bytes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_maxrss * 1024
+        with contextlib.suppress(OSError):
+            peak = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{proc.pid}/status").read_text())
+            grown = int(peak.group(1)) * 1024 if peak else 0
+            too_much = grown > CLIENT_MEMORY_BOUND or output.stat().st_size > max_output
+            if too_much or time.monotonic() > deadline:
+                kill_pid(proc.pid)
+                pytest.fail(f"doit unbounded: {grown >> 20} MiB of memory, "
+                            f"{output.stat().st_size >> 20} MiB of output")  # fmt: skip
+        time.sleep(0.1)
 
 
 # ------------------------------------------------------------------ projects

@@ -4,10 +4,12 @@ place in the sweep, the time."""
 from __future__ import annotations
 
 import io
+import sys
 
 import pytest
 
-from substrax_tasks.console import COLOURS, StepLines, Sweep, elapsed
+from substrax_tasks import console
+from substrax_tasks.console import COLOURS, MAX_HELD_LINE, StepLines, Sweep, TextSink, elapsed
 
 
 class Terminal(io.StringIO):
@@ -53,3 +55,44 @@ def test_elapsed_is_to_a_tenth_of_a_second() -> None:
     assert elapsed(0.04) == "0.0 s"
     assert elapsed(4.25) == "4.2 s"
     assert elapsed(187.5) == "3 min 7.5 s"
+
+
+class Captured(io.StringIO):
+    """doit's capture of a Python action's stdout (doit.action.Writer): a copy
+    kept in memory, and the stream beneath it."""
+
+    def __init__(self, orig_stream: io.StringIO) -> None:
+        super().__init__()
+        self.orig_stream = orig_stream
+
+
+def test_a_line_without_end_is_written_in_bounded_pieces_beside_other_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    terminal = io.StringIO()
+    captured = Captured(terminal)
+    monkeypatch.setattr(sys, "stdout", captured)
+    monkeypatch.setattr(console._current, "step", StepLines("fit", 3, COLOURS[0]), raising=False)
+    sink = TextSink()
+    for _ in range(64):  # 4 MiB of one line, as a host's endless follower sends it
+        sink.write(b"0" * (1 << 16))
+    written = terminal.getvalue()
+    assert len(written) >= (4 << 20) - MAX_HELD_LINE  # not held back to the line's end
+    assert {len(line) for line in written.splitlines()} == {len("fit | ") + MAX_HELD_LINE}
+    assert captured.getvalue() == ""  # no copy of the log in doit's memory
+    sink.write(b"1\n2")
+    sink.close()
+    assert terminal.getvalue().endswith("0" * 10 + "1\nfit | 2\n")
+
+
+def test_a_serial_steps_log_goes_beneath_doits_capture_and_its_last_line_is_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    terminal = io.StringIO()
+    captured = Captured(terminal)
+    monkeypatch.setattr(sys, "stdout", captured)
+    sink = TextSink()
+    sink.write(b"a\nb")
+    sink.close()
+    assert terminal.getvalue() == "a\nb\n"
+    assert captured.getvalue() == ""

@@ -47,8 +47,8 @@ from substrax_tasks.backends import remote_run as _remote_run
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, KeptCheckpoints, Leak, RunStatus
 from substrax_tasks.backends.checkpoints import Snapshots, checkpoints_folder
 from substrax_tasks.backends.job import env_dir_of
-from substrax_tasks.backends.remote_run import MAX_STATUS_BYTES, DamagedHost, RemoteRun
-from substrax_tasks.backends.scripts import remote_dir
+from substrax_tasks.backends.remote_run import MAX_STATUS_BYTES, DamagedHost, RemoteRun, damage_said
+from substrax_tasks.backends.scripts import staged_scripts
 from substrax_tasks.backends.skypilot import task as sky_task
 from substrax_tasks.backends.skypilot.client import (
     CLUSTER_GONE,
@@ -409,8 +409,8 @@ class SkypilotBackend(Backend):
         sky_task.snapshot(self.settings, handle, project, self.store.root, upload / "project")
         cluster = self.cluster(handle)
         config = sky_task.task_config(
-            self.settings, handle, layout, cluster=cluster, upload_dir=upload, remote_dir=remote_dir(),
-            project=project, lock=lock, env_dir=env_dir,
+            self.settings, handle, layout, cluster=cluster, upload_dir=upload,
+            remote_dir=staged_scripts(upload / "bin"), project=project, lock=lock, env_dir=env_dir,
         )  # fmt: skip
         # The intent, before any paid call: what would be launched, and where.
         write_json_atomic(self.attempt_file(handle, TASK_FILE), config)
@@ -1150,8 +1150,7 @@ def refused_warm(cluster: str, exc: HostRefused) -> HostRefused:
     passed its bound: refused by name, with the fix that runs nothing on it."""
     what = str(exc)
     if isinstance(exc, DamagedHost):
-        what = (f"the script(s) {', '.join(exc.scripts)} there are not the ones this client installed "
-                "(changed or removed after the install)")  # fmt: skip
+        what = damage_said(exc.scripts, "there")
     return HostRefused(
         f"warm cluster {cluster} is refused: {what}; it is damaged or tampered with, and nothing is run "
         "on it. `substrax-compute gc --machines` takes it down through SkyPilot (running nothing on it), "

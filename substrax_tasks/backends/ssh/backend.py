@@ -140,11 +140,12 @@ class SshBackend(Backend):
         remote_root = str(Path(home) / self.settings.remote_root)  # relative: to the home folder
         run_dir = f"{remote_root}/runs/{run_folder_name(handle)}"
         bin_dir = f"{remote_root}/bin-{_remote_run.scripts_digest()}"
-        if conn.run(["test", "-f", f"{bin_dir}/.complete"]).returncode != 0:
+        complete = f"{bin_dir}/{_remote_run.INSTALLED_MARK}"
+        if conn.run(["test", "-f", complete]).returncode != 0:
             conn.check(["mkdir", "-p", "-m", "700", bin_dir], "mkdir")
             for name in REMOTE_SCRIPTS:
                 conn.write_bytes(f"{bin_dir}/{name}", remote_script(name).read_bytes(), mode=0o700)
-            conn.write_bytes(f"{bin_dir}/.complete", b"")
+            conn.write_bytes(complete, b"")
         run = RemoteRun(conn, self.settings.python, bin_dir, run_dir)
         gpus = _gpus.job_gpus(
             handle.spec, self.settings.hide_gpus_when_unasked,

@@ -42,6 +42,7 @@ from dodo_helpers import (
 from local_runs import describe, kill_pid, marked_pids, stubborn_tree
 from lost_tree import kill_recorded, kill_worker, overlap, step_argv, wait_tree_up, write_command
 from ssh_helpers import (
+    CLIENT_MEMORY_BOUND,
     GATED_STEP,
     GATED_SWEEP,
     SANDBOX,
@@ -59,6 +60,7 @@ from ssh_helpers import (
     remote_run_dir,
     remote_status,
     ssh_settings,
+    wait_bounded,
     write_ssh_pyproject,
 )
 from testbeds.sshd_host import SshHost, descendants, is_alive, kill_sshd, reboot, restart_sshd, running_host
@@ -712,36 +714,16 @@ ENDLESS_FOLLOWER = (
     "if sys.argv[1:2] == ['follow']:\n"
     "    while True:\n"
     "        sys.stdout.write('x' * 65536)\n"
-    "real = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'real_control.py')\n"
+    "real = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'real_control.py')\n"
     "exec(compile(open(real).read(), real, 'exec'))\n"
 )
-# Run once, by the first run's setup: the host edits the script it was sent.
+# Run once, by the first run's setup: the host edits the script it was sent
+# (its copy of the real one kept outside the bin folder: a module beside the
+# scripts is refused by name as well, and teardown removes it).
 TAMPER = (
-    'cd "$1"/bin-* && if [ ! -e real_control.py ]; then cp control.py real_control.py && '
+    'cd "$1"/bin-* && if [ ! -e ../real_control.py ]; then cp control.py ../real_control.py && '
     'printf %s "$2" > control.py; fi'
 )
-CLIENT_MEMORY_BOUND = 512 << 20  # doit itself takes about 100 MB
-
-
-def wait_bounded(proc: subprocess.Popen[str], output: Path, timeout: float = 90) -> tuple[int, int]:
-    """Wait for doit, killing it (a failure) if it outgrows CLIENT_MEMORY_BOUND
-    or its output 64 MiB; its exit status and peak RSS in bytes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            return proc.returncode, usage.ru_maxrss * 1024
-        with contextlib.suppress(OSError):
-            peak = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{proc.pid}/status").read_text())
-            grown = int(peak.group(1)) * 1024 if peak else 0
-            if grown > CLIENT_MEMORY_BOUND or output.stat().st_size > 64 << 20 or time.monotonic() > deadline:
-                kill_pid(proc.pid)
-                pytest.fail(f"doit unbounded: {grown >> 20} MiB of memory, "
-                            f"{output.stat().st_size >> 20} MiB of output")  # fmt: skip
-        time.sleep(0.1)
-
-
 def test_a_host_that_rewrites_control_py_after_the_install_is_refused_as_damaged_and_teardown_repairs_it(
     tmp_path: Path, host: SshHost
 ) -> None:
