@@ -261,6 +261,61 @@ def _refuse_path_folders(
             )
 
 
+def state_folder_of(project: Path, store_root: Path) -> str | None:
+    """The state folder (the store's root, resolved from `state_dir`, the
+    SUBSTRAX_CONFIG overlay included) as a project path, or None when it
+    lies outside the project (or is the project itself)."""
+    try:
+        rel = store_root.relative_to(project).as_posix()
+    except ValueError:
+        return None
+    return None if rel == "." else rel
+
+
+def check_clear_of_state(spec: StepSpec, state_folder: str | None) -> None:
+    """Refuse, as the dodo loads, a path of the step that is, lies in or
+    holds the state folder (`state_folder_of`), or lies in a `.git` folder.
+    A run's outputs are promoted into place and, without a sandbox, its
+    checkpoints folder is put in place over its path: there they would
+    replace the store (its runs, locks and client id) or git's own files
+    (hooks git runs). An input may lie in `.git` (read only, as
+    `.git/HEAD` to stamp a version) but not in the store: every run changes
+    it, so the step would never be up to date, and its client id would be
+    uploaded to the host."""
+    declared = [("output", out) for out in spec.outputs] + [("input", path) for path in spec.inputs]
+    if spec.checkpoints is not None:
+        declared.append(("checkpoints folder", spec.checkpoints))
+    for kind, path in declared:
+        clean = path.rstrip("/")
+        where = None if state_folder is None else _where(clean, state_folder)
+        if where is not None:
+            raise SpecError(
+                f"step {spec.step!r}: {kind} {path} {where} the state folder {state_folder}/, where "
+                "substrax keeps the project's runs, locks and client id (state_dir in "
+                f"[tool.substrax.compute]); a step's paths never touch it: {_elsewhere(kind)}"
+            )
+        if kind != "input" and ".git" in clean.split("/"):
+            raise SpecError(
+                f"step {spec.step!r}: {kind} {path} lies in .git, git's own folder: a run writing there "
+                f"could change the repository or its hooks, which git runs; {_elsewhere(kind)}"
+            )
+
+
+def _where(path: str, folder: str) -> str | None:
+    """How `path` stands to `folder`: "is", "lies in", "holds", or None (apart)."""
+    if path == folder:
+        return "is"
+    if path.startswith(folder + "/"):
+        return "lies in"
+    return "holds" if folder.startswith(path + "/") else None
+
+
+def _elsewhere(kind: str) -> str:
+    if kind == "checkpoints folder":
+        return 'give the checkpoints a folder of their own, as checkpoints="ckpt/"'
+    return f"declare {'an' if kind == 'input' else 'the'} {kind} elsewhere in the project"
+
+
 def check_inputs_exist(spec: StepSpec, project: Path) -> None:
     """Inputs may be made by earlier steps, so this is checked at launch."""
     missing = [rel for rel in spec.inputs if not (project / rel.rstrip("/")).exists()]

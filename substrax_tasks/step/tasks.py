@@ -38,7 +38,14 @@ from substrax_tasks.interrupts import map_termination_signals
 from substrax_tasks.run.step_driver import RunState, StepDriver
 from substrax_tasks.step.args import check_doit_arguments, max_cost_of, name_list, path_list
 from substrax_tasks.step.reporter import REMOTE_STEP
-from substrax_tasks.step.spec import ArgvItem, PathIndex, StepSpec, make_spec
+from substrax_tasks.step.spec import (
+    ArgvItem,
+    PathIndex,
+    StepSpec,
+    check_clear_of_state,
+    make_spec,
+    state_folder_of,
+)
 from substrax_tasks.store.project import Project
 from substrax_tasks.uptodate.check import DOIT_VALUE, Step, status
 
@@ -192,6 +199,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
                 f"through are {', '.join(PASSTHROUGH_KEYS)}, plus file_dep, task_dep and uptodate"
             )
         _refuse_own_group_task(spec.step)
+        check_clear_of_state(spec, state_folder_of(proj.root, proj.store.root))
         producers = _check_against_others(proj.root, spec)
         backend_name, settings = proj.settings_for(backend)
         cap = max_cost_of(name, max_cost)
