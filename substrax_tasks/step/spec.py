@@ -248,16 +248,28 @@ def _checkpoints_of(
 def _refuse_path_folders(
     step: str, given: list[str | os.PathLike[str]], outputs: list[str], project: Path
 ) -> None:
-    """A `pathlib.Path` drops the trailing "/" that declares a folder output:
-    one naming a folder of the project is refused now, before its command
-    runs only to have its manifest refuse the folder as a file. Only Paths
-    are looked at (a stat each): a string says what it means."""
+    """A `pathlib.Path` drops the trailing "/" that declares a folder output,
+    so a Path output is refused now, before its command runs only to have its
+    manifest refuse a folder as a file, unless it says it is a file: a file
+    already there, or a name with a suffix (`model.pt`). One naming a folder
+    of the project, or nothing yet and without a suffix (`Path("metrics")`),
+    is refused with both ways to write it. Only Paths are looked at (a stat
+    each): a string says what it means."""
     for raw, rel in zip(given, outputs, strict=True):
-        if isinstance(raw, os.PathLike) and not rel.endswith("/") and (project / rel).is_dir():
+        if not isinstance(raw, os.PathLike) or rel.endswith("/"):
+            continue
+        where = project / rel
+        if where.is_dir():
             raise SpecError(
                 f"step {step!r}: output {rel} is a folder, but it is given as a pathlib.Path, which "
                 'drops the trailing "/" that declares a folder output: '
                 f'write "{rel}/" (a string, or str(path) + "/")'
+            )
+        if not PurePosixPath(rel).suffix and not where.is_file():
+            raise SpecError(
+                f"step {step!r}: output {rel} is given as a pathlib.Path, which drops the trailing "
+                '"/" that declares a folder output, and nothing is there yet to tell a folder from '
+                f'a file: write "{rel}/" for a folder (or str(path) + "/"), "{rel}" for a file'
             )
 
 

@@ -202,6 +202,29 @@ def task_step():
     assert not (root / "ran.txt").exists()
 
 
+def test_a_path_output_naming_nothing_yet_without_a_suffix_is_refused_before_the_command_runs(
+    tmp_path: Path,
+) -> None:
+    """Issue 39, item 6: the folder the command is to make is not there yet,
+    so only its manifest refused it as a file, after the whole run. A Path
+    cannot say "folder", and nothing there says which: refused at load."""
+    body = """
+def task_step():
+    yield from remote_step("step", shell="touch ran.txt; mkdir -p out && echo 1 > out/a.txt",
+                           outputs=[Path("out"), Path("ran.txt")])
+"""
+    root = make_project(tmp_path, body, ["step"])
+    assert_refused(
+        root, "substrax: error: step 'step': output out is given as a pathlib.Path, which drops the trailing",
+        'nothing is there yet to tell a folder from a file: write "out/" for a folder (or str(path) + "/"), '
+        '"out" for a file',
+    )  # fmt: skip
+    assert not (root / "ran.txt").exists() and not (root / "out").exists()
+    write_dodo(root, body.replace('Path("out")', '"out/"'), ["step"])  # the fix it names
+    doit_ok(root)
+    assert (root / "out" / "a.txt").read_text() == "1\n" and (root / "ran.txt").is_file()
+
+
 # --------------------------------------------------------- failed runs
 
 
