@@ -56,6 +56,13 @@ if TYPE_CHECKING:  # pydantic models: imported by the phases that act, not by a 
 # step with how to reattach (the run may go on there).
 MACHINE_WAIT_SECONDS = 600.0
 MACHINE_WAIT_POLL_SECONDS = 2.0
+# doit's process pool (`doit -n N` without `-P thread`, or `-P process`): refused
+# before its first task (step/tasks.py), and by a phase reached in a worker process.
+PROCESS_POOL_REFUSED = (
+    "remote steps cannot run in doit's worker processes (`doit -n N` runs its tasks in processes "
+    "unless given `-P thread`, and so does `-P process`): the phases of a step share state in one "
+    "process. Run them concurrently with threads: `doit -n N -P thread`"
+)
 
 
 def timeline_now() -> str:
@@ -219,12 +226,8 @@ class StepDriver(DrivenRun):
         their message, and a failure closes the chain (doit runs no later
         phase). Its time goes into the run's handle for the report: as it
         moves the run's phase, or here when it failed or was interrupted."""
-        if os.getpid() != self.pid:
-            return TaskError(
-                f"step {self.spec.step!r}: remote steps cannot run in doit's worker processes "
-                "(`doit -n N` or `-P process`): the phases of a step share state in one process. "
-                "Run them concurrently with threads: `doit -n N -P thread`"
-            )
+        if os.getpid() != self.pid:  # refused before any task ran (step/tasks.py): a backstop
+            return TaskError(f"step {self.spec.step!r}: {PROCESS_POOL_REFUSED}")
         map_termination_signals()  # in a worker thread: notes that steps run in threads
         self.start_phase(phase)
         try:

@@ -248,17 +248,84 @@ def _checkpoints_of(
 def _refuse_path_folders(
     step: str, given: list[str | os.PathLike[str]], outputs: list[str], project: Path
 ) -> None:
-    """A `pathlib.Path` drops the trailing "/" that declares a folder output:
-    one naming a folder of the project is refused now, before its command
-    runs only to have its manifest refuse the folder as a file. Only Paths
-    are looked at (a stat each): a string says what it means."""
+    """A `pathlib.Path` drops the trailing "/" that declares a folder output,
+    so a Path output is refused now, before its command runs only to have its
+    manifest refuse a folder as a file, unless it says it is a file: a file
+    already there, or a name with a suffix (`model.pt`). One naming a folder
+    of the project, or nothing yet and without a suffix (`Path("metrics")`),
+    is refused with both ways to write it. Only Paths are looked at (a stat
+    each): a string says what it means."""
     for raw, rel in zip(given, outputs, strict=True):
-        if isinstance(raw, os.PathLike) and not rel.endswith("/") and (project / rel).is_dir():
+        if not isinstance(raw, os.PathLike) or rel.endswith("/"):
+            continue
+        where = project / rel
+        if where.is_dir():
             raise SpecError(
                 f"step {step!r}: output {rel} is a folder, but it is given as a pathlib.Path, which "
                 'drops the trailing "/" that declares a folder output: '
                 f'write "{rel}/" (a string, or str(path) + "/")'
             )
+        if not PurePosixPath(rel).suffix and not where.is_file():
+            raise SpecError(
+                f"step {step!r}: output {rel} is given as a pathlib.Path, which drops the trailing "
+                '"/" that declares a folder output, and nothing is there yet to tell a folder from '
+                f'a file: write "{rel}/" for a folder (or str(path) + "/"), "{rel}" for a file'
+            )
+
+
+def state_folder_of(project: Path, store_root: Path) -> str | None:
+    """The state folder (the store's root, resolved from `state_dir`, the
+    SUBSTRAX_CONFIG overlay included) as a project path, or None when it
+    lies outside the project (or is the project itself)."""
+    try:
+        rel = store_root.relative_to(project).as_posix()
+    except ValueError:
+        return None
+    return None if rel == "." else rel
+
+
+def check_clear_of_state(spec: StepSpec, state_folder: str | None) -> None:
+    """Refuse, as the dodo loads, a path of the step that is, lies in or
+    holds the state folder (`state_folder_of`), or lies in a `.git` folder.
+    A run's outputs are promoted into place and, without a sandbox, its
+    checkpoints folder is put in place over its path: there they would
+    replace the store (its runs, locks and client id) or git's own files
+    (hooks git runs). An input may lie in `.git` (read only, as
+    `.git/HEAD` to stamp a version) but not in the store: every run changes
+    it, so the step would never be up to date, and its client id would be
+    uploaded to the host."""
+    declared = [("output", out) for out in spec.outputs] + [("input", path) for path in spec.inputs]
+    if spec.checkpoints is not None:
+        declared.append(("checkpoints folder", spec.checkpoints))
+    for kind, path in declared:
+        clean = path.rstrip("/")
+        where = None if state_folder is None else _where(clean, state_folder)
+        if where is not None:
+            raise SpecError(
+                f"step {spec.step!r}: {kind} {path} {where} the state folder {state_folder}/, where "
+                "substrax keeps the project's runs, locks and client id (state_dir in "
+                f"[tool.substrax.compute]); a step's paths never touch it: {_elsewhere(kind)}"
+            )
+        if kind != "input" and ".git" in clean.split("/"):
+            raise SpecError(
+                f"step {spec.step!r}: {kind} {path} lies in .git, git's own folder: a run writing there "
+                f"could change the repository or its hooks, which git runs; {_elsewhere(kind)}"
+            )
+
+
+def _where(path: str, folder: str) -> str | None:
+    """How `path` stands to `folder`: "is", "lies in", "holds", or None (apart)."""
+    if path == folder:
+        return "is"
+    if path.startswith(folder + "/"):
+        return "lies in"
+    return "holds" if folder.startswith(path + "/") else None
+
+
+def _elsewhere(kind: str) -> str:
+    if kind == "checkpoints folder":
+        return 'give the checkpoints a folder of their own, as checkpoints="ckpt/"'
+    return f"declare {'an' if kind == 'input' else 'the'} {kind} elsewhere in the project"
 
 
 def check_inputs_exist(spec: StepSpec, project: Path) -> None:

@@ -31,14 +31,22 @@ from typing import Any
 from doit import loader as doit_loader
 from doit.dependency import UptodateCalculator
 from doit.exceptions import InvalidTask
+from doit.runner import MRunner, MThreadRunner
 
 from substrax_tasks.config.pyproject import config_key, config_stamp
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.interrupts import map_termination_signals
-from substrax_tasks.run.step_driver import RunState, StepDriver
+from substrax_tasks.run.step_driver import PROCESS_POOL_REFUSED, RunState, StepDriver
 from substrax_tasks.step.args import check_doit_arguments, max_cost_of, name_list, path_list
-from substrax_tasks.step.reporter import REMOTE_STEP
-from substrax_tasks.step.spec import ArgvItem, PathIndex, StepSpec, make_spec
+from substrax_tasks.step.reporter import REMOTE_STEP, selected_closure
+from substrax_tasks.step.spec import (
+    ArgvItem,
+    PathIndex,
+    StepSpec,
+    check_clear_of_state,
+    make_spec,
+    state_folder_of,
+)
 from substrax_tasks.store.project import Project
 from substrax_tasks.uptodate.check import DOIT_VALUE, Step, status
 
@@ -192,6 +200,7 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
                 f"through are {', '.join(PASSTHROUGH_KEYS)}, plus file_dep, task_dep and uptodate"
             )
         _refuse_own_group_task(spec.step)
+        check_clear_of_state(spec, state_folder_of(proj.root, proj.store.root))
         producers = _check_against_others(proj.root, spec)
         backend_name, settings = proj.settings_for(backend)
         cap = max_cost_of(name, max_cost)
@@ -274,6 +283,27 @@ def _generate_tasks(func_name: str, gen_result: Any, gen_doc: str | None = None)
 
 _DOIT_GENERATE_TASKS = doit_loader.generate_tasks
 doit_loader.generate_tasks = _generate_tasks
+
+
+def _run_tasks(runner: Any, task_dispatcher: Any) -> Any:
+    """doit's process pool (MRunner.run_tasks), refused before its first
+    task when a remote step is among those it would run: the phases'
+    own check (StepDriver._action) comes only once a phase is reached, after
+    the plain tasks before it ran. doit tells neither the dodo nor the
+    reporter which runner it chose: this one call per `doit`, the pool's
+    start, is wrapped, as generate_tasks is above. Its threads
+    (MThreadRunner, `-P thread`) go through."""
+    if not isinstance(runner, MThreadRunner):
+        steps = {name for _root, step in DRIVERS for name in (step, f"_{step}")}
+        closure = selected_closure(task_dispatcher.tasks, task_dispatcher.selected_tasks)
+        if any(task.name in steps for task in closure):
+            print(f"substrax: error: {PROCESS_POOL_REFUSED}", file=sys.stderr)
+            raise SystemExit(2)
+    return _DOIT_RUN_TASKS(runner, task_dispatcher)
+
+
+_DOIT_RUN_TASKS = MRunner.run_tasks
+MRunner.run_tasks = _run_tasks
 
 
 def step_tasks(

@@ -49,11 +49,19 @@ def shown_paths(project: Path, inputs: Sequence[str]) -> list[str]:
     return shown
 
 
+def written_paths(spec: StepSpec) -> list[str]:
+    """What the run writes, without a folder's "/": its outputs and its
+    checkpoints folder (bound or put in place at its path on every backend)."""
+    return [o.rstrip("/") for o in spec.outputs] + (
+        [spec.checkpoints.rstrip("/")] if spec.checkpoints else []
+    )
+
+
 def project_view(
-    project: Path, state_dir: Path, inputs: Sequence[str], outputs: Sequence[str] = ()
+    project: Path, state_dir: Path, inputs: Sequence[str], written: Sequence[str] = ()
 ) -> ProjectView:
-    """The view of `project` for a step with `inputs` and `outputs` (which
-    the run makes, so never named as left out)."""
+    """The view of `project` for a step with `inputs` that writes `written`
+    (written_paths: what the run makes is never named as left out)."""
     shown = shown_paths(project, inputs)
     hidden: list[str] = []
     for entry in sorted(project.iterdir()):
@@ -61,7 +69,7 @@ def project_view(
     quiet = set(ALWAYS_EXCLUDED)
     with contextlib.suppress(ValueError, IndexError):  # the state dir, unless it is elsewhere
         quiet.add(state_dir.resolve().relative_to(project.resolve()).parts[0])
-    made = [o.rstrip("/") for o in outputs]
+    made = [w.rstrip("/") for w in written]
     left_out = [
         h for h in hidden
         if not quiet & set(h.split("/")) and not any(_within(h, o) or _within(o, h) for o in made)
@@ -73,9 +81,12 @@ def check_command_in_view(spec: StepSpec, project: Path) -> None:
     """Refuse a command that names a project file or folder the run would
     not see: it would fail there, or worse, read a file its key does not
     cover. An argv item counts as a path (relative to the project, where the
-    command runs), and so does the value of an `--option=value` item."""
+    command runs), and so does the value of an `--option=value` item. The
+    checkpoints folder is the step's own, at its path on every backend:
+    naming it (or a file in it) is always allowed, though the first run
+    leaves its empty mount point in the project."""
     shown = shown_paths(project, spec.inputs)
-    made = [o.rstrip("/") for o in spec.outputs]
+    made = written_paths(spec)
     root = os.path.normpath(project)
     for item in spec.command:
         for candidate in _path_words(item):

@@ -151,10 +151,10 @@ def test_arguments_of_the_documented_types_pass_unchanged(tmp_path: Path) -> Non
     stays an int and another number type becomes a plain one, so no
     spec's digest changes."""
     spec = make_spec("train", ("python", Path("train.py"), 3), tmp_path, inputs=(p for p in ["a.csv"]),
-                     outputs=(Path("out/"), "m.pt"), timeout=60, forward_env=("TOKEN",))  # fmt: skip
+                     outputs=(Path("out/m.pt"), "log/"), timeout=60, forward_env=("TOKEN",))  # fmt: skip
     assert spec.command == ["python", "train.py", "3"]
     assert spec.inputs == ["a.csv"]
-    assert spec.outputs == ["out", "m.pt"]  # a Path drops the trailing "/": say "out/" for a folder
+    assert spec.outputs == ["out/m.pt", "log/"]
     assert spec.timeout == 60 and isinstance(spec.timeout, int)
     numpy_like: dict[str, Any] = {"timeout": Fraction(3, 2)}  # a number, not an int or float
     assert make_spec("t", ["true"], tmp_path, **numpy_like).timeout == 1.5

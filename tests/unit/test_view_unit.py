@@ -10,7 +10,7 @@ import pytest
 from substrax_tasks._remote import hints
 from substrax_tasks.errors import SpecError
 from substrax_tasks.step.spec import make_spec
-from substrax_tasks.step.view import check_command_in_view, project_view
+from substrax_tasks.step.view import check_command_in_view, project_view, written_paths
 
 # ------------------------------------------------------------ the pieces
 
@@ -56,6 +56,24 @@ def test_the_command_check_names_an_undeclared_project_path(
         return
     with pytest.raises(SpecError, match=f"its command names {named}, a project file the run would not see"):
         check_command_in_view(spec, tmp_path)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "named", ["ckpt/long", "--ckpt=ckpt/long", "ckpt/long/", "ckpt/long/x.pt", "-r=ckpt/long/x.pt", "ckpt"]
+)
+def test_the_checkpoints_folder_named_by_the_command_is_the_runs_own(tmp_path: Path, named: str) -> None:
+    """Issue 39, item 1: as a run leaves it in the project (its mount point,
+    or without a sandbox its checkpoints), never refused nor named left out."""
+    (tmp_path / "ckpt" / "long").mkdir(parents=True)
+    (tmp_path / "ckpt" / "long" / "x.pt").write_text("")
+    (tmp_path / "train.py").write_text("")
+    command = ["python3", "train.py", named]
+    spec = make_spec("train", command, tmp_path, inputs=["train.py"], outputs=["o/"], checkpoints="ckpt/long")
+    check_command_in_view(spec, tmp_path)
+    view = project_view(tmp_path, tmp_path / ".substrax", spec.inputs, written_paths(spec))
+    assert view.hidden == ["ckpt"]  # bound over in the sandbox, put in place without one
+    assert view.left_out == []
 
 
 @pytest.mark.unit

@@ -45,7 +45,7 @@ from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.hardlinks import link_tree
 from substrax_tasks.poll import wait_readable
-from substrax_tasks.step.view import project_view
+from substrax_tasks.step.view import project_view, written_paths
 from substrax_tasks.store.cost import cap_deadline
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.uptodate import manifests as manifest_cache
@@ -93,7 +93,7 @@ class LocalBackend(Backend):
             ) from None
         env_dir = env_dir_of(handle.step, built)
         # What ssh and skypilot would upload is all the sandbox shows.
-        view = project_view(Path(project), self.store.root, handle.spec.inputs, handle.spec.outputs)
+        view = project_view(Path(project), self.store.root, handle.spec.inputs, written_paths(handle.spec))
         job = build_job(
             handle.spec,
             paths,

@@ -70,7 +70,7 @@ from substrax_tasks.errors import BackendError, HostRefused, SubstraxError
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.slots import Pool
 from substrax_tasks.step.spec import canonical_digest, safe_name, settings_in_key
-from substrax_tasks.step.view import project_view
+from substrax_tasks.step.view import project_view, written_paths
 from substrax_tasks.store import shared_machine
 from substrax_tasks.store.cost import watchdog_seconds
 from substrax_tasks.store.handle import RunHandle
@@ -529,7 +529,7 @@ class SkypilotBackend(Backend):
         run = self.remote_run(handle)
         there = f"{run.run_dir}/project"
         outputs = {o.rstrip("/") for o in handle.spec.outputs}
-        view = project_view(project, self.store.root, handle.spec.inputs, handle.spec.outputs)
+        view = project_view(project, self.store.root, handle.spec.inputs, written_paths(handle.spec))
         sources = self.settings.copy_.source_paths() if self.settings.copy_ is not None else []
         bucket = self.settings.bucket
         buckets = {p.strip("/") for p in bucket.buckets} if bucket is not None else set()

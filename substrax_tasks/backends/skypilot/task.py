@@ -48,7 +48,7 @@ from substrax_tasks.backends.skypilot.state import SkypilotState
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.hardlinks import link_tree
 from substrax_tasks.step.spec import safe_name
-from substrax_tasks.step.view import project_view
+from substrax_tasks.step.view import project_view, written_paths
 from substrax_tasks.store.cost import cap_deadline
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
@@ -403,7 +403,7 @@ def snapshot(
     sources = set(settings.copy_.source_paths()) if settings.copy_ is not None else set()
     buckets = {p.strip("/") for p in settings.bucket.buckets} if settings.bucket is not None else set()
     skipped = outputs | sources | buckets
-    view = project_view(project, state_dir, handle.spec.inputs, handle.spec.outputs)
+    view = project_view(project, state_dir, handle.spec.inputs, written_paths(handle.spec))
     files = [f for f in view.files if f not in skipped]
     for rel in files:  # an input inside a folder already taken stays as taken
         link_tree(project / rel.rstrip("/"), dest / rel.rstrip("/"))

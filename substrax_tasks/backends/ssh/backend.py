@@ -46,7 +46,7 @@ from substrax_tasks.console import emit
 from substrax_tasks.errors import BackendError, SubstraxError
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.slots import Pool
-from substrax_tasks.step.view import project_view
+from substrax_tasks.step.view import project_view, written_paths
 from substrax_tasks.store.cost import cap_deadline, watchdog_seconds
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.transports.rsync import RsyncTransport
@@ -226,7 +226,7 @@ class SshBackend(Backend):
     def sync(self, handle: RunHandle) -> RunHandle:
         project = Path(str(handle.state.project))
         outputs = {o.rstrip("/") for o in handle.spec.outputs}
-        view = project_view(project, self.store.root, handle.spec.inputs, handle.spec.outputs)
+        view = project_view(project, self.store.root, handle.spec.inputs, written_paths(handle.spec))
         files = [f for f in view.files if f not in outputs]  # the sandbox hides them; the run makes them anew
         stats = self.transport().upload(project, files, f"{self._state(handle, 'remote_run_dir')}/project")
         run = self.remote_run(handle)

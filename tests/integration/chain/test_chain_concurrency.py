@@ -282,6 +282,34 @@ def test_process_pool_is_refused_clearly(tmp_path: Path, marker: str) -> None:
     assert run_count(root) == 2
 
 
+PLAIN_THEN_REMOTE = """
+def task_prepare():
+    return {"actions": ["echo prepared > prepared.txt"], "targets": ["prepared.txt"]}
+
+def task_train():
+    yield from remote_step("train", command=["cp", "prepared.txt", "out.txt"], inputs=["prepared.txt"],
+                           outputs=["out.txt"], task_dep=["prepare"])
+"""
+
+
+@pytest.mark.parametrize("pool", [["-n", "2"], ["-n", "2", "-P", "process"]], ids=["n-2", "P-process"])
+def test_a_process_pool_is_refused_before_any_task_runs(tmp_path: Path, pool: list[str]) -> None:
+    """Issue 39, item 6: the phases refused the pool only once reached, after
+    the plain tasks before them had run in it."""
+    root = make_project(tmp_path, PLAIN_THEN_REMOTE, ["train"])
+    done = doit(root, *pool)
+    assert not (root / "prepared.txt").exists(), show(done)  # the plain task did not run
+    assert done.returncode == 2, show(done)
+    assert "substrax: error: remote steps cannot run in doit's worker processes" in done.stderr, show(done)
+    assert "`doit -n N -P thread`" in done.stderr and "Traceback" not in done.stderr, show(done)
+    assert run_count(root) == 0
+    # A pool that runs no remote step is doit's as ever; threads run the rest.
+    doit_ok(root, *pool, "prepare")
+    assert (root / "prepared.txt").read_text() == "prepared\n"
+    doit_ok(root, "-n", "2", "-P", "thread")
+    assert (root / "out.txt").read_text() == "prepared\n" and run_count(root) == 1
+
+
 # ------------------------------------------------------ SIGTERM and Ctrl-C
 
 

@@ -27,6 +27,7 @@ from dodo_helpers import (
     step_ran,
     step_skipped,
     stop,
+    tree_files,
     wait_for,
     write_dodo,
 )
@@ -199,6 +200,29 @@ def task_step():
     root = make_project(tmp_path, body, ["step"], files={"out/old.txt": "old\n"})
     assert_refused(root, "output out is a folder, but it is given as a pathlib.Path", 'write "out/"')
     assert not (root / "ran.txt").exists()
+
+
+def test_a_path_output_naming_nothing_yet_without_a_suffix_is_refused_before_the_command_runs(
+    tmp_path: Path,
+) -> None:
+    """Issue 39, item 6: the folder the command is to make is not there yet,
+    so only its manifest refused it as a file, after the whole run. A Path
+    cannot say "folder", and nothing there says which: refused at load."""
+    body = """
+def task_step():
+    yield from remote_step("step", shell="touch ran.txt; mkdir -p out && echo 1 > out/a.txt",
+                           outputs=[Path("out"), Path("ran.txt")])
+"""
+    root = make_project(tmp_path, body, ["step"])
+    assert_refused(
+        root, "substrax: error: step 'step': output out is given as a pathlib.Path, which drops the trailing",
+        'nothing is there yet to tell a folder from a file: write "out/" for a folder (or str(path) + "/"), '
+        '"out" for a file',
+    )  # fmt: skip
+    assert not (root / "ran.txt").exists() and not (root / "out").exists()
+    write_dodo(root, body.replace('Path("out")', '"out/"'), ["step"])  # the fix it names
+    doit_ok(root)
+    assert (root / "out" / "a.txt").read_text() == "1\n" and (root / "ran.txt").is_file()
 
 
 # --------------------------------------------------------- failed runs
@@ -436,3 +460,76 @@ def task_step():
     assert step_ran(done, "renamed")
     assert run_count(root) == 2
     assert os.path.exists(root / "o.txt")
+
+
+# ------------------------------------- the state folder and .git: never a step's
+
+GOOD_STEP = """
+def task_good():
+    yield from remote_step("good", command=["sh", "-c", "echo ok > good.txt"], outputs=["good.txt"])
+"""
+HOSTILE_STEP = """
+def task_bad():
+    yield from remote_step("bad", command=["sh", "-c", "echo 0 > out.txt"], {paths})
+"""
+STATE_MOVED = '[tool.substrax.compute]\nstate_dir = "var/state"\n'
+
+
+@pytest.mark.parametrize(
+    ("moved_by", "paths", "said"),
+    [
+        pytest.param(None, 'outputs=["out.txt"], checkpoints=".substrax/"',
+                     "checkpoints folder .substrax/ is the state folder .substrax/", id="checkpoints-is-it"),
+        pytest.param(None, 'outputs=["out.txt"], checkpoints=".substrax/runs"',
+                     "checkpoints folder .substrax/runs/ lies in the state folder .substrax/", id="ckpt-in"),
+        pytest.param(None, 'outputs=["out.txt", ".substrax/client-id"]',
+                     "output .substrax/client-id lies in the state folder .substrax/", id="output-in"),
+        pytest.param(None, 'inputs=[".substrax/"], outputs=["out.txt"]',
+                     "input .substrax/ is the state folder .substrax/", id="input-is-it"),
+        pytest.param("pyproject", 'outputs=["out.txt", "var/"]',
+                     "output var/ holds the state folder var/state/", id="output-holds-moved"),
+        pytest.param("env", 'outputs=["out.txt"], checkpoints="var/state/"',
+                     "checkpoints folder var/state/ is the state folder var/state/", id="moved-by-overlay"),
+        pytest.param(None, 'outputs=["out.txt", ".git/hooks/"]',
+                     "output .git/hooks/ lies in .git, git's own folder", id="git-hooks"),
+        pytest.param(None, 'outputs=["out.txt"], checkpoints=".git"',
+                     "checkpoints folder .git/ lies in .git, git's own folder", id="git-checkpoints"),
+    ],
+)  # fmt: skip
+def test_a_step_path_on_the_state_folder_or_in_git_is_refused_at_load(
+    tmp_path: Path, moved_by: str | None, paths: str, said: str
+) -> None:
+    """Issue 39, item 4: with `sandbox = "none"` a checkpoints folder put in
+    place over the state folder wiped the store, outputs under it were
+    promoted into it (the client id overwritten), and `.git/hooks/` was an
+    output. Each is refused as the dodo loads, wherever the state folder is
+    (state_dir in pyproject.toml or the SUBSTRAX_CONFIG overlay): nothing
+    runs, the store, .git and the other step's output stay as they were."""
+    root = make_project(tmp_path, GOOD_STEP, sandbox="none", files={".git/hooks/pre-commit": "#!/bin/sh\n"})
+    env: dict[str, str] = {}
+    if moved_by == "pyproject":
+        (root / "pyproject.toml").write_text(STATE_MOVED + (root / "pyproject.toml").read_text())
+    elif moved_by == "env":
+        (tmp_path / "overlay.toml").write_text(STATE_MOVED)
+        env["SUBSTRAX_CONFIG"] = str(tmp_path / "overlay.toml")
+    store = root / ("var/state" if moved_by else ".substrax")
+    doit_ok(root, "good", env=env)
+    assert len(list((store / "runs").iterdir())) == 1 and (root / "good.txt").read_text() == "ok\n"
+    before = {base: tree_files(root / base) for base in (store.relative_to(root).as_posix(), ".git")}
+
+    write_dodo(root, GOOD_STEP + HOSTILE_STEP.format(paths=paths))
+    refused = doit(root, env=env)
+    assert refused.returncode == 1, show(refused)
+    text = refused.stdout + refused.stderr
+    assert said in text and "Traceback" not in text, show(refused)
+    assert {base: tree_files(root / base) for base in before} == before  # nothing ran, nothing was moved
+    assert not (root / "out.txt").exists() and (root / "good.txt").read_text() == "ok\n"
+
+
+def test_an_input_in_git_is_read_as_any_input(tmp_path: Path) -> None:
+    """Reading .git is harmless (`.git/HEAD` to stamp a version): only
+    writing there is refused."""
+    step = one_step(command=["cp", ".git/HEAD", "out.txt"], inputs=[".git/HEAD"], outputs=["out.txt"])
+    root = make_project(tmp_path, step, default_tasks=["step"], files={".git/HEAD": "ref: refs/heads/main\n"})
+    doit_ok(root)
+    assert (root / "out.txt").read_text() == "ref: refs/heads/main\n"

@@ -12,7 +12,17 @@ import signal
 from pathlib import Path
 
 import pytest
-from checkpoint_parts import COUNT_PY, count_step, counts, kept_state, result_of, run_logs, starts
+from checkpoint_parts import (
+    COUNT_PY,
+    NAMING_STEP,
+    count_step,
+    counts,
+    kept_state,
+    rerun_and_reattach_naming_the_checkpoints,
+    result_of,
+    run_logs,
+    starts,
+)
 from dodo_helpers import (
     DEFAULT_SANDBOX,
     SANDBOXES,
@@ -214,3 +224,22 @@ def test_a_root_commands_setuid_checkpoints_keep_no_privilege_in_the_store(
     done = doit_ok(root, "priv")
     said = run_logs(root, "priv")[-1]
     assert {"mode 755 ckpt/s", "mode 775 ckpt/o", "mode 775 ckpt/d"} <= set(said.splitlines()), show(done)
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_a_command_naming_its_checkpoints_folder_runs_again_after_an_edit_and_reattaches(
+    tmp_path: Path, sandbox: str
+) -> None:
+    """Issue 39, item 1: the first run leaves ckpt/long in the project (the
+    sandbox's mount point; without one, the checkpoints themselves), and
+    every later launch was refused as naming "a project file the run would
+    not see"."""
+    root = counting_project(tmp_path, NAMING_STEP, sandbox)
+
+    def written_in() -> Path | None:  # the kept folder, bound at ckpt/long; or ckpt/long itself
+        if sandbox == "none":
+            return root / "ckpt" / "long"
+        return next((root / ".substrax" / "checkpoints" / "train").glob("*/live"), None)
+
+    rerun_and_reattach_naming_the_checkpoints(root, written_in)
+    assert (root / "ckpt" / "long").is_dir()  # what made every later launch refused

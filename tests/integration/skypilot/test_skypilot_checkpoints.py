@@ -18,7 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from checkpoint_parts import COUNT_PY, count_step, kept_state, result_of, run_logs, starts
+from checkpoint_parts import (
+    COUNT_PY,
+    NAMING_STEP,
+    count_step,
+    kept_state,
+    rerun_and_reattach_naming_the_checkpoints,
+    result_of,
+    run_logs,
+    starts,
+)
 from dodo_helpers import COMPUTE, clean_env, doit, doit_ok, popen_doit, show, stop, unsafe_modes, wait_for
 from s3_server import running_s3_server
 from sky_beds import Sky
@@ -72,6 +81,19 @@ def test_a_killed_client_reattaches_and_the_snapshots_go_once_promoted(sky: Sky)
     assert len(live_handles(root, "count")) == 1, show(done)  # reattached, not launched again
     assert result_of(root, "count") == (16, list(range(1, 17)))
     assert not (root / ".substrax" / "checkpoints" / "count").exists()
+
+
+def test_a_command_naming_its_checkpoints_folder_runs_again_after_an_edit_and_reattaches(sky: Sky) -> None:
+    """Issue 39, item 1, on a cluster: a project holding ckpt/long (as a
+    local run of the step leaves it) had every launch refused."""
+    root = counting_project(sky, NAMING_STEP)
+    (root / "ckpt" / "long").mkdir(parents=True)
+
+    def written_in() -> Path | None:  # on the cluster, bound at ckpt/long in its sandbox
+        launched = live_handles(root, "train")
+        return sky.remote / "runs" / launched[-1]["run_id"] / "work" / "checkpoints" if launched else None
+
+    rerun_and_reattach_naming_the_checkpoints(root, written_in, env=sky.env, wait=180)
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["new-cluster", "warm-cluster"])

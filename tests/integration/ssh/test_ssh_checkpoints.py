@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 from checkpoint_parts import (
     COUNT_PY,
+    NAMING_STEP,
     count_step,
     inside,
     kept_state,
     on_small_disk,
+    rerun_and_reattach_naming_the_checkpoints,
     result_of,
     run_logs,
     starts,
@@ -40,7 +42,14 @@ from dodo_helpers import (
     unsafe_modes,
     wait_for,
 )
-from ssh_helpers import every_session_held, live_handles, make_ssh_project, needs_root, needs_sshd
+from ssh_helpers import (
+    every_session_held,
+    live_handles,
+    make_ssh_project,
+    needs_root,
+    needs_sshd,
+    remote_run_dir,
+)
 from testbeds.sshd_host import SshHost
 
 from substrax_tasks.backends.ssh.connection import NoSession, connection
@@ -135,6 +144,23 @@ def test_a_run_that_failed_after_its_client_was_killed_resumes_from_what_it_left
     assert starts(run_logs(root, "count")[-1]) == [3], show(done)
     reached, seen = result_of(root, "count")
     assert reached == 6 and seen == list(range(1, 7))
+
+
+def test_a_command_naming_its_checkpoints_folder_runs_again_after_an_edit_and_reattaches(
+    tmp_path: Path, host: SshHost
+) -> None:
+    """Issue 39, item 1, on a host: the command's check is the client's, so
+    a project holding ckpt/long (as a local run of the step leaves it: its
+    mount point) had every launch refused, the reattach after a kill -9
+    of the client included."""
+    root = counting_project(tmp_path, host, NAMING_STEP)
+    (root / "ckpt" / "long").mkdir(parents=True)
+
+    def written_in() -> Path | None:  # on the host, bound at ckpt/long in its sandbox
+        launched = [h for h in live_handles(root, "train") if h["backend_state"].get("remote_run_dir")]
+        return remote_run_dir(launched[-1]) / "work" / "checkpoints" if launched else None
+
+    rerun_and_reattach_naming_the_checkpoints(root, written_in, wait=120)
 
 
 # A command that rewrites two big files for SECONDS, each by rename, every
