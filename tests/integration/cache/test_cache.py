@@ -779,3 +779,30 @@ def test_the_first_store_says_where_the_cache_is_once_per_project(tmp_path: Path
     other = project(tmp_path, "b", cache, body=TWO_STEPS)
     done = doit_ok(other, "one", "two")
     assert restored(done) and done.stdout.count(INTRODUCED) == 1, show(done)
+
+
+def test_a_restore_or_a_run_into_a_folder_output_names_the_extra_files_it_removes(tmp_path: Path) -> None:
+    """A folder output is replaced whole: a file here that the restored (or
+    fetched) outputs lack goes with the old folder, and one line names it,
+    as `why` names it before."""
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path)))
+    second = project(tmp_path, "b", folder_cache(tmp_path))
+    (second / "out" / "notes").mkdir(parents=True)
+    (second / "out" / "notes.txt").write_text("mine\n")
+    (second / "out" / "notes" / "a.txt").write_text("mine too\n")
+    (second / "out" / "sub").mkdir()
+    (second / "out" / "sub" / "x").write_text("the entry's own name: replaced, not extra\n")
+    done = doit_ok(second)
+    assert restored(done), show(done)
+    said = [line for line in done.stdout.splitlines() if "removed out/" in line]
+    assert len(said) == 1, show(done)
+    assert "removed out/notes.txt, out/notes/: not among the outputs of cache entry" in said[0], said
+    assert "out/sub" not in said[0] and not (second / "out" / "notes.txt").exists()
+    # a run (a fetch promoted) says it the same way; a run with nothing extra says nothing
+    (second / "out" / "stray.log").write_text("left here\n")
+    (second / "data" / "in.txt").write_text("other\n")
+    done = doit_ok(second)
+    assert not restored(done) and "make: removed out/stray.log: not among the outputs of run " in done.stdout
+    shutil.rmtree(second / "out")
+    done = doit_ok(second)
+    assert restored(done) and "removed " not in done.stdout, show(done)
