@@ -670,9 +670,10 @@ def account(folder: Path) -> int:
     return int(json.loads((folder / "size.json").read_text())["bytes"])
 
 
-def object_bytes(folder: Path) -> int:
-    """The disk the objects take (their blocks): what the account counts."""
-    return sum(p.stat().st_blocks * 512 for p in (folder / "objects").rglob("*") if p.is_file())
+def cache_bytes(folder: Path) -> int:
+    """The disk the objects and the entries' files take (their blocks): what the account counts."""
+    files = [*(folder / "objects").rglob("*"), *(folder / "entries").rglob("*")]
+    return sum(p.stat().st_blocks * 512 for p in files if p.is_file())
 
 
 def test_keeping_a_run_reads_the_account_not_the_other_entries(tmp_path: Path) -> None:
@@ -682,25 +683,25 @@ def test_keeping_a_run_reads_the_account_not_the_other_entries(tmp_path: Path) -
     entry once), below max_size, the oldest first, and the account made exact."""
     folder = tmp_path / "team-cache"
     others = old_entries(folder, 50, 1000)
-    old = object_bytes(folder)
-    block = old // 50  # what one object of 1,000 bytes takes on disk
-    (folder / "size.json").write_text(json.dumps({"version": 2, "bytes": 0}))  # says: nearly empty
+    old = cache_bytes(folder)
+    block = old // 50  # what one entry takes on disk: its object of 1,000 bytes and its JSON
+    (folder / "size.json").write_text(json.dumps({"version": 3, "bytes": 0}))  # says: nearly empty
     root = project(tmp_path, "a", folder_cache(tmp_path) + f"max_size = {20 * block}\n")
     doit_ok(root)
     assert len(entries(folder)) == 51  # the 50 objects the account does not know were not looked for
     grown = account(folder)
-    assert grown == object_bytes(folder) - old > 0 and all(p.exists() for p in others)  # the new run's only
-    (folder / "size.json").write_text(json.dumps({"version": 2, "bytes": old + grown}))  # the truth
-    doit_ok(root, "-a", "make")  # over 20 blocks: trimmed to 18, the oldest first
+    assert grown == cache_bytes(folder) - old > 0 and all(p.exists() for p in others)  # the new run's only
+    (folder / "size.json").write_text(json.dumps({"version": 3, "bytes": old + grown}))  # the truth
+    doit_ok(root, "-a", "make")  # over 20 entries' worth: trimmed to 18, the oldest first
     left = [p for p in others if p.exists()]
     assert left == others[-(len(left)):] and 15 <= len(left) <= 17, len(left)
-    assert account(folder) == object_bytes(folder) <= 18 * block
+    assert account(folder) == cache_bytes(folder) <= 18 * block
     (folder / "size.json").write_text("{damaged")
     shutil.rmtree(root / "out")
     assert restored(doit_ok(root))
     cached = entries(folder)
     doit_ok(root, "-a", "make")  # a damaged account is counted again
-    assert account(folder) == object_bytes(folder) and entries(folder) == cached
+    assert account(folder) == cache_bytes(folder) and entries(folder) == cached
 
 
 # Steps whose outputs are copied into the cache at once: 2 MB each, all different.
@@ -728,7 +729,7 @@ def test_threads_keeping_runs_at_once_never_say_one_was_not_kept(tmp_path: Path)
     assert "could not keep" not in done.stdout + done.stderr, show(done)
     kept = [json.loads(p.read_text())["step"] for p in entries(folder)]
     assert len(kept) >= 10 and set(kept) <= set(names), kept  # trimmed from 40 MB, the old ones first
-    assert account(folder) == object_bytes(folder) <= 40_000_000
+    assert account(folder) == cache_bytes(folder) <= 40_000_000
 
 
 def test_substrax_cache_off_neither_restores_nor_keeps_and_a_bad_value_is_refused(tmp_path: Path) -> None:
