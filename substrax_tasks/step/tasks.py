@@ -32,6 +32,7 @@ from doit import loader as doit_loader
 from doit.dependency import UptodateCalculator
 from doit.exceptions import InvalidTask
 
+from substrax_tasks.backends.registry import PROGRAM_FOUND_HERE
 from substrax_tasks.config.pyproject import config_key, config_stamp
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.interrupts import map_termination_signals
@@ -197,7 +198,8 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
         cap = max_cost_of(name, max_cost)
         if cap is not None:  # the step's own cap, pinned with the settings (not part of the key)
             settings = {**settings, "max_cost": cap}
-        step = Step(spec, proj.root, backend_name, settings, proj.store, tracked=tracked)
+        step = Step(spec, proj.root, backend_name, settings, proj.store, tracked=tracked,
+                    program_found_here=backend_name in PROGRAM_FOUND_HERE)  # fmt: skip
     except SubstraxError as exc:  # a bad declaration stops doit before anything is launched
         print(f"substrax: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
