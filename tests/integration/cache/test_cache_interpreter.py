@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 from cache_parts import folder_cache, restored
-from dodo_helpers import compute, doit_ok, make_project, run_count, show, step_ran, step_skipped, write_pyproject
+from dodo_helpers import (
+    compute,
+    doit_ok,
+    make_project,
+    run_count,
+    show,
+    step_ran,
+    step_skipped,
+    write_pyproject,
+)
 
 PYENV = Path("/root/.pyenv/versions")
 OLD, NEW = "3.10.13", "3.12.1"
