@@ -154,7 +154,7 @@ class Step:
         it names none, or runs where this PATH means nothing."""
         if not self.program_found_here or not self.spec.command:
             return None
-        return interpreter.python_named(self.spec.command[0], self.root_str)
+        return interpreter.python_named(self.spec.command[0], self.root_str, self.spec.env)
 
     @functools.cached_property
     def walked_paths(self) -> list[tuple[str, bool, bool]] | None:

@@ -29,13 +29,14 @@ ASK = "import sys; print(sys.executable); print(sys.version.split()[0])"
 ASK_SECONDS = 60
 
 
-def python_named(argv0: str, root: str) -> str | None:
+def python_named(argv0: str, root: str, env: dict[str, str]) -> str | None:
     """The path of the Python `argv0` names, as the command would find it
-    (on PATH, or a path from the project folder); None when `argv0` is no
-    Python. Found once per process for each name, folder and PATH."""
+    (on PATH, the step's `env` over this process's as the local backend
+    looks it up, or a path from the project folder); None when `argv0` is
+    no Python. Found once per process for each name, folder and PATH."""
     if not PYTHON.fullmatch(Path(argv0).name):
         return None
-    return _found(argv0, root, os.environ.get("PATH", os.defpath))
+    return _found(argv0, root, env.get("PATH") or os.environ.get("PATH", os.defpath))
 
 
 @functools.lru_cache(maxsize=64)
