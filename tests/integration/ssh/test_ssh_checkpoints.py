@@ -277,7 +277,7 @@ def put(name, data):
 os.makedirs("ckpt", exist_ok=True)
 put("state.json", b'{"i": 1}')
 wait("go")
-put("big", bytes(int(sys.argv[1]) << 20))
+put("big", b"x" * (int(sys.argv[1]) << 20))  # not zeros: a copy home is sparse
 put("state.json", b'{"i": 2}')
 wait("end")
 open("out.txt", "w").write("done\\n")
