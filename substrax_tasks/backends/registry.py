@@ -30,11 +30,6 @@ SETTINGS = MappingProxyType(
     }
 )
 BACKEND_NAMES = tuple(REGISTRY)
-# What the core knows of a backend without importing it: the backends whose
-# command runs on this machine, its program found on this process's PATH
-# (backends/local/program.py), so that the Python it names is part of the
-# step's key (uptodate/interpreter.py). Elsewhere the host's PATH decides.
-PROGRAM_FOUND_HERE = frozenset({"local"})
 
 
 def _load(table: MappingProxyType[str, str], name: str) -> Any:

@@ -32,8 +32,8 @@ from doit import loader as doit_loader
 from doit.dependency import UptodateCalculator
 from doit.exceptions import InvalidTask
 
-from substrax_tasks.backends.registry import PROGRAM_FOUND_HERE
 from substrax_tasks.config.pyproject import config_key, config_stamp
+from substrax_tasks.constants import PROGRAM_FOUND_HERE
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.interrupts import map_termination_signals
 from substrax_tasks.run.step_driver import RunState, StepDriver

@@ -120,7 +120,7 @@ class Step:
         program_found_here: bool = False,
     ) -> None:
         """`program_found_here`: the backend runs the command's program as
-        found on this machine's PATH (backends/registry.py)."""
+        found on this machine's PATH (constants.PROGRAM_FOUND_HERE)."""
         self.spec = spec
         self.program_found_here = program_found_here
         self.name = spec.step

@@ -11,7 +11,7 @@ started on that path), so a PATH that now finds another Python, or the
 binary replaced, makes the step checked in full.
 
 Only for backends whose command's program is found on this machine's PATH
-(backends/registry.py: PROGRAM_FOUND_HERE): over ssh and SkyPilot the
+(constants.PROGRAM_FOUND_HERE): over ssh and SkyPilot the
 argv runs on a machine whose PATH this process does not know.
 """
 
