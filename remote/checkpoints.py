@@ -50,7 +50,7 @@ import stat
 import sys
 import time
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 PACKAGED = bool(__package__)
 if PACKAGED:
@@ -90,10 +90,23 @@ def is_temporary(name: str) -> bool:
     return name.startswith(".") or name.endswith(TEMPORARY_SUFFIXES) or ".tmp." in name
 
 
-def finished_files(root: str) -> List[Dict[str, Any]]:
-    """The files under `root` the command has finished, sorted by path."""
-    entries: List[Dict[str, Any]] = []
-    buf = memoryview(bytearray(manifest.BUFFER_SIZE))
+def over_bound(root: str, max_bytes: Optional[int]) -> Optional[Dict[str, Any]]:
+    """When the finished files under `root` take more than `max_bytes`:
+    their total and the largest (a stat each, nothing read: a snapshot over
+    the bound costs no hashing); else None."""
+    if max_bytes is None:
+        return None
+    total, largest = 0, (0, "")
+    for rel, st in _finished(root):
+        total += st.st_size
+        largest = max(largest, (st.st_size, rel))
+    if total <= max_bytes:
+        return None
+    return {"bytes": total, "largest": largest[1], "size": largest[0]}
+
+
+def _finished(root: str) -> Iterator[Tuple[str, os.stat_result]]:
+    """(path, stat) of each finished file under `root`, sorted by path."""
     for top, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not is_temporary(d))  # os.walk never follows links
         for name in sorted(files):
@@ -102,13 +115,22 @@ def finished_files(root: str) -> List[Dict[str, Any]]:
             path = os.path.join(top, name)
             try:
                 st = os.lstat(path)
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                digest = manifest.hash_file(path, st, buf)
-            except (OSError, manifest.ManifestError):  # gone, or replaced while read: the next pull
+            except OSError:  # gone: the next pull
                 continue
-            rel = os.path.relpath(path, root).replace(os.sep, "/")
-            entries.append({"path": rel, "size": st.st_size, "sha256": digest})
+            if stat.S_ISREG(st.st_mode):
+                yield os.path.relpath(path, root).replace(os.sep, "/"), st
+
+
+def finished_files(root: str) -> List[Dict[str, Any]]:
+    """The files under `root` the command has finished, sorted by path."""
+    entries: List[Dict[str, Any]] = []
+    buf = memoryview(bytearray(manifest.BUFFER_SIZE))
+    for rel, st in _finished(root):
+        try:
+            digest = manifest.hash_file(os.path.join(root, rel), st, buf)
+        except (OSError, manifest.ManifestError):  # gone, or replaced while read: the next pull
+            continue
+        entries.append({"path": rel, "size": st.st_size, "sha256": digest})
     return entries
 
 
@@ -173,8 +195,13 @@ def _latest(dest: str) -> Optional[Tuple[str, Dict[str, Dict[str, Any]]]]:
     return folder, {e["path"]: e for e in entries}
 
 
-def push(root: str, dest: str) -> Dict[str, Any]:
-    """A new snapshot of `root`'s finished files in `dest`, named latest.json once whole."""
+def push(root: str, dest: str, max_bytes: Optional[int] = None) -> Dict[str, Any]:
+    """A new snapshot of `root`'s finished files in `dest`, named latest.json
+    once whole; none (its size and largest file said) when they take more
+    than `max_bytes`: the last snapshot stays."""
+    over = over_bound(root, max_bytes)
+    if over is not None:
+        return {"over": over}
     listed = finished_files(root) if os.path.isdir(root) else []
     previous = _latest(dest)
     name = "snap-%d-%s" % (int(time.time()), uuid.uuid4().hex[:8])
@@ -237,24 +264,30 @@ def _write_json(path: str, data: Any) -> None:
     os.replace(temp, path)
 
 
-USAGE = "usage: checkpoints.py list ROOT | push ROOT DEST [LOCK] | restore DEST KEPT\n"
+USAGE = (
+    "usage: checkpoints.py list ROOT [MAX_BYTES] | push ROOT DEST [LOCK [MAX_BYTES]] | restore DEST KEPT\n"
+)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) == 2 and args[0] == "list":
+    if len(args) in (2, 3) and args[0] == "list":
         root = args[1]
+        over = over_bound(root, int(args[2]) if len(args) == 3 else None)
+        if over is not None:  # not listed: the client refuses it from its size
+            sys.stdout.write(json.dumps({"root": root, "over": over}) + "\n")
+            return 0
         entries = finished_files(root) if os.path.isdir(root) else []
         sys.stdout.write(json.dumps({"root": root, "entries": entries}) + "\n")
         return 0
-    if len(args) in (3, 4) and args[0] == "push":
+    if len(args) in (3, 4, 5) and args[0] == "push":
         os.makedirs(args[2], exist_ok=True)
         # One push at a time per run (a doit and a `logs --follow` may both
         # push): on the machine's own disk, as a mounted bucket may not lock.
-        with open(args[3] if len(args) == 4 else os.devnull, "a") as lock:
-            if len(args) == 4:
+        with open(args[3] if len(args) >= 4 else os.devnull, "a") as lock:
+            if len(args) >= 4:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-            answer = push(args[1], args[2])
+            answer = push(args[1], args[2], int(args[4]) if len(args) == 5 else None)
         sys.stdout.write(json.dumps(answer) + "\n")
         return 0
     if len(args) == 3 and args[0] == "restore":

@@ -18,3 +18,10 @@ CACHE_ENV = "SUBSTRAX_CACHE"
 # so a run's view holds it too, and the key covers it.
 LOCK_COMPANIONS = {"uv.lock": ("pyproject.toml",)}
 CACHE_FOLDER = "substrax"  # the private folder of the cached resolutions
+# What a no-op's check knows of a backend without importing anything of
+# the backends (a no-op imports none: tests/integration/chain/test_proofs.py):
+# the backends whose command runs on
+# this machine, its program found on this process's PATH
+# (backends/local/program.py), so that the Python it names is part of the
+# step's key (uptodate/interpreter.py). Elsewhere the host's PATH decides.
+PROGRAM_FOUND_HERE = frozenset({"local"})

@@ -43,6 +43,7 @@ from substrax_tasks.backends.job import damaged_status, status_from_record
 from substrax_tasks.backends.scripts import REMOTE_SCRIPTS, remote_script
 from substrax_tasks.backends.state import RemoteState
 from substrax_tasks.console import emit
+from substrax_tasks.constants import TABLE
 from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.store.handle import RunHandle
@@ -450,15 +451,59 @@ class RemoteRun:
         return Fetched(staging, manifest)
 
 
+@dataclass(frozen=True)
+class SnapshotBound:
+    """The most a snapshot of a step's checkpoints may take
+    (`max_checkpoint_size`), and the backend whose table sets it."""
+
+    max_bytes: int
+    backend: str
+
+    def refusal(self, total: int, largest: str, size: int) -> BackendError:
+        """The one line a snapshot over the bound is refused with: checked
+        from the sizes listed there, before a byte is copied."""
+        return BackendError(
+            f"the checkpoints there take {_size(total)} (the largest, {largest}: {_size(size)}), over "
+            f"max_checkpoint_size {_size(self.max_bytes)}: not brought home, the last snapshot is kept "
+            f"and the run goes on; raise max_checkpoint_size in [{TABLE}.backends.{self.backend}] to "
+            "keep them"
+        )
+
+    def check_answer(self, answer: dict[str, Any]) -> None:
+        """Refuse a snapshot the host found over the bound (its `over`: total,
+        largest file and its size, from a stat of each)."""
+        over = answer.get("over")
+        if isinstance(over, dict):
+            total, size = over.get("bytes"), over.get("size")
+            raise self.refusal(total if isinstance(total, int) else 0, str(over.get("largest"))[:200],
+                               size if isinstance(size, int) else 0)  # fmt: skip
+
+    def check(self, entries: list[dict[str, Any]]) -> None:
+        """Refuse the listed snapshot (path, size each) if it is over the bound."""
+        sizes = [(int(e["size"]) if isinstance(e.get("size"), int) else 0, e["path"]) for e in entries]
+        total = sum(size for size, _ in sizes)
+        if total > self.max_bytes:
+            size, largest = max(sizes)
+            raise self.refusal(total, largest, size)
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
 class Checkpointing(ABC):
     """A run's checkpoints snapshotted while it runs, every `every` seconds
     (`pull`, by the subclass). A snapshot that fails (the host out of reach
     a moment) is said and tried again at the next; the run goes on."""
 
-    def __init__(self, run: RemoteRun, every: float, step: str) -> None:
+    def __init__(self, run: RemoteRun, every: float, step: str, bound: SnapshotBound) -> None:
         self.run = run
         self.every = every
         self.step = step
+        self.bound = bound
         self.next_at = time.monotonic() + every
         self.root: str | None = None  # where the command writes them there (its status says)
         self.failed_with: str | None = None  # why the last pull failed, as said
@@ -497,9 +542,9 @@ class CheckpointPuller(Checkpointing):
     sha256, the transport copies them, and only a copy that matches is
     kept."""
 
-    def __init__(self, run: RemoteRun, transport: Transport, snapshots: Snapshots, every: float,
-                 step: str) -> None:  # fmt: skip
-        super().__init__(run, every, step)
+    def __init__(self, run: RemoteRun, transport: Transport, snapshots: Snapshots, every: float,  # noqa: PLR0917
+                 step: str, bound: SnapshotBound) -> None:  # fmt: skip
+        super().__init__(run, every, step, bound)
         self.transport = transport
         self.snapshots = snapshots
         self.copied = 0  # bytes the last pull copied
@@ -510,12 +555,14 @@ class CheckpointPuller(Checkpointing):
             return None
         began, self.copied = time.monotonic(), 0
         what = "listing the checkpoints"
-        result = self.run.run_script("checkpoints.py", "list", root, what=what, timeout=None,
-                                     limit=MAX_ANSWER_BYTES)  # fmt: skip
+        result = self.run.run_script("checkpoints.py", "list", root, str(self.bound.max_bytes), what=what,
+                                     timeout=None, limit=MAX_ANSWER_BYTES)  # fmt: skip
         if result.returncode != 0:
             raise result.failure(what, self.run.remote.host)
-        listed = self.run.answer(result, what).get("entries")
-        entries = checked_entries(listed, f"{what} on {self.run.remote.host}")
+        answer = self.run.answer(result, what)
+        self.bound.check_answer(answer)  # over it there: nothing hashed nor copied
+        entries = checked_entries(answer.get("entries"), f"{what} on {self.run.remote.host}")
+        self.bound.check(entries)  # the listing's own sizes, before a byte is copied
         kept = self.snapshots.pull(entries, lambda paths, into: self._download(root, paths, into))
         # What it cost, said: a big checkpoint is copied whole at each pull.
         emit(f"{self.step}: checkpoints brought home ({kept} file(s), {self.copied / 1e6:.1f} MB copied "
@@ -531,8 +578,8 @@ class BucketCheckpointPusher(Checkpointing):
     bucket it mounts (`checkpoints.py push`: a snapshot folder and its
     manifest, then `latest.json` replaced last), not through the client."""
 
-    def __init__(self, run: RemoteRun, every: float, step: str, dest: str) -> None:
-        super().__init__(run, every, step)
+    def __init__(self, run: RemoteRun, every: float, step: str, dest: str, bound: SnapshotBound) -> None:
+        super().__init__(run, every, step, bound)
         self.dest = dest
 
     def pull(self) -> int | None:
@@ -542,10 +589,13 @@ class BucketCheckpointPusher(Checkpointing):
         what = "putting a checkpoints snapshot in the bucket"
         began = time.monotonic()
         lock = f"{self.run.run_dir}/checkpoints.lock"
-        result = self.run.run_script("checkpoints.py", "push", root, self.dest, lock, what=what, timeout=None)
+        limit = str(self.bound.max_bytes)
+        result = self.run.run_script("checkpoints.py", "push", root, self.dest, lock, limit, what=what,
+                                     timeout=None)  # fmt: skip
         if result.returncode != 0:
             raise result.failure(what, self.run.remote.host)
         answer = self.run.answer(result, what)
+        self.bound.check_answer(answer)  # over it there: nothing copied
         files, copied = answer.get("files"), answer.get("bytes")
         size = f"{copied / 1e6:.1f} MB copied " if isinstance(copied, int) else ""
         emit(f"{self.step}: checkpoints snapshot put in the bucket ({files} file(s), {size}in "

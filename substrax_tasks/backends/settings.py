@@ -29,6 +29,21 @@ LifetimeMinutes = Annotated[
 MAX_PARALLEL_HELP = "At most this many steps run at once (across every doit of the project); more wait."
 
 
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def bytes_of(value: int | str) -> int:
+    """A size given as bytes, or as "500MiB", "20GiB"."""
+    if isinstance(value, int):
+        return value
+    text = value.strip().lower().removesuffix("b").removesuffix("i")
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _SIZE_UNITS else (text, "")
+    try:
+        return int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise ValueError(f'{value!r} is not a size: write bytes, or as "500MiB", "20GiB"') from None
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -129,3 +144,14 @@ class RemoteSettings(BackendSettings):
     checkpoint_seconds: float = Field(
         300.0, gt=0, description="How often a step's checkpoints are brought home while it runs."
     )
+    max_checkpoint_size: int = Field(
+        20 << 30, gt=0,
+        description='The most a snapshot of a step\'s checkpoints may take, in bytes or as "500MiB", '
+        '"20GiB" (default 20GiB): a larger one is not brought home (nor put in the bucket), said '
+        "in one line, and the last snapshot is kept.",
+    )
+
+    @field_validator("max_checkpoint_size", mode="before")
+    @classmethod
+    def _checkpoint_bytes(cls, value: object) -> object:
+        return bytes_of(value) if isinstance(value, str) else value

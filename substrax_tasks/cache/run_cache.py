@@ -43,6 +43,7 @@ from substrax_tasks.cache.storage import (
     Shared,
     disk_use,
     drop_entry,
+    entry_files,
     entry_path,
     is_part,
     log_path,
@@ -415,7 +416,7 @@ class RunCache:
         if written is not None:
             added += self.local.put(_unpacked_objects(root, manifest, layout))
         if written is None or not manifest_cache.outputs_match(root, outputs, digest, cache_file):
-            self.local.remove_objects(added)  # changed while copied
+            self.local.remove_files(added)  # changed while copied
             emit(f"{step.name}: outputs changed while they were kept; not kept in the cache")
             return None
         return written[0]
@@ -467,25 +468,27 @@ class RunCache:
         return gone
 
     # ------------------------------------------------------------ size
-    def usage(self) -> tuple[list[tuple[float, str, set[str]]], dict[str, tuple[int, float]]]:
-        """The local entries (mtime, key, objects, oldest first) and objects
-        (disk use, mtime). An entry or object that goes while they are read (a
-        part file renamed, another trim) is left out."""
-        entries: list[tuple[float, str, set[str]]] = []
+    def usage(self) -> tuple[list[tuple[float, str, set[str], int]], dict[str, tuple[int, float]]]:
+        """The local entries (mtime, key, objects, the disk its own files
+        take: its manifest, signature, stats and log; oldest first) and
+        objects (disk use, mtime). An entry or object that goes while they
+        are read (a part file renamed, another trim) is left out."""
+        entries: list[tuple[float, str, set[str], int]] = []
         for path in (self.local.root / "entries").glob("*.json"):
+            own = sum(map(self.local.disk_use_of, entry_files(path.stem)))
             try:
                 data = path.read_bytes()
                 used = path.stat().st_mtime
             except FileNotFoundError:
                 continue
             except OSError:
-                entries.append((0.0, path.stem, set()))  # unreadable: the first to go
+                entries.append((0.0, path.stem, set(), own))  # unreadable: the first to go
                 continue
             try:
                 names = _objects(_parsed(data, path.stem))
             except Damaged:
                 used, names = 0.0, set()
-            entries.append((used, path.stem, names))
+            entries.append((used, path.stem, names, own))
         objects = {}
         for rel in self.local.objects():
             try:
@@ -508,26 +511,29 @@ class RunCache:
         """trim() to `limit` bytes, the account's lock held: no object comes
         or goes meanwhile, so the account is rewritten from what is seen."""
         entries, objects = self.usage()
-        named = Counter(rel for _, _, names in entries for rel in names)  # entries naming each object
+        named = Counter(rel for _, _, names, _ in entries for rel in names)  # entries naming each object
         young = time.time() - ORPHAN_SECONDS
         dropped = [rel for rel, (_, mtime) in objects.items() if rel not in named and mtime < young]
-        # Every object counts (young orphans too, which stay): what the account counts.
+        # Every object counts (young orphans too, which stay), and every
+        # entry's own files: what the account counts.
         total = sum(size for rel, (size, _) in objects.items() if not is_part(rel)) \
-            - sum(objects[rel][0] for rel in dropped if not is_part(rel))  # fmt: skip
+            - sum(objects[rel][0] for rel in dropped if not is_part(rel)) \
+            + sum(own for _, _, _, own in entries)  # fmt: skip
         removed = [f"object {rel} (named by no entry)" for rel in dropped]
-        for used, key, names in entries:
+        for used, key, names, own in entries:
             if total <= limit and used >= cutoff:
                 break
             removed.append(f"entry {key[:16]}")
+            total -= own
             if not dry_run:
-                drop_entry(self.local, key)
+                self.local.unlink_files(list(entry_files(key)))  # the account's lock is held
             for rel in names:
                 named[rel] -= 1
                 if named[rel] == 0 and rel in objects:
                     total -= objects[rel][0]
                     dropped.append(rel)
         if not dry_run:
-            self.local.unlink_objects(dropped)
+            self.local.unlink_files(dropped)
             self.local.set_account(total)
         return removed
 

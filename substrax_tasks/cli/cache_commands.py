@@ -110,7 +110,9 @@ def cmd_cache(project: Project, args: argparse.Namespace, out: Console, err: Con
     cache, records = run_cache(project), verified_records(project.store)
     if args.action == "status":
         entries, objects = cache.usage()
-        size = sum(s for s, _ in objects.values())
+        # all the folder's bytes: its objects, and the entries' manifests
+        # (about 150 bytes a file), signatures, stats and logs
+        size = sum(s for s, _ in objects.values()) + sum(own for *_, own in entries)
         settings = cache.settings
         out.print(f"local: {cache.local.name}: {len(entries)} entries, {human_size(size)} on disk "
                   f"(max_size {human_size(settings.max_bytes)}){_off(settings)}",

@@ -370,7 +370,14 @@ def member_failure(handle: RunHandle, exc: Exception) -> SubstraxError:
 
 
 def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
-    from substrax_tasks.run.promote import JOURNAL, NotProduced, promote_verified, verify_staged
+    from substrax_tasks.run.promote import (
+        JOURNAL,
+        NotProduced,
+        promote_verified,
+        replaced_extras,
+        said_extras,
+        verify_staged,
+    )
     from substrax_tasks.run.steplock import StepLock
     from substrax_tasks.uptodate.manifests import ManifestError
 
@@ -408,6 +415,7 @@ def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Con
                 f"run {handle.run_id} wrote its outputs in place (no sandbox); copy them from {base}"
             )
         try:
+            extras = replaced_extras(verified, dest, outputs)
             promote_verified(verified, dest, outputs, project.store.run_dir(handle.run_id) / JOURNAL, cache)
         except OSError as exc:
             raise SubstraxError(
@@ -416,6 +424,8 @@ def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Con
             ) from None
     finally:
         lock.release()
+    if extras:
+        out.print(escape(said_extras(extras, f"run {handle.run_id}")), highlight=False)
     out.print(
         f"run {handle.run_id}: {len(outputs)} output(s) fetched into {dest}, verified against its manifest",
         highlight=False,

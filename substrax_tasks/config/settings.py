@@ -17,11 +17,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
 
 from substrax_tasks.backends.registry import BACKEND_NAMES, settings_model
-from substrax_tasks.backends.settings import BackendSettings, Strict
+from substrax_tasks.backends.settings import BackendSettings, Strict, bytes_of
 from substrax_tasks.constants import BACKEND_ENV, TABLE
 from substrax_tasks.errors import ConfigError
-
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 class CacheSettings(Strict):
@@ -39,7 +37,7 @@ class CacheSettings(Strict):
     @field_validator("max_size")
     @classmethod
     def _size(cls, value: int | str) -> int | str:
-        cls.bytes_of(value)
+        bytes_of(value)
         return value
 
     @field_validator("shared")
@@ -49,20 +47,9 @@ class CacheSettings(Strict):
             raise ValueError(f"{value!r} is not a store URL: write s3://bucket/prefix or file:///folder")
         return value
 
-    @staticmethod
-    def bytes_of(value: int | str) -> int:
-        if isinstance(value, int):
-            return value
-        text = value.strip().lower().removesuffix("b").removesuffix("i")
-        number, unit = (text[:-1], text[-1]) if text[-1:] in _SIZE_UNITS else (text, "")
-        try:
-            return int(float(number) * _SIZE_UNITS[unit])
-        except ValueError:
-            raise ValueError(f'{value!r} is not a size: write bytes, or as "500MiB", "20GiB"') from None
-
     def options(self) -> dict[str, Any]:
         """As `cache.CacheOptions` takes them (and the project keeps them)."""
-        return {**self.model_dump(exclude={"max_size"}), "max_bytes": self.bytes_of(self.max_size)}
+        return {**self.model_dump(exclude={"max_size"}), "max_bytes": bytes_of(self.max_size)}
 
 
 class ComputeConfig(Strict):

@@ -25,6 +25,8 @@ from substrax_tasks.run.promote import (
     Verified,
     promote_verified,
     recover,
+    replaced_extras,
+    said_extras,
     verify_staged,
 )
 from substrax_tasks.step import doit_db
@@ -116,6 +118,9 @@ def promote_outputs(driver: DrivenRun) -> TaskFailed | None:
         except SubstraxError as exc:
             return TaskFailed(f"step {step!r}: {exc}")
     try:
+        # What the folder outputs here hold beyond the verified ones goes
+        # with the old folder: said, as `why` says it.
+        extras = replaced_extras(verified, driver.root, driver.spec.outputs)
         where = journal(driver, handle.run_id if handle is not None else None)
         promote_verified(verified, driver.root, driver.spec.outputs, where, cache)
     except OSError as exc:
@@ -128,6 +133,8 @@ def promote_outputs(driver: DrivenRun) -> TaskFailed | None:
         )
     except SubstraxError as exc:  # a copy onto another file system that does not match
         return TaskFailed(f"step {step!r}: {exc}")
+    if extras:
+        emit(f"{step}: {said_extras(extras, source)}")
     if handle is not None:
         handle = driver.advance(handle, Phase.PROMOTED)
         # `handle` keeps the key the run was launched with: its checkpoints, removed below, are kept by it.

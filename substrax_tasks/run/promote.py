@@ -238,6 +238,39 @@ def promote_verified(
         raise SubstraxError("outputs changed while they were promoted")
 
 
+def replaced_extras(verified: Verified, dest: Path, outputs: Sequence[str]) -> list[str]:
+    """What the promotion of `verified` into `dest` removes that is not
+    among its outputs: the paths in a folder output there that the staged
+    tree lacks (a folder output is replaced whole), the topmost of each
+    (a folder with its "/"). A stat per path, no list of the manifest held.
+    Nothing for outputs written in place, which replace nothing."""
+    if verified.root.resolve() == dest.resolve():
+        return []
+    extras: list[str] = []
+    for out in outputs:
+        top = dest / out.rstrip("/")
+        if not out.endswith("/") or top.is_symlink() or not top.is_dir():
+            continue
+        for folder, dirs, files in os.walk(top):
+            rel = os.path.relpath(folder, dest)
+            staged = verified.root / rel
+            for name in files:
+                if not os.path.lexists(staged / name):
+                    extras.append(f"{rel}/{name}")
+            for name in list(dirs):
+                if not os.path.lexists(staged / name):
+                    extras.append(f"{rel}/{name}/")
+                    dirs.remove(name)  # named whole, not each file in it
+    return sorted(extras)
+
+
+def said_extras(extras: Sequence[str], source: str, shown: int = 5) -> str:
+    """The line that names what a promotion removed (`replaced_extras`)."""
+    more = f" and {len(extras) - shown} more" if len(extras) > shown else ""
+    return (f"removed {', '.join(extras[:shown])}{more}: not among the outputs of {source} "
+            "(a folder output is replaced whole)")  # fmt: skip
+
+
 def _same_file_system(staging: Path, dest: Path) -> bool:
     try:
         return staging.stat().st_dev == dest.stat().st_dev

@@ -78,7 +78,7 @@ def canonical_digest(data: Any) -> str:
 # which GPUs a step sees is where it runs, as which host is).
 NOT_IN_KEY = (
     "cache_dirs", "checkpoint_seconds", "hide_gpus_when_unasked", "keep_checkpoints", "max_parallel", "reuse",
-    "hourly_cost", "max_cost", "on_demand_last_attempt",
+    "hourly_cost", "max_cost", "on_demand_last_attempt", "max_checkpoint_size",
 )
 
 

@@ -34,6 +34,7 @@ from doit.exceptions import InvalidTask
 from doit.runner import MRunner, MThreadRunner
 
 from substrax_tasks.config.pyproject import config_key, config_stamp
+from substrax_tasks.constants import PROGRAM_FOUND_HERE
 from substrax_tasks.errors import SubstraxError
 from substrax_tasks.interrupts import map_termination_signals
 from substrax_tasks.run.step_driver import PROCESS_POOL_REFUSED, RunState, StepDriver
@@ -206,7 +207,8 @@ def remote_step(  # noqa: PLR0917 - the documented signature: remote_step(name, 
         cap = max_cost_of(name, max_cost)
         if cap is not None:  # the step's own cap, pinned with the settings (not part of the key)
             settings = {**settings, "max_cost": cap}
-        step = Step(spec, proj.root, backend_name, settings, proj.store, tracked=tracked)
+        step = Step(spec, proj.root, backend_name, settings, proj.store, tracked=tracked,
+                    program_found_here=backend_name in PROGRAM_FOUND_HERE)  # fmt: skip
     except SubstraxError as exc:  # a bad declaration stops doit before anything is launched
         print(f"substrax: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

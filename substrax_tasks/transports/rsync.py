@@ -102,8 +102,10 @@ class RsyncTransport(Transport):
         # was put in after the run, and is never made here (after --archive,
         # which would turn them back on), and the copy is refused. No copy
         # keeps a setuid, setgid or sticky bit or is world-writable here
-        # (promote.safe_mode; the promotion checks it again).
-        extra = ("--ignore-missing-args", "--no-devices", "--no-specials", RSYNC_SAFE_CHMOD)
+        # (promote.safe_mode; the promotion checks it again). Runs of zeros
+        # are written as holes (--sparse): a sparse file there (a checkpoint
+        # made with truncate, a preallocated one) takes no more disk here.
+        extra = ("--ignore-missing-args", "--no-devices", "--no-specials", "--sparse", RSYNC_SAFE_CHMOD)
         try:
             stats, said = self._rsync(self._argv(source, f"{local_root}/", *extra), rel_paths, "fetch")
         except BackendError as exc:

@@ -7,7 +7,8 @@ its record and the file system; nothing here knows doit.
 * The *key* digests everything that decides the outputs: command, env,
   timeout, outputs, resources, secrets' names, backend and its settings'
   digest, the inputs' contents (hashed, cached by the hash cache) and the
-  environment's lock file. The step record's `verified` entry holds the key
+  environment's lock file; without a lock file, the Python the command
+  names as found here (interpreter.py). The step record's `verified` entry holds the key
   and the manifest digest of the run whose outputs were promoted.
 * The step is up to date when that key is today's and the outputs here
   still have the verified digest (`reasons_to_run`: each failed test is a
@@ -39,6 +40,7 @@ from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.constants import LOCK_COMPANIONS
 from substrax_tasks.errors import HandleError, SubstraxError
 from substrax_tasks.step.spec import StepSpec, canonical_digest, settings_in_key
+from substrax_tasks.uptodate import interpreter
 from substrax_tasks.uptodate import manifests as manifest_cache
 from substrax_tasks.uptodate import walk as tree
 from substrax_tasks.uptodate.proofs import proof_file
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
 DOIT_VALUE = "substrax_run"  # saved by doit with the public task's values
 # Part of every proof: a release that changes what the key or the check
 # means must not take an older release's proofs.
-PROOF_VERSION = f"{__version__}/5"
+PROOF_VERSION = f"{__version__}/6"
 # The key's part that names what a run sees (project_view.py): its declared
 # inputs only. A step verified when runs saw every tracked file (no such
 # part) may have read an undeclared file: stale once, and no cache entry of
@@ -57,6 +59,7 @@ PROOF_VERSION = f"{__version__}/5"
 VIEW_RULE = "declared"
 KEY_FIELDS = (
     "command", "env", "timeout", "outputs", "checkpoints", "resources", "secrets", "backend", "environment",
+    "interpreter",
 )
 _LOCK_DIGESTS: dict[tuple[str, int, int, int], str] = {}
 # every candidate lock file (and what one is read with), as the proof walks
@@ -114,8 +117,12 @@ class Step:
         store: RunStore,
         *,
         tracked: list[str] | None = None,
+        program_found_here: bool = False,
     ) -> None:
+        """`program_found_here`: the backend runs the command's program as
+        found on this machine's PATH (constants.PROGRAM_FOUND_HERE)."""
         self.spec = spec
+        self.program_found_here = program_found_here
         self.name = spec.step
         self.root = root
         self.backend = backend
@@ -140,6 +147,14 @@ class Step:
     @functools.cached_property
     def root_str(self) -> str:
         return str(self.root)
+
+    @functools.cached_property
+    def python(self) -> str | None:
+        """The path of the Python the command names, found here; None when
+        it names none, or runs where this PATH means nothing."""
+        if not self.program_found_here or not self.spec.command:
+            return None
+        return interpreter.python_named(self.spec.command[0], self.root_str, self.spec.env)
 
     @functools.cached_property
     def walked_paths(self) -> list[tuple[str, bool, bool]] | None:
@@ -200,7 +215,10 @@ def key_parts(step: Step) -> dict[str, Any]:
     files = {e["path"]: e.get("sha256") or e.get("target") or e["type"] for e in manifest["entries"]}
     # Only when declared: the key of a step without checkpoints is the one
     # it had before they existed (no rerun after an upgrade).
-    declared = {"checkpoints": spec.checkpoints} if spec.checkpoints is not None else {}
+    declared: dict[str, Any] = {"checkpoints": spec.checkpoints} if spec.checkpoints is not None else {}
+    environment = environment_lock(step.root)
+    if step.python is not None and not environment:  # a lock file's environment names its own Python
+        declared["interpreter"] = interpreter.described(step.python, step.root_str)
     return {
         **declared,
         "command": spec.command,
@@ -213,7 +231,7 @@ def key_parts(step: Step) -> dict[str, Any]:
         "settings": canonical_digest(settings_in_key(step.settings)),
         "inputs": files,
         "missing_inputs": manifest["missing"],
-        "environment": environment_lock(step.root),
+        "environment": environment,
         "view": VIEW_RULE,
     }
 
@@ -350,6 +368,8 @@ def proof(step: Step) -> tuple[str, int] | None:
     except OSError:
         return None
     items: list[Any] = [step.declared, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    if step.python is not None:  # another Python found on PATH, or its binary replaced
+        items.append(interpreter.stamp(step.python))
     newest = tree.walk_checked(step.root_str, walked, items)
     return tree.stamp_of(items), max(newest, st.st_ctime_ns)
 
@@ -386,10 +406,8 @@ def _part_changes(
             "so the step runs once more under that rule"
         )
     for field in KEY_FIELDS:
-        if field == "environment" and old.get(field) != new.get(field):
-            yield _environment_change(old.get(field) or {}, new.get(field) or {})
-        elif field != "backend" and old.get(field) != new.get(field):
-            yield f"{field} changed: was {old.get(field)!r}, now {new.get(field)!r}"
+        if field != "backend" and old.get(field) != new.get(field):
+            yield _field_change(field, old.get(field), new.get(field))
     if not moved and old.get("settings") != new.get("settings"):
         yield _settings_change(step, _pinned_settings(step, str(verified.get("run_id"))))
     old_inputs: dict[str, Any] = old.get("inputs") or {}
@@ -405,6 +423,18 @@ def _part_changes(
     for path in new["missing_inputs"]:
         if path not in was_missing:
             yield f"input missing: {path}"
+
+
+def _field_change(field: str, old: Any, new: Any) -> str:
+    """A part of the key that changed, in words."""
+    if field == "environment":
+        return _environment_change(old or {}, new or {})
+    if field == "interpreter":
+        return (
+            f"interpreter changed: the command's Python was {old or 'not part of the key'}, "
+            f"now {new or 'not part of the key (a lock file names the environment)'}"
+        )
+    return f"{field} changed: was {old!r}, now {new!r}"
 
 
 def _environment_change(old: dict[str, str], new: dict[str, str]) -> str:

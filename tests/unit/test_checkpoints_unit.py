@@ -170,6 +170,24 @@ def test_a_snapshot_pushed_to_the_bucket_is_restored_whole(tmp_path: Path) -> No
 
 
 @pytest.mark.unit
+def test_a_push_over_max_checkpoint_size_copies_nothing_and_keeps_the_last_snapshot(tmp_path: Path) -> None:
+    """The bucket's side of max_checkpoint_size: a snapshot over it (a
+    sparse 3 GiB file, no disk used) is not pushed; its size and largest
+    file are answered, from a stat of each, and latest.json still names the
+    last whole one."""
+    there, bucket = tmp_path / "ckpt", tmp_path / "bucket"
+    there.mkdir()
+    (there / "state.json").write_bytes(b'{"i": 1}')
+    first = remote_checkpoints.push(str(there), str(bucket), 1 << 30)
+    with (there / "big.bin").open("wb") as big:
+        big.truncate(3 << 30)
+    answer = remote_checkpoints.push(str(there), str(bucket), 1 << 30)
+    assert answer == {"over": {"bytes": (3 << 30) + 8, "largest": "big.bin", "size": 3 << 30}}
+    assert sorted(p.name for p in bucket.iterdir()) == ["latest.json", first["snapshot"]]
+    assert remote_checkpoints.over_bound(str(there), 4 << 30) is None
+
+
+@pytest.mark.unit
 def test_a_file_replaced_under_the_push_keeps_its_last_whole_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

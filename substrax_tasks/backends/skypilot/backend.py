@@ -599,14 +599,15 @@ class SkypilotBackend(Backend):
         if handle.spec.checkpoints is None or SkypilotState.of(handle).torn_down:
             return None
         run, every = self.remote_run(handle), self.settings.checkpoint_seconds
+        bound = _remote_run.SnapshotBound(self.settings.max_checkpoint_size, "skypilot")
         if self.settings.bucket is not None:
             dest = self.there(handle).checkpoints_in_bucket(self.store.client_id(), handle.step,
                                                             checkpoint_key(handle))  # fmt: skip
-            return _remote_run.BucketCheckpointPusher(run, every, handle.step, dest)
+            return _remote_run.BucketCheckpointPusher(run, every, handle.step, dest, bound)
         snapshots = self.snapshots(handle)
         assert snapshots is not None  # the step has checkpoints
         quiet = RsyncTransport(self.target(handle), quiet=True)
-        return _remote_run.CheckpointPuller(run, quiet, snapshots, every, handle.step)
+        return _remote_run.CheckpointPuller(run, quiet, snapshots, every, handle.step, bound)
 
     def checkpoints_kept_elsewhere(self) -> list[KeptCheckpoints]:
         """With the bucket transport: this client's snapshot folders in the

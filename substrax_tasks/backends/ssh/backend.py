@@ -335,8 +335,9 @@ class SshBackend(Backend):
         if snapshots is None or SshState.of(handle).torn_down:
             return None
         quiet = RsyncTransport(self.settings.target(), quiet=True)
+        bound = _remote_run.SnapshotBound(self.settings.max_checkpoint_size, "ssh")
         return _remote_run.CheckpointPuller(self.remote_run(handle), quiet, snapshots,
-                                            self.settings.checkpoint_seconds, handle.step)  # fmt: skip
+                                            self.settings.checkpoint_seconds, handle.step, bound)  # fmt: skip
 
     def read_log(self, handle: RunHandle, offset: int) -> bytes:
         kept = _remote_run.read_kept_log(self.store.run_dir(handle.run_id) / "run.log", offset)

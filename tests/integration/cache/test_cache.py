@@ -670,9 +670,10 @@ def account(folder: Path) -> int:
     return int(json.loads((folder / "size.json").read_text())["bytes"])
 
 
-def object_bytes(folder: Path) -> int:
-    """The disk the objects take (their blocks): what the account counts."""
-    return sum(p.stat().st_blocks * 512 for p in (folder / "objects").rglob("*") if p.is_file())
+def cache_bytes(folder: Path) -> int:
+    """The disk the objects and the entries' files take (their blocks): what the account counts."""
+    files = [*(folder / "objects").rglob("*"), *(folder / "entries").rglob("*")]
+    return sum(p.stat().st_blocks * 512 for p in files if p.is_file())
 
 
 def test_keeping_a_run_reads_the_account_not_the_other_entries(tmp_path: Path) -> None:
@@ -682,25 +683,25 @@ def test_keeping_a_run_reads_the_account_not_the_other_entries(tmp_path: Path) -
     entry once), below max_size, the oldest first, and the account made exact."""
     folder = tmp_path / "team-cache"
     others = old_entries(folder, 50, 1000)
-    old = object_bytes(folder)
-    block = old // 50  # what one object of 1,000 bytes takes on disk
-    (folder / "size.json").write_text(json.dumps({"version": 2, "bytes": 0}))  # says: nearly empty
+    old = cache_bytes(folder)
+    block = old // 50  # what one entry takes on disk: its object of 1,000 bytes and its JSON
+    (folder / "size.json").write_text(json.dumps({"version": 3, "bytes": 0}))  # says: nearly empty
     root = project(tmp_path, "a", folder_cache(tmp_path) + f"max_size = {20 * block}\n")
     doit_ok(root)
     assert len(entries(folder)) == 51  # the 50 objects the account does not know were not looked for
     grown = account(folder)
-    assert grown == object_bytes(folder) - old > 0 and all(p.exists() for p in others)  # the new run's only
-    (folder / "size.json").write_text(json.dumps({"version": 2, "bytes": old + grown}))  # the truth
-    doit_ok(root, "-a", "make")  # over 20 blocks: trimmed to 18, the oldest first
+    assert grown == cache_bytes(folder) - old > 0 and all(p.exists() for p in others)  # the new run's only
+    (folder / "size.json").write_text(json.dumps({"version": 3, "bytes": old + grown}))  # the truth
+    doit_ok(root, "-a", "make")  # over 20 entries' worth: trimmed to 18, the oldest first
     left = [p for p in others if p.exists()]
     assert left == others[-(len(left)):] and 15 <= len(left) <= 17, len(left)
-    assert account(folder) == object_bytes(folder) <= 18 * block
+    assert account(folder) == cache_bytes(folder) <= 18 * block
     (folder / "size.json").write_text("{damaged")
     shutil.rmtree(root / "out")
     assert restored(doit_ok(root))
     cached = entries(folder)
     doit_ok(root, "-a", "make")  # a damaged account is counted again
-    assert account(folder) == object_bytes(folder) and entries(folder) == cached
+    assert account(folder) == cache_bytes(folder) and entries(folder) == cached
 
 
 # Steps whose outputs are copied into the cache at once: 2 MB each, all different.
@@ -728,7 +729,7 @@ def test_threads_keeping_runs_at_once_never_say_one_was_not_kept(tmp_path: Path)
     assert "could not keep" not in done.stdout + done.stderr, show(done)
     kept = [json.loads(p.read_text())["step"] for p in entries(folder)]
     assert len(kept) >= 10 and set(kept) <= set(names), kept  # trimmed from 40 MB, the old ones first
-    assert account(folder) == object_bytes(folder) <= 40_000_000
+    assert account(folder) == cache_bytes(folder) <= 40_000_000
 
 
 def test_substrax_cache_off_neither_restores_nor_keeps_and_a_bad_value_is_refused(tmp_path: Path) -> None:
@@ -779,3 +780,30 @@ def test_the_first_store_says_where_the_cache_is_once_per_project(tmp_path: Path
     other = project(tmp_path, "b", cache, body=TWO_STEPS)
     done = doit_ok(other, "one", "two")
     assert restored(done) and done.stdout.count(INTRODUCED) == 1, show(done)
+
+
+def test_a_restore_or_a_run_into_a_folder_output_names_the_extra_files_it_removes(tmp_path: Path) -> None:
+    """A folder output is replaced whole: a file here that the restored (or
+    fetched) outputs lack goes with the old folder, and one line names it,
+    as `why` names it before."""
+    doit_ok(project(tmp_path, "a", folder_cache(tmp_path)))
+    second = project(tmp_path, "b", folder_cache(tmp_path))
+    (second / "out" / "notes").mkdir(parents=True)
+    (second / "out" / "notes.txt").write_text("mine\n")
+    (second / "out" / "notes" / "a.txt").write_text("mine too\n")
+    (second / "out" / "sub").mkdir()
+    (second / "out" / "sub" / "x").write_text("the entry's own name: replaced, not extra\n")
+    done = doit_ok(second)
+    assert restored(done), show(done)
+    said = [line for line in done.stdout.splitlines() if "removed out/" in line]
+    assert len(said) == 1, show(done)
+    assert "removed out/notes.txt, out/notes/: not among the outputs of cache entry" in said[0], said
+    assert "out/sub" not in said[0] and not (second / "out" / "notes.txt").exists()
+    # a run (a fetch promoted) says it the same way; a run with nothing extra says nothing
+    (second / "out" / "stray.log").write_text("left here\n")
+    (second / "data" / "in.txt").write_text("other\n")
+    done = doit_ok(second)
+    assert not restored(done) and "make: removed out/stray.log: not among the outputs of run " in done.stdout
+    shutil.rmtree(second / "out")
+    done = doit_ok(second)
+    assert restored(done) and "removed " not in done.stdout, show(done)

@@ -45,6 +45,12 @@ def disk_use(folder: Path) -> int:
     return sum(p.lstat().st_blocks * 512 for p in folder.rglob("*") if p.is_file())
 
 
+def cache_use(folder: Path) -> int:
+    """All the disk a cache folder takes: its objects and its entries' files
+    (manifests, logs, stats), as the account, `cache status` and max_size count it."""
+    return disk_use(folder / "objects") + disk_use(folder / "entries")
+
+
 def apparent(folder: Path) -> int:
     return sum(p.lstat().st_size for p in folder.rglob("*") if p.is_file())
 
@@ -61,8 +67,9 @@ def test_many_small_files_take_about_their_own_bytes_in_the_cache_and_restore_wh
     """3,000 files of 10 bytes take a block each in the project (12 MB on
     ext4 or tmpfs) but one pack in the cache: its objects take at most twice
     the files' bytes plus a block or two; the 100 KiB file stays an object of
-    its own. `cache status` and the account count the pack's disk use, and a
-    second clone restores every byte."""
+    its own. `cache status` and the account count the pack's disk use and
+    the entry's (its manifest of 3,000 files takes more than the pack), and
+    a second clone restores every byte."""
     folder = tmp_path / "team-cache"
     root = project(tmp_path, "a", folder_cache(tmp_path))
     doit_ok(root)
@@ -82,8 +89,9 @@ def test_many_small_files_take_about_their_own_bytes_in_the_cache_and_restore_wh
     shown = status.stdout.split("1 entries, ", 1)[1].split(" on disk", 1)[0]
     number, unit = shown.split()
     reported = float(number) * {"B": 1, "KiB": 1024, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
-    assert abs(reported - disk_use(folder / "objects")) <= 0.001 * reported + 51, show(status)
-    assert account(folder) == disk_use(folder / "objects")
+    assert disk_use(folder / "entries") > disk_use(folder / "objects")  # the manifest: ~150 bytes a file
+    assert abs(reported - cache_use(folder)) <= 0.001 * reported + 51, show(status)
+    assert account(folder) == cache_use(folder)
     second = project(tmp_path, "b", folder_cache(tmp_path))
     done = doit_ok(second)
     assert restored(done) and run_count(second) == 0, show(done)
@@ -99,12 +107,35 @@ def test_max_size_counts_a_pack_by_its_disk_use(tmp_path: Path) -> None:
     root = project(tmp_path, "a", roomy)
     done = doit_ok(root)
     assert step_ran(done, "small") and len(entries(tmp_path / "roomy")) == 1, show(done)
-    assert account(tmp_path / "roomy") == disk_use(tmp_path / "roomy" / "objects") <= 1 << 20
+    assert account(tmp_path / "roomy") == cache_use(tmp_path / "roomy") <= 1 << 20
     tight = f'path = "{tmp_path / "tight"}"\nmax_size = "64KiB"\n'
     other = project(tmp_path, "b", tight)
     done = doit_ok(other)
     assert step_ran(done, "small") and entries(tmp_path / "tight") == [], show(done)
-    assert account(tmp_path / "tight") == disk_use(tmp_path / "tight" / "objects") <= 64 << 10
+    assert account(tmp_path / "tight") == cache_use(tmp_path / "tight") <= 64 << 10
+
+
+def test_max_size_counts_the_entries_manifests_too(tmp_path: Path) -> None:
+    """The entry of 3,000 files names each in its manifest (~450 KB) where
+    its pack and its 100 KiB file take ~150 KB: a max_size of 320 KiB, which
+    the objects alone fit in, trims it; `cache status` and the account count
+    both, and a later entry that fits pushes out an older one past max_size."""
+    tight = f'path = "{tmp_path / "tight"}"\nmax_size = "320KiB"\n'
+    root = project(tmp_path, "a", tight)
+    done = doit_ok(root)
+    folder = tmp_path / "tight"
+    assert step_ran(done, "small") and entries(folder) == [], show(done)
+    assert account(folder) == cache_use(folder) <= 320 << 10
+    assert "0 entries" in compute(root, "cache", "status").stdout
+    # One entry of 1,500 files fits (~220 KB with its manifest); a second does not beside it.
+    half = SMALL.replace("seq 3000", "seq 1500").replace("head -c 102400", "head -c 1024")
+    first = project(tmp_path, "b", tight, body=half)
+    doit_ok(first)
+    (kept,) = entries(folder)
+    second = project(tmp_path, "c", tight, body=half.replace("printf same", "printf other"))
+    doit_ok(second)
+    (left,) = entries(folder)
+    assert left != kept and account(folder) == cache_use(folder) <= 320 << 10
 
 
 def _as_made_before_packs(folder: Path) -> None:
@@ -221,7 +252,7 @@ def test_threads_store_and_restore_packs_at_once(tmp_path: Path) -> None:
     assert len(entries(folder)) == 8
     packs = {p["sha256"] for e in entries(folder) for p in json.loads(e.read_text())["packs"]}
     assert len(packs) == 2  # one per distinct content: shared by four entries each
-    assert account(folder) == disk_use(folder / "objects")
+    assert account(folder) == cache_use(folder)
     second = _sweep(tmp_path, "b")
     done = doit_ok(second, "-n", "4", "-P", "thread", *STEPS)
     assert done.stdout.count("restored from cache entry") == 8 and run_count(second) == 0, show(done)
@@ -247,7 +278,7 @@ def test_two_doits_storing_and_restoring_at_once_stay_correct(tmp_path: Path) ->
     assert all("not kept" not in s and "damaged" not in s for s in said), said
     assert _outputs(first) == _outputs(second)
     folder = tmp_path / "team-cache"
-    assert len(entries(folder)) == 8 and account(folder) == disk_use(folder / "objects")
+    assert len(entries(folder)) == 8 and account(folder) == cache_use(folder)
     packs = {p["sha256"] for e in entries(folder) for p in json.loads(e.read_text())["packs"]}
     assert len(packs) == 2 and len(list((folder / "objects").rglob("*.part"))) == 0
     third = _sweep(tmp_path, "c")

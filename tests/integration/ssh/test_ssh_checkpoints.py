@@ -303,7 +303,7 @@ def put(name, data):
 os.makedirs("ckpt", exist_ok=True)
 put("state.json", b'{"i": 1}')
 wait("go")
-put("big", bytes(int(sys.argv[1]) << 20))
+put("big", b"x" * (int(sys.argv[1]) << 20))  # not zeros: a copy home is sparse
 put("state.json", b'{"i": 2}')
 wait("end")
 open("out.txt", "w").write("done\\n")
@@ -392,3 +392,70 @@ def test_a_host_that_lists_checkpoints_without_end_is_refused_with_the_run_named
     refused = f"listing the checkpoints for run {run_id}: {host.address} answered with more than 64 MiB"
     assert refused in said, said
     assert "Traceback" not in said, said
+
+
+# Issue 39, item 6: a checkpoint made sparse there (truncate -s 3G, no disk
+# used on the host) would land here as 3 GB of zeros. The command writes a
+# first snapshot's worth (its state and a sparse 64 MiB file under the
+# bound), waits for `go` (made once that snapshot is home), then a sparse
+# 3 GiB file over max_checkpoint_size, and waits for `end` (made once the
+# client has refused it).
+SPARSE_PY = """\
+import os, time
+def wait(name):
+    while not os.path.exists("ckpt/" + name):
+        time.sleep(0.05)
+def put(name, data=None, sparse=0):
+    with open("ckpt/" + name + ".tmp", "wb") as f:
+        f.write(data or b"")
+        f.truncate(sparse or len(data or b""))
+    os.replace("ckpt/" + name + ".tmp", "ckpt/" + name)
+os.makedirs("ckpt", exist_ok=True)
+put("hole.bin", sparse=64 << 20)
+put("state.json", b'{"i": 1}')
+wait("go")
+put("big.bin", sparse=3 << 30)
+put("state.json", b'{"i": 2}')
+wait("end")
+open("out.txt", "w").write("done\\n")
+"""
+SPARSE_STEP = """\
+def task_all():
+    yield from remote_step("sparse", command=["python3", "sparse.py"], inputs=["sparse.py"],
+                           outputs=["out.txt"], checkpoints="ckpt/")
+"""
+
+
+@pytest.mark.timeout(600)  # the host hashes 64 MiB per pull; 3 GiB more, if the bound were not kept
+def test_a_snapshot_over_max_checkpoint_size_is_refused_by_name_and_sparse_files_stay_sparse(
+    tmp_path: Path, host: SshHost
+) -> None:
+    root = make_ssh_project(tmp_path, host, SPARSE_STEP, ["all"], files={"sparse.py": SPARSE_PY},
+                            checkpoint_seconds=EVERY, keep_checkpoints=True,
+                            max_checkpoint_size="1GiB")  # fmt: skip
+    refused = "sparse: checkpoints not brought home this time: the checkpoints there take 3.1 GiB"
+    proc = popen_doit(root, "sparse")
+    try:
+        wait_for(lambda: kept_state(root, "sparse") == {"i": 1}, "the first snapshot", timeout=120)
+        (hole,) = (root / ".substrax" / "checkpoints" / "sparse").glob("*/latest/files/hole.bin")
+        assert hole.stat().st_size == 64 << 20 and hole.stat().st_blocks * 512 < 1 << 20  # a hole here too
+        run_dir = Path(live_handles(root, "sparse")[0]["backend_state"]["remote_run_dir"])
+        (run_dir / "work" / "checkpoints" / "go").write_text("")
+        wait_for(lambda: refused in popen_output(root), "the snapshot over the bound refused", timeout=180)
+        (run_dir / "work" / "checkpoints" / "end").write_text("")
+        code = proc.wait(timeout=180)
+    finally:
+        stop(proc)
+    text = popen_output(root)
+    assert code == 0 and (root / "out.txt").read_text() == "done\n", text
+    said = [line for line in text.splitlines() if "over max_checkpoint_size" in line]
+    assert said[0].startswith(refused), text
+    assert "(the largest, big.bin: 3.0 GiB), over max_checkpoint_size 1.0 GiB: not brought home, the last " \
+           "snapshot is kept and the run goes on; raise max_checkpoint_size in " \
+           "[tool.substrax.compute.backends.ssh] to keep them" in said[0], text  # fmt: skip
+    assert len(said) == 1, said  # once, however many pulls found it so
+    # The last snapshot under the bound, whole; nothing of the 3 GiB came here.
+    assert kept_state(root, "sparse") == {"i": 1}
+    store = root / ".substrax" / "checkpoints"
+    assert not [p for p in store.rglob("*") if p.is_file() and p.stat().st_size > 64 << 20]
+    assert not [p for p in store.rglob("*") if "partial" in p.name]
