@@ -14,7 +14,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from dodo_helpers import doit, make_project, show
+from ssh_helpers import make_ssh_project
+from testbeds.sshd_host import SshHost
+
+# Hundreds of steps: minutes on a loaded machine.
+pytestmark = pytest.mark.timeout(1500)
 
 # The depth of doit's Writers in sys.stdout and sys.stderr as the last task
 # finds them, once every step has run; that task swaps nothing itself
@@ -47,18 +53,28 @@ def task_depth():
     return {{"actions": [record_depth], "task_dep": STEPS, "io": {{"capture": False}}, "verbosity": 0}}
 """
 
-STEP_COUNT = 120  # today's code left a chain some tens of Writers deep at this size (one every few steps)
+STEP_COUNT = 120  # the code before the fix left a chain ~9 Writers deep here (one every 6-15 steps)
+SSH_STEP_COUNT = 60  # each ssh step costs ~4 s of a loaded machine; 200 took 13 min at load 27
 
 
 def test_many_steps_under_threads_leave_no_chain_of_doit_writers(tmp_path: Path) -> None:
     root = make_project(tmp_path, DEPTH.format(steps=STEP_COUNT), default_tasks=["depth"])
-    done = doit(root, "-n", "4", "-P", "thread", timeout=600)
+    assert_no_chain(root, STEP_COUNT)
+
+
+def test_many_ssh_steps_under_threads_leave_no_chain_of_doit_writers(tmp_path: Path, host: SshHost) -> None:
+    root = make_ssh_project(tmp_path, host, DEPTH.format(steps=SSH_STEP_COUNT), ["depth"])
+    assert_no_chain(root, SSH_STEP_COUNT)
+
+
+def assert_no_chain(root: Path, steps: int) -> None:
+    done = doit(root, "-n", "4", "-P", "thread", timeout=1200)
     assert done.returncode == 0, show(done)
     assert (root / "depth.txt").read_text() == "0 0", show(done)
     # every step's lines reached the console, marked with its name, and the closing line too
-    for i in range(STEP_COUNT):
+    for i in range(steps):
         assert f"s{i:03d} | s{i:03d}" in done.stdout, show(done)
-    assert f"ran {STEP_COUNT + 1} of {STEP_COUNT + 1} tasks" in done.stdout, show(done)
+    assert f"ran {steps + 1} of {steps + 1} tasks" in done.stdout, show(done)
 
 
 # A user's task leaves sys.stdout and sys.stderr as ~1,000 interleaved
