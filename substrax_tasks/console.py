@@ -13,6 +13,15 @@ compose and Nextflow do, so that interleaved lines can be told apart. The
 name is coloured, one colour per step, on a terminal, and plain when the
 stream is piped or NO_COLOR is set (https://no-color.org). A serial doit
 prints one step at a time under doit's own `.  step` lines, unprefixed.
+
+doit swaps `sys.stdout` and `sys.stderr` for a `Writer` of its own around
+each Python action it captures and puts back what it found; under `-P
+thread` the swaps of concurrent actions interleave and a stale `Writer` is
+put back, which the next action wraps (a chain ~1,000 deep after 6,000
+steps: RecursionError in `isatty()`, issue 40). The steps' tasks have doit
+capture nothing (step/tasks.py), and while doit runs every line here goes
+to the streams `sys.stdout` and `sys.stderr` were as its run started
+(`hold_streams`), whatever a user's Python task beside the steps leaves there.
 """
 
 from __future__ import annotations
@@ -32,6 +41,38 @@ COLOURS = ("36", "33", "32", "35", "34", "96", "93", "92", "95", "94")
 _RESET = "\033[0m"
 
 _current = threading.local()  # .step: the StepLines of the step this thread drives
+_held: dict[str, TextIO] = {}  # "out", "err": the streams of the doit that runs (hold_streams)
+
+
+def hold_streams() -> None:
+    """doit's run starts (its reporter is told, in the main thread, before
+    any action runs): the lines of its steps go to the streams `sys.stdout`
+    and `sys.stderr` are now, not to what doit's swaps leave there later."""
+    _held["out"], _held["err"] = sys.stdout, sys.stderr
+
+
+def release_streams() -> None:
+    """doit's run ended (every action and teardown done): `sys.stdout` and
+    `sys.stderr` are the held streams again where doit left one of its
+    `Writer`s there. Python flushes both at exit, down a chain of Writers
+    that interleaved swaps grew: ~1,000 deep, the flush failed and the
+    process exited 120 with nothing said, after a sweep that succeeded."""
+    from doit.action import Writer  # console is a leaf: doit is imported once a doit has run
+
+    if "out" in _held and isinstance(sys.stdout, Writer):
+        sys.stdout = _held["out"]
+    if "err" in _held and isinstance(sys.stderr, Writer):
+        sys.stderr = _held["err"]
+    _held.clear()
+
+
+def stdout() -> TextIO:
+    """Where a step's lines go: the stream held while doit runs."""
+    return _held.get("out") or sys.stdout
+
+
+def stderr() -> TextIO:
+    return _held.get("err") or sys.stderr
 
 
 class StepLines:
@@ -90,7 +131,7 @@ def marking() -> bool:
 
 def emit(text: str, *, err: bool = False) -> None:
     with OUTPUT_LOCK:
-        stream = sys.stderr if err else sys.stdout
+        stream = stderr() if err else stdout()
         step: StepLines | None = getattr(_current, "step", None)
         if step is not None:
             text = step.mark(text, stream)
@@ -133,7 +174,7 @@ class TextSink:
         if not text:
             return len(data)
         with OUTPUT_LOCK:
-            out = uncaptured(sys.stdout)
+            out = uncaptured(stdout())
             if self._step is None:
                 out.write(text)
                 self._open_line = not text.endswith("\n")
@@ -149,11 +190,11 @@ class TextSink:
 
     def flush(self) -> None:
         with OUTPUT_LOCK:
-            uncaptured(sys.stdout).flush()
+            uncaptured(stdout()).flush()
 
     def close(self) -> None:
         with OUTPUT_LOCK:
-            out = uncaptured(sys.stdout)
+            out = uncaptured(stdout())
             if self._open_line:  # the log's last line had no newline: end it, so the next line is a line
                 out.write(self._step.mark(self._partial, out) + "\n" if self._step else "\n")
                 self._partial, self._open_line = "", False

@@ -15,7 +15,7 @@ from typing import Any
 
 from doit.reporter import ConsoleReporter
 
-from substrax_tasks.console import SWEEP
+from substrax_tasks.console import SWEEP, hold_streams, release_streams
 from substrax_tasks.interrupts import INTERRUPTED
 from substrax_tasks.step import doit_db
 
@@ -60,6 +60,7 @@ class SummaryReporter(ConsoleReporter):  # type: ignore[misc]  # doit is untyped
                 self._selected = selected_closure(tasks, selected_tasks)
             return self._selected
 
+        hold_streams()  # before any action swaps sys.stdout (console.py)
         # Counted when a step first starts, or at the end of an interrupted
         # doit: a no-op walks nothing.
         self._planned = planned
@@ -86,6 +87,7 @@ class SummaryReporter(ConsoleReporter):  # type: ignore[misc]  # doit is untyped
         finally:  # doit's tasks are not held past its run (see Sweep.forget)
             self._planned, self._selected = None, []
             SWEEP.forget()
+            release_streams()
 
     def _complete_run(self) -> None:
         super().complete_run()

@@ -328,6 +328,13 @@ def step_tasks(
         "uptodate": [StepCheck(driver), *user_uptodate],
         "doc": f"phases of step {spec.step}: launch, setup, sync, run, fetch, promote (internal)",
         "verbosity": 2,
+        # doit captures a Python action's output by swapping sys.stdout and
+        # sys.stderr for a Writer of its own and putting back what it found;
+        # under `-P thread` interleaved swaps put back stale Writers, a chain
+        # that grew by one every few steps until a sweep died of
+        # RecursionError (issue 40). The steps' lines go to the console's
+        # held streams (console.hold_streams); doit captures nothing of them.
+        "io": {"capture": False},
     }
     # doit's file_dep takes files only; a str path, not a Path, for each of
     # every step's inputs (a third of the time)
@@ -344,6 +351,7 @@ def step_tasks(
         "uptodate": [StepCheck(driver), *user_uptodate],
         "doc": task_keys.pop("doc", None) or f"remote step {spec.step}: {' '.join(spec.command)[:60]}",
         "verbosity": 2,
+        "io": {"capture": False},  # as the phases' task
     }
     if spec.inputs:
         # `doit info` lists file_dep, which holds files only: the inputs,

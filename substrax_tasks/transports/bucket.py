@@ -39,7 +39,6 @@ import hashlib
 import os
 import secrets
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -48,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from substrax_tasks.console import emit, marking
+from substrax_tasks.console import emit, marking, stderr
 from substrax_tasks.errors import BackendError
 from substrax_tasks.run.promote import safe_mode
 from substrax_tasks.transports.base import (
@@ -88,7 +87,7 @@ class BucketTransport(Transport):
     ) -> None:
         self.endpoint_url = endpoint_url
         self.storage_options = dict(storage_options or {})
-        self.show_progress = sys.stderr.isatty() if show_progress is None else show_progress
+        self.show_progress = stderr().isatty() if show_progress is None else show_progress
         self._filesystems: dict[str, Any] = {}
         self._lock = threading.Lock()
 

@@ -8,13 +8,12 @@ import io
 import re
 import shlex
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from substrax_tasks.console import emit, marking
+from substrax_tasks.console import emit, marking, stderr
 from substrax_tasks.errors import BackendError
 from substrax_tasks.run.promote import RSYNC_SAFE_CHMOD
 from substrax_tasks.transports.base import DiskFullHere, TransferStats, Transport, progress
@@ -71,7 +70,7 @@ class RsyncTransport(Transport):
         self.target = target
         self.excludes = list(excludes or [])
         self.quiet = quiet
-        self.show_progress = not quiet and (sys.stderr.isatty() if show_progress is None else show_progress)
+        self.show_progress = not quiet and (stderr().isatty() if show_progress is None else show_progress)
 
     def _argv(self, source: str, dest: str, *extra: str) -> list[str]:
         argv = [
