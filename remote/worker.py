@@ -52,9 +52,12 @@ SETTLE_SECONDS = 0.2  # how long a finished command's exiting helpers may take
 RESERVE_BYTES = 1 << 16
 RESERVE_FILE = "status.reserve"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# How soon a guard whose worker is gone sees the tree end, or the run ended
-# by something else (a client's cancel or relaunch).
-GUARD_POLL_SECONDS = 0.5
+# How often a guard whose worker is gone looks for the tree (a read of all
+# /proc) and the run's end (a client's cancel or relaunch): often at first,
+# where a tree that dies with its worker (bubblewrap) is seen, then seldom
+# while it waits for the deadline, which may be hours away.
+GUARD_POLL_SECONDS = (0.5, 5.0)
+GUARD_QUICK_SECONDS = 5.0
 BUSY = 75  # EX_TEMPFAIL: the GPUs the job asks for are held by other runs
 PATH_FIELDS = ("cwd", "project", "staging", "home_dir", "status_file", "log_file", "manifest_copy")
 PATH_LIST_FIELDS = ("hide", "extra_ro", "path_prepend")
@@ -285,7 +288,7 @@ class Worker:
         A tree that died with the worker (bubblewrap's --die-with-parent)
         has its end stamped (`ended_at`; the run reads `lost`, its machine
         time counted to then). One still going is stopped at the deadline."""
-        mark = self.status["mark"]
+        mark, orphaned_at = self.status["mark"], time.monotonic()
         while True:
             record = control.read_status(self.run_dir)
             if record is not None and (record.get("mark") != mark
@@ -301,7 +304,8 @@ class Worker:
             if left <= 0:
                 self.stop_orphaned_tree(found)
                 return
-            time.sleep(min(GUARD_POLL_SECONDS, left))
+            quick = time.monotonic() - orphaned_at < GUARD_QUICK_SECONDS
+            time.sleep(min(GUARD_POLL_SECONDS[0 if quick else 1], left))
 
     def stop_orphaned_tree(self, found: dict[str, Any]) -> None:
         """Stop what is left of the tree, keep its checkpoints as this
