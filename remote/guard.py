@@ -59,7 +59,10 @@ def arm(write_fd: int, deadline: float) -> None:
 def keep_only(read_fd: int) -> None:
     """Hold nothing of the worker's but the pipe: not its log (a process
     holding it with the worker's command line would count as one of the
-    run's workers: control.workers_of), not the locks of its GPUs."""
+    run's workers: control.workers_of), not the locks of its GPUs, not its
+    folder (a file system the guard's folder were on could not be
+    unmounted). The job's paths are absolute."""
+    os.chdir("/")
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
