@@ -412,9 +412,15 @@ def cancel(run_dir: str, wait: float) -> dict[str, Any]:
         return {"cancelled": False, "left": left, "reason": "its worker is gone and %d process(es) of its "
                 "command (pid %s) did not stop" % (len(left), ", ".join(map(str, left)))}
     # No worker is left to record the end: record it here, so the run
-    # reads as cancelled rather than lost.
-    write_json_atomic(os.path.join(run_dir, STATUS_FILE), dict(
-        record, state="cancelled", ended_at=now_iso(), message="cancelled after its worker was lost"))
+    # reads as cancelled rather than lost. Under the start lock, as the
+    # run's guard (worker.py) records an end: one end, never one written
+    # over the other.
+    with start_lock(run_dir):
+        record = read_status(run_dir) or record
+        if record.get("state") in FINAL_STATES:
+            return {"cancelled": False, "reason": "finished", "state": record.get("state")}
+        write_json_atomic(os.path.join(run_dir, STATUS_FILE), dict(
+            record, state="cancelled", ended_at=now_iso(), message="cancelled after its worker was lost"))
     return {"cancelled": True, "state": "cancelled", "reason": "worker was gone"}
 
 

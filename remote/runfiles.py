@@ -93,7 +93,7 @@ class _StatusFields(TypedDict, total=False):
     exit_code: Optional[int]
     signal: Optional[str]  # the signal that ended the command, by name
     started_at: Optional[str]
-    ended_at: Optional[str]
+    ended_at: Optional[str]  # also of a `running` run whose worker died: when its guard saw the command gone
     sandbox: Optional[str]  # "bwrap" or "none", as the command was started
     outputs_root: Optional[str]
     message: Optional[str]  # why it failed, said to the user

@@ -27,18 +27,19 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Mapping, cast
+from typing import Any, Callable, Mapping, cast
 
 # Run as a script on a host, beside its siblings; imported as
 # substrax_tasks._remote.worker only by the project's own checks.
 PACKAGED = bool(__package__)
 if PACKAGED:
-    from . import checkpoints, control, gpus, hints, manifest, proctree, runfiles, sandbox
+    from . import checkpoints, control, gpus, guard, hints, manifest, proctree, runfiles, sandbox
 else:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run isolated (python3 -I), as control.py
     import checkpoints
     import control
     import gpus
+    import guard
     import hints
     import manifest
     import proctree
@@ -51,6 +52,12 @@ SETTLE_SECONDS = 0.2  # how long a finished command's exiting helpers may take
 RESERVE_BYTES = 1 << 16
 RESERVE_FILE = "status.reserve"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# How often a guard whose worker is gone looks for the tree (a read of all
+# /proc) and the run's end (a client's cancel or relaunch): often at first,
+# where a tree that dies with its worker (bubblewrap) is seen, then seldom
+# while it waits for the deadline, which may be hours away.
+GUARD_POLL_SECONDS = (0.5, 5.0)
+GUARD_QUICK_SECONDS = 5.0
 BUSY = 75  # EX_TEMPFAIL: the GPUs the job asks for are held by other runs
 PATH_FIELDS = ("cwd", "project", "staging", "home_dir", "status_file", "log_file", "manifest_copy")
 PATH_LIST_FIELDS = ("hide", "extra_ro", "path_prepend")
@@ -91,6 +98,8 @@ class Worker:
         self.gpu_env: dict[str, str] = {}
         self.task_path = ""  # the command's PATH, named when a program was not found
         self.checkpoints_root: str | None = None  # where the command writes its checkpoints
+        self.guard_fd: int | None = None  # the pipe to the run's guard (guard.py), while one is armed
+        self.deadline: float | None = None  # time.monotonic() at which the command's timeout ends it
         self.status: runfiles.Status = {
             "version": runfiles.STATUS_VERSION, "state": "starting", "worker_pid": os.getpid(),
             "worker_start_ticks": control.start_ticks(os.getpid()),
@@ -192,6 +201,8 @@ class Worker:
             return BUSY
         self.log_fd = os.open(self.job["log_file"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(self.log_fd, 2)  # our own stderr (tracebacks included) goes to the log as well
+        if self.job.get("timeout") is not None:  # before the subreaper: the guard is not below us
+            self.start_guard()
         self.install_handlers()
         proctree.become_subreaper()
         claimed = self.claim_start()
@@ -232,6 +243,9 @@ class Worker:
                 env = task_environment(job, dict(os.environ), self.secrets, {**home, **self.gpu_env})
                 env[control.RUN_MARK] = self.status["mark"]  # last: no setting of the step's replaces it
                 self.task_path = env.get("PATH", "")
+                timeout = job.get("timeout")
+                self.deadline = None if timeout is None else time.monotonic() + float(timeout)
+                self.arm_guard()
                 self.child = subprocess.Popen(
                     argv, cwd=job["cwd"], env=env,
                     stdin=subprocess.DEVNULL, stdout=self.log_fd, stderr=self.log_fd,
@@ -253,6 +267,77 @@ class Worker:
                           started_at=control.now_iso(), sandbox=sandbox_name, outputs_root=outputs_root,
                           cgroup=self.cgroup, checkpoints_root=self.checkpoints_root)
         return True
+
+    # -- the guard: what stops the command at its deadline should this worker die (guard.py)
+    def start_guard(self) -> None:
+        try:
+            self.guard_fd = guard.start(self.orphaned)
+        except OSError as exc:  # no fork left: the command would not start either
+            self.note("could not start the run's guard (%s): a kill of this worker would let the "
+                      "command run past its timeout" % exc)
+
+    def arm_guard(self) -> None:
+        """Give the guard the command's deadline; the pipe is then held
+        open until this worker exits: its end is what the guard waits for."""
+        if self.guard_fd is not None and self.deadline is not None:
+            guard.arm(self.guard_fd, self.deadline)
+
+    def orphaned(self, deadline: float) -> None:
+        """In the guard, this worker gone. A run with an end recorded, or
+        another worker's now (a relaunch's: another mark), is left alone.
+        A tree that died with the worker (bubblewrap's --die-with-parent)
+        has its end stamped (`ended_at`; the run reads `lost`, its machine
+        time counted to then). One still going is stopped at the deadline."""
+        mark, orphaned_at = self.status["mark"], time.monotonic()
+        while True:
+            record = control.read_status(self.run_dir)
+            if record is not None and (record.get("mark") != mark
+                                       or record.get("state") in control.FINAL_STATES):
+                return
+            # Our copy from before the command started names its mark and
+            # this worker's start: enough to find its tree (control.leftovers).
+            found = record if record is not None else dict(self.status)
+            if not control.leftovers(found):
+                self.record_end(lambda ended: dict(ended, ended_at=control.now_iso()))
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stop_orphaned_tree(found)
+                return
+            quick = time.monotonic() - orphaned_at < GUARD_QUICK_SECONDS
+            time.sleep(min(GUARD_POLL_SECONDS[0 if quick else 1], left))
+
+    def stop_orphaned_tree(self, found: dict[str, Any]) -> None:
+        """Stop what is left of the tree, keep its checkpoints as this
+        worker would have, and record the run timed out with the reason
+        (its cap's, when the cap set the deadline)."""
+        with contextlib.suppress(OSError):  # the run's folder may be gone: the tree is stopped all the same
+            self.log_fd = os.open(self.job["log_file"], os.O_WRONLY | os.O_APPEND)
+        reason = self.job.get("timeout_message") or "stopped at its timeout of %ss" % self.job.get("timeout")
+        self.note("the worker (pid %s) is gone without ending the run: its guard stops the task tree (%s)"
+                  % (self.status["worker_pid"], reason))
+        left = control.stop_leftovers(found)
+        if left:  # not recorded ended: a rerun must not start beside them
+            self.note("%d process(es) of the command did not stop: %s" % (len(left), left))
+            return
+        root = found.get("checkpoints_root")
+        self.checkpoints_root = root if isinstance(root, str) else None
+        self.keep_checkpoints()
+        message = "%s; its worker was gone, so the run's guard stopped the command" % reason
+        self.record_end(lambda ended: dict(ended, state="timed_out", ended_at=control.now_iso(),
+                                           message=message))
+
+    def record_end(self, change: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        """Write `change` of the run's status, under its start lock, if the
+        status is still this worker's and records no end."""
+        if not os.path.isdir(self.run_dir):
+            return
+        with control.start_lock(self.run_dir):
+            record = control.read_status(self.run_dir)
+            if record is None or record.get("mark") != self.status["mark"] or \
+                    record.get("state") in control.FINAL_STATES or record.get("ended_at"):
+                return
+            control.write_json_atomic(self.job["status_file"], change(record))
 
     def place_checkpoints(self, sandbox_name: str) -> str | None:
         """Where the command writes its checkpoints: the kept folder itself,
@@ -286,8 +371,7 @@ class Worker:
     def watch(self, child_pid: int, outputs_root: str) -> None:
         """Poll until the command ends, its timeout passes or a signal asks
         us to stop; then end the tree and write the final status."""
-        timeout = self.job.get("timeout")
-        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        timeout, deadline = self.job.get("timeout"), self.deadline
         returncode = None
         while returncode is None and self.stop_reason is None:
             returncode = proctree.code_of(child_pid, proctree.reap_children())

@@ -37,14 +37,22 @@ def map_termination_signals() -> None:
     check in doit's main thread (doit checks a task before it runs it, `-a`
     or not), never when a dodo is merely loaded; a handler the program set
     itself is left alone. Called by a phase in a worker thread, it notes
-    that steps run in threads."""
+    that steps run in threads.
+
+    SIGINT ignored since the process started is taken back: a shell without
+    job control (a script's `doit ... &`) starts its background jobs so, and
+    Python, doit and make keep a signal ignored that they were started with.
+    A Ctrl-C of that script then left doit driving its runs, paid machines
+    among them, with no one to stop it; a doit that must outlive a Ctrl-C
+    is started in a session of its own (`setsid doit`). SIGTERM and SIGHUP
+    ignored (`nohup`) stay ignored: that is asked for by name."""
     if threading.current_thread() is not threading.main_thread():
         _threaded[0] = True
         return
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
             signal.signal(sig, _interrupt)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, signal.SIG_IGN):
         signal.signal(signal.SIGINT, _interrupt)
 
 

@@ -187,7 +187,9 @@ def damaged_status(record: runfiles.StatusAnswer, host: str | None = None) -> Ru
 
 def status_from_record(record: runfiles.StatusAnswer | None, worker_alive: bool) -> RunStatus:
     """Read the worker's status file. A `running` record whose worker is
-    gone means the worker was killed before it could say how things ended."""
+    gone means the worker was killed before it could say how things ended;
+    its `ended_at`, if any, is when the run's guard saw its command end
+    with it (remote/guard.py): its machine time ends there."""
     from substrax_tasks.backends.base import RunStatus  # pydantic: kept off a no-op doit's path
 
     if record is None:
@@ -197,6 +199,7 @@ def status_from_record(record: runfiles.StatusAnswer | None, worker_alive: bool)
         return RunStatus(
             "lost",
             started_at=record.get("started_at"),
+            ended_at=record.get("ended_at"),
             message="the worker stopped without recording an end (killed, or the machine restarted)",
         )
     if state == "starting":  # its worker is alive and will start it: never a second one

@@ -254,8 +254,10 @@ class StepDriver(DrivenRun):
                 self._say_ended("interrupted")
             if threading.current_thread() is threading.main_thread() and not INTERRUPTED.is_set():
                 raise
-            # doit's worker threads cannot pass an interrupt on: a failure can
-            result = TaskError(f"step {self.spec.step!r}: interrupted")
+            # doit's worker threads cannot pass an interrupt on: a failure can,
+            # one doit does not list (the step said it was interrupted, the
+            # closing line counts it and the exit status is a Ctrl-C's)
+            result = TaskError(f"step {self.spec.step!r}: interrupted", report=False)
         except BaseException:
             self._end_phase("failed")
             self._close("failed")

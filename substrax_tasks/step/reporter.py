@@ -97,12 +97,10 @@ class SummaryReporter(ConsoleReporter):  # type: ignore[misc]  # doit is untyped
             raise SystemExit(1)
         # A serial doit is called here as Ctrl-C's KeyboardInterrupt passes
         # through doit's `finally`; under threads the signal set INTERRUPTED.
-        cut = isinstance(sys.exc_info()[1], KeyboardInterrupt)
-        if cut or INTERRUPTED.is_set():
+        # Said: the exit status of a Ctrl-C, either way, without doit's traceback.
+        if isinstance(sys.exc_info()[1], KeyboardInterrupt) or INTERRUPTED.is_set():
             self._interrupted()
-            if cut:  # said: the exit status of a Ctrl-C, without doit's traceback
-                raise SystemExit(128 + signal.SIGINT)
-            return
+            raise SystemExit(128 + signal.SIGINT)
         total = len(self._ran | self._up_to_date)
         if self.failures or self.runtime_errors or not total:
             return

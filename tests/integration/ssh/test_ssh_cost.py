@@ -105,6 +105,35 @@ def test_the_host_stops_a_run_at_its_cap_with_its_client_killed(tmp_path: Path, 
             kill_pid(pid)
 
 
+def test_the_runs_guard_stops_it_at_its_cap_when_its_client_and_its_worker_are_killed(
+    tmp_path: Path, host: SshHost
+) -> None:
+    """The worker on the host killed too (as its OOM killer may): the run's
+    guard there stops the command at the cap, before the lifetime timer
+    (armed for the cap plus grace and 10 s) would, and records why."""
+    marker = f"guarded-{uuid.uuid4().hex[:8]}"
+    body = one_step(command=["/bin/sh", "-c", "echo started; sleep 600", marker], outputs=["out.txt"],
+                    max_cost=0.2)  # fmt: skip
+    root = make_ssh_project(tmp_path, host, body, sandbox="none", hourly_cost=CENT_A_SECOND,
+                            remote_root=str(host.scratch / "remote-guarded"))  # fmt: skip
+    try:
+        doit_killed_mid_run(root, marker)
+        handle = only_handle(root)
+        wait_for(lambda: (remote_status(handle) or {}).get("state") == "running", "the run's record there")
+        record = remote_status(handle) or {}
+        kill_pid(record["worker_pid"])
+        wait_for(lambda: (remote_status(handle) or {}).get("state") == "timed_out",
+                 "the run's guard to stop the run at its cap", timeout=90)  # fmt: skip
+        assert not marked_pids(marker), "the command outlived its cap"
+        ended = remote_status(handle) or {}
+        message = str(ended.get("message"))
+        assert "its cost reached max_cost = $0.2000" in message, ended
+        assert "its worker was gone, so the run's guard stopped the command" in message, ended
+    finally:
+        for pid in marked_pids(marker):  # only if a failure above left it
+            kill_pid(pid)
+
+
 def test_a_launch_that_failed_costs_its_time_until_it_failed(tmp_path: Path, host: SshHost) -> None:
     blocker = host.scratch / "a-file-not-a-folder"
     blocker.write_text("")  # the remote root under it cannot be made: the launch fails
