@@ -122,7 +122,8 @@ def test_the_client_id_is_made_once_private_and_a_damaged_one_is_named_with_the_
     made = store.client_id()
     assert RunStore(tmp_path / ".substrax").client_id() == made and len(made) == 32
     assert store.client_id_file.stat().st_mode & 0o777 == 0o600
-    assert [p.name for p in store.root.iterdir()] == ["client-id"]  # no temp file left
+    # no temp file left
+    assert sorted(p.name for p in store.root.iterdir()) == ["client-id", "client-id.stamp", "locks"]
     store.client_id_file.write_text("/workspace/proj\n")
     with pytest.raises(HandleError, match=r"holds no id this client made .*; remove it and a new one"):
         store.client_id()
