@@ -10,7 +10,7 @@ from typing import Any
 
 from substrax_tasks.backends.base import Leak, RunStatus
 from substrax_tasks.store import cost
-from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.handle import RunHandle, checkpoints_words
 from substrax_tasks.store.phase import Phase
 from substrax_tasks.store.run_store import Unreadable
 from substrax_tasks.store.selection import group_of
@@ -238,9 +238,16 @@ def seconds_between(started_at: str | None, ended_at: str | None) -> float | Non
     return (end - start).total_seconds()
 
 
-def duration(status: RunStatus) -> str:
+def duration(handle: RunHandle, status: RunStatus) -> str:
+    """How long its command ran: over all its attempts when it was
+    relaunched, as its cost counts every attempt's machine."""
     seconds = seconds_between(status.started_at, status.ended_at)
-    return "-" if seconds is None else clock(seconds, tenths=True)
+    attempts = handle.state.attempts
+    if len(attempts) < 2:
+        return "-" if seconds is None else clock(seconds, tenths=True)
+    # The last attempt as the backend sees it now (it may be going); the earlier ones as recorded.
+    earlier = sum(seconds_between(a.started_at, a.ended_at) or 0.0 for a in attempts[:-1])
+    return f"{clock(earlier + (seconds or 0.0), tenths=True)} over {len(attempts)} attempts"
 
 
 def clock(seconds: float, *, tenths: bool = True) -> str:
@@ -267,7 +274,7 @@ def print_status_table(rows: list[tuple[RunHandle, RunStatus]]) -> None:
     with_cost = any(f.hourly_cost for f in figures)
     columns = [*STATUS_COLUMNS, *(["cost"] if with_cost else []), *(["gpus"] if with_gpus else [])]
     cells = [
-        [h.run_id, h.step, h.backend, s.state, short_time(s.started_at), duration(s)]
+        [h.run_id, h.step, h.backend, s.state, short_time(s.started_at), duration(h, s)]
         + ([cost_cell(f)] if with_cost else [])
         + ([",".join(s.gpus or []) or "-"] if with_gpus else [])
         for (h, s), f in zip(rows, figures, strict=True)
@@ -294,7 +301,7 @@ def attempt_lines(rows: list[tuple[RunHandle, RunStatus]], *, every_run: bool) -
                 f"run {handle.run_id} attempt {a.number} on {a.machine}: started {short_time(a.started_at)}"
                 f", ran {'-' if ran is None else clock(ran)}, {a.outcome or 'going'}"
                 + (f" ({a.message})" if a.message and a.outcome != "succeeded" else "")
-                + (f"; from {a.snapshot}" if a.snapshot else "; from no checkpoints")
+                + (f"; from {checkpoints_words(a.snapshot)}" if a.snapshot else "; from no checkpoints")
                 + (f"; its machine {clock(figures.seconds or 0.0)}, cost {cost.usd(figures.usd)}"
                    if figures is not None and figures.hourly_cost else "")
             )
