@@ -190,7 +190,8 @@ def status_json(
         # null, not "none leaked", when not looked for
         "leaked": None if leaks is None else
         [{"backend": k.backend, "where": k.where, "name": k.name, "ours": k.ours}
-         | ({"warm": k.warm} if k.warm is not None else {}) for k in leaks],
+         | ({"warm": k.warm} if k.warm is not None else {})
+         | ({"kind": k.kind} if k.kind is not None else {}) for k in leaks],
     }, indent=1)  # fmt: skip
 
 
@@ -207,6 +208,10 @@ def machine_lines(handles: list[RunHandle], leaks: list[Leak]) -> list[str]:
         if leak.warm is not None:
             lines.append(f"warm cluster {leak.name} on {leak.where}: {leak.warm}; `substrax-compute gc "
                          "--machines` takes it down")  # fmt: skip
+            continue
+        if leak.kind == "environment":
+            lines.append(f"unused environment {leak.name} on {leak.where}: no run folder there names it and "
+                         "none used it for days; `substrax-compute gc --machines` removes it")  # fmt: skip
             continue
         fix = ("`substrax-compute gc --machines` removes it" if leak.ours else
                "no handle of this project names it: another project's, or leaked before")
