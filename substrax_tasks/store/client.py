@@ -63,7 +63,7 @@ def identity(root: Path) -> Identity:
         return found
     from filelock import FileLock
 
-    (root / "locks").mkdir(parents=True, exist_ok=True)
+    (root / "locks").mkdir(parents=True, exist_ok=True, mode=0o700)  # as the step locks' (steplock.py)
     with FileLock(root / "locks" / "client-id.lock", mode=0o600):
         found = _stamped(root)
         return found if found is not None else _take_identity(root)
