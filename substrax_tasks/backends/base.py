@@ -124,6 +124,8 @@ class Leak:
     # Kept on purpose, not leaked: a machine left warm for the next step
     # (what holds it, and for how long); `gc --machines` removes it all the same.
     warm: str | None = field(default=None, compare=False)
+    # What it is when neither a run folder nor a cluster: an environment a host built, unused for days.
+    kind: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

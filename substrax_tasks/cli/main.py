@@ -182,7 +182,10 @@ def cmd_status(project: Project, args: argparse.Namespace, out: Console, err: Co
     if not handles and not (args.run or args.step):
         err.print("(steps restored from the run cache have no run here: `substrax-compute steps` "
                   "shows every step of the dodo file)", highlight=False)  # fmt: skip
-    for line in [*machine_lines(handles, leaks or []), *damaged_cost_lines(rows),
+    copied = [f"run {h.run_id} was launched from the project this one is a copy of: shown here, it stays "
+              "that project's (never cancelled, fetched or removed from here)"
+              for h, _ in rows if not project.store.owns(h)]  # fmt: skip
+    for line in [*copied, *machine_lines(handles, leaks or []), *damaged_cost_lines(rows),
                  *(f"could not look for leaks: {p}" for p in problems)]:  # fmt: skip
         err.print(escape(line), highlight=False)
     for record in unreadable:
@@ -347,10 +350,21 @@ def cmd_cancel(project: Project, args: argparse.Namespace, out: Console, err: Co
     return 0
 
 
+def own_run(project: Project, handle: RunHandle) -> RunHandle:
+    """The run, if this client launched it: one recorded in a copy of
+    another project's state folder stays that project's (store/client.py)."""
+    if not project.store.owns(handle):
+        raise SubstraxError(
+            f"run {handle.run_id} was launched from the project this one is a copy of: it is that "
+            "project's to cancel, fetch or tear down; run the command there"
+        )
+    return handle
+
+
 def cancel_one(project: Project, handle: RunHandle) -> str | Exception:
     """Cancel one run: what to print, or why it failed."""
     try:
-        backend = project.backend_for(handle)
+        backend = project.backend_for(own_run(project, handle))
         if not backend.cancel(handle):
             state = backend.status(project.store.read(handle.run_id)).state
             return f"run {handle.run_id} had already finished ({state}); nothing to cancel"
@@ -381,7 +395,7 @@ def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Con
     from substrax_tasks.run.steplock import StepLock
     from substrax_tasks.uptodate.manifests import ManifestError
 
-    handle = project.store.read(args.run)
+    handle = own_run(project, project.store.read(args.run))
     backend = project.backend_for(handle)
     status = backend.status(handle)
     if status.state != "succeeded":
@@ -434,7 +448,7 @@ def cmd_fetch(project: Project, args: argparse.Namespace, out: Console, err: Con
 
 
 def cmd_teardown(project: Project, args: argparse.Namespace, out: Console, err: Console) -> int:
-    handle = project.store.read(args.run)
+    handle = own_run(project, project.store.read(args.run))
     project.backend_for(handle).teardown(handle, force=True)
     from substrax_tasks.run.spending import record_release
 

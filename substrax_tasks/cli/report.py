@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from substrax_tasks.backends.base import RunStatus
+from substrax_tasks.cli.status_view import cost_cell, group_line, group_totals, spent
 from substrax_tasks.errors import BackendError, HandleError, SubstraxError
 from substrax_tasks.run.timeline import PHASES, phase_times
+from substrax_tasks.store.cost import usd
 from substrax_tasks.store.selection import group_of, latest_per_step, select
 
 if TYPE_CHECKING:
@@ -53,7 +55,7 @@ class RunRow:
     where: str
     times: dict[str, dict[str, Any]]
     log_tail: str = ""
-    cost: float | None = None
+    cost: str | None = None  # as `status` shows it: $0.0123, with its cap: $0.0123/$0.0500
 
 
 @dataclass
@@ -152,9 +154,11 @@ def row_of(project: Project, handle: RunHandle) -> RunRow:
     except (BackendError, HandleError) as exc:  # its host unreachable now, settings this release refuses
         unknown = RunStatus("unknown", message=str(exc))
         return RunRow(handle, unknown, handle.backend, phase_times(handle.state.times))
-    cost = handle.state.cost_usd
-    row = RunRow(handle, status, where, phase_times(handle.state.times),
-                 cost=float(cost) if isinstance(cost, (int, float)) else None)  # fmt: skip
+    figures = spent(handle, status)  # over all its attempts, as `status` counts it
+    kept = handle.state.cost_usd  # a handle from before the machine was recorded: the cost it kept
+    cost = (cost_cell(figures) if figures.hourly_cost else
+            usd(kept) if isinstance(kept, (int, float)) else None)  # fmt: skip
+    row = RunRow(handle, status, where, phase_times(handle.state.times), cost=cost)
     if status.final and status.state != "succeeded":
         try:
             row.log_tail = log_tail(backend.read_log, handle)
@@ -219,10 +223,35 @@ class Scale:
         return 100.0 * took / self.total
 
 
+def attempt_bars(row: RunRow, scale: Scale) -> list[str]:
+    """The run phase of a relaunched run: a bar per attempt of its command
+    (`preemptions`), each as long as it ran, the lost ones marked."""
+    e = html.escape
+    bars = []
+    for a in row.handle.state.attempts:
+        start, end = parse(a.started_at), parse(a.ended_at or row.status.ended_at)
+        if start is None or end is None:
+            continue
+        took = max((end - start).total_seconds(), 0.0)
+        outcome = a.outcome or "going"
+        label = f"run, attempt {a.number} on {a.machine}: {seconds(took)} ({outcome})"
+        bars.append(
+            f'<div class="bar attempt {e(outcome)}" data-phase="run" data-attempt="{a.number}" '
+            f'data-seconds="{took:.3f}" style="left:{scale.at(start):.4f}%;width:{scale.width(took):.4f}%;'
+            f'background:{PHASE_COLOURS["run"]}" title="{e(label)}"></div>'
+        )
+    return bars
+
+
 def run_html(row: RunRow, scale: Scale) -> str:
     e = html.escape
     bars = []
+    by_attempt = len(row.handle.state.attempts) > 1
+    if by_attempt:
+        bars += attempt_bars(row, scale)
     for phase in PHASES:
+        if by_attempt and phase == "run":
+            continue
         t = row.times.get(phase)
         start, end = (parse(t["start"]), parse(t["end"])) if t else (None, None)
         if t is None or start is None or end is None:
@@ -242,7 +271,7 @@ def run_html(row: RunRow, scale: Scale) -> str:
     track = "".join(bars) or '<span class="untimed">no phase times recorded (an older run)</span>'
     state = row.status.state
     code = f" (exit {row.status.exit_code})" if row.status.exit_code not in (None, 0) else ""
-    cost = f'<span class="cost">${row.cost:.2f}</span>' if row.cost is not None else ""
+    cost = f'<span class="cost">{e(row.cost)}</span>' if row.cost is not None else ""
     return (
         f'<div class="row run" data-step="{e(row.handle.step)}" data-state="{e(state)}">'
         f'<div class="who"><b class="step">{e(row.handle.step)}</b>'
@@ -293,12 +322,16 @@ def table_html(runs: list[RunRow]) -> str:
             took_phase = took(row.times.get(phase))
             shown = "&ndash;" if took_phase is None else e(seconds(took_phase))
             cells.append(f'<td class="num">{shown}</td>')
-        cost = (f'<td class="num">{"" if row.cost is None else f"${row.cost:.2f}"}</td>' if with_cost else "")
+        cost = f'<td class="num">{e(row.cost or "")}</td>' if with_cost else ""
         lines.append(f"<tr><td><code>{e(row.handle.step)}</code></td><td>{e(row.status.state)}</td>"
                      f"{''.join(cells)}{cost}</tr>")  # fmt: skip
     cost_head = "<th>cost</th>" if with_cost else ""
+    # Each group's runs together (a sweep's members), as `status` totals them.
+    groups = group_totals([(row.handle, row.status) for row in runs]) if with_cost else []
+    totals = "".join(f'<p class="group-total" data-group="{e(t.group)}">{e(group_line(t))}</p>'
+                     for t in groups)  # fmt: skip
     return (f'<h2>Phases</h2><table class="phases"><thead><tr><th>step</th><th>state</th>{head}{cost_head}'
-            f"</tr></thead><tbody>{''.join(lines)}</tbody></table>") if runs else ""  # fmt: skip
+            f"</tr></thead><tbody>{''.join(lines)}</tbody></table>{totals}") if runs else ""  # fmt: skip
 
 
 def failure_html(row: RunRow) -> str:
@@ -382,7 +415,9 @@ main {{ padding: 18px 28px 40px; }}
 .track {{ position: relative; height: 22px; background: #f6f8fa; border-radius: 4px; }}
 .bar {{ position: absolute; top: 3px; height: 16px; min-width: 2px; border-radius: 3px; }}
 .bar.failed {{ outline: 2px solid #c62828; outline-offset: 1px; }}
-.bar.interrupted {{ opacity: .55; }}
+.bar.interrupted, .bar.lost {{ opacity: .55; }}
+.bar.attempt {{ border-right: 2px solid #fff; box-sizing: border-box; }}
+.group-total {{ margin: 8px 0 0; font-variant-numeric: tabular-nums; }}
 .untimed, .restore-note {{ position: absolute; left: 8px; top: 2px; color: #6e7781; font-size: 12px;
   white-space: nowrap; }}
 .restore-note {{ left: auto; color: #6a1b9a; }}

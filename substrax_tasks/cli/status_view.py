@@ -10,7 +10,7 @@ from typing import Any
 
 from substrax_tasks.backends.base import Leak, RunStatus
 from substrax_tasks.store import cost
-from substrax_tasks.store.handle import RunHandle
+from substrax_tasks.store.handle import RunHandle, checkpoints_words
 from substrax_tasks.store.phase import Phase
 from substrax_tasks.store.run_store import Unreadable
 from substrax_tasks.store.selection import group_of
@@ -190,7 +190,8 @@ def status_json(
         # null, not "none leaked", when not looked for
         "leaked": None if leaks is None else
         [{"backend": k.backend, "where": k.where, "name": k.name, "ours": k.ours}
-         | ({"warm": k.warm} if k.warm is not None else {}) for k in leaks],
+         | ({"warm": k.warm} if k.warm is not None else {})
+         | ({"kind": k.kind} if k.kind is not None else {}) for k in leaks],
     }, indent=1)  # fmt: skip
 
 
@@ -207,6 +208,10 @@ def machine_lines(handles: list[RunHandle], leaks: list[Leak]) -> list[str]:
         if leak.warm is not None:
             lines.append(f"warm cluster {leak.name} on {leak.where}: {leak.warm}; `substrax-compute gc "
                          "--machines` takes it down")  # fmt: skip
+            continue
+        if leak.kind == "environment":
+            lines.append(f"unused environment {leak.name} on {leak.where}: no run folder there names it and "
+                         "none used it for days; `substrax-compute gc --machines` removes it")  # fmt: skip
             continue
         fix = ("`substrax-compute gc --machines` removes it" if leak.ours else
                "no handle of this project names it: another project's, or leaked before")
@@ -238,9 +243,16 @@ def seconds_between(started_at: str | None, ended_at: str | None) -> float | Non
     return (end - start).total_seconds()
 
 
-def duration(status: RunStatus) -> str:
+def duration(handle: RunHandle, status: RunStatus) -> str:
+    """How long its command ran: over all its attempts when it was
+    relaunched, as its cost counts every attempt's machine."""
     seconds = seconds_between(status.started_at, status.ended_at)
-    return "-" if seconds is None else clock(seconds, tenths=True)
+    attempts = handle.state.attempts
+    if len(attempts) < 2:
+        return "-" if seconds is None else clock(seconds, tenths=True)
+    # The last attempt as the backend sees it now (it may be going); the earlier ones as recorded.
+    earlier = sum(seconds_between(a.started_at, a.ended_at) or 0.0 for a in attempts[:-1])
+    return f"{clock(earlier + (seconds or 0.0), tenths=True)} over {len(attempts)} attempts"
 
 
 def clock(seconds: float, *, tenths: bool = True) -> str:
@@ -267,7 +279,7 @@ def print_status_table(rows: list[tuple[RunHandle, RunStatus]]) -> None:
     with_cost = any(f.hourly_cost for f in figures)
     columns = [*STATUS_COLUMNS, *(["cost"] if with_cost else []), *(["gpus"] if with_gpus else [])]
     cells = [
-        [h.run_id, h.step, h.backend, s.state, short_time(s.started_at), duration(s)]
+        [h.run_id, h.step, h.backend, s.state, short_time(s.started_at), duration(h, s)]
         + ([cost_cell(f)] if with_cost else [])
         + ([",".join(s.gpus or []) or "-"] if with_gpus else [])
         for (h, s), f in zip(rows, figures, strict=True)
@@ -294,7 +306,7 @@ def attempt_lines(rows: list[tuple[RunHandle, RunStatus]], *, every_run: bool) -
                 f"run {handle.run_id} attempt {a.number} on {a.machine}: started {short_time(a.started_at)}"
                 f", ran {'-' if ran is None else clock(ran)}, {a.outcome or 'going'}"
                 + (f" ({a.message})" if a.message and a.outcome != "succeeded" else "")
-                + (f"; from {a.snapshot}" if a.snapshot else "; from no checkpoints")
+                + (f"; from {checkpoints_words(a.snapshot)}" if a.snapshot else "; from no checkpoints")
                 + (f"; its machine {clock(figures.seconds or 0.0)}, cost {cost.usd(figures.usd)}"
                    if figures is not None and figures.hourly_cost else "")
             )

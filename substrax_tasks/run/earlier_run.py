@@ -41,7 +41,7 @@ def last_run(driver: DrivenRun) -> RunHandle | None:
     if not store.handle_path(str(run_id)).exists():
         return None  # its folder was removed: nothing runs there any more
     try:
-        return store.read(str(run_id))
+        handle = store.read(str(run_id))
     except HandleError as exc:
         if not ended_by_its_worker(store.run_dir(str(run_id))):
             raise HandleError(
@@ -52,6 +52,13 @@ def last_run(driver: DrivenRun) -> RunHandle | None:
         set_aside(driver, store.handle_path(str(run_id)), f"the handle of its last run {run_id}",
                   "its worker recorded how the run ended")  # fmt: skip
         return None
+    if not store.owns(handle):
+        # Copied with this state folder: the original's to reattach, fetch
+        # or stop, never this copy's (store/client.py).
+        emit(f"{driver.spec.step}: its last run {run_id} was launched from the project this one is a copy "
+             "of; it stays that project's, and this one runs the step itself")  # fmt: skip
+        return None
+    return handle
 
 
 def ended_by_its_worker(run_dir: Path) -> bool:
@@ -72,7 +79,7 @@ def no_run_going(driver: DrivenRun) -> bool:
     status beside it."""
     handles, unreadable = driver.project.store.read_all()
     for handle in handles:
-        if handle.step != driver.spec.step:
+        if handle.step != driver.spec.step or not driver.project.store.owns(handle):
             continue
         try:
             status = driver.backend(handle).status(handle)

@@ -536,7 +536,7 @@ class StepDriver(DrivenRun):
         status of the attempt whose machine went away; None: the last
         attempt recorded is a relaunch that never started its command (the
         doit driving it was stopped), driven again as the same attempt."""
-        from substrax_tasks.store.handle import Attempt  # a relaunch: not a no-op's path
+        from substrax_tasks.store.handle import Attempt, checkpoints_words  # a relaunch: not a no-op's path
 
         attempts = list(handle.state.attempts) or [Attempt(number=1, machine=backend.ran_on(handle),
                                                            launched_at=handle.created_at)]  # fmt: skip
@@ -567,7 +567,7 @@ class StepDriver(DrivenRun):
         handle = self.save(synced, attempts=attempts_with(synced, machine=backend.ran_on(synced),
                                                           snapshot=snapshot))  # fmt: skip
         emit(f"{self.spec.step}: run {handle.run_id}: attempt {number} on {backend.ran_on(handle)} starts "
-             + (f"from the checkpoints of snapshot {snapshot}" if snapshot else "with no checkpoints kept"))
+             + (f"from {checkpoints_words(snapshot)}" if snapshot else "with no checkpoints kept"))
         handle = self._start(backend, handle)
         return self.save(handle, attempts=attempts_with(handle, started_at=timeline_now()))
 

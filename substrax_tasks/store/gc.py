@@ -174,9 +174,12 @@ def find_leaks(project: Project, handles: list[RunHandle]) -> tuple[list[Leak], 
     place that could not be asked, why."""
     found: set[Leak] = set()
     problems: list[str] = []
+    # Runs copied in with the state folder are another client's: their
+    # folders are neither live nor known here (they carry that client's mark).
+    own = [h for h in handles if project.store.owns(h)]
     for name, backend in _places(project, handles):
         try:
-            found.update(backend().leaks(str(project.root), handles))
+            found.update(backend().leaks(str(project.root), own))
         except SubstraxError as exc:
             problems.append(f"{name}: {exc}")
     return sorted(found, key=lambda leak: (leak.backend, leak.where, leak.name)), problems

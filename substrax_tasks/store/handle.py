@@ -60,6 +60,12 @@ class Attempt(BaseModel):
         return max(self.seconds(self.started_at, self.ended_at), 0.0)
 
 
+def checkpoints_words(snapshot: str) -> str:
+    """The checkpoints an attempt started from (Attempt.snapshot: a
+    snapshot's name, or what a backend put in place), as a user reads it."""
+    return f"the checkpoints it last kept ({snapshot})"
+
+
 class CoreState(BaseModel):
     """What the core records of a run, and all it reads of the handle's
     state. Unknown keys are refused: a typo fails at once."""
@@ -67,6 +73,8 @@ class CoreState(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     project: str | None = None  # the project folder the run was submitted from
+    # The id of the state folder that launched it (store/client.py); None: an earlier release's run
+    client_id: str | None = None
     phase: Phase | None = None  # how far the chain drove it (phase.py); written by RunStore.advance alone
     refetches: int = 0  # rounds of `refetch` (phase.py)
     key: str | None = None  # the step's run key when it was submitted (uptodate)

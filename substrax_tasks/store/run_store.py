@@ -15,7 +15,8 @@
     restore/<step>-<token>/       outputs restored from the run cache, staged to be verified
     locks/<step>.lock             one driver per step (steplock.py), and who holds it
     slots/<pool>/<i>.lock         the max_parallel slots of a backend's pool (slots.py)
-    client-id                     this state folder's random id: marks what it makes on shared machines
+    client-id, client-id.stamp    this state folder's random id: marks what it makes on shared machines,
+                                  and where it was made, which a copy of the folder is not (client.py)
 
 where <step> is `spec.safe_name(step)`. Every module asks here for these
 paths. A no-op doit asks too, so pydantic (handle.py) is imported only by
@@ -27,10 +28,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-import re
-import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.errors import HandleError, NoSuchRun, RunFolderDeleted
 from substrax_tasks.step.spec import StepSpec, canonical_digest, safe_name, settings_in_key
+from substrax_tasks.store import client
+from substrax_tasks.store.client import CLIENT_ID_FILE
 from substrax_tasks.store.phase import Phase, moved_to
 
 if TYPE_CHECKING:
@@ -52,8 +52,6 @@ HANDLE_FILE = "handle.json"
 SET_ASIDE = ".damaged-"
 SET_ASIDE_HANDLES = f"{HANDLE_FILE}{SET_ASIDE}*"
 PROOFS_FILE = "up-to-date.json"
-CLIENT_ID_FILE = "client-id"
-CLIENT_ID = re.compile(r"[0-9a-f]{32}")
 PHASE_KEYS = frozenset({"phase", "refetches"})
 
 
@@ -167,33 +165,17 @@ class RunStore:
 
     def client_id(self) -> str:
         """This state folder's own random id (128 bits, hex), made on first
-        use: what marks the run folders and clusters it makes on machines
-        other clients share, so gc never takes another's for its own (two
-        clients may well share a project path: CI jobs, containers).
-        Linked into place whole, so processes that make it at once agree."""
-        path = self.client_id_file
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                os.fchmod(fd, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    f.write(secrets.token_hex(16) + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.link(tmp, path)  # never over one made meanwhile
-            except FileExistsError:
-                pass
-            finally:
-                Path(tmp).unlink(missing_ok=True)
-        text = path.read_text().strip()
-        if not CLIENT_ID.fullmatch(text):
-            raise HandleError(
-                f"{path} holds no id this client made ({text[:40]!r}); remove it and a new one is made "
-                "(what the old one marked on machines is then left to its lifetime timer, or to "
-                "`substrax-compute teardown RUN`)"
-            )
-        return text
+        use, and made anew in a copy of the folder (store/client.py): what
+        marks the run folders and clusters it makes on machines other
+        clients share, so gc never takes another's for its own (two clients
+        may well share a project path: CI jobs, containers, a copied project)."""
+        return client.identity(self.root).id
+
+    def owns(self, handle: RunHandle) -> bool:
+        """The run was launched by this client, not by the one this state
+        folder was copied from: only its own runs does it reattach, fetch,
+        cancel, tear down or count as live."""
+        return client.identity(self.root).owns(handle.state.client_id)
 
     # -- handles
     def new_run(self, spec: StepSpec, backend: str, settings: dict[str, Any], **state: Any) -> RunHandle:
@@ -213,7 +195,7 @@ class RunStore:
             spec=spec,
             spec_digest=run_digest(spec, backend, settings),
             created_at=now.isoformat(timespec="milliseconds"),
-            state=CoreState.model_validate({**state, "phase": Phase.CREATED}),
+            state=CoreState.model_validate({**state, "phase": Phase.CREATED, "client_id": self.client_id()}),
         )
         write_json_atomic(self.handle_path(run_id), handle.model_dump(mode="json"))
         return handle

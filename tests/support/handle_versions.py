@@ -24,8 +24,8 @@ V2_FIXTURES = {
 }
 UNSET: tuple[object, ...] = (None, 0, False, {}, [])
 # Keys of the core's state a later release records for every run that the
-# release before never wrote: a command's attempts (`preemptions`).
-CORE_SINCE_VERSION_2 = ("attempts",)
+# release before never wrote: a command's attempts (`preemptions`), the client id that launched it.
+CORE_SINCE_VERSION_2 = ("attempts", "client_id")
 # Keys a later release records that the release before did not, per backend,
 # and what it recorded instead (None: nothing): the skypilot backend's lease
 # job stands where its run's own SkyPilot job was.

@@ -157,7 +157,7 @@ class LocalBackend(Backend):
         folder = checkpoints_folder(self.store, handle)
         live = None if folder is None else folder / LIVE
         held = 0 if live is None else sum(len(files) for _top, _dirs, files in os.walk(live))
-        return f"{LIVE} ({held} file(s) in place)" if held else None
+        return f"{held} file(s) left in its checkpoints folder" if held else None
 
     def start(self, handle: RunHandle) -> RunHandle:
         paths = self.paths(handle)

@@ -18,6 +18,7 @@ environments remote/env.py builds, reused while the lock file is unchanged.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import time
@@ -66,6 +67,10 @@ LIST_RUNS = (
     'if [ -e "$d/$2" ]; then echo "+$d"; else echo "-$d"; fi; done'
 )
 
+
+# An environment on a host that no run folder there names and none used
+# for this long is removed by `gc --machines` (remote/env.py --collect).
+ENV_UNUSED_DAYS = 7.0
 
 # How long a relaunch waits for a host that does not answer (rebooting),
 # trying every HOST_WAIT_POLL_SECONDS.
@@ -395,7 +400,32 @@ class SshBackend(Backend):
                 path = f"{where}/{name}"
                 run = RemoteRun(self.conn, self.settings.python, bin_dir, path)
                 leaks.append(Leak(self.name, self.settings.host, path, True, run.remove))  # as teardown
-        return leaks
+        return leaks + self._unused_envs(where.rsplit("/", 1)[0], bin_dir) if where else leaks
+
+    def _unused_envs(self, remote_root: str, bin_dir: str) -> list[Leak]:
+        """The environments under remote_root that no run folder there names
+        (of any client: they share them) and none used for ENV_UNUSED_DAYS;
+        each removed again under its lock, kept if used meanwhile. None
+        listed where this release never installed its scripts."""
+        from substrax_tasks.backends.base import Leak
+
+        if self.conn.run(["test", "-f", f"{bin_dir}/.complete"]).returncode != 0:
+            return []
+        runs, envs = f"{remote_root}/runs", f"{remote_root}/envs"
+        there = RemoteRun(self.conn, self.settings.python, bin_dir, remote_root)
+        collect = ("env.py", "--collect", envs, runs, str(ENV_UNUSED_DAYS))
+        listed = there.answer(there.checked_script(*collect, "--dry-run", what="listing the environments"),
+                              "listing the environments").get("unused")  # fmt: skip
+
+        def remove(path: str) -> None:
+            done = there.answer(there.checked_script(*collect, "--only", path, what=f"removing {path}"),
+                                f"removing {path}")  # fmt: skip
+            if not done.get("removed"):
+                raise BackendError(f"environment {path} kept: used since it was listed, or being built")
+
+        paths = [str(e["path"]) for e in listed if isinstance(e, dict)] if isinstance(listed, list) else []
+        return [Leak(self.name, self.settings.host, path, True, functools.partial(remove, path),
+                     kind="environment") for path in paths]  # fmt: skip
 
     def forget(self, handle: RunHandle) -> str:
         try:

@@ -54,6 +54,7 @@ from lost_tree import (
 )
 
 from substrax_tasks._remote import control
+from substrax_tasks.cli.status_view import seconds_between
 
 PAUSE = 0.3
 
@@ -124,7 +125,8 @@ def test_a_killed_worker_is_relaunched_from_its_checkpoint(tmp_path: Path, sandb
     run_id = runs_of(root, "count")[0]["run_id"]
     assert f"count: run {run_id}: attempt 1 lost its machine" in said, said
     assert "relaunching it, attempt 2 of at most 2" in said, said
-    assert "starts from the checkpoints of snapshot live (1 file(s) in place)" in said, said
+    started = "starts from the checkpoints it last kept (1 file(s) left in its checkpoints folder)"
+    assert started in said and "snapshot live" not in said, said
     first, second = attempt_logs(root, "count")
     assert starts(first) == [0], first
     # The second attempt started where the checkpoint was when the worker
@@ -138,13 +140,25 @@ def test_a_killed_worker_is_relaunched_from_its_checkpoint(tmp_path: Path, sandb
     assert "the worker stopped without recording an end" in one["message"], one
     assert one["started_at"] and one["ended_at"] and one["snapshot"] is None, one
     assert (two["number"], two["outcome"]) == (2, "succeeded"), two
-    assert two["snapshot"] == "live (1 file(s) in place)" and two["started_at"] and two["ended_at"], two
+    assert two["snapshot"] == "1 file(s) left in its checkpoints folder", two
+    assert two["started_at"] and two["ended_at"], two
     assert one["machine"] == two["machine"] == os.uname().nodename
 
     status = compute(root, "status", run_id)
     assert status.returncode == 0, show(status)
     assert "attempt 1" in status.stdout and "lost" in status.stdout, show(status)
-    assert "attempt 2" in status.stdout and "from live (1 file(s) in place)" in status.stdout, show(status)
+    from_kept = "from the checkpoints it last kept (1 file(s) left in its checkpoints folder)"
+    assert "attempt 2" in status.stdout and from_kept in status.stdout, show(status)
+    # The duration counts both attempts, as the cost counts both machines.
+    ran = [seconds_between(a["started_at"], a["ended_at"]) or 0.0 for a in (one, two)]
+    (row,) = [line for line in status.stdout.splitlines() if line.startswith(run_id)]
+    assert " over 2 attempts" in row, show(status)
+    shown = row.split(" over 2 attempts")[0].split()[-1]
+    minutes, seconds = shown.split(":")
+    # The two attempts' recorded times (the last as its worker reported it: a few tenths apart at most);
+    # the first ran three counts of 0.3 s at least, so the last alone is further off than that.
+    assert min(ran) > 0.85, ran
+    assert abs(int(minutes) * 60 + float(seconds) - sum(ran)) < 0.8, (shown, ran)
     listed = compute(root, "status", run_id, "--json")
     (run,) = json.loads(listed.stdout)["runs"]
     assert [a["outcome"] for a in run["attempts"]] == ["lost", "succeeded"], run

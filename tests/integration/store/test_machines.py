@@ -122,7 +122,62 @@ def test_the_client_id_is_made_once_private_and_a_damaged_one_is_named_with_the_
     made = store.client_id()
     assert RunStore(tmp_path / ".substrax").client_id() == made and len(made) == 32
     assert store.client_id_file.stat().st_mode & 0o777 == 0o600
-    assert [p.name for p in store.root.iterdir()] == ["client-id"]  # no temp file left
+    # no temp file left
+    assert sorted(p.name for p in store.root.iterdir()) == ["client-id", "client-id.stamp", "locks"]
     store.client_id_file.write_text("/workspace/proj\n")
     with pytest.raises(HandleError, match=r"holds no id this client made .*; remove it and a new one"):
         store.client_id()
+
+
+def test_a_copy_of_the_state_folder_takes_an_id_of_its_own_and_a_move_keeps_it(tmp_path: Path) -> None:
+    """`cp -a`, a cache restored at the same path after `rm -rf` (tar, as
+    CI caches are), a `mv`: the id follows the folder, not its bytes."""
+    import subprocess
+
+    from substrax_tasks.store.run_store import RunStore
+
+    project = tmp_path / "proj"
+    made = RunStore(project / ".substrax").client_id()
+
+    copied = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(project), str(copied)], check=True)
+    assert (copied / ".substrax" / "client-id").read_text().strip() == made  # the bytes came along
+    taken = RunStore(copied / ".substrax").client_id()
+    assert taken != made and RunStore(copied / ".substrax").client_id() == taken  # made once
+
+    moved = tmp_path / "moved"
+    project.rename(moved)
+    assert RunStore(moved / ".substrax").client_id() == made  # the same folder
+
+    cache = tmp_path / "cache.tar"
+    subprocess.run(["tar", "-C", str(moved), "-cf", str(cache), ".substrax"], check=True)
+    shutil.rmtree(moved / ".substrax")
+    subprocess.run(["tar", "-C", str(moved), "-xf", str(cache)], check=True)
+    restored = RunStore(moved / ".substrax").client_id()
+    assert restored not in (made, taken)
+
+
+def test_the_runs_a_state_folder_owns_by_the_id_they_were_launched_with(tmp_path: Path) -> None:
+    """A run recorded with no id (an earlier release) is the folder's own
+    unless the folder is a copy; an id removed as damaged stays its own."""
+    import subprocess
+
+    from substrax_tasks.store import client
+    from substrax_tasks.store.run_store import RunStore
+
+    store = RunStore(tmp_path / "proj" / ".substrax")
+    store.root.mkdir(parents=True)
+    store.client_id_file.write_text("0" * 31 + "1\n")  # made by a release before the stamp
+    assert store.client_id() == "0" * 31 + "1"
+    mine = client.identity(store.root)
+    assert mine.owns(None) and mine.owns("0" * 31 + "1") and not mine.owns("f" * 32)
+
+    store.client_id_file.unlink()  # as the damaged id's message says to
+    again = client.identity(store.root)
+    assert again.id != "0" * 31 + "1" and again.owns("0" * 31 + "1") and again.owns(None)
+
+    copied = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(tmp_path / "proj"), str(copied)], check=True)
+    theirs = client.identity(copied / ".substrax")
+    assert not theirs.owns(None) and not theirs.owns(again.id) and not theirs.owns("0" * 31 + "1")
+    assert theirs.owns(theirs.id)
