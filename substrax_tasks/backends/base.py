@@ -104,12 +104,16 @@ class Fetched:
     run ran when its command ended;
     saw_whole_project: the run could read every file of the project, not
     only its view (a local run without the sandbox): its key does not cover
-    what it read, so it is never kept in the run cache.
+    what it read, so it is never kept in the run cache;
+    updated_in_place: `root` is a staging folder of the run's own that a
+    fetch again updates rather than copies afresh (rsync): a copy refused by
+    verification is removed, so that it never seeds the next fetch.
     """
 
     root: Path
     manifest: dict[str, Any]
     saw_whole_project: bool = False
+    updated_in_place: bool = False
 
 
 @dataclass(frozen=True)

@@ -102,8 +102,12 @@ class RsyncTransport(Transport):
         # was put in after the run, and is never made here (after --archive,
         # which would turn them back on), and the copy is refused. No copy
         # keeps a setuid, setgid or sticky bit or is world-writable here
-        # (promote.safe_mode; the promotion checks it again).
-        extra = ("--ignore-missing-args", "--no-devices", "--no-specials", RSYNC_SAFE_CHMOD)
+        # (promote.safe_mode; the promotion checks it again). A copy into a
+        # staging folder an earlier fetch left brings only what differs, and
+        # --delete makes each folder output hold only what is there (not a
+        # file deleted since, nor a killed copy's temp files), as a fresh
+        # copy would: a second fetch costs a no-op rsync, not a full copy.
+        extra = ("--ignore-missing-args", "--no-devices", "--no-specials", "--delete", RSYNC_SAFE_CHMOD)
         try:
             stats, said = self._rsync(self._argv(source, f"{local_root}/", *extra), rel_paths, "fetch")
         except BackendError as exc:
