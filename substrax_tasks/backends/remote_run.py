@@ -395,7 +395,7 @@ class RemoteRun:
                 if isinstance(exc, DiskFullHere):  # the phase says where, what is kept, the fix
                     raise exc.full_disk() from None
                 raise
-        return Fetched(staging, manifest, updated_in_place=True)
+        return Fetched(staging, manifest, updated_in_place=True, modes_safe=transport.writes_safe_modes)
 
 
 class Checkpointing(ABC):

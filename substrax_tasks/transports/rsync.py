@@ -62,6 +62,8 @@ class SshEndpoint(Protocol):
 
 
 class RsyncTransport(Transport):
+    writes_safe_modes = True  # --chmod (RSYNC_SAFE_CHMOD) on every download
+
     def __init__(
         self, target: SshEndpoint, excludes: list[str] | None = None, show_progress: bool | None = None,
         *, quiet: bool = False,
