@@ -76,7 +76,7 @@ SMOKES: tuple[Smoke, ...] = (
     Smoke("bench_cache_disk.py", ("--files", "200", "--size-mib", "4", "--repeats", "1"),
           (rf"^\| this tree \| .* \| {NUMBER} s \|$",)),
     Smoke("bench_ssh.py", ("--smoke",), (rf"^bench_ssh.py --smoke: ok, {NUMBER} figures measured",)),
-    Smoke("bench_polling.py", ("--seconds", "1", "2"), (rf"^a 10-minute run: {NUMBER} ",)),
+    Smoke("bench_polling.py", ("--seconds", "3", "6"), (rf"^a 10-minute run: {NUMBER} ",)),
     Smoke("bench_checkpoints.py", ("--bed", "ssh", "--size", "1", "--every", "1", "--seconds", "3"),
           (rf"^\| ratio with / without \| {NUMBER}x",)),
     Smoke("bench_tests.py", ("--repeats", "1", _repo("tests/unit/test_cli_views_unit.py")),
