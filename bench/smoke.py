@@ -23,9 +23,11 @@ all. A script new under bench/ with no line in SMOKES fails the run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TIMEOUT_SECONDS = 600  # one script's, on a loaded machine; each takes seconds to a minute
+STOP_GRACE_SECONDS = 60  # a stopped script's own clean-up (hosts, namespaces, users)
 NUMBER = r"(\d[\d,]*(?:\.\d+)?)"
 
 
@@ -125,17 +128,40 @@ def problems(smoke: Smoke, code: int, out: str, err: str) -> list[str]:
 
 
 def run(smoke: Smoke) -> tuple[list[str], float, str]:
+    """One script, in a session of its own. Stopped (a timeout, this runner
+    interrupted or terminated), it is sent SIGINT first: the benches clean up
+    on KeyboardInterrupt (their sshd hosts, namespaces and users), which a
+    plain kill would leave behind; SIGKILL only after STOP_GRACE_SECONDS."""
     argv = [sys.executable, str(HERE / smoke.script), *smoke.args]
     print(f"==> {smoke.script} {' '.join(smoke.args)}", flush=True)
     started = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     try:
-        done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_SECONDS,
-                              stdin=subprocess.DEVNULL, check=False)  # fmt: skip
-    except subprocess.TimeoutExpired as exc:
-        said = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout
-        return [f"no end after {TIMEOUT_SECONDS} s"], time.monotonic() - started, said or ""
-    took = time.monotonic() - started
-    return problems(smoke, done.returncode, done.stdout, done.stderr), took, done.stdout + done.stderr
+        out, err = proc.communicate(timeout=TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        out, err = stop(proc)
+        return [f"no end after {TIMEOUT_SECONDS} s"], time.monotonic() - started, out + err
+    except BaseException:
+        stop(proc)
+        raise
+    return problems(smoke, proc.returncode, out, err), time.monotonic() - started, out + err
+
+
+def stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """SIGINT to the script's session, then SIGKILL if it does not end."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        return proc.communicate(timeout=STOP_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()
+
+
+def terminated(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt("terminated")  # the running script is stopped as on Ctrl-C
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -156,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("smoke: not root: the scripts that need the namespace sshd or other users say so and fail",
               file=sys.stderr)  # fmt: skip
+    signal.signal(signal.SIGTERM, terminated)
     started = time.monotonic()
     for smoke in smokes:
         if wanted and smoke.script not in wanted:
@@ -173,4 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the running script was stopped and has cleaned up
+        print("bench smoke: interrupted", file=sys.stderr)
+        sys.exit(130)
