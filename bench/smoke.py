@@ -56,34 +56,72 @@ def _repo(rel: str) -> str:
 
 SMOKES: tuple[Smoke, ...] = (
     Smoke("bench_lines.py", (), (rf"^total\s+\d+\s+{NUMBER}$",)),
-    Smoke("bench_manifest.py", ("--files", "300", "--big-mib", "4", "--repeats", "3", "--hash-repeats", "1"),
-          (rf"^no-op outputs_match, .* {NUMBER}x", rf"^manifest sha256 of .* {NUMBER}x")),
-    Smoke("bench_chain.py", ("--steps", "3", "--repeats", "1", "--files", "3"),
-          (rf"^\s+3\s+9\s+{NUMBER}\s", rf"^\s+3 steps: remote {NUMBER} ")),
-    Smoke("bench_chain.py", ("--steps", "3", "--repeats", "1", "--files", "3", "--cache", "on"),
-          (rf"^\s+3\s+9\s+{NUMBER}\s", rf"^\s+3 steps: remote {NUMBER} ")),
-    Smoke("bench_steps.py", ("--steps", "3", "--repeats", "1", "--jobs", "1,2"),
-          (rf"^\s+serial\s+remote\s+{NUMBER}", rf"^\s+-n 2 -P thread\s+remote\s+{NUMBER}")),
-    Smoke("bench_status.py", ("--runs", "30", "--repeats", "1"),
-          (rf"^\s+status \(latest of each\), 30 runs\s+{NUMBER}",
-           rf"^\s+status --all --json, 30 runs\s+{NUMBER}")),
-    Smoke("bench_local.py", ("--trials", "1", "--repeats", "1"),
-          (rf"^bwrap\s+true\s+10 ms\s+[\d.]+\s+{NUMBER}", rf"^none\s+sleep 1\s+10 ms\s+[\d.]+\s+{NUMBER}")),
+    Smoke(
+        "bench_manifest.py",
+        ("--files", "300", "--big-mib", "4", "--repeats", "3", "--hash-repeats", "1"),
+        (rf"^no-op outputs_match, .* {NUMBER}x", rf"^manifest sha256 of .* {NUMBER}x"),
+    ),
+    Smoke(
+        "bench_chain.py",
+        ("--steps", "3", "--repeats", "1", "--files", "3"),
+        (rf"^\s+3\s+9\s+{NUMBER}\s", rf"^\s+3 steps: remote {NUMBER} "),
+    ),
+    Smoke(
+        "bench_chain.py",
+        ("--steps", "3", "--repeats", "1", "--files", "3", "--cache", "on"),
+        (rf"^\s+3\s+9\s+{NUMBER}\s", rf"^\s+3 steps: remote {NUMBER} "),
+    ),
+    Smoke(
+        "bench_steps.py",
+        ("--steps", "3", "--repeats", "1", "--jobs", "1,2"),
+        (rf"^\s+serial\s+remote\s+{NUMBER}", rf"^\s+-n 2 -P thread\s+remote\s+{NUMBER}"),
+    ),
+    Smoke(
+        "bench_status.py",
+        ("--runs", "30", "--repeats", "1"),
+        (
+            rf"^\s+status \(latest of each\), 30 runs\s+{NUMBER}",
+            rf"^\s+status --all --json, 30 runs\s+{NUMBER}",
+        ),
+    ),
+    Smoke(
+        "bench_local.py",
+        ("--trials", "1", "--repeats", "1"),
+        (rf"^bwrap\s+true\s+10 ms\s+[\d.]+\s+{NUMBER}", rf"^none\s+sleep 1\s+10 ms\s+[\d.]+\s+{NUMBER}"),
+    ),
     Smoke("bench_fetch_memory.py", ("--files", "200,400"), (rf"^\s+200\s+{NUMBER}", rf"^\s+400\s+{NUMBER}")),
-    Smoke("bench_fetch_once.py", ("--baseline", str(REPO), "--size-mib", "4", "--repeats", "1"),
-          (rf"^before\s+{NUMBER}", rf"^after\s+{NUMBER}")),
-    Smoke("bench_cache.py", ("--size-mib", "4", "--files", "200", "--repeats", "1"),
-          (rf"^\| 4 MiB from the local folder \| {NUMBER} s", rf"^\| 4 MiB from S3 \| {NUMBER} s",
-           rf"^\| 200 small files from the local folder \| {NUMBER} s",
-           rf"^\| no-op doit, 20 steps \| {NUMBER} s")),
-    Smoke("bench_cache_disk.py", ("--files", "200", "--size-mib", "4", "--repeats", "1"),
-          (rf"^\| this tree \| .* \| {NUMBER} s \|$",)),
+    Smoke(
+        "bench_fetch_once.py",
+        ("--baseline", str(REPO), "--size-mib", "4", "--repeats", "1"),
+        (rf"^before\s+{NUMBER}", rf"^after\s+{NUMBER}"),
+    ),
+    Smoke(
+        "bench_cache.py",
+        ("--size-mib", "4", "--files", "200", "--repeats", "1"),
+        (
+            rf"^\| 4 MiB from the local folder \| {NUMBER} s",
+            rf"^\| 4 MiB from S3 \| {NUMBER} s",
+            rf"^\| 200 small files from the local folder \| {NUMBER} s",
+            rf"^\| no-op doit, 20 steps \| {NUMBER} s",
+        ),
+    ),
+    Smoke(
+        "bench_cache_disk.py",
+        ("--files", "200", "--size-mib", "4", "--repeats", "1"),
+        (rf"^\| this tree \| .* \| {NUMBER} s \|$",),
+    ),
     Smoke("bench_ssh.py", ("--smoke",), (rf"^bench_ssh.py --smoke: ok, {NUMBER} figures measured",)),
     Smoke("bench_polling.py", ("--seconds", "3", "6"), (rf"^a 10-minute run: {NUMBER} ",)),
-    Smoke("bench_checkpoints.py", ("--bed", "ssh", "--size", "1", "--every", "1", "--seconds", "3"),
-          (rf"^\| ratio with / without \| {NUMBER}x",)),
-    Smoke("bench_tests.py", ("--repeats", "1", _repo("tests/unit/test_cli_views_unit.py")),
-          (rf"^median: serial {NUMBER} s, xdist -n 2 {NUMBER} s",)),
+    Smoke(
+        "bench_checkpoints.py",
+        ("--bed", "ssh", "--size", "1", "--every", "1", "--seconds", "3"),
+        (rf"^\| ratio with / without \| {NUMBER}x",),
+    ),
+    Smoke(
+        "bench_tests.py",
+        ("--repeats", "1", _repo("tests/unit/test_cli_views_unit.py")),
+        (rf"^median: serial {NUMBER} s, xdist -n 2 {NUMBER} s",),
+    ),
     Smoke("bench_layers.py", ("--check",), (rf"^bench_layers --check: {NUMBER} of \d+ layers removable",)),
     # the Slurm bed's: --e2e runs them (SMOKES_E2E); here, their imports and arguments
     Smoke("bench_reuse.py", ("--help",), (r"--steps STEPS",)),
@@ -95,12 +133,19 @@ SMOKES: tuple[Smoke, ...] = (
 # size, each bringing its bed up and down (minutes each: a cold launch on the
 # bed takes 45-160 s), so not in CI's `make test`.
 SMOKES_E2E: tuple[Smoke, ...] = (
-    Smoke("bench_reuse.py", ("--steps", "2", "--seconds", "2"),
-          (rf"^\| ratio reuse / per-step \| {NUMBER}x",)),
-    Smoke("bench_warm.py", ("--steps", "2", "--seconds", "2", "--warm-repeats", "1", "--cold-samples", "1"),
-          (rf"^\| ratio \| {NUMBER}x",)),
-    Smoke("bench_preemption.py", ("--count", "12", "--every", "2", "--after", "3"),
-          (rf"^\| to running again \| {NUMBER} s", rf"^\| launch \| {NUMBER} s")),
+    Smoke(
+        "bench_reuse.py", ("--steps", "2", "--seconds", "2"), (rf"^\| ratio reuse / per-step \| {NUMBER}x",)
+    ),
+    Smoke(
+        "bench_warm.py",
+        ("--steps", "2", "--seconds", "2", "--warm-repeats", "1", "--cold-samples", "1"),
+        (rf"^\| ratio \| {NUMBER}x",),
+    ),
+    Smoke(
+        "bench_preemption.py",
+        ("--count", "12", "--every", "2", "--after", "3"),
+        (rf"^\| to running again \| {NUMBER} s", rf"^\| launch \| {NUMBER} s"),
+    ),
 )
 
 
