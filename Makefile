@@ -62,7 +62,7 @@ if [ $${#missing[@]} -gt 0 ]; then \
 fi
 endef
 
-.PHONY: help install venv sky-venv system-deps demo-deps test test-fast test-e2e lint format typecheck docs demo remote-run bench clean distclean
+.PHONY: help install venv sky-venv system-deps demo-deps test test-fast test-e2e lint format typecheck docs demo remote-run bench bench-smoke bench-smoke-e2e clean distclean
 
 help:
 	@echo "substrax-tasks"
@@ -80,6 +80,10 @@ help:
 	@echo "                   throwaway SSH host started here when none is configured"
 	@echo "                   (SUBSTRAX_BACKEND=name picks another one)"
 	@echo "  make bench       run every bench/bench_*.py"
+	@echo "  make bench-smoke every bench/bench_*.py once at a small size, each checked to measure its"
+	@echo "                   figures (bench/smoke.py; CI runs it after make test): a few minutes"
+	@echo "  make bench-smoke-e2e  (root) the Slurm bed's benches (reuse, warm, preemption) at a small"
+	@echo "                   size on a bed of their own: about 15 minutes, not in CI"
 	@echo "  make clean       remove build output and caches (keeps $(VENV) and .substrax)"
 	@echo "  make distclean   clean, and remove $(VENV)"
 
@@ -228,6 +232,18 @@ bench: install
 	  $(BIN)/python "$$script" || failed+=("$$script"); \
 	done; \
 	if [ $${#failed[@]} -gt 0 ]; then echo "bench: failed: $${failed[*]}" >&2; exit 1; fi
+
+# Every bench script as shipped, at a size that takes seconds, its figures
+# checked (bench/smoke.py): a moved helper or a changed rule fails the build,
+# not the next measurement. CI runs it after `make test` (.ci/run), outside
+# `make test` so that its output still ends with pytest's summary line.
+bench-smoke: system-deps install
+	@$(BIN)/python bench/smoke.py
+
+# The Slurm bed's benches at a small size (root): each brings its own bed up
+# and down, about 15 minutes in all; not part of CI (bench/README.md).
+bench-smoke-e2e: system-deps install sky-venv
+	@$(BIN)/python bench/smoke.py --e2e
 
 # ------------------------------------------------------------------ cleaning
 

@@ -8,7 +8,7 @@ import os
 import shutil
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
@@ -68,3 +68,18 @@ def load_average() -> str:
     """Other work on the machine shows in the figures: say how busy it was."""
     one, five, _fifteen = os.getloadavg()
     return f"load average {one:.2f} (1 min), {five:.2f} (5 min)"
+
+
+def smoke_verdict(script: str, figures: Mapping[str, float]) -> int:
+    """What a `--smoke` run checks of itself: it ended with every figure
+    measured (a finite number above zero), not only without an exception.
+    Says which were not and returns the exit status (0: sane)."""
+    if not figures:
+        print(f"{script} --smoke: FAILED: no figure was measured", file=sys.stderr)
+        return 1
+    bad = [name for name, value in figures.items() if not (math.isfinite(value) and value > 0)]
+    if bad:
+        print(f"{script} --smoke: FAILED: not measured: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    print(f"{script} --smoke: ok, {len(figures)} figures measured")
+    return 0

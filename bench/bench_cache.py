@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # s3_server
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))  # s3_server
 from _common import doit_argv, fmt_s, load_average, median, scratch_parent
 
 Thunk = Callable[[], object]
-LOCAL = '[tool.substrax.compute.backends.local]\nsandbox = "none"\n'
+LOCAL = '[tool.substrax.compute.backends.local]\nsandbox = "bwrap"\n'  # a run without it is never kept
 # 20,000 files of 512 bytes in 100 folders, made by the step's command
 MANY = ("python3 -c 'import os,hashlib; [(os.makedirs(f\"small/d{{i%100}}\",exist_ok=True), "
         "open(f\"small/d{{i%100}}/f{{i}}\",\"wb\").write(hashlib.sha256(str(i).encode()).digest()*16)) "

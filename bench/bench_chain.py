@@ -530,7 +530,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--outputs", choices=("folder", "files"), default="folder",
         help="one folder output per step (default) or each file declared",
     )
-    parser.add_argument("--sandbox", choices=("none", "bwrap", "auto"), default="none")
+    parser.add_argument("--sandbox", choices=("none", "bwrap", "auto"), default=None,
+                        help='default "none"; "bwrap" with --cache on (runs without it are never kept)')
     parser.add_argument(
         "--build-jobs", type=int, default=8, help="doit -n N -P thread for the remote build (default 8)"
     )
@@ -555,6 +556,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.files < 1 or args.build_chunk < 1:
         parser.error("--repeats, --files and --build-chunk must be at least 1")
+    if args.cache == "on" and args.sandbox == "none":
+        parser.error("--cache on with --sandbox none keeps nothing: a run without the sandbox is never kept "
+                     "in the run cache (docs/cache.md); leave --sandbox out or give bwrap")
+    args.sandbox = args.sandbox or ("bwrap" if args.cache == "on" else "none")
 
     parent = args.dir or scratch_parent()
     scratch = Path(tempfile.mkdtemp(prefix="bench-chain-", dir=parent))

@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/bench_layers.py LAYER [--sweep 20,200] [--jobs 4]
         [--noop-steps 1000] [--repeats 5] [--only sweep|noop] [--keep]
+    .venv/bin/python bench/bench_layers.py --check   # every layer still removable (make bench-smoke)
 
 It measures and prints; it asserts nothing. It copies this checkout's
 `substrax_tasks/` and `remote/` into a folder on tmpfs, removes LAYER from
@@ -31,19 +32,19 @@ the copy only.
 
 Layers (what is removed):
 
-* spawner: the local backend's worker spawner (backends/_spawner.py); each
+* spawner: the local backend's worker spawner (backends/local/spawner.py); each
   run's worker is started as `python worker.py JOB --detach --env-stdin`.
-* freeze: both `gc.freeze()` calls of step.py.
+* freeze: both `gc.freeze()` calls of step/tasks.py.
 * config-cache: the resolved configuration kept in a private folder
-  (runs.Project.open): every `doit` validates pyproject.toml (pydantic).
-* stat-loop: tree.walk_checked as plain Python: `os.scandir` on the
+  (store/project.py, Project.open): every `doit` validates pyproject.toml (pydantic).
+* stat-loop: uptodate/walk.py's walk_checked as plain Python: `os.scandir` on the
   folder's descriptor, `stat.S_ISDIR`, `max()`, no memo of parent folders.
-* memo-projects: step.project_of's dicts: each step opens its project.
-* memo-roots: only step.project_of's resolved roots: each step resolves
+* memo-projects: step/tasks.py project_of's dicts: each step opens its project.
+* memo-roots: only project_of's resolved roots: each step resolves
   its project's path again (the projects are still kept).
-* memo-program: _program's lru_cache: each step asks its program (`--python
+* memo-program: backends/local/program.py's lru_cache: each step asks its program (`--python
   NAME`) which interpreter it runs.
-* memo-lock: uptodate's digests of lock files: hashed at each key.
+* memo-lock: uptodate/check.py's digests of lock files: hashed at each key.
 * memo-bwrap: remote/sandbox.py's answer to "is bubblewrap usable?": the
   spawner probes it for each run, as each worker would.
 """
@@ -81,7 +82,7 @@ Edit = tuple[str, "str | Span", str]  # (file under the copy, exact text or span
 
 SPAWNER: list[Edit] = [
     (
-        "substrax_tasks/backends/local.py",
+        "substrax_tasks/backends/local/backend.py",
         "        code, problem = _SPAWNER.start(request)\n",
         """\
         worker = [sys.executable, str(remote_dir() / "worker.py"), paths.job, "--detach", "--env-stdin"]
@@ -100,18 +101,19 @@ SPAWNER: list[Edit] = [
 ]
 
 FREEZE: list[Edit] = [
-    ("substrax_tasks/step.py", "    if _DECLARED[0] % FREEZE_EVERY == 0:\n        gc.freeze()\n", ""),
-    ("substrax_tasks/step.py", "        _FROZEN[0] = True\n        gc.freeze()\n",
+    ("substrax_tasks/step/tasks.py", "    if _DECLARED[0] % FREEZE_EVERY == 0:\n        gc.freeze()\n", ""),
+    ("substrax_tasks/step/tasks.py", "        _FROZEN[0] = True\n        gc.freeze()\n",
      "        _FROZEN[0] = True\n"),
 ]
 
 CONFIG_CACHE: list[Edit] = [
-    ("substrax_tasks/runs.py",
+    ("substrax_tasks/store/project.py",
      "        private_dir(CACHE_FOLDER)  # made, or refused when not ours alone\n", ""),
-    ("substrax_tasks/runs.py",
+    ("substrax_tasks/store/project.py",
      '            data = json.loads(trusted_file(cached) or b"null")  # not ours alone: validate again\n',
      "            data = None\n"),
-    ("substrax_tasks/runs.py", "            write_json_atomic(cached, record)\n", "            pass\n"),
+    ("substrax_tasks/store/project.py",
+     "            write_json_atomic(cached, record)\n", "            pass\n"),
 ]
 
 PLAIN_WALK = """\
@@ -177,25 +179,27 @@ def _walk_folder(top: str, rel: str, items: list[Any]) -> int:
 """
 
 STAT_LOOP: list[Edit] = [
-    ("substrax_tasks/tree.py", Span("def walk_checked(", "def _readlink_or_none"), PLAIN_WALK),
+    ("substrax_tasks/uptodate/walk.py", Span("def walk_checked(", "def _readlink_or_none"), PLAIN_WALK),
 ]
 
 MEMO_PROJECTS: list[Edit] = [
-    ("substrax_tasks/step.py", Span("    where = (os.getcwd()", "    return project\n"),
+    ("substrax_tasks/step/tasks.py", Span("    where = (os.getcwd()", "    return project\n"),
      '    return Project.open(Path.cwd().joinpath("" if path is None else os.fspath(path)))\n'),
-    ("substrax_tasks/step.py", "    return project\n", ""),
+    ("substrax_tasks/step/tasks.py", "    return project\n", ""),
 ]
 
 MEMO_ROOTS: list[Edit] = [
-    ("substrax_tasks/step.py",
+    ("substrax_tasks/step/tasks.py",
      "    root = _ROOTS.get(where)\n    if root is None:\n        root = _ROOTS[where] = ",
      "    root = "),
 ]
 
-MEMO_PROGRAM: list[Edit] = [("substrax_tasks/_program.py", "@functools.lru_cache(maxsize=64)\n", "")]
+MEMO_PROGRAM: list[Edit] = [
+    ("substrax_tasks/backends/local/program.py", "@functools.lru_cache(maxsize=64)\n", ""),
+]
 
 MEMO_LOCK: list[Edit] = [
-    ("substrax_tasks/uptodate.py",
+    ("substrax_tasks/uptodate/check.py",
      "    if stamp not in _LOCK_DIGESTS:\n"
      "        _LOCK_DIGESTS[stamp] = hashlib.sha256(path.read_bytes()).hexdigest()\n"
      "    return _LOCK_DIGESTS[stamp]\n",
@@ -236,6 +240,38 @@ def plain_copy(layer: str, dest: Path) -> None:
             raise SystemExit(f"{layer}: the edit of {rel} no longer applies (its text is not there once); "
                              "update LAYERS in bench/bench_layers.py")
         path.write_text(text.replace(old, new))
+
+
+def check_layers() -> int:
+    """Every layer's plain version made, then checked by compiling its
+    edited files and by ruff's undefined-name rule (F821): a module moved
+    or a text changed since stops here, not in the next measurement."""
+    failed = []
+    with tempfile.TemporaryDirectory(prefix="bench-layers-check-", dir=scratch_parent()) as tmp:
+        for layer, edits in LAYERS.items():
+            plain = Path(tmp) / layer
+            try:
+                plain_copy(layer, plain)
+            except SystemExit as exc:
+                failed.append(f"{layer}: {exc}")
+                continue
+            edited = sorted({str(plain / rel) for rel, _where, _new in edits})
+            ruff = Path(sys.executable).with_name("ruff")
+            done = subprocess.run(
+                [sys.executable, "-m", "py_compile", *edited], capture_output=True, text=True, check=False
+            )
+            if done.returncode == 0:
+                done = subprocess.run([str(ruff), "check", "--no-cache", "--isolated", "--select", "F821",
+                                       "--output-format", "concise", *edited],
+                                      capture_output=True, text=True, check=False)  # fmt: skip
+            print(f"{layer}: {'ok' if done.returncode == 0 else 'FAILED'} ({len(edits)} edits of "
+                  f"{', '.join(sorted({rel for rel, _w, _n in edits}))})")
+            if done.returncode != 0:
+                failed.append(f"{layer}: {(done.stdout + done.stderr).strip()[-1500:]}")
+    for line in failed:
+        print(line, file=sys.stderr)
+    print(f"bench_layers --check: {len(LAYERS) - len(failed)} of {len(LAYERS)} layers removable")
+    return 1 if failed else 0
 
 
 def noop_env(code: Path | None) -> dict[str, str]:
@@ -316,7 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("layer", choices=sorted(LAYERS))
+    parser.add_argument("layer", nargs="?", choices=sorted(LAYERS))
+    parser.add_argument("--check", action="store_true",
+                        help="time nothing: remove every layer in a copy of its own and check the plain "
+                        "version still compiles with every name defined (make bench-smoke)")
     parser.add_argument("--sweep", default="20,200", help="step counts of the sweeps (default 20,200)")
     parser.add_argument("--jobs", default="4", help="doit -n of the sweeps (default 4)")
     parser.add_argument("--noop-steps", default="1000", help="step counts of the no-op (default 1000)")
@@ -330,6 +369,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--callgrind", action="store_true",
                         help="with --project: also count the instructions of one no-op each way")
     args = parser.parse_args(argv)
+    if args.check:
+        return check_layers()
+    if args.layer is None:
+        parser.error("give the LAYER to measure, or --check")
 
     scratch = Path(tempfile.mkdtemp(prefix=f"bench-layers-{args.layer}-", dir=scratch_parent()))
     plain = scratch / "plain"

@@ -64,6 +64,9 @@ def measure(doit: str, seconds: int, base: Path) -> tuple[int, float]:
         lines = ["[tool.substrax.compute]", 'default_backend = "ssh"', "",
                  "[tool.substrax.compute.backends.ssh]"]  # fmt: skip
         lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
+        # Each doit runs its step: the run cache (the user's, by default)
+        # would restore a step it ran before, and there would be nothing to follow.
+        lines += ["", "[tool.substrax.compute.cache]", "enabled = false"]
         (root / "pyproject.toml").write_text("\n".join(lines) + "\n")
         (root / "dodo.py").write_text(
             "from substrax_tasks import doit_config, remote_step\n\n"
@@ -75,7 +78,7 @@ def measure(doit: str, seconds: int, base: Path) -> tuple[int, float]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SUBSTRAX_", "DOIT_"))}
         quiet = subprocess.DEVNULL
         proc = subprocess.Popen([doit], cwd=root, env=env, stdout=quiet, stderr=quiet)
-        while phase(root) != "synced":
+        while phase(root) not in ("synced", "started"):  # a poll may miss the short "synced"
             if proc.poll() is not None:
                 raise SystemExit(f"doit ended before its run phase (exit {proc.returncode})")
             time.sleep(0.01)

@@ -96,7 +96,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
-from _common import cli_argv, fmt_s, load_average, marker_processes, median, read_cmdline, scratch_parent
+from _common import (
+    cli_argv,
+    fmt_s,
+    load_average,
+    marker_processes,
+    median,
+    read_cmdline,
+    scratch_parent,
+    smoke_verdict,
+)
 
 import substrax_tasks.run.promote as promote_module
 from substrax_tasks.backends.remote_run import RemoteRun
@@ -113,12 +122,14 @@ from substrax_tasks.uptodate import manifests as manifest_cache
 from substrax_tasks.uptodate.check import DOIT_VALUE, Step
 
 REPO = Path(__file__).resolve().parents[1]
-TESTBED_FILE = REPO / "tests" / "testbeds" / "sshd_host.py"
+TESTBED_FILE = REPO / "tests" / "support" / "testbeds" / "sshd_host.py"
 
-BIG_BYTES = 1 << 30
-SMALL_FILES = 20_000
+BIG_MIB = 1024  # the big output's size (--big-mib)
+SMALL_FILES = 20_000  # how many small files (--files)
 SMALL_BYTES = 4096
 SMALL_DIRS = 100
+SMOKE_BIG_MIB = 8  # --smoke: every figure measured once, at a size that takes seconds
+SMOKE_FILES = 500
 CIPHER = "aes128-gcm@openssh.com"
 BENCH_USER = "sxbench"
 WORKER_RECORD = "manifest.json"  # the manifest the worker wrote for the fetch
@@ -303,7 +314,7 @@ class Recorder:
         self._originals.clear()
 
 
-PHASES = ("status", "manifest", "rsync", "verify copy", "promote", "outputs_match")
+PHASES = ("status", "manifest", "rsync", "verify copy", "promote", "outputs_match", "teardown")
 
 
 def phase_recorder() -> Recorder:
@@ -314,6 +325,7 @@ def phase_recorder() -> Recorder:
     recorder.wrap(manifest_cache, "verify_outputs", "verify copy")
     recorder.wrap(promote_module, "promote", "promote")  # imported by name when it is called
     recorder.wrap(manifest_cache, "outputs_match", "outputs_match")
+    recorder.wrap(SshBackend, "teardown", "teardown")  # the chain's close, after the promotion
     return recorder
 
 
@@ -332,12 +344,14 @@ class Bed:
     outputs_root: dict[str, str] = field(default_factory=dict)
     extra_handles: list[RunHandle] = field(default_factory=list)
     markers: list[bytes] = field(default_factory=list)
-    # the run folder's manifest.json as the worker left it (None: none)
-    worker_record: dict[str, bytes | None] = field(default_factory=dict)  # WORKER_RECORD
+    big_mib: int = BIG_MIB
+    small_files: int = SMALL_FILES
+    # whether the run folder held the manifest the worker wrote as the command ended
+    worker_record: dict[str, bool] = field(default_factory=dict)  # WORKER_RECORD
 
     @property
     def backend(self) -> SshBackend:
-        handle = next(iter(self.runs.values()))
+        handle = next(iter([*self.runs.values(), *self.extra_handles]))
         backend = self.project.backend_for(handle)
         assert isinstance(backend, SshBackend)
         return backend
@@ -359,16 +373,9 @@ class Bed:
         done = self.backend.conn.run(["cat", path])
         return done.stdout if done.returncode == 0 else None
 
-    def record_path(self, name: str) -> str:
+    def record_path(self, handle: RunHandle) -> str:
         """The manifest the worker wrote for the fetch."""
-        return f"{self.runs[name].backend_state['remote_run_dir']}/{WORKER_RECORD}"
-
-    def set_record(self, name: str, record: bytes | None) -> None:
-        """The manifest the worker kept in the run folder (None: none)."""
-        if record is None:
-            self.backend.conn.run(["rm", "-f", self.record_path(name)])
-        else:
-            self.backend.conn.write_bytes(self.record_path(name), record)
+        return f"{handle.backend_state['remote_run_dir']}/{WORKER_RECORD}"
 
 
 def project_toml(host: Host, remote_root: str) -> str:
@@ -447,43 +454,51 @@ def cleanup(bed: Bed) -> list[str]:
     return notes
 
 
-def make_data(bed: Bed) -> None:
-    root = bed.project.root
-    specs = {
-        "big": make_spec(
-            "big",
-            ["sh", "-c", f"mkdir -p big && head -c {BIG_BYTES} /dev/urandom > big/data.bin"],
-            root,
-            outputs=["big/"],
-        ),
-        "small": make_spec(
-            "small",
-            ["python3", "-c", SMALL_SCRIPT, str(SMALL_FILES), str(SMALL_BYTES), str(SMALL_DIRS)],
-            root,
-            outputs=["small/"],
-        ),
-    }
-    for name, spec in specs.items():
+def data_spec(bed: Bed, name: str) -> Any:
+    """The step that makes `name`'s data on the host: random bytes, so no
+    copy or hash is cheaper than it would be for real outputs."""
+    if name == "big":
+        argv = ["sh", "-c", f"mkdir -p big && head -c {bed.big_mib}M /dev/urandom > big/data.bin"]
+    else:
+        argv = ["python3", "-c", SMALL_SCRIPT, str(bed.small_files), str(SMALL_BYTES), str(SMALL_DIRS)]
+    return make_spec(name, argv, bed.project.root, outputs=[f"{name}/"])
+
+
+def new_run(bed: Bed, name: str) -> RunHandle:
+    """A finished run of `name`'s step, as the run phase leaves it for the
+    fetch. A verified fetch ends with the promotion, which tears its run
+    down (the chain's close): each verified fetch is given a run of its own,
+    so each sees what the first fetch after a run sees. It is the last of
+    bed.extra_handles (torn down at the end, if still there)."""
+    with quiet():
+        handle = bed.project.submit(data_spec(bed, name), backend="ssh")
+    bed.extra_handles.append(handle)
+    backend = bed.project.backend_for(handle)
+    status = backend.wait(handle, poll_seconds=0.05)
+    if status.state != "succeeded":
+        log = backend.read_log(handle, 0).decode(errors="replace")[-1500:]
+        raise BackendError(f"the {name} run {status.state}: {status.message}\n{log}")
+    handle = bed.extra_handles[-1] = bed.project.store.read(handle.run_id)
+    record = bed.read_remote(f"{handle.backend_state['remote_run_dir']}/status.json")
+    if not isinstance(json.loads(record or b"{}").get("outputs_root"), str):
+        raise BenchError(f"the {name} run's status names no outputs folder")
+    return handle
+
+
+def make_data(bed: Bed, names: Sequence[str]) -> None:
+    """One run of each of `names` kept for the whole bench: the no-op
+    fetches, the bare rsyncs and the profile read its outputs."""
+    for name in names:
         t0 = time.perf_counter()
-        with quiet():
-            handle = bed.project.submit(spec, backend="ssh")
-        bed.runs[name] = handle
-        backend = bed.backend
-        status = backend.wait(handle, poll_seconds=0.05)
-        if status.state != "succeeded":
-            log = backend.read_log(handle, 0).decode(errors="replace")[-1500:]
-            raise BackendError(f"the {name} run {status.state}: {status.message}\n{log}")
-        bed.runs[name] = handle = bed.project.store.read(handle.run_id)
+        new_run(bed, name)
+        bed.runs[name] = handle = bed.extra_handles.pop()  # kept here instead
         record = bed.read_remote(f"{handle.backend_state['remote_run_dir']}/status.json")
-        outputs_root = json.loads(record or b"{}").get("outputs_root")
-        if not isinstance(outputs_root, str):
-            raise BenchError(f"the {name} run's status names no outputs folder")
-        bed.outputs_root[name] = outputs_root
-        sandbox = json.loads(record or b"{}").get("sandbox")
-        bed.worker_record[name] = kept = bed.read_remote(bed.record_path(name))
+        status = json.loads(record or b"{}")
+        bed.outputs_root[name] = status["outputs_root"]
+        bed.worker_record[name] = kept = bed.read_remote(bed.record_path(handle)) is not None
         progress(
-            f"data: {name} made on the host in {time.perf_counter() - t0:.1f} s (sandbox {sandbox}); "
-            "it wrote its manifest for the fetch: "
+            f"data: {name} made on the host in {time.perf_counter() - t0:.1f} s "
+            f"(sandbox {status.get('sandbox')}); it wrote its manifest for the fetch: "
             f"{'yes' if kept else 'NO (the host takes one at each fetch)'}"
         )
 
@@ -491,10 +506,10 @@ def make_data(bed: Bed) -> None:
 # ------------------------------------------------------------------ fetches
 
 
-def reset_local(bed: Bed, name: str) -> None:
+def reset_local(bed: Bed, name: str, handle: RunHandle | None = None) -> None:
     """Back to "the run has just finished": no staging, no outputs here, no
     hash cache, no step record."""
-    handle = bed.runs[name]
+    handle = handle or bed.runs[name]
     state = bed.project.store.root
     safe = safe_name(handle.spec.step)
     for path in (
@@ -507,21 +522,19 @@ def reset_local(bed: Bed, name: str) -> None:
         remove(path)
 
 
-def verified_fetch(
-    bed: Bed, name: str, recorder: Recorder, *, master: str = "warm"
-) -> dict[str, float]:
-    """The chain's fetch and verify phases, timed; returns the phases and
-    "total". The manifest the worker kept is put back as it left it, so
-    each repeat sees what the first fetch after the run sees.
+def verified_fetch(bed: Bed, name: str, recorder: Recorder, *, master: str = "warm") -> dict[str, float]:
+    """The chain's fetch and verify phases, timed, on a run of its own
+    just finished; returns the phases and "total", which leaves out the
+    run's teardown (the chain's close after the promotion: its own phase
+    in the breakdown).
 
     master "warm": up, as a run shorter than ControlPersist (30 s) finds
     it (the sync phase's rsync started it). "cold": the master stopped
     first, as a run longer than that, or a `substrax-compute fetch` long
     after the run."""
-    reset_local(bed, name)
-    bed.set_record(name, bed.worker_record[name])
+    handle = new_run(bed, name)
+    reset_local(bed, name, handle)
     bed.stop_master()
-    handle = bed.project.store.read(bed.runs[name].run_id)
     if master == "warm":
         target = bed.backend.settings.target()
         subprocess.run([*target.ssh_argv(), target.host, "true"], capture_output=True, check=True)
@@ -537,7 +550,11 @@ def verified_fetch(
         total = time.perf_counter() - t0
     if fetched is not None or verified is not None or runner.recorded() != {DOIT_VALUE: handle.run_id}:
         raise BenchError(f"verified fetch of {name} failed: {verified}\n{said.getvalue()[-1500:]}")
-    return {**phases, "total": total}
+    if not bed.project.backend_for(handle).released(bed.project.store.read(handle.run_id)):
+        raise BenchError(
+            f"the {name} run was not torn down by its promotion: the chain changed, and so must this bench"
+        )
+    return {**phases, "total": total - phases.get("teardown", 0.0)}
 
 
 def noop_fetch(bed: Bed, name: str, *, warm_master: bool) -> float:
@@ -565,7 +582,7 @@ def fresh(path: Path) -> Path:
 
 def phase_columns(samples: list[dict[str, float]]) -> list[str]:
     return [fmt_s(median([s.get(p, 0.0) for s in samples])) for p in PHASES] + [
-        fmt_s(median([s["total"] - sum(s.get(p, 0.0) for p in PHASES) for s in samples]))
+        fmt_s(median([s["total"] - sum(s.get(p, 0.0) for p in PHASES if p != "teardown") for s in samples]))
     ]
 
 
@@ -602,7 +619,7 @@ def print_failures(failures: list[str]) -> None:
             print(f"      {line}")
 
 
-def bench_big(bed: Bed, repeats: int) -> None:
+def bench_big(bed: Bed, repeats: int) -> dict[str, float]:
     recorder = phase_recorder()
     fetch: list[dict[str, float]] = []
     fetch_cold: list[dict[str, float]] = []
@@ -639,7 +656,7 @@ def bench_big(bed: Bed, repeats: int) -> None:
         for i in range(repeats):
             for label, step in rotate(steps, i):
                 run_step(label, step, failures)
-            progress(f"(a) 1 GiB: repeat {i + 1}/{repeats} done")
+            progress(f"(a) {bed.big_mib} MiB: repeat {i + 1}/{repeats} done")
     finally:
         recorder.restore()
         reset_local(bed, "big")
@@ -658,8 +675,8 @@ def bench_big(bed: Bed, repeats: int) -> None:
          f"{fmt_ratio(ratios(cold, same))} / {fmt_ratio(ratios(cold, default))}", "vs the 2 baselines", ""],
     ]  # fmt: skip
     print_table(
-        f"(a) verified fetch of 1 GiB vs rsync + hash (seconds, medians of {repeats}; ratio = median of"
-        " per-repeat ratios)",
+        f"(a) verified fetch of {bed.big_mib} MiB vs rsync + hash (seconds, medians of {repeats};"
+        " ratio = median of per-repeat ratios)",
         ["what", "seconds", "ratio", "goal", "verdict"],
         rows,
     )
@@ -673,9 +690,11 @@ def bench_big(bed: Bed, repeats: int) -> None:
         breakdown,
     )
     print_failures(failures)
+    return {"1 GiB verified fetch": median(totals), "its ratio to rsync + hashlib": r_same,
+            "its ratio to rsync + sha256sum": r_default, "master cold": median(cold)}  # fmt: skip
 
 
-def bench_small(bed: Bed, repeats: int) -> None:
+def bench_small(bed: Bed, repeats: int) -> dict[str, float]:
     recorder = phase_recorder()
     fetch: list[dict[str, float]] = []
     fetch_cold: list[dict[str, float]] = []
@@ -710,7 +729,7 @@ def bench_small(bed: Bed, repeats: int) -> None:
         for i in range(repeats):
             for label, step in rotate(steps, i):
                 run_step(label, step, failures)
-            progress(f"(b) 20,000 files: repeat {i + 1}/{repeats} done")
+            progress(f"(b) {bed.small_files:,} files: repeat {i + 1}/{repeats} done")
     finally:
         recorder.restore()
         reset_local(bed, "small")
@@ -731,7 +750,7 @@ def bench_small(bed: Bed, repeats: int) -> None:
         ["no-op rsync -a, aes128-gcm", fmt_s(median(noop_bare)), "", "", ""],
     ]  # fmt: skip
     print_table(
-        f"(b) verified fetch of {SMALL_FILES:,} x {SMALL_BYTES // 1024} KiB files vs rsync -a (seconds,"
+        f"(b) verified fetch of {bed.small_files:,} x {SMALL_BYTES // 1024} KiB files vs rsync -a (seconds,"
         f" medians of {repeats}; ratios vs the rsync row below each)",
         ["what", "seconds", "ratio", "goal", "verdict"],
         rows,
@@ -746,6 +765,8 @@ def bench_small(bed: Bed, repeats: int) -> None:
         breakdown,
     )
     print_failures(failures)
+    return {"small verified fetch": median(totals), "its ratio to rsync": r_small,
+            "no-op fetch, master cold": r_cold, "no-op fetch, master alive": r_warm}  # fmt: skip
 
 
 # ------------------------------------------------------------------ cancel
@@ -862,7 +883,7 @@ def cancel_trial(bed: Bed, via: str) -> CancelSample:
     )
 
 
-def bench_cancel(bed: Bed, trials: int) -> None:
+def bench_cancel(bed: Bed, trials: int) -> dict[str, float]:
     samples: dict[str, list[CancelSample]] = {"cli": [], "in-process": []}
     for i in range(trials):
         for via in ("cli", "in-process") if i % 2 == 0 else ("in-process", "cli"):
@@ -918,6 +939,7 @@ def bench_cancel(bed: Bed, trials: int) -> None:
         f" python -c 'import the CLI and the ssh backend': {fmt_s(median(imports))} s;"
         f"\n    a new paramiko connection (TCP, key exchange, auth): {fmt_s(median(connects))} s"
     )
+    return {f"cancel via {via}, gone": median([c.gone for c in got]) for via, got in samples.items()}
 
 
 # ------------------------------------------------------------------ profile
@@ -1052,28 +1074,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip", action="append", default=[],
                         choices=("big", "small", "cancel", "profile"))  # fmt: skip
     parser.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
+    parser.add_argument("--files", type=int, default=SMALL_FILES,
+                        help=f"how many small files (default {SMALL_FILES:,})")  # fmt: skip
+    parser.add_argument("--big-mib", type=int, default=BIG_MIB,
+                        help=f"the big output's size in MiB (default {BIG_MIB})")  # fmt: skip
+    parser.add_argument(
+        "--smoke", action="store_true",
+        help=f"every part once at a small size ({SMOKE_FILES} files, {SMOKE_BIG_MIB} MiB, one repeat and "
+        "trial); exit 1 unless every figure was measured (make bench-smoke)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.trials < 1:
-        parser.error("--repeats and --trials must be at least 1")
+    if args.smoke:
+        args.repeats, args.trials, args.files, args.big_mib = 1, 1, SMOKE_FILES, SMOKE_BIG_MIB
+    if args.repeats < 1 or args.trials < 1 or args.files < 1 or args.big_mib < 1:
+        parser.error("--repeats, --trials, --files and --big-mib must be at least 1")
     missing = testbed.missing_tools() + [t for t in ("rsync", "sha256sum") if shutil.which(t) is None]
     if missing:
         print(f"cannot run: missing {', '.join(missing)} (apt-get install openssh-server rsync)",
               file=sys.stderr)  # fmt: skip
         return 1
     out = io.StringIO()
+    figures: dict[str, float] = {}
     with bench_bed(args.login) as bed:
+        bed.small_files, bed.big_mib = args.files, args.big_mib
         describe(bed, "root" if bed.host.user == "root" else bed.host.user)
-        make_data(bed)
+        needed = {"big"} - set(args.skip)
+        if not {"small", "profile"} <= set(args.skip):  # the profile reads the small files' run
+            needed.add("small")
+        make_data(bed, sorted(needed))
         with contextlib.redirect_stdout(Tee(sys.stdout, out)):
             if "big" not in args.skip:
-                bench_big(bed, args.repeats)
+                figures |= bench_big(bed, args.repeats)
             if "small" not in args.skip:
-                bench_small(bed, args.repeats)
+                figures |= bench_small(bed, args.repeats)
             if "cancel" not in args.skip:
-                bench_cancel(bed, args.trials)
+                figures |= bench_cancel(bed, args.trials)
             if "profile" not in args.skip:
-                bench_profile(bed, max(5, args.repeats))
+                bench_profile(bed, 1 if args.smoke else max(5, args.repeats))
     print(f"\nat the end: {load_average()}")
+    if args.smoke:
+        return smoke_verdict("bench_ssh.py", figures)
     return 1 if args.strict and "MISSED" in out.getvalue() else 0
 
 

@@ -57,6 +57,7 @@ from _common import cli_argv, scratch_parent
 from substrax_tasks.atomic import write_json_atomic
 from substrax_tasks.backends.job import STATUS_FILE
 from substrax_tasks.step.spec import canonical_digest, make_spec
+from substrax_tasks.store.phase import Phase
 from substrax_tasks.store.project import Project
 
 GOAL_SECONDS = 0.5
@@ -152,9 +153,9 @@ def make_store(root: Path, runs: int) -> None:
             "backend": "local",
         }
         state = state_for(i, runs)
-        project.store.update_state(
+        project.store.advance(  # the phase is recorded by advance alone
             handle,
-            phase="promoted" if state == "succeeded" else "started",
+            Phase.PROMOTED if state == "succeeded" else Phase.STARTED,
             key=canonical_digest(parts),
             key_parts=parts,
             **({"manifest_digest": canonical_digest([i])} if state == "succeeded" else {}),

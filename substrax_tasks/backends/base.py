@@ -104,12 +104,21 @@ class Fetched:
     run ran when its command ended;
     saw_whole_project: the run could read every file of the project, not
     only its view (a local run without the sandbox): its key does not cover
-    what it read, so it is never kept in the run cache.
+    what it read, so it is never kept in the run cache;
+    updated_in_place: `root` is a staging folder of the run's own that a
+    fetch again updates rather than copies afresh (rsync): a copy refused by
+    verification is removed, so that it never seeds the next fetch;
+    modes_safe: the transport cleared the unsafe mode bits as it wrote
+    every file and folder (rsync's --chmod, promote.RSYNC_SAFE_CHMOD), so
+    verification needs no walk of its own to clear them: it compares every
+    mode with the safe manifest, and refuses one that is not safe.
     """
 
     root: Path
     manifest: dict[str, Any]
     saw_whole_project: bool = False
+    updated_in_place: bool = False
+    modes_safe: bool = False
 
 
 @dataclass(frozen=True)

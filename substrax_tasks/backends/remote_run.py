@@ -424,9 +424,14 @@ class RemoteRun:
     def fetch(
         self, transport: Transport, outputs: list[str], staging: Path, outputs_root: object = None
     ) -> Fetched:
-        """The manifest, then a copy of the outputs into `staging` (made
-        afresh: a killed copy leaves temp files, and a file since deleted
-        there would stay here). Outputs changed on the host after the
+        """The manifest, then a copy of the outputs into `staging`. A staging
+        folder a fetch of this run left (verified, then not promoted: a
+        promotion that failed, a doit killed before it, a second `fetch`)
+        is updated, not copied afresh: the transport copies only what
+        differs and removes what is not there (a file since deleted, a
+        killed copy's temp files). A copy that failed or that verification
+        refused is removed (promote.verify_staged), so only a copy that was
+        whole is ever updated. Outputs changed on the host after the
         command ended do not match the manifest, so verification refuses
         the copy; the run's folder stays for a fetch again. `outputs_root`:
         where the outputs are there, if noted when the run was seen to end;
@@ -436,7 +441,6 @@ class RemoteRun:
         if not isinstance(outputs_root, str):
             raise BackendError(f"the status of run {self.run_dir} names no outputs folder")
         manifest = self.manifest(outputs_root, outputs)
-        shutil.rmtree(staging, ignore_errors=True)
         present = [o for o in outputs if o not in manifest["missing"]]
         if present:
             try:
@@ -448,7 +452,7 @@ class RemoteRun:
                 if isinstance(exc, DiskFullHere):  # the phase says where, what is kept, the fix
                     raise exc.full_disk() from None
                 raise
-        return Fetched(staging, manifest)
+        return Fetched(staging, manifest, updated_in_place=True, modes_safe=transport.writes_safe_modes)
 
 
 @dataclass(frozen=True)

@@ -168,8 +168,9 @@ def verify_staged(fetched: Fetched, outputs: Sequence[str], cache: Path, source:
     the unsafe bits cannot be cleared.
 
     Nothing checks them again before their promotion, because nothing but
-    this client writes them in between. The staging folder is made afresh
-    by the backend's fetch in the run's private folder, and its transport
+    this client writes them in between. The staging folder is the
+    backend's fetch's, in the run's private folder (a copy refused here is
+    removed, so a fetch again never updates one), and its transport
     has finished writing it (rsync has exited, the bucket's copies are
     joined). Only one client stages a run at a time: `doit` holds the step's
     lock from launch to the chain's end, and `substrax-compute fetch` takes
@@ -182,7 +183,8 @@ def verify_staged(fetched: Fetched, outputs: Sequence[str], cache: Path, source:
     if missing:
         raise NotProduced(f"the run did not produce declared output(s) {', '.join(missing)}{_near(fetched)}")
     try:
-        make_safe(fetched.root, outputs)
+        if not fetched.modes_safe:  # else one walk fewer: a mode left unsafe is refused below
+            make_safe(fetched.root, outputs)
     except OSError as exc:
         raise SubstraxError(
             f"could not clear the setuid and world-writable bits of the outputs of {source} ({exc}); "
@@ -191,6 +193,8 @@ def verify_staged(fetched: Fetched, outputs: Sequence[str], cache: Path, source:
     manifest = safe_manifest(fetched.manifest)
     problems = manifest_cache.verify_outputs(fetched.root, outputs, manifest, cache)
     if problems:
+        if fetched.updated_in_place:  # the next fetch copies afresh, never on top of a copy refused
+            shutil.rmtree(fetched.root, ignore_errors=True)
         raise OutputsRefused(
             f"the fetched outputs of {source} do not match its manifest; nothing was promoted:\n  "
             + "\n  ".join(problems)

@@ -60,6 +60,11 @@ class Transport(ABC):
     tests/contract/test_transport_contract.py holds every implementation to this.
     """
 
+    # Every file and folder `download` writes has its unsafe mode bits
+    # cleared as it is written (promote.safe_mode's rule): verification then
+    # needs no walk of its own to clear them (Fetched.modes_safe).
+    writes_safe_modes = False
+
     @abstractmethod
     def download(self, remote_root: str, rel_paths: list[str], local_root: Path) -> TransferStats:
         """Called by a backend's fetch, once the run's manifest is read:

@@ -61,6 +61,8 @@ class SshEndpoint(Protocol):
 
 
 class RsyncTransport(Transport):
+    writes_safe_modes = True  # --chmod (RSYNC_SAFE_CHMOD) on every download
+
     def __init__(
         self, target: SshEndpoint, excludes: list[str] | None = None, show_progress: bool | None = None,
         *, quiet: bool = False,
@@ -104,7 +106,12 @@ class RsyncTransport(Transport):
         # (promote.safe_mode; the promotion checks it again). Runs of zeros
         # are written as holes (--sparse): a sparse file there (a checkpoint
         # made with truncate, a preallocated one) takes no more disk here.
-        extra = ("--ignore-missing-args", "--no-devices", "--no-specials", "--sparse", RSYNC_SAFE_CHMOD)
+        # A copy into a staging folder an earlier fetch left brings only what
+        # differs, and --delete makes each folder output hold only what is
+        # there (not a file deleted since, nor a killed copy's temp files), as
+        # a fresh copy would: a second fetch costs a no-op rsync, not a full copy.
+        extra = ("--ignore-missing-args", "--no-devices", "--no-specials", "--sparse", "--delete")
+        extra += (RSYNC_SAFE_CHMOD,)
         try:
             stats, said = self._rsync(self._argv(source, f"{local_root}/", *extra), rel_paths, "fetch")
         except BackendError as exc:

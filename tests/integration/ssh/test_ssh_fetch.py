@@ -32,8 +32,8 @@ from substrax_tasks.backends import remote_run as _remote_run
 from substrax_tasks.backends.base import Fetched
 from substrax_tasks.backends.remote_run import RemoteRun
 from substrax_tasks.backends.ssh.backend import SshBackend
-from substrax_tasks.errors import BackendError, HostRefused
-from substrax_tasks.run.promote import RSYNC_SAFE_CHMOD, safe_mode
+from substrax_tasks.errors import BackendError, HostRefused, OutputsRefused
+from substrax_tasks.run.promote import RSYNC_SAFE_CHMOD, safe_mode, verify_staged
 from substrax_tasks.step.spec import make_spec
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.project import Project
@@ -397,3 +397,62 @@ def test_a_follower_that_outlives_the_runs_lifetime_is_given_up_for_the_status(
     follower.join(timeout=120)
     assert [s.state for s in ended] == ["succeeded"]
     assert out.getvalue() == backend.read_log(handle, 0)
+
+
+# ----------------------------------------- a fetch again updates its staging
+
+MANY = 300
+MANY_FILES = (
+    "import os\nos.makedirs('out/sub', exist_ok=True)\n"
+    f"for i in range({MANY}):\n"
+    "    open('out/sub/f%03d.bin' % i, 'wb').write(os.urandom(512))\n"
+)
+
+
+def test_a_fetch_again_of_a_verified_copy_brings_nothing_the_staging_holds(
+    tmp_path: Path, host: SshHost, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A copy that verified and was not promoted (a doit killed before the
+    promotion, a promotion that failed before it moved anything) is kept in
+    the run's staging: a fetch again brings only what differs (nothing:
+    rsync's 'fetch: 0 files'), not all of it again, and what a killed copy
+    would have left in a folder output (rsync's temp file) goes, as a
+    fresh copy would have it."""
+    backend, handle = finished_run(tmp_path, host, ["python3", "-c", MANY_FILES], ["out/"])
+    cache = tmp_path / "outputs-cache.json"
+    first = backend.fetch(handle)
+    verify_staged(first, ["out/"], cache, "the run")
+    assert f"fetch: {MANY} files" in capfd.readouterr().err
+    leftover = first.root / "out" / "sub" / ".f000.bin.Xy12Zq"  # as a copy killed mid-file leaves it
+    leftover.write_bytes(b"half a file")
+
+    again = backend.fetch(handle)
+    said = capfd.readouterr().err
+    assert "fetch: 0 files" in said, said  # before: all 300 copied again
+    assert not leftover.exists()
+    verify_staged(again, ["out/"], cache, "the run")
+    staged = sorted(p.name for p in (again.root / "out" / "sub").iterdir())
+    assert staged == [f"f{i:03d}.bin" for i in range(MANY)]
+
+
+def test_a_copy_refused_by_verification_is_not_kept_for_the_next_fetch(
+    tmp_path: Path, host: SshHost
+) -> None:
+    """Only a copy that verified is ever updated by a fetch again: one
+    verification refused (a staged file that differs from the manifest)
+    is removed, so the next fetch copies afresh rather than trusting
+    rsync's size-and-time check on top of it."""
+    make = ["sh", "-c", "mkdir -p out && echo data > out/a.txt"]
+    backend, handle = finished_run(tmp_path, host, make, ["out/"])
+    fetched = backend.fetch(handle)
+    staged = fetched.root / "out" / "a.txt"
+    stat = staged.stat()
+    staged.write_text("DATA\n")  # same size; its time put back: rsync's quick check passes it
+    os.utime(staged, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    cache = tmp_path / "outputs-cache.json"
+    with pytest.raises(OutputsRefused):
+        verify_staged(backend.fetch(handle), ["out/"], cache, "the run")
+    assert not fetched.root.exists()
+    again = backend.fetch(handle)
+    verify_staged(again, ["out/"], cache, "the run")
+    assert (again.root / "out" / "a.txt").read_text() == "data\n"
