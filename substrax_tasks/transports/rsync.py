@@ -110,8 +110,8 @@ class RsyncTransport(Transport):
         # differs, and --delete makes each folder output hold only what is
         # there (not a file deleted since, nor a killed copy's temp files), as
         # a fresh copy would: a second fetch costs a no-op rsync, not a full copy.
-        extra = ("--ignore-missing-args", "--no-devices", "--no-specials", "--sparse", "--delete")
-        extra += (RSYNC_SAFE_CHMOD,)
+        extra: tuple[str, ...] = ("--ignore-missing-args", "--no-devices", "--no-specials", "--sparse")
+        extra += ("--delete", RSYNC_SAFE_CHMOD)
         try:
             stats, said = self._rsync(self._argv(source, f"{local_root}/", *extra), rel_paths, "fetch")
         except BackendError as exc:
