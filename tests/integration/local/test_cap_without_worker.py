@@ -68,6 +68,18 @@ def task_long():
 """
 
 
+def child_started(marker: str) -> bool:
+    """Whether the command's child runs: by its own argv, not by the marker
+    alone, which bubblewrap's argv carries too (a sandbox still being set up,
+    its command not started, would count)."""
+    child = b"\0import time; time.sleep(300)\0" + marker.encode()
+    for pid in marked_pids(marker):
+        with contextlib.suppress(OSError):
+            if child in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+    return False
+
+
 def start_doit(root: Path, user: OtherUser | None) -> subprocess.Popen[str]:
     """doit in a process group of its own, as a shell's job is, so that the
     test kills it whole (the spawner of its local runs with it)."""
@@ -108,7 +120,7 @@ def killed_mid_run(root: Path, user: OtherUser | None, marker: str) -> Iterator[
     that record; whatever is left is stopped by pid at the end."""
     proc = start_doit(root, user)
     try:
-        wait_for(lambda: read_status(root).get("state") == "running" and len(marked_pids(marker)) >= 2,
+        wait_for(lambda: read_status(root).get("state") == "running" and child_started(marker),
                  "the command and its child to run", timeout=90)  # fmt: skip
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -182,7 +194,11 @@ def test_the_cap_holds_when_the_client_and_then_the_worker_are_killed(
     if sandbox == "bwrap":
         assert gone - record["killed_at"] < DIED_WITH_WORKER, "the sandbox should have died with its worker"
         assert run["state"] == "lost", run
-        time.sleep(1.5)  # a lost run's cost no longer grows once its end is known
+        # the guard stamps the end it saw (within a poll of the tree's death);
+        # from then on a lost run's cost no longer grows
+        wait_for(lambda: read_status(root).get("ended_at"), "the guard to stamp the run's end", timeout=30)
+        (run,) = runs_status(root, runner)
+        time.sleep(1.5)
         (again,) = runs_status(root, runner)
         assert run["cost_usd"] == again["cost_usd"] and run["cost_usd"] <= LIMIT, (run, again)
         return
