@@ -101,16 +101,20 @@ CLIENT_MEMORY_BOUND = 512 << 20
 def wait_bounded(proc: subprocess.Popen[str], output: Path, timeout: float = 90,
                  max_output: int = 64 << 20) -> tuple[int, int]:  # fmt: skip
     """Wait for doit, killing it (a failure) if it outgrows CLIENT_MEMORY_BOUND
-    or its output `max_output` bytes; its exit status and peak RSS in bytes."""
+    or its output `max_output` bytes; its exit status and its own peak RSS in
+    bytes: doit's high-water mark as last read before it exited, not
+    wait4's ru_maxrss, which is the largest of doit and every descendant it
+    reaped (a helper process's memory is not doit's)."""
     deadline = time.monotonic() + timeout
+    grown = 0
     while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        pid, status, _ = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             proc.returncode = os.waitstatus_to_exitcode(status)
-            return proc.returncode, usage.ru_maxrss * 1024
+            return proc.returncode, grown
         with contextlib.suppress(OSError):
             peak = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{proc.pid}/status").read_text())
-            grown = int(peak.group(1)) * 1024 if peak else 0
+            grown = max(grown, int(peak.group(1)) * 1024 if peak else 0)
             too_much = grown > CLIENT_MEMORY_BOUND or output.stat().st_size > max_output
             if too_much or time.monotonic() > deadline:
                 kill_pid(proc.pid)
