@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from progress import wait_for as progress_wait_for
 
 from substrax_tasks._remote import control
 from substrax_tasks.backends.job import STATUS_FILE
@@ -39,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "remote" / "worker.py"
 PY38 = Path("/root/.pyenv/versions/3.8.18/bin/python")
 GRACE = 0.5  # grace_seconds of every test run: SIGTERM, then SIGKILL after this
-WAIT = 30.0  # deadline for conditions; generous, the machine is noisy
+WAIT = 30.0  # deadline for conditions, without progress (progress.py)
 
 
 # ---------------------------------------------------------------- bubblewrap
@@ -73,12 +74,15 @@ SANDBOXES = [
 # ----------------------------------------------------------------- processes
 
 
-def wait_for(condition: Callable[[], object], what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"waited {timeout:.0f} s for {what}")
-        time.sleep(0.02)
+def wait_for(
+    condition: Callable[[], object],
+    what: str,
+    timeout: float = WAIT,
+    progress: Callable[[], object] | None = None,
+) -> None:
+    """Poll `condition` until it holds; fails after `timeout` seconds with no
+    progress in the test's folder (or of `progress()`): see progress.py."""
+    progress_wait_for(condition, what, timeout, progress)
 
 
 def marked_pids(marker: str) -> list[int]:
