@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from local_runs import marked_pids
+from progress import run as progress_run
 from progress import wait_exit as _wait_exit
 from progress import wait_for as _wait_for
 
@@ -122,16 +123,9 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def doit(
     root: Path, *args: str, env: Mapping[str, str] | None = None, timeout: float = 90
 ) -> subprocess.CompletedProcess[str]:
-    """Run the real `doit ARGS` in the project; stdout and stderr captured."""
-    return subprocess.run(
-        [str(DOIT), *args],
-        cwd=root,
-        env=clean_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    """Run the real `doit ARGS` in the project; stdout and stderr captured.
+    Killed after `timeout` seconds with nothing moving (progress.run)."""
+    return progress_run([str(DOIT), *args], cwd=root, env=clean_env(env), timeout=timeout)
 
 
 def doit_ok(root: Path, *args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -181,15 +175,8 @@ def stop(proc: subprocess.Popen[str]) -> None:
 def compute(
     root: Path, *args: str, timeout: float = 60, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(COMPUTE), "--project", str(root), *args],
-        cwd=root,
-        env=clean_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return progress_run([str(COMPUTE), "--project", str(root), *args], cwd=root, env=clean_env(env),
+                        timeout=timeout)  # fmt: skip
 
 
 def show(done: subprocess.CompletedProcess[str]) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from progress import run as progress_run
 from progress import wait_for as progress_wait_for
 
 from substrax_tasks._remote import control
@@ -303,9 +304,7 @@ def cli_argv() -> list[str]:
 def cli(project_root: Path | None, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """Run `substrax-compute [--project ROOT] ARGS` as its own process."""
     argv = cli_argv() + (["--project", str(project_root)] if project_root is not None else [])
-    return subprocess.run(
-        [*argv, *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
+    return progress_run([*argv, *args], timeout=timeout)
 
 
 def on_a_terminal(argv: list[str], timeout: float = 60) -> str:

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -157,3 +157,35 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
     signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, settings.timeout)
     return True
+
+
+def run(
+    argv: Sequence[str],
+    *,
+    timeout: float,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    progress: Callable[[], object] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(argv, capture_output=True, text=True)` whose timeout
+    follows progress as `wait_for`'s does: the process is killed and
+    TimeoutExpired raised once `timeout` seconds passed with nothing moving
+    in the test's folder (or of `progress()`), or STRETCH x `timeout` in all."""
+    watch = progress or running_test_state
+    began = time.monotonic()
+    seen = watch()
+    with subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        while True:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+                break
+            except subprocess.TimeoutExpired:
+                state = watch()
+                if state == seen or time.monotonic() - began > timeout * STRETCH:
+                    proc.kill()
+                    proc.communicate()
+                    raise
+                seen = state  # it moved: communicate again (Popen keeps what it read so far)
+    return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
