@@ -18,7 +18,8 @@ from progress import STRETCH
 
 PROBE = '''
 import itertools, subprocess, sys, time
-from progress import wait_for
+import pytest
+from progress import run, wait_for
 
 # Writes to the test's folder every 0.1 s for 4 s, then says it is done.
 WRITER = """
@@ -43,6 +44,16 @@ def test_a_wait_with_nothing_moving_fails_at_its_timeout(tmp_path):
 def test_a_wait_whose_run_moves_forever_ends(tmp_path):
     counter = itertools.count()
     wait_for(lambda: False, "what never comes", timeout=0.1, progress=lambda: next(counter))
+
+def test_a_process_run_goes_on_while_it_writes(tmp_path):
+    done = run([sys.executable, "-c", WRITER, str(tmp_path / "log"), str(tmp_path / "done")], timeout=1)
+    assert done.returncode == 0 and (tmp_path / "done").exists()
+
+def test_a_process_run_with_nothing_moving_is_killed_at_its_timeout(tmp_path):
+    began = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
+    assert time.monotonic() - began < 10
 
 def test_a_test_that_writes_outlives_its_timeout(tmp_path):
     for i in range(40):  # 4 s, twice the timeout
@@ -76,6 +87,8 @@ def test_a_deadline_moves_on_while_the_test_folder_changes_and_fails_once_nothin
         "test_a_wait_goes_on_while_the_run_writes": "PASSED",
         "test_a_wait_with_nothing_moving_fails_at_its_timeout": "FAILED",
         "test_a_wait_whose_run_moves_forever_ends": "FAILED",
+        "test_a_process_run_goes_on_while_it_writes": "PASSED",
+        "test_a_process_run_with_nothing_moving_is_killed_at_its_timeout": "PASSED",
         "test_a_test_that_writes_outlives_its_timeout": "PASSED",
         "test_hangs": "FAILED",
     }, said
