@@ -4,6 +4,12 @@
 
     .venv/bin/python bench/bench_tests.py [--repeats 3] [--workers 2] [FILE ...]
     .venv/bin/python bench/bench_tests.py --repeats 1 tests   # the whole suite, ~20 min
+    .venv/bin/python bench/bench_tests.py --file-seconds JUNIT_XML  # tests/file_seconds.txt from a run
+
+`--file-seconds` measures nothing: it sums the seconds of each test file in
+the JUnit XML of a whole run (`pytest --junitxml=...`: set-up, call and
+teardown of each test) and writes them to tests/file_seconds.txt, the order
+`make test` runs the files in (longest first: tests/support/file_order.py).
 
 It measures and prints; it asserts nothing but that every run passes. Each
 repeat runs both, in alternating order (serial first, then xdist first), so
@@ -21,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from xml.etree import ElementTree
 
 REPO = Path(__file__).resolve().parent.parent
 # About 100 s in one process on a quiet 2-core machine: a doit-heavy module,
@@ -44,6 +51,32 @@ def run(files: list[str], extra: list[str]) -> float:
     return took
 
 
+def file_seconds(junit_xml: Path) -> dict[str, float]:
+    """{test file: seconds} from a JUnit XML report; a test's classname is
+    its module's dotted path, with its class (if any) after it."""
+    seconds: dict[str, float] = {}
+    for case in ElementTree.parse(junit_xml).getroot().iter("testcase"):
+        parts = case.get("classname", "").split(".")
+        for end in range(len(parts), 0, -1):
+            name = "/".join(parts[:end]) + ".py"
+            if (REPO / name).is_file():
+                seconds[name] = seconds.get(name, 0.0) + float(case.get("time", "0"))
+                break
+    return seconds
+
+
+def write_file_seconds(junit_xml: Path) -> None:
+    seconds = file_seconds(junit_xml)
+    lines = [f"{value:8.1f} {name}" for name, value in sorted(seconds.items(), key=lambda pair: -pair[1])]
+    header = [
+        "# Seconds of each test file in one whole run (set-up, call and teardown of its tests),",
+        "# longest first: the order `make test` runs them in (tests/support/file_order.py).",
+        f"# bench/bench_tests.py --file-seconds wrote it: {len(lines)} files, {sum(seconds.values()):.0f} s.",
+    ]
+    (REPO / "tests" / "file_seconds.txt").write_text("\n".join(header + lines) + "\n")
+    print(f"tests/file_seconds.txt: {len(lines)} files, {sum(seconds.values()):.0f} s in all")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -51,8 +84,16 @@ def main() -> int:
     parser.add_argument("files", nargs="*", default=DEFAULT_FILES, help="test files or folders")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--file-seconds", type=Path, metavar="JUNIT_XML",
+                        help="write tests/file_seconds.txt from a JUnit report of a whole run")  # fmt: skip
     args = parser.parse_args()
-    modes = {"serial": ["-n", "0"], "xdist": ["-n", str(args.workers), "--dist", "loadfile"]}
+    if args.file_seconds is not None:
+        write_file_seconds(args.file_seconds)
+        return 0
+    modes = {
+        "serial": ["-n", "0"],
+        "xdist": ["-n", str(args.workers), "--dist", "loadfile", "--no-loadscope-reorder"],
+    }
     walls: dict[str, list[float]] = {mode: [] for mode in modes}
     print(f"{os.cpu_count()} CPUs; {' '.join(args.files)}")
     for repeat in range(args.repeats):
