@@ -65,8 +65,40 @@ def file_seconds(junit_xml: Path) -> dict[str, float]:
     return seconds
 
 
-def write_file_seconds(junit_xml: Path) -> None:
+def test_counts(junit_xml: Path) -> dict[str, int]:
+    """{test file: number of tests} from the same report."""
+    counts: dict[str, int] = {}
+    for case in ElementTree.parse(junit_xml).getroot().iter("testcase"):
+        parts = case.get("classname", "").split(".")
+        for end in range(len(parts), 0, -1):
+            name = "/".join(parts[:end]) + ".py"
+            if (REPO / name).is_file():
+                counts[name] = counts.get(name, 0) + 1
+                break
+    return counts
+
+
+def two_worker_end(order: list[str], seconds: dict[str, float], workers: int) -> float:
+    """When the last worker is done if each takes the next file of `order`
+    as soon as it is free (xdist's loadfile, less its look-ahead of 2 tests)."""
+    free_at = [0.0] * workers
+    for name in order:
+        first_free = free_at.index(min(free_at))
+        free_at[first_free] += seconds[name]
+    return max(free_at)
+
+
+def write_file_seconds(junit_xml: Path, workers: int) -> None:
     seconds = file_seconds(junit_xml)
+    counts = test_counts(junit_xml)
+    most_tests_first = sorted(seconds, key=lambda name: (-counts[name], name))  # xdist: --loadscope-reorder
+    longest_first = sorted(seconds, key=lambda name: -seconds[name])
+    floor = max(sum(seconds.values()) / workers, *seconds.values())
+    print(f"{workers} workers, the files' measured seconds, each file taken whole when a worker is free:")
+    for label, order in (("most tests first (xdist's default)", most_tests_first),
+                         ("longest first (file_order.py)", longest_first)):  # fmt: skip
+        print(f"  {label:36} the last worker ends at {two_worker_end(order, seconds, workers):6.0f} s")
+    print(f"  {'floor (all / workers, longest file)':36} {floor:6.0f} s")
     lines = [f"{value:8.1f} {name}" for name, value in sorted(seconds.items(), key=lambda pair: -pair[1])]
     header = [
         "# Seconds of each test file in one whole run (set-up, call and teardown of its tests),",
@@ -88,7 +120,7 @@ def main() -> int:
                         help="write tests/file_seconds.txt from a JUnit report of a whole run")  # fmt: skip
     args = parser.parse_args()
     if args.file_seconds is not None:
-        write_file_seconds(args.file_seconds)
+        write_file_seconds(args.file_seconds, args.workers)
         return 0
     modes = {
         "serial": ["-n", "0"],
