@@ -149,8 +149,10 @@ demo-deps:
 # pytest runs last, so the output ends with its summary line. Two workers
 # (pytest-xdist), each given whole test files so a module's fixtures are made
 # once: most of the suite waits on processes, sshd and polls, and both cores
-# then have work (bench/README.md has the figures). PYTEST_ARGS=-n0 runs
-# it in one process.
+# then have work (bench/README.md has the figures). The files go longest
+# first (tests/file_seconds.txt, tests/support/file_order.py), not xdist's
+# most-tests-first, so no long file starts last with one worker left alone.
+# PYTEST_ARGS=-n0 runs it in one process.
 test: system-deps install sky-venv $(MYPY38)
 	@echo "==> ruff check"
 	@$(BIN)/ruff check .
@@ -159,7 +161,7 @@ test: system-deps install sky-venv $(MYPY38)
 	@$(BIN)/mypy --config-file $(SKY_HELPER_MYPY)
 	@$(MYPY38) --config-file remote/mypy.ini
 	@echo "==> pytest"
-	@$(BIN)/python -m pytest --ignore=tests/e2e -n 2 --dist loadfile $(PYTEST_ARGS)
+	@$(BIN)/python -m pytest --ignore=tests/e2e -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The tests marked `unit` run in this process only (tests/support/unit_tier.py makes
 # spawning a process or opening a connection fail them): no apt, no SkyPilot.

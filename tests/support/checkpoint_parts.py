@@ -33,7 +33,10 @@ from dodo_helpers import (
 # argv: N, PAUSE, RESULT (the output file), then "fail-fresh" to exit 3 at
 # count 3 when it started from nothing (a crash a resume gets past), and
 # "hold-at-3" to wait, before that count, for a file `go` in its checkpoints
-# folder (a test makes it there once the client is gone).
+# folder (a test makes it there once the client is gone), and "hold-after-3"
+# to wait for it after that count (its checkpoint written): a test that takes
+# the machine away once a snapshot of 3 counts is home finds the command still
+# running however late the snapshot comes on a loaded machine.
 # Prints "start I" and "count I"; the result holds N and every count made.
 COUNT_PY = """\
 import json, os, sys, time
@@ -42,6 +45,7 @@ pause = float(sys.argv[2])
 result = sys.argv[3]
 fail_fresh = "fail-fresh" in sys.argv
 hold = "hold-at-3" in sys.argv
+hold_after = "hold-after-3" in sys.argv
 folder = ([a[len("--ckpt="):] for a in sys.argv if a.startswith("--ckpt=")] or ["ckpt"])[0]
 path = os.path.join(folder, "state.json")
 state = json.load(open(path)) if os.path.exists(path) else {"n": n, "i": 0, "seen": []}
@@ -61,6 +65,8 @@ while state["i"] < n:
     os.replace(path + ".tmp", path)
     if fail_fresh and start == 0 and state["i"] == 3:
         sys.exit(3)
+    while hold_after and start == 0 and state["i"] == 3 and not os.path.exists("ckpt/go"):
+        time.sleep(0.05)
 with open(result, "w") as f:
     f.write("%d %s\\n" % (state["i"], ",".join(map(str, state["seen"]))))
 """

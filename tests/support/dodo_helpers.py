@@ -15,13 +15,15 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from local_runs import marked_pids
+from progress import run as progress_run
+from progress import wait_exit as _wait_exit
+from progress import wait_for as _wait_for
 
 from substrax_tasks._remote import control
 
@@ -31,6 +33,10 @@ COMPUTE = BIN / "substrax-compute"
 REPO = Path(__file__).resolve().parents[2]
 GRACE = 0.5
 WAIT = 30.0
+# The tests of the chain import their waits from here: deadlines that move on
+# while the run moves (progress.py).
+wait_for = _wait_for
+wait_exit = _wait_exit
 # remote/manifest.py's racy window for the doit processes of the tests:
 # short, so a test need not wait 2 s for a proof or a cached hash.
 RACY_SECONDS = "0.1"
@@ -117,16 +123,9 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def doit(
     root: Path, *args: str, env: Mapping[str, str] | None = None, timeout: float = 90
 ) -> subprocess.CompletedProcess[str]:
-    """Run the real `doit ARGS` in the project; stdout and stderr captured."""
-    return subprocess.run(
-        [str(DOIT), *args],
-        cwd=root,
-        env=clean_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    """Run the real `doit ARGS` in the project; stdout and stderr captured.
+    Killed after `timeout` seconds with nothing moving (progress.run)."""
+    return progress_run([str(DOIT), *args], cwd=root, env=clean_env(env), timeout=timeout)
 
 
 def doit_ok(root: Path, *args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -176,15 +175,8 @@ def stop(proc: subprocess.Popen[str]) -> None:
 def compute(
     root: Path, *args: str, timeout: float = 60, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(COMPUTE), "--project", str(root), *args],
-        cwd=root,
-        env=clean_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return progress_run([str(COMPUTE), "--project", str(root), *args], cwd=root, env=clean_env(env),
+                        timeout=timeout)  # fmt: skip
 
 
 def show(done: subprocess.CompletedProcess[str]) -> str:
@@ -241,14 +233,6 @@ def step_skipped(done: subprocess.CompletedProcess[str], task: str) -> bool:
 
 
 # ---------------------------------------------------------------- processes
-
-
-def wait_for(condition: Callable[[], object], what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"waited {timeout:.0f} s for {what}")
-        time.sleep(0.02)
 
 
 def pid_alive(pid: int) -> bool:

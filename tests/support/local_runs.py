@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from progress import run as progress_run
+from progress import wait_for as progress_wait_for
 
 from substrax_tasks._remote import control
 from substrax_tasks.backends.job import STATUS_FILE
@@ -39,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "remote" / "worker.py"
 PY38 = Path("/root/.pyenv/versions/3.8.18/bin/python")
 GRACE = 0.5  # grace_seconds of every test run: SIGTERM, then SIGKILL after this
-WAIT = 30.0  # deadline for conditions; generous, the machine is noisy
+WAIT = 30.0  # deadline for conditions, without progress (progress.py)
 
 
 # ---------------------------------------------------------------- bubblewrap
@@ -73,12 +75,15 @@ SANDBOXES = [
 # ----------------------------------------------------------------- processes
 
 
-def wait_for(condition: Callable[[], object], what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"waited {timeout:.0f} s for {what}")
-        time.sleep(0.02)
+def wait_for(
+    condition: Callable[[], object],
+    what: str,
+    timeout: float = WAIT,
+    progress: Callable[[], object] | None = None,
+) -> None:
+    """Poll `condition` until it holds; fails after `timeout` seconds with no
+    progress in the test's folder (or of `progress()`): see progress.py."""
+    progress_wait_for(condition, what, timeout, progress)
 
 
 def marked_pids(marker: str) -> list[int]:
@@ -299,9 +304,7 @@ def cli_argv() -> list[str]:
 def cli(project_root: Path | None, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """Run `substrax-compute [--project ROOT] ARGS` as its own process."""
     argv = cli_argv() + (["--project", str(project_root)] if project_root is not None else [])
-    return subprocess.run(
-        [*argv, *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
+    return progress_run([*argv, *args], timeout=timeout)
 
 
 def on_a_terminal(argv: list[str], timeout: float = 60) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from checkpoint_parts import COUNT_PY, kept_state
 from dodo_helpers import popen_doit, popen_output, stop, wait_for
+from progress import wait_exit
 from ssh_helpers import make_ssh_project, only_handle
 from testbeds.sshd_host import SshHost, host_processes, reboot
 
@@ -42,7 +43,7 @@ def doit_through_a_restart(root: Path, host: SshHost, step: str, after_counts: i
     try:
         counted(root, step, after_counts)
         reboot(host)
-        code = proc.wait(timeout=300)
+        code = wait_exit(proc, "the doit to end", 300)
     finally:
         stop(proc)
     return code, popen_output(root)

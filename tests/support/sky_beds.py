@@ -6,7 +6,6 @@ import contextlib
 import os
 import pwd
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from dodo_helpers import (
     clean_env,
 )
 from fakesky_cleanup import cleanup, fakesky_env, leftovers
+from progress import run as progress_run
 from ssh_helpers import (
     SANDBOX,
     toml_value,
@@ -100,10 +100,8 @@ class Sky:
 
     def compute(self, *args: str, timeout: float = 120) -> Any:
 
-        return subprocess.run(
-            [str(COMPUTE), "--project", str(self.root), *args], cwd=self.root, env=clean_env(self.env),
-            capture_output=True, text=True, timeout=timeout, check=False,
-        )  # fmt: skip
+        return progress_run([str(COMPUTE), "--project", str(self.root), *args], cwd=self.root,
+                            env=clean_env(self.env), timeout=timeout)  # fmt: skip
 
     def clusters(self) -> list[str]:
         folder = self.home / ".fakesky" / "clusters"

@@ -23,6 +23,7 @@ from dodo_helpers import (
     stop,
     write_pyproject,
 )
+from progress import wait_exit
 
 # 3,000 files of 10 bytes, all different, and one of 100 KiB (not packed)
 SMALL = """
@@ -269,7 +270,7 @@ def test_two_doits_storing_and_restoring_at_once_stay_correct(tmp_path: Path) ->
     second = project(tmp_path / "p2", "b", folder_cache(tmp_path), body=SWEEP, default="s0")
     procs = [popen_doit(root, "-n", "4", "-P", "thread", *STEPS) for root in (first, second)]
     try:
-        codes = [proc.wait(timeout=120) for proc in procs]
+        codes = [wait_exit(proc, "the doit to end", 120) for proc in procs]
     finally:
         for proc in procs:
             stop(proc)

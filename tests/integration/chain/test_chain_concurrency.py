@@ -37,6 +37,7 @@ from dodo_helpers import (
     wait_for,
     worker_pids,
 )
+from progress import wait_exit
 
 # A step whose command writes its output, then waits for gate/go (a folder
 # of the project, declared as an input so that the sandbox shows it) before
@@ -117,7 +118,7 @@ def test_rerun_after_sigkill_of_the_client_reattaches(tmp_path: Path, marker: st
     try:
         wait_for(lambda: "reattaching" in popen_output(root), "the rerun to reattach")
         open_gate(root)
-        code = second.wait(timeout=60)
+        code = wait_exit(second, "the doit to end", 60)
     finally:
         stop(second)
     text = popen_output(root)
@@ -189,7 +190,7 @@ def test_two_doit_at_once_never_make_two_runs(tmp_path: Path, marker: str) -> No
         assert f"pid {first.pid}" in text  # names the holder
         assert run_count(root) == 1
         open_gate(root)
-        assert first.wait(timeout=60) == 0, popen_output(root)
+        assert wait_exit(first, "the doit to end", 60) == 0, popen_output(root)
     finally:
         stop(first)
     assert run_count(root) == 1
@@ -251,7 +252,7 @@ def test_thread_pool_runs_steps_concurrently_with_one_teardown_each(tmp_path: Pa
         wait_for(lambda: sum(r.get("state") == "running" for r in status_records(root)) == 2,
                  "both runs to be going at once")
         open_gate(root)
-        code = proc.wait(timeout=60)
+        code = wait_exit(proc, "the doit to end", 60)
     finally:
         stop(proc)
     assert code == 0, popen_output(root)

@@ -31,6 +31,7 @@ from dodo_helpers import (
     wait_for,
     write_dodo,
 )
+from progress import wait_exit
 
 
 def one_step(**kwargs: object) -> str:
@@ -357,7 +358,7 @@ def test_failed_promotion_is_retried_without_running_again(tmp_path: Path) -> No
         shutil.rmtree(root / "out")
         (root / "out").write_text("a plain file where the output folder goes\n")
         (root / "gate" / "go").write_text("")
-        code = proc.wait(timeout=60)
+        code = wait_exit(proc, "the doit to end", 60)
     finally:
         stop(proc)
     text = popen_output(root)
@@ -409,7 +410,7 @@ def test_retries_cover_a_failure_of_the_machinery(tmp_path: Path) -> None:
     try:
         wait_for(lambda: "retry 1 of 1" in popen_output(root), "the first launch to fail")
         (bin_dir / "bwrap").symlink_to(bwrap)
-        code = proc.wait(timeout=60)
+        code = wait_exit(proc, "the doit to end", 60)
     finally:
         stop(proc)
     text = popen_output(root)

@@ -32,6 +32,7 @@ from dodo_helpers import (
     wait_for,
     write_pyproject,
 )
+from progress import wait_exit
 
 # The value of a secret (forwarded, never in the key): 1 in the doit whose
 # run waits for the test's edit, 0 in the doits after it.
@@ -77,7 +78,7 @@ def test_an_input_edited_while_the_run_goes_is_promoted_not_cached_and_runs_agai
                  "the run to wait for the edit")  # fmt: skip
         assert going.poll() is None, popen_output(first)
         (first / "in.txt").write_text("B\n")  # saved while the run goes
-        assert going.wait(timeout=90) == 0, popen_output(first)
+        assert wait_exit(going, "the doit to end", 90) == 0, popen_output(first)
     finally:
         stop(going)
     output = popen_output(first)
@@ -129,7 +130,7 @@ def test_the_lock_file_edited_while_the_run_goes_is_named_and_the_step_runs_agai
                  "the run to wait for the edit")  # fmt: skip
         assert going.poll() is None, popen_output(root)
         (root / "requirements.txt").write_text("# nothing to install\n")
-        assert going.wait(timeout=120) == 0, popen_output(root)
+        assert wait_exit(going, "the doit to end", 120) == 0, popen_output(root)
     finally:
         stop(going)
     said_lock = SAID.replace("in.txt", "requirements.txt")
@@ -177,7 +178,7 @@ def test_checkpoints_kept_by_a_run_whose_input_was_edited_are_not_kept_under_its
                  "the run to wait for the edit")  # fmt: skip
         assert going.poll() is None, popen_output(root)
         (root / "in.txt").write_text("B\n")
-        assert going.wait(timeout=90) == 0, popen_output(root)
+        assert wait_exit(going, "the doit to end", 90) == 0, popen_output(root)
     finally:
         stop(going)
     output = popen_output(root)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from dodo_helpers import SANDBOXES, doit, make_project, popen_doit, popen_output, show, stop, wait_for
+from progress import wait_exit
 
 FAILING = """
 def task_bx():
@@ -63,7 +64,7 @@ def task_bu():
         wait_for((root / "notes" / "sub").is_dir, "the run to make notes/sub/")
         (root / "notes" / "mine.txt").write_text("the user's\n")
         go.touch()
-        assert proc.wait(timeout=90) == 1, popen_output(root)
+        assert wait_exit(proc, "the doit to end", 90) == 1, popen_output(root)
     finally:
         stop(proc)
     said = popen_output(root)

@@ -26,6 +26,7 @@ from dodo_helpers import (
     wait_for,
     write_dodo,
 )
+from progress import wait_exit
 from ssh_helpers import needs_root, needs_sshd, ssh_settings, write_ssh_pyproject
 from testbeds.sshd_host import SshHost
 
@@ -119,7 +120,7 @@ def test_steps_beyond_max_parallel_wait_across_two_doit_and_a_killed_clients_run
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
         (tmp_path / "gate").touch()
-        assert second.wait(timeout=300) == 0, said(root, "second")
+        assert wait_exit(second, "the doit to end", 300) == 0, said(root, "second")
     finally:
         (tmp_path / "gate").touch()
         stop(first)
@@ -155,7 +156,7 @@ def test_ctrl_c_ends_a_wait_for_a_slot_without_a_traceback(
         (tmp_path / "gate").touch()
         if second is not None:
             stop(second)
-        assert first.wait(timeout=120) == 0, said(root, "first")
+        assert wait_exit(first, "the doit to end", 120) == 0, said(root, "first")
     assert "Traceback" not in said(root, "second"), said(root, "second")
     # said once, on the step's own line; not listed again as a failure
     assert re.search(r"^b:m0(:| \|) \[1/2\] interrupted on local in ", said(root, "second"), re.M), said(
@@ -215,7 +216,7 @@ def test_after_kill_9_of_doit_the_rerun_keeps_max_parallel_with_the_runs_it_reat
         wait_for(lambda: said(root, "again").count("waits for a free slot") == 2
                  or stamps.read_text().count("start") > 2, "the rerun's slots", timeout=120)  # fmt: skip
         gate.touch()
-        assert again.wait(timeout=300) == 0, said(root, "again")
+        assert wait_exit(again, "the doit to end", 300) == 0, said(root, "again")
     finally:
         gate.touch()
         stop(first)

@@ -30,6 +30,7 @@ from dodo_helpers import (
     wait_for,
     write_pyproject,
 )
+from progress import wait_exit
 
 BODY = """
 def task_ran():
@@ -268,7 +269,7 @@ def test_a_closed_pipe_ends_a_command_quietly(tmp_path: Path, word: str) -> None
         head = subprocess.run(["head", "-1"], stdin=logs.stdout, capture_output=True, timeout=60, check=False)
         logs.stdout.close()  # head has it: ours closed, so head's exit closes the pipe
         stderr = logs.stderr.read().decode()
-        code = logs.wait(timeout=60)
+        code = wait_exit(logs, "`logs` to end", 60)
     header = f"==> chatty:a ({runs_of(root, 'chatty:a')[0]['run_id']}) <==\n"
     assert head.stdout.decode() == ("1\n" if word == "chatty:a" else header)
     for noise in ("Traceback", "BrokenPipeError", "Exception ignored"):

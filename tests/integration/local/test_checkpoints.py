@@ -38,6 +38,7 @@ from dodo_helpers import (
     wait_for,
     write_pyproject,
 )
+from progress import wait_exit
 
 PAUSE = 0.3  # between counts: long enough for a Ctrl-C to land mid-run
 
@@ -53,7 +54,7 @@ def test_ctrl_c_then_doit_resumes_from_the_checkpoint(tmp_path: Path) -> None:
     try:
         wait_for(lambda: (kept_state(root, "count") or {}).get("i", 0) >= 4, "four counts checkpointed")
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=60)
+        code = wait_exit(proc, "the doit to end", 60)
     finally:
         stop(proc)
     assert code != 0, popen_output(root)
@@ -165,7 +166,7 @@ def test_gc_keeps_the_checkpoints_of_a_run_still_going_under_an_old_key(tmp_path
         assert "checkpoints" not in done.stdout, show(done)
         assert kept_state(root, "count") is not None
         proc.send_signal(signal.SIGINT)  # cancels the local run
-        proc.wait(timeout=60)
+        wait_exit(proc, "the doit to end", 60)
     finally:
         stop(proc)
 

@@ -36,6 +36,7 @@ from dodo_helpers import (
     write_pyproject,
 )
 from lost_tree import kill_recorded, kill_worker, status_of, step_argv, wait_tree_up, write_command
+from progress import wait_exit
 from sandbox_beds import CUDA_QUERY, free_gid, make_dev_script, nvidia_smi_gpus
 from ssh_helpers import SANDBOX, make_ssh_project, needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
@@ -109,7 +110,7 @@ def test_two_concurrent_steps_under_threads_get_different_gpus_shown_by_status(
         table = compute(root, "status")
         assert table.stdout.splitlines()[0].split()[-1] == "gpus", show(table)
         (root / "gate" / "go").write_text("")
-        assert proc.wait(timeout=60) == 0, popen_output(root)
+        assert wait_exit(proc, "the doit to end", 60) == 0, popen_output(root)
     finally:
         stop(proc)
     assert {given(root, "a"), given(root, "b")} == {"[0] PCI_BUS_ID", "[1] PCI_BUS_ID"}
@@ -121,7 +122,7 @@ def test_two_doit_processes_get_different_gpus(tmp_path: Path, marker: str, env:
     try:
         wait_for(lambda: running(root, 2), "a and b to run at once")
         (root / "gate" / "go").write_text("")
-        assert [proc.wait(timeout=60) for proc in procs] == [0, 0], popen_output(root)
+        assert [wait_exit(proc, "the doit to end", 60) for proc in procs] == [0, 0], popen_output(root)
     finally:
         for proc in procs:
             stop(proc)
@@ -158,7 +159,7 @@ def test_the_gpus_of_a_killed_clients_runs_are_free_once_those_runs_end(
             wait_for(lambda: "waiting" in popen_output(root), "c to say it waits")
             assert running(root, 2)
             (root / "gate" / "go").write_text("")
-            assert third.wait(timeout=60) == 0, popen_output(root)
+            assert wait_exit(third, "the doit to end", 60) == 0, popen_output(root)
         finally:
             stop(third)
     finally:
@@ -203,7 +204,7 @@ def test_with_gpu_device_nodes_both_steps_see_every_node_and_use_their_own_gpu(
     try:
         wait_for(lambda: running(root, 2), "both steps to run at once")
         (root / "gate" / "go").write_text("")
-        assert proc.wait(timeout=60) == 0, log.read_text()
+        assert wait_exit(proc, "the doit to end", 60) == 0, log.read_text()
     finally:
         stop(proc)
     for name in ("a", "b"):
@@ -232,7 +233,7 @@ def test_ctrl_c_while_waiting_for_gpus_stops_the_wait_and_the_run_never_starts(
         status = json.loads((root / ".substrax" / "runs" / c_run["run_id"] / "status.json").read_text())
         assert status["state"] == "cancelled" and status["started_at"] is None, status
         (root / "gate" / "go").write_text("")
-        assert first.wait(timeout=60) == 0
+        assert wait_exit(first, "the doit to end", 60) == 0
     finally:
         stop(first)
     assert not (root / "out_c").exists()
@@ -319,7 +320,7 @@ def test_over_ssh_the_hosts_gpus_are_listed_there_and_held_apart(
         wait_for(lambda: len(remote_running()) == 2, "a and b to run at once on the host", timeout=90)
         for run in remote_running():
             (run / "project" / "gate" / "go").write_text("")
-        assert proc.wait(timeout=120) == 0, popen_output(root)
+        assert wait_exit(proc, "the doit to end", 120) == 0, popen_output(root)
     finally:
         stop(proc)
     assert {given(root, "a"), given(root, "b")} == {"[0] PCI_BUS_ID", "[1] PCI_BUS_ID"}
@@ -380,7 +381,7 @@ def test_gpus_held_by_what_a_killed_worker_left_stay_held_until_cancel_stops_it(
         assert not [pid for pid in old if pid_alive(pid)]
         if isinstance(record.get("cgroup"), str):
             assert not Path(str(record["cgroup"])).exists()
-        assert second.wait(timeout=60) == 0, popen_output(root)
+        assert wait_exit(second, "the doit to end", 60) == 0, popen_output(root)
     finally:
         stop(first)
         if second is not None:

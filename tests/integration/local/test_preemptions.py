@@ -52,6 +52,7 @@ from lost_tree import (
     wait_tree_up,
     write_command,
 )
+from progress import wait_exit
 
 from substrax_tasks._remote import control
 from substrax_tasks.cli.status_view import seconds_between
@@ -117,7 +118,7 @@ def test_a_killed_worker_is_relaunched_from_its_checkpoint(tmp_path: Path, sandb
     proc = popen_doit(root, "count")
     try:
         kept = kill_worker_once_counted(root, "count", 3)
-        code = proc.wait(timeout=120)
+        code = wait_exit(proc, "the doit to end", 120)
     finally:
         stop(proc)
     said = popen_output(root)
@@ -169,7 +170,7 @@ def test_a_lost_run_without_preemptions_fails_saying_how_to_allow_them(tmp_path:
     proc = popen_doit(root, "count")
     try:
         kill_worker_once_counted(root, "count", 2)
-        code = proc.wait(timeout=120)
+        code = wait_exit(proc, "the doit to end", 120)
     finally:
         stop(proc)
     said = popen_output(root)
@@ -208,7 +209,7 @@ def test_the_timeout_bounds_the_command_over_all_its_attempts(tmp_path: Path) ->
     proc = popen_doit(root, "count")
     try:
         kill_worker_once_counted(root, "count", 6)  # about 2 s of the 6 spent
-        code = proc.wait(timeout=120)
+        code = wait_exit(proc, "the doit to end", 120)
     finally:
         stop(proc)
     said = popen_output(root)
@@ -227,7 +228,7 @@ def test_two_steps_under_threads_keep_their_attempts_apart(tmp_path: Path) -> No
     try:
         kill_worker_once_counted(root, "a", 2)
         kill_worker_once_counted(root, "b", 3)
-        code = proc.wait(timeout=180)
+        code = wait_exit(proc, "the doit to end", 180)
     finally:
         stop(proc)
     said = popen_output(root)
@@ -267,7 +268,7 @@ def test_an_input_edited_before_the_relaunch_is_refused_not_run_under_the_old_ke
         wait_for(lambda: counted(root, "count") >= 2, "two counts checkpointed")
         (root / "data.txt").write_text("two\n")
         kill_worker_once_counted(root, "count", 2)
-        code = proc.wait(timeout=120)
+        code = wait_exit(proc, "the doit to end", 120)
     finally:
         stop(proc)
     said = popen_output(root)
@@ -318,7 +319,7 @@ def test_without_a_sandbox_the_lost_attempts_tree_is_stopped_before_the_relaunch
         (run,) = run_dirs(root)
         first = status_of(root, run)
         kill_worker(first)
-        code = proc.wait(timeout=120)
+        code = wait_exit(proc, "the doit to end", 120)
     finally:
         stop(proc)
         kill_recorded(flags, marker)
@@ -406,7 +407,7 @@ def test_max_parallel_holds_through_a_relaunch_and_a_kill_9_of_doit_then_the_rer
         wait_for(lambda: popen_output(root).count("waits for a free slot") >= 2 or most_at_once(stamps) > 2,
                  "the rerun's slots", timeout=120)  # fmt: skip
         gate.touch()
-        assert again.wait(timeout=300) == 0, popen_output(root)
+        assert wait_exit(again, "the doit to end", 300) == 0, popen_output(root)
     finally:
         gate.touch()
         stop(first)
@@ -437,7 +438,7 @@ def test_a_lost_attempts_process_that_will_not_stop_keeps_the_relaunch_from_star
         with frozen(stuck, f"substrax-test-{marker}"):
             record = status_of(root, run)
             kill_worker(record)
-            code = proc.wait(timeout=120)
+            code = wait_exit(proc, "the doit to end", 120)
             started = recorded_pids(flags)
         wait_for(lambda: not pid_alive(stuck), "the thawed process to end by the SIGKILL it was sent")
         said = popen_output(root)
@@ -522,8 +523,8 @@ def test_the_gpus_of_a_lost_attempts_tree_go_to_no_one_until_it_is_stopped(
                                  text=True)  # fmt: skip
         wait_for(lambda: "waiting" in (tmp_path / "b.out").read_text(), "b to wait for a GPU")
         kill_worker(record)
-        assert a.wait(timeout=120) == 0, popen_output(root)
-        assert b.wait(timeout=120) == 0, (tmp_path / "b.out").read_text()
+        assert wait_exit(a, "doit a to end", 120) == 0, popen_output(root)
+        assert wait_exit(b, "doit b to end", 120) == 0, (tmp_path / "b.out").read_text()
     finally:
         stop(a)
         if b is not None:

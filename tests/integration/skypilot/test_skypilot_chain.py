@@ -39,6 +39,7 @@ from dodo_helpers import (
     wait_for,
 )
 from local_runs import marked_pids
+from progress import wait_exit
 from s3_server import S3Server, running_s3_server
 from sky_beds import COMMAND, Sky
 from special_files import plant_specials, specials_under
@@ -347,7 +348,7 @@ def test_cancel_whose_cluster_down_fails_stops_the_run_all_the_same_and_exits_1(
         assert done.returncode == 1, done.stdout
         assert "1 cancel step(s) failed" in done.stderr
         assert "injected failure of down" in done.stderr
-        proc.wait(timeout=90)
+        wait_exit(proc, "the doit to end", 90)
     finally:
         stop(proc)
     assert proc.returncode != 0
@@ -603,7 +604,7 @@ def test_deleting_the_store_mid_run_takes_the_runs_cluster_down(sky: Sky, marker
         wait_for(lambda: "started" in popen_output(sky.root), "the run to be followed", timeout=120)
         (cluster,) = sky.clusters()
         shutil.rmtree(sky.root / ".substrax")
-        code = client.wait(timeout=120)
+        code = wait_exit(client, "the doit to end", 120)
     finally:
         stop(client)
     said = popen_output(sky.root)

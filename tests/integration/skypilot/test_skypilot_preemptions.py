@@ -32,6 +32,7 @@ from lost_tree import (
     wait_tree_up,
     write_command,
 )
+from progress import wait_exit
 from sky_beds import Sky
 from ssh_helpers import live_handles, needs_root, needs_sshd, only_handle, write_ssh_dodo
 from testbeds.sshd_host import SshHost, kill_sshd, restart_sshd
@@ -53,9 +54,12 @@ def marker() -> str:
 def counting(sky: Sky, marker: str, preemptions: int, **settings: Any) -> None:
     """A step counting to COUNTS, its checkpoint written by rename and read
     back as it starts (checkpoint_parts.COUNT_PY); its argv carries the
-    test's marker, by which its processes are found."""
+    test's marker, by which its processes are found. Started from nothing it
+    holds after count 3 until `release` (the test takes its cluster away
+    while it holds, however late the snapshot of 3 counts comes home)."""
     sky.configure(checkpoint_seconds=EVERY, **settings)
-    body = count_step("count", COUNTS, PAUSE, f"marker-{marker}", preemptions=preemptions, timeout=120)
+    body = count_step("count", COUNTS, PAUSE, f"marker-{marker}", "hold-after-3", preemptions=preemptions,
+                      timeout=120)  # fmt: skip
     write_ssh_dodo(sky.root, "def task_all():\n" + body, ["count"])
     (sky.root / "count.py").write_text(COUNT_PY)
     (sky.root / "data.txt").write_text("one\n")
@@ -68,6 +72,13 @@ def preempt(sky: Sky, cluster: str) -> None:
         env=clean_env(sky.env), capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def release(marker: str) -> None:
+    """Let the count held after 3 go on: `ckpt/go` in its working folder on
+    the cluster (the fake's clusters are folders of this machine)."""
+    (pid,) = [pid for pid in marked_pids(marker) if Path(f"/proc/{pid}/comm").read_text().startswith("py")]
+    (Path(f"/proc/{pid}/cwd") / "ckpt" / "go").write_text("")
 
 
 def running_cluster(sky: Sky, marker: str) -> tuple[str, int]:
@@ -86,7 +97,7 @@ def doit_through_a_preemption(sky: Sky, marker: str) -> tuple[int, str, str]:
     try:
         lost, _ = running_cluster(sky, marker)
         preempt(sky, lost)
-        code = proc.wait(timeout=300)
+        code = wait_exit(proc, "the doit to end", 300)
     finally:
         stop(proc)
     return code, popen_output(sky.root), lost
@@ -116,7 +127,7 @@ def test_a_cluster_taken_away_mid_run_is_relaunched_on_a_new_one_from_the_last_s
         lost, kept = running_cluster(sky, marker)
         preempt(sky, lost)
         taken = time.time()
-        code = proc.wait(timeout=300)
+        code = wait_exit(proc, "the doit to end", 300)
     finally:
         stop(proc)
     said = popen_output(sky.root)
@@ -152,7 +163,7 @@ def test_with_reuse_the_lost_cluster_leaves_its_slot_and_the_new_one_stays_warm(
         (record,) = (sky.root / ".substrax" / "slots").glob("skypilot-*/0.json")
         assert json.loads(record.read_text())["cluster"] == lost
         preempt(sky, lost)
-        code = proc.wait(timeout=300)
+        code = wait_exit(proc, "the doit to end", 300)
     finally:
         stop(proc)
     said = popen_output(sky.root)
@@ -194,7 +205,8 @@ def test_a_cluster_that_stops_answering_while_skypilot_holds_it_up_is_waited_for
             assert marked_pids(marker), "the command stopped with the ssh sessions"
         finally:
             restart_sshd(cluster_host)
-        code = proc.wait(timeout=300)
+        release(marker)
+        code = wait_exit(proc, "the doit to end", 300)
     finally:
         stop(proc)
     said = popen_output(sky.root)
@@ -278,7 +290,7 @@ def test_with_reuse_a_killed_workers_tree_on_the_cluster_is_stopped_before_the_r
         old = wait_tree_up(flags)
         run_folder = Path(live_handles(sky.root, "work")[0]["backend_state"]["remote_run"])
         kill_worker(json.loads((run_folder / "status.json").read_text()))
-        code = proc.wait(timeout=300)
+        code = wait_exit(proc, "the doit to end", 300)
         said = popen_output(sky.root)
         assert code == 0, said
         assert "relaunching it, attempt 2 of at most 2" in said, said
@@ -311,7 +323,7 @@ def test_with_reuse_a_relaunched_attempt_is_the_one_its_clusters_lease_holds_the
         wait_tree_up(flags)
         handle = live_handles(sky.root, "work")[0]
         kill_worker(json.loads((Path(handle["backend_state"]["remote_run"]) / "status.json").read_text()))
-        code = proc.wait(timeout=300)
+        code = wait_exit(proc, "the doit to end", 300)
         said = popen_output(sky.root)
         assert code == 0, said
         attempts = only_handle(sky.root, "work")["state"]["attempts"]
@@ -346,7 +358,7 @@ def test_with_reuse_a_lost_workers_process_that_will_not_stop_keeps_the_relaunch
         with frozen(stuck, f"substrax-test-{tmp_path.name}"):
             record = json.loads((run_folder / "status.json").read_text())
             kill_worker(record)
-            code = proc.wait(timeout=300)
+            code = wait_exit(proc, "the doit to end", 300)
             started = recorded_pids(flags)
         wait_for(lambda: not pid_alive(stuck), "the thawed process to end by the SIGKILL it was sent")
         said = popen_output(sky.root)

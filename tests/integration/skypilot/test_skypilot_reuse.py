@@ -25,6 +25,7 @@ from dodo_helpers import (
     stop,
     wait_for,
 )
+from progress import wait_exit
 from sky_beds import Sky
 from ssh_helpers import compute_in_view, needs_root, needs_sshd, popen_doit_in_view, write_ssh_dodo
 
@@ -183,7 +184,7 @@ def test_after_kill_9_of_doit_the_rerun_keeps_max_parallel_on_the_warm_clusters(
         wait_for(lambda: popen_output(sky.root).count("waits for a free slot") == 2
                  or stamps.read_text().count("start") > 2, "the rerun's slots", timeout=180)  # fmt: skip
         gate.touch()
-        assert again.wait(timeout=300) == 0, popen_output(sky.root)
+        assert wait_exit(again, "the doit to end", 300) == 0, popen_output(sky.root)
     finally:
         gate.touch()
         stop(first)

@@ -14,6 +14,7 @@ from typing import Any
 
 from dodo_helpers import doit, doit_ok, popen_doit, show, stop, wait_for
 from local_runs import marked_pids
+from progress import wait_exit
 from sky_beds import Sky, two_gpu_python
 from ssh_helpers import live_handles, needs_root, needs_sshd, write_ssh_dodo
 
@@ -190,7 +191,7 @@ def test_cancel_of_a_step_on_a_warm_cluster_stops_its_tree_only_and_the_next_ste
         (handle,) = [h for h in live_handles(sky.root) if not h["backend_state"].get("torn_down")]
         cancelled = sky.compute("cancel", handle["run_id"])
         assert cancelled.returncode == 0, cancelled.stderr
-        assert proc.wait(timeout=120) != 0
+        assert wait_exit(proc, "the doit to end", 120) != 0
     finally:
         stop(proc)
     assert marked_pids(marker) == [] and sky.clusters() == [cluster]
@@ -266,7 +267,7 @@ def test_two_one_gpu_steps_share_a_two_gpu_warm_cluster_and_a_cancel_stops_one_o
         done = sky.compute("cancel", cancelled["run_id"])
         assert done.returncode == 0, done.stderr
         (base / "gate-a").touch()
-        assert proc.wait(timeout=180) != 0  # fit:b was cancelled
+        assert wait_exit(proc, "the doit to end", 180) != 0  # fit:b was cancelled
     finally:
         stop(proc)
     assert sorted(p.read_text().strip() for p in seen) == ["0", "1"]  # a GPU each

@@ -41,6 +41,7 @@ from dodo_helpers import (
 )
 from local_runs import describe, kill_pid, marked_pids, stubborn_tree
 from lost_tree import kill_recorded, kill_worker, overlap, step_argv, wait_tree_up, write_command
+from progress import wait_exit
 from ssh_helpers import (
     CLIENT_MEMORY_BOUND,
     GATED_STEP,
@@ -208,7 +209,7 @@ def test_cancel_mid_run_leaves_no_remote_process(
         took = time.monotonic() - began
         assert done.returncode == 0 and "cancelled" in done.stdout, show(done)
         assert not marked_pids(marker), describe(marked_pids(marker))
-        assert proc.wait(timeout=60) == 1, popen_output(root)
+        assert wait_exit(proc, "the doit to end", 60) == 1, popen_output(root)
         assert "cancelled" in popen_output(root)
     finally:
         stop(proc)
@@ -340,7 +341,7 @@ def test_sshd_killed_during_the_fetch_then_the_rerun_fetches_without_rerunning(
         wait_for(copying, "rsync to start copying the output", 60)
         kill_sshd(host)
         try:
-            assert proc.wait(timeout=60) != 0, popen_output(root)
+            assert wait_exit(proc, "the doit to end", 60) != 0, popen_output(root)
         finally:
             restart_sshd(host)
     finally:
@@ -483,7 +484,7 @@ def test_status_logs_fetch_cancel_teardown_use_the_pinned_settings(
         cancelled = compute(root, "cancel", slow["run_id"])
         assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, show(cancelled)
         assert not marked_pids(marker), describe(marked_pids(marker))
-        assert proc.wait(timeout=60) == 1, popen_output(root)
+        assert wait_exit(proc, "the doit to end", 60) == 1, popen_output(root)
     finally:
         stop(proc)
     # keep_remote = true (pinned) keeps the remote folder through the chain's
@@ -627,7 +628,7 @@ def test_a_run_whose_log_a_host_swaps_for_a_device_fails_with_a_message_and_goes
         log = remote_run_dir(only_handle(root)) / "run.log"
         log.unlink()
         log.symlink_to("/dev/zero")
-        code = proc.wait(timeout=60)
+        code = wait_exit(proc, "the doit to end", 60)
     finally:
         stop(proc)
     said = popen_output(root)

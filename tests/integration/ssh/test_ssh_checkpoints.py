@@ -42,6 +42,7 @@ from dodo_helpers import (
     unsafe_modes,
     wait_for,
 )
+from progress import wait_exit
 from ssh_helpers import (
     every_session_held,
     live_handles,
@@ -210,7 +211,7 @@ def test_a_snapshot_pulled_while_the_command_writes_is_never_half_a_file(
                 for name, data in files.items():
                     assert len(data) == 4 << 20 and data == data[:1] * len(data), name
                     assert hashlib.sha256(data).hexdigest() == listed[name]
-        code = proc.wait(timeout=300)
+        code = wait_exit(proc, "the doit to end", 300)
     finally:
         stop(proc)
     assert code == 0, popen_output(root)
@@ -330,7 +331,7 @@ def test_a_snapshot_that_fills_the_disk_keeps_the_last_one_and_the_run_goes_on(
             (run_dir / "work" / "checkpoints" / "go").write_text("")
             wait_for(lambda: "no space left" in said.read_text(), "a pull to find the disk full")
             (run_dir / "work" / "checkpoints" / "end").write_text("")
-            code = proc.wait(timeout=120)
+            code = wait_exit(proc, "the doit to end", 120)
         finally:
             stop(proc)
         text = said.read_text()

@@ -33,6 +33,7 @@ from dodo_helpers import (
     stop,
     wait_for,
 )
+from progress import wait_exit
 from ssh_helpers import launched_status, make_ssh_project, needs_root, needs_sshd
 from testbeds.sshd_host import SshHost
 
@@ -94,8 +95,8 @@ def test_an_input_edited_before_its_upload_is_not_cached_and_runs_again(
             status = launched_status(first, "hold")
             assert status is not None
             Path(status["outputs_root"], "out", "go").touch()
-            assert work.wait(timeout=120) == 0, (tmp_path / "work.out").read_text()
-            assert hold.wait(timeout=120) == 0, popen_output(first)
+            assert wait_exit(work, "doit work to end", 120) == 0, (tmp_path / "work.out").read_text()
+            assert wait_exit(hold, "doit hold to end", 120) == 0, popen_output(first)
         finally:
             stop(work)
     finally:

@@ -16,6 +16,7 @@ from checkpoint_parts import count_step, result_of
 from dodo_helpers import compute, compute_status, kill_pids, popen_doit, popen_output, show, stop, wait_for
 from local_runs import kill_pid, marked_pids
 from preemption_parts import PAUSE, counting_project, doit_through_a_restart, sshd_sessions
+from progress import wait_exit
 from ssh_helpers import make_ssh_project, needs_root, needs_sshd, one_step, only_handle
 from testbeds.sshd_host import SshHost, kill_sshd, reboot
 
@@ -107,7 +108,7 @@ def test_a_lost_run_whose_cap_is_spent_is_not_relaunched(tmp_path: Path, host: S
         asked = only_handle(root)["state"]["machine"]["asked_at"]
         wait_for(lambda: time.time() > asked + 41.0, "the cap's forty seconds to pass", 90)
         reboot(host)
-        code = proc.wait(timeout=300)
+        code = wait_exit(proc, "the doit to end", 300)
     finally:
         stop(proc)
         for pid in marked_pids(marker):  # only if a failure above left it

@@ -39,6 +39,7 @@ from preemption_parts import (
     doit_through_a_restart,
     sshd_sessions,
 )
+from progress import wait_exit
 from ssh_helpers import (
     live_handles,
     make_ssh_project,
@@ -65,7 +66,7 @@ def test_a_host_restarted_mid_run_relaunches_it_from_the_last_snapshot(tmp_path:
         wait_for(lambda: "starts from the checkpoints" in popen_output(root), "attempt 2 to start", 120)
         # The new attempt's folder is the run's, not a leak `gc --machines` would remove
         machines = compute(root, "status", "--machines")
-        code = proc.wait(timeout=300)
+        code = wait_exit(proc, "the doit to end", 300)
     finally:
         stop(proc)
     said = popen_output(root)
@@ -126,7 +127,7 @@ def test_a_host_that_stops_answering_for_a_while_is_waited_for_not_relaunched(
             assert '"running"' in status.read_text()
         finally:
             restart_sshd(host)
-        code = proc.wait(timeout=300)
+        code = wait_exit(proc, "the doit to end", 300)
     finally:
         stop(proc)
     said = popen_output(root)
@@ -152,7 +153,7 @@ def test_a_step_without_checkpoints_is_relaunched_from_nothing(tmp_path: Path, h
     try:
         wait_for(lambda: "begun" in popen_output(root), "the command to start", 120)
         reboot(host)
-        code = proc.wait(timeout=300)
+        code = wait_exit(proc, "the doit to end", 300)
     finally:
         stop(proc)
     said = popen_output(root)
@@ -198,7 +199,7 @@ def test_without_a_sandbox_a_killed_workers_tree_on_the_host_is_stopped_before_t
         record = remote_status(only_handle(root))
         assert record is not None
         kill_worker(record)
-        code = proc.wait(timeout=180)
+        code = wait_exit(proc, "the doit to end", 180)
         overlap_seen = overlap(flags)
     finally:
         stop(proc)
@@ -237,7 +238,7 @@ def test_a_host_cut_off_the_network_for_a_while_is_followed_on_never_relaunched(
             wait_for(lambda: counts(log.read_text())[-1] >= at + 3, "three counts made while cut off", 60)
         finally:
             subprocess.run([*link, "up"], check=True, timeout=30)
-        code = proc.wait(timeout=300)
+        code = wait_exit(proc, "the doit to end", 300)
     finally:
         stop(proc)
     said = popen_output(root)
@@ -272,7 +273,7 @@ def test_a_lost_attempts_process_that_will_not_stop_keeps_the_relaunch_from_star
             record = remote_status(only_handle(root))
             assert record is not None
             kill_worker(record)
-            code = proc.wait(timeout=180)
+            code = wait_exit(proc, "the doit to end", 180)
             started = recorded_pids(flags)
             seen = overlap(flags)
         wait_for(lambda: not pid_alive(stuck), "the thawed process to end by the SIGKILL it was sent")

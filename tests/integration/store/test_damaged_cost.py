@@ -35,6 +35,7 @@ from dodo_helpers import (
     write_pyproject,
 )
 from filelock import FileLock
+from progress import wait_exit
 
 PRICED = "hourly_cost = 3.6\nmax_cost = 5.0\n"
 THREE_STEPS = "".join(f"""
@@ -125,7 +126,7 @@ def test_a_damaged_cost_record_of_a_running_step_never_lets_it_spend_past_its_ca
         damage_machine(root, run["run_id"], lambda m: {**m, "hourly_cost": "3.6"})
         worker = (running() or {})["worker_pid"]
         os.kill(worker, signal.SIGKILL)  # its machine is lost, as a preempted one
-        code = proc.wait(timeout=120)
+        code = wait_exit(proc, "the doit to end", 120)
     finally:
         stop(proc)
     said = popen_output(root)

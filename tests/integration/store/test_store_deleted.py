@@ -22,6 +22,7 @@ from dodo_helpers import (
     wait_for,
 )
 from local_runs import describe, marked_pids
+from progress import wait_exit
 from ssh_helpers import GATED_STEP, make_ssh_project, needs_root, needs_sshd, only_handle, remote_run_dir
 from testbeds.sshd_host import SshHost
 
@@ -51,7 +52,7 @@ def test_deleting_the_store_mid_run_ends_doit_with_the_run_lost(tmp_path: Path, 
             return not store.exists()
 
         wait_for(removed, "the store to go")
-        code = client.wait(timeout=60)  # before the fix: no end (the run read as pending)
+        code = wait_exit(client, "the doit to end", 60)  # before the fix: no end (the run read as pending)
     finally:
         stop(client)
     said = popen_output(root)
@@ -80,7 +81,7 @@ def test_deleting_the_store_mid_run_over_ssh_leaves_no_run_folder_on_the_host(
         wait_for(lambda: marked_pids(marker) and started(root), "the run to be followed")
         run_dir = remote_run_dir(only_handle(root))
         shutil.rmtree(root / ".substrax")
-        code = client.wait(timeout=60)
+        code = wait_exit(client, "the doit to end", 60)
     finally:
         stop(client)
     said = popen_output(root)
