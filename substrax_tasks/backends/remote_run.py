@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, Protocol, cast
 
+from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks._remote import runfiles
 from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends.base import MAX_LOG_BYTES, Backend, Fetched, RunStatus, log_cut_note
@@ -48,8 +49,24 @@ from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.transports.base import DiskFullHere, Transport, checked_manifest
-from substrax_tasks.transports.openssh import MAX_ANSWER_BYTES, AnswerTooBig, RemoteResult
+from substrax_tasks.transports.openssh import MAX_ANSWER_BYTES, AnswerOverdue, AnswerTooBig, RemoteResult
 
+# How long a host may take to answer a helper (docs/ssh.md "On the host").
+# A short answer (a check, a status, a cancel, a small read) is whole
+# within SHORT_ANSWER_SECONDS: each takes well under a second, and two
+# minutes leave room for a host at a load of tens, or a connection
+# opened anew. A long one (hashing an output or a checkpoints tree, a
+# push or a restore, an environment's build) has no size-bound length:
+# its helper writes a progress line (PROGRESS_LINE) at least every
+# manifest.PROGRESS_SECONDS while it works, and gives up only once
+# QUIET_ANSWER_SECONDS go by with nothing from it (tens of lines
+# missed). Its progress counts towards the answer's byte cap, so a host
+# that sends progress without end is still bounded. The environment
+# variable shrinks both, for tests only (no one waits minutes for a hang).
+_TEST_ANSWER_SECONDS = os.environ.get("SUBSTRAX_TEST_ANSWER_SECONDS")
+SHORT_ANSWER_SECONDS = float(_TEST_ANSWER_SECONDS or 120)
+QUIET_ANSWER_SECONDS = float(_TEST_ANSWER_SECONDS or 120)
+PROGRESS_LINE = remote_manifest.PROGRESS_LINE
 MANIFEST_FILE = "manifest.json"  # in the run's folder, written by the worker as the command ended
 LOG_CHUNK = 1 << 20
 # The most a script's one-line JSON answer (a status, the environment's
@@ -137,7 +154,7 @@ class Remote(Protocol):
 
     def run(
         self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120,
-        limit: int = MAX_ANSWER_BYTES,
+        limit: int = MAX_ANSWER_BYTES, moving: bool = False,
     ) -> RemoteResult: ...
 
     def stream(self, argv: list[str], out: Callable[[bytes], None], tick: Callable[[], None]) -> RemoteResult:
@@ -220,6 +237,25 @@ def damaged_scripts(result: RemoteResult) -> list[str] | None:
     return None
 
 
+def helper_named(name: str, args: tuple[str, ...]) -> str:
+    """How a helper call is named in messages: the script without .py and
+    its operation if it takes one (`checkpoints list`, `control status`,
+    `manifest`), never the start of the python -c that checks it."""
+    script = name.removesuffix(".py")
+    if args and args[0].isidentifier():
+        return f"{script} {args[0]}"
+    return script
+
+
+def without_progress(result: RemoteResult) -> RemoteResult:
+    """`result` with the progress lines a long helper wrote taken out of its
+    stderr: they said it was working, and are no part of what it said."""
+    if PROGRESS_LINE not in result.stderr:
+        return result
+    kept = b"".join(line for line in result.stderr.splitlines(keepends=True) if line != PROGRESS_LINE)
+    return RemoteResult(result.returncode, result.stdout, kept)
+
+
 def forwarded_env(handle: RunHandle) -> dict[str, str]:
     """The secrets named by the step, read from this process now: sent on
     stdin, never written to a file here or there."""
@@ -253,24 +289,44 @@ class RemoteRun:
         return checked_script(self.python, self.bin_dir, name, *args)
 
     def run_script(
-        self, name: str, *args: str, what: str, stdin: bytes | None = None, timeout: float | None = 120,
+        self, name: str, *args: str, what: str, stdin: bytes | None = None, long: bool = False,
         limit: int = MAX_STATUS_BYTES, home: str | None = None,
     ) -> RemoteResult:
         """One of the scripts there, checked first (CHECKED_RUN), its answer
-        held to `limit` bytes: a damaged host or an answer too big is refused
-        with this run named (HostRefused, never retried). `home`: run it in
-        that folder with it as $HOME (where ssh lands may be another home:
-        a SkyPilot job's on Slurm is not the login's)."""
+        held to `limit` bytes and in time (SHORT_ANSWER_SECONDS; `long`:
+        QUIET_ANSWER_SECONDS after its last progress line, which are taken
+        out of its stderr): a damaged host, an answer too big or too late
+        is refused with the helper, the host and this run named. `home`:
+        run it in that folder with it as $HOME (where ssh lands may be
+        another home: a SkyPilot job's on Slurm is not the login's)."""
         argv = self.script(name, *args)
         if home is not None:
             argv = ["sh", "-c", 'cd -- "$1" && shift && HOME="$PWD" && export HOME && exec "$@"', "sh", home,
                     *argv]  # fmt: skip
+        result = self.ask(argv, helper_named(name, args), what, stdin=stdin, limit=limit, long=long)
+        self.refuse_damaged(result)
+        if long:
+            result = without_progress(result)
+        return result
+
+    def ask(
+        self, argv: list[str], helper: str, what: str, *, stdin: bytes | None = None,
+        limit: int = MAX_STATUS_BYTES, long: bool = False,
+    ) -> RemoteResult:
+        """argv's answer from the host, bounded in bytes and time; either
+        bound missed is said naming `helper` (what runs there), the host
+        and this run."""
+        seconds = QUIET_ANSWER_SECONDS if long else SHORT_ANSWER_SECONDS
         try:
-            result = self.remote.run(argv, stdin=stdin, timeout=timeout, limit=limit)
+            return self.remote.run(argv, stdin=stdin, timeout=seconds, limit=limit, moving=long)
         except AnswerTooBig as exc:
             raise HostRefused(f"{what} for run {self.run_id}: {exc}") from None
-        self.refuse_damaged(result)
-        return result
+        except AnswerOverdue:
+            quiet = f"sent nothing for {seconds:g} s" if long else f"gave no answer within {seconds:g} s"
+            raise BackendError(
+                f"{what} for run {self.run_id}: `{helper}` on {self.remote.host} {quiet}; given up on "
+                "(the host is overloaded, stalled or hostile: see that its python3 runs, then run doit again)"
+            ) from None
 
     def refuse_damaged(self, result: RemoteResult) -> None:
         changed = damaged_scripts(result)
@@ -327,11 +383,7 @@ class RemoteRun:
         even with the scripts gone too (the host restarted with an empty
         scratch disk, or its whole remote root was removed)."""
         what = "reading the run's status"
-        try:
-            argv = self.script("control.py", "status", self.run_dir)
-            result = self.remote.run(argv, limit=MAX_STATUS_BYTES)
-        except AnswerTooBig as exc:
-            raise HostRefused(f"{what} for run {self.run_id}: {exc}") from None
+        result = self.ask(self.script("control.py", "status", self.run_dir), "control status", what)
         if result.returncode != 0:
             # Asked only now: a lost folder is rare, a status read is not.
             # Before the scripts' check: gone with the folder, they are no damage.
@@ -407,7 +459,7 @@ class RemoteRun:
         if kept.returncode != 3:
             raise kept.failure(f"reading {path}", self.remote.host)
         taken = self.run_script("manifest.py", "--", outputs_root, *outputs,
-                                what="taking the outputs' manifest", timeout=None, limit=MAX_ANSWER_BYTES)
+                                what="taking the outputs' manifest", long=True, limit=MAX_ANSWER_BYTES)
         said = taken.stderr.decode(errors="replace").strip()
         if taken.returncode == 1 and said.startswith("manifest.py:"):
             from substrax_tasks.uptodate.manifests import ManifestError
@@ -560,7 +612,7 @@ class CheckpointPuller(Checkpointing):
         began, self.copied = time.monotonic(), 0
         what = "listing the checkpoints"
         result = self.run.run_script("checkpoints.py", "list", root, str(self.bound.max_bytes), what=what,
-                                     timeout=None, limit=MAX_ANSWER_BYTES)  # fmt: skip
+                                     long=True, limit=MAX_ANSWER_BYTES)  # fmt: skip
         if result.returncode != 0:
             raise result.failure(what, self.run.remote.host)
         answer = self.run.answer(result, what)
@@ -595,7 +647,7 @@ class BucketCheckpointPusher(Checkpointing):
         lock = f"{self.run.run_dir}/checkpoints.lock"
         limit = str(self.bound.max_bytes)
         result = self.run.run_script("checkpoints.py", "push", root, self.dest, lock, limit, what=what,
-                                     timeout=None)  # fmt: skip
+                                     long=True)  # fmt: skip
         if result.returncode != 0:
             raise result.failure(what, self.run.remote.host)
         answer = self.run.answer(result, what)
@@ -611,7 +663,7 @@ def restore_from_bucket(run: RemoteRun, dest: str, kept: str, step: str) -> None
     """The latest snapshot in the bucket (mounted at `dest` there) put in
     place before the command starts, each file checked against its manifest."""
     what = "putting the checkpoints in place from the bucket"
-    result = run.run_script("checkpoints.py", "restore", dest, kept, what=what, timeout=None)
+    result = run.run_script("checkpoints.py", "restore", dest, kept, what=what, long=True)
     if result.returncode != 0:
         said = result.stderr.decode(errors="replace").strip().splitlines()
         raise BackendError(

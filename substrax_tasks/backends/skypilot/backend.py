@@ -540,7 +540,7 @@ class SkypilotBackend(Backend):
             transport.upload(project, sources, there)
         envs = f"{self.there(handle).root}/envs"
         result = run.run_script("env.py", there, envs, self.settings.python, *self.settings.pip_args,
-                                what="building the environment", timeout=None)  # fmt: skip
+                                what="building the environment", long=True)  # fmt: skip
         if result.returncode != 0:
             raise result.failure("building the environment", self.cluster(handle))
         env_dir = env_dir_of(handle.step, run.answer(result, "building the environment"))
