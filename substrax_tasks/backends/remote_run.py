@@ -290,7 +290,7 @@ class RemoteRun:
 
     def run_script(
         self, name: str, *args: str, what: str, stdin: bytes | None = None, long: bool = False,
-        limit: int = MAX_STATUS_BYTES, home: str | None = None,
+        limit: int = MAX_STATUS_BYTES, home: str | None = None, waits: float = 0.0,
     ) -> RemoteResult:
         """One of the scripts there, checked first (CHECKED_RUN), its answer
         held to `limit` bytes and in time (SHORT_ANSWER_SECONDS; `long`:
@@ -298,12 +298,15 @@ class RemoteRun:
         out of its stderr): a damaged host, an answer too big or too late
         is refused with the helper, the host and this run named. `home`:
         run it in that folder with it as $HOME (where ssh lands may be
-        another home: a SkyPilot job's on Slurm is not the login's)."""
+        another home: a SkyPilot job's on Slurm is not the login's).
+        `waits`: seconds the helper is asked to wait there (a cancel's
+        grace), on top of the deadline."""
         argv = self.script(name, *args)
         if home is not None:
             argv = ["sh", "-c", 'cd -- "$1" && shift && HOME="$PWD" && export HOME && exec "$@"', "sh", home,
                     *argv]  # fmt: skip
-        result = self.ask(argv, helper_named(name, args), what, stdin=stdin, limit=limit, long=long)
+        result = self.ask(argv, helper_named(name, args), what, stdin=stdin, limit=limit, long=long,
+                          waits=waits)  # fmt: skip
         self.refuse_damaged(result)
         if long:
             result = without_progress(result)
@@ -311,12 +314,12 @@ class RemoteRun:
 
     def ask(
         self, argv: list[str], helper: str, what: str, *, stdin: bytes | None = None,
-        limit: int = MAX_STATUS_BYTES, long: bool = False,
+        limit: int = MAX_STATUS_BYTES, long: bool = False, waits: float = 0.0,
     ) -> RemoteResult:
         """argv's answer from the host, bounded in bytes and time; either
         bound missed is said naming `helper` (what runs there), the host
         and this run."""
-        seconds = QUIET_ANSWER_SECONDS if long else SHORT_ANSWER_SECONDS
+        seconds = (QUIET_ANSWER_SECONDS if long else SHORT_ANSWER_SECONDS) + waits
         try:
             return self.remote.run(argv, stdin=stdin, timeout=seconds, limit=limit, moving=long)
         except AnswerTooBig as exc:
@@ -357,16 +360,18 @@ class RemoteRun:
             raise result.failure(what, self.remote.host)
         return result
 
-    def checked_script(self, name: str, *args: str, what: str, stdin: bytes | None = None) -> RemoteResult:
+    def checked_script(
+        self, name: str, *args: str, what: str, stdin: bytes | None = None, waits: float = 0.0
+    ) -> RemoteResult:
         """run_script, failing unless it exits 0."""
-        result = self.run_script(name, *args, what=what, stdin=stdin)
+        result = self.run_script(name, *args, what=what, stdin=stdin, waits=waits)
         if result.returncode != 0:
             raise result.failure(what, self.remote.host)
         return result
 
-    def control(self, operation: str, *args: str, what: str) -> dict[str, Any]:
+    def control(self, operation: str, *args: str, what: str, waits: float = 0.0) -> dict[str, Any]:
         """remote/control.py's answer (one JSON line) for this run."""
-        result = self.checked_script("control.py", operation, self.run_dir, *args, what=what)
+        result = self.checked_script("control.py", operation, self.run_dir, *args, what=what, waits=waits)
         return self.answer(result, what)
 
     def answer(self, result: RemoteResult, what: str) -> dict[str, Any]:
@@ -846,7 +851,10 @@ def cancel_worker(backend: Backend, handle: RunHandle, run: RemoteRun, status: R
     if status.state == "lost" and not run.status().get("exists"):
         return False  # its folder is gone (torn down, or the lifetime ran out): nothing left
     # lost: its worker was killed, but the task's tree may still run
-    answer = run.control("cancel", "--wait", str(grace_seconds + 10), what="cancelling the run")
+    # It waits there up to its grace and 10 s for the tree to stop: a
+    # long grace must not be cut by the deadline of a short answer.
+    answer = run.control("cancel", "--wait", str(grace_seconds + 10), what="cancelling the run",
+                         waits=grace_seconds + 10)  # fmt: skip
     if answer.get("reason") == "not started":
         return True
     if answer.get("reason") == "finished":  # it ended meanwhile: left alone

@@ -84,7 +84,8 @@ def ended_within(proc: subprocess.Popen[str], seconds: float) -> int:
 
 
 def test_without_the_knob_the_deadlines_are_the_two_minutes_the_docs_name() -> None:
-    from substrax_tasks.backends import remote_run  # noqa: PLC0415 - run on the code before the fix too
+    # Imported here: the tests below run on the code before the fix too.
+    from substrax_tasks.backends import remote_run
 
     assert "SUBSTRAX_TEST_ANSWER_SECONDS" not in os.environ
     assert remote_run.SHORT_ANSWER_SECONDS == remote_run.QUIET_ANSWER_SECONDS == 120
