@@ -194,7 +194,7 @@ def _built(argv: List[str], project: str) -> "tuple[int, bytes]":
                           stderr=subprocess.STDOUT) as proc:  # fmt: skip
         while True:
             try:
-                out, _ = proc.communicate(timeout=manifest.PROGRESS_SECONDS)
+                out, _ = proc.communicate(timeout=manifest.PROGRESS.every or None)
             except subprocess.TimeoutExpired:
                 manifest.PROGRESS.tick()
                 continue

@@ -98,13 +98,15 @@ class ManifestError(Exception):
 
 # A helper that works long (hashing a big tree, copying a snapshot,
 # building an environment) writes PROGRESS_LINE on stderr at least every
-# PROGRESS_SECONDS while it works: the client gives up on its answer only
+# $SUBSTRAX_PROGRESS_SECONDS while it works, when the client that runs it
+# asks so (it sets that variable): the client gives up on its answer only
 # after a quiet spell (QUIET_ANSWER_SECONDS in substrax_tasks/backends/
-# remote_run.py, 60 times this), never after a fixed time that a big
-# legitimate tree would pass. Off unless a helper's main turns it on: the
-# worker and the client hash with this module too, and say nothing.
+# remote_run.py), never after a fixed time that a big legitimate tree
+# would pass. Nothing is written otherwise: the worker and the client hash
+# with this module too, and a SkyPilot job's setup builds its environment
+# into the job's log.
 PROGRESS_LINE = b"substrax-progress\n"
-PROGRESS_SECONDS = 2.0
+PROGRESS_VARIABLE = "SUBSTRAX_PROGRESS_SECONDS"
 # For tests only: seconds each file's hash is made to take (a slow disk),
 # spent in steps that report progress.
 _TEST_HASH_PAUSE = float(os.environ.get("SUBSTRAX_TEST_HASH_PAUSE") or 0)
@@ -114,16 +116,20 @@ class Progress:
     """The progress lines of a long helper (PROGRESS_LINE)."""
 
     def __init__(self) -> None:
-        self.on = False
+        self.every = 0.0  # seconds between lines; 0: none asked for
         self.last = 0.0
 
     def start(self) -> None:
-        self.on = True
+        """Lines from now on, if the client asked for them."""
+        try:
+            self.every = max(float(os.environ.get(PROGRESS_VARIABLE) or 0), 0.0)
+        except ValueError:
+            self.every = 0.0
         self.last = time.monotonic()
 
     def tick(self) -> None:
-        """Called often while working: a line once PROGRESS_SECONDS went by."""
-        if self.on and time.monotonic() - self.last >= PROGRESS_SECONDS:
+        """Called often while working: a line once `every` seconds went by."""
+        if self.every and time.monotonic() - self.last >= self.every:
             self.last = time.monotonic()
             sys.stderr.buffer.write(PROGRESS_LINE)
             sys.stderr.flush()

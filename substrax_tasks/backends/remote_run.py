@@ -58,15 +58,17 @@ from substrax_tasks.transports.openssh import MAX_ANSWER_BYTES, AnswerOverdue, A
 # opened anew. A long one (hashing an output or a checkpoints tree, a
 # push or a restore, an environment's build) has no size-bound length:
 # its helper writes a progress line (PROGRESS_LINE) at least every
-# manifest.PROGRESS_SECONDS while it works, and gives up only once
-# QUIET_ANSWER_SECONDS go by with nothing from it (tens of lines
-# missed). Its progress counts towards the answer's byte cap, so a host
-# that sends progress without end is still bounded. The environment
+# PROGRESS_SECONDS while it works (asked for through the variable
+# remote_manifest.PROGRESS_VARIABLE), and the client gives up only once
+# QUIET_ANSWER_SECONDS go by with nothing from it (60 lines missed).
+# Its progress counts towards the answer's byte cap, so a host that
+# sends progress without end is still bounded. The environment
 # variable shrinks both, for tests only (no one waits minutes for a hang).
 _TEST_ANSWER_SECONDS = os.environ.get("SUBSTRAX_TEST_ANSWER_SECONDS")
 SHORT_ANSWER_SECONDS = float(_TEST_ANSWER_SECONDS or 120)
 QUIET_ANSWER_SECONDS = float(_TEST_ANSWER_SECONDS or 120)
 PROGRESS_LINE = remote_manifest.PROGRESS_LINE
+PROGRESS_SECONDS = 2.0
 MANIFEST_FILE = "manifest.json"  # in the run's folder, written by the worker as the command ended
 LOG_CHUNK = 1 << 20
 # The most a script's one-line JSON answer (a status, the environment's
@@ -302,6 +304,8 @@ class RemoteRun:
         `waits`: seconds the helper is asked to wait there (a cancel's
         grace), on top of the deadline."""
         argv = self.script(name, *args)
+        if long:  # its progress lines asked for (env: POSIX, and argv stays a list)
+            argv = ["env", f"{remote_manifest.PROGRESS_VARIABLE}={PROGRESS_SECONDS:g}", *argv]
         if home is not None:
             argv = ["sh", "-c", 'cd -- "$1" && shift && HOME="$PWD" && export HOME && exec "$@"', "sh", home,
                     *argv]  # fmt: skip
