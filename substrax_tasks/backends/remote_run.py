@@ -156,7 +156,7 @@ class Remote(Protocol):
 
     def run(
         self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120,
-        limit: int = MAX_ANSWER_BYTES, moving: bool = False,
+        limit: int = MAX_ANSWER_BYTES, moving: bool = False, longest: float | None = None,
     ) -> RemoteResult: ...
 
     def stream(self, argv: list[str], out: Callable[[bytes], None], tick: Callable[[], None]) -> RemoteResult:
@@ -282,6 +282,10 @@ class RemoteRun:
     python: str
     bin_dir: str
     run_dir: str
+    # When (time.time()) the run's lifetime timer removes its folder there,
+    # if known: a long answer that goes on sending progress is not waited
+    # on past it (and a quiet spell).
+    lifetime_end: float | None = None
 
     @property
     def run_id(self) -> str:
@@ -324,12 +328,21 @@ class RemoteRun:
         bound missed is said naming `helper` (what runs there), the host
         and this run."""
         seconds = (QUIET_ANSWER_SECONDS if long else SHORT_ANSWER_SECONDS) + waits
+        longest = None
+        if long and self.lifetime_end is not None:
+            longest = max(self.lifetime_end - time.time(), 0.0) + QUIET_ANSWER_SECONDS
         try:
-            return self.remote.run(argv, stdin=stdin, timeout=seconds, limit=limit, moving=long)
+            return self.remote.run(argv, stdin=stdin, timeout=seconds, limit=limit, moving=long,
+                                   longest=longest)  # fmt: skip
         except AnswerTooBig as exc:
             raise HostRefused(f"{what} for run {self.run_id}: {exc}") from None
-        except AnswerOverdue:
-            quiet = f"sent nothing for {seconds:g} s" if long else f"gave no answer within {seconds:g} s"
+        except AnswerOverdue as exc:
+            if exc.moving:
+                quiet = f"sent nothing for {seconds:g} s"
+            elif exc.seconds == longest:
+                quiet = f"gave no answer within {exc.seconds:.0f} s, past the run's lifetime"
+            else:
+                quiet = f"gave no answer within {seconds:g} s"
             raise BackendError(
                 f"{what} for run {self.run_id}: `{helper}` on {self.remote.host} {quiet}; given up on "
                 "(the host is overloaded, stalled or hostile: see that its python3 runs, then run doit again)"
@@ -793,6 +806,11 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
     # blip must not fail a run that goes on there; a host that stays out of
     # reach fails the polling's reads) or, not expected, it ended early.
     return Backend.stream_log(backend, handle, out, follow=not status.final, offset=offset)
+
+
+def lifetime_end(left: float | None) -> float | None:
+    """When (time.time()) a run with `left` seconds of lifetime has none."""
+    return None if left is None else time.time() + left
 
 
 def lifetime_left(state: RemoteState, now: float | None = None) -> float | None:

@@ -252,7 +252,8 @@ class SkypilotBackend(Backend):
         """The run's folder on the cluster, over the ssh config SkyPilot wrote."""
         target = self.reachable(handle)
         layout = self.there(handle)
-        return RemoteRun(target, self.settings.python, layout.bin, layout.run)
+        ends = _remote_run.lifetime_end(self.lifetime_left(handle))
+        return RemoteRun(target, self.settings.python, layout.bin, layout.run, ends)
 
     def lease(self, handle: RunHandle, operation: str, *args: str) -> dict[str, Any]:
         """remote/lease.py's answer on the run's cluster."""

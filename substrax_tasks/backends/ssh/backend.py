@@ -130,7 +130,7 @@ class SshBackend(Backend):
     def remote_run(self, handle: RunHandle) -> RemoteRun:
         return RemoteRun(
             self.conn, self.settings.python, self._state(handle, "remote_bin"),
-            self._state(handle, "remote_run_dir"),
+            self._state(handle, "remote_run_dir"), _remote_run.lifetime_end(self.lifetime_left(handle)),
         )  # fmt: skip
 
     def slot_pool(self, handle: RunHandle) -> Pool | None:

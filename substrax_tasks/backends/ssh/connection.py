@@ -134,11 +134,12 @@ class SshConnection:
 
     def run(
         self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120,
-        limit: int = MAX_ANSWER_BYTES, moving: bool = False,
+        limit: int = MAX_ANSWER_BYTES, moving: bool = False, longest: float | None = None,
     ) -> RemoteResult:
         """Run argv on the host (quoted for its shell) and wait for it; each
         of its stdout and stderr held to `limit` bytes, the whole within
-        `timeout` seconds (`moving`: of the last bytes it sent). One that
+        `timeout` seconds (`moving`: of the last bytes it sent, and
+        `longest` seconds in all). One that
         misses it is AnswerOverdue, its channel closed and the connection
         kept: the other threads' commands on it go on."""
         command = shlex.join(argv)
@@ -162,7 +163,11 @@ class SshConnection:
             out, err = bytearray(), bytearray()
             deadline = None if timeout is None else time.monotonic() + timeout
             seen = (0, 0)  # bytes read when the deadline was last set
+            ceiling = None if longest is None else time.monotonic() + longest
             while True:
+                if ceiling is not None and time.monotonic() > ceiling:
+                    channel.close()  # as below: this channel only
+                    raise AnswerOverdue(self.host, longest, False)
                 if len(out) > limit or len(err) > limit:
                     channel.close()
                     raise answer_too_big(self.host, limit)

@@ -44,3 +44,17 @@ def test_a_moving_deadline_gives_up_on_silence() -> None:
     with pytest.raises(AnswerOverdue, match="host sent nothing more within 1 s"):
         answer("echo started >&2; exec sleep 60", 1.0, moving=True)
     assert time.monotonic() - began < 30  # not the command's 60 s
+
+
+def test_progress_without_end_is_bounded_by_the_longest_an_answer_may_take() -> None:
+    # What a run's lifetime sets for a long answer (RemoteRun.lifetime_end).
+    began = time.monotonic()
+    endless = "while :; do echo working >&2; sleep 0.2; done"
+    with subprocess.Popen(["sh", "-c", endless], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as proc:  # fmt: skip
+        try:
+            with pytest.raises(AnswerOverdue, match="host sent no whole answer within 2 s"):
+                _bounded_answer(proc, b"", DEADLINE, "host", 1 << 20, True, 2.0)
+        finally:
+            proc.kill()
+    assert time.monotonic() - began < DEADLINE + 20

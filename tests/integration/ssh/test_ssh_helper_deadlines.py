@@ -182,3 +182,35 @@ def test_a_long_listing_that_reports_progress_is_not_cut(tmp_path: Path, host: S
     assert code == 0, said
     assert "sent nothing for" not in said, said
     assert result_of(root, "count") == (6, [1, 2, 3, 4, 5, 6])
+
+
+LIFETIME_MINUTES = 0.75  # 45 s: the run ends well within it, a listing never does
+
+
+@pytest.mark.timeout(ENDS_WITHIN + 180)
+def test_a_listing_that_reports_progress_without_end_is_given_up_on_past_the_runs_lifetime(
+    tmp_path: Path, host: SshHost
+) -> None:
+    # A host whose listing never ends but says it works: bounded by the
+    # run's lifetime (its timer removes the run's folder there) and a quiet
+    # spell, not followed for as long as the host likes.
+    python = host_python(host, host.scratch / f"py-{tmp_path.name}", "checkpoints.py list",
+                         SLOW.format(seconds=3600))  # fmt: skip
+    step = count_step("count", 4, 0.5)
+    root = make_ssh_project(tmp_path, host, "def task_all():\n" + step, ["all"],
+                            files={"count.py": COUNT_PY, "data.txt": "one\n"}, python=python,
+                            checkpoint_seconds=1.0, lifetime_minutes=LIFETIME_MINUTES,
+                            remote_root=str(host.scratch / f"root-{tmp_path.name}"))  # fmt: skip
+    began = time.monotonic()
+    proc = popen_doit(root, "count", env=KNOB)
+    try:
+        code = ended_within(proc, LIFETIME_MINUTES * 60 + ANSWER_SECONDS + ENDS_WITHIN)
+    finally:
+        stop(proc)
+    said = popen_output(root)
+    # The follow held up past the lifetime, whose timer removed the run's
+    # folder: the run is lost, said as any run that outlived its lifetime.
+    assert code == 1 and "lost: its remote folder is gone" in said, said
+    given_up = f"`checkpoints list` on {host.address} gave no answer within "
+    assert given_up in said and "s, past the run's lifetime" in said, said
+    assert time.monotonic() - began < LIFETIME_MINUTES * 60 + ANSWER_SECONDS + ENDS_WITHIN
