@@ -141,7 +141,7 @@ def _copy_tree(source: str, dest: str) -> None:
     temp = os.path.join(parent, ".%s.copy-%d" % (os.path.basename(dest.rstrip("/")), os.getpid()))
     shutil.rmtree(temp, ignore_errors=True)
     if os.path.isdir(source):
-        shutil.copytree(source, temp, symlinks=True)
+        shutil.copytree(source, temp, symlinks=True, copy_function=_copy_said)
     else:
         os.makedirs(temp)
     old = temp + ".old"
@@ -168,6 +168,12 @@ def keep_from_place(place: str, kept: str) -> None:
 LATEST_FILE = "latest.json"  # in DEST: {"snapshot": NAME}, replaced last
 
 
+def _copy_said(source: str, dest: str) -> object:
+    """shutil.copy2, with a progress line when one is due (a file at a time)."""
+    manifest.PROGRESS.tick()
+    return shutil.copy2(source, dest)
+
+
 def _copy_hashed(source: str, dest: str, buf: memoryview) -> str:
     """Copy `source` to `dest` (a temporary name, renamed once whole); the
     sha256 of what was copied."""
@@ -178,6 +184,7 @@ def _copy_hashed(source: str, dest: str, buf: memoryview) -> str:
         for n in iter(lambda: src.readinto(buf), 0):
             digest.update(buf[:n])
             out.write(buf[:n])
+            manifest.PROGRESS.tick()
     os.replace(temp, dest)
     return digest.hexdigest()
 
@@ -271,6 +278,7 @@ USAGE = (
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    manifest.PROGRESS.start()  # each operation may hash or copy a big tree
     if len(args) in (2, 3) and args[0] == "list":
         root = args[1]
         over = over_bound(root, int(args[2]) if len(args) == 3 else None)

@@ -34,6 +34,13 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+PACKAGED = bool(__package__)
+if PACKAGED:
+    from . import manifest
+else:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import manifest
+
 LOCK_FILES = ("uv.lock", "requirements.lock", "requirements.txt")  # the first found is used
 READY = ".substrax-ready"  # written last: a folder without it is a build that did not finish
 USED = ".used"  # beside the folder: stamped (its mtime) at each use
@@ -88,13 +95,12 @@ def ensure(project: str, envs_dir: str, python: str,
         shutil.rmtree(env_dir, ignore_errors=True)
         for argv in build_steps(lock, env_dir, python, pip_args):
             try:
-                done = subprocess.run(argv, cwd=project, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, check=False)
+                code, out = _built(argv, project)
             except OSError as exc:
                 raise BuildFailed("%s: %s" % (argv[0] if argv[0] != "env" else argv[2], exc)) from None
-            if done.returncode != 0:
-                said = done.stdout.decode(errors="replace").strip()[-2000:]
-                raise BuildFailed("`%s` failed (exit %d): %s" % (" ".join(argv), done.returncode, said))
+            if code != 0:
+                said = out.decode(errors="replace").strip()[-2000:]
+                raise BuildFailed("`%s` failed (exit %d): %s" % (" ".join(argv), code, said))
         open(os.path.join(env_dir, READY), "w").close()
         _stamp_used(env_dir)
     answer["reused"] = False
@@ -181,6 +187,20 @@ def _remove(env_dir: str, before: float) -> bool:
     return True
 
 
+def _built(argv: List[str], project: str) -> "tuple[int, bytes]":
+    """One build step's exit status and output, a progress line said
+    (manifest.PROGRESS) while it runs: a build takes minutes."""
+    with subprocess.Popen(argv, cwd=project, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT) as proc:  # fmt: skip
+        while True:
+            try:
+                out, _ = proc.communicate(timeout=manifest.PROGRESS.every or None)
+            except subprocess.TimeoutExpired:
+                manifest.PROGRESS.tick()
+                continue
+            return proc.returncode, out
+
+
 def main(argv: List[str]) -> int:
     if argv[:1] == ["--collect"] and len(argv) in (4, 5, 6):
         only = argv[5] if argv[4:5] == ["--only"] and len(argv) == 6 else None
@@ -189,6 +209,7 @@ def main(argv: List[str]) -> int:
     if len(argv) < 3:
         print("usage: env.py PROJECT ENVS_DIR PYTHON [PIP_ARG ...]", file=sys.stderr)
         return 2
+    manifest.PROGRESS.start()
     try:
         print(json.dumps(ensure(argv[0], argv[1], argv[2], argv[3:])))
     except BuildFailed as exc:

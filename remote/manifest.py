@@ -96,6 +96,48 @@ class ManifestError(Exception):
     output, a file that changed while it was read, a bad output path)."""
 
 
+# A helper that works long (hashing a big tree, copying a snapshot,
+# building an environment) writes PROGRESS_LINE on stderr at least every
+# $SUBSTRAX_PROGRESS_SECONDS while it works, when the client that runs it
+# asks so (it sets that variable): the client gives up on its answer only
+# after a quiet spell (QUIET_ANSWER_SECONDS in substrax_tasks/backends/
+# remote_run.py), never after a fixed time that a big legitimate tree
+# would pass. Nothing is written otherwise: the worker and the client hash
+# with this module too, and a SkyPilot job's setup builds its environment
+# into the job's log.
+PROGRESS_LINE = b"substrax-progress\n"
+PROGRESS_VARIABLE = "SUBSTRAX_PROGRESS_SECONDS"
+# For tests only: seconds each file's hash is made to take (a slow disk),
+# spent in steps that report progress.
+_TEST_HASH_PAUSE = float(os.environ.get("SUBSTRAX_TEST_HASH_PAUSE") or 0)
+
+
+class Progress:
+    """The progress lines of a long helper (PROGRESS_LINE)."""
+
+    def __init__(self) -> None:
+        self.every = 0.0  # seconds between lines; 0: none asked for
+        self.last = 0.0
+
+    def start(self) -> None:
+        """Lines from now on, if the client asked for them."""
+        try:
+            self.every = max(float(os.environ.get(PROGRESS_VARIABLE) or 0), 0.0)
+        except ValueError:
+            self.every = 0.0
+        self.last = time.monotonic()
+
+    def tick(self) -> None:
+        """Called often while working: a line once `every` seconds went by."""
+        if self.every and time.monotonic() - self.last >= self.every:
+            self.last = time.monotonic()
+            sys.stderr.buffer.write(PROGRESS_LINE)
+            sys.stderr.flush()
+
+
+PROGRESS = Progress()
+
+
 def hash_file(path: str, st: os.stat_result, buf: memoryview) -> str:
     """The sha256 of the regular file `path`, which `st` (its lstat)
     describes. Opened without following links; refused if it is no longer
@@ -110,9 +152,13 @@ def hash_file(path: str, st: os.stat_result, buf: memoryview) -> str:
             raise ManifestError("%s was replaced while the manifest was taken" % path)
         h = hashlib.sha256()
         total = 0
+        for _ in range(int(_TEST_HASH_PAUSE * 10)):
+            time.sleep(0.1)
+            PROGRESS.tick()
         for n in iter(lambda: f.readinto(buf), 0):
             h.update(buf[:n])
             total += n
+            PROGRESS.tick()
     if total != st.st_size:
         raise ManifestError(
             "%s changed while it was read (%d bytes read, %d expected)" % (path, total, st.st_size))
@@ -711,6 +757,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("base", metavar="BASE", help="the folder the outputs are relative to")
     parser.add_argument("outputs", metavar="OUTPUT", nargs="+", help='a path ("/" at the end: a folder)')
     args = parser.parse_args(argv)
+    PROGRESS.start()
     if not os.path.isdir(args.base):
         sys.stderr.write("manifest.py: %s is not a folder\n" % args.base)
         return 1

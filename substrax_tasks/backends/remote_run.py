@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, Protocol, cast
 
+from substrax_tasks._remote import manifest as remote_manifest
 from substrax_tasks._remote import runfiles
 from substrax_tasks.backends import gpus as _gpus
 from substrax_tasks.backends.base import MAX_LOG_BYTES, Backend, Fetched, RunStatus, log_cut_note
@@ -48,8 +49,26 @@ from substrax_tasks.errors import BackendError, HostRefused
 from substrax_tasks.interrupts import check_interrupted
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.transports.base import DiskFullHere, Transport, checked_manifest
-from substrax_tasks.transports.openssh import MAX_ANSWER_BYTES, AnswerTooBig, RemoteResult
+from substrax_tasks.transports.openssh import MAX_ANSWER_BYTES, AnswerOverdue, AnswerTooBig, RemoteResult
 
+# How long a host may take to answer a helper (docs/ssh.md "On the host").
+# A short answer (a check, a status, a cancel, a small read) is whole
+# within SHORT_ANSWER_SECONDS: each takes well under a second, and two
+# minutes leave room for a host at a load of tens, or a connection
+# opened anew. A long one (hashing an output or a checkpoints tree, a
+# push or a restore, an environment's build) has no size-bound length:
+# its helper writes a progress line (PROGRESS_LINE) at least every
+# PROGRESS_SECONDS while it works (asked for through the variable
+# remote_manifest.PROGRESS_VARIABLE), and the client gives up only once
+# QUIET_ANSWER_SECONDS go by with nothing from it (60 lines missed).
+# Its progress counts towards the answer's byte cap, so a host that
+# sends progress without end is still bounded. The environment
+# variable shrinks both, for tests only (no one waits minutes for a hang).
+_TEST_ANSWER_SECONDS = os.environ.get("SUBSTRAX_TEST_ANSWER_SECONDS")
+SHORT_ANSWER_SECONDS = float(_TEST_ANSWER_SECONDS or 120)
+QUIET_ANSWER_SECONDS = float(_TEST_ANSWER_SECONDS or 120)
+PROGRESS_LINE = remote_manifest.PROGRESS_LINE
+PROGRESS_SECONDS = 2.0
 MANIFEST_FILE = "manifest.json"  # in the run's folder, written by the worker as the command ended
 LOG_CHUNK = 1 << 20
 # The most a script's one-line JSON answer (a status, the environment's
@@ -137,7 +156,7 @@ class Remote(Protocol):
 
     def run(
         self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120,
-        limit: int = MAX_ANSWER_BYTES,
+        limit: int = MAX_ANSWER_BYTES, moving: bool = False, longest: float | None = None,
     ) -> RemoteResult: ...
 
     def stream(self, argv: list[str], out: Callable[[bytes], None], tick: Callable[[], None]) -> RemoteResult:
@@ -220,6 +239,25 @@ def damaged_scripts(result: RemoteResult) -> list[str] | None:
     return None
 
 
+def helper_named(name: str, args: tuple[str, ...]) -> str:
+    """How a helper call is named in messages: the script without .py and
+    its operation if it takes one (`checkpoints list`, `control status`,
+    `manifest`), never the start of the python -c that checks it."""
+    script = name.removesuffix(".py")
+    if args and args[0].isidentifier():
+        return f"{script} {args[0]}"
+    return script
+
+
+def without_progress(result: RemoteResult) -> RemoteResult:
+    """`result` with the progress lines a long helper wrote taken out of its
+    stderr: they said it was working, and are no part of what it said."""
+    if PROGRESS_LINE not in result.stderr:
+        return result
+    kept = b"".join(line for line in result.stderr.splitlines(keepends=True) if line != PROGRESS_LINE)
+    return RemoteResult(result.returncode, result.stdout, kept)
+
+
 def forwarded_env(handle: RunHandle) -> dict[str, str]:
     """The secrets named by the step, read from this process now: sent on
     stdin, never written to a file here or there."""
@@ -244,6 +282,10 @@ class RemoteRun:
     python: str
     bin_dir: str
     run_dir: str
+    # When (time.time()) the run's lifetime timer removes its folder there,
+    # if known: a long answer that goes on sending progress is not waited
+    # on past it (and a quiet spell).
+    lifetime_end: float | None = None
 
     @property
     def run_id(self) -> str:
@@ -253,24 +295,58 @@ class RemoteRun:
         return checked_script(self.python, self.bin_dir, name, *args)
 
     def run_script(
-        self, name: str, *args: str, what: str, stdin: bytes | None = None, timeout: float | None = 120,
-        limit: int = MAX_STATUS_BYTES, home: str | None = None,
+        self, name: str, *args: str, what: str, stdin: bytes | None = None, long: bool = False,
+        limit: int = MAX_STATUS_BYTES, home: str | None = None, waits: float = 0.0,
     ) -> RemoteResult:
         """One of the scripts there, checked first (CHECKED_RUN), its answer
-        held to `limit` bytes: a damaged host or an answer too big is refused
-        with this run named (HostRefused, never retried). `home`: run it in
-        that folder with it as $HOME (where ssh lands may be another home:
-        a SkyPilot job's on Slurm is not the login's)."""
+        held to `limit` bytes and in time (SHORT_ANSWER_SECONDS; `long`:
+        QUIET_ANSWER_SECONDS after its last progress line, which are taken
+        out of its stderr): a damaged host, an answer too big or too late
+        is refused with the helper, the host and this run named. `home`:
+        run it in that folder with it as $HOME (where ssh lands may be
+        another home: a SkyPilot job's on Slurm is not the login's).
+        `waits`: seconds the helper is asked to wait there (a cancel's
+        grace), on top of the deadline."""
         argv = self.script(name, *args)
+        if long:  # its progress lines asked for (env: POSIX, and argv stays a list)
+            argv = ["env", f"{remote_manifest.PROGRESS_VARIABLE}={PROGRESS_SECONDS:g}", *argv]
         if home is not None:
             argv = ["sh", "-c", 'cd -- "$1" && shift && HOME="$PWD" && export HOME && exec "$@"', "sh", home,
                     *argv]  # fmt: skip
+        result = self.ask(argv, helper_named(name, args), what, stdin=stdin, limit=limit, long=long,
+                          waits=waits)  # fmt: skip
+        self.refuse_damaged(result)
+        if long:
+            result = without_progress(result)
+        return result
+
+    def ask(
+        self, argv: list[str], helper: str, what: str, *, stdin: bytes | None = None,
+        limit: int = MAX_STATUS_BYTES, long: bool = False, waits: float = 0.0,
+    ) -> RemoteResult:
+        """argv's answer from the host, bounded in bytes and time; either
+        bound missed is said naming `helper` (what runs there), the host
+        and this run."""
+        seconds = (QUIET_ANSWER_SECONDS if long else SHORT_ANSWER_SECONDS) + waits
+        longest = None
+        if long and self.lifetime_end is not None:
+            longest = max(self.lifetime_end - time.time(), 0.0) + QUIET_ANSWER_SECONDS
         try:
-            result = self.remote.run(argv, stdin=stdin, timeout=timeout, limit=limit)
+            return self.remote.run(argv, stdin=stdin, timeout=seconds, limit=limit, moving=long,
+                                   longest=longest)  # fmt: skip
         except AnswerTooBig as exc:
             raise HostRefused(f"{what} for run {self.run_id}: {exc}") from None
-        self.refuse_damaged(result)
-        return result
+        except AnswerOverdue as exc:
+            if exc.moving:
+                quiet = f"sent nothing for {seconds:g} s"
+            elif exc.seconds == longest:
+                quiet = f"gave no answer within {exc.seconds:.0f} s, past the run's lifetime"
+            else:
+                quiet = f"gave no answer within {seconds:g} s"
+            raise BackendError(
+                f"{what} for run {self.run_id}: `{helper}` on {self.remote.host} {quiet}; given up on "
+                "(the host is overloaded, stalled or hostile: see that its python3 runs, then run doit again)"
+            ) from None
 
     def refuse_damaged(self, result: RemoteResult) -> None:
         changed = damaged_scripts(result)
@@ -301,16 +377,18 @@ class RemoteRun:
             raise result.failure(what, self.remote.host)
         return result
 
-    def checked_script(self, name: str, *args: str, what: str, stdin: bytes | None = None) -> RemoteResult:
+    def checked_script(
+        self, name: str, *args: str, what: str, stdin: bytes | None = None, waits: float = 0.0
+    ) -> RemoteResult:
         """run_script, failing unless it exits 0."""
-        result = self.run_script(name, *args, what=what, stdin=stdin)
+        result = self.run_script(name, *args, what=what, stdin=stdin, waits=waits)
         if result.returncode != 0:
             raise result.failure(what, self.remote.host)
         return result
 
-    def control(self, operation: str, *args: str, what: str) -> dict[str, Any]:
+    def control(self, operation: str, *args: str, what: str, waits: float = 0.0) -> dict[str, Any]:
         """remote/control.py's answer (one JSON line) for this run."""
-        result = self.checked_script("control.py", operation, self.run_dir, *args, what=what)
+        result = self.checked_script("control.py", operation, self.run_dir, *args, what=what, waits=waits)
         return self.answer(result, what)
 
     def answer(self, result: RemoteResult, what: str) -> dict[str, Any]:
@@ -327,11 +405,7 @@ class RemoteRun:
         even with the scripts gone too (the host restarted with an empty
         scratch disk, or its whole remote root was removed)."""
         what = "reading the run's status"
-        try:
-            argv = self.script("control.py", "status", self.run_dir)
-            result = self.remote.run(argv, limit=MAX_STATUS_BYTES)
-        except AnswerTooBig as exc:
-            raise HostRefused(f"{what} for run {self.run_id}: {exc}") from None
+        result = self.ask(self.script("control.py", "status", self.run_dir), "control status", what)
         if result.returncode != 0:
             # Asked only now: a lost folder is rare, a status read is not.
             # Before the scripts' check: gone with the folder, they are no damage.
@@ -407,7 +481,7 @@ class RemoteRun:
         if kept.returncode != 3:
             raise kept.failure(f"reading {path}", self.remote.host)
         taken = self.run_script("manifest.py", "--", outputs_root, *outputs,
-                                what="taking the outputs' manifest", timeout=None, limit=MAX_ANSWER_BYTES)
+                                what="taking the outputs' manifest", long=True, limit=MAX_ANSWER_BYTES)
         said = taken.stderr.decode(errors="replace").strip()
         if taken.returncode == 1 and said.startswith("manifest.py:"):
             from substrax_tasks.uptodate.manifests import ManifestError
@@ -560,7 +634,7 @@ class CheckpointPuller(Checkpointing):
         began, self.copied = time.monotonic(), 0
         what = "listing the checkpoints"
         result = self.run.run_script("checkpoints.py", "list", root, str(self.bound.max_bytes), what=what,
-                                     timeout=None, limit=MAX_ANSWER_BYTES)  # fmt: skip
+                                     long=True, limit=MAX_ANSWER_BYTES)  # fmt: skip
         if result.returncode != 0:
             raise result.failure(what, self.run.remote.host)
         answer = self.run.answer(result, what)
@@ -595,7 +669,7 @@ class BucketCheckpointPusher(Checkpointing):
         lock = f"{self.run.run_dir}/checkpoints.lock"
         limit = str(self.bound.max_bytes)
         result = self.run.run_script("checkpoints.py", "push", root, self.dest, lock, limit, what=what,
-                                     timeout=None)  # fmt: skip
+                                     long=True)  # fmt: skip
         if result.returncode != 0:
             raise result.failure(what, self.run.remote.host)
         answer = self.run.answer(result, what)
@@ -611,7 +685,7 @@ def restore_from_bucket(run: RemoteRun, dest: str, kept: str, step: str) -> None
     """The latest snapshot in the bucket (mounted at `dest` there) put in
     place before the command starts, each file checked against its manifest."""
     what = "putting the checkpoints in place from the bucket"
-    result = run.run_script("checkpoints.py", "restore", dest, kept, what=what, timeout=None)
+    result = run.run_script("checkpoints.py", "restore", dest, kept, what=what, long=True)
     if result.returncode != 0:
         said = result.stderr.decode(errors="replace").strip().splitlines()
         raise BackendError(
@@ -734,6 +808,11 @@ def follow_log(backend: Backend, handle: RunHandle, out: IO[bytes], offset: int,
     return Backend.stream_log(backend, handle, out, follow=not status.final, offset=offset)
 
 
+def lifetime_end(left: float | None) -> float | None:
+    """When (time.time()) a run with `left` seconds of lifetime has none."""
+    return None if left is None else time.time() + left
+
+
 def lifetime_left(state: RemoteState, now: float | None = None) -> float | None:
     """From the lifetime timer the launch armed where the run runs (its
     `watchdog` record: when, for how long), until the run is torn down."""
@@ -794,7 +873,10 @@ def cancel_worker(backend: Backend, handle: RunHandle, run: RemoteRun, status: R
     if status.state == "lost" and not run.status().get("exists"):
         return False  # its folder is gone (torn down, or the lifetime ran out): nothing left
     # lost: its worker was killed, but the task's tree may still run
-    answer = run.control("cancel", "--wait", str(grace_seconds + 10), what="cancelling the run")
+    # It waits there up to its grace and 10 s for the tree to stop: a
+    # long grace must not be cut by the deadline of a short answer.
+    answer = run.control("cancel", "--wait", str(grace_seconds + 10), what="cancelling the run",
+                         waits=grace_seconds + 10)  # fmt: skip
     if answer.get("reason") == "not started":
         return True
     if answer.get("reason") == "finished":  # it ended meanwhile: left alone

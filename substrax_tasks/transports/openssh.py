@@ -220,16 +220,18 @@ class ClusterTarget(Multiplexed):
 
     def run(
         self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120,
-        limit: int = MAX_ANSWER_BYTES,
+        limit: int = MAX_ANSWER_BYTES, moving: bool = False, longest: float | None = None,
     ) -> RemoteResult:
         """Run argv there (quoted for its shell) and wait for it; each of its
-        stdout and stderr held to `limit` bytes."""
+        stdout and stderr held to `limit` bytes, the whole within `timeout`
+        seconds (`moving`: of the last bytes it sent, and `longest` in all),
+        else AnswerOverdue."""
         command = [*self.ssh_argv(), self.host, shlex.join(argv)]
         with subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         ) as proc:
             try:
-                out, err = _bounded_answer(proc, stdin or b"", timeout, self.host, limit)
+                out, err = _bounded_answer(proc, stdin or b"", timeout, self.host, limit, moving, longest)
             except BaseException:
                 proc.kill()
                 raise
@@ -291,13 +293,17 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
 
 
-def _bounded_answer(
-    proc: subprocess.Popen[bytes], stdin: bytes, timeout: float | None, host: str, limit: int
+def _bounded_answer(  # noqa: PLR0917
+    proc: subprocess.Popen[bytes], stdin: bytes, timeout: float | None, host: str, limit: int, moving: bool,
+    longest: float | None = None,
 ) -> tuple[bytes, bytes]:
-    """What `communicate` does, with each stream held to `limit` bytes."""
+    """What `communicate` does, with each stream held to `limit` bytes and
+    the whole to `timeout` seconds (`moving`: after the last bytes read,
+    and to `longest` seconds in all)."""
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     answers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
-    deadline = None if timeout is None else time.monotonic() + timeout
+    ceiling = None if longest is None else time.monotonic() + longest
+    deadline = _deadline(timeout, ceiling)
     with selectors.DefaultSelector() as selector:
         for fd in answers:
             selector.register(fd, selectors.EVENT_READ)
@@ -309,7 +315,8 @@ def _bounded_answer(
         while selector.get_map():
             wait = None if deadline is None else deadline - time.monotonic()
             if wait is not None and wait <= 0:
-                raise BackendError(f"ssh {host}: no answer within {timeout} s")
+                past_ceiling = ceiling is not None and time.monotonic() >= ceiling
+                raise AnswerOverdue(host, *((longest, False) if past_ceiling else (timeout, moving)))
             for key, _ in selector.select(wait):
                 if key.fileobj is proc.stdin:
                     try:
@@ -324,6 +331,8 @@ def _bounded_answer(
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     selector.unregister(fd)
+                elif moving:
+                    deadline = _deadline(timeout, ceiling)
                 answers[fd] += chunk
                 if len(answers[fd]) > limit:
                     raise answer_too_big(host, limit)
@@ -332,6 +341,23 @@ def _bounded_answer(
 
 class AnswerTooBig(BackendError):
     """A host answered one command with more than it may: refused unread."""
+
+
+def _deadline(timeout: float | None, ceiling: float | None) -> float | None:
+    """`timeout` seconds from now, but not past `ceiling` (monotonic)."""
+    if timeout is None:
+        return ceiling
+    return time.monotonic() + timeout if ceiling is None else min(time.monotonic() + timeout, ceiling)
+
+
+class AnswerOverdue(BackendError):
+    """A host did not end its answer to one command in time: given up on,
+    the command's channel closed (the caller names the command)."""
+
+    def __init__(self, host: str, seconds: float | None, moving: bool) -> None:
+        self.host, self.seconds, self.moving = host, seconds, moving
+        said = "nothing more" if moving else "no whole answer"
+        super().__init__(f"{host} sent {said} within {seconds:g} s")
 
 
 def answer_too_big(host: str, limit: int = MAX_ANSWER_BYTES) -> AnswerTooBig:

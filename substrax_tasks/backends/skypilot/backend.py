@@ -47,7 +47,7 @@ from substrax_tasks.backends import remote_run as _remote_run
 from substrax_tasks.backends.base import Backend, Capabilities, Fetched, KeptCheckpoints, Leak, RunStatus
 from substrax_tasks.backends.checkpoints import Snapshots, checkpoints_folder
 from substrax_tasks.backends.job import env_dir_of
-from substrax_tasks.backends.remote_run import MAX_STATUS_BYTES, DamagedHost, RemoteRun, damage_said
+from substrax_tasks.backends.remote_run import DamagedHost, RemoteRun, damage_said
 from substrax_tasks.backends.scripts import staged_scripts
 from substrax_tasks.backends.skypilot import task as sky_task
 from substrax_tasks.backends.skypilot.client import (
@@ -75,7 +75,7 @@ from substrax_tasks.store import shared_machine
 from substrax_tasks.store.cost import watchdog_seconds
 from substrax_tasks.store.handle import RunHandle
 from substrax_tasks.store.run_store import RunStore
-from substrax_tasks.transports.openssh import AnswerTooBig, ClusterTarget
+from substrax_tasks.transports.openssh import ClusterTarget
 from substrax_tasks.transports.rsync import RsyncTransport
 
 if sys.version_info < (3, 11):  # pragma: no cover - 3.10 only
@@ -252,7 +252,8 @@ class SkypilotBackend(Backend):
         """The run's folder on the cluster, over the ssh config SkyPilot wrote."""
         target = self.reachable(handle)
         layout = self.there(handle)
-        return RemoteRun(target, self.settings.python, layout.bin, layout.run)
+        ends = _remote_run.lifetime_end(self.lifetime_left(handle))
+        return RemoteRun(target, self.settings.python, layout.bin, layout.run, ends)
 
     def lease(self, handle: RunHandle, operation: str, *args: str) -> dict[str, Any]:
         """remote/lease.py's answer on the run's cluster."""
@@ -275,11 +276,8 @@ class SkypilotBackend(Backend):
         run = RemoteRun(self.reachable(handle), self.settings.python, layout.bin, layout.run)
         what = f"claiming cluster {cluster} from its lease"
         claim = run.script("lease.py", "claim", layout.root, cluster, folder)
-        try:
-            result = run.remote.run(sky_task.in_job_home(self.settings.python, layout, cluster, claim),
-                                    limit=MAX_STATUS_BYTES)  # fmt: skip
-        except AnswerTooBig as exc:
-            raise HostRefused(f"{what} for run {handle.run_id}: {exc}") from None
+        in_home = sky_task.in_job_home(self.settings.python, layout, cluster, claim)
+        result = run.ask(in_home, "lease claim", what)
         if result.returncode == sky_task.NO_JOB_HOME:
             return {"claimed": False, "state": None, "no_job_home": True,
                     "reason": "its setup has not begun"}  # fmt: skip
@@ -540,7 +538,7 @@ class SkypilotBackend(Backend):
             transport.upload(project, sources, there)
         envs = f"{self.there(handle).root}/envs"
         result = run.run_script("env.py", there, envs, self.settings.python, *self.settings.pip_args,
-                                what="building the environment", timeout=None)  # fmt: skip
+                                what="building the environment", long=True)  # fmt: skip
         if result.returncode != 0:
             raise result.failure("building the environment", self.cluster(handle))
         env_dir = env_dir_of(handle.step, run.answer(result, "building the environment"))

@@ -130,7 +130,7 @@ class SshBackend(Backend):
     def remote_run(self, handle: RunHandle) -> RemoteRun:
         return RemoteRun(
             self.conn, self.settings.python, self._state(handle, "remote_bin"),
-            self._state(handle, "remote_run_dir"),
+            self._state(handle, "remote_run_dir"), _remote_run.lifetime_end(self.lifetime_left(handle)),
         )  # fmt: skip
 
     def slot_pool(self, handle: RunHandle) -> Pool | None:
@@ -241,7 +241,7 @@ class SshBackend(Backend):
             emit(f"{handle.step}: environment from {lock} on {self.settings.host}: checking it "
                  "(built there if it is new)")  # fmt: skip
         result = run.run_script("env.py", f"{run.run_dir}/project", envs, self.settings.python,
-                                *self.settings.pip_args, what="building the environment", timeout=None)
+                                *self.settings.pip_args, what="building the environment", long=True)
         if result.returncode != 0:
             raise result.failure("building the environment", self.settings.host)
         env_dir = env_dir_of(handle.step, run.answer(result, "building the environment"))

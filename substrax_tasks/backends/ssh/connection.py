@@ -22,6 +22,7 @@ from substrax_tasks.poll import wait_readable
 from substrax_tasks.transports.openssh import (
     MAX_ANSWER_BYTES,
     STREAM_TICK,
+    AnswerOverdue,
     RemoteResult,
     SshTarget,
     answer_too_big,
@@ -133,10 +134,14 @@ class SshConnection:
 
     def run(
         self, argv: list[str], *, stdin: bytes | None = None, timeout: float | None = 120,
-        limit: int = MAX_ANSWER_BYTES,
+        limit: int = MAX_ANSWER_BYTES, moving: bool = False, longest: float | None = None,
     ) -> RemoteResult:
         """Run argv on the host (quoted for its shell) and wait for it; each
-        of its stdout and stderr held to `limit` bytes."""
+        of its stdout and stderr held to `limit` bytes, the whole within
+        `timeout` seconds (`moving`: of the last bytes it sent, and
+        `longest` seconds in all). One that
+        misses it is AnswerOverdue, its channel closed and the connection
+        kept: the other threads' commands on it go on."""
         command = shlex.join(argv)
         channel = self._session(command)
         try:
@@ -157,7 +162,12 @@ class SshConnection:
                 channel.shutdown_write()
             out, err = bytearray(), bytearray()
             deadline = None if timeout is None else time.monotonic() + timeout
+            seen = (0, 0)  # bytes read when the deadline was last set
+            ceiling = None if longest is None else time.monotonic() + longest
             while True:
+                if ceiling is not None and time.monotonic() > ceiling:
+                    channel.close()  # as below: this channel only
+                    raise AnswerOverdue(self.host, longest, False)
                 if len(out) > limit or len(err) > limit:
                     channel.close()
                     raise answer_too_big(self.host, limit)
@@ -170,8 +180,14 @@ class SshConnection:
                     # of the output (2 in 100 runs cut a 3 MB answer short).
                     break
                 elif deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"no end after {timeout} s")
+                    # This command's channel only: closing the connection
+                    # (as a broken one is) would break off every other
+                    # thread's command on it, for one slow answer.
+                    channel.close()
+                    raise AnswerOverdue(self.host, timeout, moving)
                 else:
+                    if moving and timeout is not None and (len(out), len(err)) != seen:
+                        seen, deadline = (len(out), len(err)), time.monotonic() + timeout
                     wait_readable(channel, 0.1)  # wakes on data or close
             code = channel.recv_exit_status()
             channel.close()
